@@ -1,0 +1,25 @@
+"""lmtune: fine-tune causal language models on one device, DataParallel, DDP or several machines."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["TrainConfig", "__version__", "train"]
+
+if TYPE_CHECKING:
+    from lmtune.config import TrainConfig
+    from lmtune.train import train
+
+
+def __getattr__(name: str) -> Any:
+    # Imported lazily so `import lmtune` (and `lmtune --help`) does not pay for torch.
+    if name == "TrainConfig":
+        from lmtune.config import TrainConfig
+
+        return TrainConfig
+    if name == "train":
+        from lmtune.train import train
+
+        return train
+    raise AttributeError(f"module 'lmtune' has no attribute {name!r}")

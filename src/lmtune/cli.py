@@ -1,0 +1,154 @@
+"""Command line: argv + YAML -> config -> command. User errors become a message and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
+
+
+def _add_train_options(parser: argparse.ArgumentParser) -> None:
+    from lmtune.config import config_fields, field_type, option_name
+
+    parser.add_argument(
+        "--config",
+        metavar="YAML",
+        default=argparse.SUPPRESS,
+        help="YAML file with any of the settings below; flags given here override it.",
+    )
+    for f in config_fields():
+        kind = field_type(f)
+        text = f"{f.metadata['help']} (default: {f.default})"
+        if kind is bool:
+            parser.add_argument(
+                option_name(f.name),
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=text,
+            )
+        else:
+            parser.add_argument(
+                option_name(f.name), dest=f.name, metavar=f.name.upper(), default=argparse.SUPPRESS, help=text
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lmtune import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="lmtune",
+        description="Fine-tune causal language models on one device, DataParallel, DDP or several machines.",
+    )
+    parser.add_argument("--version", action="version", version=f"lmtune {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser(
+        "train",
+        help="fine-tune a model",
+        description="Fine-tune a causal LM. Every setting can also come from --config run.yaml.",
+    )
+    _add_train_options(train)
+    train.set_defaults(run=_cmd_train)
+    gen = commands.add_parser("generate", help="complete a prompt with a trained model")
+    gen.add_argument(
+        "--model", required=True, help="model folder (for example OUTPUT/final), hub id or preset"
+    )
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to add (default: 64)")
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="0 for greedy decoding, above 0 to sample (default: 0)"
+    )
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0)")
+    gen.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")
+    gen.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    gen.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
+    gen.set_defaults(run=_cmd_generate)
+    return parser
+
+
+def _train_config(args: argparse.Namespace) -> Any:
+    from lmtune.config import build_config, config_fields, load_yaml
+
+    values: dict[str, Any] = {}
+    source = ""
+    if hasattr(args, "config"):
+        values.update(load_yaml(args.config))
+        source = args.config
+    values.update({f.name: getattr(args, f.name) for f in config_fields() if hasattr(args, f.name)})
+    return build_config(values, source)
+
+
+def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from lmtune.config import validate
+    from lmtune.distributed import launched_world_size
+
+    cfg = _train_config(args)
+    if launched_world_size() == 1 and cfg.nproc_per_node > 1:
+        # Check in the launcher first: a bad option is then reported once, before N processes start.
+        validate(cfg, cfg.nproc_per_node)
+        from lmtune.launch import relaunch
+
+        return relaunch(list(argv), cfg.nproc_per_node)
+    from lmtune.train import train
+
+    train(cfg)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import torch
+
+    from lmtune.distributed import read_dist_env
+    from lmtune.generate import complete
+    from lmtune.modeling import load_model
+
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (got {args.temperature})")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1] (got {args.top_p})")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device must be auto, cpu or cuda (got {args.device!r})")
+    device = read_dist_env(args.device).device
+    loaded = load_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code)
+    model = loaded.model.to(device)
+    with torch.inference_mode():
+        text = complete(
+            model, loaded.tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed
+        )
+    print(args.prompt + text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        code: int = args.run(args, argv)
+        return code
+    except UserError as e:
+        from lmtune.launch import report_user_error
+
+        report_user_error(str(e))
+        return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _quiet_libraries() -> None:
+    """Hide transformers' per-load progress bars and advice; lmtune reports what matters."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()

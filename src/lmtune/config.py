@@ -1,0 +1,254 @@
+"""Typed settings for `lmtune train`: defaults, help text, YAML load/dump and validation.
+
+Every setting is a dataclass field whose ``metadata["help"]`` becomes the CLI help, so the CLI, the
+YAML file and ``run.json`` can never disagree about names or defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lmtune.errors import UserError
+
+STRATEGIES = ("auto", "single", "dp", "ddp")
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+SAMPLE_DATA = "sample"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs; a YAML file may set any field, flags override it."""
+
+    model: str = field(
+        default="tiny",
+        metadata=_help(
+            "Local Hugging Face model folder, hub id, or built-in preset (tiny, small) built offline."
+        ),
+    )
+    data: str = field(
+        default=SAMPLE_DATA,
+        metadata=_help(
+            "Training data: a JSONL/NDJSON file with one JSON object per line, or 'sample' for the "
+            "built-in addition task."
+        ),
+    )
+    eval_data: str | None = field(
+        default=None,
+        metadata=_help(
+            "Evaluation data in the same format. With --data sample it defaults to the sample's "
+            "held-out split; otherwise no evaluation unless given."
+        ),
+    )
+    text_field: str = field(default="text", metadata=_help("Name of the JSON field holding the text."))
+    output_dir: str = field(
+        default="lmtune-output",
+        metadata=_help("Folder for final/, metrics.jsonl and run.json."),
+    )
+    epochs: int = field(default=3, metadata=_help("Passes over the training data."))
+    max_steps: int | None = field(
+        default=None,
+        metadata=_help("Stop after this many optimizer steps (overrides --epochs)."),
+    )
+    global_batch_size: int = field(
+        default=32,
+        metadata=_help(
+            "Examples per optimizer step across all processes; gradient accumulation is derived "
+            "from it, so changing the number of processes does not change the optimisation."
+        ),
+    )
+    micro_batch_size: int = field(default=8, metadata=_help("Examples per forward pass on one process."))
+    lr: float | None = field(
+        default=None,
+        metadata=_help(
+            "Peak learning rate. Default: 1e-3 for a preset trained from scratch, 2e-5 for a "
+            "pretrained model."
+        ),
+    )
+    min_lr_ratio: float = field(default=0.1, metadata=_help("Cosine decay ends at lr x this ratio."))
+    warmup_ratio: float = field(
+        default=0.05, metadata=_help("Fraction of the optimizer steps spent in linear warmup.")
+    )
+    weight_decay: float = field(
+        default=0.01,
+        metadata=_help("AdamW weight decay on matrices; biases, norms and other 1-d tensors get none."),
+    )
+    adam_beta1: float = field(default=0.9, metadata=_help("AdamW beta1."))
+    adam_beta2: float = field(default=0.999, metadata=_help("AdamW beta2."))
+    adam_eps: float = field(default=1e-8, metadata=_help("AdamW epsilon."))
+    max_grad_norm: float = field(
+        default=1.0, metadata=_help("Clip the global gradient norm to this value; 0 disables clipping.")
+    )
+    max_length: int = field(
+        default=512,
+        metadata=_help("Truncate examples to this many tokens (the appended EOS included)."),
+    )
+    seed: int = field(
+        default=42, metadata=_help("Seed for model init, data order and dropout; shared by all ranks.")
+    )
+    strategy: str = field(
+        default="auto",
+        metadata=_help(
+            "auto (ddp when launched with several processes, else single) | single | "
+            "dp (nn.DataParallel over the visible GPUs) | ddp."
+        ),
+    )
+    precision: str = field(
+        default="fp32",
+        metadata=_help("fp32 | bf16 (bf16 autocast; weights and optimizer state stay fp32)."),
+    )
+    device: str = field(default="auto", metadata=_help("auto (cuda when available) | cpu | cuda."))
+    nproc_per_node: int = field(
+        default=1,
+        metadata=_help(
+            "Start this many processes on this machine through torch.distributed.run "
+            "(ignored under torchrun, which has already started them)."
+        ),
+    )
+    threads_per_process: int = field(
+        default=0,
+        metadata=_help("CPU threads per process; 0 shares this machine's cores evenly among its processes."),
+    )
+    eval_every: int = field(
+        default=0, metadata=_help("Evaluate every N optimizer steps; 0 evaluates only at the end.")
+    )
+    log_every: int = field(default=1, metadata=_help("Write a metrics.jsonl line every N optimizer steps."))
+    num_workers: int = field(default=0, metadata=_help("DataLoader worker processes per rank."))
+    progress: bool = field(default=True, metadata=_help("Show a progress bar on rank 0."))
+    trust_remote_code: bool = field(
+        default=False,
+        metadata=_help("Allow a hub model to run its own Python code (off: only built-in classes)."),
+    )
+
+
+def config_fields() -> list[dataclasses.Field[Any]]:
+    """The settings of :class:`TrainConfig`, in declaration order."""
+    return list(dataclasses.fields(TrainConfig))
+
+
+def field_type(f: dataclasses.Field[Any]) -> type:
+    """The scalar type of a field (``int | None`` gives ``int``)."""
+    hints = typing.get_type_hints(TrainConfig)
+    hint = hints[f.name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0]
+    assert isinstance(hint, type)
+    return hint
+
+
+def option_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _coerce(name: str, value: Any, kind: type) -> Any:
+    """Convert a YAML/CLI value to the field's type, or explain which option is wrong."""
+    if value is None:
+        return None
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise UserError(f"{option_name(name)}: expected true or false, got {value!r}")
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or (kind is int and isinstance(value, float)):
+        raise UserError(f"{option_name(name)}: expected {kind.__name__}, got {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{option_name(name)}: expected {kind.__name__}, got {value!r}") from None
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML mapping of settings; keys may use dashes or underscores."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--config: no such file: {path}")
+    try:
+        loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else path
+        raise UserError(f"--config: {where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise UserError(f"--config: {path}: expected a mapping of settings, got {type(loaded).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in loaded.items()}
+
+
+def build_config(values: dict[str, Any], source: str = "") -> TrainConfig:
+    """Make a config from a mapping of settings (YAML and flags already merged)."""
+    known = {f.name: f for f in config_fields()}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        where = f" in {source}" if source else ""
+        raise UserError(
+            f"unknown setting{'s' if len(unknown) > 1 else ''}{where}: "
+            + ", ".join(option_name(u) for u in unknown)
+        )
+    kwargs = {k: _coerce(k, v, field_type(known[k])) for k, v in values.items()}
+    return TrainConfig(**kwargs)
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Reject settings that cannot work, naming the option; ``world_size`` is the process count."""
+
+    def need(ok: bool, name: str, why: str) -> None:
+        if not ok:
+            raise UserError(f"{option_name(name)}: {why} (got {getattr(cfg, name)!r})")
+
+    need(cfg.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}")
+    need(cfg.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
+    need(cfg.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
+    need(cfg.lr is None or cfg.lr > 0, "lr", "must be > 0")
+    need(cfg.epochs >= 1, "epochs", "must be >= 1")
+    need(cfg.max_steps is None or cfg.max_steps >= 1, "max_steps", "must be >= 1")
+    need(cfg.global_batch_size >= 1, "global_batch_size", "must be >= 1")
+    need(cfg.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+    need(cfg.max_length >= 2, "max_length", "must be >= 2")
+    need(0 <= cfg.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+    need(0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+    need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
+    need(0 <= cfg.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+    need(0 <= cfg.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+    need(cfg.adam_eps > 0, "adam_eps", "must be > 0")
+    need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
+    need(cfg.nproc_per_node >= 1, "nproc_per_node", "must be >= 1")
+    need(cfg.threads_per_process >= 0, "threads_per_process", "must be >= 0")
+    need(cfg.eval_every >= 0, "eval_every", "must be >= 0")
+    need(cfg.log_every >= 1, "log_every", "must be >= 1")
+    need(cfg.num_workers >= 0, "num_workers", "must be >= 0")
+    need(bool(cfg.text_field), "text_field", "must not be empty")
+    per_step = cfg.micro_batch_size * world_size
+    if cfg.global_batch_size % per_step:
+        raise UserError(
+            f"--global-batch-size {cfg.global_batch_size} does not divide into "
+            f"--micro-batch-size {cfg.micro_batch_size} x {world_size} process"
+            f"{'es' if world_size > 1 else ''}; use a multiple of {per_step}"
+        )
+    for name in ("data", "eval_data"):
+        path = getattr(cfg, name)
+        if path is not None and path != SAMPLE_DATA and not Path(path).is_file():
+            raise UserError(f"{option_name(name)}: no such file: {path}")
+
+
+def to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,1 @@
+"""Reading, tokenizing, batching and sharding of training data."""

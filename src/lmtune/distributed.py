@@ -1,0 +1,126 @@
+"""The distributed environment: the only reader of RANK / LOCAL_RANK / WORLD_SIZE.
+
+A single process is ``world_size == 1`` of the same code path: it never starts a process group and
+every collective helper below degrades to the identity.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lmtune.errors import UserError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None  # None when world_size == 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def launched_world_size() -> int:
+    """WORLD_SIZE set by torchrun, or 1 when not launched by it."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def read_dist_env(device: str = "auto") -> DistEnv:
+    """Read the launcher's environment and pick the device for this process.
+
+    Args:
+        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available on this machine")
+    if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(
+                f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+                "start at most one process per GPU"
+            )
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    backend = None if world_size == 1 else ("nccl" if use_cuda else "gloo")
+    return DistEnv(rank, local_rank, world_size, local_world_size, dev, backend)
+
+
+def cpu_threads_per_process(env: DistEnv, requested: int = 0) -> int:
+    """Threads for this process: the machine's cores shared evenly among the local processes.
+
+    N processes each running as many threads as there are cores oversubscribe the CPU, and DDP on
+    CPU then runs several times slower than it should.
+    """
+    if requested > 0:
+        return requested
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // env.local_world_size)
+
+
+@contextmanager
+def process_group(env: DistEnv, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
+    """Start the process group (when there is more than one process) and always destroy it."""
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    if not env.distributed:
+        yield env
+        return
+    assert env.backend is not None
+    dist.init_process_group(
+        backend=env.backend,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=env.device if env.device.type == "cuda" else None,
+    )
+    try:
+        yield env
+    finally:
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Sum a tensor over all ranks (in place, also returned); identity for one process."""
+    if env.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed:
+        dist.barrier()

@@ -1,0 +1,50 @@
+"""Token-exact evaluation loss and perplexity across ranks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lmtune.data.collate import Batch
+from lmtune.distributed import DistEnv, all_reduce_sum
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    perplexity: float
+    target_tokens: int
+    examples: int
+
+
+@torch.no_grad()
+def evaluate(
+    loss_module: nn.Module,
+    batches: Iterable[Batch],
+    env: DistEnv,
+    autocast: AbstractContextManager[object],
+) -> EvalResult:
+    """Mean loss over every target token of the eval set, each example counted once.
+
+    ``loss_module`` is the unwrapped module: a DDP forward may run collectives, and ranks may hold
+    different numbers of eval batches.
+    """
+    was_training = loss_module.training
+    loss_module.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=env.device)
+    for batch in batches:
+        batch = batch.to(env.device)
+        with autocast:
+            loss_sum = loss_module(batch.input_ids, batch.attention_mask, batch.labels).sum()
+        sums[0] += loss_sum.double()
+        sums[1] += batch.target_tokens()
+        sums[2] += batch.input_ids.size(0)
+    loss_module.train(was_training)
+    total_loss, tokens, examples = all_reduce_sum(sums, env).tolist()
+    loss = total_loss / max(tokens, 1.0)
+    return EvalResult(loss, math.exp(min(loss, 700.0)), int(tokens), int(examples))

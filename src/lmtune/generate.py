@@ -1,0 +1,41 @@
+"""Completion from a trained model folder: `lmtune generate` and the demo's answers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def complete(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> str:
+    """Continue ``prompt`` until EOS or ``max_new_tokens``: greedy at temperature 0, else sampled."""
+    device = next(model.parameters()).device
+    encoded = tokenizer(prompt, add_special_tokens=True, return_tensors="pt").to(device)
+    sampled = temperature > 0
+    options: dict[str, Any] = {"do_sample": sampled}
+    if sampled:
+        options.update(temperature=temperature, top_p=top_p)
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        out = model.generate(  # type: ignore[operator]
+            **encoded,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **options,
+        )
+    model.train(was_training)
+    new_tokens = out[0, encoded["input_ids"].size(1) :]
+    return str(tokenizer.decode(new_tokens, skip_special_tokens=True))

@@ -1,0 +1,45 @@
+"""Cross-entropy summed over target tokens, so callers can normalise by a global token count."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmtune.data.tokenize import IGNORE_INDEX
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token loss and the number of target tokens it covers.
+
+    Position ``t`` predicts token ``t + 1``; a target of ``IGNORE_INDEX`` (padding, prompt)
+    contributes nothing. The loss is computed in fp32 whatever the logits' dtype.
+    """
+    shifted_logits = logits[:, :-1, :].float()
+    targets = labels[:, 1:]
+    loss_sum = F.cross_entropy(
+        shifted_logits.reshape(-1, shifted_logits.size(-1)),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss_sum, (targets != IGNORE_INDEX).sum()
+
+
+class SummedLoss(nn.Module):
+    """Wraps a causal LM so that its forward returns the summed loss, shape ``[1]``.
+
+    Computing the loss inside the wrapped module lets ``nn.DataParallel`` gather one number per GPU
+    instead of every replica's logits, and gives DDP/DP one module to wrap.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        loss_sum, _ = token_loss_sum(logits, labels)
+        return loss_sum.reshape(1)

@@ -1,0 +1,158 @@
+"""Load a causal LM and its tokenizer from a preset, a local folder or the Hugging Face hub."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmtune.errors import UserError
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A small Llama-style architecture built offline, with a byte-level tokenizer."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    max_positions: int
+    lr: float
+
+
+# Presets are trained from scratch, so their default learning rate is far above a fine-tuning one.
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(128, 384, 4, 4, 1024, 1e-3),
+    "small": Preset(512, 1376, 6, 8, 2048, 5e-4),
+}
+FINETUNE_LR = 2e-5
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any
+    default_lr: float
+    source: str
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte -> printable character table that byte-level BPE uses."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    table: dict[int, str] = {}
+    extra = 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def byte_tokenizer() -> Any:
+    """A tokenizer with one token per byte (id == byte value) plus pad, bos and eos.
+
+    It needs no download, round-trips any UTF-8 text, and saves as a normal ``tokenizer.json``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    for special in (PAD, BOS, EOS):
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([PAD, BOS, EOS])
+    bos_id = vocab[BOS]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, model_max_length=1 << 20
+    )
+
+
+def build_preset(name: str, seed: int) -> LoadedModel:
+    """Build a preset model with seeded weights, so the same seed gives the same model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    p = PRESETS[name]
+    tok = byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_heads,
+        max_position_embeddings=p.max_positions,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return LoadedModel(model, tok, p.lr, f"preset {name}")
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.endswith(("/", "\\")) or name.count("/") > 1
+
+
+def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedModel:
+    """Load a model and tokenizer by preset name, local folder or hub id.
+
+    Weights load from safetensors when the folder has them; ``trust_remote_code`` stays off unless
+    the user turns it on. A missing folder or an unreachable hub id is a :class:`UserError` that
+    names what was tried.
+    """
+    if name in PRESETS:
+        return build_preset(name, seed)
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"--model {name}: folder has no config.json, so it is not a model folder")
+    elif _looks_like_path(name):
+        raise UserError(f"--model {name}: no such folder (presets: {', '.join(PRESETS)})")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = str(path) if path.exists() else name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=None
+        )
+    except (OSError, ValueError) as e:
+        tried = f"local folder {source}" if path.exists() else f"hub id {name}"
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"--model {name}: could not load it as a preset ({', '.join(PRESETS)}), a local "
+            f"folder, or {tried}: {first_line}"
+        ) from None
+    ensure_pad_token(tokenizer)
+    return LoadedModel(model, tokenizer, FINETUNE_LR, source)
+
+
+def ensure_pad_token(tokenizer: Any) -> None:
+    """Give the tokenizer a pad token: many causal LMs ship without one.
+
+    Reusing EOS is safe because labels are masked from the attention mask, never by token id, so a
+    real EOS keeps its label.
+    """
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise UserError("the tokenizer has neither a pad nor an EOS token; cannot batch examples")
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.eos_token_id is None:
+        raise UserError("the tokenizer has no EOS token, so the model could not learn to stop")

@@ -1,0 +1,65 @@
+"""One optimizer step over the micro-batches of one global batch."""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lmtune.data.collate import Batch
+from lmtune.distributed import DistEnv, all_reduce_sum
+from lmtune.parallel import no_sync
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # global token-weighted mean loss of the step
+    grad_norm: float
+    target_tokens: int  # after the causal shift, all ranks and micro-steps
+    tokens: int  # non-padding input tokens, all ranks and micro-steps
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: list[Batch],
+    env: DistEnv,
+    max_grad_norm: float,
+    autocast: AbstractContextManager[object],
+) -> StepResult:
+    """Forward/backward every micro-batch, then clip and step.
+
+    Every micro-step's summed loss is divided by the number of target tokens of the whole
+    optimizer step, counted over all micro-steps and ranks before the first forward. The gradient
+    is then exactly that of one process on the whole global batch, whatever the world size or the
+    padding; a mean of per-batch means would weight tokens differently with N ranks than with one.
+    """
+    counts = torch.tensor(
+        [
+            sum(b.target_tokens() for b in micro_batches),
+            sum(int(b.attention_mask.sum()) for b in micro_batches),
+        ],
+        dtype=torch.int64,
+        device=env.device,
+    )
+    target_tokens, tokens = (int(x) for x in all_reduce_sum(counts, env).tolist())
+    # DDP averages gradients over ranks; multiplying by world_size turns that average into the sum.
+    scale = env.world_size / max(target_tokens, 1)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    last = len(micro_batches) - 1
+    for i, batch in enumerate(micro_batches):
+        with no_sync(model, sync=i == last), autocast:
+            micro_loss = model(batch.input_ids, batch.attention_mask, batch.labels).sum()
+        (micro_loss * scale).backward()
+        loss_sum += micro_loss.detach().double()
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = float(all_reduce_sum(loss_sum, env)) / max(target_tokens, 1)
+    return StepResult(loss, float(grad_norm), target_tokens, tokens)

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Tests never reach the hub: models are built from presets, data is generated here.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def uneven_texts(n: int, seed: int = 0) -> list[str]:
+    """Texts of very different lengths, so batches carry a lot of padding."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "12", "+", "="]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(1, 14))) for _ in range(n)]
+
+
+def run_lmtune(
+    args: list[str], timeout: float = 300, launcher: list[str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in a fresh process (optionally under a launcher such as torchrun)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [*(launcher or [sys.executable, "-m"]), "lmtune", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+@pytest.fixture
+def tiny_files(tmp_path: Path) -> tuple[Path, Path]:
+    train = write_jsonl(tmp_path / "train.jsonl", uneven_texts(48, seed=1))
+    evald = write_jsonl(tmp_path / "eval.jsonl", uneven_texts(7, seed=2))
+    return train, evald

@@ -1,0 +1,53 @@
+"""Checks that need CUDA; skipped without it. Run on a lent GPU by scripts/gpu-check.sh."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmtune.config import TrainConfig
+from lmtune.train import train
+from tests.conftest import uneven_texts, write_jsonl
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _run(tmp_path: Path, name: str, **overrides: object) -> list[float]:
+    import json
+
+    data = write_jsonl(tmp_path / "train.jsonl", uneven_texts(64, seed=3))
+    cfg = TrainConfig(
+        model="tiny",
+        data=str(data),
+        output_dir=str(tmp_path / name),
+        epochs=1,
+        global_batch_size=16,
+        micro_batch_size=4,
+        progress=False,
+        **overrides,
+    )  # type: ignore[arg-type]
+    train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["kind"] == "train"]
+
+
+def test_single_gpu_trains(tmp_path: Path) -> None:
+    losses = _run(tmp_path, "single", strategy="single", lr=3e-3)
+    assert losses[-1] < losses[0]
+
+
+def test_bf16_trains_on_gpu(tmp_path: Path) -> None:
+    losses = _run(tmp_path, "bf16", strategy="single", precision="bf16", lr=3e-3)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DataParallel needs 2 GPUs")
+def test_data_parallel_matches_single(tmp_path: Path) -> None:
+    single = _run(tmp_path, "single", strategy="single")
+    dp = _run(tmp_path, "dp", strategy="dp")
+    assert dp == pytest.approx(single, abs=1e-4)

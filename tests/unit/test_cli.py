@@ -1,0 +1,77 @@
+"""User errors: exit code 2, a one-line message naming the option or file, no traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lmtune.cli import main
+from tests.conftest import run_lmtune, write_jsonl
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--lr", "-0.1"], "--lr: must be > 0"),
+        (["--global-batch-size", "10", "--micro-batch-size", "4"], "--global-batch-size 10 does not divide"),
+        (["--global-batch-size", "8", "--micro-batch-size", "4", "--nproc-per-node", "3"], "4 x 3 processes"),
+        (["--strategy", "zero3"], "--strategy: must be one of"),
+        (["--data", "missing.jsonl"], "--data: no such file: missing.jsonl"),
+        (["--model", "./no-such-model-folder"], "--model ./no-such-model-folder: no such folder"),
+        (["--epochs", "two"], "--epochs: expected int"),
+        (["--strategy", "dp", "--device", "cpu"], "needs CUDA GPUs"),
+    ],
+)
+def test_user_errors_exit_2_with_a_message(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code = main(["train", "--output-dir", str(tmp_path / "out"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert needle in err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_bad_data_line_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "fine"}\n{"txt": "oops"}\n')
+    assert main(["train", "--data", str(data), "--output-dir", str(tmp_path / "o")]) == 2
+    assert f"{data}:2: record has no 'text' field" in capsys.readouterr().err
+
+
+def test_too_few_examples_for_one_global_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", ["a", "b", "c"])
+    assert main(["train", "--data", str(data), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "3 examples, fewer than one global batch" in capsys.readouterr().err
+
+
+def test_unknown_hub_id_offline_names_what_was_tried(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["generate", "--model", "nobody/no-such-model-xyz", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--model nobody/no-such-model-xyz: could not load it as a preset" in err
+    assert "hub id nobody/no-such-model-xyz" in err
+
+
+def test_real_entry_point_prints_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{not json}\n')
+    proc = run_lmtune(["train", "--data", str(bad), "--output-dir", str(tmp_path / "o")], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert f"{bad}:2: not valid JSON" in proc.stderr
+
+
+def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--no-such-flag"])
+    assert exc.value.code == 2
+
+
+def test_yaml_config_file_is_used(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(json.dumps({"lr": -3}))  # JSON is YAML
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "--lr: must be > 0 (got -3.0)" in capsys.readouterr().err

@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from lmtune.cli import _train_config, build_parser
+from lmtune.config import TrainConfig, build_config, config_fields, load_yaml, option_name, validate
+from lmtune.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def parse(argv: list[str]) -> TrainConfig:
+    args = build_parser().parse_args(["train", *argv])
+    cfg: TrainConfig = _train_config(args)
+    return cfg
+
+
+def test_defaults_are_valid() -> None:
+    validate(TrainConfig(), world_size=1)
+
+
+def test_flags_override_yaml(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("lr: 0.01\nmicro-batch-size: 4\nepochs: 2\n")
+    cfg = parse(["--config", str(cfg_file), "--lr", "0.5", "--max-steps", "7", "--no-progress"])
+    assert cfg.lr == 0.5  # flag wins
+    assert cfg.micro_batch_size == 4  # from YAML
+    assert cfg.epochs == 2
+    assert cfg.max_steps == 7
+    assert cfg.progress is False
+
+
+def test_help_lists_every_setting_with_its_default() -> None:
+    parser = build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    text = train.format_help().replace("\n", " ")
+    text = " ".join(text.split())
+    for f in config_fields():
+        assert option_name(f.name) in text
+        assert f"(default: {f.default})" in text
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"lr": -1.0}, "--lr"),
+        ({"strategy": "horovod"}, "--strategy"),
+        ({"global_batch_size": 30, "micro_batch_size": 8}, "--global-batch-size 30"),
+        ({"data": "/no/such/file.jsonl"}, "--data: no such file: /no/such/file.jsonl"),
+        ({"eval_data": "/missing.jsonl"}, "--eval-data"),
+        ({"precision": "fp8"}, "--precision"),
+        ({"max_length": 1}, "--max-length"),
+    ],
+)
+def test_invalid_settings_name_the_option(values: dict[str, object], needle: str) -> None:
+    with pytest.raises(UserError, match=needle.replace("+", r"\+")):
+        validate(build_config(values), world_size=1)
+
+
+def test_global_batch_must_divide_by_world_size() -> None:
+    cfg = build_config({"global_batch_size": 8, "micro_batch_size": 4})
+    validate(cfg, world_size=2)
+    with pytest.raises(UserError, match="4 x 3 processes"):
+        validate(cfg, world_size=3)
+
+
+def test_bad_types_and_unknown_keys() -> None:
+    with pytest.raises(UserError, match="--epochs: expected int"):
+        build_config({"epochs": "many"})
+    with pytest.raises(UserError, match="--epochs: expected int"):
+        build_config({"epochs": 1.5})
+    with pytest.raises(UserError, match=r"unknown setting in run\.yaml: --learning-rate"):
+        build_config({"learning_rate": 1}, "run.yaml")
+    assert build_config({"lr": "1e-4", "progress": "false"}).progress is False
+
+
+def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="--config: no such file"):
+        load_yaml(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lr: [1,\n")
+    with pytest.raises(UserError, match=r"bad.yaml:\d+: not valid YAML"):
+        load_yaml(str(bad))
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(UserError, match="expected a mapping"):
+        load_yaml(str(listy))
+
+
+def test_every_shipped_config_parses() -> None:
+    shipped = sorted((REPO / "examples").glob("*.yaml"))
+    assert shipped, "examples/ should ship at least one config"
+    for path in shipped:
+        cfg = build_config(load_yaml(str(path)), str(path))
+        assert dataclasses.is_dataclass(cfg)

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmtune.checkpoint import save_hf_folder
+from lmtune.errors import UserError
+from lmtune.modeling import build_preset, byte_tokenizer, load_model
+
+
+def test_byte_tokenizer_round_trips_any_text() -> None:
+    tok = byte_tokenizer()
+    text = "héllo, wörld 12+3=15 \n\t ☃"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+
+
+def test_preset_is_reproducible_from_the_seed() -> None:
+    a, b, c = (build_preset("tiny", s).model for s in (1, 1, 2))
+    pa, pb, pc = (torch.cat([p.flatten() for p in m.parameters()]) for m in (a, b, c))
+    assert torch.equal(pa, pb) and not torch.equal(pa, pc)
+
+
+def test_saved_folder_loads_back_with_transformers(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = build_preset("tiny", 0)
+    save_hf_folder(loaded.model, loaded.tokenizer, tmp_path / "final")
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "final")
+    x = torch.tensor([tok("12+3=")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, loaded.model.eval()(x).logits)
+    again = load_model(str(tmp_path / "final"), seed=0)
+    assert again.tokenizer.eos_token_id == loaded.tokenizer.eos_token_id
+
+
+def test_model_folder_errors(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no such folder"):
+        load_model(str(tmp_path / "missing") + "/", seed=0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"has no config\.json"):
+        load_model(str(tmp_path / "empty"), seed=0)
