@@ -3,17 +3,20 @@
 The baseline is our own minimal version of the loop the tutorial teaches: tokenization in the
 Dataset's ``__getitem__`` on every step, padding in the collate function, the model's own mean loss,
 AdamW. Both train the same tiny preset from the same seed on the same examples for the same number
-of steps of ``--batch-size`` examples each; the first ``--warmup`` steps are not timed.
+of steps of ``--batch-size`` examples each; the first ``--warmup`` steps are not timed. The runs
+alternate and repeat (``--repeats``), and the median is reported: on a shared 2-core machine the
+order of two back-to-back runs alone moves the figures by ~10%.
 
-    python benchmarks/throughput.py [--steps 60] [--warmup 10] [--batch-size 32] [--model tiny]
+    python benchmarks/throughput.py [--steps 80] [--warmup 10] [--repeats 3] [--model tiny]
 
-Prints tokens/s of each (non-padding input tokens per second of wall time) and their ratio.
+Prints tokens/s of each (non-padding input tokens per second of wall time) and the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -112,14 +115,15 @@ def lmtune_run(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=80)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument(
         "--micro-batch-size",
         type=int,
         default=8,
-        help="lmtune's micro-batch for its second run (accumulating to --batch-size)",
+        help="micro-batch of lmtune's memory-saving run (accumulating to --batch-size)",
     )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -127,39 +131,29 @@ def main() -> None:
     texts, _ = addition_examples()
     print(
         f"model {args.model}, {args.steps} steps of {args.batch_size} examples "
-        f"({args.warmup} untimed), {torch.get_num_threads()} threads"
+        f"({args.warmup} untimed), median of {args.repeats}, {torch.get_num_threads()} threads"
     )
-    base = tutorial_loop(texts, args.model, args.steps, args.warmup, args.batch_size, args.lr, args.seed)
+    results: dict[str, list[float]] = {"tutorial": [], "lmtune": [], "lmtune_accum": []}
     with tempfile.TemporaryDirectory() as tmp:
-        same = lmtune_run(
-            texts,
-            args.model,
-            args.steps,
-            args.warmup,
-            args.batch_size,
-            args.batch_size,
-            args.lr,
-            args.seed,
-            Path(tmp),
-        )
-        accum = lmtune_run(
-            texts,
-            args.model,
-            args.steps,
-            args.warmup,
-            args.batch_size,
-            args.micro_batch_size,
-            args.lr,
-            args.seed,
-            Path(tmp),
-        )
-    print(f"{'loop':<44}{'tokens/s':>12}{'ratio':>8}")
-    print(f"{'tutorial-style (tokenize per step)':<44}{base:>12,.0f}{1.0:>8.2f}")
-    print(f"{'lmtune, micro-batch = batch':<44}{same:>12,.0f}{same / base:>8.2f}")
-    print(
-        f"{f'lmtune, micro-batch {args.micro_batch_size} + accumulation':<44}{accum:>12,.0f}"
-        f"{accum / base:>8.2f}"
-    )
+        for _ in range(args.repeats):
+            common = (texts, args.model, args.steps, args.warmup, args.batch_size)
+            results["lmtune"].append(lmtune_run(*common, args.batch_size, args.lr, args.seed, Path(tmp)))
+            results["tutorial"].append(tutorial_loop(*common, args.lr, args.seed))
+            results["lmtune_accum"].append(
+                lmtune_run(*common, args.micro_batch_size, args.lr, args.seed, Path(tmp))
+            )
+    base = statistics.median(results["tutorial"])
+    rows = [
+        ("tutorial-style loop (tokenize per step)", base),
+        ("lmtune, micro-batch = batch", statistics.median(results["lmtune"])),
+        (
+            f"lmtune, micro-batch {args.micro_batch_size} + accumulation",
+            statistics.median(results["lmtune_accum"]),
+        ),
+    ]
+    print(f"{'run':<46}{'tokens/s':>12}{'ratio':>8}")
+    for name, value in rows:
+        print(f"{name:<46}{value:>12,.0f}{value / base:>8.2f}")
 
 
 if __name__ == "__main__":

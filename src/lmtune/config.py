@@ -21,6 +21,8 @@ STRATEGIES = ("auto", "single", "dp", "ddp")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 SAMPLE_DATA = "sample"
+DEFAULT_EPOCHS = 3
+SAMPLE_EPOCHS = 6
 
 
 def _help(text: str) -> dict[str, str]:
@@ -56,7 +58,13 @@ class TrainConfig:
         default="lmtune-output",
         metadata=_help("Folder for final/, metrics.jsonl and run.json."),
     )
-    epochs: int = field(default=3, metadata=_help("Passes over the training data."))
+    epochs: int | None = field(
+        default=None,
+        metadata=_help(
+            f"Passes over the training data. Default: {DEFAULT_EPOCHS}, or {SAMPLE_EPOCHS} for --data "
+            "sample (a small set that needs more passes)."
+        ),
+    )
     max_steps: int | None = field(
         default=None,
         metadata=_help("Stop after this many optimizer steps (overrides --epochs)."),
@@ -68,7 +76,13 @@ class TrainConfig:
             "from it, so changing the number of processes does not change the optimisation."
         ),
     )
-    micro_batch_size: int = field(default=8, metadata=_help("Examples per forward pass on one process."))
+    micro_batch_size: int | None = field(
+        default=None,
+        metadata=_help(
+            "Examples per forward pass on one process. Default: the global batch divided by the "
+            "number of processes (no accumulation); lower it when a batch does not fit in memory."
+        ),
+    )
     lr: float | None = field(
         default=None,
         metadata=_help(
@@ -215,10 +229,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
     need(cfg.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
     need(cfg.lr is None or cfg.lr > 0, "lr", "must be > 0")
-    need(cfg.epochs >= 1, "epochs", "must be >= 1")
+    need(cfg.epochs is None or cfg.epochs >= 1, "epochs", "must be >= 1")
     need(cfg.max_steps is None or cfg.max_steps >= 1, "max_steps", "must be >= 1")
     need(cfg.global_batch_size >= 1, "global_batch_size", "must be >= 1")
-    need(cfg.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+    need(cfg.micro_batch_size is None or cfg.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
     need(cfg.max_length >= 2, "max_length", "must be >= 2")
     need(0 <= cfg.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
     need(0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
@@ -233,17 +247,34 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.log_every >= 1, "log_every", "must be >= 1")
     need(cfg.num_workers >= 0, "num_workers", "must be >= 0")
     need(bool(cfg.text_field), "text_field", "must not be empty")
-    per_step = cfg.micro_batch_size * world_size
-    if cfg.global_batch_size % per_step:
+    processes = f"{world_size} process{'es' if world_size > 1 else ''}"
+    if cfg.micro_batch_size is None:
+        if cfg.global_batch_size % world_size:
+            raise UserError(
+                f"--global-batch-size {cfg.global_batch_size} does not divide over {processes}; "
+                f"use a multiple of {world_size}"
+            )
+    elif cfg.global_batch_size % (cfg.micro_batch_size * world_size):
+        per_step = cfg.micro_batch_size * world_size
         raise UserError(
             f"--global-batch-size {cfg.global_batch_size} does not divide into "
-            f"--micro-batch-size {cfg.micro_batch_size} x {world_size} process"
-            f"{'es' if world_size > 1 else ''}; use a multiple of {per_step}"
+            f"--micro-batch-size {cfg.micro_batch_size} x {processes}; use a multiple of {per_step}"
         )
     for name in ("data", "eval_data"):
         path = getattr(cfg, name)
         if path is not None and path != SAMPLE_DATA and not Path(path).is_file():
             raise UserError(f"{option_name(name)}: no such file: {path}")
+
+
+def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """The micro-batch size in effect: as set, or the whole per-process share of the global batch."""
+    return cfg.micro_batch_size or cfg.global_batch_size // world_size
+
+
+def epochs(cfg: TrainConfig) -> int:
+    if cfg.epochs is not None:
+        return cfg.epochs
+    return SAMPLE_EPOCHS if cfg.data == SAMPLE_DATA else DEFAULT_EPOCHS
 
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -110,6 +110,7 @@ def fit(
     while step < plan.total_steps:
         sampler.set_epoch(epoch)
         batches = iter(loader)
+        epoch_loss, epoch_tokens = 0.0, 0
         for _ in range(min(plan.steps_per_epoch, plan.total_steps - step)):
             # Wall time from the end of the last step: data waiting counts against tokens/s.
             micro = _micro_batches(batches, plan.accumulation, env.device)
@@ -120,6 +121,8 @@ def fit(
             tokens_per_s = r.tokens / max(now - last, 1e-9)
             last = now
             result.steps, result.last_loss = step, r.loss
+            epoch_loss += r.loss * r.target_tokens
+            epoch_tokens += r.target_tokens
             if step % log_every == 0 or step == plan.total_steps:
                 log.record(
                     {
@@ -138,6 +141,7 @@ def fit(
             log.advance({"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"})
             if run_eval is not None and eval_every and step % eval_every == 0 and step < plan.total_steps:
                 evaluate_now(step, epoch)
+        log.info(f"epoch {epoch + 1}/{plan.epochs}: train loss {epoch_loss / max(epoch_tokens, 1):.4f}")
         epoch += 1
     log.end_progress()
     if run_eval is not None:

@@ -15,10 +15,11 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     Position ``t`` predicts token ``t + 1``; a target of ``IGNORE_INDEX`` (padding, prompt)
     contributes nothing. The loss is computed in fp32 whatever the logits' dtype.
     """
-    shifted_logits = logits[:, :-1, :].float()
-    targets = labels[:, 1:]
+    # Shift the labels, not the logits: slicing the logits would copy the largest tensor of the step
+    # (batch x length x vocab); the padded last target is ignored.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     loss_sum = F.cross_entropy(
-        shifted_logits.reshape(-1, shifted_logits.size(-1)),
+        logits.float().reshape(-1, logits.size(-1)),
         targets.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",

@@ -25,7 +25,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object
 def build_adamw(
     model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
 ) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
+    """AdamW, fused into one kernel per step where PyTorch supports it (CPU and CUDA, float params).
+
+    The fused step is several times faster than the per-tensor loop, and computes the same update.
+    """
+    groups = param_groups(model, weight_decay)
+    params = [p for g in groups for p in g["params"]]  # type: ignore[attr-defined]
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from lmtune import __version__
 from lmtune.checkpoint import save_hf_folder
-from lmtune.config import SAMPLE_DATA, TrainConfig, to_dict, validate
+from lmtune.config import SAMPLE_DATA, TrainConfig, epochs, micro_batch_size, to_dict, validate
 from lmtune.data.collate import Collator
 from lmtune.data.reading import read_jsonl_texts
 from lmtune.data.sample import addition_examples, split_prompt
@@ -123,14 +123,9 @@ def _run(
     tokenizer = loaded.tokenizer
     train_data = tokenize_texts(train_texts, tokenizer, cfg.max_length)
     eval_data = tokenize_texts(eval_texts, tokenizer, cfg.max_length) if eval_texts else None
+    micro = micro_batch_size(cfg, env.world_size)
     plan = plan_steps(
-        len(train_data),
-        cfg.global_batch_size,
-        cfg.micro_batch_size,
-        env.world_size,
-        cfg.epochs,
-        cfg.max_steps,
-        cfg.data,
+        len(train_data), cfg.global_batch_size, micro, env.world_size, epochs(cfg), cfg.max_steps, cfg.data
     )
     lr = cfg.lr if cfg.lr is not None else loaded.default_lr
     # Same init seed everywhere; a rank-specific stream afterwards so dropout differs across shards.
@@ -142,14 +137,14 @@ def _run(
     scheduler = build_schedule(optimizer, plan.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
     collate = Collator(tokenizer.pad_token_id)
     sampler = TrainSampler(len(train_data), cfg.global_batch_size, env.rank, env.world_size, cfg.seed)
-    loader = _loader(train_data, sampler, cfg.micro_batch_size, collate, env, cfg.num_workers)
+    loader = _loader(train_data, sampler, micro, collate, env, cfg.num_workers)
     autocast = partial(_autocast, cfg.precision, env.device)
     run_eval: Callable[[], EvalResult] | None = None
     if eval_data is not None:
         eval_loader = _loader(
             eval_data,
             EvalSampler(len(eval_data), env.rank, env.world_size),
-            cfg.micro_batch_size,
+            micro,
             collate,
             env,
             0,
@@ -162,6 +157,7 @@ def _run(
         "config": to_dict(cfg),
         "resolved": {
             "strategy": strategy,
+            "micro_batch_size": micro,
             "lr": lr,
             "model_source": loaded.source,
             **asdict(plan),
@@ -180,7 +176,7 @@ def _run(
         f"lmtune: {loaded.source}, {run_info['resolved']['parameters']:,} parameters, {strategy} on "
         f"{env.world_size} x {env.device.type}; {len(train_data)} examples "
         f"({train_data.truncated} truncated to {cfg.max_length} tokens); global batch "
-        f"{cfg.global_batch_size} = {cfg.micro_batch_size} x {env.world_size} x {plan.accumulation} "
+        f"{cfg.global_batch_size} = {micro} x {env.world_size} x {plan.accumulation} "
         f"accumulation; {plan.total_steps} steps"
     )
 

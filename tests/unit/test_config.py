@@ -6,7 +6,16 @@ from pathlib import Path
 import pytest
 
 from lmtune.cli import _train_config, build_parser
-from lmtune.config import TrainConfig, build_config, config_fields, load_yaml, option_name, validate
+from lmtune.config import (
+    TrainConfig,
+    build_config,
+    config_fields,
+    epochs,
+    load_yaml,
+    micro_batch_size,
+    option_name,
+    validate,
+)
 from lmtune.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,6 +74,19 @@ def test_global_batch_must_divide_by_world_size() -> None:
     validate(cfg, world_size=2)
     with pytest.raises(UserError, match="4 x 3 processes"):
         validate(cfg, world_size=3)
+
+
+def test_default_micro_batch_is_the_per_process_share() -> None:
+    cfg = build_config({"global_batch_size": 32})
+    assert micro_batch_size(cfg, 1) == 32 and micro_batch_size(cfg, 4) == 8
+    with pytest.raises(UserError, match="does not divide over 3 processes"):
+        validate(cfg, world_size=3)
+
+
+def test_sample_data_trains_longer_by_default() -> None:
+    assert epochs(build_config({})) == 6
+    assert epochs(build_config({"data": "my.jsonl"})) == 3
+    assert epochs(build_config({"epochs": 1})) == 1
 
 
 def test_bad_types_and_unknown_keys() -> None:
