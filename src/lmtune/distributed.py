@@ -40,7 +40,12 @@ class DistEnv:
 
 def launched_world_size() -> int:
     """WORLD_SIZE set by torchrun, or 1 when not launched by it."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return _env_int("WORLD_SIZE", 1)
+
+
+def launched_rank() -> int | None:
+    """RANK set by torchrun, or None when not launched by it."""
+    return _env_int("RANK", 0) if "RANK" in os.environ else None
 
 
 def _env_int(name: str, default: int) -> int:

@@ -19,12 +19,14 @@ ERROR_DIR_ENV = "LMTUNE_ERROR_DIR"
 
 def report_user_error(message: str) -> None:
     """Print a user error, or hand it to the launcher that started this worker."""
+    from lmtune.distributed import launched_rank
+
     error_dir = os.environ.get(ERROR_DIR_ENV)
-    rank = os.environ.get("RANK")
+    rank = launched_rank()
     if error_dir and rank is not None and Path(error_dir).is_dir():
         (Path(error_dir) / f"rank-{rank}.txt").write_text(message, encoding="utf-8")
         return
-    prefix = f"error (rank {rank})" if rank not in (None, "0") else "error"
+    prefix = f"error (rank {rank})" if rank else "error"
     print(f"{prefix}: {message}", file=sys.stderr, flush=True)
 
 
@@ -34,6 +36,7 @@ def relaunch(argv: list[str], nproc_per_node: int) -> int:
     The rendezvous endpoint is ``localhost:0`` so the OS picks a free port: two runs on one machine
     never collide. When one worker fails the launcher stops the others, so no rank is left hanging.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -65,6 +68,10 @@ def relaunch(argv: list[str], nproc_per_node: int) -> int:
         for rank, failure in sorted(e.failures.items()):
             print(f"lmtune: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
         return 1
+    except SignalException as e:
+        # Ctrl+C or a scheduler's SIGTERM: the agent has already stopped the workers.
+        print(f"lmtune: stopped by {e.sigval.name}", file=sys.stderr)
+        return 128 + int(e.sigval)
     finally:
         elastic_log.setLevel(previous_level)
         os.environ.pop(ERROR_DIR_ENV, None)
