@@ -66,6 +66,36 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
     gen.set_defaults(run=_cmd_generate)
+    data = commands.add_parser("data", help="inspect training data").add_subparsers(
+        dest="data_command", required=True, metavar="COMMAND"
+    )
+    aud = data.add_parser(
+        "audit",
+        help="report what training would make of a data set",
+        description="Read every record and report formats, bad lines, token lengths, truncation, "
+        "untrainable examples, EOS labels and rank imbalance. Exit 0 when clean, 2 when errors were found.",
+    )
+    aud.add_argument("data", nargs="+", metavar="DATA", help="files, globs, folders or data set names")
+    aud.add_argument("--model", default="tiny", help="tokenizer to count with (default: tiny)")
+    aud.add_argument("--max-length", type=int, default=512, help="as in train (default: 512)")
+    aud.add_argument("--data-format", default="auto", help="as in train (default: auto)")
+    aud.add_argument("--text-field", default="text", help="as in train (default: text)")
+    aud.add_argument("--truncation", default="right", help="as in train (default: right)")
+    aud.add_argument("--txt-mode", default="line", help="as in train (default: line)")
+    aud.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="report the token imbalance between this many ranks (default: 1)",
+    )
+    aud.add_argument("--global-batch-size", type=int, default=32, help="as in train (default: 32)")
+    aud.add_argument(
+        "--micro-batch-size", type=int, default=None, help="as in train (default: global / ranks)"
+    )
+    aud.add_argument("--seed", type=int, default=42, help="as in train (default: 42)")
+    aud.add_argument("--plot", metavar="PNG", default=None, help="also write the length histogram as a PNG")
+    aud.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own Python code")
+    aud.set_defaults(run=_cmd_audit)
     return parser
 
 
@@ -120,6 +150,43 @@ def _cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         )
     print(args.prompt + text)
     return 0
+
+
+def _cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from lmtune.config import FORMATS, TRUNCATIONS, TXT_MODES
+    from lmtune.data.audit import audit, format_report, plot_histogram
+    from lmtune.data.prepare import DataSettings
+    from lmtune.modeling import load_tokenizer
+
+    for option, value, allowed in (
+        ("--data-format", args.data_format, FORMATS),
+        ("--truncation", args.truncation, TRUNCATIONS),
+        ("--txt-mode", args.txt_mode, TXT_MODES),
+    ):
+        if value not in allowed:
+            raise UserError(f"{option}: must be one of {', '.join(allowed)} (got {value!r})")
+    if args.max_length < 2 or args.nproc_per_node < 1 or args.global_batch_size < 1:
+        raise UserError("--max-length must be >= 2, --nproc-per-node and --global-batch-size >= 1")
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    settings = DataSettings(
+        args.data_format, args.text_field, args.max_length, args.truncation, True, args.txt_mode
+    )
+    report = audit(
+        ",".join(args.data),
+        tokenizer,
+        settings,
+        args.nproc_per_node,
+        args.global_batch_size,
+        args.micro_batch_size,
+        args.seed,
+    )
+    print(format_report(report))
+    if args.plot:
+        plot_histogram(report, Path(args.plot))
+        print(f"  histogram           {args.plot}")
+    return 0 if report.clean else USER_ERROR_EXIT_CODE
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,11 +18,14 @@ import yaml
 from lmtune.errors import UserError
 
 STRATEGIES = ("auto", "single", "dp", "ddp")
+FORMATS = ("auto", "text", "prompt_completion", "messages")
+TRUNCATIONS = ("right", "left", "drop", "error")
+TXT_MODES = ("line", "block")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 SAMPLE_DATA = "sample"
 DEFAULT_EPOCHS = 3
-SAMPLE_EPOCHS = 6
+SAMPLE_EPOCHS = 8
 
 
 def _help(text: str) -> dict[str, str]:
@@ -42,18 +45,54 @@ class TrainConfig:
     data: str = field(
         default=SAMPLE_DATA,
         metadata=_help(
-            "Training data: a JSONL/NDJSON file with one JSON object per line, or 'sample' for the "
-            "built-in addition task."
+            "Training data, comma-separated: .jsonl/.ndjson, .json (a list), .parquet, .csv or .txt "
+            "files, globs, folders, a saved Hugging Face data set folder, a hub data set NAME[:SPLIT], "
+            "or 'sample' for the built-in addition task."
         ),
     )
     eval_data: str | None = field(
         default=None,
         metadata=_help(
-            "Evaluation data in the same format. With --data sample it defaults to the sample's "
+            "Evaluation data, given like --data. With --data sample it defaults to the sample's "
             "held-out split; otherwise no evaluation unless given."
         ),
     )
-    text_field: str = field(default="text", metadata=_help("Name of the JSON field holding the text."))
+    data_format: str = field(
+        default="auto",
+        metadata=_help(
+            "auto (from each record's fields) | text (train on all of it) | prompt_completion "
+            "(prompt+completion or instruction/input/output; train on the completion) | messages "
+            "(chat; train on assistant turns)."
+        ),
+    )
+    text_field: str = field(default="text", metadata=_help("Name of the field holding plain text."))
+    truncation: str = field(
+        default="right",
+        metadata=_help(
+            "Examples longer than --max-length: right (cut the end) | left (cut the start) | drop | "
+            "error. Counts go to the log and run.json."
+        ),
+    )
+    skip_bad_lines: bool = field(
+        default=False,
+        metadata=_help(
+            "Skip unreadable lines (bad JSON, bad UTF-8) with a warning and a count, instead of stopping."
+        ),
+    )
+    txt_mode: str = field(
+        default="line", metadata=_help(".txt files: one example per line | per blank-line-separated block.")
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "Where tokenized data is cached (default: $LMTUNE_CACHE_DIR, else ~/.cache/lmtune/data). "
+            "Must be shared by all nodes unless --cache-per-node."
+        ),
+    )
+    cache_per_node: bool = field(
+        default=False,
+        metadata=_help("Cache dir is node-local: one process per node tokenizes, instead of one in all."),
+    )
     output_dir: str = field(
         default="lmtune-output",
         metadata=_help("Folder for final/, metrics.jsonl and run.json."),
@@ -176,6 +215,8 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
             return value.lower() in ("true", "yes", "1")
         raise UserError(f"{option_name(name)}: expected true or false, got {value!r}")
+    if kind is str and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)  # a YAML list of data files
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or (kind is int and isinstance(value, float)):
@@ -228,6 +269,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}")
     need(cfg.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
     need(cfg.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
+    need(cfg.data_format in FORMATS, "data_format", f"must be one of {', '.join(FORMATS)}")
+    need(cfg.truncation in TRUNCATIONS, "truncation", f"must be one of {', '.join(TRUNCATIONS)}")
+    need(cfg.txt_mode in TXT_MODES, "txt_mode", f"must be one of {', '.join(TXT_MODES)}")
     need(cfg.lr is None or cfg.lr > 0, "lr", "must be > 0")
     need(cfg.epochs is None or cfg.epochs >= 1, "epochs", "must be >= 1")
     need(cfg.max_steps is None or cfg.max_steps >= 1, "max_steps", "must be >= 1")
@@ -260,10 +304,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"--global-batch-size {cfg.global_batch_size} does not divide into "
             f"--micro-batch-size {cfg.micro_batch_size} x {processes}; use a multiple of {per_step}"
         )
+    from lmtune.data.sources import resolve_sources
+
     for name in ("data", "eval_data"):
-        path = getattr(cfg, name)
-        if path is not None and path != SAMPLE_DATA and not Path(path).is_file():
-            raise UserError(f"{option_name(name)}: no such file: {path}")
+        spec = getattr(cfg, name)
+        if spec is not None:
+            resolve_sources(spec, option_name(name))  # missing files and empty globs fail here
 
 
 def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:

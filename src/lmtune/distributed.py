@@ -11,11 +11,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from lmtune.errors import UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,23 @@ def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     if env.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def broadcast_object(obj: T, env: DistEnv) -> T:
+    """Rank 0's ``obj`` on every rank (a small picklable value)."""
+    if not env.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather_object(obj: T, env: DistEnv) -> list[T]:
+    if not env.distributed:
+        return [obj]
+    out: list[T] = [obj] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier(env: DistEnv) -> None:

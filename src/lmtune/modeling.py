@@ -110,6 +110,26 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.endswith(("/", "\\")) or name.count("/") > 1
 
 
+def _source(name: str, need_config: bool) -> tuple[str, str]:
+    """Where ``name`` loads from, and how to describe that in an error."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if need_config and not (path / "config.json").is_file():
+            raise UserError(f"--model {name}: folder has no config.json, so it is not a model folder")
+        return str(path), f"local folder {path}"
+    if _looks_like_path(name):
+        raise UserError(f"--model {name}: no such folder (presets: {', '.join(PRESETS)})")
+    return name, f"hub id {name}"
+
+
+def _load_error(name: str, tried: str, e: Exception) -> UserError:
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return UserError(
+        f"--model {name}: could not load it as a preset ({', '.join(PRESETS)}), a local folder, "
+        f"or {tried}: {first_line}"
+    )
+
+
 def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedModel:
     """Load a model and tokenizer by preset name, local folder or hub id.
 
@@ -119,29 +139,32 @@ def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedM
     """
     if name in PRESETS:
         return build_preset(name, seed)
-    path = Path(name).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise UserError(f"--model {name}: folder has no config.json, so it is not a model folder")
-    elif _looks_like_path(name):
-        raise UserError(f"--model {name}: no such folder (presets: {', '.join(PRESETS)})")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    source, tried = _source(name, need_config=True)
+    tokenizer = load_tokenizer(name, trust_remote_code)
+    from transformers import AutoModelForCausalLM
 
-    source = str(path) if path.exists() else name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             source, trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=None
         )
     except (OSError, ValueError) as e:
-        tried = f"local folder {source}" if path.exists() else f"hub id {name}"
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"--model {name}: could not load it as a preset ({', '.join(PRESETS)}), a local "
-            f"folder, or {tried}: {first_line}"
-        ) from None
-    ensure_pad_token(tokenizer)
+        raise _load_error(name, tried, e) from None
     return LoadedModel(model, tokenizer, FINETUNE_LR, source)
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
+    """Only the tokenizer of a preset, folder or hub id: for tools that never need the weights."""
+    if name in PRESETS:
+        return byte_tokenizer()
+    source, tried = _source(name, need_config=False)
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise _load_error(name, tried, e) from None
+    ensure_pad_token(tokenizer)
+    return tokenizer
 
 
 def ensure_pad_token(tokenizer: Any) -> None:

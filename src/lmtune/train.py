@@ -21,11 +21,19 @@ from lmtune import __version__
 from lmtune.checkpoint import save_hf_folder
 from lmtune.config import SAMPLE_DATA, TrainConfig, epochs, micro_batch_size, to_dict, validate
 from lmtune.data.collate import Collator
-from lmtune.data.reading import read_jsonl_texts
+from lmtune.data.dataset import TokenizedDataset
+from lmtune.data.prepare import DataSettings, default_cache_dir, prepare
 from lmtune.data.sample import addition_examples, split_prompt
 from lmtune.data.sampling import EvalSampler, TrainSampler
-from lmtune.data.tokenize import TokenizedDataset, tokenize_texts
-from lmtune.distributed import DistEnv, barrier, cpu_threads_per_process, process_group, read_dist_env
+from lmtune.data.sources import SAMPLE_EVAL
+from lmtune.distributed import (
+    DistEnv,
+    all_gather_object,
+    barrier,
+    cpu_threads_per_process,
+    process_group,
+    read_dist_env,
+)
 from lmtune.evaluate import EvalResult, evaluate
 from lmtune.generate import complete
 from lmtune.loop import fit, plan_steps
@@ -50,17 +58,58 @@ def _autocast(precision: str, device: torch.device) -> AbstractContextManager[ob
     return nullcontext()
 
 
-def _load_texts(cfg: TrainConfig) -> tuple[list[str], list[str] | None]:
-    sample_train, sample_eval = addition_examples()
-    train = sample_train if cfg.data == SAMPLE_DATA else read_jsonl_texts(cfg.data, cfg.text_field)
-    eval_source = cfg.eval_data
-    if eval_source is None and cfg.data == SAMPLE_DATA:
-        eval_source = SAMPLE_DATA
-    if eval_source is None:
-        return train, None
-    if eval_source == SAMPLE_DATA:
-        return train, sample_eval
-    return train, read_jsonl_texts(eval_source, cfg.text_field)
+def _eval_spec(cfg: TrainConfig) -> str | None:
+    if cfg.eval_data is None and cfg.data == SAMPLE_DATA:
+        return SAMPLE_EVAL
+    return cfg.eval_data
+
+
+def _prepare_data(
+    cfg: TrainConfig, tokenizer: Any, env: DistEnv, log: RunLog
+) -> tuple[TokenizedDataset, TokenizedDataset | None, dict[str, Any]]:
+    """Tokenize (or read from the cache) the training and evaluation data; report what was done."""
+    settings = DataSettings(
+        cfg.data_format, cfg.text_field, cfg.max_length, cfg.truncation, cfg.skip_bad_lines, cfg.txt_mode
+    )
+    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    info: dict[str, Any] = {}
+    prepared: dict[str, TokenizedDataset] = {}
+    for name, spec, option in (("train", cfg.data, "--data"), ("eval", _eval_spec(cfg), "--eval-data")):
+        if spec is None:
+            continue
+        p = prepare(spec, tokenizer, settings, env, cache_dir, cfg.cache_per_node, option)
+        builders = [r for r, built in enumerate(all_gather_object(p.built, env)) if built]
+        meta = p.dataset.meta
+        info[name] = {
+            "spec": spec,
+            "cache": str(p.folder),
+            "built_by_ranks": builders,
+            **{
+                k: meta[k]
+                for k in (
+                    "examples",
+                    "tokens",
+                    "target_tokens",
+                    "truncated",
+                    "dropped_too_long",
+                    "dropped_no_targets",
+                    "eos_trained",
+                    "formats",
+                    "bad_lines",
+                )
+            },
+        }
+        how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
+        log.info(
+            f"{name} data {spec}: {meta['examples']:,} examples, {meta['tokens']:,} tokens ({how}); "
+            f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long, "
+            f"{meta['dropped_no_targets']} dropped with no trainable tokens"
+            + (f", {meta['bad_lines']} bad lines skipped" if meta["bad_lines"] else "")
+        )
+        for message in meta["bad_line_examples"][:5] if builders else []:
+            log.info(f"  skipped: {message}")
+        prepared[name] = p.dataset
+    return prepared["train"], prepared.get("eval"), info
 
 
 def _loader(
@@ -117,12 +166,9 @@ def _run(
     cfg: TrainConfig, env: DistEnv, strategy: str, threads: int, output_dir: Path, log: RunLog
 ) -> TrainResult:
     started = time.time()
-    # Every rank reads and tokenizes the same data, so a bad line fails on all ranks alike.
-    train_texts, eval_texts = _load_texts(cfg)
     loaded = load_model(cfg.model, cfg.seed, cfg.trust_remote_code)
     tokenizer = loaded.tokenizer
-    train_data = tokenize_texts(train_texts, tokenizer, cfg.max_length)
-    eval_data = tokenize_texts(eval_texts, tokenizer, cfg.max_length) if eval_texts else None
+    train_data, eval_data, data_info = _prepare_data(cfg, tokenizer, env, log)
     micro = micro_batch_size(cfg, env.world_size)
     plan = plan_steps(
         len(train_data), cfg.global_batch_size, micro, env.world_size, epochs(cfg), cfg.max_steps, cfg.data
@@ -163,19 +209,13 @@ def _run(
             **asdict(plan),
             "parameters": sum(p.numel() for p in loss_module.parameters()),
         },
-        "data": {
-            "train_examples": len(train_data),
-            "train_truncated": train_data.truncated,
-            "eval_examples": len(eval_data) if eval_data else 0,
-            "eval_truncated": eval_data.truncated if eval_data else 0,
-        },
+        "data": data_info,
         "environment": environment_info(env, threads),
     }
     log.write_json("run.json", run_info)
     log.info(
         f"lmtune: {loaded.source}, {run_info['resolved']['parameters']:,} parameters, {strategy} on "
-        f"{env.world_size} x {env.device.type}; {len(train_data)} examples "
-        f"({train_data.truncated} truncated to {cfg.max_length} tokens); global batch "
+        f"{env.world_size} x {env.device.type}; global batch "
         f"{cfg.global_batch_size} = {micro} x {env.world_size} x {plan.accumulation} "
         f"accumulation; {plan.total_steps} steps"
     )
@@ -209,8 +249,8 @@ def _run(
     }
     log.write_json("run.json", run_info)
     log.info(f"saved {final_dir} (loss {result.last_loss:.4f} at step {result.steps})")
-    if env.is_main and cfg.data == SAMPLE_DATA and eval_texts:
-        _show_answers(loaded.model, tokenizer, eval_texts, log)
+    if env.is_main and cfg.data == SAMPLE_DATA:
+        _show_answers(loaded.model, tokenizer, addition_examples()[1], log)
     return TrainResult(output_dir, result.steps, result.last_loss, final_eval)
 
 

@@ -1,0 +1,197 @@
+"""`lmtune data audit`: what training would make of a data set, before any training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lmtune.data.formats import ensure_chat_template
+from lmtune.data.prepare import DataSettings, encode_into, records
+from lmtune.data.sampling import epoch_order, rank_indices
+from lmtune.data.sources import BadLines, resolve_sources
+from lmtune.data.tokenize import Encoded, EncodeStats
+from lmtune.errors import UserError
+
+
+@dataclass(frozen=True)
+class Imbalance:
+    """How unevenly the tokens of a step spread over ranks (1.0 is perfectly even)."""
+
+    world_size: int
+    mean: float  # mean over steps of max(rank tokens) / mean(rank tokens)
+    worst: float
+    padding: float  # padded tokens / real tokens, with dynamic padding per micro-batch
+
+
+@dataclass
+class AuditReport:
+    spec: str
+    stats: EncodeStats
+    bad: BadLines
+    lengths: np.ndarray
+    max_length: int
+    truncation: str
+    pad_is_eos: bool
+    imbalance: Imbalance | None
+
+    @property
+    def eos_ok(self) -> bool:
+        """Every example ends in a trained EOS, except those whose end truncation cut off."""
+        missing = self.stats.examples - self.stats.eos_trained
+        return missing <= (self.stats.truncated if self.truncation == "right" else 0)
+
+    @property
+    def clean(self) -> bool:
+        return self.bad.count == 0 and self.stats.examples > 0
+
+
+def rank_imbalance(
+    lengths: np.ndarray, world_size: int, global_batch_size: int, micro_batch_size: int, seed: int
+) -> Imbalance | None:
+    """Tokens per rank per optimizer step in the first epoch, as the training sampler deals them."""
+    order = epoch_order(len(lengths), seed, epoch=0)
+    steps = len(order) // global_batch_size
+    if steps == 0:
+        return None
+    share = global_batch_size // world_size
+    ratios: list[float] = []
+    real = padded = 0
+    shards = [rank_indices(order, r, world_size, global_batch_size) for r in range(world_size)]
+    for step in range(steps):
+        per_rank = []
+        for shard in shards:
+            mine = lengths[shard[step * share : (step + 1) * share]]
+            per_rank.append(int(mine.sum()))
+            for lo in range(0, len(mine), micro_batch_size):
+                micro = mine[lo : lo + micro_batch_size]
+                padded += int(micro.max()) * len(micro)
+            real += int(mine.sum())
+        ratios.append(max(per_rank) / max(float(np.mean(per_rank)), 1e-9))
+    return Imbalance(world_size, float(np.mean(ratios)), float(max(ratios)), padded / max(real, 1))
+
+
+def audit(
+    spec: str,
+    tokenizer: Any,
+    settings: DataSettings,
+    nproc_per_node: int = 1,
+    global_batch_size: int = 32,
+    micro_batch_size: int | None = None,
+    seed: int = 42,
+) -> AuditReport:
+    """Read every record, collect every bad line, and measure what training would see."""
+    bad = BadLines(skip=True, keep=50)
+    sources = resolve_sources(spec, "audit")
+    # Over-long examples are counted as truncation would treat them, not raised as errors.
+    mode = "drop" if settings.truncation == "error" else settings.truncation
+    counting = DataSettings(
+        settings.format, settings.text_field, settings.max_length, mode, True, settings.txt_mode
+    )
+    ensure_chat_template(tokenizer)
+    sink = _Lengths()
+    stats = encode_into(records(sources, counting, bad), tokenizer, counting, sink, bad)
+    if settings.truncation == "error" and stats.dropped_too_long:
+        bad.count += stats.dropped_too_long
+        bad.messages.append(
+            f"{stats.dropped_too_long} examples are longer than --max-length {settings.max_length} "
+            "(--truncation error stops on the first)"
+        )
+    lengths = np.asarray(sink.lengths, dtype=np.int64)
+    micro = micro_batch_size or max(1, global_batch_size // nproc_per_node)
+    imbalance = None
+    if nproc_per_node > 1 and global_batch_size % (micro * nproc_per_node) == 0:
+        imbalance = rank_imbalance(lengths, nproc_per_node, global_batch_size, micro, seed)
+    return AuditReport(
+        spec,
+        stats,
+        bad,
+        lengths,
+        settings.max_length,
+        mode,
+        tokenizer.pad_token_id == tokenizer.eos_token_id,
+        imbalance,
+    )
+
+
+class _Lengths:
+    """Keeps only each example's length: the audit needs no token arrays."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    def write(self, examples: list[Encoded]) -> None:
+        self.lengths += [len(e.ids) for e in examples]
+
+
+def _histogram(lengths: np.ndarray, max_length: int, bins: int = 12) -> list[tuple[int, int, int]]:
+    top = max(int(lengths.max()), 1)
+    edges = np.linspace(0, min(top, max_length), bins + 1).round().astype(int)
+    edges = np.unique(edges)
+    counts, _ = np.histogram(lengths, bins=edges)
+    return [(int(edges[i]), int(edges[i + 1]), int(c)) for i, c in enumerate(counts)]
+
+
+def format_report(report: AuditReport) -> str:
+    """The report as the terminal shows it."""
+    s = report.stats
+    lines = [f"audit of {report.spec}"]
+    total_read = s.examples + s.dropped_too_long + s.dropped_no_targets + report.bad.count
+    formats = ", ".join(f"{k} {v:,}" for k, v in sorted(s.formats.items())) or "none"
+    lines += [
+        f"  records             {total_read:,} read, {s.examples:,} kept",
+        f"  formats             {formats}",
+        f"  bad lines           {report.bad.count:,}",
+    ]
+    lines += [f"    {m}" for m in report.bad.messages]
+    if report.bad.count > len(report.bad.messages):
+        lines.append(f"    ... and {report.bad.count - len(report.bad.messages):,} more")
+    lines += [
+        f"  over --max-length   {s.truncated:,} truncated, {s.dropped_too_long:,} dropped "
+        f"(--max-length {report.max_length})",
+        f"  no trainable tokens {s.dropped_no_targets:,} (dropped: they would train on nothing)",
+        f"  EOS keeps its label {'yes' if report.eos_ok else 'NO'}: {s.eos_trained:,} of {s.examples:,} "
+        f"kept examples end in a trained EOS"
+        + (" (the rest were cut by truncation)" if report.eos_ok and s.eos_trained < s.examples else "")
+        + f"; pad == eos: {'yes' if report.pad_is_eos else 'no'}",
+        f"  tokens              {s.tokens:,} ({s.target_tokens:,} trained)",
+    ]
+    if len(report.lengths):
+        q = np.percentile(report.lengths, [0, 50, 95, 100]).astype(int)
+        lines.append(f"  token lengths       min {q[0]}, median {q[1]}, p95 {q[2]}, max {q[3]}")
+        hist = _histogram(report.lengths, report.max_length)
+        widest = max(c for _, _, c in hist) or 1
+        for lo, hi, count in hist:
+            bar = "#" * max(1 if count else 0, round(40 * count / widest))
+            lines.append(f"    {lo:>6}-{hi:<6} {count:>9,} {bar}")
+    if report.imbalance is not None:
+        im = report.imbalance
+        lines.append(
+            f"  rank imbalance      {im.world_size} ranks: busiest rank has {im.mean:.2f}x the mean tokens "
+            f"per step (worst step {im.worst:.2f}x); padding adds {100 * (im.padding - 1):.0f}%"
+        )
+    lines.append("  result              " + ("clean" if report.clean else "errors found (exit code 2)"))
+    return "\n".join(lines)
+
+
+def plot_histogram(report: AuditReport, path: Path) -> None:
+    """Write the token-length histogram as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'lmtune[plot]'") from None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.hist(report.lengths, bins=50, color="#4477aa")
+    ax.axvline(report.max_length, color="#cc3311", linestyle="--", label=f"--max-length {report.max_length}")
+    ax.set_xlabel("tokens per example (after truncation)")
+    ax.set_ylabel("examples")
+    ax.set_title(f"{report.spec}: {len(report.lengths):,} examples")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,90 @@
+"""Tokenized examples stored back to back in flat arrays, on disk and memory-mapped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lmtune.data.tokenize import IGNORE_INDEX, Encoded
+
+IDS_FILE, MASK_FILE, OFFSETS_FILE, META_FILE = "input_ids.bin", "trainable.bin", "offsets.npy", "meta.json"
+
+
+class TokenizedDataset:
+    """Example ``i`` is ``input_ids[offsets[i]:offsets[i + 1]]``; ``trainable`` marks the targets.
+
+    The arrays may be ``np.memmap`` views of a cache folder, so every rank shares one copy in the
+    page cache and a corpus larger than memory still trains.
+    """
+
+    def __init__(
+        self,
+        input_ids: np.ndarray,
+        trainable: np.ndarray,
+        offsets: np.ndarray,
+        meta: dict[str, Any] | None = None,
+    ):
+        self.input_ids, self.trainable, self.offsets = input_ids, trainable, offsets
+        self.meta = meta or {}
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and labels (``IGNORE_INDEX`` where the position does not train)."""
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        ids = self.input_ids[lo:hi].astype(np.int64)
+        labels = np.where(self.trainable[lo:hi], ids, IGNORE_INDEX)
+        return ids, labels
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @classmethod
+    def from_encoded(cls, examples: list[Encoded], meta: dict[str, Any] | None = None) -> TokenizedDataset:
+        lengths = np.fromiter((len(e.ids) for e in examples), dtype=np.int64, count=len(examples))
+        offsets = np.zeros(len(examples) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        ids = np.concatenate([e.ids for e in examples]) if examples else np.zeros(0, np.int32)
+        mask = np.concatenate([e.trainable for e in examples]) if examples else np.zeros(0, bool)
+        return cls(ids.astype(np.int32), mask.astype(bool), offsets, meta)
+
+    @classmethod
+    def open(cls, folder: Path) -> TokenizedDataset:
+        meta = json.loads((folder / META_FILE).read_text())
+        offsets = np.load(folder / OFFSETS_FILE)
+        total = int(offsets[-1])
+        if total == 0:
+            return cls(np.zeros(0, np.int32), np.zeros(0, bool), offsets, meta)
+        ids = np.memmap(folder / IDS_FILE, dtype=np.int32, mode="r", shape=(total,))
+        mask = np.memmap(folder / MASK_FILE, dtype=np.bool_, mode="r", shape=(total,))
+        return cls(ids, mask, offsets, meta)
+
+
+class DatasetWriter:
+    """Appends encoded examples to a folder's flat files, so memory stays bounded by one chunk."""
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self._ids = (folder / IDS_FILE).open("wb")
+        self._mask = (folder / MASK_FILE).open("wb")
+        self._lengths: list[int] = []
+
+    def write(self, examples: list[Encoded]) -> None:
+        for e in examples:
+            self._ids.write(e.ids.astype(np.int32).tobytes())
+            self._mask.write(e.trainable.astype(np.bool_).tobytes())
+            self._lengths.append(len(e.ids))
+
+    def close(self, meta: dict[str, Any]) -> None:
+        """Finish the folder; ``meta.json`` is written last and marks it complete."""
+        self._ids.close()
+        self._mask.close()
+        offsets = np.zeros(len(self._lengths) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(self._lengths, dtype=np.int64), out=offsets[1:])
+        np.save(self.folder / OFFSETS_FILE, offsets)
+        (self.folder / META_FILE).write_text(json.dumps(meta, indent=2))

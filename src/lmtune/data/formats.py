@@ -1,0 +1,153 @@
+"""Example formats, and how each renders to text with the character spans that are trained.
+
+Masking is decided here, on the rendered text: a token later trains exactly when it starts inside
+one of the trainable spans. No token ids are searched for, so the mask does not depend on how a
+tokenizer happens to encode a role marker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lmtune.data.sources import Record
+from lmtune.errors import UserError
+
+FORMATS = ("auto", "text", "prompt_completion", "messages")
+ROLES = ("system", "user", "assistant", "tool")
+
+# The template for tokenizers that have none (and for the presets). Assistant turns end with EOS so
+# the model learns to stop; the newline comes before a turn, so nothing trainable follows the EOS.
+BUILTIN_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if not loop.first %}\n{% endif -%}"
+    "<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{%- if m['role'] == 'assistant' %}{{ eos_token }}{% endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{% if messages %}\n{% endif %}<|assistant|>\n{% endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """An example as text, the ``[start, end)`` character spans that train, and special tokens."""
+
+    text: str
+    spans: tuple[tuple[int, int], ...]
+    add_special_tokens: bool  # the tokenizer's BOS and the like (chat templates write their own)
+    append_eos: bool  # train an EOS after the text (chat templates end their own turns)
+    format: str
+
+
+def detect_format(fields: Mapping[str, Any], text_field: str) -> str | None:
+    """The format a record's fields say it has, or None."""
+    if "messages" in fields:
+        return "messages"
+    if ("prompt" in fields and "completion" in fields) or ("instruction" in fields and "output" in fields):
+        return "prompt_completion"
+    if text_field in fields:
+        return "text"
+    return None
+
+
+def _expected(text_field: str) -> str:
+    return (
+        f"'{text_field}' (text), 'prompt' + 'completion', 'instruction' + 'output' (+ 'input'), or 'messages'"
+    )
+
+
+def _string(record: Record, name: str, allow_missing: bool = False) -> str:
+    value = record.fields.get(name)
+    if value is None and allow_missing:
+        return ""
+    if not isinstance(value, str):
+        found = ", ".join(repr(k) for k in record.fields) or "none"
+        problem = "no" if value is None else f"a non-string ({type(value).__name__})"
+        raise UserError(f"{record.where}: record has {problem} '{name}' field (fields found: {found})")
+    return value
+
+
+def render(record: Record, fmt: str, text_field: str, tokenizer: Any) -> Rendered:
+    """Render one record in format ``fmt`` (``auto`` detects it from the fields)."""
+    chosen = detect_format(record.fields, text_field) if fmt == "auto" else fmt
+    if chosen is None:
+        found = ", ".join(repr(k) for k in record.fields) or "none"
+        raise UserError(
+            f"{record.where}: cannot tell the format (fields found: {found}; expected: "
+            f"{_expected(text_field)}; set another text field with --text-field)"
+        )
+    if chosen == "text":
+        text = _string(record, text_field)
+        return Rendered(text, ((0, len(text)),), True, True, "text")
+    if chosen == "prompt_completion":
+        if "prompt" in record.fields or "instruction" not in record.fields:
+            prompt, completion = _string(record, "prompt"), _string(record, "completion")
+        else:
+            instruction, extra = _string(record, "instruction"), _string(record, "input", allow_missing=True)
+            prompt = instruction + (f"\n\n{extra}" if extra else "") + "\n\n"
+            completion = _string(record, "output")
+        text = prompt + completion
+        return Rendered(text, ((len(prompt), len(text)),), True, True, "prompt_completion")
+    return _render_messages(record, tokenizer)
+
+
+def _messages(record: Record) -> list[dict[str, str]]:
+    raw = record.fields.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise UserError(f"{record.where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str) or "role" not in m:
+            raise UserError(
+                f"{record.where}: message {i + 1} must be an object with a 'role' and a string 'content'"
+            )
+        if m["role"] not in ROLES:
+            raise UserError(
+                f"{record.where}: message {i + 1} has unknown role {m['role']!r} (roles: {', '.join(ROLES)})"
+            )
+        out.append({"role": str(m["role"]), "content": str(m["content"])})
+    return out
+
+
+def _chat(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    return str(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    )
+
+
+def _render_messages(record: Record, tokenizer: Any) -> Rendered:
+    """Render with the tokenizer's chat template; each assistant turn's own text is trainable.
+
+    A turn's span is what rendering up to and including it adds to the rendering of the
+    conversation before it with the generation prompt: the reply and its end-of-turn marker.
+    """
+    messages = _messages(record)
+    text = _chat(tokenizer, messages, generation_prompt=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _chat(tokenizer, messages[:i], generation_prompt=True) if i else _empty_prompt(tokenizer)
+        upto = _chat(tokenizer, messages[: i + 1], generation_prompt=False)
+        if not (upto.startswith(before) and text.startswith(upto)):
+            raise UserError(
+                f"{record.where}: the chat template does not render the conversation turn by turn, so "
+                "the assistant replies cannot be located; use a template that appends turns"
+            )
+        spans.append((len(before), len(upto)))
+    return Rendered(text, tuple(spans), False, False, "messages")
+
+
+def _empty_prompt(tokenizer: Any) -> str:
+    """What precedes a reply that opens the conversation."""
+    try:
+        return _chat(tokenizer, [], generation_prompt=True)
+    except Exception:  # many templates index messages[0]; then nothing precedes it
+        return ""
+
+
+def ensure_chat_template(tokenizer: Any) -> None:
+    """Give a tokenizer without a chat template the built-in one (saved with the model)."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE

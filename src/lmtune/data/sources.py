@@ -1,0 +1,272 @@
+"""Where examples come from: files, globs, folders and Hugging Face data sets, read as records.
+
+Every record keeps its file and line (or record number), so any later complaint about it can name
+the place a person has to look. Records are read lazily: a corpus larger than memory streams
+through.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmtune.data.sample import SAMPLE_SEED, addition_examples
+from lmtune.errors import UserError
+
+SAMPLE = "sample"
+SAMPLE_EVAL = "sample:eval"
+EXTENSIONS = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".txt")
+TXT_MODES = ("line", "block")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One example's raw fields and where it was read."""
+
+    source: str
+    line: int  # 1-based line of a text file, or record number of a table or data set
+    fields: dict[str, Any]
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}:{self.line}"
+
+
+@dataclass
+class BadLines:
+    """Lines that could not be read. With ``skip`` they are counted and passed over, else raised."""
+
+    skip: bool
+    count: int = 0
+    messages: list[str] = field(default_factory=list)
+    keep: int = 20
+
+    def report(self, message: str) -> None:
+        if not self.skip:
+            raise UserError(message)
+        self.count += 1
+        if len(self.messages) < self.keep:
+            self.messages.append(message)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input: a file (``kind`` is its reader), a saved data set folder, a hub data set or the sample."""
+
+    kind: str  # jsonl | json | parquet | csv | txt | hf_disk | hf_hub | sample
+    name: str
+    split: str | None = None
+
+    def fingerprint(self) -> str:
+        """Identifies the content, for the cache key: a file's bytes, a data set's fingerprint."""
+        if self.kind == "sample":
+            return f"sample-{SAMPLE_SEED}-{self.split}"
+        if self.kind == "hf_hub":
+            return f"hub:{self.name}:{self.split}"
+        path = Path(self.name)
+        digest = hashlib.blake2b(digest_size=16)
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for f in files:
+            digest.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
+            with f.open("rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    digest.update(chunk)
+        return f"{self.kind}:{digest.hexdigest()}:{self.split}"
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+
+
+def _file_source(path: Path, option: str) -> Source:
+    suffix = path.suffix.lower()
+    if suffix not in EXTENSIONS:
+        raise UserError(
+            f"{option} {path}: unsupported file type '{suffix or '(none)'}'; "
+            f"use one of {', '.join(EXTENSIONS)}"
+        )
+    kind = "jsonl" if suffix == ".ndjson" else suffix[1:]
+    return Source(kind, str(path))
+
+
+def resolve_sources(spec: str, option: str = "--data") -> list[Source]:
+    """Turn ``--data`` into sources: comma-separated files, globs, folders or data set names.
+
+    A folder is a saved Hugging Face data set when it has one, else every supported file in it.
+    A name that is no path is a hub data set, ``NAME`` or ``NAME:SPLIT`` (split ``train`` by default).
+    """
+    sources: list[Source] = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        if item in (SAMPLE, SAMPLE_EVAL):
+            sources.append(Source("sample", SAMPLE, "eval" if item == SAMPLE_EVAL else "train"))
+            continue
+        path = Path(item).expanduser()
+        if any(ch in item for ch in "*?["):
+            matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+            if not matches:
+                raise UserError(f"{option} {item}: no file matches")
+            sources += [_file_source(p, option) for p in matches]
+        elif path.is_dir():
+            if _is_saved_dataset(path):
+                sources.append(Source("hf_disk", str(path)))
+                continue
+            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in EXTENSIONS)
+            if not files:
+                raise UserError(f"{option} {item}: folder has no {', '.join(EXTENSIONS)} files")
+            sources += [_file_source(p, option) for p in files]
+        elif path.is_file():
+            sources.append(_file_source(path, option))
+        elif item.startswith((".", "/", "~")) or path.suffix.lower() in EXTENSIONS:
+            raise UserError(f"{option}: no such file or folder: {item}")
+        else:
+            name, _, split = item.partition(":")
+            sources.append(Source("hf_hub", name, split or "train"))
+    if not sources:
+        raise UserError(f"{option}: no data given")
+    return sources
+
+
+def iter_records(source: Source, text_field: str, bad: BadLines, txt_mode: str = "line") -> Iterator[Record]:
+    """The records of one source, in order; unreadable lines go to ``bad``."""
+    readers = {
+        "jsonl": lambda: _jsonl(source.name, bad),
+        "json": lambda: _json(source.name),
+        "parquet": lambda: _parquet(source.name),
+        "csv": lambda: _csv(source.name),
+        "txt": lambda: _txt(source.name, text_field, txt_mode, bad),
+        "hf_disk": lambda: _hf_disk(source.name, source.split),
+        "hf_hub": lambda: _hf_hub(source.name, source.split or "train"),
+        "sample": lambda: _sample(source.split or "train", text_field),
+    }
+    yield from readers[source.kind]()
+
+
+def _decoded_lines(path: str, bad: BadLines) -> Iterator[tuple[int, str]]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad.report(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)")
+
+
+def _jsonl(path: str, bad: BadLines) -> Iterator[Record]:
+    for lineno, line in _decoded_lines(path, bad):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.rstrip("\r\n"))
+        except json.JSONDecodeError as e:
+            bad.report(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})")
+            continue
+        if not isinstance(record, dict):
+            bad.report(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            continue
+        yield Record(path, lineno, record)
+
+
+def _json(path: str) -> Iterator[Record]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not valid UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(data, list):
+        raise UserError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+    for i, record in enumerate(data, start=1):
+        if not isinstance(record, dict):
+            raise UserError(f"{path}:{i}: record {i} is not a JSON object ({type(record).__name__})")
+        yield Record(path, i, record)
+
+
+def _parquet(path: str) -> Iterator[Record]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for a file that is not Parquet
+        raise UserError(f"{path}: not a readable Parquet file ({e})") from None
+    row = 0
+    for batch in table.iter_batches(batch_size=4096):
+        for record in batch.to_pylist():
+            row += 1
+            yield Record(path, row, record)
+
+
+def _csv(path: str) -> Iterator[Record]:
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f)
+            for record in reader:
+                yield Record(path, reader.line_num, dict(record))
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not valid UTF-8") from None
+    except csv.Error as e:
+        raise UserError(f"{path}: not valid CSV ({e})") from None
+
+
+def _txt(path: str, text_field: str, mode: str, bad: BadLines) -> Iterator[Record]:
+    if mode == "line":
+        for lineno, line in _decoded_lines(path, bad):
+            if line.strip():
+                yield Record(path, lineno, {text_field: line.rstrip("\r\n")})
+        return
+    block: list[str] = []
+    start = 0
+    for lineno, line in _decoded_lines(path, bad):
+        if line.strip():
+            if not block:
+                start = lineno
+            block.append(line.rstrip("\r\n"))
+        elif block:
+            yield Record(path, start, {text_field: "\n".join(block)})
+            block = []
+    if block:
+        yield Record(path, start, {text_field: "\n".join(block)})
+
+
+def _rows(dataset: Any, name: str) -> Iterator[Record]:
+    for i, row in enumerate(dataset, start=1):
+        yield Record(name, i, dict(row))
+
+
+def _hf_disk(path: str, split: str | None) -> Iterator[Record]:
+    from datasets import DatasetDict, load_from_disk
+
+    loaded = load_from_disk(path)  # memory-mapped Arrow: nothing is read into RAM up front
+    if isinstance(loaded, DatasetDict):
+        chosen = split or ("train" if "train" in loaded else next(iter(loaded)))
+        if chosen not in loaded:
+            raise UserError(f"{path}: no split '{chosen}' (splits: {', '.join(loaded)})")
+        loaded = loaded[chosen]
+    yield from _rows(loaded, path)
+
+
+def _hf_hub(name: str, split: str) -> Iterator[Record]:
+    try:
+        from datasets import load_dataset
+
+        dataset = load_dataset(name, split=split)
+    except Exception as e:  # offline, unknown name, missing split: all say the same to the user
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"--data {name}: not a local file or folder, and loading the Hugging Face data set "
+            f"'{name}' (split '{split}') failed: {first}"
+        ) from None
+    yield from _rows(dataset, name)
+
+
+def _sample(split: str, text_field: str) -> Iterator[Record]:
+    train, held_out = addition_examples()
+    for i, text in enumerate(train if split == "train" else held_out, start=1):
+        yield Record(SAMPLE if split == "train" else SAMPLE_EVAL, i, {text_field: text})
