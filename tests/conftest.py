@@ -5,12 +5,17 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 # Tests never reach the hub: models are built from presets, data is generated here.
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+# Tokenized-data caches go to a folder of this test session, never the user's ~/.cache.
+os.environ["LMTUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmtune-test-cache-")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,11 +33,20 @@ def uneven_texts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(1, 14))) for _ in range(n)]
 
 
+def tokenized(texts: list[str], tokenizer: Any, max_length: int = 512) -> Any:
+    """Plain texts as a tokenized data set, without a cache."""
+    from lmtune.data.prepare import DataSettings, encode_in_memory
+    from lmtune.data.sources import Record
+
+    recs = [Record("mem", i + 1, {"text": t}) for i, t in enumerate(texts)]
+    return encode_in_memory(recs, tokenizer, DataSettings(max_length=max_length))[0]
+
+
 def run_lmtune(
     args: list[str], timeout: float = 300, launcher: list[str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a fresh process (optionally under a launcher such as torchrun)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [*(launcher or [sys.executable, "-m"]), "lmtune", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 

@@ -95,11 +95,15 @@ def cpu_threads_per_process(env: DistEnv, requested: int = 0) -> int:
     """
     if requested > 0:
         return requested
+    return max(1, available_cores() // env.local_world_size)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (the affinity mask, which containers and SLURM set)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // env.local_world_size)
+        return os.cpu_count() or 1
 
 
 @contextmanager

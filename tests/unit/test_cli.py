@@ -18,7 +18,7 @@ from tests.conftest import run_lmtune, write_jsonl
         (["--global-batch-size", "10", "--micro-batch-size", "4"], "--global-batch-size 10 does not divide"),
         (["--global-batch-size", "8", "--micro-batch-size", "4", "--nproc-per-node", "3"], "4 x 3 processes"),
         (["--strategy", "zero3"], "--strategy: must be one of"),
-        (["--data", "missing.jsonl"], "--data: no such file: missing.jsonl"),
+        (["--data", "missing.jsonl"], "--data: no such file or folder: missing.jsonl"),
         (["--model", "./no-such-model-folder"], "--model ./no-such-model-folder: no such folder"),
         (["--epochs", "two"], "--epochs: expected int"),
         (["--strategy", "dp", "--device", "cpu"], "needs CUDA GPUs"),
@@ -38,7 +38,7 @@ def test_bad_data_line_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFix
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "fine"}\n{"txt": "oops"}\n')
     assert main(["train", "--data", str(data), "--output-dir", str(tmp_path / "o")]) == 2
-    assert f"{data}:2: record has no 'text' field" in capsys.readouterr().err
+    assert f"{data}:2: cannot tell the format" in capsys.readouterr().err
 
 
 def test_too_few_examples_for_one_global_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

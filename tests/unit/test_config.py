@@ -58,7 +58,7 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"lr": -1.0}, "--lr"),
         ({"strategy": "horovod"}, "--strategy"),
         ({"global_batch_size": 30, "micro_batch_size": 8}, "--global-batch-size 30"),
-        ({"data": "/no/such/file.jsonl"}, "--data: no such file: /no/such/file.jsonl"),
+        ({"data": "/no/such/file.jsonl"}, "--data: no such file or folder: /no/such/file.jsonl"),
         ({"eval_data": "/missing.jsonl"}, "--eval-data"),
         ({"precision": "fp8"}, "--precision"),
         ({"max_length": 1}, "--max-length"),
@@ -84,7 +84,7 @@ def test_default_micro_batch_is_the_per_process_share() -> None:
 
 
 def test_sample_data_trains_longer_by_default() -> None:
-    assert epochs(build_config({})) == 6
+    assert epochs(build_config({})) == 8
     assert epochs(build_config({"data": "my.jsonl"})) == 3
     assert epochs(build_config({"epochs": 1})) == 1
 

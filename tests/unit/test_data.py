@@ -1,71 +1,228 @@
+"""Reading inputs, formats and their labels, truncation, and batching."""
+
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from lmtune.data.collate import Collator
-from lmtune.data.reading import read_jsonl_texts
+from lmtune.data.formats import render
+from lmtune.data.prepare import DataSettings, encode_in_memory, records
 from lmtune.data.sample import addition_examples, split_prompt
-from lmtune.data.tokenize import IGNORE_INDEX, tokenize_texts
+from lmtune.data.sources import BadLines, Record, resolve_sources
+from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.errors import UserError
 from lmtune.modeling import byte_tokenizer
 
+# A ChatML template like the ones Qwen models ship, to check masking under a real template.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
-def test_reads_texts_and_skips_blank_lines(tmp_path: Path) -> None:
-    f = tmp_path / "d.jsonl"
-    f.write_text('{"text": "a"}\n\n   \n{"text": "b", "other": 1}\n')
-    assert read_jsonl_texts(str(f), "text") == ["a", "b"]
+
+def read(spec: str, **kw: Any) -> list[dict[str, Any]]:
+    settings = DataSettings(**kw)
+    return [r.fields for r in records(resolve_sources(spec), settings, BadLines(skip=False))]
 
 
-def test_custom_field(tmp_path: Path) -> None:
-    f = tmp_path / "d.ndjson"
-    f.write_text('{"content": "x"}\n')
-    assert read_jsonl_texts(str(f), "content") == ["x"]
+def encode(rows: list[dict[str, Any]], tokenizer: Any = None, **kw: Any) -> tuple[Any, Any, Any]:
+    tok = tokenizer or byte_tokenizer()
+    recs = [Record("mem", i + 1, r) for i, r in enumerate(rows)]
+    data, stats = encode_in_memory(recs, tok, DataSettings(**kw))
+    return data, stats, tok
+
+
+def trained_text(data: Any, i: int, tok: Any) -> str:
+    """The text of the positions that train (as targets after the shift: position 0 never does)."""
+    ids, labels = data[i]
+    return str(tok.decode([int(t) for t in ids[1:][labels[1:] != IGNORE_INDEX]]))
+
+
+# --- inputs ---------------------------------------------------------------------------------------
+
+
+def test_every_input_kind_reads_the_same_records(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    rows = [{"text": "first"}, {"text": "second, with a comma"}]
+    (tmp_path / "a.jsonl").write_text('{"text": "first"}\n\n  \n{"text": "second, with a comma"}\n')
+    (tmp_path / "b.ndjson").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "c.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    (tmp_path / "e.csv").write_text('text\nfirst\n"second, with a comma"\n')
+    (tmp_path / "f.txt").write_text("first\n\nsecond, with a comma\n")
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    for name in ("a.jsonl", "b.ndjson", "c.json", "d.parquet", "e.csv", "f.txt", "saved"):
+        assert read(str(tmp_path / name)) == rows, name
+    assert len(read(str(tmp_path / "*.jsonl") + "," + str(tmp_path / "c.json"))) == 4
+    assert len(read(str(tmp_path / "a.jsonl"))) == 2
+
+
+def test_folder_reads_every_supported_file(tmp_path: Path) -> None:
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "1.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "x" / "2.txt").write_text("b\nc\n")
+    (tmp_path / "x" / "notes.md").write_text("ignored\n")
+    assert [r["text"] for r in read(str(tmp_path / "x"))] == ["a", "b", "c"]
+
+
+def test_txt_blocks(tmp_path: Path) -> None:
+    (tmp_path / "t.txt").write_text("one\ntwo\n\n\nthree\n")
+    assert read(str(tmp_path / "t.txt"), txt_mode="block") == [{"text": "one\ntwo"}, {"text": "three"}]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("missing.jsonl", "no such file or folder: missing.jsonl"),
+        ("nothing-*.jsonl", "no file matches"),
+        ("data.xml", "unsupported file type '.xml'"),
+    ],
+)
+def test_missing_inputs(tmp_path: Path, spec: str, message: str) -> None:
+    if spec.endswith(".xml"):
+        (tmp_path / spec).write_text("<x/>")
+    with pytest.raises(UserError, match=message.replace("*", r"\*").replace(".", r"\.")):
+        resolve_sources(str(tmp_path / spec) if "xml" in spec or "*" in spec else spec)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="folder has no"):
+        resolve_sources(str(tmp_path / "empty"))
 
 
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b'{"text": "ok"}\n{"text": "broken\n', r"d.jsonl:2: not valid JSON \(Unterminated string"),
+        (b'{"text": "ok"}\n{"text": "broken\n', r"d\.jsonl:2: not valid JSON \(Unterminated string"),
         (
             b'{"text": "ok"}\n{"body": "x", "id": 3}\n',
-            r"d.jsonl:2: record has no 'text' field \(fields found: 'body', 'id'; expected: 'text'",
+            r"d\.jsonl:2: cannot tell the format \(fields found: 'body', 'id'",
         ),
-        (b'{"text": 5}\n', r"d.jsonl:1: record has a non-string \(int\) 'text' field"),
-        (b'{"text": "ok"}\n{"text": "\xff\xfe"}\n', r"d.jsonl:2: not valid UTF-8"),
-        (b"[1, 2]\n", r"d.jsonl:1: expected a JSON object"),
-        (b"", r"d.jsonl: no records"),
-        (b"\n\n", r"d.jsonl: no records"),
+        (b'{"text": 5}\n', r"d\.jsonl:1: record has a non-string \(int\) 'text' field"),
+        (b'{"text": "ok"}\n{"text": "\xff\xfe"}\n', r"d\.jsonl:2: not valid UTF-8"),
+        (b"[1, 2]\n", r"d\.jsonl:1: expected a JSON object"),
+        (
+            b'{"messages": [{"role": "bot", "content": "x"}]}\n',
+            r"d\.jsonl:1: message 1 has unknown role 'bot'",
+        ),
+        (b'{"prompt": "p", "completion": null}\n', r"d\.jsonl:1: record has no 'completion' field"),
     ],
 )
-def test_bad_data_names_file_and_line(tmp_path: Path, content: bytes, message: str) -> None:
+def test_bad_records_name_file_and_line(tmp_path: Path, content: bytes, message: str) -> None:
     f = tmp_path / "d.jsonl"
     f.write_bytes(content)
     with pytest.raises(UserError, match=message):
-        read_jsonl_texts(str(f), "text")
+        recs = list(records(resolve_sources(str(f)), DataSettings(), BadLines(skip=False)))
+        encode_in_memory(recs, byte_tokenizer(), DataSettings())
 
 
-def test_tokenize_appends_eos_and_counts_truncation() -> None:
+def test_skip_bad_lines_counts_them(tmp_path: Path) -> None:
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"text": "a"}\n{oops\n{"x": 1}\n{"text": "\xff"}\n{"text": "b"}\n')
+    bad = BadLines(skip=True)
+    settings = DataSettings(skip_bad_lines=True)
+    data, _stats = encode_in_memory(
+        records(resolve_sources(str(f)), settings, bad), byte_tokenizer(), settings, bad
+    )
+    assert len(data) == 2 and bad.count == 3
+    assert [m.split(": ")[0] for m in bad.messages] == [f"{f}:2", f"{f}:4", f"{f}:3"]
+
+
+# --- formats and labels ---------------------------------------------------------------------------
+
+
+def test_text_trains_everything_and_appends_eos() -> None:
+    data, stats, tok = encode([{"text": "abc"}])
+    ids, labels = data[0]
+    assert list(ids) == [tok.bos_token_id, ord("a"), ord("b"), ord("c"), tok.eos_token_id]
+    assert (labels[1:] == ids[1:]).all()
+    assert stats.formats == {"text": 1} and stats.eos_trained == 1
+
+
+def test_prompt_completion_trains_only_the_completion_and_eos() -> None:
+    data, _, tok = encode([{"prompt": "Q: 2+2?\nA: ", "completion": "4"}])
+    assert trained_text(data, 0, tok) == "4" + tok.eos_token
+    _ids, labels = data[0]
+    assert labels[-1] == tok.eos_token_id
+
+
+def test_instruction_alias() -> None:
+    data, stats, tok = encode([{"instruction": "Add.", "input": "2 2", "output": "4"}])
+    assert stats.formats == {"prompt_completion": 1}
+    assert trained_text(data, 0, tok) == "4" + tok.eos_token
+    assert tok.decode(data[0][0][1:]).startswith("Add.\n\n2 2\n\n4")
+
+
+def test_messages_train_only_assistant_turns_with_the_builtin_template() -> None:
+    conv = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    data, stats, tok = encode([{"messages": conv}])
+    assert trained_text(data, 0, tok) == f"hello{tok.eos_token}4{tok.eos_token}"
+    assert stats.eos_trained == 1
+
+
+def test_messages_under_a_real_chat_template() -> None:
     tok = byte_tokenizer()
-    data = tokenize_texts(["ab", "abcdefghij"], tok, max_length=6)
-    assert len(data) == 2 and data.truncated == 1
-    short, _ = data[0]
-    assert list(short) == [tok.bos_token_id, ord("a"), ord("b"), tok.eos_token_id]
-    long_ids, _ = data[1]
-    # Cut on the right, and without EOS: the text did not end there.
-    assert len(long_ids) == 6 and tok.eos_token_id not in list(long_ids)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    data, _, _ = encode([{"messages": conv}], tokenizer=tok)
+    assert trained_text(data, 0, tok) == "hello<|im_end|>\n"
+    rendered = render(Record("m", 1, {"messages": conv}), "auto", "text", tok)
+    assert rendered.text.startswith("<|im_start|>user\nhi<|im_end|>")
+
+
+def test_forced_format_requires_its_fields() -> None:
+    with pytest.raises(UserError, match="mem:1: record has no 'prompt' field"):
+        encode([{"text": "x"}], format="prompt_completion")
+
+
+# --- truncation -----------------------------------------------------------------------------------
+
+
+def test_truncation_modes_and_counts() -> None:
+    rows = [{"text": "short"}, {"prompt": "p", "completion": "a long answer here"}]
+    right, s_right, _ = encode(rows, max_length=8, truncation="right")
+    left, s_left, tok = encode(rows, max_length=8, truncation="left")
+    assert (s_right.truncated, s_left.truncated) == (1, 1)
+    assert len(right[1][0]) == len(left[1][0]) == 8
+    assert left[1][0][-1] == tok.eos_token_id and right[1][0][-1] != tok.eos_token_id
+    _, s_drop, _ = encode(rows, max_length=8, truncation="drop")
+    assert (s_drop.examples, s_drop.dropped_too_long) == (1, 1)
+    with pytest.raises(UserError, match=r"mem:2: 21 tokens, more than --max-length 8"):
+        encode(rows, max_length=8, truncation="error")
+
+
+def test_an_example_left_with_no_targets_is_dropped_and_counted() -> None:
+    rows = [{"prompt": "a very long prompt", "completion": "x"}, {"text": "ok"}]
+    data, stats, _ = encode(rows, max_length=6, truncation="right")
+    assert len(data) == 1 and stats.dropped_no_targets == 1 and stats.truncated == 0
+
+
+# --- batching -------------------------------------------------------------------------------------
 
 
 def test_padding_is_masked_from_the_attention_mask_not_by_id() -> None:
     tok = byte_tokenizer()
     tok.pad_token = tok.eos_token  # the common pad == eos setup
-    data = tokenize_texts(["a", "abcd"], tok, max_length=64)
+    data, _, _ = encode([{"text": "a"}, {"text": "abcd"}], tokenizer=tok)
     batch = Collator(tok.pad_token_id)([data[0], data[1]])
     assert batch.input_ids.shape == (2, 6)
     # Row 0 is bos a eos pad pad pad: the real EOS keeps its label, the padding (same id) does not.
+    # (BOS is never a target: nothing precedes it.)
     assert batch.labels[0].tolist() == [
-        tok.bos_token_id,
+        IGNORE_INDEX,
         ord("a"),
         tok.eos_token_id,
         IGNORE_INDEX,
@@ -73,8 +230,7 @@ def test_padding_is_masked_from_the_attention_mask_not_by_id() -> None:
         IGNORE_INDEX,
     ]
     assert batch.attention_mask[0].tolist() == [1, 1, 1, 0, 0, 0]
-    # Plain text with no prompt: every real position is a target.
-    assert (batch.labels[1] == batch.input_ids[1]).all()
+    assert (batch.labels[1, 1:] == batch.input_ids[1, 1:]).all()
     assert batch.target_tokens() == 2 + 5
 
 
@@ -86,3 +242,4 @@ def test_sample_task_is_deterministic_and_splits_are_disjoint() -> None:
         prompt, answer = split_prompt(text)
         a, b = prompt[:-1].split("+")
         assert int(answer) == int(a) + int(b)
+    assert np.all(np.array([len(t) for t in train]) > 4)

@@ -6,10 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from lmtune.data.collate import Collator
-from lmtune.data.tokenize import tokenize_texts
 from lmtune.loss import SummedLoss, token_loss_sum
 from lmtune.modeling import build_preset
-from tests.conftest import uneven_texts
+from tests.conftest import tokenized, uneven_texts
 
 
 def test_summed_loss_matches_mean_cross_entropy() -> None:
@@ -51,7 +50,7 @@ def _simulate(split: list[list[list[int]]], data, collate, module, mean_of_means
 def test_global_token_normalisation_is_world_size_invariant_and_mean_of_means_is_not() -> None:
     loaded = build_preset("tiny", seed=0)
     module = SummedLoss(loaded.model)
-    data = tokenize_texts(uneven_texts(8, seed=4), loaded.tokenizer, max_length=64)
+    data = tokenized(uneven_texts(8, seed=4), loaded.tokenizer, max_length=64)
     collate = Collator(loaded.tokenizer.pad_token_id)
     one_process = [[[0, 1], [2, 3], [4, 5], [6, 7]]]  # 1 rank x 4 micro-steps
     two_ranks = [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]  # 2 ranks x 2 micro-steps, same global batch

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import time
@@ -23,10 +24,11 @@ from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
 from lmtune.data.formats import ensure_chat_template
 from lmtune.data.sources import BadLines, Record, Source, iter_records, resolve_sources
 from lmtune.data.tokenize import Encoded, EncodeStats, chunks, encode_chunk
-from lmtune.distributed import DistEnv, broadcast_object
+from lmtune.distributed import DistEnv, available_cores, broadcast_object
 from lmtune.errors import UserError
 
 CACHE_VERSION = 1
+LARGE_INPUT_BYTES = 16 << 20
 CACHE_ENV = "LMTUNE_CACHE_DIR"
 
 
@@ -89,24 +91,75 @@ def records(sources: list[Source], settings: DataSettings, bad: BadLines) -> Ite
         yield from iter_records(source, settings.text_field, bad, settings.txt_mode)
 
 
+def _encode(
+    chunk: list[Record], tokenizer: Any, settings: DataSettings, bad: BadLines
+) -> tuple[list[Encoded], EncodeStats]:
+    return encode_chunk(
+        chunk, tokenizer, settings.format, settings.text_field, settings.max_length, settings.truncation, bad
+    )
+
+
+# Set once in each pool worker by its initializer: the tokenizer is sent to a worker once, not
+# with every chunk.
+_worker_state: tuple[Any, DataSettings] | None = None
+
+
+def _worker_init(tokenizer: Any, settings: DataSettings) -> None:
+    global _worker_state
+    _worker_state = (tokenizer, settings)
+
+
+def _worker_encode(chunk: list[Record]) -> tuple[list[Encoded], EncodeStats, list[str]]:
+    assert _worker_state is not None
+    collected = BadLines(skip=True, keep=len(chunk))
+    encoded, stats = _encode(chunk, *_worker_state, collected)
+    return encoded, stats, collected.messages
+
+
 def encode_into(
-    recs: Iterable[Record], tokenizer: Any, settings: DataSettings, sink: Sink, bad: BadLines
+    recs: Iterable[Record],
+    tokenizer: Any,
+    settings: DataSettings,
+    sink: Sink,
+    bad: BadLines,
+    workers: int = 1,
 ) -> EncodeStats:
-    """Stream records through rendering and tokenization into ``sink``, a chunk at a time."""
+    """Stream records through rendering and tokenization into ``sink``, a chunk at a time.
+
+    With ``workers > 1`` chunks are rendered and tokenized in that many processes (chat templates
+    render in Python, so one core would be the limit); results come back in order, and a bad
+    record stops the build exactly as it would in one process.
+    """
     stats = EncodeStats()
-    for chunk in chunks(recs):
-        encoded, chunk_stats = encode_chunk(
-            chunk,
-            tokenizer,
-            settings.format,
-            settings.text_field,
-            settings.max_length,
-            settings.truncation,
-            bad,
-        )
-        sink.write(encoded)
-        stats.merge(chunk_stats)
+    if workers <= 1:
+        for chunk in chunks(recs):
+            encoded, chunk_stats = _encode(chunk, tokenizer, settings, bad)
+            sink.write(encoded)
+            stats.merge(chunk_stats)
+        return stats
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds torch threads
+    with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer, settings)) as pool:
+        for encoded, chunk_stats, messages in pool.imap(_worker_encode, chunks(recs)):
+            for message in messages:
+                bad.report(message)
+            sink.write(encoded)
+            stats.merge(chunk_stats)
     return stats
+
+
+def build_workers(sources: list[Source]) -> int:
+    """Processes for tokenizing: every core for large inputs; one for small ones, where starting
+    the workers would cost more than it saves."""
+    total = 0
+    for s in sources:
+        path = Path(s.name)
+        if s.kind == "hf_hub":
+            total += LARGE_INPUT_BYTES
+        elif path.is_dir():
+            total += sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        elif path.is_file():
+            total += path.stat().st_size
+    return available_cores() if total >= LARGE_INPUT_BYTES else 1
 
 
 class _ListSink:
@@ -118,12 +171,13 @@ class _ListSink:
 
 
 def encode_in_memory(
-    recs: Iterable[Record], tokenizer: Any, settings: DataSettings
+    recs: Iterable[Record], tokenizer: Any, settings: DataSettings, bad: BadLines | None = None
 ) -> tuple[TokenizedDataset, EncodeStats]:
     """Tokenize records without a cache: for small data, tests and tools."""
     ensure_chat_template(tokenizer)
     sink = _ListSink()
-    stats = encode_into(recs, tokenizer, settings, sink, BadLines(skip=settings.skip_bad_lines))
+    bad = bad if bad is not None else BadLines(skip=settings.skip_bad_lines)
+    stats = encode_into(recs, tokenizer, settings, sink, bad)
     return TokenizedDataset.from_encoded(sink.examples), stats
 
 
@@ -133,7 +187,8 @@ def _build(
     started = time.perf_counter()
     bad = BadLines(skip=settings.skip_bad_lines)
     writer = DatasetWriter(folder)
-    stats = encode_into(records(sources, settings, bad), tokenizer, settings, writer, bad)
+    workers = build_workers(sources)
+    stats = encode_into(records(sources, settings, bad), tokenizer, settings, writer, bad, workers)
     if stats.examples == 0:
         raise UserError(
             f"{option} {spec}: no examples left ({stats.dropped_too_long} longer than --max-length, "
@@ -147,6 +202,7 @@ def _build(
             "sources": [s.name for s in sources],
             "settings": dataclasses.asdict(settings),
             "build_seconds": time.perf_counter() - started,
+            "build_workers": workers,
         }
     )
 

@@ -73,7 +73,8 @@ class Source:
         digest = hashlib.blake2b(digest_size=16)
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for f in files:
-            digest.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
+            if path.is_dir():  # names order a folder's files; a single file is its content alone
+                digest.update(str(f.relative_to(path)).encode())
             with f.open("rb") as fh:
                 while chunk := fh.read(1 << 20):
                     digest.update(chunk)

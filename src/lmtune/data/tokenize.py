@@ -51,13 +51,35 @@ class Encoded:
     trainable: np.ndarray  # bool, same length
 
 
-def _mask(offsets: np.ndarray, spans: tuple[tuple[int, int], ...]) -> np.ndarray:
-    """A token trains when it covers text and starts inside a trainable span."""
-    starts, ends = offsets[:, 0], offsets[:, 1]
-    inside = np.zeros(len(offsets), dtype=bool)
+def _first_char_token(enc: Any, chars: range) -> int | None:
+    for c in chars:
+        t = enc.char_to_token(c)
+        if t is not None:
+            return int(t)
+    return None
+
+
+def trainable_mask(enc: Any, spans: tuple[tuple[int, int], ...], text_length: int) -> np.ndarray:
+    """A token trains when it starts inside a trainable span (and is not a special token added
+    around the text). A token that starts before a span and runs into it belongs to the part
+    before: a prompt token that swallowed the answer's first character is not trained.
+
+    Works from the span boundaries (a few lookups per example), not from every token's offsets.
+    """
+    n = len(enc.ids)
+    if spans == ((0, text_length),):
+        return ~np.asarray(enc.special_tokens_mask, dtype=bool)
+    mask = np.zeros(n, dtype=bool)
     for lo, hi in spans:
-        inside |= (starts >= lo) & (starts < hi)
-    return inside & (ends > starts)
+        first = _first_char_token(enc, range(lo, hi))
+        if first is None:
+            continue  # nothing of the span survived as a token
+        if enc.token_to_chars(first)[0] < lo:
+            first += 1
+        last = _first_char_token(enc, range(hi - 1, lo - 1, -1))
+        assert last is not None
+        mask[first : last + 1] = True
+    return mask
 
 
 def truncate(
@@ -105,20 +127,25 @@ def encode_chunk(
     for i, r in enumerate(rendered):
         by_special.setdefault(r.add_special_tokens, []).append(i)
         stats.formats[r.format] = stats.formats.get(r.format, 0) + 1
-    encoded: dict[int, tuple[list[int], list[tuple[int, int]]]] = {}
+    # The Rust tokenizer directly: it encodes a batch on every core, and its Encoding objects
+    # answer span lookups without converting every token's offsets to Python.
+    backend = tokenizer.backend_tokenizer
+    encoded: dict[int, Any] = {}
     for special, idx in by_special.items():
-        batch = tokenizer(
-            [rendered[i].text for i in idx], add_special_tokens=special, return_offsets_mapping=True
-        )
-        for j, i in enumerate(idx):
-            encoded[i] = (batch["input_ids"][j], batch["offset_mapping"][j])
+        for i, enc in zip(
+            idx,
+            backend.encode_batch([rendered[i].text for i in idx], add_special_tokens=special),
+            strict=True,
+        ):
+            encoded[i] = enc
     for i, (rec, r) in enumerate(zip(records, rendered, strict=True)):
-        token_ids, offsets = encoded[i]
-        ids = np.asarray(token_ids, dtype=np.int32)
-        trainable = _mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), r.spans)
+        enc = encoded[i]
+        ids = np.asarray(enc.ids, dtype=np.int32)
+        trainable = trainable_mask(enc, r.spans, len(r.text))
         if r.append_eos and not (len(ids) and ids[-1] == eos):
             ids = np.append(ids, np.int32(eos))
             trainable = np.append(trainable, True)
+        cut = None
         if len(ids) > max_length:
             try:
                 cut = truncate(ids, trainable, max_length, truncation, rec.where)
@@ -129,12 +156,12 @@ def encode_chunk(
                 stats.dropped_too_long += 1
                 continue
             ids, trainable = cut
-            stats.truncated += 1
         targets = int(trainable[1:].sum())  # position 0 is never predicted
         if targets == 0:
             stats.dropped_no_targets += 1  # would train as a loss of 0 on nothing
             continue
         stats.examples += 1
+        stats.truncated += bool(cut is not None)
         stats.tokens += len(ids)
         stats.target_tokens += targets
         stats.eos_trained += bool(ids[-1] == eos and trainable[-1])

@@ -1,0 +1,130 @@
+"""Data preparation on 2 ranks: one process tokenizes, the other waits; bad input stops both.
+
+Launches go through the real CLI (`--nproc-per-node 2`, torch.distributed.run underneath).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_lmtune, uneven_texts
+
+pytestmark = pytest.mark.distributed
+
+TRAIN = [
+    "train",
+    "--nproc-per-node",
+    "2",
+    "--max-steps",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--no-progress",
+    "--threads-per-process",
+    "1",
+]
+
+
+def test_one_rank_tokenizes_and_the_second_run_hits_the_cache(tmp_path: Path) -> None:
+    rows = [{"text": t} for t in uneven_texts(12, seed=3)]
+    rows += [{"prompt": "Q: " + t, "completion": " A"} for t in uneven_texts(6, seed=4)]
+    rows += [
+        {"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": "ok"}]}
+        for t in uneven_texts(6, seed=5)
+    ]
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cache = tmp_path / "cache"
+    built = []
+    for run in ("first", "second"):
+        out = tmp_path / run
+        proc = run_lmtune([*TRAIN, "--data", str(data), "--cache-dir", str(cache), "--output-dir", str(out)])
+        assert proc.returncode == 0, proc.stderr
+        info = json.loads((out / "run.json").read_text())["data"]["train"]
+        assert info["examples"] == 24 and info["formats"] == {
+            "text": 12,
+            "prompt_completion": 6,
+            "messages": 6,
+        }
+        built.append(info["built_by_ranks"])
+    assert built == [[0], []]  # rank 1 waited for rank 0; the second run tokenized nothing
+    entries = [p for p in cache.iterdir() if p.is_dir()]
+    assert len(entries) == 1
+
+
+BAD_INPUTS = {
+    "malformed_json": (b'{"text": "a"}\n{"text": \n', "bad.jsonl:2: not valid JSON"),
+    "missing_field": (
+        b'{"text": "a"}\n{"body": "b"}\n',
+        "bad.jsonl:2: cannot tell the format (fields found: 'body'",
+    ),
+    "non_string": (
+        b'{"text": "a"}\n{"text": ["b"]}\n',
+        "bad.jsonl:2: record has a non-string (list) 'text' field",
+    ),
+    "invalid_utf8": (b'{"text": "a"}\n{"text": "\xc3\x28"}\n', "bad.jsonl:2: not valid UTF-8"),
+    "empty_file": (b"", "bad.jsonl: no examples left"),
+    "empty_after_filtering": (
+        b'{"prompt": "a long prompt", "completion": "x"}\n' * 8,
+        "bad.jsonl: no examples left (0 longer than --max-length, 8 with no trainable",
+    ),
+    "fewer_than_a_batch": (b'{"text": "a"}\n{"text": "b"}\n', "2 examples, fewer than one global batch"),
+    "unknown_role": (
+        b'{"messages": [{"role": "narrator", "content": "x"}]}\n',
+        "bad.jsonl:1: message 1 has unknown role 'narrator'",
+    ),
+    "missing_file": (None, "--data: no such file or folder:"),
+}
+
+
+def _launch(
+    tmp_path: Path, name: str, content: bytes | None
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    folder = tmp_path / name
+    folder.mkdir()
+    data = folder / "bad.jsonl"
+    if content is not None:
+        data.write_bytes(content)
+    args = [
+        *TRAIN,
+        "--data",
+        str(data),
+        "--cache-dir",
+        str(folder / "cache"),
+        "--output-dir",
+        str(folder / "out"),
+        "--max-length",
+        "6",
+    ]
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmtune", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    return proc, time.monotonic() - started
+
+
+def test_every_bad_input_stops_both_ranks_with_one_message(tmp_path: Path) -> None:
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {
+            name: pool.submit(_launch, tmp_path, name, content) for name, (content, _) in BAD_INPUTS.items()
+        }
+        results = {name: f.result() for name, f in futures.items()}
+    for name, (proc, elapsed) in results.items():
+        expected = BAD_INPUTS[name][1]
+        assert proc.returncode == 2, f"{name}: exit {proc.returncode}\n{proc.stderr}"
+        assert expected in proc.stderr, f"{name}: {proc.stderr}"
+        assert proc.stderr.count("error: ") == 1, f"{name}: {proc.stderr}"
+        assert "Traceback" not in proc.stderr + proc.stdout, name
+        assert elapsed < 60, f"{name} took {elapsed:.0f}s"

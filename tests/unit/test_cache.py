@@ -1,0 +1,78 @@
+"""The tokenized-data cache: what its key depends on, and build once then hit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmtune.data.prepare import DataSettings, cache_key, prepare
+from lmtune.data.sources import resolve_sources
+from lmtune.distributed import read_dist_env
+from lmtune.errors import UserError
+from lmtune.modeling import byte_tokenizer
+from tests.conftest import write_jsonl
+
+
+def key(spec: str, tok: object = None, **settings: object) -> str:
+    return cache_key(resolve_sources(spec), tok or byte_tokenizer(), DataSettings(**settings))  # type: ignore[arg-type]
+
+
+def test_key_is_stable_and_changes_with_every_input(tmp_path: Path) -> None:
+    f = write_jsonl(tmp_path / "d.jsonl", ["one", "two"])
+    base = key(str(f))
+    assert key(str(f)) == base
+    templated = byte_tokenizer()
+    templated.chat_template = "{{ messages }}"
+    changed = {
+        "max_length": key(str(f), max_length=64),
+        "truncation": key(str(f), truncation="left"),
+        "format": key(str(f), format="text"),
+        "field": key(str(f), text_field="body"),
+        "template": key(str(f), templated),
+    }
+    assert base not in changed.values() and len(set(changed.values())) == len(changed)
+    copy = write_jsonl(tmp_path / "copy.jsonl", ["one", "two"])
+    assert key(str(copy)) == base  # content, not the path
+    write_jsonl(f, ["one", "three"])
+    assert key(str(f)) != base
+
+
+def test_second_prepare_is_a_cache_hit(tmp_path: Path) -> None:
+    f = write_jsonl(tmp_path / "d.jsonl", ["alpha", "beta", "gamma"])
+    env = read_dist_env("cpu")
+    first = prepare(str(f), byte_tokenizer(), DataSettings(), env, tmp_path / "cache")
+    second = prepare(str(f), byte_tokenizer(), DataSettings(), env, tmp_path / "cache")
+    assert first.built and not second.built and first.folder == second.folder
+    assert [list(second.dataset[i][0]) for i in range(3)] == [list(first.dataset[i][0]) for i in range(3)]
+    assert second.dataset.meta["examples"] == 3
+
+
+def test_empty_data_is_a_user_error_and_leaves_no_entry(tmp_path: Path) -> None:
+    f = tmp_path / "empty.jsonl"
+    f.write_text("\n\n")
+    env = read_dist_env("cpu")
+    with pytest.raises(UserError, match=r"--data .*empty\.jsonl: no examples left"):
+        prepare(str(f), byte_tokenizer(), DataSettings(), env, tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+
+
+def test_worker_processes_give_the_same_result_and_the_same_errors() -> None:
+    from lmtune.data.prepare import _ListSink, encode_into
+    from lmtune.data.sources import BadLines, Record
+
+    rows = [
+        {"text": f"example {i}"} if i % 3 else {"prompt": f"q{i} ", "completion": "a"} for i in range(5000)
+    ]
+    recs = [Record("mem", i + 1, r) for i, r in enumerate(rows)]
+    one, two = _ListSink(), _ListSink()
+    s1 = encode_into(recs, byte_tokenizer(), DataSettings(), one, BadLines(skip=False), workers=1)
+    s2 = encode_into(recs, byte_tokenizer(), DataSettings(), two, BadLines(skip=False), workers=2)
+    assert s1 == s2
+    assert all(
+        (a.ids == b.ids).all() and (a.trainable == b.trainable).all()
+        for a, b in zip(one.examples, two.examples, strict=True)
+    )
+    bad = [*recs[:4000], Record("mem", 4001, {"nothing": 1}), *recs[4000:]]
+    with pytest.raises(UserError, match="mem:4001: cannot tell the format"):
+        encode_into(bad, byte_tokenizer(), DataSettings(), _ListSink(), BadLines(skip=False), workers=2)
