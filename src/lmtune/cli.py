@@ -66,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
     gen.set_defaults(run=_cmd_generate)
+    exp = commands.add_parser(
+        "export",
+        help="write a Hugging Face model folder from a checkpoint",
+        description="Write config, model.safetensors and the tokenizer of a training checkpoint to DIR.",
+    )
+    exp.add_argument("checkpoint", help="checkpoint folder, for example OUTPUT/checkpoints/step-000100")
+    exp.add_argument("out", metavar="DIR", help="folder to write")
+    exp.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
+    exp.set_defaults(run=_cmd_export)
     data = commands.add_parser("data", help="inspect training data").add_subparsers(
         dest="data_command", required=True, metavar="COMMAND"
     )
@@ -116,15 +125,17 @@ def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.distributed import launched_world_size
 
     cfg = _train_config(args)
-    if launched_world_size() == 1 and cfg.nproc_per_node > 1:
-        # Check in the launcher first: a bad option is then reported once, before N processes start.
-        validate(cfg, cfg.nproc_per_node)
-        from lmtune.launch import relaunch
+    if launched_world_size() == 1:
+        from lmtune.launch import needs_launcher, relaunch, world_size_bounds
 
-        return relaunch(list(argv), cfg.nproc_per_node)
+        if needs_launcher(cfg):
+            # Check in the launcher first: a bad option is then reported once, before N processes start.
+            for world_size in sorted(set(world_size_bounds(cfg))):
+                validate(cfg, world_size)
+            return relaunch(list(argv), cfg)
     from lmtune.train import train
 
-    train(cfg)
+    train(cfg)  # a run stopped by a signal has saved a checkpoint and exits cleanly too
     return 0
 
 
@@ -149,6 +160,16 @@ def _cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
             model, loaded.tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed
         )
     print(args.prompt + text)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from lmtune.checkpoint import export
+
+    export(Path(args.checkpoint), Path(args.out), args.trust_remote_code)
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -198,10 +219,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.run(args, argv)
         return code
     except UserError as e:
-        from lmtune.launch import report_user_error
+        from lmtune.launch import report_error
 
-        report_user_error(str(e))
+        report_error(str(e))
         return USER_ERROR_EXIT_CODE
+    except Exception as e:
+        from lmtune.loop import TrainingStopped
+
+        if not isinstance(e, TrainingStopped):
+            raise
+        from lmtune.launch import report_error
+
+        report_error(str(e))
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -179,6 +179,49 @@ class TrainConfig:
     log_every: int = field(default=1, metadata=_help("Write a metrics.jsonl line every N optimizer steps."))
     num_workers: int = field(default=0, metadata=_help("DataLoader worker processes per rank."))
     progress: bool = field(default=True, metadata=_help("Show a progress bar on rank 0."))
+    save_every: int = field(
+        default=0,
+        metadata=_help(
+            "Save a resumable checkpoint every N optimizer steps and at the end; 0 saves only when "
+            "stopped by SIGTERM/SIGINT."
+        ),
+    )
+    keep_last: int = field(default=3, metadata=_help("Keep the newest K checkpoints; 0 keeps all."))
+    resume: str = field(
+        default="auto",
+        metadata=_help(
+            "auto (continue from the newest valid checkpoint in --output-dir, if any) | never | "
+            "PATH of a checkpoint folder."
+        ),
+    )
+    on_nan: str = field(
+        default="stop",
+        metadata=_help(
+            "A non-finite loss or gradient norm: stop (keep the last checkpoint) | skip the update."
+        ),
+    )
+    record_samples: bool = field(
+        default=False,
+        metadata=_help("Write the example ids of every step to samples/rank-R.jsonl (to audit data order)."),
+    )
+    max_restarts: int = field(
+        default=0,
+        metadata=_help(
+            "Restart all workers this many times when one dies; they resume from the newest checkpoint."
+        ),
+    )
+    nnodes: str = field(
+        default="1",
+        metadata=_help("Machines in the job: N, or MIN:MAX for an elastic job (c10d rendezvous)."),
+    )
+    node_rank: int | None = field(
+        default=None,
+        metadata=_help("This machine's rank; node 0 hosts the rendezvous store at --rdzv-endpoint."),
+    )
+    rdzv_endpoint: str | None = field(
+        default=None, metadata=_help("HOST:PORT of the rendezvous, the same on every node (multi-node).")
+    )
+    rdzv_id: str = field(default="lmtune", metadata=_help("Job id shared by the nodes of one run."))
     trust_remote_code: bool = field(
         default=False,
         metadata=_help("Allow a hub model to run its own Python code (off: only built-in classes)."),
@@ -286,6 +329,19 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.adam_eps > 0, "adam_eps", "must be > 0")
     need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
     need(cfg.nproc_per_node >= 1, "nproc_per_node", "must be >= 1")
+    need(cfg.save_every >= 0, "save_every", "must be >= 0")
+    need(cfg.keep_last >= 0, "keep_last", "must be >= 0")
+    need(cfg.on_nan in ("stop", "skip"), "on_nan", "must be stop or skip")
+    need(cfg.max_restarts >= 0, "max_restarts", "must be >= 0")
+    need(cfg.node_rank is None or cfg.node_rank >= 0, "node_rank", "must be >= 0")
+    nodes = parse_nnodes(cfg.nnodes)
+    need(
+        cfg.rdzv_endpoint is not None or nodes[1] == 1,
+        "rdzv_endpoint",
+        "is needed when --nnodes is more than 1",
+    )
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir():
+        raise UserError(f"--resume: no such checkpoint folder: {cfg.resume}")
     need(cfg.threads_per_process >= 0, "threads_per_process", "must be >= 0")
     need(cfg.eval_every >= 0, "eval_every", "must be >= 0")
     need(cfg.log_every >= 1, "log_every", "must be >= 1")
@@ -310,6 +366,18 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         spec = getattr(cfg, name)
         if spec is not None:
             resolve_sources(spec, option_name(name))  # missing files and empty globs fail here
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
+    lo, _, hi = value.partition(":")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise UserError(f"--nnodes: expected N or MIN:MAX, got {value!r}") from None
+    if not 1 <= low <= high:
+        raise UserError(f"--nnodes: expected 1 <= MIN <= MAX, got {value!r}")
+    return low, high
 
 
 def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from lmtune.errors import UserError
 
@@ -115,15 +116,41 @@ def process_group(env: DistEnv, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
         yield env
         return
     assert env.backend is not None
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=env.backend,
-        timeout=timedelta(seconds=timeout_s),
+        store=_attempt_store(env, timeout),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
         device_id=env.device if env.device.type == "cuda" else None,
     )
     try:
         yield env
     finally:
         dist.destroy_process_group()
+
+
+def _attempt_store(env: DistEnv, timeout: timedelta) -> Store:
+    """The rendezvous store, with its keys kept apart per restart of the job.
+
+    Workers restarted by the elastic agent may reach a store that still holds the previous attempt's
+    keys (peer addresses, barrier counters); reading those, gloo hangs or is refused. A prefix per
+    ``TORCHELASTIC_RESTART_COUNT`` gives every attempt a clean namespace.
+    """
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = _env_int("MASTER_PORT", 29500)
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = TCPStore(
+        host,
+        port,
+        env.world_size,
+        is_master=env.rank == 0 and not agent_hosts_it,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"lmtune/attempt-{attempt}", store)
 
 
 def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:

@@ -10,15 +10,16 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from lmtune.config import TrainConfig, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE
 
-# Workers started by `relaunch` leave user-error messages here instead of printing them, so the
+# Workers started by `relaunch` leave their error messages here instead of printing them, so the
 # launcher prints each distinct message once rather than once per rank.
 ERROR_DIR_ENV = "LMTUNE_ERROR_DIR"
 
 
-def report_user_error(message: str) -> None:
-    """Print a user error, or hand it to the launcher that started this worker."""
+def report_error(message: str) -> None:
+    """Print an error that ends the run, or hand it to the launcher that started this worker."""
     from lmtune.distributed import launched_rank
 
     error_dir = os.environ.get(ERROR_DIR_ENV)
@@ -30,11 +31,23 @@ def report_user_error(message: str) -> None:
     print(f"{prefix}: {message}", file=sys.stderr, flush=True)
 
 
-def relaunch(argv: list[str], nproc_per_node: int) -> int:
-    """Run ``lmtune <argv>`` in ``nproc_per_node`` local processes; return the exit code.
+def needs_launcher(cfg: TrainConfig) -> bool:
+    """Whether this command must start the job through torch.distributed.run."""
+    return cfg.nproc_per_node > 1 or parse_nnodes(cfg.nnodes)[1] > 1 or cfg.max_restarts > 0
 
-    The rendezvous endpoint is ``localhost:0`` so the OS picks a free port: two runs on one machine
-    never collide. When one worker fails the launcher stops the others, so no rank is left hanging.
+
+def world_size_bounds(cfg: TrainConfig) -> tuple[int, int]:
+    low, high = parse_nnodes(cfg.nnodes)
+    return low * cfg.nproc_per_node, high * cfg.nproc_per_node
+
+
+def relaunch(argv: list[str], cfg: TrainConfig) -> int:
+    """Run ``lmtune <argv>`` as ``cfg.nproc_per_node`` local workers of the job; return the exit code.
+
+    One machine: the rendezvous endpoint is ``localhost:0`` so the OS picks a free port, and two
+    runs never collide. Several machines: c10d rendezvous at ``--rdzv-endpoint``, hosted by node 0.
+    When a worker fails the launcher stops the others, so no rank is left hanging; with
+    ``--max-restarts`` it starts them all again and they resume from the newest checkpoint.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -42,14 +55,22 @@ def relaunch(argv: list[str], nproc_per_node: int) -> int:
 
     error_dir = tempfile.mkdtemp(prefix="lmtune-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir
+    min_nodes, max_nodes = parse_nnodes(cfg.nnodes)
+    single_node = max_nodes == 1 and cfg.rdzv_endpoint is None
+    rdzv_configs: dict[str, object] = {}
+    if cfg.node_rank is not None:
+        # Every node may resolve the endpoint's host as its own (loopback tests, one-host setups):
+        # say which one hosts the store instead of leaving it to a race.
+        rdzv_configs["is_host"] = cfg.node_rank == 0
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc_per_node,
-        run_id=str(uuid.uuid4()),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=cfg.nproc_per_node,
+        run_id=str(uuid.uuid4()) if single_node else cfg.rdzv_id,
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
+        rdzv_endpoint="localhost:0" if single_node else str(cfg.rdzv_endpoint),
+        rdzv_configs=rdzv_configs,
+        max_restarts=cfg.max_restarts,
         monitor_interval=0.1,
     )
     # The agent logs every stop of a worker; we report failures ourselves, once, below.
@@ -60,13 +81,14 @@ def relaunch(argv: list[str], nproc_per_node: int) -> int:
         elastic_launch(config, sys.executable)("-m", "lmtune", *argv)
         return 0
     except ChildFailedError as e:
-        messages = _user_errors(Path(error_dir))
-        if messages:
-            for message in messages:
-                print(f"error: {message}", file=sys.stderr, flush=True)
+        messages = _reported_errors(Path(error_dir))
+        for message in messages:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        if any(f.exitcode == USER_ERROR_EXIT_CODE for f in e.failures.values()):
             return USER_ERROR_EXIT_CODE
-        for rank, failure in sorted(e.failures.items()):
-            print(f"lmtune: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        if not messages:
+            for rank, failure in sorted(e.failures.items()):
+                print(f"lmtune: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
         return 1
     except SignalException as e:
         # Ctrl+C or a scheduler's SIGTERM: the agent has already stopped the workers.
@@ -78,7 +100,7 @@ def relaunch(argv: list[str], nproc_per_node: int) -> int:
         shutil.rmtree(error_dir, ignore_errors=True)
 
 
-def _user_errors(error_dir: Path) -> list[str]:
+def _reported_errors(error_dir: Path) -> list[str]:
     seen: list[str] = []
     for path in sorted(error_dir.glob("rank-*.txt"), key=lambda p: int(p.stem.split("-")[1])):
         message = path.read_text(encoding="utf-8")

@@ -1,23 +1,28 @@
-"""fit: the training loop over optimizer steps, with evaluation and logging."""
+"""fit: the training loop over optimizer steps, with evaluation, checkpoints and logging."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lmtune.checkpoint import TrainerState
 from lmtune.data.collate import Batch
 from lmtune.data.sampling import TrainSampler, steps_per_epoch
 from lmtune.distributed import DistEnv
 from lmtune.errors import UserError
 from lmtune.evaluate import EvalResult
 from lmtune.metrics import RunLog
-from lmtune.step import StepResult, train_step
+from lmtune.step import train_step
+
+
+class TrainingStopped(Exception):
+    """Training cannot go on (a non-finite loss under --on-nan stop); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -54,11 +59,25 @@ def plan_steps(
     )
 
 
+@dataclass(frozen=True)
+class FitHooks:
+    """What fit calls out to; each is optional."""
+
+    autocast: Callable[[], AbstractContextManager[object]]
+    run_eval: Callable[[], EvalResult] | None = None
+    save: Callable[[TrainerState], None] | None = None
+    record_samples: Callable[[int, list[int]], None] | None = None
+    stop_requested: Callable[[], bool] = lambda: False
+    poison_step: int | None = None  # fault injection: this step's loss becomes NaN on rank 0
+
+
 @dataclass
 class FitResult:
     steps: int
     last_loss: float
-    evals: list[EvalResult]
+    skipped_steps: int
+    stopped_early: bool = False
+    evals: list[EvalResult] = field(default_factory=list)
 
 
 def _micro_batches(batches: Iterator[Batch], count: int, device: torch.device) -> list[Batch]:
@@ -74,24 +93,27 @@ def fit(
     plan: StepPlan,
     env: DistEnv,
     log: RunLog,
+    start: TrainerState,
+    hooks: FitHooks,
     max_grad_norm: float,
-    autocast: Callable[[], AbstractContextManager[object]],
-    run_eval: Callable[[], EvalResult] | None,
-    eval_every: int,
-    log_every: int,
+    on_nan: str = "stop",
+    eval_every: int = 0,
+    save_every: int = 0,
+    log_every: int = 1,
 ) -> FitResult:
-    """Train for ``plan.total_steps`` optimizer steps; evaluate every ``eval_every`` and at the end."""
-    result = FitResult(steps=0, last_loss=float("nan"), evals=[])
+    """Train from ``start`` to ``plan.total_steps``; evaluate and checkpoint on the way and at the end."""
+    result = FitResult(steps=start.step, last_loss=float("nan"), skipped_steps=start.skipped_steps)
+    state = start
 
-    def evaluate_now(step: int, epoch: int) -> None:
-        assert run_eval is not None
-        ev = run_eval()
+    def evaluate_now() -> None:
+        assert hooks.run_eval is not None
+        ev = hooks.run_eval()
         result.evals.append(ev)
         log.record(
             {
                 "kind": "eval",
-                "step": step,
-                "epoch": epoch,
+                "step": state.step,
+                "epoch": state.epoch,
                 "eval_loss": ev.loss,
                 "eval_perplexity": ev.perplexity,
                 "eval_tokens": ev.target_tokens,
@@ -99,36 +121,61 @@ def fit(
             }
         )
         log.info(
-            f"step {step}: eval loss {ev.loss:.4f}, perplexity {ev.perplexity:.3f} "
+            f"step {state.step}: eval loss {ev.loss:.4f}, perplexity {ev.perplexity:.3f} "
             f"({ev.examples} examples, {ev.target_tokens} tokens)"
         )
 
-    log.start_progress(plan.total_steps)
+    log.start_progress(plan.total_steps, initial=start.step)
     model.train()
-    step, epoch = 0, 0
     started = last = time.perf_counter()
-    while step < plan.total_steps:
-        sampler.set_epoch(epoch)
+    while state.step < plan.total_steps:
+        sampler.set_epoch(state.epoch, state.step_in_epoch)
         batches = iter(loader)
         epoch_loss, epoch_tokens = 0.0, 0
-        for _ in range(min(plan.steps_per_epoch, plan.total_steps - step)):
+        while True:
             # Wall time from the end of the last step: data waiting counts against tokens/s.
             micro = _micro_batches(batches, plan.accumulation, env.device)
             lr = scheduler.get_last_lr()[0]
-            r: StepResult = train_step(model, optimizer, scheduler, micro, env, max_grad_norm, autocast())
-            step += 1
+            poison = hooks.poison_step == state.step + 1 and env.is_main
+            r = train_step(
+                model,
+                optimizer,
+                scheduler,
+                micro,
+                env,
+                max_grad_norm,
+                hooks.autocast(),
+                hooks.stop_requested(),
+                poison,
+            )
+            state = replace(state, step=state.step + 1, step_in_epoch=state.step_in_epoch + 1)
+            if r.nonfinite:
+                if on_nan == "stop":
+                    raise TrainingStopped(
+                        f"non-finite loss or gradient norm at step {state.step}; the update was not "
+                        "applied and training stopped (the last checkpoint is intact; --on-nan skip "
+                        "skips such steps instead)"
+                    )
+                state = replace(state, skipped_steps=state.skipped_steps + 1)
+                log.info(
+                    f"step {state.step}: non-finite loss or gradient norm, update skipped "
+                    f"({state.skipped_steps} so far)"
+                )
             now = time.perf_counter()
             tokens_per_s = r.tokens / max(now - last, 1e-9)
             last = now
-            result.steps, result.last_loss = step, r.loss
-            epoch_loss += r.loss * r.target_tokens
-            epoch_tokens += r.target_tokens
-            if step % log_every == 0 or step == plan.total_steps:
+            result.steps, result.last_loss, result.skipped_steps = state.step, r.loss, state.skipped_steps
+            if not r.nonfinite:
+                epoch_loss += r.loss * r.target_tokens
+                epoch_tokens += r.target_tokens
+            if hooks.record_samples is not None:
+                hooks.record_samples(state.step, [i for b in micro for i in b.example_ids])
+            if state.step % log_every == 0 or state.step == plan.total_steps:
                 log.record(
                     {
                         "kind": "train",
-                        "step": step,
-                        "epoch": epoch,
+                        "step": state.step,
+                        "epoch": state.epoch,
                         "loss": r.loss,
                         "lr": lr,
                         "grad_norm": r.grad_norm,
@@ -136,14 +183,34 @@ def fit(
                         "target_tokens": r.target_tokens,
                         "tokens_per_s": tokens_per_s,
                         "elapsed_s": now - started,
+                        "skipped": r.nonfinite,
                     }
                 )
             log.advance({"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"})
-            if run_eval is not None and eval_every and step % eval_every == 0 and step < plan.total_steps:
-                evaluate_now(step, epoch)
-        log.info(f"epoch {epoch + 1}/{plan.epochs}: train loss {epoch_loss / max(epoch_tokens, 1):.4f}")
-        epoch += 1
+            epoch_done = state.step_in_epoch == plan.steps_per_epoch
+            if epoch_done:
+                log.info(
+                    f"epoch {state.epoch + 1}/{plan.epochs}: train loss "
+                    f"{epoch_loss / max(epoch_tokens, 1):.4f}"
+                )
+                state = replace(state, epoch=state.epoch + 1, step_in_epoch=0)
+            finished = state.step == plan.total_steps
+            if hooks.run_eval is not None and eval_every and state.step % eval_every == 0 and not finished:
+                evaluate_now()
+            if r.stop:
+                log.info(f"stopping at step {state.step} as asked (signal): saving a checkpoint")
+                if hooks.save is not None:
+                    hooks.save(state)
+                result.stopped_early = True
+                log.end_progress()
+                return result
+            if hooks.save is not None and save_every and state.step % save_every == 0 and not finished:
+                hooks.save(state)
+            if epoch_done or finished:
+                break
     log.end_progress()
-    if run_eval is not None:
-        evaluate_now(step, epoch - 1)
+    if hooks.run_eval is not None:
+        evaluate_now()
+    if hooks.save is not None and save_every:
+        hooks.save(state)
     return result

@@ -17,6 +17,41 @@ from tqdm import tqdm
 from lmtune.distributed import DistEnv
 
 
+def open_jsonl(path: Path, keep_through_step: int) -> Any:
+    """Open a per-step JSONL file for appending, dropping rows after ``keep_through_step``.
+
+    Rows after the checkpoint a run resumes from were written by the attempt that died; the
+    resumed run writes them again.
+    """
+    kept: list[str] = []
+    if keep_through_step > 0 and path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= keep_through_step:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                break  # a line cut off by the crash ends what can be kept
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = path.open("w", encoding="utf-8")
+    f.writelines(line + "\n" for line in kept)
+    f.flush()
+    return f
+
+
+class SampleLog:
+    """samples/rank-R.jsonl: the example ids each optimizer step consumed on this rank."""
+
+    def __init__(self, output_dir: Path, rank: int, resume_step: int):
+        self._file = open_jsonl(output_dir / "samples" / f"rank-{rank}.jsonl", resume_step)
+
+    def __call__(self, step: int, example_ids: list[int]) -> None:
+        self._file.write(json.dumps({"step": step, "ids": example_ids}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class RunLog:
     def __init__(self, env: DistEnv, output_dir: Path, progress: bool):
         self.active = env.is_main
@@ -26,7 +61,11 @@ class RunLog:
         self._metrics: Any = None
         if self.active:
             output_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics = (output_dir / "metrics.jsonl").open("w", encoding="utf-8")
+
+    def open_metrics(self, resume_step: int) -> None:
+        """Start metrics.jsonl; a resumed run keeps the rows up to its checkpoint and appends."""
+        if self.active:
+            self._metrics = open_jsonl(self.output_dir / "metrics.jsonl", resume_step)
 
     def __enter__(self) -> RunLog:
         return self

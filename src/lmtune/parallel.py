@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -46,8 +47,13 @@ def wrap_model(module: nn.Module, strategy: str, env: DistEnv) -> nn.Module:
     if strategy == "ddp":
         device_ids = [env.device.index] if env.device.type == "cuda" else None
         # Rotary-embedding buffers are not state to synchronise; broadcasting them every forward
-        # would cost a collective per micro-step.
-        return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
+        # would cost a collective per micro-step (newer PyTorch names the switch differently).
+        no_buffer_sync = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+            else {"broadcast_buffers": False}
+        )
+        return DistributedDataParallel(module, device_ids=device_ids, **no_buffer_sync)
     return module
 
 

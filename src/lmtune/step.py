@@ -20,6 +20,8 @@ class StepResult:
     grad_norm: float
     target_tokens: int  # after the causal shift, all ranks and micro-steps
     tokens: int  # non-padding input tokens, all ranks and micro-steps
+    nonfinite: bool  # some rank saw a non-finite loss or gradient norm; the update was not applied
+    stop: bool  # some rank was asked to stop (SIGTERM/SIGINT)
 
 
 def train_step(
@@ -30,6 +32,8 @@ def train_step(
     env: DistEnv,
     max_grad_norm: float,
     autocast: AbstractContextManager[object],
+    stop_requested: bool = False,
+    poison: bool = False,
 ) -> StepResult:
     """Forward/backward every micro-batch, then clip and step.
 
@@ -37,6 +41,10 @@ def train_step(
     optimizer step, counted over all micro-steps and ranks before the first forward. The gradient
     is then exactly that of one process on the whole global batch, whatever the world size or the
     padding; a mean of per-batch means would weight tokens differently with N ranks than with one.
+
+    Whether to apply the update is agreed by all ranks in one collective before the optimizer
+    runs: one rank skipping alone would leave the replicas apart. ``poison`` makes this rank's loss
+    NaN (fault injection for tests).
     """
     counts = torch.tensor(
         [
@@ -54,12 +62,27 @@ def train_step(
     for i, batch in enumerate(micro_batches):
         with no_sync(model, sync=i == last), autocast:
             micro_loss = model(batch.input_ids, batch.attention_mask, batch.labels).sum()
+        if poison:
+            micro_loss = micro_loss * float("nan")
         (micro_loss * scale).backward()
         loss_sum += micro_loss.detach().double()
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
-    optimizer.step()
+    local_bad = not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm))
+    agreed = torch.stack(
+        [
+            loss_sum,
+            torch.tensor(float(local_bad), dtype=torch.float64, device=env.device),
+            torch.tensor(float(stop_requested), dtype=torch.float64, device=env.device),
+        ]
+    )
+    total_loss, bad_ranks, stopping = all_reduce_sum(agreed, env).tolist()
+    nonfinite = bad_ranks > 0
+    if not nonfinite:
+        optimizer.step()
+    # The schedule follows the step count, so a skipped update does not shift later learning rates.
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    loss = float(all_reduce_sum(loss_sum, env)) / max(target_tokens, 1)
-    return StepResult(loss, float(grad_norm), target_tokens, tokens)
+    return StepResult(
+        total_loss / max(target_tokens, 1), float(grad_norm), target_tokens, tokens, nonfinite, stopping > 0
+    )

@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -17,8 +17,17 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from lmtune import __version__
-from lmtune.checkpoint import save_hf_folder
+from lmtune import __version__, faults
+from lmtune.checkpoint import (
+    CHECKPOINTS,
+    TrainerState,
+    list_checkpoints,
+    load_checkpoint,
+    newest_valid,
+    read_state,
+    save_checkpoint,
+    save_hf_folder,
+)
 from lmtune.config import SAMPLE_DATA, TrainConfig, epochs, micro_batch_size, to_dict, validate
 from lmtune.data.collate import Collator
 from lmtune.data.dataset import TokenizedDataset
@@ -30,18 +39,21 @@ from lmtune.distributed import (
     DistEnv,
     all_gather_object,
     barrier,
+    broadcast_object,
     cpu_threads_per_process,
     process_group,
     read_dist_env,
 )
+from lmtune.errors import UserError
 from lmtune.evaluate import EvalResult, evaluate
 from lmtune.generate import complete
-from lmtune.loop import fit, plan_steps
+from lmtune.loop import FitHooks, fit, plan_steps
 from lmtune.loss import SummedLoss
-from lmtune.metrics import RunLog
+from lmtune.metrics import RunLog, SampleLog
 from lmtune.modeling import load_model
 from lmtune.optim import build_adamw, build_schedule
 from lmtune.parallel import resolve_strategy, unwrap, wrap_model
+from lmtune.stopping import StopRequest
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,7 @@ class TrainResult:
     steps: int
     last_loss: float
     eval: EvalResult | None
+    stopped_early: bool = False
 
 
 def _autocast(precision: str, device: torch.device) -> AbstractContextManager[object]:
@@ -150,6 +163,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     Raises:
         UserError: for invalid settings, data or paths.
+        TrainingStopped: when training cannot go on (a non-finite loss with --on-nan stop).
     """
     env = read_dist_env(cfg.device)
     validate(cfg, env.world_size)
@@ -158,12 +172,51 @@ def train(cfg: TrainConfig) -> TrainResult:
     if env.device.type == "cpu":
         torch.set_num_threads(threads)
     output_dir = Path(cfg.output_dir)
-    with process_group(env), RunLog(env, output_dir, cfg.progress) as log:
-        return _run(cfg, env, strategy, threads, output_dir, log)
+    with process_group(env), RunLog(env, output_dir, cfg.progress) as log, StopRequest() as stop:
+        return _run(cfg, env, strategy, threads, output_dir, log, stop)
+
+
+def _resume_point(cfg: TrainConfig, output_dir: Path, env: DistEnv, log: RunLog) -> Path | None:
+    """The checkpoint to continue from, decided by rank 0 (which checks the manifests) for all."""
+    chosen = ""
+    if env.is_main:
+        if cfg.resume == "never":
+            if list_checkpoints(output_dir):
+                raise UserError(
+                    f"--resume never, but {output_dir / CHECKPOINTS} holds checkpoints of an earlier "
+                    "run; remove them or choose another --output-dir"
+                )
+        elif cfg.resume == "auto":
+            found = newest_valid(output_dir, log.info)
+            chosen = str(found) if found else ""
+        else:
+            chosen = cfg.resume
+    chosen = broadcast_object(chosen, env)
+    return Path(chosen) if chosen else None
+
+
+def _check_resumable(state: TrainerState, cfg: TrainConfig, examples: int, folder: Path) -> None:
+    """A checkpoint's place in the sample order means nothing for other data or another batch."""
+    for option, saved, now in (
+        ("--global-batch-size", state.global_batch_size, cfg.global_batch_size),
+        ("--seed", state.seed, cfg.seed),
+        ("training examples (--data)", state.examples, examples),
+    ):
+        if saved != now:
+            raise UserError(
+                f"cannot resume from {folder}: it was saved with {option} {saved}, this run has {now}; "
+                "use the same settings, or --resume never with a new --output-dir"
+            )
 
 
 def _run(
-    cfg: TrainConfig, env: DistEnv, strategy: str, threads: int, output_dir: Path, log: RunLog
+    cfg: TrainConfig,
+    env: DistEnv,
+    strategy: str,
+    threads: int,
+    output_dir: Path,
+    log: RunLog,
+    stop: StopRequest,
 ) -> TrainResult:
     started = time.time()
     loaded = load_model(cfg.model, cfg.seed, cfg.trust_remote_code)
@@ -181,23 +234,38 @@ def _run(
     model = wrap_model(loss_module, strategy, env)
     optimizer = build_adamw(loss_module, lr, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)
     scheduler = build_schedule(optimizer, plan.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
+    state = TrainerState(0, 0, 0, cfg.global_batch_size, env.world_size, cfg.seed, len(train_data))
+    resume_from = _resume_point(cfg, output_dir, env, log)
+    if resume_from is not None:
+        _check_resumable(read_state(resume_from), cfg, len(train_data), resume_from)
+        saved = load_checkpoint(resume_from, loaded.model, optimizer, scheduler, env)
+        state = replace(saved, world_size=env.world_size)
+        log.info(
+            f"resuming from {resume_from}: step {state.step}, epoch {state.epoch + 1}, sample "
+            f"{state.samples_in_epoch} of its order (saved by {saved.world_size} ranks, now {env.world_size})"
+        )
+    log.open_metrics(state.step)
+
     collate = Collator(tokenizer.pad_token_id)
     sampler = TrainSampler(len(train_data), cfg.global_batch_size, env.rank, env.world_size, cfg.seed)
     loader = _loader(train_data, sampler, micro, collate, env, cfg.num_workers)
     autocast = partial(_autocast, cfg.precision, env.device)
     run_eval: Callable[[], EvalResult] | None = None
     if eval_data is not None:
-        eval_loader = _loader(
-            eval_data,
-            EvalSampler(len(eval_data), env.rank, env.world_size),
-            micro,
-            collate,
-            env,
-            0,
-        )
+        eval_sampler = EvalSampler(len(eval_data), env.rank, env.world_size)
+        eval_loader = _loader(eval_data, eval_sampler, micro, collate, env, 0)
 
         def run_eval() -> EvalResult:
             return evaluate(unwrap(model), eval_loader, env, autocast())
+
+    def save(at: TrainerState) -> None:
+        path = save_checkpoint(
+            output_dir, at, loaded.model, tokenizer, optimizer, scheduler, env, cfg.keep_last
+        )
+        log.info(f"step {at.step}: saved checkpoint {path}")
+
+    samples = SampleLog(output_dir, env.rank, state.step) if cfg.record_samples else None
+    hooks = FitHooks(autocast, run_eval, save, samples, stop, faults.nan_step())
 
     run_info: dict[str, Any] = {
         "config": to_dict(cfg),
@@ -208,6 +276,7 @@ def _run(
             "model_source": loaded.source,
             **asdict(plan),
             "parameters": sum(p.numel() for p in loss_module.parameters()),
+            "resumed_from": str(resume_from) if resume_from else None,
         },
         "data": data_info,
         "environment": environment_info(env, threads),
@@ -219,35 +288,44 @@ def _run(
         f"{cfg.global_batch_size} = {micro} x {env.world_size} x {plan.accumulation} "
         f"accumulation; {plan.total_steps} steps"
     )
-
-    result = fit(
-        model,
-        optimizer,
-        scheduler,
-        loader,
-        sampler,
-        plan,
-        env,
-        log,
-        cfg.max_grad_norm,
-        autocast,
-        run_eval,
-        cfg.eval_every,
-        cfg.log_every,
-    )
-
-    final_dir = output_dir / "final"
-    if env.is_main:
-        save_hf_folder(loaded.model, tokenizer, final_dir)
-    barrier(env)
+    try:
+        result = fit(
+            model,
+            optimizer,
+            scheduler,
+            loader,
+            sampler,
+            plan,
+            env,
+            log,
+            state,
+            hooks,
+            cfg.max_grad_norm,
+            cfg.on_nan,
+            cfg.eval_every,
+            cfg.save_every,
+            cfg.log_every,
+        )
+    finally:
+        if samples is not None:
+            samples.close()
     final_eval = result.evals[-1] if result.evals else None
     run_info["result"] = {
         "steps": result.steps,
         "last_loss": result.last_loss,
+        "skipped_steps": result.skipped_steps,
+        "stopped_early": result.stopped_early,
         "eval": asdict(final_eval) if final_eval else None,
         "wall_time_s": time.time() - started,
     }
     log.write_json("run.json", run_info)
+    if result.stopped_early:
+        log.info(f"stopped at step {result.steps}; run the same command again to resume")
+        return TrainResult(output_dir, result.steps, result.last_loss, final_eval, stopped_early=True)
+    final_dir = output_dir / "final"
+    if env.is_main:
+        save_hf_folder(loaded.model, tokenizer, final_dir)
+    barrier(env)
     log.info(f"saved {final_dir} (loss {result.last_loss:.4f} at step {result.steps})")
     if env.is_main and cfg.data == SAMPLE_DATA:
         _show_answers(loaded.model, tokenizer, addition_examples()[1], log)

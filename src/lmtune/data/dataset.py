@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from lmtune.data.tokenize import IGNORE_INDEX, Encoded
 
 IDS_FILE, MASK_FILE, OFFSETS_FILE, META_FILE = "input_ids.bin", "trainable.bin", "offsets.npy", "meta.json"
+
+
+class Example(NamedTuple):
+    input_ids: np.ndarray
+    labels: np.ndarray  # IGNORE_INDEX where the position does not train
+    example_id: int  # position in the data set, to record which samples a step consumed
 
 
 class TokenizedDataset:
@@ -33,12 +39,10 @@ class TokenizedDataset:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids and labels (``IGNORE_INDEX`` where the position does not train)."""
+    def __getitem__(self, i: int) -> Example:
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         ids = self.input_ids[lo:hi].astype(np.int64)
-        labels = np.where(self.trainable[lo:hi], ids, IGNORE_INDEX)
-        return ids, labels
+        return Example(ids, np.where(self.trainable[lo:hi], ids, IGNORE_INDEX), i)
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)

@@ -47,16 +47,27 @@ class TrainSampler(Sampler[int]):
         self.n, self.global_batch_size = n, global_batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.epoch = 0
+        self.start_step = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Read epoch ``epoch`` from its optimizer step ``start_step`` on (a resumed run).
+
+        The skipped samples are never read: the rest of the global order is dealt out again among
+        the ranks there are now, so a resume may change the world size.
+        """
+        self.epoch, self.start_step = epoch, start_step
+
+    def _per_rank_step(self) -> int:
+        return self.global_batch_size // self.world_size
 
     def __iter__(self) -> Iterator[int]:
         order = epoch_order(self.n, self.seed, self.epoch)
-        return iter(rank_indices(order, self.rank, self.world_size, self.global_batch_size))
+        mine = rank_indices(order, self.rank, self.world_size, self.global_batch_size)
+        return iter(mine[self.start_step * self._per_rank_step() :])
 
     def __len__(self) -> int:
-        return steps_per_epoch(self.n, self.global_batch_size) * self.global_batch_size // self.world_size
+        steps = steps_per_epoch(self.n, self.global_batch_size) - self.start_step
+        return max(0, steps) * self._per_rank_step()
 
 
 class EvalSampler(Sampler[int]):

@@ -1,0 +1,47 @@
+"""Graceful stop on SIGTERM/SIGINT: finish the current step, save a checkpoint, exit cleanly."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType, TracebackType
+from typing import Any
+
+
+class StopRequest:
+    """A flag the signals set; fit reads it once per step and all ranks agree on it.
+
+    A second Ctrl+C stops at once, for a user who does not want to wait for the checkpoint.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(
+            f"lmtune: {signal.Signals(signum).name} received: finishing this step and saving a checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
