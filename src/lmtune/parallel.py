@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ def wrap_model(module: nn.Module, strategy: str, env: DistEnv) -> nn.Module:
         device_ids = [env.device.index] if env.device.type == "cuda" else None
         # Rotary-embedding buffers are not state to synchronise; broadcasting them every forward
         # would cost a collective per micro-step (newer PyTorch names the switch differently).
-        no_buffer_sync = (
+        no_buffer_sync: dict[str, Any] = (
             {"forward_sync_buffers": False}
             if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
             else {"broadcast_buffers": False}
