@@ -43,10 +43,14 @@ def tokenized(texts: list[str], tokenizer: Any, max_length: int = 512) -> Any:
 
 
 def run_lmtune(
-    args: list[str], timeout: float = 300, launcher: list[str] | None = None, cwd: Path | None = None
+    args: list[str],
+    timeout: float = 300,
+    launcher: list[str] | None = None,
+    cwd: Path | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a fresh process (optionally under a launcher such as torchrun)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     cmd = [*(launcher or [sys.executable, "-m"]), "lmtune", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
@@ -56,3 +60,33 @@ def tiny_files(tmp_path: Path) -> tuple[Path, Path]:
     train = write_jsonl(tmp_path / "train.jsonl", uneven_texts(48, seed=1))
     evald = write_jsonl(tmp_path / "eval.jsonl", uneven_texts(7, seed=2))
     return train, evald
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of a process (Linux /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return sorted(children)
+
+
+def train_rows(out: Path, kind: str = "train") -> list[dict[str, Any]]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return [r for r in rows if r["kind"] == kind]
+
+
+def lmtune_cmd(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "lmtune", *args]

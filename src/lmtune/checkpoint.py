@@ -146,6 +146,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(env)
+    tmp.mkdir(parents=True, exist_ok=True)  # on another node when --output-dir is not shared
     _fsync_write(tmp / f"rng-rank-{env.rank}.json", json.dumps(_rng_state()))
     if env.is_main:
         # DDP keeps every replica identical, so rank 0's model and optimizer are the whole state.

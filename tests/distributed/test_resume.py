@@ -1,0 +1,265 @@
+"""Exact resume, resume across world sizes, a killed worker, a killed save, NaN, SIGTERM, multi-node.
+
+Each scenario is compared with an uninterrupted run of the same settings: bit-identical weights
+when the world size is unchanged, fp32 rounding when it changes. Short runs (12 steps, resumed at 6)
+check resume itself; long runs (300 steps, checkpoints every 35) leave time to kill a worker, a save
+or the whole run in the middle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import child_pids, lmtune_cmd, run_lmtune, train_rows, uneven_texts, write_jsonl
+
+pytestmark = pytest.mark.distributed
+
+SHORT, SHORT_SAVE = 12, 6  # step 6 is in the middle of the first epoch (25 steps)
+LONG, LONG_SAVE, RESUME_AT = 300, 35, 140  # 140 = epoch 6, step 15 of 25
+
+
+def args(data: Path, out: Path, *extra: str, steps: int = LONG, save_every: int = LONG_SAVE) -> list[str]:
+    settings = {
+        "--data": data,
+        "--output-dir": out,
+        "--max-steps": steps,
+        "--global-batch-size": 8,
+        "--micro-batch-size": 2,
+        "--save-every": save_every,
+        "--keep-last": 0,
+        "--lr": "1e-3",
+        "--threads-per-process": 1,
+        "--seed": 5,
+    }
+    return [
+        "train",
+        *(str(x) for kv in settings.items() for x in kv),
+        "--record-samples",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def short(data: Path, out: Path, *extra: str) -> list[str]:
+    return args(data, out, *extra, steps=SHORT, save_every=SHORT_SAVE)
+
+
+TWO = ("--nproc-per-node", "2")
+
+
+def popen(cmd_args: list[str], **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        lmtune_cmd(cmd_args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "model.safetensors")
+
+
+def max_diff(a: Path, b: Path) -> float:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+
+
+def samples_by_step(out: Path) -> dict[int, list[int]]:
+    """Every step's example ids, all ranks together, in the order of the global batch."""
+    by_step: dict[int, list[tuple[int, int, int]]] = {}
+    for path in sorted((out / "samples").glob("rank-*.jsonl")):
+        rank = int(path.stem.split("-")[1])
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            by_step.setdefault(row["step"], []).extend((k, rank, i) for k, i in enumerate(row["ids"]))
+    # Rank r holds positions r, r+W, ... of the global batch: interleave back to the global order.
+    return {s: [i for _, _, i in sorted(v)] for s, v in by_step.items()}
+
+
+def resume_copy(src: Path, dst: Path, step: int) -> None:
+    """A fresh output folder holding only one checkpoint of ``src``."""
+    (dst / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / f"step-{step:06d}", dst / "checkpoints" / f"step-{step:06d}")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The uninterrupted runs: short and long, 2 ranks and 1 process, two at a time."""
+    root = tmp_path_factory.mktemp("resume")
+    data = write_jsonl(root / "train.jsonl", uneven_texts(203, seed=21))
+    paths = {"root": root, "data": data}
+    for name in ("two", "one", "two-long", "one-long"):
+        paths[name] = root / name
+    procs = [popen(short(data, paths["two"], *TWO)), popen(short(data, paths["one"]))]
+    for proc in procs:
+        code, output = finish(proc)
+        assert code == 0, output
+    procs = [popen(args(data, paths["two-long"], *TWO)), popen(args(data, paths["one-long"]))]
+    for proc in procs:
+        code, output = finish(proc)
+        assert code == 0, output
+    return paths
+
+
+def test_resume_on_the_same_world_size_is_bit_identical(base: dict[str, Path]) -> None:
+    out = base["root"] / "resumed-two"
+    resume_copy(base["two"], out, SHORT_SAVE)
+    proc = run_lmtune(short(base["data"], out, *TWO))
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming from" in proc.stdout and f"step {SHORT_SAVE}" in proc.stdout
+    assert max_diff(base["two"], out) == 0.0
+    full, resumed = samples_by_step(base["two"]), samples_by_step(out)
+    assert sorted(resumed) == list(range(SHORT_SAVE + 1, SHORT + 1))
+    assert all(resumed[s] == full[s] for s in resumed)
+    losses = {r["step"]: r["loss"] for r in train_rows(base["two"])}
+    assert all(r["loss"] == losses[r["step"]] for r in train_rows(out))
+
+
+@pytest.mark.parametrize(("source", "target"), [("two", ()), ("one", TWO)], ids=["2->1", "1->2"])
+def test_resume_on_another_world_size(base: dict[str, Path], source: str, target: tuple[str, ...]) -> None:
+    out = base["root"] / f"resumed-{source}-to-{(len(target) and 2) or 1}"
+    resume_copy(base[source], out, SHORT_SAVE)
+    proc = run_lmtune(short(base["data"], out, *target))
+    assert proc.returncode == 0, proc.stderr
+    assert max_diff(base[source], out) <= 1e-5
+    full, resumed = samples_by_step(base[source]), samples_by_step(out)
+    assert sorted(resumed) == list(range(SHORT_SAVE + 1, SHORT + 1))
+    assert all(resumed[s] == full[s] for s in resumed)  # same samples, same global order
+    seen = [i for s in range(1, SHORT_SAVE + 1) for i in full[s]] + [
+        i for s in sorted(resumed) for i in resumed[s]
+    ]
+    assert len(seen) == len(set(seen)) == SHORT * 8  # within the epoch: no repeat, no gap
+
+
+def test_resume_mid_run_on_another_world_size_keeps_the_data_order(base: dict[str, Path]) -> None:
+    """Later in a long run, across epochs: the sample order is the same, whatever the world size."""
+    out = base["root"] / "resumed-long-2-to-1"
+    resume_copy(base["two-long"], out, RESUME_AT)
+    proc = run_lmtune(args(base["data"], out))
+    assert proc.returncode == 0, proc.stderr
+    full, resumed = samples_by_step(base["two-long"]), samples_by_step(out)
+    assert all(resumed[s] == full[s] for s in range(RESUME_AT + 1, LONG + 1))
+    per_epoch = 25 * 8
+    seen = [i for s in range(1, LONG + 1) for i in (full if s <= RESUME_AT else resumed)[s]]
+    for epoch in range(LONG * 8 // per_epoch):
+        assert len(set(seen[epoch * per_epoch : (epoch + 1) * per_epoch])) == per_epoch
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(base: dict[str, Path]) -> None:
+    out = base["root"] / "killed"
+    proc = popen(args(base["data"], out, *TWO, "--max-restarts", "1"))
+    deadline = time.monotonic() + 120
+    while len(train_rows(out)) < 120:
+        assert proc.poll() is None and time.monotonic() < deadline, "run ended before the kill"
+        time.sleep(0.05)
+    workers = child_pids(proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    code, output = finish(proc)
+    assert code == 0, output
+    assert "resuming from" in output
+    assert max_diff(base["two-long"], out) == 0.0
+    assert [r["step"] for r in train_rows(out)] == list(range(1, LONG + 1))
+
+
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint(base: dict[str, Path]) -> None:
+    out = base["root"] / "killed-save"
+    proc = run_lmtune(args(base["data"], out), env_extra={"LMTUNE_FAULT_KILL_IN_SAVE": "70"})
+    assert proc.returncode == -signal.SIGKILL
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == [".step-000070.tmp", "step-000035"]
+    # A visible checkpoint whose files do not match its manifest is passed over too.
+    broken = out / "checkpoints" / "step-000060"
+    shutil.copytree(out / "checkpoints" / "step-000035", broken)
+    (broken / "optimizer.pt").write_bytes(b"truncated")
+    proc = run_lmtune(args(base["data"], out))
+    assert proc.returncode == 0, proc.stderr
+    assert "ignoring checkpoint" in proc.stdout and "optimizer.pt has 9 bytes" in proc.stdout
+    assert "resuming from" in proc.stdout and "step-000035" in proc.stdout
+    assert max_diff(base["one-long"], out) == 0.0
+
+
+def test_non_finite_loss_stops_naming_the_step_or_is_skipped(base: dict[str, Path]) -> None:
+    stop = run_lmtune(
+        args(base["data"], base["root"] / "nan-stop"), env_extra={"LMTUNE_FAULT_NAN_AT_STEP": "40"}
+    )
+    assert stop.returncode == 1
+    assert "error: non-finite loss or gradient norm at step 40" in stop.stderr
+    assert "Traceback" not in stop.stderr
+    assert (base["root"] / "nan-stop" / "checkpoints" / "step-000035").is_dir()
+    skip_out = base["root"] / "nan-skip"
+    skip = run_lmtune(
+        args(base["data"], skip_out, *TWO, "--on-nan", "skip"), env_extra={"LMTUNE_FAULT_NAN_AT_STEP": "40"}
+    )
+    assert skip.returncode == 0, skip.stderr
+    assert json.loads((skip_out / "run.json").read_text())["result"]["skipped_steps"] == 1
+    assert [r["step"] for r in train_rows(skip_out) if r["skipped"]] == [40]
+
+
+def test_sigterm_saves_and_the_rerun_finishes_the_same(base: dict[str, Path]) -> None:
+    out = base["root"] / "sigterm"
+    proc = popen(args(base["data"], out))
+    while len(train_rows(out)) < 50:
+        assert proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    code, output = finish(proc)
+    assert code == 0, output
+    assert "SIGTERM received" in output and "run the same command again to resume" in output
+    stopped = json.loads((out / "run.json").read_text())["result"]
+    assert stopped["stopped_early"] and (out / "checkpoints" / f"step-{stopped['steps']:06d}").is_dir()
+    assert not (out / "final").exists()
+    proc2 = run_lmtune(args(base["data"], out))
+    assert proc2.returncode == 0, proc2.stderr
+    assert max_diff(base["one-long"], out) == 0.0
+
+
+def test_two_nodes_on_loopback_match_one_node(base: dict[str, Path]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = base["root"] / "two-nodes"
+    node = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loopback-test"]
+    # Both nodes write to one output folder, as nodes do on a shared file system.
+    nodes = [popen(short(base["data"], out, *node, "--node-rank", str(r))) for r in (0, 1)]
+    for p in nodes:
+        code, output = finish(p)
+        assert code == 0, output
+    one_node = [r["loss"] for r in train_rows(base["two"])]
+    assert [r["loss"] for r in train_rows(out)] == pytest.approx(one_node, abs=1e-6)
+    assert max_diff(base["two"], out) <= 1e-6
+
+
+def test_export_writes_a_loadable_model(base: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ckpt = base["two"] / "checkpoints" / f"step-{SHORT_SAVE:06d}"
+    out = base["root"] / "exported"
+    proc = run_lmtune(["export", str(ckpt), str(out)])
+    assert proc.returncode == 0, proc.stderr
+    model = AutoModelForCausalLM.from_pretrained(out)
+    saved = load_file(ckpt / "model.safetensors")
+    state: dict[str, Any] = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in saved.items())
+    bad = run_lmtune(["export", str(base["root"] / "nope"), str(out)])
+    assert bad.returncode == 2 and "no such checkpoint folder" in bad.stderr
