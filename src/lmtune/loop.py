@@ -18,7 +18,7 @@ from lmtune.distributed import DistEnv
 from lmtune.errors import UserError
 from lmtune.evaluate import EvalResult
 from lmtune.metrics import RunLog
-from lmtune.step import train_step
+from lmtune.step import StepResult, train_step
 
 
 class TrainingStopped(Exception):
@@ -84,6 +84,60 @@ def _micro_batches(batches: Iterator[Batch], count: int, device: torch.device) -
     return [next(batches).to(device) for _ in range(count)]
 
 
+def _skip_or_stop(state: TrainerState, on_nan: str, log: RunLog) -> TrainerState:
+    """A step whose loss or gradient norm was not finite (its update was not applied)."""
+    if on_nan == "stop":
+        raise TrainingStopped(
+            f"non-finite loss or gradient norm at step {state.step}; the update was not applied and "
+            "training stopped (the last checkpoint is intact; --on-nan skip skips such steps instead)"
+        )
+    state = replace(state, skipped_steps=state.skipped_steps + 1)
+    log.info(
+        f"step {state.step}: non-finite loss or gradient norm, update skipped ({state.skipped_steps} so far)"
+    )
+    return state
+
+
+def _record_step(
+    log: RunLog, state: TrainerState, r: StepResult, lr: float, seconds: float, elapsed: float
+) -> None:
+    tokens_per_s = r.tokens / max(seconds, 1e-9)
+    log.record(
+        {
+            "kind": "train",
+            "step": state.step,
+            "epoch": state.epoch,
+            "loss": r.loss,
+            "lr": lr,
+            "grad_norm": r.grad_norm,
+            "tokens": r.tokens,
+            "target_tokens": r.target_tokens,
+            "tokens_per_s": tokens_per_s,
+            "elapsed_s": elapsed,
+            "skipped": r.nonfinite,
+        }
+    )
+    log.advance({"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"})
+
+
+def _record_eval(log: RunLog, state: TrainerState, ev: EvalResult) -> None:
+    log.record(
+        {
+            "kind": "eval",
+            "step": state.step,
+            "epoch": state.epoch,
+            "eval_loss": ev.loss,
+            "eval_perplexity": ev.perplexity,
+            "eval_tokens": ev.target_tokens,
+            "eval_examples": ev.examples,
+        }
+    )
+    log.info(
+        f"step {state.step}: eval loss {ev.loss:.4f}, perplexity {ev.perplexity:.3f} "
+        f"({ev.examples} examples, {ev.target_tokens} tokens)"
+    )
+
+
 def fit(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -105,25 +159,10 @@ def fit(
     result = FitResult(steps=start.step, last_loss=float("nan"), skipped_steps=start.skipped_steps)
     state = start
 
-    def evaluate_now() -> None:
+    def evaluate() -> None:
         assert hooks.run_eval is not None
-        ev = hooks.run_eval()
-        result.evals.append(ev)
-        log.record(
-            {
-                "kind": "eval",
-                "step": state.step,
-                "epoch": state.epoch,
-                "eval_loss": ev.loss,
-                "eval_perplexity": ev.perplexity,
-                "eval_tokens": ev.target_tokens,
-                "eval_examples": ev.examples,
-            }
-        )
-        log.info(
-            f"step {state.step}: eval loss {ev.loss:.4f}, perplexity {ev.perplexity:.3f} "
-            f"({ev.examples} examples, {ev.target_tokens} tokens)"
-        )
+        result.evals.append(hooks.run_eval())
+        _record_eval(log, state, result.evals[-1])
 
     log.start_progress(plan.total_steps, initial=start.step)
     model.train()
@@ -131,11 +170,11 @@ def fit(
     while state.step < plan.total_steps:
         sampler.set_epoch(state.epoch, state.step_in_epoch)
         batches = iter(loader)
-        epoch_loss, epoch_tokens = 0.0, 0
+        loss_sum, loss_tokens = 0.0, 0  # this epoch's, for its summary line
         while True:
-            # Wall time from the end of the last step: data waiting counts against tokens/s.
+            # Timed from the end of the last step: waiting for data counts against tokens/s.
             micro = _micro_batches(batches, plan.accumulation, env.device)
-            lr = scheduler.get_last_lr()[0]
+            lr = float(scheduler.get_last_lr()[0])
             poison = hooks.poison_step == state.step + 1 and env.is_main
             r = train_step(
                 model,
@@ -150,54 +189,26 @@ def fit(
             )
             state = replace(state, step=state.step + 1, step_in_epoch=state.step_in_epoch + 1)
             if r.nonfinite:
-                if on_nan == "stop":
-                    raise TrainingStopped(
-                        f"non-finite loss or gradient norm at step {state.step}; the update was not "
-                        "applied and training stopped (the last checkpoint is intact; --on-nan skip "
-                        "skips such steps instead)"
-                    )
-                state = replace(state, skipped_steps=state.skipped_steps + 1)
-                log.info(
-                    f"step {state.step}: non-finite loss or gradient norm, update skipped "
-                    f"({state.skipped_steps} so far)"
-                )
+                state = _skip_or_stop(state, on_nan, log)
+            else:
+                loss_sum, loss_tokens = loss_sum + r.loss * r.target_tokens, loss_tokens + r.target_tokens
             now = time.perf_counter()
-            tokens_per_s = r.tokens / max(now - last, 1e-9)
+            finished = state.step == plan.total_steps
+            if state.step % log_every == 0 or finished:
+                _record_step(log, state, r, lr, now - last, now - started)
             last = now
             result.steps, result.last_loss, result.skipped_steps = state.step, r.loss, state.skipped_steps
-            if not r.nonfinite:
-                epoch_loss += r.loss * r.target_tokens
-                epoch_tokens += r.target_tokens
             if hooks.record_samples is not None:
                 hooks.record_samples(state.step, [i for b in micro for i in b.example_ids])
-            if state.step % log_every == 0 or state.step == plan.total_steps:
-                log.record(
-                    {
-                        "kind": "train",
-                        "step": state.step,
-                        "epoch": state.epoch,
-                        "loss": r.loss,
-                        "lr": lr,
-                        "grad_norm": r.grad_norm,
-                        "tokens": r.tokens,
-                        "target_tokens": r.target_tokens,
-                        "tokens_per_s": tokens_per_s,
-                        "elapsed_s": now - started,
-                        "skipped": r.nonfinite,
-                    }
-                )
-            log.advance({"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"})
             epoch_done = state.step_in_epoch == plan.steps_per_epoch
             if epoch_done:
                 log.info(
-                    f"epoch {state.epoch + 1}/{plan.epochs}: train loss "
-                    f"{epoch_loss / max(epoch_tokens, 1):.4f}"
+                    f"epoch {state.epoch + 1}/{plan.epochs}: train loss {loss_sum / max(loss_tokens, 1):.4f}"
                 )
                 state = replace(state, epoch=state.epoch + 1, step_in_epoch=0)
-            finished = state.step == plan.total_steps
             if hooks.run_eval is not None and eval_every and state.step % eval_every == 0 and not finished:
-                evaluate_now()
-            if r.stop:
+                evaluate()
+            if r.stop:  # every rank saw it in the same step: save and leave together
                 log.info(f"stopping at step {state.step} as asked (signal): saving a checkpoint")
                 if hooks.save is not None:
                     hooks.save(state)
@@ -210,7 +221,7 @@ def fit(
                 break
     log.end_progress()
     if hooks.run_eval is not None:
-        evaluate_now()
+        evaluate()
     if hooks.save is not None and save_every:
         hooks.save(state)
     return result

@@ -75,3 +75,12 @@ def test_yaml_config_file_is_used(tmp_path: Path, capsys: pytest.CaptureFixture[
     cfg.write_text(json.dumps({"lr": -3}))  # JSON is YAML
     assert main(["train", "--config", str(cfg)]) == 2
     assert "--lr: must be > 0 (got -3.0)" in capsys.readouterr().err
+
+
+def test_resume_never_refuses_to_overwrite_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "out" / "checkpoints" / "step-000004").mkdir(parents=True)
+    code = main(["train", "--output-dir", str(tmp_path / "out"), "--resume", "never", "--max-steps", "1"])
+    assert code == 2
+    assert "--resume never, but" in capsys.readouterr().err

@@ -118,3 +118,18 @@ def test_every_shipped_config_parses() -> None:
     for path in shipped:
         cfg = build_config(load_yaml(str(path)), str(path))
         assert dataclasses.is_dataclass(cfg)
+
+
+def test_nnodes_and_resume_options(tmp_path: Path) -> None:
+    from lmtune.config import parse_nnodes
+
+    assert parse_nnodes("2") == (2, 2) and parse_nnodes("1:4") == (1, 4)
+    for bad in ("0", "3:2", "x"):
+        with pytest.raises(UserError, match="--nnodes"):
+            parse_nnodes(bad)
+    with pytest.raises(UserError, match="--rdzv-endpoint: is needed"):
+        validate(build_config({"nnodes": "2"}), world_size=2)
+    with pytest.raises(UserError, match="--resume: no such checkpoint folder"):
+        validate(build_config({"resume": str(tmp_path / "nope")}), world_size=1)
+    with pytest.raises(UserError, match="--on-nan"):
+        validate(build_config({"on_nan": "ignore"}), world_size=1)

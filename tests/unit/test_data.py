@@ -39,7 +39,7 @@ def encode(rows: list[dict[str, Any]], tokenizer: Any = None, **kw: Any) -> tupl
 
 def trained_text(data: Any, i: int, tok: Any) -> str:
     """The text of the positions that train (as targets after the shift: position 0 never does)."""
-    ids, labels = data[i]
+    ids, labels, _ = data[i]
     return str(tok.decode([int(t) for t in ids[1:][labels[1:] != IGNORE_INDEX]]))
 
 
@@ -139,7 +139,7 @@ def test_skip_bad_lines_counts_them(tmp_path: Path) -> None:
 
 def test_text_trains_everything_and_appends_eos() -> None:
     data, stats, tok = encode([{"text": "abc"}])
-    ids, labels = data[0]
+    ids, labels, _ = data[0]
     assert list(ids) == [tok.bos_token_id, ord("a"), ord("b"), ord("c"), tok.eos_token_id]
     assert (labels[1:] == ids[1:]).all()
     assert stats.formats == {"text": 1} and stats.eos_trained == 1
@@ -148,7 +148,7 @@ def test_text_trains_everything_and_appends_eos() -> None:
 def test_prompt_completion_trains_only_the_completion_and_eos() -> None:
     data, _, tok = encode([{"prompt": "Q: 2+2?\nA: ", "completion": "4"}])
     assert trained_text(data, 0, tok) == "4" + tok.eos_token
-    _ids, labels = data[0]
+    labels = data[0].labels
     assert labels[-1] == tok.eos_token_id
 
 
