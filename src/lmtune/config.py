@@ -66,6 +66,17 @@ class TrainConfig:
         ),
     )
     text_field: str = field(default="text", metadata=_help("Name of the field holding plain text."))
+    packing: str = field(
+        default="auto",
+        metadata=_help(
+            "Pack several examples of a step into rows of --max-length, with no attention across "
+            "them: on | off | auto (on when all training data is the text format)."
+        ),
+    )
+    group_by_length: bool = field(
+        default=True,
+        metadata=_help("Without packing, sort a step's examples by length before cutting micro-batches."),
+    )
     truncation: str = field(
         default="right",
         metadata=_help(
@@ -315,6 +326,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.data_format in FORMATS, "data_format", f"must be one of {', '.join(FORMATS)}")
     need(cfg.truncation in TRUNCATIONS, "truncation", f"must be one of {', '.join(TRUNCATIONS)}")
     need(cfg.txt_mode in TXT_MODES, "txt_mode", f"must be one of {', '.join(TXT_MODES)}")
+    need(cfg.packing in ("auto", "on", "off"), "packing", "must be auto, on or off")
     need(cfg.lr is None or cfg.lr > 0, "lr", "must be > 0")
     need(cfg.epochs is None or cfg.epochs >= 1, "epochs", "must be >= 1")
     need(cfg.max_steps is None or cfg.max_steps >= 1, "max_steps", "must be >= 1")

@@ -40,7 +40,7 @@ def evaluate(
     for batch in batches:
         batch = batch.to(env.device)
         with autocast:
-            loss_sum = loss_module(batch.input_ids, batch.attention_mask, batch.labels).sum()
+            loss_sum = loss_module(*batch.model_inputs()).sum()
         sums[0] += loss_sum.double()
         sums[1] += batch.target_tokens()
         sums[2] += batch.input_ids.size(0)

@@ -29,7 +29,7 @@ class TrainingStopped(Exception):
 class StepPlan:
     """How the global batch maps onto micro-steps, and how many optimizer steps the run takes."""
 
-    accumulation: int  # micro-steps per optimizer step on each rank
+    accumulation: int  # micro-steps per optimizer step on each rank (at most this many when packing)
     steps_per_epoch: int
     total_steps: int
     epochs: int
@@ -80,8 +80,8 @@ class FitResult:
     evals: list[EvalResult] = field(default_factory=list)
 
 
-def _micro_batches(batches: Iterator[Batch], count: int, device: torch.device) -> list[Batch]:
-    return [next(batches).to(device) for _ in range(count)]
+def _micro_batches(steps: Iterator[list[Batch]], device: torch.device) -> list[Batch]:
+    return [b.to(device) for b in next(steps)]
 
 
 def _skip_or_stop(state: TrainerState, on_nan: str, log: RunLog) -> TrainerState:
@@ -142,7 +142,7 @@ def fit(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    loader: DataLoader[Batch],
+    loader: DataLoader[list[Batch]],
     sampler: TrainSampler,
     plan: StepPlan,
     env: DistEnv,
@@ -173,7 +173,7 @@ def fit(
         loss_sum, loss_tokens = 0.0, 0  # this epoch's, for its summary line
         while True:
             # Timed from the end of the last step: waiting for data counts against tokens/s.
-            micro = _micro_batches(batches, plan.accumulation, env.device)
+            micro = _micro_batches(batches, env.device)
             lr = float(scheduler.get_last_lr()[0])
             poison = hooks.poison_step == state.step + 1 and env.is_main
             r = train_step(

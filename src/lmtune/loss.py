@@ -39,8 +39,20 @@ class SummedLoss(nn.Module):
         self.model = model
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        if segment_ids is not None:
+            # Packed rows: a block-diagonal causal mask keeps every example to itself.
+            from lmtune.data.packing import block_causal_mask
+
+            attention_mask = block_causal_mask(segment_ids)
+        logits = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits
         loss_sum, _ = token_loss_sum(logits, labels)
         return loss_sum.reshape(1)

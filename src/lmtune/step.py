@@ -61,7 +61,7 @@ def train_step(
     last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
         with no_sync(model, sync=i == last), autocast:
-            micro_loss = model(batch.input_ids, batch.attention_mask, batch.labels).sum()
+            micro_loss = model(*batch.model_inputs()).sum()
         if poison:
             micro_loss = micro_loss * float("nan")
         (micro_loss * scale).backward()

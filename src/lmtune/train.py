@@ -29,7 +29,7 @@ from lmtune.checkpoint import (
     save_hf_folder,
 )
 from lmtune.config import SAMPLE_DATA, TrainConfig, epochs, micro_batch_size, to_dict, validate
-from lmtune.data.collate import Collator
+from lmtune.data.collate import Collator, StepCollator
 from lmtune.data.dataset import TokenizedDataset
 from lmtune.data.prepare import DataSettings, default_cache_dir, prepare
 from lmtune.data.sample import addition_examples, split_prompt
@@ -125,8 +125,23 @@ def _prepare_data(
     return prepared["train"], prepared.get("eval"), info
 
 
+BATCHING_NAMES = {"pack": "packed rows", "group": "grouped by length", "pad": "padded"}
+
+
+def _batching(cfg: TrainConfig, formats: dict[str, int]) -> str:
+    """pack | group | pad: how a step's examples become micro-batches."""
+    if cfg.packing == "on" or (cfg.packing == "auto" and set(formats) == {"text"}):
+        return "pack"
+    return "group" if cfg.group_by_length else "pad"
+
+
 def _loader(
-    data: TokenizedDataset, sampler: Any, batch_size: int, collate: Collator, env: DistEnv, workers: int
+    data: TokenizedDataset,
+    sampler: Any,
+    batch_size: int,
+    collate: Callable[[Any], Any],
+    env: DistEnv,
+    workers: int,
 ) -> DataLoader[Any]:
     return DataLoader(
         data,  # type: ignore[arg-type]
@@ -246,14 +261,18 @@ def _run(
         )
     log.open_metrics(state.step)
 
-    collate = Collator(tokenizer.pad_token_id)
+    batching = _batching(cfg, data_info["train"]["formats"])
+    step_collate = StepCollator(tokenizer.pad_token_id, micro, batching, cfg.max_length)
     sampler = TrainSampler(len(train_data), cfg.global_batch_size, env.rank, env.world_size, cfg.seed)
-    loader = _loader(train_data, sampler, micro, collate, env, cfg.num_workers)
+    # One loader item is one rank's share of one optimizer step, already cut into micro-batches.
+    loader = _loader(
+        train_data, sampler, cfg.global_batch_size // env.world_size, step_collate, env, cfg.num_workers
+    )
     autocast = partial(_autocast, cfg.precision, env.device)
     run_eval: Callable[[], EvalResult] | None = None
     if eval_data is not None:
         eval_sampler = EvalSampler(len(eval_data), env.rank, env.world_size)
-        eval_loader = _loader(eval_data, eval_sampler, micro, collate, env, 0)
+        eval_loader = _loader(eval_data, eval_sampler, micro, Collator(tokenizer.pad_token_id), env, 0)
 
         def run_eval() -> EvalResult:
             return evaluate(unwrap(model), eval_loader, env, autocast())
@@ -272,6 +291,7 @@ def _run(
         "resolved": {
             "strategy": strategy,
             "micro_batch_size": micro,
+            "batching": batching,
             "lr": lr,
             "model_source": loaded.source,
             **asdict(plan),
@@ -286,7 +306,7 @@ def _run(
         f"lmtune: {loaded.source}, {run_info['resolved']['parameters']:,} parameters, {strategy} on "
         f"{env.world_size} x {env.device.type}; global batch "
         f"{cfg.global_batch_size} = {micro} x {env.world_size} x {plan.accumulation} "
-        f"accumulation; {plan.total_steps} steps"
+        f"accumulation ({BATCHING_NAMES[batching]}); {plan.total_steps} steps"
     )
     try:
         result = fit(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,27 +18,76 @@ class Batch:
     attention_mask: torch.Tensor
     labels: torch.Tensor
     example_ids: list[int]  # which examples of the data set, in row order
+    # Packed rows only: positions restart at every example; segments tell the examples apart.
+    position_ids: torch.Tensor | None = None
+    segment_ids: torch.Tensor | None = None
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return Batch(
+            fn(self.input_ids),
+            fn(self.attention_mask),
+            fn(self.labels),
+            self.example_ids,
+            opt(self.position_ids),
+            opt(self.segment_ids),
+        )
 
     def to(self, device: torch.device) -> Batch:
-        nb = device.type == "cuda"
-        return Batch(
-            self.input_ids.to(device, non_blocking=nb),
-            self.attention_mask.to(device, non_blocking=nb),
-            self.labels.to(device, non_blocking=nb),
-            self.example_ids,
-        )
+        return self._map(lambda t: t.to(device, non_blocking=device.type == "cuda"))
 
     def pin_memory(self) -> Batch:
-        return Batch(
-            self.input_ids.pin_memory(),
-            self.attention_mask.pin_memory(),
-            self.labels.pin_memory(),
-            self.example_ids,
-        )
+        return self._map(lambda t: t.pin_memory())
+
+    def model_inputs(self) -> tuple[torch.Tensor, ...]:
+        """Positional arguments of the loss module (DataParallel scatters each along dim 0)."""
+        if self.segment_ids is None:
+            return self.input_ids, self.attention_mask, self.labels
+        assert self.position_ids is not None
+        return self.input_ids, self.attention_mask, self.labels, self.position_ids, self.segment_ids
 
     def target_tokens(self) -> int:
         """Positions that contribute to the loss after the causal shift."""
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class StepCollator:
+    """Turns one rank's examples of an optimizer step into its micro-batches.
+
+    ``pad``: micro-batches in sampler order, padded to their longest example. ``group``: sorted by
+    length first, so examples of similar length share a micro-batch and little is padded.
+    ``pack``: several examples per row up to ``max_length`` (see :mod:`lmtune.data.packing`), then
+    ``micro_batch_size`` rows per forward. Every mode trains on the same examples with the same
+    loss; they differ only in how much padding the model computes on.
+    """
+
+    pad_token_id: int
+    micro_batch_size: int
+    mode: str = "pad"
+    max_length: int = 0
+
+    def __call__(self, examples: Sequence[Example]) -> list[Batch]:
+        if self.mode == "pack":
+            from lmtune.data.packing import PackedCollator, pack_bins
+
+            rows = pack_bins([len(e.input_ids) for e in examples], self.max_length)
+            packed = [[examples[i] for i in row] for row in rows]
+            collate_rows = PackedCollator(self.pad_token_id)
+            return [
+                collate_rows(packed[i : i + self.micro_batch_size])
+                for i in range(0, len(packed), self.micro_batch_size)
+            ]
+        ordered = list(examples)
+        if self.mode == "group":
+            ordered.sort(key=lambda e: -len(e.input_ids))
+        collate = Collator(self.pad_token_id)
+        return [
+            collate(ordered[i : i + self.micro_batch_size])
+            for i in range(0, len(ordered), self.micro_batch_size)
+        ]
 
 
 @dataclass(frozen=True)
