@@ -29,6 +29,7 @@ from lmtune.errors import UserError
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
+SCALER_FILE = "scaler.pt"
 MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, STATE_FILE = (
     "model.safetensors",
     "optimizer.pt",
@@ -136,6 +137,7 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     env: DistEnv,
     keep_last: int,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Path:
     """Write a checkpoint of ``state`` (collective: every rank calls it) and prune old ones."""
     from safetensors.torch import save_model
@@ -157,6 +159,8 @@ def save_checkpoint(
         tokenizer.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
+        if scaler is not None:
+            torch.save(scaler.state_dict(), tmp / SCALER_FILE)
         _fsync_write(tmp / STATE_FILE, json.dumps(asdict(state), indent=2))
     barrier(env)
     if env.is_main:
@@ -227,8 +231,9 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     env: DistEnv,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> TrainerState:
-    """Restore model, optimizer, schedule and (same world size) this rank's RNG streams."""
+    """Restore model, optimizer, schedule, gradient scaler and (same world size) this rank's RNG."""
     from safetensors.torch import load_model
 
     reason = verify(folder)
@@ -238,6 +243,8 @@ def load_checkpoint(
     load_model(model, str(folder / MODEL_FILE), device=str(next(model.parameters()).device))
     optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True, map_location="cpu"))
     scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
+    if scaler is not None and (folder / SCALER_FILE).is_file():
+        scaler.load_state_dict(torch.load(folder / SCALER_FILE, weights_only=True))
     rng = folder / f"rng-rank-{env.rank}.json"
     if state.world_size == env.world_size and rng.is_file():
         _set_rng_state(json.loads(rng.read_text()))

@@ -21,7 +21,7 @@ STRATEGIES = ("auto", "single", "dp", "ddp")
 FORMATS = ("auto", "text", "prompt_completion", "messages")
 TRUNCATIONS = ("right", "left", "drop", "error")
 TXT_MODES = ("line", "block")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 SAMPLE_DATA = "sample"
 DEFAULT_EPOCHS = 3
@@ -170,7 +170,14 @@ class TrainConfig:
     )
     precision: str = field(
         default="fp32",
-        metadata=_help("fp32 | bf16 (bf16 autocast; weights and optimizer state stay fp32)."),
+        metadata=_help(
+            "fp32 | bf16 (autocast, CPU and GPU) | fp16 (autocast with a gradient scaler, GPU only); "
+            "weights and optimizer state stay fp32."
+        ),
+    )
+    compile: bool = field(
+        default=False,
+        metadata=_help("torch.compile the model; falls back to eager with a message if it fails."),
     )
     device: str = field(default="auto", metadata=_help("auto (cuda when available) | cpu | cuda."))
     nproc_per_node: int = field(

@@ -69,6 +69,8 @@ class FitHooks:
     record_samples: Callable[[int, list[int]], None] | None = None
     stop_requested: Callable[[], bool] = lambda: False
     poison_step: int | None = None  # fault injection: this step's loss becomes NaN on rank 0
+    scaler: torch.amp.GradScaler | None = None  # fp16 only
+    mfu: Callable[[StepResult, float], float] | None = None  # (step, seconds) -> model FLOPs utilisation
 
 
 @dataclass
@@ -99,7 +101,13 @@ def _skip_or_stop(state: TrainerState, on_nan: str, log: RunLog) -> TrainerState
 
 
 def _record_step(
-    log: RunLog, state: TrainerState, r: StepResult, lr: float, seconds: float, elapsed: float
+    log: RunLog,
+    state: TrainerState,
+    r: StepResult,
+    lr: float,
+    seconds: float,
+    elapsed: float,
+    mfu: float | None,
 ) -> None:
     tokens_per_s = r.tokens / max(seconds, 1e-9)
     log.record(
@@ -113,11 +121,15 @@ def _record_step(
             "tokens": r.tokens,
             "target_tokens": r.target_tokens,
             "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
             "elapsed_s": elapsed,
             "skipped": r.nonfinite,
         }
     )
-    log.advance({"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"})
+    shown = {"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
+    if mfu is not None:
+        shown["mfu"] = f"{100 * mfu:.0f}%"
+    log.advance(shown)
 
 
 def _record_eval(log: RunLog, state: TrainerState, ev: EvalResult) -> None:
@@ -186,6 +198,7 @@ def fit(
                 hooks.autocast(),
                 hooks.stop_requested(),
                 poison,
+                hooks.scaler,
             )
             state = replace(state, step=state.step + 1, step_in_epoch=state.step_in_epoch + 1)
             if r.nonfinite:
@@ -195,7 +208,8 @@ def fit(
             now = time.perf_counter()
             finished = state.step == plan.total_steps
             if state.step % log_every == 0 or finished:
-                _record_step(log, state, r, lr, now - last, now - started)
+                mfu = hooks.mfu(r, now - last) if hooks.mfu is not None else None
+                _record_step(log, state, r, lr, now - last, now - started, mfu)
             last = now
             result.steps, result.last_loss, result.skipped_steps = state.step, r.loss, state.skipped_steps
             if hooks.record_samples is not None:

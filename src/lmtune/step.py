@@ -20,6 +20,7 @@ class StepResult:
     grad_norm: float
     target_tokens: int  # after the causal shift, all ranks and micro-steps
     tokens: int  # non-padding input tokens, all ranks and micro-steps
+    examples: int  # all ranks and micro-steps
     nonfinite: bool  # some rank saw a non-finite loss or gradient norm; the update was not applied
     stop: bool  # some rank was asked to stop (SIGTERM/SIGINT)
 
@@ -34,6 +35,7 @@ def train_step(
     autocast: AbstractContextManager[object],
     stop_requested: bool = False,
     poison: bool = False,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> StepResult:
     """Forward/backward every micro-batch, then clip and step.
 
@@ -46,15 +48,13 @@ def train_step(
     runs: one rank skipping alone would leave the replicas apart. ``poison`` makes this rank's loss
     NaN (fault injection for tests).
     """
-    counts = torch.tensor(
-        [
-            sum(b.target_tokens() for b in micro_batches),
-            sum(int(b.attention_mask.sum()) for b in micro_batches),
-        ],
-        dtype=torch.int64,
-        device=env.device,
-    )
-    target_tokens, tokens = (int(x) for x in all_reduce_sum(counts, env).tolist())
+    local = [
+        sum(b.target_tokens() for b in micro_batches),
+        sum(int(b.attention_mask.sum()) for b in micro_batches),
+        sum(len(b.example_ids) for b in micro_batches),
+    ]
+    counts = torch.tensor(local, dtype=torch.int64, device=env.device)
+    target_tokens, tokens, examples = (int(x) for x in all_reduce_sum(counts, env).tolist())
     # DDP averages gradients over ranks; multiplying by world_size turns that average into the sum.
     scale = env.world_size / max(target_tokens, 1)
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
@@ -64,11 +64,16 @@ def train_step(
             micro_loss = model(*batch.model_inputs()).sum()
         if poison:
             micro_loss = micro_loss * float("nan")
-        (micro_loss * scale).backward()
+        scaled = micro_loss * scale
+        (scaler.scale(scaled) if scaler is not None else scaled).backward()
         loss_sum += micro_loss.detach().double()
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # clip and judge the true gradients
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
-    local_bad = not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm))
+    # Under fp16 an infinite gradient is the scaler's business (it skips the step and lowers the
+    # scale); only a non-finite loss is the model's.
+    local_bad = not torch.isfinite(loss_sum) or (scaler is None and not torch.isfinite(grad_norm))
     agreed = torch.stack(
         [
             loss_sum,
@@ -78,11 +83,21 @@ def train_step(
     )
     total_loss, bad_ranks, stopping = all_reduce_sum(agreed, env).tolist()
     nonfinite = bad_ranks > 0
-    if not nonfinite:
+    if scaler is not None:
+        if not nonfinite:
+            scaler.step(optimizer)
+        scaler.update()
+    elif not nonfinite:
         optimizer.step()
     # The schedule follows the step count, so a skipped update does not shift later learning rates.
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
-        total_loss / max(target_tokens, 1), float(grad_norm), target_tokens, tokens, nonfinite, stopping > 0
+        total_loss / max(target_tokens, 1),
+        float(grad_norm),
+        target_tokens,
+        tokens,
+        examples,
+        nonfinite,
+        stopping > 0,
     )

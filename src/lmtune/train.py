@@ -53,6 +53,8 @@ from lmtune.metrics import RunLog, SampleLog
 from lmtune.modeling import load_model
 from lmtune.optim import build_adamw, build_schedule
 from lmtune.parallel import resolve_strategy, unwrap, wrap_model
+from lmtune.perf import measure_peak_flops, train_flops_per_token
+from lmtune.step import StepResult
 from lmtune.stopping import StopRequest
 
 
@@ -66,9 +68,22 @@ class TrainResult:
 
 
 def _autocast(precision: str, device: torch.device) -> AbstractContextManager[object]:
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(device_type=device.type, dtype=dtype)
     return nullcontext()
+
+
+def _compile(model: torch.nn.Module, log: RunLog) -> None:
+    """torch.compile in place (parameter names unchanged, so checkpoints stay the same)."""
+    import torch._dynamo
+
+    # A graph that fails to compile at its first call runs eagerly instead of ending the run.
+    torch._dynamo.config.suppress_errors = True
+    try:
+        model.compile()
+    except Exception as e:  # compile support differs by platform and model; eager always works
+        log.info(f"--compile: torch.compile is not available here ({type(e).__name__}: {e}); running eagerly")
 
 
 def _eval_spec(cfg: TrainConfig) -> str | None:
@@ -182,6 +197,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     """
     env = read_dist_env(cfg.device)
     validate(cfg, env.world_size)
+    if cfg.precision == "fp16" and env.device.type != "cuda":
+        raise UserError(
+            "--precision fp16 needs a CUDA GPU (its gradient scaler is for GPUs); use bf16 on CPU"
+        )
     strategy = resolve_strategy(cfg.strategy, env)
     threads = cpu_threads_per_process(env, cfg.threads_per_process)
     if env.device.type == "cpu":
@@ -245,15 +264,18 @@ def _run(
     # Same init seed everywhere; a rank-specific stream afterwards so dropout differs across shards.
     torch.manual_seed(cfg.seed + env.rank)
 
+    if cfg.compile:
+        _compile(loaded.model, log)
     loss_module = SummedLoss(loaded.model)
     model = wrap_model(loss_module, strategy, env)
     optimizer = build_adamw(loss_module, lr, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)
     scheduler = build_schedule(optimizer, plan.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
+    scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
     state = TrainerState(0, 0, 0, cfg.global_batch_size, env.world_size, cfg.seed, len(train_data))
     resume_from = _resume_point(cfg, output_dir, env, log)
     if resume_from is not None:
         _check_resumable(read_state(resume_from), cfg, len(train_data), resume_from)
-        saved = load_checkpoint(resume_from, loaded.model, optimizer, scheduler, env)
+        saved = load_checkpoint(resume_from, loaded.model, optimizer, scheduler, env, scaler)
         state = replace(saved, world_size=env.world_size)
         log.info(
             f"resuming from {resume_from}: step {state.step}, epoch {state.epoch + 1}, sample "
@@ -279,12 +301,20 @@ def _run(
 
     def save(at: TrainerState) -> None:
         path = save_checkpoint(
-            output_dir, at, loaded.model, tokenizer, optimizer, scheduler, env, cfg.keep_last
+            output_dir, at, loaded.model, tokenizer, optimizer, scheduler, env, cfg.keep_last, scaler
         )
         log.info(f"step {at.step}: saved checkpoint {path}")
 
     samples = SampleLog(output_dir, env.rank, state.step) if cfg.record_samples else None
-    hooks = FitHooks(autocast, run_eval, save, samples, stop, faults.nan_step())
+    flops_per_token = partial(train_flops_per_token, loaded.model)
+    peak = measure_peak_flops(env.device, cfg.precision, seconds=0.3)
+
+    def mfu(r: StepResult, seconds: float) -> float:
+        """Model FLOPs per second of this step over the measured peak of all devices."""
+        mean_length = r.tokens / max(r.examples, 1)
+        return flops_per_token(round(mean_length)) * r.tokens / max(seconds, 1e-9) / (peak * env.world_size)
+
+    hooks = FitHooks(autocast, run_eval, save, samples, stop, faults.nan_step(), scaler, mfu)
 
     run_info: dict[str, Any] = {
         "config": to_dict(cfg),
@@ -297,6 +327,7 @@ def _run(
             **asdict(plan),
             "parameters": sum(p.numel() for p in loss_module.parameters()),
             "resumed_from": str(resume_from) if resume_from else None,
+            "peak_flops_per_device": peak,
         },
         "data": data_info,
         "environment": environment_info(env, threads),

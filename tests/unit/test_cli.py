@@ -84,3 +84,8 @@ def test_resume_never_refuses_to_overwrite_checkpoints(
     code = main(["train", "--output-dir", str(tmp_path / "out"), "--resume", "never", "--max-steps", "1"])
     assert code == 2
     assert "--resume never, but" in capsys.readouterr().err
+
+
+def test_fp16_on_cpu_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--precision", "fp16", "--device", "cpu", "--output-dir", str(tmp_path)]) == 2
+    assert "--precision fp16 needs a CUDA GPU" in capsys.readouterr().err

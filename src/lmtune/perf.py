@@ -1,0 +1,60 @@
+"""Model FLOPs and the peak this device really reaches, for MFU (model FLOPs utilisation)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Forward + backward FLOPs per trained token: 6 per weight, plus the attention scores.
+
+    6N counts the matrix products with the weights (2 forward, 4 backward); attention adds
+    ``12 * layers * hidden * seq_len`` for QK^T and the weighted sum of V, which scale with the
+    sequence length (PaLM, appendix B). Embedding lookups do no products and are left out.
+    """
+    config: Any = getattr(model, "config", None)
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    skip = {id(p) for p in embeddings.parameters()} if isinstance(embeddings, nn.Module) else set()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    weights = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    if tied and isinstance(embeddings, nn.Module):  # the tied output projection still multiplies
+        weights += sum(p.numel() for p in embeddings.parameters())
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    return 6.0 * weights + 12.0 * layers * hidden * seq_len
+
+
+def measure_peak_flops(device: torch.device, precision: str, seconds: float = 0.5) -> float:
+    """Matrix-multiply FLOP/s this device reaches at ``precision``, measured, never looked up.
+
+    Square products large enough to be compute-bound; the best of several timed batches.
+    """
+    dtype = DTYPES[precision]
+    size = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(2):  # warm-up: kernels selected, caches filled
+        a @ b
+    sync()
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        reps = 4
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync()
+        best = max(best, reps * 2 * size**3 / (time.perf_counter() - start))
+    return best
