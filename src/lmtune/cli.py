@@ -66,6 +66,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
     gen.set_defaults(run=_cmd_generate)
+    bench = commands.add_parser(
+        "bench",
+        help="measure throughput, MFU and memory per strategy and precision",
+        description="Train --steps steps after --warmup for every strategy x precision on your model and "
+        "data and print one table (tokens/s, MFU against this device's measured matmul peak, peak "
+        "memory, step time split). Combinations that cannot run here are listed with the reason.",
+    )
+    bench.add_argument("--model", default="tiny", help="as in train (default: tiny)")
+    bench.add_argument("--data", default="sample", help="as in train (default: sample)")
+    bench.add_argument("--strategies", default="single,ddp", help="comma-separated (default: single,ddp)")
+    bench.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default: fp32,bf16)")
+    bench.add_argument("--nproc-per-node", type=int, default=2, help="processes for ddp (default: 2)")
+    bench.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
+    bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
+    bench.add_argument("--global-batch-size", type=int, default=32, help="as in train (default: 32)")
+    bench.add_argument("--micro-batch-size", type=int, default=None, help="as in train")
+    bench.add_argument("--max-length", type=int, default=512, help="as in train (default: 512)")
+    bench.add_argument("--packing", default="auto", help="as in train (default: auto)")
+    bench.add_argument(
+        "--json", metavar="PATH", default="bench.json", help="table as JSON (default: bench.json)"
+    )
+    bench.set_defaults(run=_cmd_bench)
     exp = commands.add_parser(
         "export",
         help="write a Hugging Face model folder from a checkpoint",
@@ -160,6 +182,40 @@ def _cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
             model, loaded.tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed
         )
     print(args.prompt + text)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import json
+
+    from lmtune.bench import format_table, run_bench, to_json
+
+    train_args = [
+        "--model",
+        args.model,
+        "--data",
+        args.data,
+        "--global-batch-size",
+        str(args.global_batch_size),
+        "--max-length",
+        str(args.max_length),
+        "--packing",
+        args.packing,
+    ]
+    if args.micro_batch_size:
+        train_args += ["--micro-batch-size", str(args.micro_batch_size)]
+    rows = run_bench(
+        train_args,
+        args.strategies.split(","),
+        args.precisions.split(","),
+        args.nproc_per_node,
+        args.steps,
+        args.warmup,
+    )
+    print(format_table(rows))
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(to_json(rows), f, indent=2)
+    print(f"wrote {args.json}")
     return 0
 
 

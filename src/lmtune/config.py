@@ -197,6 +197,10 @@ class TrainConfig:
     log_every: int = field(default=1, metadata=_help("Write a metrics.jsonl line every N optimizer steps."))
     num_workers: int = field(default=0, metadata=_help("DataLoader worker processes per rank."))
     progress: bool = field(default=True, metadata=_help("Show a progress bar on rank 0."))
+    profile: bool = field(
+        default=False,
+        metadata=_help("Time each step's data wait, forward, backward and optimizer into metrics.jsonl."),
+    )
     save_every: int = field(
         default=0,
         metadata=_help(

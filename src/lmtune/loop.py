@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,6 +18,7 @@ from lmtune.distributed import DistEnv
 from lmtune.errors import UserError
 from lmtune.evaluate import EvalResult
 from lmtune.metrics import RunLog
+from lmtune.perf import PhaseTimer, peak_memory_bytes
 from lmtune.step import StepResult, train_step
 
 
@@ -70,7 +71,10 @@ class FitHooks:
     stop_requested: Callable[[], bool] = lambda: False
     poison_step: int | None = None  # fault injection: this step's loss becomes NaN on rank 0
     scaler: torch.amp.GradScaler | None = None  # fp16 only
-    mfu: Callable[[StepResult, float], float] | None = None  # (step, seconds) -> model FLOPs utilisation
+    mfu: Callable[[StepResult, float], float] | None = None
+    timer: PhaseTimer | None = (
+        None  # per-phase step times (--profile)  # (step, seconds) -> model FLOPs utilisation
+    )
 
 
 @dataclass
@@ -108,6 +112,7 @@ def _record_step(
     seconds: float,
     elapsed: float,
     mfu: float | None,
+    memory: int,
 ) -> None:
     tokens_per_s = r.tokens / max(seconds, 1e-9)
     log.record(
@@ -122,6 +127,8 @@ def _record_step(
             "target_tokens": r.target_tokens,
             "tokens_per_s": tokens_per_s,
             "mfu": mfu,
+            "peak_memory_bytes": memory,
+            **{f"time_{name}_s": seconds for name, seconds in r.phases.items()},
             "elapsed_s": elapsed,
             "skipped": r.nonfinite,
         }
@@ -185,7 +192,8 @@ def fit(
         loss_sum, loss_tokens = 0.0, 0  # this epoch's, for its summary line
         while True:
             # Timed from the end of the last step: waiting for data counts against tokens/s.
-            micro = _micro_batches(batches, env.device)
+            with hooks.timer.phase("data") if hooks.timer is not None else nullcontext():
+                micro = _micro_batches(batches, env.device)
             lr = float(scheduler.get_last_lr()[0])
             poison = hooks.poison_step == state.step + 1 and env.is_main
             r = train_step(
@@ -199,6 +207,7 @@ def fit(
                 hooks.stop_requested(),
                 poison,
                 hooks.scaler,
+                hooks.timer,
             )
             state = replace(state, step=state.step + 1, step_in_epoch=state.step_in_epoch + 1)
             if r.nonfinite:
@@ -209,7 +218,8 @@ def fit(
             finished = state.step == plan.total_steps
             if state.step % log_every == 0 or finished:
                 mfu = hooks.mfu(r, now - last) if hooks.mfu is not None else None
-                _record_step(log, state, r, lr, now - last, now - started, mfu)
+                memory = peak_memory_bytes(env.device)
+                _record_step(log, state, r, lr, now - last, now - started, mfu, memory)
             last = now
             result.steps, result.last_loss, result.skipped_steps = state.step, r.loss, state.skipped_steps
             if hooks.record_samples is not None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import resource
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -58,3 +61,40 @@ def measure_peak_flops(device: torch.device, precision: str, seconds: float = 0.
         sync()
         best = max(best, reps * 2 * size**3 / (time.perf_counter() - start))
     return best
+
+
+class PhaseTimer:
+    """Wall time per phase of a step (data, forward, backward, optimizer), for `lmtune bench`.
+
+    The device is synchronised at every boundary, so GPU work counts in the phase that launched it;
+    DDP's all-reduce overlaps the backward pass, so the part it does not hide shows in ``backward``.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def take(self) -> dict[str, float]:
+        taken, self.seconds = self.seconds, {}
+        return taken
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: allocated CUDA memory on a GPU, resident set size on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

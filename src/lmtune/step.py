@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -12,6 +13,7 @@ from torch import nn
 from lmtune.data.collate import Batch
 from lmtune.distributed import DistEnv, all_reduce_sum
 from lmtune.parallel import no_sync
+from lmtune.perf import PhaseTimer
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class StepResult:
     examples: int  # all ranks and micro-steps
     nonfinite: bool  # some rank saw a non-finite loss or gradient norm; the update was not applied
     stop: bool  # some rank was asked to stop (SIGTERM/SIGINT)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase, when timed
 
 
 def train_step(
@@ -36,6 +39,7 @@ def train_step(
     stop_requested: bool = False,
     poison: bool = False,
     scaler: torch.amp.GradScaler | None = None,
+    timer: PhaseTimer | None = None,
 ) -> StepResult:
     """Forward/backward every micro-batch, then clip and step.
 
@@ -59,14 +63,50 @@ def train_step(
     scale = env.world_size / max(target_tokens, 1)
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     last = len(micro_batches) - 1
+    phase = timer.phase if timer is not None else _untimed
     for i, batch in enumerate(micro_batches):
-        with no_sync(model, sync=i == last), autocast:
-            micro_loss = model(*batch.model_inputs()).sum()
-        if poison:
-            micro_loss = micro_loss * float("nan")
-        scaled = micro_loss * scale
-        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        with no_sync(model, sync=i == last):
+            with phase("forward"), autocast:
+                micro_loss = model(*batch.model_inputs()).sum()
+            if poison:
+                micro_loss = micro_loss * float("nan")
+            scaled = micro_loss * scale
+            with phase("backward"):
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
         loss_sum += micro_loss.detach().double()
+    with phase("optimizer"):
+        result = _update(
+            model,
+            optimizer,
+            scheduler,
+            env,
+            max_grad_norm,
+            scaler,
+            loss_sum,
+            stop_requested,
+            (target_tokens, tokens, examples),
+        )
+    return replace(result, phases=timer.take()) if timer is not None else result
+
+
+@contextmanager
+def _untimed(name: str) -> Iterator[None]:
+    yield
+
+
+def _update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    env: DistEnv,
+    max_grad_norm: float,
+    scaler: torch.amp.GradScaler | None,
+    loss_sum: torch.Tensor,
+    stop_requested: bool,
+    counts: tuple[int, int, int],
+) -> StepResult:
+    """Clip, agree across ranks whether to apply the update, then apply it (or not)."""
+    target_tokens, tokens, examples = counts
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip and judge the true gradients
     params = [p for p in model.parameters() if p.grad is not None]

@@ -53,7 +53,7 @@ from lmtune.metrics import RunLog, SampleLog
 from lmtune.modeling import load_model
 from lmtune.optim import build_adamw, build_schedule
 from lmtune.parallel import resolve_strategy, unwrap, wrap_model
-from lmtune.perf import measure_peak_flops, train_flops_per_token
+from lmtune.perf import PhaseTimer, measure_peak_flops, peak_memory_bytes, train_flops_per_token
 from lmtune.step import StepResult
 from lmtune.stopping import StopRequest
 
@@ -314,7 +314,8 @@ def _run(
         mean_length = r.tokens / max(r.examples, 1)
         return flops_per_token(round(mean_length)) * r.tokens / max(seconds, 1e-9) / (peak * env.world_size)
 
-    hooks = FitHooks(autocast, run_eval, save, samples, stop, faults.nan_step(), scaler, mfu)
+    timer = PhaseTimer(env.device) if cfg.profile else None
+    hooks = FitHooks(autocast, run_eval, save, samples, stop, faults.nan_step(), scaler, mfu, timer)
 
     run_info: dict[str, Any] = {
         "config": to_dict(cfg),
@@ -361,7 +362,10 @@ def _run(
         if samples is not None:
             samples.close()
     final_eval = result.evals[-1] if result.evals else None
+    peaks = all_gather_object(peak_memory_bytes(env.device), env)
+    log.info("peak memory per rank: " + ", ".join(f"{p / 2**20:,.0f} MiB" for p in peaks))
     run_info["result"] = {
+        "peak_memory_per_rank": peaks,
         "steps": result.steps,
         "last_loss": result.last_loss,
         "skipped_steps": result.skipped_steps,

@@ -1,0 +1,164 @@
+"""`lmtune bench`: throughput, MFU, memory and step-time split per strategy and precision.
+
+Every combination is a real `lmtune train` run (under the launcher when it needs several
+processes) on the user's model and data, timed after a warm-up; nothing is simulated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmtune.errors import UserError
+
+STRATEGIES = ("single", "dp", "ddp", "fsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+@dataclass
+class BenchRow:
+    strategy: str
+    precision: str
+    status: str  # "ok", or why it was skipped or failed
+    devices: int = 0
+    tokens_per_s: float = 0.0
+    tokens_per_s_per_device: float = 0.0
+    mfu: float = 0.0
+    peak_memory_mib: float = 0.0  # largest over the ranks
+    step_ms: float = 0.0
+    phase_ms: dict[str, float] | None = None
+
+
+def skip_reason(strategy: str, precision: str, nproc: int) -> str | None:
+    """Why a combination cannot run on this machine, or None."""
+    gpus = torch.cuda.device_count()
+    if strategy == "dp" and gpus < 2:
+        return f"skipped: DataParallel needs 2+ CUDA GPUs ({gpus} visible)"
+    if strategy == "fsdp":
+        return "skipped: FSDP2 is not available in this version of lmtune yet"
+    if strategy == "ddp" and nproc < 2:
+        return "skipped: DDP needs --nproc-per-node 2 or more"
+    if precision == "fp16" and gpus == 0:
+        return "skipped: fp16 needs a CUDA GPU (use bf16 on CPU)"
+    return None
+
+
+def _measure(out: Path, warmup: int, devices: int) -> BenchRow:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if r["kind"] == "train"][warmup:]
+    seconds = timed[-1]["elapsed_s"] - rows[warmup - 1]["elapsed_s"] if warmup else timed[-1]["elapsed_s"]
+    tokens = sum(r["tokens"] for r in timed)
+    run = json.loads((out / "run.json").read_text())
+    peak = max(run["result"]["peak_memory_per_rank"]) / 2**20
+    phases = {p: 1000 * statistics.mean(r.get(f"time_{p}_s", 0.0) for r in timed) for p in PHASES}
+    return BenchRow(
+        strategy=run["resolved"]["strategy"],
+        precision=run["config"]["precision"],
+        status="ok",
+        devices=devices,
+        tokens_per_s=tokens / seconds,
+        tokens_per_s_per_device=tokens / seconds / devices,
+        mfu=statistics.mean(r["mfu"] for r in timed),
+        peak_memory_mib=peak,
+        step_ms=1000 * seconds / len(timed),
+        phase_ms=phases,
+    )
+
+
+def run_bench(
+    train_args: list[str],
+    strategies: list[str],
+    precisions: list[str],
+    nproc: int,
+    steps: int,
+    warmup: int,
+) -> list[BenchRow]:
+    """Run every strategy x precision with ``lmtune train <train_args>``; skipped ones say why."""
+    for s in strategies:
+        if s not in STRATEGIES:
+            raise UserError(f"--strategies: unknown strategy {s!r} (choose from {', '.join(STRATEGIES)})")
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise UserError(f"--precisions: unknown precision {p!r} (choose from {', '.join(PRECISIONS)})")
+    if steps < 1 or warmup < 1:
+        raise UserError("--steps and --warmup must be >= 1")
+    results: list[BenchRow] = []
+    with tempfile.TemporaryDirectory(prefix="lmtune-bench-") as tmp:
+        for strategy in strategies:
+            for precision in precisions:
+                reason = skip_reason(strategy, precision, nproc)
+                if reason:
+                    results.append(BenchRow(strategy, precision, reason))
+                    continue
+                out = Path(tmp) / f"{strategy}-{precision}"
+                launch = ["--nproc-per-node", str(nproc)] if strategy == "ddp" else []
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "lmtune",
+                    "train",
+                    *train_args,
+                    *launch,
+                    "--strategy",
+                    strategy,
+                    "--precision",
+                    precision,
+                    "--max-steps",
+                    str(warmup + steps),
+                    "--output-dir",
+                    str(out),
+                    "--resume",
+                    "never",
+                    "--save-every",
+                    "0",
+                    "--profile",
+                    "--no-progress",
+                ]
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+                if proc.returncode != 0:
+                    last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+                    if proc.returncode == 2:
+                        raise UserError(last.removeprefix("error: "))
+                    results.append(BenchRow(strategy, precision, f"failed: {last}"))
+                    continue
+                devices = (
+                    nproc
+                    if strategy == "ddp"
+                    else max(1, torch.cuda.device_count() if strategy == "dp" else 1)
+                )
+                results.append(_measure(out, warmup, devices))
+    return results
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    head = (
+        f"{'strategy':<9}{'precision':<10}{'devices':>8}{'tokens/s':>11}{'/device':>10}{'MFU':>7}"
+        f"{'peak MiB':>10}{'step ms':>9}  data / fwd / bwd+comm / optim ms"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.status != "ok":
+            lines.append(f"{r.strategy:<9}{r.precision:<10}  {r.status}")
+            continue
+        ph = r.phase_ms or {}
+        split = " / ".join(f"{ph.get(p, 0.0):.1f}" for p in PHASES)
+        lines.append(
+            f"{r.strategy:<9}{r.precision:<10}{r.devices:>8}{r.tokens_per_s:>11,.0f}"
+            f"{r.tokens_per_s_per_device:>10,.0f}{100 * r.mfu:>6.0f}%{r.peak_memory_mib:>10,.0f}"
+            f"{r.step_ms:>9.1f}  {split}"
+        )
+    return "\n".join(lines)
+
+
+def to_json(rows: list[BenchRow]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in rows]

@@ -1,0 +1,43 @@
+"""`lmtune bench` runs what can run here, says why the rest cannot, and writes the table as JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lmtune.bench import skip_reason
+from tests.conftest import run_lmtune
+
+
+def test_bench_table_and_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = run_lmtune(
+        [
+            "bench",
+            "--strategies",
+            "single,dp",
+            "--precisions",
+            "fp32,fp16",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {(r["strategy"], r["precision"]): r for r in json.loads(out.read_text())}
+    ok = rows[("single", "fp32")]
+    assert ok["status"] == "ok" and ok["tokens_per_s"] > 0 and 0 < ok["mfu"] < 1.5
+    assert ok["peak_memory_mib"] > 0 and set(ok["phase_ms"]) == {"data", "forward", "backward", "optimizer"}
+    assert rows[("dp", "fp32")]["status"].startswith("skipped: DataParallel needs 2+ CUDA GPUs")
+    assert rows[("single", "fp16")]["status"].startswith("skipped: fp16 needs a CUDA GPU")
+    assert "tokens/s" in proc.stdout and "MFU" in proc.stdout
+
+
+def test_skip_reasons() -> None:
+    assert skip_reason("ddp", "fp32", nproc=1) is not None
+    assert skip_reason("fsdp", "bf16", nproc=2) is not None
+    assert skip_reason("single", "bf16", nproc=1) is None
