@@ -70,7 +70,8 @@ class TrainConfig:
         default="auto",
         metadata=_help(
             "Pack several examples of a step into rows of --max-length, with no attention across "
-            "them: on | off | auto (on when all training data is the text format)."
+            "them: on | off | auto (text-format data: packs the steps where grouping by length "
+            "would still leave over 10% padding)."
         ),
     )
     group_by_length: bool = field(

@@ -140,13 +140,20 @@ def _prepare_data(
     return prepared["train"], prepared.get("eval"), info
 
 
-BATCHING_NAMES = {"pack": "packed rows", "group": "grouped by length", "pad": "padded"}
+BATCHING_NAMES = {
+    "pack": "packed rows",
+    "auto": "packed where it saves padding",
+    "group": "grouped by length",
+    "pad": "padded",
+}
 
 
 def _batching(cfg: TrainConfig, formats: dict[str, int]) -> str:
-    """pack | group | pad: how a step's examples become micro-batches."""
-    if cfg.packing == "on" or (cfg.packing == "auto" and set(formats) == {"text"}):
+    """pack | auto | group | pad: how a step's examples become micro-batches."""
+    if cfg.packing == "on":
         return "pack"
+    if cfg.packing == "auto" and set(formats) == {"text"}:
+        return "auto"
     return "group" if cfg.group_by_length else "pad"
 
 

@@ -79,3 +79,17 @@ def test_no_position_attends_across_a_boundary() -> None:
     first = len(original[0][0])
     assert not torch.allclose(before[:first], after[:first])  # the perturbed example did change
     assert torch.equal(before[first:], after[first:])  # and nothing after it moved
+
+
+def test_auto_packs_only_steps_with_much_padding() -> None:
+    from lmtune.data.collate import StepCollator
+
+    loaded = build_preset("tiny", seed=0)
+    collate = StepCollator(loaded.tokenizer.pad_token_id, micro_batch_size=8, mode="auto", max_length=256)
+    even = tokenized(["abcd"] * 8, loaded.tokenizer)
+    uneven = tokenized(["a", "b" * 60, "c", "d" * 3, "e" * 90, "f", "g" * 7, "h"], loaded.tokenizer)
+    (even_batch,) = collate([even[i] for i in range(8)])
+    assert even_batch.segment_ids is None  # equal lengths: nothing to gain, plain rows
+    uneven_batches = collate([uneven[i] for i in range(8)])
+    assert all(b.segment_ids is not None for b in uneven_batches)
+    assert sum(len(b.example_ids) for b in uneven_batches) == 8
