@@ -21,7 +21,7 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     )
     for f in config_fields():
         kind = field_type(f)
-        text = f"{f.metadata['help']} (default: {f.default})"
+        text = f"{f.metadata['help']} (default: {f.default})".replace("%", "%%")  # argparse formats %
         if kind is bool:
             parser.add_argument(
                 option_name(f.name),

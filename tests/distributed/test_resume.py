@@ -85,15 +85,17 @@ def max_diff(a: Path, b: Path) -> float:
 
 
 def samples_by_step(out: Path) -> dict[int, list[int]]:
-    """Every step's example ids, all ranks together, in the order of the global batch."""
-    by_step: dict[int, list[tuple[int, int, int]]] = {}
+    """Every step's example ids over all ranks, sorted: the global batch of the step.
+
+    Within a step the order is irrelevant to the update (and a rank sorts or packs its share), so
+    the order that matters is from step to step.
+    """
+    by_step: dict[int, list[int]] = {}
     for path in sorted((out / "samples").glob("rank-*.jsonl")):
-        rank = int(path.stem.split("-")[1])
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            by_step.setdefault(row["step"], []).extend((k, rank, i) for k, i in enumerate(row["ids"]))
-    # Rank r holds positions r, r+W, ... of the global batch: interleave back to the global order.
-    return {s: [i for _, _, i in sorted(v)] for s, v in by_step.items()}
+            by_step.setdefault(row["step"], []).extend(row["ids"])
+    return {s: sorted(v) for s, v in by_step.items()}
 
 
 def resume_copy(src: Path, dst: Path, step: int) -> None:
