@@ -9,8 +9,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 # Tests never reach the hub: models are built from presets, data is generated here.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -53,13 +51,6 @@ def run_lmtune(
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     cmd = [*(launcher or [sys.executable, "-m"]), "lmtune", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-
-
-@pytest.fixture
-def tiny_files(tmp_path: Path) -> tuple[Path, Path]:
-    train = write_jsonl(tmp_path / "train.jsonl", uneven_texts(48, seed=1))
-    evald = write_jsonl(tmp_path / "eval.jsonl", uneven_texts(7, seed=2))
-    return train, evald
 
 
 def child_pids(pid: int) -> list[int]:
