@@ -74,6 +74,19 @@ def _autocast(precision: str, device: torch.device) -> AbstractContextManager[ob
     return nullcontext()
 
 
+def _checkpoint_activations(model: torch.nn.Module, name: str) -> None:
+    """Per-block activation checkpointing, non-reentrant: the reentrant variant runs backward
+    hooks twice and DDP then sees parameters "marked ready twice"."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise UserError(f"--activation-checkpointing: {name} does not support gradient checkpointing")
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+
+
 def _compile(model: torch.nn.Module, log: RunLog) -> None:
     """torch.compile in place (parameter names unchanged, so checkpoints stay the same)."""
     import torch._dynamo
@@ -271,6 +284,8 @@ def _run(
     # Same init seed everywhere; a rank-specific stream afterwards so dropout differs across shards.
     torch.manual_seed(cfg.seed + env.rank)
 
+    if cfg.activation_checkpointing:
+        _checkpoint_activations(loaded.model, cfg.model)
     if cfg.compile:
         _compile(loaded.model, log)
     loss_module = SummedLoss(loaded.model)

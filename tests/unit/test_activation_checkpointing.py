@@ -1,0 +1,39 @@
+"""Activation checkpointing recomputes each decoder block in backward, and changes no gradient."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers.models.llama import modeling_llama
+
+from lmtune.modeling import build_preset
+from lmtune.train import _checkpoint_activations
+
+
+def _run(checkpointed: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, torch.Tensor]:
+    # Counted on the class: module hooks do not run again when the checkpoint recomputes a block.
+    original = modeling_llama.LlamaMLP.forward
+    calls = 0
+
+    def counting(self: Any, x: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return original(self, x)
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", counting)
+    model = build_preset("tiny", seed=0).model.train()
+    if checkpointed:
+        _checkpoint_activations(model, "tiny")
+    x = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(input_ids=x, labels=x).loss.backward()
+    return calls, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def test_blocks_run_twice_and_gradients_do_not_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain_calls, plain = _run(False, monkeypatch)
+    ckpt_calls, ckpt = _run(True, monkeypatch)
+    layers = 4
+    assert (plain_calls, ckpt_calls) == (layers, 2 * layers)  # forward, then recomputed in backward
+    assert torch.equal(plain, ckpt)
