@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -70,8 +71,29 @@ def popen(cmd_args: list[str], **env: str) -> subprocess.Popen[str]:
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[int, str]:
-    out, err = proc.communicate(timeout=timeout)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        return -1, f"timed out after {timeout:.0f}s\n{out}{err}"
     return proc.returncode, out + err
+
+
+def free_port() -> int:
+    """A free port below the ephemeral range: a port the kernel hands out as a source port could
+    be taken by a client's own outgoing connection (a TCP self-connect) before the store binds it."""
+    low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    rng = random.Random(os.getpid())
+    for _ in range(200):
+        port = rng.randrange(20000, min(low, 32768))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port")
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
@@ -237,16 +259,14 @@ def test_sigterm_saves_and_the_rerun_finishes_the_same(base: dict[str, Path]) ->
 
 
 def test_two_nodes_on_loopback_match_one_node(base: dict[str, Path]) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = base["root"] / "two-nodes"
     node = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loopback-test"]
     # Both nodes write to one output folder, as nodes do on a shared file system.
     nodes = [popen(short(base["data"], out, *node, "--node-rank", str(r))) for r in (0, 1)]
-    for p in nodes:
-        code, output = finish(p)
-        assert code == 0, output
+    results = [finish(p, timeout=180) for p in nodes]
+    for node_rank, (code, output) in enumerate(results):
+        assert code == 0, f"node {node_rank}:\n{output}\nother node:\n{results[1 - node_rank][1]}"
     one_node = [r["loss"] for r in train_rows(base["two"])]
     assert [r["loss"] for r in train_rows(out)] == pytest.approx(one_node, abs=1e-6)
     assert max_diff(base["two"], out) <= 1e-6
