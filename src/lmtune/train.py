@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from lmtune.data.prepare import DataSettings, default_cache_dir, prepare
 from lmtune.data.sample import addition_examples, split_prompt
 from lmtune.data.sampling import EvalSampler, TrainSampler
 from lmtune.data.sources import SAMPLE_EVAL
+from lmtune.data.tokenize import EncodeStats
 from lmtune.distributed import (
     DistEnv,
     all_gather_object,
@@ -125,20 +126,7 @@ def _prepare_data(
             "spec": spec,
             "cache": str(p.folder),
             "built_by_ranks": builders,
-            **{
-                k: meta[k]
-                for k in (
-                    "examples",
-                    "tokens",
-                    "target_tokens",
-                    "truncated",
-                    "dropped_too_long",
-                    "dropped_no_targets",
-                    "eos_trained",
-                    "formats",
-                    "bad_lines",
-                )
-            },
+            **{k: meta[k] for k in (*(f.name for f in fields(EncodeStats)), "bad_lines")},
         }
         how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
         log.info(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -31,16 +31,9 @@ class EncodeStats:
     formats: dict[str, int] = field(default_factory=dict)
 
     def merge(self, other: EncodeStats) -> None:
-        for name in (
-            "examples",
-            "tokens",
-            "target_tokens",
-            "truncated",
-            "dropped_too_long",
-            "dropped_no_targets",
-            "eos_trained",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            if f.name != "formats":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         for k, v in other.formats.items():
             self.formats[k] = self.formats.get(k, 0) + v
 
