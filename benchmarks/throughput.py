@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lmtune.config import TrainConfig
 from lmtune.data.sample import addition_examples
+from lmtune.metrics import read_metrics, tokens_per_second
 from lmtune.modeling import build_preset
 from lmtune.train import train
 
@@ -105,11 +106,7 @@ def lmtune_run(
             progress=False,
         )
     )
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["kind"] == "train"]
-    timed = rows[warmup:]
-    elapsed = timed[-1]["elapsed_s"] - rows[warmup - 1]["elapsed_s"]
-    return sum(r["tokens"] for r in timed) / elapsed
+    return tokens_per_second(read_metrics(out), warmup)
 
 
 def main() -> None:

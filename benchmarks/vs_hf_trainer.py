@@ -25,6 +25,7 @@ import torch
 
 from lmtune.config import TrainConfig
 from lmtune.data.sample import addition_examples
+from lmtune.metrics import read_metrics, tokens_per_second
 from lmtune.modeling import build_preset
 from lmtune.train import train
 
@@ -56,9 +57,7 @@ def run_lmtune(texts: list[str], model: str, precision: str, batch: int, packing
             resume="never",
         )
     )
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["kind"] == "train"]
-    return sum(r["tokens"] for r in rows) / rows[-1]["elapsed_s"]
+    return tokens_per_second(read_metrics(out))
 
 
 def run_trainer(texts: list[str], model_name: str, precision: str, batch: int, tmp: Path) -> float:

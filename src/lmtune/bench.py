@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lmtune.errors import UserError
+from lmtune.metrics import read_metrics, tokens_per_second
 
 STRATEGIES = ("single", "dp", "ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -54,10 +55,9 @@ def skip_reason(strategy: str, precision: str, nproc: int) -> str | None:
 
 
 def _measure(out: Path, warmup: int, devices: int) -> BenchRow:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in rows if r["kind"] == "train"][warmup:]
-    seconds = timed[-1]["elapsed_s"] - rows[warmup - 1]["elapsed_s"] if warmup else timed[-1]["elapsed_s"]
-    tokens = sum(r["tokens"] for r in timed)
+    rows = read_metrics(out)
+    timed = rows[warmup:]
+    throughput = tokens_per_second(rows, warmup)
     run = json.loads((out / "run.json").read_text())
     peak = max(run["result"]["peak_memory_per_rank"]) / 2**20
     phases = {p: 1000 * statistics.mean(r.get(f"time_{p}_s", 0.0) for r in timed) for p in PHASES}
@@ -66,11 +66,11 @@ def _measure(out: Path, warmup: int, devices: int) -> BenchRow:
         precision=run["config"]["precision"],
         status="ok",
         devices=devices,
-        tokens_per_s=tokens / seconds,
-        tokens_per_s_per_device=tokens / seconds / devices,
+        tokens_per_s=throughput,
+        tokens_per_s_per_device=throughput / devices,
         mfu=statistics.mean(r["mfu"] for r in timed),
         peak_memory_mib=peak,
-        step_ms=1000 * seconds / len(timed),
+        step_ms=1000 * sum(r["tokens"] for r in timed) / throughput / len(timed),
         phase_ms=phases,
     )
 

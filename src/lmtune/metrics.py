@@ -117,3 +117,16 @@ class RunLog:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
             tmp.replace(path)
+
+
+def read_metrics(output_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
+    """The rows of one kind ("train" or "eval") of a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def tokens_per_second(train_rows: list[dict[str, Any]], warmup: int = 0) -> float:
+    """Tokens per second of wall time over the steps after the first ``warmup`` ones."""
+    timed = train_rows[warmup:]
+    start = train_rows[warmup - 1]["elapsed_s"] if warmup else 0.0
+    return float(sum(r["tokens"] for r in timed) / (timed[-1]["elapsed_s"] - start))
