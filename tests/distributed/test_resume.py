@@ -264,7 +264,10 @@ def test_two_nodes_on_loopback_match_one_node(base: dict[str, Path]) -> None:
     node = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loopback-test"]
     # Both nodes write to one output folder, as nodes do on a shared file system.
     nodes = [popen(short(base["data"], out, *node, "--node-rank", str(r))) for r in (0, 1)]
-    results = [finish(p, timeout=180) for p in nodes]
+    # Node 1 first: node 0 hosts the rendezvous store, and its launcher may wait in the elastic
+    # agent's exit barrier (up to 300 s) after training is done; give it room to end by itself.
+    node1 = finish(nodes[1], timeout=180)
+    results = [finish(nodes[0], timeout=420), node1]
     for node_rank, (code, output) in enumerate(results):
         assert code == 0, f"node {node_rank}:\n{output}\nother node:\n{results[1 - node_rank][1]}"
     one_node = [r["loss"] for r in train_rows(base["two"])]
