@@ -88,6 +88,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", metavar="PATH", default="bench.json", help="table as JSON (default: bench.json)"
     )
     bench.set_defaults(run=_cmd_bench)
+    pl = commands.add_parser(
+        "plan",
+        help="predict peak memory per device before training",
+        description="Build the model from its config on a fake device (no weights loaded) and predict "
+        "the peak memory per device of the setup the train options describe: weights, gradients, "
+        "optimizer state, activations, logits, communication buffers. Then list the setups "
+        "(strategy x optimizer x checkpointing x LoRA) that fit --memory-per-device, each with its "
+        "largest micro-batch.",
+    )
+    pl.add_argument(
+        "--memory-per-device",
+        default=None,
+        metavar="SIZE",
+        help="memory of one device, such as 80GiB (default: this GPU's, or this machine's RAM per process)",
+    )
+    pl.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="train two real steps at two micro-batch sizes and correct the prediction by what they measure",
+    )
+    pl.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON")
+    _add_train_options(pl)
+    pl.set_defaults(run=_cmd_plan)
     exp = commands.add_parser(
         "export",
         help="write a Hugging Face model folder from a checkpoint",
@@ -219,6 +242,26 @@ def _cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from lmtune.config import validate
+    from lmtune.plan import format_report, parse_size, plan, report_json
+
+    cfg = _train_config(args)
+    validate(cfg, cfg.nproc_per_node)
+    memory = parse_size(args.memory_per_device) if args.memory_per_device else None
+    with tempfile.TemporaryDirectory(prefix="lmtune-plan-") as workdir:
+        report = plan(cfg, memory, args.calibrate, Path(workdir))
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report_json(report), indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from pathlib import Path
 
@@ -277,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         from lmtune.launch import report_error
 
-        report_error(str(e))
+        report_error(str(e), USER_ERROR_EXIT_CODE)
         return USER_ERROR_EXIT_CODE
     except Exception as e:
         from lmtune.loop import TrainingStopped
@@ -286,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         from lmtune.launch import report_error
 
-        report_error(str(e))
+        report_error(str(e), 1)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -6,6 +6,7 @@ every collective helper below degrades to the identity.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -128,6 +129,9 @@ def process_group(env: DistEnv, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
     try:
         yield env
     finally:
+        # FSDP and DDP state lives in reference cycles; free it (and the collectives' work objects
+        # it holds) while the process group still exists, not at interpreter exit.
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -157,6 +161,12 @@ def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """Sum a tensor over all ranks (in place, also returned); identity for one process."""
     if env.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_max(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    if env.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
 
 

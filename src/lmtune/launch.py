@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -18,14 +19,15 @@ from lmtune.errors import USER_ERROR_EXIT_CODE
 ERROR_DIR_ENV = "LMTUNE_ERROR_DIR"
 
 
-def report_error(message: str) -> None:
+def report_error(message: str, exit_code: int) -> None:
     """Print an error that ends the run, or hand it to the launcher that started this worker."""
     from lmtune.distributed import launched_rank
 
     error_dir = os.environ.get(ERROR_DIR_ENV)
     rank = launched_rank()
     if error_dir and rank is not None and Path(error_dir).is_dir():
-        (Path(error_dir) / f"rank-{rank}.txt").write_text(message, encoding="utf-8")
+        report = json.dumps({"message": message, "exit_code": exit_code})
+        (Path(error_dir) / f"rank-{rank}.json").write_text(report, encoding="utf-8")
         return
     prefix = f"error (rank {rank})" if rank else "error"
     print(f"{prefix}: {message}", file=sys.stderr, flush=True)
@@ -81,10 +83,14 @@ def relaunch(argv: list[str], cfg: TrainConfig) -> int:
         elastic_launch(config, sys.executable)("-m", "lmtune", *argv)
         return 0
     except ChildFailedError as e:
-        messages = _reported_errors(Path(error_dir))
+        reported = _reported_errors(Path(error_dir))
+        messages = list(dict.fromkeys(message for message, _ in reported))
         for message in messages:
             print(f"error: {message}", file=sys.stderr, flush=True)
-        if any(f.exitcode == USER_ERROR_EXIT_CODE for f in e.failures.values()):
+        # By what the workers reported, not by which exit the agent saw first: a worker stopped
+        # while it tears down after the error can die of a signal instead.
+        codes = {code for _, code in reported} | {f.exitcode for f in e.failures.values()}
+        if USER_ERROR_EXIT_CODE in codes:
             return USER_ERROR_EXIT_CODE
         if not messages:
             for rank, failure in sorted(e.failures.items()):
@@ -100,10 +106,8 @@ def relaunch(argv: list[str], cfg: TrainConfig) -> int:
         shutil.rmtree(error_dir, ignore_errors=True)
 
 
-def _reported_errors(error_dir: Path) -> list[str]:
-    seen: list[str] = []
-    for path in sorted(error_dir.glob("rank-*.txt"), key=lambda p: int(p.stem.split("-")[1])):
-        message = path.read_text(encoding="utf-8")
-        if message not in seen:
-            seen.append(message)
-    return seen
+def _reported_errors(error_dir: Path) -> list[tuple[str, int]]:
+    """(message, exit code) of every worker that reported one, by rank."""
+    found = sorted(error_dir.glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    reports = [json.loads(p.read_text(encoding="utf-8")) for p in found]
+    return [(r["message"], int(r["exit_code"])) for r in reports]
