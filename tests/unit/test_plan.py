@@ -1,0 +1,145 @@
+"""`lmtune plan`: the fake model's facts agree with the real model, and the CLI answers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmtune.errors import UserError
+from lmtune.lora import LoraSettings, add_lora
+from lmtune.modeling import load_config, load_model
+from lmtune.plan import (
+    Estimate,
+    Host,
+    Setup,
+    _optimizer_bytes,
+    _saved_bytes,
+    estimate,
+    model_facts,
+    parse_size,
+)
+from tests.conftest import run_lmtune
+
+LORA = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear")
+
+
+def test_parse_size() -> None:
+    assert parse_size("24GiB") == 24 * 2**30
+    assert parse_size("512M") == 512 * 2**20
+    assert parse_size("1.5 GB") == int(1.5 * 2**30)
+    with pytest.raises(UserError, match="--memory-per-device"):
+        parse_size("lots")
+
+
+def _real_saved_bytes(model: torch.nn.Module, length: int) -> int:
+    """The same measurement as the plan's, on real tensors of the real model."""
+    from lmtune.loss import token_loss_sum
+
+    params = {id(p) for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(t) not in params and id(base) not in params:
+            saved[id(base)] = base.numel() * base.element_size()
+        return t
+
+    ids = torch.randint(3, 250, (1, length))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_loss_sum(model(input_ids=ids, use_cache=False).logits, ids)
+    return sum(saved.values())
+
+
+def test_fake_trace_saves_what_the_real_model_saves() -> None:
+    config = load_config("tiny")
+    assert _saved_bytes(config, "fp32", 64, "cpu")[0] == _real_saved_bytes(load_model("tiny", 0).model, 64)
+
+
+def test_parameters_match_the_real_model_with_and_without_lora() -> None:
+    config = load_config("tiny")
+    real = load_model("tiny", 0).model
+    facts = model_facts(config, None, "fp32", 32, "cpu")
+    assert sum(n for _, n, _ in facts.params) == sum(p.numel() for p in real.parameters())
+    assert facts.layers == config.num_hidden_layers
+    lora_facts = model_facts(config, LORA, "fp32", 32, "cpu")
+    adapted = add_lora(real, LORA)
+    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert sum(n for _, n, t in lora_facts.params if t) == trainable
+
+
+def test_optimizer_bytes_match_the_real_optimizers() -> None:
+    from lmtune.loss import SummedLoss
+    from lmtune.optim import build_optimizer, optimizer_state_bytes
+
+    model = SummedLoss(load_model("tiny", 0).model)
+    sizes = [p.numel() for p in model.parameters()]
+    ids = torch.randint(3, 250, (2, 16))
+    for name in ("adamw", "sgd", *(("adamw8bit",) if _has_bitsandbytes() else ())):
+        opt = build_optimizer(name, model, 1e-3, 0.0, (0.9, 0.999), 1e-8)
+        model(ids, torch.ones_like(ids), ids).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert _optimizer_bytes(name, sizes) == optimizer_state_bytes(opt), name
+
+
+def _has_bitsandbytes() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_savers_lower_the_estimate() -> None:
+    config = load_config("small")
+    full, adapters = (model_facts(config, lora, "fp32", 256, "cpu") for lora in (None, LORA))
+
+    def predict(strategy: str = "single", lora: bool = False, ckpt: bool = False, world: int = 1) -> Estimate:
+        setup = Setup(strategy, "adamw", lora, ckpt, "fp32", 8, 256, world, 1)
+        return estimate(setup, adapters if lora else full, Host(), padded=False)
+
+    plain = predict()
+    assert predict(ckpt=True).activations < plain.activations / 2
+    lora = predict(lora=True)
+    assert lora.optimizer < plain.optimizer / 10 and lora.gradients < plain.gradients / 10
+    fsdp = predict("fsdp", world=4)
+    assert fsdp.optimizer == plain.optimizer // 4 and fsdp.weights == plain.weights // 4
+    ddp = predict("ddp", world=4)  # gradients live in DDP's buckets for the whole run
+    assert ddp.buffers == 0 and ddp.tensors == plain.weights + plain.gradients + plain.optimizer + (
+        plain.activations + plain.logits
+    )
+
+
+def test_plan_command_prints_a_table_and_json(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    proc = run_lmtune(
+        [
+            "plan",
+            "--model",
+            "small",
+            "--nproc-per-node",
+            "2",
+            "--memory-per-device",
+            "1GiB",
+            "--json",
+            str(out),
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "setups that fit 1.0 GiB per device" in proc.stdout and "fsdp x2" in proc.stdout
+    plan = json.loads(out.read_text())
+    assert plan["requested"]["setup"]["strategy"] == "ddp"
+    labels = {
+        (c["setup"]["strategy"], c["setup"]["optimizer"], c["setup"]["lora"]) for c in plan["candidates"]
+    }
+    assert ("fsdp", "adamw", True) in labels and ("ddp", "adamw8bit", False) in labels
+    fits = [c for c in plan["candidates"] if c["largest_micro_batch"] > 0]
+    assert fits and all(c["total"] <= 2**30 for c in fits)
+
+
+def test_plan_rejects_a_bad_size() -> None:
+    proc = run_lmtune(["plan", "--memory-per-device", "huge"])
+    assert proc.returncode == 2 and "--memory-per-device" in proc.stderr and "Traceback" not in proc.stderr
