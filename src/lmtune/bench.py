@@ -45,10 +45,8 @@ def skip_reason(strategy: str, precision: str, nproc: int) -> str | None:
     gpus = torch.cuda.device_count()
     if strategy == "dp" and gpus < 2:
         return f"skipped: DataParallel needs 2+ CUDA GPUs ({gpus} visible)"
-    if strategy == "fsdp":
-        return "skipped: FSDP2 is not available in this version of lmtune yet"
-    if strategy == "ddp" and nproc < 2:
-        return "skipped: DDP needs --nproc-per-node 2 or more"
+    if strategy in ("ddp", "fsdp") and nproc < 2:
+        return f"skipped: {strategy.upper()} needs --nproc-per-node 2 or more"
     if precision == "fp16" and gpus == 0:
         return "skipped: fp16 needs a CUDA GPU (use bf16 on CPU)"
     return None
@@ -101,7 +99,7 @@ def run_bench(
                     results.append(BenchRow(strategy, precision, reason))
                     continue
                 out = Path(tmp) / f"{strategy}-{precision}"
-                launch = ["--nproc-per-node", str(nproc)] if strategy == "ddp" else []
+                launch = ["--nproc-per-node", str(nproc)] if strategy in ("ddp", "fsdp") else []
                 cmd = [
                     sys.executable,
                     "-m",
@@ -133,7 +131,7 @@ def run_bench(
                     continue
                 devices = (
                     nproc
-                    if strategy == "ddp"
+                    if strategy in ("ddp", "fsdp")
                     else max(1, torch.cuda.device_count() if strategy == "dp" else 1)
                 )
                 results.append(_measure(out, warmup, devices))

@@ -17,7 +17,8 @@ import yaml
 
 from lmtune.errors import UserError
 
-STRATEGIES = ("auto", "single", "dp", "ddp")
+STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
+OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
 FORMATS = ("auto", "text", "prompt_completion", "messages")
 TRUNCATIONS = ("right", "left", "drop", "error")
 TXT_MODES = ("line", "block")
@@ -149,6 +150,15 @@ class TrainConfig:
         default=0.01,
         metadata=_help("AdamW weight decay on matrices; biases, norms and other 1-d tensors get none."),
     )
+    optimizer: str = field(
+        default="adamw",
+        metadata=_help(
+            "adamw | adamw8bit (bitsandbytes: 8-bit optimizer state, about a quarter of the memory) | "
+            "paged_adamw8bit (8-bit, state paged to CPU memory under GPU memory pressure) | sgd "
+            "(with --momentum). Weights stay fp32 with every choice."
+        ),
+    )
+    momentum: float = field(default=0.9, metadata=_help("SGD momentum (--optimizer sgd)."))
     adam_beta1: float = field(default=0.9, metadata=_help("AdamW beta1."))
     adam_beta2: float = field(default=0.999, metadata=_help("AdamW beta2."))
     adam_eps: float = field(default=1e-8, metadata=_help("AdamW epsilon."))
@@ -166,7 +176,8 @@ class TrainConfig:
         default="auto",
         metadata=_help(
             "auto (ddp when launched with several processes, else single) | single | "
-            "dp (nn.DataParallel over the visible GPUs) | ddp."
+            "dp (nn.DataParallel over the visible GPUs) | ddp | fsdp (FSDP2: parameters, gradients "
+            "and optimizer state sharded over the processes; sharded checkpoints)."
         ),
     )
     precision: str = field(
@@ -182,6 +193,27 @@ class TrainConfig:
             "Recompute each decoder block's activations in the backward pass instead of keeping them "
             "(non-reentrant, so it works under DDP): less memory, about a third more compute."
         ),
+    )
+    lora: bool = field(
+        default=False,
+        metadata=_help(
+            "Train LoRA adapters (peft) instead of all weights: only the adapters have gradients, "
+            "optimizer state and all-reduce; checkpoints and final/ hold the adapter (PEFT format)."
+        ),
+    )
+    lora_rank: int = field(default=16, metadata=_help("LoRA rank r."))
+    lora_alpha: float = field(default=32.0, metadata=_help("LoRA alpha (the update is scaled by alpha / r)."))
+    lora_dropout: float = field(default=0.05, metadata=_help("Dropout on the LoRA input."))
+    lora_target_modules: str = field(
+        default="all-linear",
+        metadata=_help(
+            "Comma-separated module names to adapt (q_proj,v_proj,...), or all-linear: every linear "
+            "layer of the decoder blocks, found per architecture (the output head excluded)."
+        ),
+    )
+    merge_lora: bool = field(
+        default=False,
+        metadata=_help("With --lora, also write the base model with the adapter merged to final/merged/."),
     )
     compile: bool = field(
         default=False,
@@ -340,6 +372,13 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             raise UserError(f"{option_name(name)}: {why} (got {getattr(cfg, name)!r})")
 
     need(cfg.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}")
+    need(cfg.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
+    need(0 <= cfg.momentum < 1, "momentum", "must be in [0, 1)")
+    need(cfg.lora_rank >= 1, "lora_rank", "must be >= 1")
+    need(cfg.lora_alpha > 0, "lora_alpha", "must be > 0")
+    need(0 <= cfg.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
+    need(bool(cfg.lora_target_modules.strip(" ,")), "lora_target_modules", "must name modules or all-linear")
+    need(cfg.lora or not cfg.merge_lora, "merge_lora", "needs --lora")
     need(cfg.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
     need(cfg.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
     need(cfg.data_format in FORMATS, "data_format", f"must be one of {', '.join(FORMATS)}")

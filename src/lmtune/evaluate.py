@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
-from lmtune.data.collate import Batch
-from lmtune.distributed import DistEnv, all_reduce_sum
+from lmtune.data.collate import Batch, idle_batch
+from lmtune.distributed import DistEnv, all_gather_object, all_reduce_sum
 
 
 @dataclass(frozen=True)
@@ -25,25 +27,30 @@ class EvalResult:
 @torch.no_grad()
 def evaluate(
     loss_module: nn.Module,
-    batches: Iterable[Batch],
+    batches: Sequence[Batch] | DataLoader[Batch],
     env: DistEnv,
     autocast: AbstractContextManager[object],
+    lockstep: bool = False,
 ) -> EvalResult:
     """Mean loss over every target token of the eval set, each example counted once.
 
     ``loss_module`` is the unwrapped module: a DDP forward may run collectives, and ranks may hold
-    different numbers of eval batches.
+    different numbers of eval batches. Under FSDP (``lockstep``) every forward gathers parameters
+    from all ranks, so ranks with fewer batches run extra forwards that count for nothing.
     """
     was_training = loss_module.training
     loss_module.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=env.device)
-    for batch in batches:
-        batch = batch.to(env.device)
+    rounds = max(all_gather_object(len(batches), env)) if lockstep else len(batches)
+    idle = itertools.repeat(None, rounds - len(batches))
+    for item in itertools.chain(batches, idle):
+        batch = (item or idle_batch()).to(env.device)
         with autocast:
             loss_sum = loss_module(*batch.model_inputs()).sum()
-        sums[0] += loss_sum.double()
-        sums[1] += batch.target_tokens()
-        sums[2] += batch.input_ids.size(0)
+        if item is not None:
+            sums[0] += loss_sum.double()
+            sums[1] += batch.target_tokens()
+            sums[2] += batch.input_ids.size(0)
     loss_module.train(was_training)
     total_loss, tokens, examples = all_reduce_sum(sums, env).tolist()
     loss = total_loss / max(tokens, 1.0)

@@ -55,4 +55,4 @@ class SummedLoss(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).logits
         loss_sum, _ = token_loss_sum(logits, labels)
-        return loss_sum.reshape(1)
+        return torch.stack([loss_sum])  # not a view: FSDP2 hooks the output for its backward

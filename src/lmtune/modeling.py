@@ -83,11 +83,22 @@ def byte_tokenizer() -> Any:
 
 def build_preset(name: str, seed: int) -> LoadedModel:
     """Build a preset model with seeded weights, so the same seed gives the same model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     p = PRESETS[name]
     tok = byte_tokenizer()
-    config = LlamaConfig(
+    config = preset_config(name, tok)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return LoadedModel(model, tok, p.lr, f"preset {name}")
+
+
+def preset_config(name: str, tok: Any) -> Any:
+    from transformers import LlamaConfig
+
+    p = PRESETS[name]
+    return LlamaConfig(
         vocab_size=len(tok),
         hidden_size=p.hidden_size,
         intermediate_size=p.intermediate_size,
@@ -100,10 +111,19 @@ def build_preset(name: str, seed: int) -> LoadedModel:
         eos_token_id=tok.eos_token_id,
         tie_word_embeddings=True,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return LoadedModel(model, tok, p.lr, f"preset {name}")
+
+
+def load_config(name: str, trust_remote_code: bool = False) -> Any:
+    """Only the model's config (no weights): for planning memory before anything is loaded."""
+    if name in PRESETS:
+        return preset_config(name, byte_tokenizer())
+    source, tried = _source(name, need_config=True)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise _load_error(name, tried, e) from None
 
 
 def _looks_like_path(name: str) -> bool:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
+
+from lmtune.errors import UserError
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
@@ -22,17 +26,68 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object
     ]
 
 
-def build_adamw(
-    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
-) -> torch.optim.AdamW:
-    """AdamW, fused into one kernel per step where PyTorch supports it (CPU and CUDA, float params).
+def build_optimizer(
+    name: str,
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    momentum: float = 0.9,
+) -> torch.optim.Optimizer:
+    """The optimizer ``name`` over the model's trainable parameters (fp32 master weights always).
 
-    The fused step is several times faster than the per-tensor loop, and computes the same update.
+    ``adamw`` is fused into one kernel per step where PyTorch supports it (several times faster than
+    the per-tensor loop, the same update). The 8-bit variants keep both moments block-quantised to
+    one byte each (bitsandbytes); tensors under 4096 elements keep fp32 state, as bitsandbytes
+    decides, which costs little.
     """
     groups = param_groups(model, weight_decay)
     params = [p for g in groups for p in g["params"]]  # type: ignore[attr-defined]
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum)
+    if name in ("adamw8bit", "paged_adamw8bit"):
+        if any(hasattr(p, "to_local") for p in params):
+            raise UserError(
+                f"--optimizer {name} does not work with --strategy fsdp: bitsandbytes' 8-bit update "
+                "takes whole tensors, not FSDP2's sharded DTensor parameters; use --strategy ddp "
+                "(with --lora or --activation-checkpointing to save memory), or --optimizer adamw"
+            )
+        bnb_optim = _bitsandbytes_optim(name)
+        cls = bnb_optim.PagedAdamW8bit if name == "paged_adamw8bit" else bnb_optim.AdamW8bit
+        optimizer: torch.optim.Optimizer = cls(groups, lr=lr, betas=betas, eps=eps)
+        return optimizer
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+
+
+def _bitsandbytes_optim(name: str) -> Any:
+    quiet_bitsandbytes()
+    try:
+        import bitsandbytes.optim as bnb_optim
+    except ImportError as e:
+        raise UserError(
+            f"--optimizer {name} needs bitsandbytes, which is not installed here ({e}); "
+            "pip install 'lmtune[memory]' (or bitsandbytes), or use --optimizer adamw"
+        ) from None
+    return bnb_optim
+
+
+def quiet_bitsandbytes() -> None:
+    """bitsandbytes warns on CPU that optional 4-bit matmul kernels are missing; the 8-bit optimizer
+    and LoRA never use them, so the warning would only alarm users."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the optimizer's state tensors (moments, quantisation maps, ...)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:

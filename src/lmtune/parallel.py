@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -18,8 +19,8 @@ def resolve_strategy(strategy: str, env: DistEnv) -> str:
     """Turn ``auto`` into a concrete strategy and reject ones that cannot run here."""
     if strategy == "auto":
         return "ddp" if env.distributed else "single"
-    if strategy == "ddp" and not env.distributed:
-        return "single"  # DDP over one process is the single-process run, without the wrapper cost
+    if strategy in ("ddp", "fsdp") and not env.distributed:
+        return "single"  # one process holds everything: the single-process run, without the wrapper
     if strategy in ("single", "dp") and env.distributed:
         raise UserError(
             f"--strategy {strategy} runs in one process, but {env.world_size} were launched; "
@@ -39,9 +40,11 @@ def resolve_strategy(strategy: str, env: DistEnv) -> str:
     return strategy
 
 
-def wrap_model(module: nn.Module, strategy: str, env: DistEnv) -> nn.Module:
+def wrap_model(module: nn.Module, strategy: str, env: DistEnv, precision: str = "fp32") -> nn.Module:
     """Place the module on this rank's device and wrap it for ``strategy``."""
     module = module.to(env.device)
+    if strategy == "fsdp":
+        return _fully_shard(module, precision)
     if strategy == "dp":
         # Logical ids: with CUDA_VISIBLE_DEVICES=1,2 these are physical GPUs 1 and 2.
         return nn.DataParallel(module, device_ids=list(range(torch.cuda.device_count())))
@@ -54,8 +57,48 @@ def wrap_model(module: nn.Module, strategy: str, env: DistEnv) -> nn.Module:
             if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
             else {"broadcast_buffers": False}
         )
-        return DistributedDataParallel(module, device_ids=device_ids, **no_buffer_sync)
+        # Gradients as views into the all-reduce buckets: one copy of the gradients instead of two.
+        return DistributedDataParallel(
+            module, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync
+        )
     return module
+
+
+def decoder_blocks(module: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks, by the class names the model lists as ``_no_split_modules``."""
+    names: set[str] = set()
+    for m in module.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    return [m for m in module.modules() if type(m).__name__ in names]
+
+
+def _fully_shard(module: nn.Module, precision: str) -> nn.Module:
+    """FSDP2: each decoder block is one unit (its parameters are gathered just for its forward and
+    backward), the root holds the rest (embeddings, final norm, head).
+
+    Under bf16/fp16 the gathered parameters are cast to that dtype, which halves the all-gather,
+    while gradients are reduced and the sharded master weights kept in fp32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    blocks = decoder_blocks(module)
+    if not blocks:
+        raise UserError(
+            "--strategy fsdp: found no decoder blocks to shard (the model lists no _no_split_modules); "
+            "use --strategy ddp"
+        )
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    for block in blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(module, mp_policy=policy)
+    return module
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -70,4 +113,16 @@ def no_sync(model: nn.Module, sync: bool) -> AbstractContextManager[object]:
     """Skip the gradient all-reduce on a micro-step that is not the last of its optimizer step."""
     if not sync and isinstance(model, DistributedDataParallel):
         return model.no_sync()
+    if is_sharded(model):
+        return _fsdp_sync(model, sync)
     return nullcontext()
+
+
+@contextmanager
+def _fsdp_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """FSDP2's switch: without sync, gradients accumulate unsharded and unreduced on each rank."""
+    model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from lmtune.data.collate import Batch
-from lmtune.distributed import DistEnv, all_reduce_sum
-from lmtune.parallel import no_sync
+from lmtune.data.collate import Batch, idle_batch
+from lmtune.distributed import DistEnv, all_reduce_max, all_reduce_sum
+from lmtune.parallel import is_sharded, no_sync
 from lmtune.perf import PhaseTimer
 
 
@@ -62,6 +62,8 @@ def train_step(
     # DDP averages gradients over ranks; multiplying by world_size turns that average into the sum.
     scale = env.world_size / max(target_tokens, 1)
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    if is_sharded(model):
+        micro_batches = _lockstep(micro_batches, env)
     last = len(micro_batches) - 1
     phase = timer.phase if timer is not None else _untimed
     for i, batch in enumerate(micro_batches):
@@ -89,6 +91,13 @@ def train_step(
     return replace(result, phases=timer.take()) if timer is not None else result
 
 
+def _lockstep(micro_batches: list[Batch], env: DistEnv) -> list[Batch]:
+    """FSDP gathers parameters in every forward and backward, so all ranks must run as many
+    micro-steps; under packing a rank may have fewer, and pads with idle ones."""
+    most = int(all_reduce_max(torch.tensor([len(micro_batches)], device=env.device), env).item())
+    return micro_batches + [idle_batch().to(env.device) for _ in range(most - len(micro_batches))]
+
+
 @contextmanager
 def _untimed(name: str) -> Iterator[None]:
     yield
@@ -111,6 +120,8 @@ def _update(
         scaler.unscale_(optimizer)  # clip and judge the true gradients
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, already reduced over the shards
+        grad_norm = grad_norm.full_tensor()
     # Under fp16 an infinite gradient is the scaler's business (it skips the step and lowers the
     # scale); only a non-finite loss is the model's.
     local_bad = not torch.isfinite(loss_sum) or (scaler is None and not torch.isfinite(grad_norm))

@@ -7,7 +7,7 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
@@ -20,12 +20,14 @@ from torch.utils.data import DataLoader
 from lmtune import __version__, faults
 from lmtune.checkpoint import (
     CHECKPOINTS,
+    ModelParts,
     TrainerState,
     list_checkpoints,
     load_checkpoint,
     newest_valid,
     read_state,
     save_checkpoint,
+    save_final,
     save_hf_folder,
 )
 from lmtune.config import SAMPLE_DATA, TrainConfig, epochs, micro_batch_size, to_dict, validate
@@ -49,14 +51,17 @@ from lmtune.errors import UserError
 from lmtune.evaluate import EvalResult, evaluate
 from lmtune.generate import complete
 from lmtune.loop import FitHooks, fit, plan_steps
+from lmtune.lora import LoraSettings, add_lora, merged_model
 from lmtune.loss import SummedLoss
 from lmtune.metrics import RunLog, SampleLog
 from lmtune.modeling import load_model
-from lmtune.optim import build_adamw, build_schedule
+from lmtune.optim import build_optimizer, build_schedule, optimizer_state_bytes
 from lmtune.parallel import resolve_strategy, unwrap, wrap_model
 from lmtune.perf import PhaseTimer, measure_peak_flops, peak_memory_bytes, train_flops_per_token
 from lmtune.step import StepResult
 from lmtune.stopping import StopRequest
+
+LORA_MIN_DEFAULT_LR = 2e-4
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,28 @@ def train(cfg: TrainConfig) -> TrainResult:
         return _run(cfg, env, strategy, threads, output_dir, log, stop)
 
 
+def _build_model(
+    cfg: TrainConfig, base: torch.nn.Module, strategy: str, env: DistEnv, log: RunLog
+) -> tuple[torch.nn.Module, ModelParts]:
+    """Memory savers, LoRA, compile, the loss wrapper and the strategy's wrapper, in that order."""
+    if cfg.activation_checkpointing:
+        _checkpoint_activations(base, cfg.model)
+    trained = base
+    if cfg.lora:
+        # The same adapter init on every rank: FSDP keeps each rank's own shard of it (DDP would
+        # broadcast rank 0's).
+        torch.manual_seed(cfg.seed)
+        lora = LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+        trained = add_lora(base, lora)
+    # A rank-specific stream from here on, so dropout differs across the ranks' examples.
+    torch.manual_seed(cfg.seed + env.rank)
+    if cfg.compile:
+        _compile(trained, log)
+    loss_module = SummedLoss(trained)
+    model = wrap_model(loss_module, strategy, env, cfg.precision)
+    return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora)
+
+
 def _resume_point(cfg: TrainConfig, output_dir: Path, env: DistEnv, log: RunLog) -> Path | None:
     """The checkpoint to continue from, decided by rank 0 (which checks the manifests) for all."""
     chosen = ""
@@ -268,24 +295,28 @@ def _run(
     plan = plan_steps(
         len(train_data), cfg.global_batch_size, micro, env.world_size, epochs(cfg), cfg.max_steps, cfg.data
     )
-    lr = cfg.lr if cfg.lr is not None else loaded.default_lr
-    # Same init seed everywhere; a rank-specific stream afterwards so dropout differs across shards.
-    torch.manual_seed(cfg.seed + env.rank)
-
-    if cfg.activation_checkpointing:
-        _checkpoint_activations(loaded.model, cfg.model)
-    if cfg.compile:
-        _compile(loaded.model, log)
-    loss_module = SummedLoss(loaded.model)
-    model = wrap_model(loss_module, strategy, env)
-    optimizer = build_adamw(loss_module, lr, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)
+    # Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
+    default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora else loaded.default_lr
+    lr = cfg.lr if cfg.lr is not None else default_lr
+    model, parts = _build_model(cfg, loaded.model, strategy, env, log)
+    loss_module, trained = parts.root, parts.model
+    # After wrapping: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
+    optimizer = build_optimizer(
+        cfg.optimizer,
+        loss_module,
+        lr,
+        cfg.weight_decay,
+        (cfg.adam_beta1, cfg.adam_beta2),
+        cfg.adam_eps,
+        cfg.momentum,
+    )
     scheduler = build_schedule(optimizer, plan.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
     state = TrainerState(0, 0, 0, cfg.global_batch_size, env.world_size, cfg.seed, len(train_data))
     resume_from = _resume_point(cfg, output_dir, env, log)
     if resume_from is not None:
         _check_resumable(read_state(resume_from), cfg, len(train_data), resume_from)
-        saved = load_checkpoint(resume_from, loaded.model, optimizer, scheduler, env, scaler)
+        saved = load_checkpoint(resume_from, parts, optimizer, scheduler, env, scaler)
         state = replace(saved, world_size=env.world_size)
         log.info(
             f"resuming from {resume_from}: step {state.step}, epoch {state.epoch + 1}, sample "
@@ -307,11 +338,11 @@ def _run(
         eval_loader = _loader(eval_data, eval_sampler, micro, Collator(tokenizer.pad_token_id), env, 0)
 
         def run_eval() -> EvalResult:
-            return evaluate(unwrap(model), eval_loader, env, autocast())
+            return evaluate(unwrap(model), eval_loader, env, autocast(), lockstep=parts.sharded)
 
     def save(at: TrainerState) -> None:
         path = save_checkpoint(
-            output_dir, at, loaded.model, tokenizer, optimizer, scheduler, env, cfg.keep_last, scaler
+            output_dir, at, parts, tokenizer, optimizer, scheduler, env, cfg.keep_last, scaler
         )
         log.info(f"step {at.step}: saved checkpoint {path}")
 
@@ -336,7 +367,8 @@ def _run(
             "lr": lr,
             "model_source": loaded.source,
             **asdict(plan),
-            "parameters": sum(p.numel() for p in loss_module.parameters()),
+            "parameters": _count(loaded.model.parameters()),
+            "trainable_parameters": _count(p for p in loss_module.parameters() if p.requires_grad),
             "resumed_from": str(resume_from) if resume_from else None,
             "peak_flops_per_device": peak,
         },
@@ -376,6 +408,7 @@ def _run(
     log.info("peak memory per rank: " + ", ".join(f"{p / 2**20:,.0f} MiB" for p in peaks))
     run_info["result"] = {
         "peak_memory_per_rank": peaks,
+        "optimizer_state_bytes_per_rank": all_gather_object(optimizer_state_bytes(optimizer), env),
         "steps": result.steps,
         "last_loss": result.last_loss,
         "skipped_steps": result.skipped_steps,
@@ -388,13 +421,32 @@ def _run(
         log.info(f"stopped at step {result.steps}; run the same command again to resume")
         return TrainResult(output_dir, result.steps, result.last_loss, final_eval, stopped_early=True)
     final_dir = output_dir / "final"
-    if env.is_main:
-        save_hf_folder(loaded.model, tokenizer, final_dir)
+    save_final(parts, tokenizer, final_dir, env)
+    what = "LoRA adapter (PEFT format)" if cfg.lora else "model"
+    log.info(f"saved the {what} to {final_dir} (loss {result.last_loss:.4f} at step {result.steps})")
+    if cfg.merge_lora and env.is_main:
+        merged = merged_model(load_model(cfg.model, cfg.seed, cfg.trust_remote_code).model, final_dir)
+        save_hf_folder(merged, tokenizer, final_dir / "merged")
+        log.info(f"saved the base model with the adapter merged to {final_dir / 'merged'}")
     barrier(env)
-    log.info(f"saved {final_dir} (loss {result.last_loss:.4f} at step {result.steps})")
     if env.is_main and cfg.data == SAMPLE_DATA:
-        _show_answers(loaded.model, tokenizer, addition_examples()[1], log)
+        answering = _final_model(cfg, final_dir) if parts.sharded else trained
+        _show_answers(answering, tokenizer, addition_examples()[1], log)
     return TrainResult(output_dir, result.steps, result.last_loss, final_eval)
+
+
+def _count(params: Iterable[torch.nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _final_model(cfg: TrainConfig, final_dir: Path) -> torch.nn.Module:
+    """The trained model read back from ``final/`` (under FSDP no rank holds it whole)."""
+    if cfg.lora:
+        return merged_model(load_model(cfg.model, cfg.seed, cfg.trust_remote_code).model, final_dir)
+    from transformers import AutoModelForCausalLM
+
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(final_dir)
+    return model
 
 
 def _show_answers(model: torch.nn.Module, tokenizer: Any, texts: list[str], log: RunLog, n: int = 50) -> None:

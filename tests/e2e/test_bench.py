@@ -39,5 +39,6 @@ def test_bench_table_and_json(tmp_path: Path) -> None:
 
 def test_skip_reasons() -> None:
     assert skip_reason("ddp", "fp32", nproc=1) is not None
-    assert skip_reason("fsdp", "bf16", nproc=2) is not None
+    assert skip_reason("fsdp", "bf16", nproc=1) is not None
+    assert skip_reason("fsdp", "bf16", nproc=2) is None
     assert skip_reason("single", "bf16", nproc=1) is None

@@ -51,3 +51,46 @@ def test_data_parallel_matches_single(tmp_path: Path) -> None:
     single = _run(tmp_path, "single", strategy="single")
     dp = _run(tmp_path, "dp", strategy="dp")
     assert dp == pytest.approx(single, abs=1e-4)
+
+
+def test_8bit_adamw_and_lora_train_on_gpu(tmp_path: Path) -> None:
+    pytest.importorskip("bitsandbytes")
+    losses = _run(tmp_path, "8bit", optimizer="adamw8bit", lr=3e-3)
+    assert losses[-1] < losses[0]
+    losses = _run(tmp_path, "lora", lora=True, optimizer="paged_adamw8bit", precision="bf16", lr=3e-3)
+    assert losses[-1] < losses[0]
+
+
+def test_plan_predicts_the_cuda_peak_within_15_percent(tmp_path: Path) -> None:
+    """On a GPU the allocator counts exactly the tensors the plan counts."""
+    import json
+    import subprocess
+    import sys
+
+    data = write_jsonl(tmp_path / "long.jsonl", [" ".join(["token"] * 300)] * 64)
+    common = ["--model", "small", "--data", str(data), "--max-length", "256", "--packing", "off"]
+    common += ["--global-batch-size", "16", "--micro-batch-size", "8", "--cache-dir", str(tmp_path / "c")]
+    for extra in ([], ["--activation-checkpointing"], ["--lora"], ["--precision", "bf16"]):
+        subprocess.run(
+            [sys.executable, "-m", "lmtune", "plan", *common, *extra, "--json", str(tmp_path / "p.json")],
+            check=True,
+        )
+        predicted = json.loads((tmp_path / "p.json").read_text())["requested"]["total"]
+        out = tmp_path / ("run" + "".join(extra))
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lmtune",
+                "train",
+                *common,
+                *extra,
+                "--max-steps",
+                "3",
+                "--output-dir",
+                str(out),
+            ],
+            check=True,
+        )
+        measured = max(json.loads((out / "run.json").read_text())["result"]["peak_memory_per_rank"])
+        assert abs(predicted - measured) <= 0.15 * measured, (extra, predicted, measured)

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
 
-from lmtune.optim import build_adamw, build_schedule, param_groups, warmup_cosine
+from lmtune.optim import build_optimizer, build_schedule, optimizer_state_bytes, param_groups, warmup_cosine
 
 
 def test_schedule_warms_up_then_decays_to_the_floor() -> None:
@@ -17,7 +18,7 @@ def test_schedule_warms_up_then_decays_to_the_floor() -> None:
 
 def test_scheduler_follows_the_function() -> None:
     model = torch.nn.Linear(3, 3)
-    opt = build_adamw(model, lr=1.0, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-8)
+    opt = build_optimizer("adamw", model, lr=1.0, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-8)
     sched = build_schedule(opt, total_steps=10, warmup_ratio=0.2, min_ratio=0.0)
     seen = []
     for _ in range(10):
@@ -32,3 +33,63 @@ def test_no_weight_decay_on_biases_and_norms() -> None:
     decay, no_decay = param_groups(model, 0.1)
     assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])]  # type: ignore[union-attr]
     assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0  # type: ignore[arg-type]
+
+
+def _train(name: str, steps: int) -> tuple[list[float], torch.optim.Optimizer]:
+    """A few steps of the tiny preset on one fixed batch: the loss must fall."""
+    from lmtune.loss import SummedLoss
+    from lmtune.modeling import load_model
+
+    model = SummedLoss(load_model("tiny", 0).model)
+    opt = build_optimizer(name, model, lr=3e-3, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
+    ids = torch.randint(3, 250, (4, 32), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        loss = model(ids, torch.ones_like(ids), ids).sum() / ids.numel()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses, opt
+
+
+def test_8bit_adamw_trains_with_a_quarter_of_the_state() -> None:
+    pytest.importorskip("bitsandbytes")
+    losses, opt8 = _train("adamw8bit", 15)
+    assert losses[-1] < 0.8 * losses[0]
+    _, opt32 = _train("adamw", 1)
+    ratio = optimizer_state_bytes(opt8) / optimizer_state_bytes(opt32)
+    assert ratio <= 0.3, ratio
+    # bitsandbytes keeps fp32 state for tensors under 4096 elements (norm gains); the rest is 8-bit.
+    moments = [v for s in opt8.state.values() for k, v in s.items() if k in ("state1", "state2")]
+    large = [m for m in moments if m.numel() >= 4096]
+    assert large and all(m.dtype == torch.uint8 for m in large)
+    # Master weights stay fp32.
+    assert all(p.dtype == torch.float32 for g in opt8.param_groups for p in g["params"])
+
+
+def test_paged_8bit_and_sgd_train() -> None:
+    pytest.importorskip("bitsandbytes")
+    for name in ("paged_adamw8bit", "sgd"):
+        losses, _ = _train(name, 10)
+        assert losses[-1] < losses[0], name
+
+
+def test_8bit_state_survives_a_weights_only_round_trip(tmp_path: Path) -> None:
+    pytest.importorskip("bitsandbytes")
+    _, opt = _train("adamw8bit", 2)
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    _, fresh = _train("adamw8bit", 1)
+    fresh.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    assert optimizer_state_bytes(fresh) == optimizer_state_bytes(opt)
+
+
+def test_missing_bitsandbytes_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from lmtune.errors import UserError
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes.optim", None)
+    with pytest.raises(UserError, match="--optimizer adamw8bit needs bitsandbytes"):
+        build_optimizer("adamw8bit", torch.nn.Linear(2, 2), 1e-3, 0.0, (0.9, 0.999), 1e-8)

@@ -53,6 +53,13 @@ class Batch:
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
 
+def idle_batch() -> Batch:
+    """One token with no target: a forward (and backward) that joins FSDP's collectives on a rank
+    with fewer micro-batches than the others, and adds nothing to the loss or the gradients."""
+    one = torch.ones(1, 1, dtype=torch.long)
+    return Batch(one, one.clone(), torch.full((1, 1), IGNORE_INDEX), [])
+
+
 PACK_ABOVE_PADDING = 0.10
 
 

@@ -1,0 +1,99 @@
+"""LoRA adapters through peft: add them, save them in PEFT format, merge them into the base."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from lmtune.errors import UserError
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: str  # comma-separated names, or "all-linear"
+
+
+def _peft() -> Any:
+    from lmtune.optim import quiet_bitsandbytes
+
+    quiet_bitsandbytes()  # peft imports bitsandbytes when installed
+    try:
+        import peft
+    except ImportError as e:
+        raise UserError(
+            f"--lora needs peft, which is not installed here ({e}); pip install 'lmtune[memory]' (or peft)"
+        ) from None
+    return peft
+
+
+def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Freeze ``model`` and wrap it with trainable LoRA adapters (a ``PeftModelForCausalLM``).
+
+    ``all-linear`` lets peft find every linear layer of the decoder blocks for this architecture
+    (Llama's q/k/v/o and MLP projections, GPT-2's Conv1D c_attn/c_proj/c_fc, BLOOM's fused qkv ...)
+    and leaves the output head alone.
+    """
+    peft = _peft()
+    names = settings.target_modules.strip()
+    targets: str | list[str] = (
+        "all-linear" if names == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
+    )
+    config = peft.LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        wrapped: nn.Module = peft.get_peft_model(model, config)
+    except ValueError as e:  # peft's message names the modules it could not find
+        raise UserError(f"--lora-target-modules {names}: {e}") from None
+    return wrapped
+
+
+def is_lora(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def adapter_state(model: nn.Module, state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The adapter's tensors under PEFT's file names (no adapter name in the keys)."""
+    state: dict[str, Any] = _peft().get_peft_model_state_dict(model, state_dict=state_dict)
+    return state
+
+
+def load_adapter_state(model: nn.Module, folder: Path) -> None:
+    from safetensors.torch import load_file
+
+    result = _peft().set_peft_model_state_dict(model, load_file(str(folder / ADAPTER_FILE)))
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise UserError(f"{folder / ADAPTER_FILE} does not fit this model's adapters: {unexpected[:3]}")
+
+
+def save_adapter(model: nn.Module, folder: Path, state: dict[str, Any]) -> None:
+    """PEFT format: ``adapter_config.json`` + ``adapter_model.safetensors`` (``PeftModel`` loads it)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config: Any = model.peft_config["default"]  # type: ignore[index]
+    config.save_pretrained(str(folder))
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
+
+
+def merged_model(base: nn.Module, adapter_folder: Path) -> nn.Module:
+    """``base`` with the adapter saved in ``adapter_folder`` merged into its weights."""
+    peft = _peft()
+    model = peft.PeftModel.from_pretrained(base, str(adapter_folder))
+    merged: nn.Module = model.merge_and_unload()
+    return merged

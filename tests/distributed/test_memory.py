@@ -1,0 +1,252 @@
+"""Memory savers under every strategy: FSDP2 == DDP, LoRA under DDP/FSDP2 == LoRA in one process,
+sharded and adapter checkpoints that resume, and the folders they export.
+
+The runs are launched once per module (real CLI, real launcher, gloo on CPU); every check reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import run_lmtune, train_rows, uneven_texts, write_jsonl
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 6
+GLOBAL_BATCH = 8
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model or adapter folder (one file or Hugging Face's sharded layout)."""
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(file))
+    assert out, f"no safetensors in {folder}"
+    return out
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _resume_copy(source: Path, step: int, dest: Path) -> Path:
+    """A fresh output folder holding only ``source``'s checkpoint of ``step``."""
+    name = f"step-{step:06d}"
+    (dest / "checkpoints").mkdir(parents=True)
+    shutil.copytree(source / "checkpoints" / name, dest / "checkpoints" / name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("memory")
+    train = write_jsonl(root / "train.jsonl", uneven_texts(STEPS * GLOBAL_BATCH + 3, seed=21))
+    evald = write_jsonl(root / "eval.jsonl", uneven_texts(7, seed=22))  # odd: FSDP ranks hold 4 and 3
+    common = [
+        *("--model", "tiny", "--data", str(train), "--eval-data", str(evald), "--seed", "5"),
+        *("--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", "2", "--epochs", "1"),
+        *("--eval-every", "3", "--save-every", "3", "--keep-last", "0", "--lr", "1e-3"),
+        *("--warmup-ratio", "0.2", "--max-length", "64", "--threads-per-process", "1", "--no-progress"),
+    ]
+    lora = ["--lora", "--lora-rank", "4", "--lora-dropout", "0", "--lr", "3e-3"]
+    two = ["--nproc-per-node", "2"]
+    plan: dict[str, list[str]] = {
+        "ddp": [*two, "--strategy", "ddp"],
+        "fsdp": [*two, "--strategy", "fsdp"],
+        "fsdp_ckpt": [*two, "--strategy", "fsdp", "--activation-checkpointing"],
+        "fsdp_bf16": [*two, "--strategy", "fsdp", "--precision", "bf16"],
+        "lora_single": [*lora, "--merge-lora"],
+        "lora_ddp": [*two, *lora],
+        "lora_fsdp": [*two, *lora, "--strategy", "fsdp"],
+        # Every saver at once under DDP.
+        # (Rank 32: bitsandbytes keeps fp32 state for tensors under 4096 elements, as rank 4's are.)
+        "ddp_all_savers": [
+            *two,
+            *lora,
+            "--lora-rank",
+            "32",
+            "--optimizer",
+            "adamw8bit",
+            "--activation-checkpointing",
+        ],
+    }
+    outs: dict[str, Path] = {}
+    for name, extra in plan.items():
+        outs[name] = root / name
+        proc = run_lmtune(["train", *common, *extra, "--output-dir", str(outs[name])])
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
+    # Resumed from step 3: FSDP's sharded checkpoint in one process (DCP reshards), LoRA's adapter.
+    resumed = {
+        "fsdp_resumed_single": ("fsdp", ["--strategy", "fsdp"]),
+        "lora_resumed": ("lora_single", lora),
+    }
+    for name, (source, extra) in resumed.items():
+        outs[name] = _resume_copy(outs[source], 3, root / name)
+        proc = run_lmtune(["train", *common, *extra, "--output-dir", str(outs[name])])
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
+        assert "resuming from" in proc.stdout + proc.stderr
+    outs["common_args"] = root  # for the error case below
+    (root / "common.json").write_text(json.dumps(common))
+    return outs
+
+
+def test_fsdp_trains_like_ddp(runs: dict[str, Path]) -> None:
+    ddp, fsdp = train_rows(runs["ddp"]), train_rows(runs["fsdp"])
+    assert [r["step"] for r in fsdp] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in fsdp] == pytest.approx([r["loss"] for r in ddp], abs=1e-6)
+    assert [r["target_tokens"] for r in fsdp] == [r["target_tokens"] for r in ddp]
+    assert _max_diff(_weights(runs["fsdp"] / "final"), _weights(runs["ddp"] / "final")) <= 1e-5
+    run = json.loads((runs["fsdp"] / "run.json").read_text())
+    assert run["resolved"]["strategy"] == "fsdp" and run["resolved"]["accumulation"] == 2
+
+
+def test_fsdp_with_activation_checkpointing_trains_the_same(runs: dict[str, Path]) -> None:
+    plain, ckpt = train_rows(runs["fsdp"]), train_rows(runs["fsdp_ckpt"])
+    assert [r["loss"] for r in ckpt] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
+    assert _max_diff(_weights(runs["fsdp_ckpt"] / "final"), _weights(runs["fsdp"] / "final")) <= 1e-5
+
+
+def test_fsdp_bf16_keeps_fp32_master_weights_and_trains(runs: dict[str, Path]) -> None:
+    losses = [r["loss"] for r in train_rows(runs["fsdp_bf16"])]
+    assert losses[-1] < losses[0]
+    assert [r["loss"] for r in train_rows(runs["fsdp"])] == pytest.approx(losses, rel=0.05)
+    assert all(t.dtype == torch.float32 for t in _weights(runs["fsdp_bf16"] / "final").values())
+
+
+def test_fsdp_shards_optimizer_state(runs: dict[str, Path]) -> None:
+    def state_bytes(name: str) -> list[int]:
+        result: dict[str, Any] = json.loads((runs[name] / "run.json").read_text())["result"]
+        return list(result["optimizer_state_bytes_per_rank"])
+
+    ddp, fsdp = state_bytes("ddp"), state_bytes("fsdp")
+    assert ddp[0] == ddp[1]
+    assert sum(fsdp) == pytest.approx(ddp[0], rel=0.01)  # each rank holds about half
+    assert max(fsdp) < 0.6 * ddp[0]
+
+
+def test_fsdp_eval_counts_every_example_once(runs: dict[str, Path]) -> None:
+    evals = {k: train_rows(runs[k], "eval") for k in ("ddp", "fsdp")}
+    for a, b in zip(evals["ddp"], evals["fsdp"], strict=True):
+        assert a["eval_examples"] == b["eval_examples"] == 7
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], abs=1e-6)
+
+
+def test_fsdp_final_is_a_sharded_hugging_face_folder(runs: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    final = runs["fsdp"] / "final"
+    assert (final / "model.safetensors.index.json").is_file()
+    assert len(list(final.glob("model-*-of-*.safetensors"))) == 4 + 1  # 4 blocks + the rest
+    model = AutoModelForCausalLM.from_pretrained(final)
+    loaded = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert _max_diff(loaded, _weights(final)) == 0.0
+
+
+def test_fsdp_checkpoint_resumes_in_one_process(runs: dict[str, Path]) -> None:
+    ckpt = runs["fsdp"] / "checkpoints" / "step-000003"
+    assert sorted(p.name for p in (ckpt / "sharded").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    diff = _max_diff(_weights(runs["fsdp_resumed_single"] / "final"), _weights(runs["fsdp"] / "final"))
+    assert diff <= 1e-5
+    resumed = train_rows(runs["fsdp_resumed_single"])
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    expected = [r["loss"] for r in train_rows(runs["fsdp"])[3:]]
+    assert [r["loss"] for r in resumed] == pytest.approx(expected, abs=1e-6)
+
+
+def test_export_of_a_sharded_checkpoint_equals_final(runs: dict[str, Path], tmp_path: Path) -> None:
+    from lmtune.checkpoint import export
+
+    export(runs["fsdp"] / "checkpoints" / "step-000006", tmp_path / "exported")
+    exported = _weights(tmp_path / "exported")
+    final = _weights(runs["fsdp"] / "final")
+    assert _max_diff({k: exported[k] for k in final}, final) == 0.0
+
+
+def test_lora_under_ddp_and_fsdp_equals_one_process(runs: dict[str, Path]) -> None:
+    single = _weights(runs["lora_single"] / "final")
+    assert all("lora_" in k for k in single)
+    for other in ("lora_ddp", "lora_fsdp"):
+        assert _max_diff(_weights(runs[other] / "final"), single) <= 1e-5, other
+        rows = train_rows(runs[other])
+        assert [r["loss"] for r in rows] == pytest.approx(
+            [r["loss"] for r in train_rows(runs["lora_single"])], abs=1e-6
+        )
+    lora_losses = [r["loss"] for r in train_rows(runs["lora_single"])]
+    assert lora_losses[-1] < lora_losses[0]
+
+
+def test_lora_trains_only_the_adapter(runs: dict[str, Path]) -> None:
+    run = json.loads((runs["lora_ddp"] / "run.json").read_text())
+    full = json.loads((runs["ddp"] / "run.json").read_text())
+    trainable = run["resolved"]["trainable_parameters"]
+    assert 0 < trainable < 0.1 * full["resolved"]["trainable_parameters"]
+    ratio = (
+        run["result"]["optimizer_state_bytes_per_rank"][0]
+        / full["result"]["optimizer_state_bytes_per_rank"][0]
+    )
+    assert ratio == pytest.approx(trainable / full["resolved"]["trainable_parameters"], rel=0.01)
+    ckpt = runs["lora_ddp"] / "checkpoints" / "step-000006"
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+
+
+def test_lora_checkpoint_resumes_bit_identically(runs: dict[str, Path]) -> None:
+    assert _max_diff(_weights(runs["lora_resumed"] / "final"), _weights(runs["lora_single"] / "final")) == 0.0
+
+
+def test_lora_final_loads_with_peft_and_merged_with_transformers(runs: dict[str, Path]) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lmtune.modeling import load_model
+
+    final = runs["lora_single"] / "final"
+    adapted = PeftModel.from_pretrained(load_model("tiny", 5).model, final).eval()
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44]])
+    with torch.no_grad():
+        a, b = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
+        base = load_model("tiny", 5).model.eval()(input_ids=ids).logits
+    assert float((a - b).abs().max()) <= 1e-4
+    assert float((a - base).abs().max()) > 1e-3  # the adapter changed something
+
+
+def test_resuming_a_lora_checkpoint_without_lora_is_a_clear_error(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    common = json.loads((runs["common_args"] / "common.json").read_text())
+    out = _resume_copy(runs["lora_single"], 3, tmp_path / "o")
+    proc = run_lmtune(["train", *common, "--output-dir", str(out)])
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        "saved by LoRA under single/ddp; this run (full fine-tuning under single/ddp) cannot" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
+
+
+def test_all_savers_together_under_ddp(runs: dict[str, Path]) -> None:
+    losses = [r["loss"] for r in train_rows(runs["ddp_all_savers"])]
+    assert len(losses) == STEPS and losses[-1] < losses[0]
+    run = json.loads((runs["ddp_all_savers"] / "run.json").read_text())
+    fp32_adamw = 8 * run["resolved"]["trainable_parameters"]
+    assert run["result"]["optimizer_state_bytes_per_rank"][0] <= 0.3 * fp32_adamw
+
+
+def test_8bit_with_fsdp_is_refused_with_the_reason(runs: dict[str, Path], tmp_path: Path) -> None:
+    common = json.loads((runs["common_args"] / "common.json").read_text())
+    args = ["--nproc-per-node", "2", "--strategy", "fsdp", "--optimizer", "adamw8bit"]
+    proc = run_lmtune(["train", *common, *args, "--output-dir", str(tmp_path / "o")], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("--optimizer adamw8bit does not work with --strategy fsdp") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
