@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,15 @@ def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedM
     """
     if name in PRESETS:
         return build_preset(name, seed)
+    base = _adapter_base(name)
+    if base is not None:
+        from lmtune.lora import merged_model
+
+        loaded = load_model(base, seed, trust_remote_code)
+        merged = merged_model(loaded.model, Path(name).expanduser())
+        return LoadedModel(
+            merged, load_tokenizer(name, trust_remote_code), FINETUNE_LR, f"{base} + adapter {name}"
+        )
     source, tried = _source(name, need_config=True)
     tokenizer = load_tokenizer(name, trust_remote_code)
     from transformers import AutoModelForCausalLM
@@ -170,6 +180,20 @@ def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedM
     except (OSError, ValueError) as e:
         raise _load_error(name, tried, e) from None
     return LoadedModel(model, tokenizer, FINETUNE_LR, source)
+
+
+def _adapter_base(name: str) -> str | None:
+    """The base model of a LoRA adapter folder (PEFT format, as lmtune's final/), or None."""
+    path = Path(name).expanduser()
+    if not (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
+        return None
+    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise UserError(
+            f"--model {name}: a LoRA adapter folder that names no base model (trained on a preset); "
+            "use the merged model instead (train with --merge-lora: final/merged)"
+        )
+    return str(base)
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:

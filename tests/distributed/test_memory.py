@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lmtune.errors import UserError
 from tests.conftest import run_lmtune, train_rows, uneven_texts, write_jsonl
 
 pytestmark = pytest.mark.distributed
@@ -78,7 +79,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "--activation-checkpointing",
         ],
     }
-    outs: dict[str, Path] = {}
+    # A base model in a local folder, as a hub model would be: the adapter then names its base.
+    from lmtune.modeling import load_model
+
+    base = load_model("tiny", 5)
+    base.model.save_pretrained(root / "base")
+    base.tokenizer.save_pretrained(root / "base")
+    plan["lora_folder_base"] = [*lora, "--model", str(root / "base")]
+    outs: dict[str, Path] = {"base": root / "base"}
     for name, extra in plan.items():
         outs[name] = root / name
         proc = run_lmtune(["train", *common, *extra, "--output-dir", str(outs[name])])
@@ -250,3 +258,24 @@ def test_8bit_with_fsdp_is_refused_with_the_reason(runs: dict[str, Path], tmp_pa
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("--optimizer adamw8bit does not work with --strategy fsdp") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_adapter_folder_loads_as_a_model_through_its_base(runs: dict[str, Path], tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lmtune.checkpoint import export
+    from lmtune.modeling import load_model
+
+    final = runs["lora_folder_base"] / "final"
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(runs["base"])
+    merged = load_model(str(final), seed=0).model.eval()  # what `lmtune generate --model final` loads
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(runs["base"]), final).eval()
+    ids = torch.tensor([[1, 50, 51, 52]])
+    with torch.no_grad():
+        assert float((merged(input_ids=ids).logits - adapted(input_ids=ids).logits).abs().max()) <= 1e-4
+    export(runs["lora_folder_base"] / "checkpoints" / "step-000006", tmp_path / "adapter")
+    assert _max_diff(_weights(tmp_path / "adapter"), _weights(final)) == 0.0
+    with pytest.raises(UserError, match="names no base model"):
+        load_model(str(runs["lora_single"] / "final"), seed=0)
