@@ -61,10 +61,6 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     return wrapped
 
 
-def is_lora(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config")
-
-
 def adapter_state(model: nn.Module, state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
     """The adapter's tensors under PEFT's file names (no adapter name in the keys)."""
     state: dict[str, Any] = _peft().get_peft_model_state_dict(model, state_dict=state_dict)

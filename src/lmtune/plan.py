@@ -398,6 +398,7 @@ def largest_micro_batch(setup: Setup, predict: Callable[[Setup], Estimate], memo
     lo, hi = 1, limit
     while lo <= hi:  # the peak grows with the micro-batch, so bisect
         mid = (lo + hi) // 2
+        # As if accumulating (gradients alive beside activations): the safe side of either case.
         if predict(replace(setup, micro_batch_size=mid, accumulation=2)).total <= memory:
             best, lo = mid, mid + 1
         else:
@@ -462,14 +463,14 @@ def row_length(cfg: TrainConfig) -> tuple[int, bool, str]:
     """
     from lmtune.distributed import read_dist_env
     from lmtune.modeling import load_tokenizer
-    from lmtune.train import _prepare_data
+    from lmtune.train import prepare_data
 
     if cfg.packing == "on":
         return cfg.max_length, True, "--packing on: rows of --max-length"
     env = read_dist_env("cpu")
     quiet = _QuietLog()
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    train, _, info = _prepare_data(replace(cfg, eval_data=None), tokenizer, env, quiet)  # type: ignore[arg-type]
+    train, _, info = prepare_data(replace(cfg, eval_data=None), tokenizer, env, quiet)
     lengths = train.lengths()
     longest = int(lengths.max())
     if cfg.packing == "auto" and set(info["train"]["formats"]) == {"text"} and int(lengths.min()) < longest:

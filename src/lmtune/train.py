@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader
@@ -111,8 +111,12 @@ def _eval_spec(cfg: TrainConfig) -> str | None:
     return cfg.eval_data
 
 
-def _prepare_data(
-    cfg: TrainConfig, tokenizer: Any, env: DistEnv, log: RunLog
+class InfoLog(Protocol):
+    def info(self, message: str) -> None: ...
+
+
+def prepare_data(
+    cfg: TrainConfig, tokenizer: Any, env: DistEnv, log: InfoLog
 ) -> tuple[TokenizedDataset, TokenizedDataset | None, dict[str, Any]]:
     """Tokenize (or read from the cache) the training and evaluation data; report what was done."""
     settings = DataSettings(
@@ -290,7 +294,7 @@ def _run(
     started = time.time()
     loaded = load_model(cfg.model, cfg.seed, cfg.trust_remote_code)
     tokenizer = loaded.tokenizer
-    train_data, eval_data, data_info = _prepare_data(cfg, tokenizer, env, log)
+    train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log)
     micro = micro_batch_size(cfg, env.world_size)
     plan = plan_steps(
         len(train_data), cfg.global_batch_size, micro, env.world_size, epochs(cfg), cfg.max_steps, cfg.data
