@@ -143,3 +143,17 @@ def test_plan_command_prints_a_table_and_json(tmp_path: Path) -> None:
 def test_plan_rejects_a_bad_size() -> None:
     proc = run_lmtune(["plan", "--memory-per-device", "huge"])
     assert proc.returncode == 2 and "--memory-per-device" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_calibrate_fits_two_real_runs(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    args = ["plan", "--micro-batch-size", "4", "--global-batch-size", "8", "--max-length", "64"]
+    proc = run_lmtune([*args, "--calibrate", "--memory-per-device", "4GiB", "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    assert "calibrated on two real runs" in proc.stdout
+    plan = json.loads(out.read_text())
+    points = plan["calibration"]["points"]
+    assert [p[0] for p in points] == [4, 2] and all(p[2] > 0 for p in points)
+    # The corrected prediction passes through what the real run at the requested size measured.
+    assert plan["requested"]["total"] == pytest.approx(points[0][2], rel=0.01)
+    assert plan["requested"]["host"]["runtime"] > 0 and plan["requested"]["host"]["allocator"] >= 1.0
