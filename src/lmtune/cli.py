@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--data", default="sample", help="as in train (default: sample)")
     bench.add_argument("--strategies", default="single,ddp", help="comma-separated (default: single,ddp)")
     bench.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default: fp32,bf16)")
-    bench.add_argument("--nproc-per-node", type=int, default=2, help="processes for ddp (default: 2)")
+    bench.add_argument(
+        "--nproc-per-node", type=int, default=2, help="processes for ddp and fsdp (default: 2)"
+    )
     bench.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
     bench.add_argument("--global-batch-size", type=int, default=32, help="as in train (default: 32)")

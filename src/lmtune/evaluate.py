@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lmtune.data.collate import Batch, idle_batch
-from lmtune.distributed import DistEnv, all_gather_object, all_reduce_sum
+from lmtune.distributed import DistEnv, all_reduce_max, all_reduce_sum
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,9 @@ def evaluate(
     was_training = loss_module.training
     loss_module.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=env.device)
-    rounds = max(all_gather_object(len(batches), env)) if lockstep else len(batches)
+    rounds = len(batches)
+    if lockstep:
+        rounds = int(all_reduce_max(torch.tensor([rounds], device=env.device), env).item())
     idle = itertools.repeat(None, rounds - len(batches))
     for item in itertools.chain(batches, idle):
         batch = (item or idle_batch()).to(env.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,7 +18,7 @@ from lmtune.distributed import DistEnv
 from lmtune.errors import UserError
 from lmtune.evaluate import EvalResult
 from lmtune.metrics import RunLog
-from lmtune.perf import PhaseTimer, peak_memory_bytes
+from lmtune.perf import PhaseTimer, peak_memory_bytes, phase
 from lmtune.step import StepResult, train_step
 
 
@@ -71,10 +71,8 @@ class FitHooks:
     stop_requested: Callable[[], bool] = lambda: False
     poison_step: int | None = None  # fault injection: this step's loss becomes NaN on rank 0
     scaler: torch.amp.GradScaler | None = None  # fp16 only
-    mfu: Callable[[StepResult, float], float] | None = None
-    timer: PhaseTimer | None = (
-        None  # per-phase step times (--profile)  # (step, seconds) -> model FLOPs utilisation
-    )
+    mfu: Callable[[StepResult, float], float] | None = None  # (step, seconds) -> model FLOPs utilisation
+    timer: PhaseTimer | None = None  # per-phase step times (--profile)
 
 
 @dataclass
@@ -192,7 +190,7 @@ def fit(
         loss_sum, loss_tokens = 0.0, 0  # this epoch's, for its summary line
         while True:
             # Timed from the end of the last step: waiting for data counts against tokens/s.
-            with hooks.timer.phase("data") if hooks.timer is not None else nullcontext():
+            with phase(hooks.timer, "data"):
                 micro = _micro_batches(batches, env.device)
             lr = float(scheduler.get_last_lr()[0])
             poison = hooks.poison_step == state.step + 1 and env.is_main

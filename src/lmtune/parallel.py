@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lmtune.distributed import DistEnv
 from lmtune.errors import UserError
+from lmtune.perf import low_precision_dtype
 
 
 def resolve_strategy(strategy: str, env: DistEnv) -> str:
@@ -87,7 +88,7 @@ def _fully_shard(module: nn.Module, precision: str) -> nn.Module:
             "--strategy fsdp: found no decoder blocks to shard (the model lists no _no_split_modules); "
             "use --strategy ddp"
         )
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    low = low_precision_dtype(precision)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
     for block in blocks:
         fully_shard(block, mp_policy=policy)

@@ -5,13 +5,24 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def low_precision_dtype(precision: str) -> torch.dtype | None:
+    """The autocast (and FSDP compute) dtype of ``--precision``; None for fp32."""
+    return None if precision == "fp32" else DTYPES[precision]
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so wall time measures it (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -43,14 +54,9 @@ def measure_peak_flops(device: torch.device, precision: str, seconds: float = 0.
     size = 4096 if device.type == "cuda" else 1024
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     for _ in range(2):  # warm-up: kernels selected, caches filled
         a @ b
-    sync()
+    _synchronize(device)
     best = 0.0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
@@ -58,7 +64,7 @@ def measure_peak_flops(device: torch.device, precision: str, seconds: float = 0.
         start = time.perf_counter()
         for _ in range(reps):
             a @ b
-        sync()
+        _synchronize(device)
         best = max(best, reps * 2 * size**3 / (time.perf_counter() - start))
     return best
 
@@ -76,21 +82,22 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        self._sync()
+        _synchronize(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
+            _synchronize(self.device)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def take(self) -> dict[str, float]:
         taken, self.seconds = self.seconds, {}
         return taken
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+
+def phase(timer: PhaseTimer | None, name: str) -> AbstractContextManager[None]:
+    """``timer.phase(name)``, or nothing when the run is not timed."""
+    return timer.phase(name) if timer is not None else nullcontext()
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -37,6 +37,7 @@ from lmtune.config import TrainConfig, micro_batch_size
 from lmtune.errors import UserError
 from lmtune.lora import LoraSettings
 from lmtune.parallel import decoder_blocks
+from lmtune.perf import low_precision_dtype
 
 MIB = 2**20
 UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -185,7 +186,7 @@ def _saved_bytes(config: Any, precision: str, length: int, device: str) -> tuple
             return t
 
         ids = torch.zeros(1, length, dtype=torch.long)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        dtype = low_precision_dtype(precision)
         with (
             torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
@@ -428,7 +429,7 @@ def candidates(setup: Setup) -> list[Setup]:
     return out
 
 
-def format_row(e: Estimate, measured: int | None = None) -> str:
+def format_row(e: Estimate) -> str:
     parts = [
         f"{e.setup.label():<40}",
         f"B={e.setup.micro_batch_size:<4}",
@@ -439,8 +440,6 @@ def format_row(e: Estimate, measured: int | None = None) -> str:
         f"{e.host.runtime / MIB:>9,.0f}",
         f"{e.total / MIB:>10,.0f}",
     ]
-    if measured is not None:
-        parts.append(f"{measured / MIB:>10,.0f} {100 * (e.total - measured) / measured:>+6.1f}%")
     return " ".join(parts)
 
 

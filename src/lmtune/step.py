@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -13,7 +12,7 @@ from torch import nn
 from lmtune.data.collate import Batch, idle_batch
 from lmtune.distributed import DistEnv, all_reduce_max, all_reduce_sum
 from lmtune.parallel import is_sharded, no_sync
-from lmtune.perf import PhaseTimer
+from lmtune.perf import PhaseTimer, phase
 
 
 @dataclass(frozen=True)
@@ -65,18 +64,17 @@ def train_step(
     if is_sharded(model):
         micro_batches = _lockstep(micro_batches, env)
     last = len(micro_batches) - 1
-    phase = timer.phase if timer is not None else _untimed
     for i, batch in enumerate(micro_batches):
         with no_sync(model, sync=i == last):
-            with phase("forward"), autocast:
+            with phase(timer, "forward"), autocast:
                 micro_loss = model(*batch.model_inputs()).sum()
             if poison:
                 micro_loss = micro_loss * float("nan")
             scaled = micro_loss * scale
-            with phase("backward"):
+            with phase(timer, "backward"):
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
         loss_sum += micro_loss.detach().double()
-    with phase("optimizer"):
+    with phase(timer, "optimizer"):
         result = _update(
             model,
             optimizer,
@@ -96,11 +94,6 @@ def _lockstep(micro_batches: list[Batch], env: DistEnv) -> list[Batch]:
     micro-steps; under packing a rank may have fewer, and pads with idle ones."""
     most = int(all_reduce_max(torch.tensor([len(micro_batches)], device=env.device), env).item())
     return micro_batches + [idle_batch().to(env.device) for _ in range(most - len(micro_batches))]
-
-
-@contextmanager
-def _untimed(name: str) -> Iterator[None]:
-    yield
 
 
 def _update(

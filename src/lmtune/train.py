@@ -57,7 +57,13 @@ from lmtune.metrics import RunLog, SampleLog
 from lmtune.modeling import load_model
 from lmtune.optim import build_optimizer, build_schedule, optimizer_state_bytes
 from lmtune.parallel import resolve_strategy, unwrap, wrap_model
-from lmtune.perf import PhaseTimer, measure_peak_flops, peak_memory_bytes, train_flops_per_token
+from lmtune.perf import (
+    PhaseTimer,
+    low_precision_dtype,
+    measure_peak_flops,
+    peak_memory_bytes,
+    train_flops_per_token,
+)
 from lmtune.step import StepResult
 from lmtune.stopping import StopRequest
 
@@ -74,10 +80,8 @@ class TrainResult:
 
 
 def _autocast(precision: str, device: torch.device) -> AbstractContextManager[object]:
-    if precision in ("bf16", "fp16"):
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-        return torch.autocast(device_type=device.type, dtype=dtype)
-    return nullcontext()
+    dtype = low_precision_dtype(precision)
+    return nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _checkpoint_activations(model: torch.nn.Module, name: str) -> None:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from lmtune.data.dataset import Example
 from lmtune.data.tokenize import IGNORE_INDEX
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -85,10 +88,7 @@ class StepCollator:
         mode = self.mode
         if mode == "auto":
             lengths = sorted((len(e.input_ids) for e in examples), reverse=True)
-            padded = sum(
-                lengths[i] * len(lengths[i : i + self.micro_batch_size])
-                for i in range(0, len(lengths), self.micro_batch_size)
-            )
+            padded = sum(chunk[0] * len(chunk) for chunk in _chunks(lengths, self.micro_batch_size))
             mode = "pack" if padded > (1 + PACK_ABOVE_PADDING) * sum(lengths) else "group"
         if mode == "pack":
             from lmtune.data.packing import PackedCollator, pack_bins
@@ -96,18 +96,17 @@ class StepCollator:
             rows = pack_bins([len(e.input_ids) for e in examples], self.max_length)
             packed = [[examples[i] for i in row] for row in rows]
             collate_rows = PackedCollator(self.pad_token_id)
-            return [
-                collate_rows(packed[i : i + self.micro_batch_size])
-                for i in range(0, len(packed), self.micro_batch_size)
-            ]
+            return [collate_rows(chunk) for chunk in _chunks(packed, self.micro_batch_size)]
         ordered = list(examples)
         if mode == "group":
             ordered.sort(key=lambda e: -len(e.input_ids))
         collate = Collator(self.pad_token_id)
-        return [
-            collate(ordered[i : i + self.micro_batch_size])
-            for i in range(0, len(ordered), self.micro_batch_size)
-        ]
+        return [collate(chunk) for chunk in _chunks(ordered, self.micro_batch_size)]
+
+
+def _chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
+    """Consecutive slices of ``size`` items (the last may be shorter)."""
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from lmtune.data.collate import Batch
-from lmtune.data.dataset import Example, TokenizedDataset
+from lmtune.data.dataset import Example
 from lmtune.data.tokenize import IGNORE_INDEX
 
 
@@ -41,20 +41,6 @@ def pack_bins(lengths: Sequence[int], max_length: int) -> list[list[int]]:
     for row in bins:
         row.sort()
     return bins
-
-
-@dataclass
-class PackedDataset:
-    """Rows of packed examples over a tokenized data set."""
-
-    data: TokenizedDataset
-    bins: list[list[int]]
-
-    def __len__(self) -> int:
-        return len(self.bins)
-
-    def __getitem__(self, i: int) -> list[Example]:
-        return [self.data[j] for j in self.bins[i]]
 
 
 @dataclass(frozen=True)
