@@ -34,9 +34,10 @@ class SummedLoss(nn.Module):
     instead of every replica's logits, and gives DDP/DP one module to wrap.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, varlen: bool = False):
         super().__init__()
         self.model = model
+        self.varlen = varlen  # the model runs lmtune.attention's per-example attention
 
     def forward(
         self,
@@ -46,13 +47,41 @@ class SummedLoss(nn.Module):
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self.varlen:
+            return self._flat_forward(input_ids, attention_mask, labels, position_ids, segment_ids)
         if segment_ids is not None:
             # Packed rows: a block-diagonal causal mask keeps every example to itself.
-            from lmtune.data.packing import block_causal_mask
+            from lmtune.data.packing import block_causal_mask, sliding_window
 
-            attention_mask = block_causal_mask(segment_ids)
+            attention_mask = block_causal_mask(
+                segment_ids, sliding_window(getattr(self.model, "config", None))
+            )
         logits = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).logits
         loss_sum, _ = token_loss_sum(logits, labels)
         return torch.stack([loss_sum])  # not a view: FSDP2 hooks the output for its backward
+
+    def _flat_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        segment_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The rows' real tokens as one sequence, attention per example (lmtune.attention)."""
+        from lmtune.attention import SEGMENTS, flatten
+
+        on_cpu = input_ids.device.type == "cpu"
+        flat = flatten(input_ids, attention_mask, labels, position_ids, segment_ids, round_length=on_cpu)
+        # An all-ones mask rather than None: given None, transformers looks for packing in the
+        # positions and builds an L x L mask that per-example attention has no use for.
+        logits = self.model(
+            input_ids=flat.input_ids,
+            attention_mask=torch.ones_like(flat.input_ids),
+            position_ids=flat.position_ids,
+            use_cache=False,
+            **{SEGMENTS: flat.segments},
+        ).logits
+        return torch.stack([token_loss_sum(logits, flat.labels)[0]])

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lmtune import __version__, faults
+from lmtune.attention import use_varlen
 from lmtune.checkpoint import (
     CHECKPOINTS,
     ModelParts,
@@ -237,6 +238,9 @@ def _build_model(
     """Memory savers, LoRA, compile, the loss wrapper and the strategy's wrapper, in that order."""
     if cfg.activation_checkpointing:
         _checkpoint_activations(base, cfg.model)
+    # Per-example attention computes nothing on padding or across packed examples. Its per-example
+    # loop would make torch.compile recompile for every batch, so compiled runs keep the masks.
+    varlen = not cfg.compile and use_varlen(base)
     trained = base
     if cfg.lora:
         # The same adapter init on every rank: FSDP keeps each rank's own shard of it (DDP would
@@ -248,7 +252,7 @@ def _build_model(
     torch.manual_seed(cfg.seed + env.rank)
     if cfg.compile:
         _compile(trained, log)
-    loss_module = SummedLoss(trained)
+    loss_module = SummedLoss(trained, varlen)
     model = wrap_model(loss_module, strategy, env, cfg.precision)
     return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora)
 
@@ -372,6 +376,7 @@ def _run(
             "strategy": strategy,
             "micro_batch_size": micro,
             "batching": batching,
+            "attention": "per example" if loss_module.varlen else "masked",
             "lr": lr,
             "model_source": loaded.source,
             **asdict(plan),
@@ -388,7 +393,8 @@ def _run(
         f"lmtune: {loaded.source}, {run_info['resolved']['parameters']:,} parameters, {strategy} on "
         f"{env.world_size} x {env.device.type}; global batch "
         f"{cfg.global_batch_size} = {micro} x {env.world_size} x {plan.accumulation} "
-        f"accumulation ({BATCHING_NAMES[batching]}); {plan.total_steps} steps"
+        f"accumulation ({BATCHING_NAMES[batching]}, {run_info['resolved']['attention']} attention); "
+        f"{plan.total_steps} steps"
     )
     try:
         result = fit(

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_lmtune, uneven_texts, write_jsonl
+from tests.conftest import assert_same_training, run_lmtune, uneven_texts, write_jsonl
 
 pytestmark = pytest.mark.distributed
 
@@ -124,10 +124,7 @@ def test_per_step_losses_match(runs: dict[str, Path]) -> None:
 def test_final_weights_match_to_fp32_rounding(runs: dict[str, Path]) -> None:
     single = load_file(runs["single"] / "final" / "model.safetensors")
     for other in ("nproc", "torchrun"):
-        weights = load_file(runs[other] / "final" / "model.safetensors")
-        assert weights.keys() == single.keys()
-        diff = max(float((weights[k] - single[k]).abs().max()) for k in single)
-        assert diff <= 1e-5, f"{other}: max abs diff {diff}"
+        assert_same_training(load_file(runs[other] / "final" / "model.safetensors"), single, other)
     start = load_file(runs["single"] / "final" / "model.safetensors")
     assert any(not torch.equal(start[k], torch.zeros_like(start[k])) for k in start)
 
@@ -167,4 +164,4 @@ def test_activation_checkpointing_under_ddp_trains_the_same(runs: dict[str, Path
     assert [r["loss"] for r in checkpointed] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
     a = load_file(runs["nproc"] / "final" / "model.safetensors")
     b = load_file(runs["checkpointed"] / "final" / "model.safetensors")
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+    assert_same_training(a, b)

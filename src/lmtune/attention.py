@@ -1,0 +1,228 @@
+"""Variable-length attention: every example attends to itself only, and padding costs nothing.
+
+A micro-batch of rows (padded or packed) is flattened into one sequence of its real tokens, and
+attention runs per example with a causal kernel: no FLOPs on padding, none on the masked-out
+blocks of a packed row, and no ``L x L`` mask. The other layers (projections, MLP, norms) see the
+same tokens as before, only without padding, so the loss is that of the rows, to rounding.
+
+Models opt in through transformers' attention interface: a model whose layers dispatch attention
+through it (``_supports_attention_backend``) and that runs ``sdpa`` is switched to ``VARLEN``, which
+is ``sdpa`` itself whenever a call carries no segments (evaluation with a cache, generation).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmtune.data.tokenize import IGNORE_INDEX
+
+VARLEN = "lmtune_varlen"
+SEGMENTS = "lmtune_segments"  # the keyword that carries a flattened batch's Segments to attention
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Where each example starts in a flattened micro-batch: ``offsets[i]:offsets[i + 1]``."""
+
+    offsets: tuple[int, ...]
+    cumulative: torch.Tensor  # the same offsets, int32 on the device, for fused varlen kernels
+    longest: int
+
+    def lengths(self) -> list[int]:
+        return [end - start for start, end in zip(self.offsets[:-1], self.offsets[1:], strict=True)]
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A micro-batch as one row of its real tokens (batch dimension 1)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    segments: Segments
+
+
+def flatten(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    round_length: bool = False,
+) -> Flat:
+    """Drop the padding of right-padded or packed rows and concatenate what is left.
+
+    An example starts where a row starts or its segment changes. Its first token gets no target:
+    in a row of its own, position 0 is never predicted, and flattened it would otherwise be the
+    target of the previous example's last token.
+
+    ``round_length`` ends the sequence with a filler segment (no targets, attends only to itself)
+    up to a round length. oneDNN's CPU bf16 kernels keep memory for every matrix shape they meet:
+    a new length at every step grew a bf16 run by ~25 MB per step without bound, while a few
+    dozen round lengths bound it.
+    """
+    keep = attention_mask.bool()
+    if position_ids is None:  # right padding: the model's own positions are 0..n-1 on every row
+        position_ids = torch.cumsum(keep, dim=1) - 1
+    rows = torch.arange(keep.size(0), device=keep.device)[:, None].expand_as(keep)
+    segment = rows if segment_ids is None else rows * (int(segment_ids.max()) + 2) + segment_ids + 1
+    segment = segment[keep]
+    starts = torch.ones_like(segment, dtype=torch.bool)
+    starts[1:] = segment[1:] != segment[:-1]
+    tokens = int(segment.numel())
+    offsets = [*torch.nonzero(starts).flatten().tolist(), tokens]
+    ids, positions = input_ids[keep], position_ids[keep]
+    flat_labels = labels[keep].masked_fill(starts, IGNORE_INDEX)
+    filler = _round_up(tokens) - tokens if round_length else 0
+    if filler:
+        ids = torch.cat([ids, ids.new_zeros(filler)])
+        positions = torch.cat([positions, torch.arange(filler, device=keep.device)])
+        flat_labels = torch.cat([flat_labels, flat_labels.new_full((filler,), IGNORE_INDEX)])
+        offsets.append(tokens + filler)
+    cumulative = torch.tensor(offsets, dtype=torch.int32, device=keep.device)
+    segments = Segments(tuple(offsets), cumulative, 0)
+    segments = replace(segments, longest=max(segments.lengths(), default=0))
+    return Flat(ids[None], positions[None], flat_labels[None], segments)
+
+
+def _round_up(tokens: int) -> int:
+    """The next multiple of 1/32 of the length's power of two: at most ~3% more tokens, and a few
+    dozen distinct lengths over a run instead of one per step."""
+    step = max(8, 1 << max(tokens.bit_length() - 6, 0))
+    return -(-tokens // step) * step
+
+
+def use_varlen(model: nn.Module) -> bool:
+    """Switch ``model`` to per-example attention when it dispatches through transformers'
+    attention interface and runs ``sdpa``; returns whether it did. Other implementations (eager,
+    flash-attention chosen by the user, models with their own attention code) are left as they
+    are and get packed rows through a block-diagonal mask instead."""
+    config = getattr(model, "config", None)
+    if not getattr(model, "_supports_attention_backend", False) or config is None:
+        return False
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    _register()
+    model.set_attn_implementation(VARLEN)  # type: ignore[operator]
+    return True
+
+
+def _register() -> None:
+    """Make ``VARLEN`` known to transformers (idempotent): our attention, with sdpa's masks for the
+    calls that carry no segments."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(VARLEN, varlen_attention)
+    AttentionMaskInterface.register(VARLEN, sdpa_mask)
+
+
+def varlen_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: ``[batch, heads, length, dim]`` in,
+    ``[batch, length, heads, dim]`` out."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    segments: Segments | None = kwargs.pop(SEGMENTS, None)
+    if segments is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    window = kwargs.get("sliding_window")
+    bias = kwargs.get("position_bias")
+    if _fused_available(query, dropout, bias):
+        return _fused(module, query, key, value, segments, scaling, window), None
+    # One split per tensor, not a slice per example: a slice's backward writes a full-size zero
+    # gradient per example, split's backward is one concatenation.
+    dtype = query.dtype
+    # On the CPU attention runs in fp32, outside autocast (which would cast it back to bf16):
+    # PyTorch's CPU flash kernel was 2-3x slower in bf16 here (head sizes 32 and 64), and kept
+    # memory for every distinct example length it met (+1 GB within 8 steps of varied examples).
+    on_cpu = query.device.type == "cpu"
+    if on_cpu:
+        query, key, value = (t.float() for t in (query, key, value))
+    lengths = segments.lengths()
+    queries, keys, values = (torch.split_with_sizes(t, lengths, dim=2) for t in (query, key, value))
+    outputs = []
+    with torch.autocast("cpu", enabled=False) if on_cpu else nullcontext():
+        for i, length in enumerate(lengths):
+            mask = _window_mask(length, window, query.device)
+            part = slice(segments.offsets[i], segments.offsets[i + 1])
+            outputs.append(
+                sdpa_attention_forward(
+                    module,
+                    queries[i],
+                    keys[i],
+                    values[i],
+                    mask,
+                    dropout=dropout,
+                    scaling=scaling,
+                    is_causal=mask is None,
+                    position_bias=None if bias is None else bias[..., part, part],
+                )[0]
+            )
+    return torch.cat(outputs, dim=1).to(dtype), None
+
+
+def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """A sliding-window causal mask where the window is shorter than the example, else None
+    (plain causal). Same rule as transformers: key k is seen from query q when q - W < k <= q."""
+    if window is None or length <= window:
+        return None
+    q = torch.arange(length, device=device)[:, None]
+    k = torch.arange(length, device=device)[None, :]
+    return ((k <= q) & (k > q - window))[None, None]
+
+
+def _fused_available(query: torch.Tensor, dropout: float, bias: torch.Tensor | None) -> bool:
+    """PyTorch's varlen flash kernel: CUDA, half precision, no dropout, no additive bias."""
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or dropout or bias is not None:
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fused(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Segments,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    def tokens_first(t: torch.Tensor) -> torch.Tensor:  # [1, heads, T, dim] -> [T, heads, dim]
+        return t[0].transpose(0, 1)
+
+    out = varlen_attn(
+        tokens_first(query),
+        tokens_first(key),
+        tokens_first(value),
+        segments.cumulative,
+        segments.cumulative,
+        segments.longest,
+        segments.longest,
+        scale=scaling,
+        window_size=(-1 if window is None else window - 1, 0),
+        enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
+    )
+    assert isinstance(out, torch.Tensor)
+    return out[None]

@@ -1,0 +1,190 @@
+"""Per-example (varlen) attention: the same loss and gradients as the masked rows, on several
+architectures, with nothing computed across examples, and plain sdpa outside training."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lmtune.attention import VARLEN, flatten, use_varlen
+from lmtune.data.collate import Batch, Collator
+from lmtune.data.packing import PackedCollator, pack_bins
+from lmtune.data.tokenize import IGNORE_INDEX
+from lmtune.loss import SummedLoss
+from lmtune.modeling import build_preset
+from tests.conftest import tokenized, uneven_texts
+
+
+def _model(arch: str) -> tuple[torch.nn.Module, Any]:
+    """The tiny preset (Llama), or the same size as GPT-2 (learned positions, fused qkv) or as
+    Mistral with grouped-query attention and a sliding window shorter than the longer examples."""
+    loaded = build_preset("tiny", seed=0)
+    if arch == "llama":
+        return loaded.model, loaded.tokenizer
+    from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig
+
+    vocab = len(loaded.tokenizer)
+    config: Any
+    if arch == "gpt2":
+        config = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    else:
+        config = MistralConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=16,
+            max_position_embeddings=128,
+        )
+    # Dropout off, so that the two forwards compared below see the same network.
+    for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"):
+        if hasattr(config, name):
+            setattr(config, name, 0.0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"), loaded.tokenizer
+
+
+def _data(tokenizer: Any) -> Any:
+    return tokenized([*uneven_texts(20, seed=3), "a longer example " * 3], tokenizer, max_length=64)
+
+
+def _grads(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None])
+
+
+def _loss_and_grads(module: SummedLoss, batch: Batch) -> tuple[float, torch.Tensor]:
+    module.zero_grad()
+    loss = module(*batch.model_inputs()).sum()
+    (loss / batch.target_tokens()).backward()
+    return float(loss.detach()), _grads(module)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
+def test_per_example_attention_equals_the_masked_rows(arch: str) -> None:
+    model, tok = _model(arch)
+    masked = SummedLoss(copy.deepcopy(model))
+    assert use_varlen(model)
+    varlen = SummedLoss(model, varlen=True)
+    data = _data(tok)
+    examples = [data[i] for i in range(len(data))]
+    rows = pack_bins(data.lengths().tolist(), 64)
+    packed = PackedCollator(tok.pad_token_id)([[examples[j] for j in row] for row in rows])
+    padded = Collator(tok.pad_token_id)(examples)
+    # Every layout in each path: padded rows are the reference for both.
+    reference_loss, reference_grads = _loss_and_grads(masked, padded)
+    for module in (masked, varlen):
+        for batch in (packed, padded):
+            loss, grads = _loss_and_grads(module, batch)
+            assert abs(loss - reference_loss) <= 1e-5 * reference_loss
+            assert (grads - reference_grads).abs().max() <= 1e-6
+
+
+def test_flatten_keeps_real_tokens_and_never_targets_across_examples() -> None:
+    _, tok = _model("llama")
+    data = _data(tok)
+    examples = [data[i] for i in range(6)]
+    batch = Collator(tok.pad_token_id)(examples)
+    flat = flatten(batch.input_ids, batch.attention_mask, batch.labels)
+    lengths = [len(e.input_ids) for e in examples]
+    assert flat.input_ids.shape == (1, sum(lengths))
+    assert flat.segments.lengths() == lengths
+    assert flat.segments.longest == max(lengths)
+    assert flat.segments.cumulative.tolist() == list(flat.segments.offsets)
+    starts = list(flat.segments.offsets[:-1])
+    assert (flat.labels[0, starts] == IGNORE_INDEX).all()
+    assert flat.position_ids[0, starts].tolist() == [0] * len(starts)
+    # The loss's shift makes label t+1 the target of position t: the same count as the rows.
+    assert int((flat.labels[0, 1:] != IGNORE_INDEX).sum()) == batch.target_tokens()
+
+
+def test_no_example_sees_another() -> None:
+    model, tok = _model("llama")
+    use_varlen(model)
+    module = SummedLoss(model, varlen=True).eval()
+    data = _data(tok)
+    examples = [data[i] for i in range(4)]
+    changed = list(examples)
+    ids, labels, eid = changed[1]
+    changed[1] = type(changed[1])(ids[::-1].copy(), labels[::-1].copy(), eid)
+
+    def per_example_losses(exs: list[Any]) -> list[float]:
+        with torch.no_grad():
+            return [float(module(*PackedCollator(tok.pad_token_id)([[e]]).model_inputs())) for e in exs]
+
+    def packed_logits(exs: list[Any]) -> torch.Tensor:
+        from lmtune.attention import SEGMENTS
+
+        batch = PackedCollator(tok.pad_token_id)([exs])
+        flat = flatten(*batch.model_inputs())
+        with torch.no_grad():
+            return model(
+                input_ids=flat.input_ids,
+                position_ids=flat.position_ids,
+                attention_mask=torch.ones_like(flat.input_ids),
+                **{SEGMENTS: flat.segments},
+            ).logits[0]
+
+    before, after = packed_logits(examples), packed_logits(changed)
+    first = len(examples[0].input_ids)
+    second = first + len(examples[1].input_ids)
+    assert torch.equal(before[:first], after[:first])
+    assert not torch.allclose(before[first:second], after[first:second])
+    assert torch.allclose(before[second:], after[second:], atol=1e-6)
+    assert per_example_losses(examples) != per_example_losses(changed)
+
+
+def test_outside_training_it_is_sdpa_and_it_is_not_saved(tmp_path: Path) -> None:
+    model, tok = _model("llama")
+    reference = copy.deepcopy(model).eval()
+    assert use_varlen(model)
+    model.eval()
+    assert model.config._attn_implementation == VARLEN
+    # Generation of a padded batch (a cache, a padding mask, no segments) is sdpa's, token for token.
+    tok.padding_side = "left"
+    prompts = tok(["alpha beta", "gamma"], return_tensors="pt", padding=True)
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": tok.pad_token_id}
+    assert torch.equal(model.generate(**prompts, **settings), reference.generate(**prompts, **settings))
+    model.save_pretrained(tmp_path)
+    assert VARLEN not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
+
+
+def test_models_outside_the_attention_interface_keep_their_attention() -> None:
+    model, _ = _model("llama")
+    model.set_attn_implementation("eager")
+    assert not use_varlen(model)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_bf16_autocast_trains_the_same_rows_and_keeps_attention_in_fp32() -> None:
+    model, tok = _model("llama")
+    masked = SummedLoss(copy.deepcopy(model))
+    use_varlen(model)
+    varlen = SummedLoss(model, varlen=True)
+    data = _data(tok)
+    batch = Collator(tok.pad_token_id)([data[i] for i in range(len(data))])
+    seen: list[tuple[torch.dtype, bool]] = []
+    hook = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append((args[0].dtype, torch.is_autocast_enabled("cpu")))  # autocast would cast to bf16
+        return hook(*args, **kwargs)
+
+    losses = []
+    for module in (masked, varlen):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if module is varlen:
+                torch.nn.functional.scaled_dot_product_attention = spy
+            try:
+                losses.append(float(module(*batch.model_inputs()).sum()))
+            finally:
+                torch.nn.functional.scaled_dot_product_attention = hook
+    # bf16 rounds the projections differently in the two layouts; the loss agrees to bf16's precision.
+    assert losses[1] == pytest.approx(losses[0], rel=1e-2)
+    assert seen and set(seen) == {(torch.float32, False)}
