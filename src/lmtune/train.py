@@ -338,7 +338,14 @@ def _run(
 
     batching = _batching(cfg, data_info["train"]["formats"])
     step_collate = StepCollator(tokenizer.pad_token_id, micro, batching, cfg.max_length)
-    sampler = TrainSampler(len(train_data), cfg.global_batch_size, env.rank, env.world_size, cfg.seed)
+    sampler = TrainSampler(
+        len(train_data),
+        cfg.global_batch_size,
+        env.rank,
+        env.world_size,
+        cfg.seed,
+        train_data.lengths().tolist(),
+    )
     # One loader item is one rank's share of one optimizer step, already cut into micro-batches.
     loader = _loader(
         train_data, sampler, cfg.global_batch_size // env.world_size, step_collate, env, cfg.num_workers

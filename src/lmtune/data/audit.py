@@ -59,7 +59,9 @@ def rank_imbalance(
     share = global_batch_size // world_size
     ratios: list[float] = []
     real = padded = 0
-    shards = [rank_indices(order, r, world_size, global_batch_size) for r in range(world_size)]
+    shards = [
+        rank_indices(order, r, world_size, global_batch_size, lengths.tolist()) for r in range(world_size)
+    ]
     for step in range(steps):
         per_rank = []
         for shard in shards:
