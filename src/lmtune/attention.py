@@ -62,9 +62,9 @@ def flatten(
     target of the previous example's last token.
 
     ``round_length`` ends the sequence with a filler segment (no targets, attends only to itself)
-    up to a round length. oneDNN's CPU bf16 kernels keep memory for every matrix shape they meet:
-    a new length at every step grew a bf16 run by ~25 MB per step without bound, while a few
-    dozen round lengths bound it.
+    up to a round length. PyTorch's CPU bf16 kernels keep memory for every matrix shape they meet:
+    in a bf16 probe a new length at every step grew the process by ~20 MB per step (no end in
+    sight after 48 steps), while rounded lengths levelled off.
     """
     keep = attention_mask.bool()
     if position_ids is None:  # right padding: the model's own positions are 0..n-1 on every row
@@ -145,8 +145,6 @@ def varlen_attention(
     bias = kwargs.get("position_bias")
     if _fused_available(query, dropout, bias):
         return _fused(module, query, key, value, segments, scaling, window), None
-    # One split per tensor, not a slice per example: a slice's backward writes a full-size zero
-    # gradient per example, split's backward is one concatenation.
     dtype = query.dtype
     # On the CPU attention runs in fp32, outside autocast (which would cast it back to bf16):
     # PyTorch's CPU flash kernel was 2-3x slower in bf16 here (head sizes 32 and 64), and kept
@@ -155,26 +153,90 @@ def varlen_attention(
     if on_cpu:
         query, key, value = (t.float() for t in (query, key, value))
     lengths = segments.lengths()
+    attend = _Attend(module, dropout, scaling, window)
+    with torch.autocast("cpu", enabled=False) if on_cpu else nullcontext():
+        if bias is None and _pad_together(lengths):
+            out = _padded(attend, query, key, value, segments)
+        else:
+            out = _one_by_one(attend, query, key, value, segments, bias)
+    return out.to(dtype), None
+
+
+@dataclass(frozen=True)
+class _Attend:
+    """Causal sdpa over one or more equally long examples, with the layer's settings."""
+
+    module: nn.Module
+    dropout: float
+    scaling: float | None
+    window: int | None
+
+    def __call__(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[examples, heads, length, dim]`` in, ``[examples, length, heads, dim]`` out."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        mask = _window_mask(query.size(2), self.window, query.device)
+        return sdpa_attention_forward(
+            self.module,
+            query,
+            key,
+            value,
+            mask,
+            dropout=self.dropout,
+            scaling=self.scaling,
+            is_causal=mask is None,
+            position_bias=bias,
+        )[0]
+
+
+def _pad_together(lengths: list[int]) -> bool:
+    """One call over the examples padded to the longest, rather than a call per example, when
+    that wastes little (nearly equal lengths) or the examples are short: a call costs ~0.1 ms
+    forward and backward on the CPU however few its tokens."""
+    longest = max(lengths)
+    return longest <= 64 or len(lengths) * longest**2 <= 1.25 * sum(n * n for n in lengths)
+
+
+def _padded(
+    attend: _Attend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments
+) -> torch.Tensor:
+    """Every example padded at its end to the longest, in one causal call: no real query sees a
+    padding key (they all come after it), and padding queries are dropped from the output."""
+    device, tokens = query.device, query.size(2)
+    lengths = torch.tensor(segments.lengths(), device=device)
+    positions = torch.arange(segments.longest, device=device)
+    real = positions[None] < lengths[:, None]  # [examples, longest]
+    index = torch.where(real, segments.cumulative[:-1, None].long() + positions[None], tokens)
+
+    def examples_first(t: torch.Tensor) -> torch.Tensor:  # [1, heads, T, dim] -> [n, heads, L, dim]
+        padded = torch.cat([t, t.new_zeros(*t.shape[:2], 1, t.size(3))], dim=2)
+        return padded[0][:, index].transpose(0, 1)
+
+    out = attend(examples_first(query), examples_first(key), examples_first(value))
+    return out[real][None]
+
+
+def _one_by_one(
+    attend: _Attend,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Segments,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """A causal call per example (with its block of an additive bias, if the model has one)."""
+    lengths = segments.lengths()
+    # One split per tensor, not a slice per example: a slice's backward writes a full-size zero
+    # gradient per example, split's backward is one concatenation.
     queries, keys, values = (torch.split_with_sizes(t, lengths, dim=2) for t in (query, key, value))
     outputs = []
-    with torch.autocast("cpu", enabled=False) if on_cpu else nullcontext():
-        for i, length in enumerate(lengths):
-            mask = _window_mask(length, window, query.device)
-            part = slice(segments.offsets[i], segments.offsets[i + 1])
-            outputs.append(
-                sdpa_attention_forward(
-                    module,
-                    queries[i],
-                    keys[i],
-                    values[i],
-                    mask,
-                    dropout=dropout,
-                    scaling=scaling,
-                    is_causal=mask is None,
-                    position_bias=None if bias is None else bias[..., part, part],
-                )[0]
-            )
-    return torch.cat(outputs, dim=1).to(dtype), None
+    for i in range(len(lengths)):
+        part = slice(segments.offsets[i], segments.offsets[i + 1])
+        block = None if bias is None else bias[..., part, part]
+        outputs.append(attend(queries[i], keys[i], values[i], block))
+    return torch.cat(outputs, dim=1)
 
 
 def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:

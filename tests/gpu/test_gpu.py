@@ -94,3 +94,28 @@ def test_plan_predicts_the_cuda_peak_within_15_percent(tmp_path: Path) -> None:
         )
         measured = max(json.loads((out / "run.json").read_text())["result"]["peak_memory_per_rank"])
         assert abs(predicted - measured) <= 0.15 * measured, (extra, predicted, measured)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_fused_varlen_attention_equals_the_masked_rows_on_gpu(arch: str) -> None:
+    """PyTorch's varlen flash kernel (bf16, CUDA): the loss of the padded rows, with grouped-query
+    attention and a sliding window shorter than the longer examples (Mistral)."""
+    import copy
+
+    from lmtune.attention import use_varlen
+    from lmtune.data.collate import Collator
+    from lmtune.loss import SummedLoss
+    from tests.unit.test_attention import _data, _model
+
+    model, tok = _model(arch)
+    model = model.cuda()
+    masked = SummedLoss(copy.deepcopy(model))
+    assert use_varlen(model)
+    varlen = SummedLoss(model, varlen=True)
+    data = _data(tok)
+    batch = Collator(tok.pad_token_id)([data[i] for i in range(len(data))]).to(torch.device("cuda"))
+    losses = []
+    for module in (masked, varlen):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            losses.append(float(module(*batch.model_inputs()).sum()))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-2)

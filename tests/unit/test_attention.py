@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmtune.attention import VARLEN, flatten, use_varlen
+from lmtune.attention import VARLEN, _pad_together, flatten, use_varlen
 from lmtune.data.collate import Batch, Collator
 from lmtune.data.packing import PackedCollator, pack_bins
 from lmtune.data.tokenize import IGNORE_INDEX
@@ -51,8 +51,14 @@ def _model(arch: str) -> tuple[torch.nn.Module, Any]:
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"), loaded.tokenizer
 
 
-def _data(tokenizer: Any) -> Any:
-    return tokenized([*uneven_texts(20, seed=3), "a longer example " * 3], tokenizer, max_length=64)
+def _data(tokenizer: Any, lengths: str = "uneven") -> Any:
+    if lengths == "equal":
+        texts = [f"{a} plus {b} is {a + b:3d}" for a, b in zip(range(10, 30), range(40, 60), strict=True)]
+    elif lengths == "short":
+        texts = [text[:30] for text in uneven_texts(20, seed=3)]
+    else:
+        texts = [*uneven_texts(20, seed=3), "a longer example " * 6]
+    return tokenized(texts, tokenizer, max_length=120)
 
 
 def _grads(module: torch.nn.Module) -> torch.Tensor:
@@ -66,15 +72,28 @@ def _loss_and_grads(module: SummedLoss, batch: Batch) -> tuple[float, torch.Tens
     return float(loss.detach()), _grads(module)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
-def test_per_example_attention_equals_the_masked_rows(arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "lengths"),
+    [
+        ("llama", "uneven"),
+        ("gpt2", "uneven"),
+        ("mistral", "uneven"),
+        ("llama", "equal"),
+        ("mistral", "short"),
+    ],
+)
+def test_per_example_attention_equals_the_masked_rows(arch: str, lengths: str) -> None:
+    """Uneven lengths run a call per example; equal or short ones one padded call (see
+    _pad_together); Mistral's window (16) cuts into the longer examples in both."""
     model, tok = _model(arch)
     masked = SummedLoss(copy.deepcopy(model))
     assert use_varlen(model)
     varlen = SummedLoss(model, varlen=True)
-    data = _data(tok)
+    data = _data(tok, lengths)
+    sizes = data.lengths().tolist()
+    assert _pad_together(sizes) == (lengths != "uneven")
     examples = [data[i] for i in range(len(data))]
-    rows = pack_bins(data.lengths().tolist(), 64)
+    rows = pack_bins(data.lengths().tolist(), 120)
     packed = PackedCollator(tok.pad_token_id)([[examples[j] for j in row] for row in rows])
     padded = Collator(tok.pad_token_id)(examples)
     # Every layout in each path: padded rows are the reference for both.
