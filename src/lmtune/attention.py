@@ -109,7 +109,7 @@ def use_varlen(model: nn.Module) -> bool:
         return False
     _register()
     model.set_attn_implementation(VARLEN)  # type: ignore[operator]
-    return True
+    return bool(config._attn_implementation == VARLEN)  # a model may decline (with a warning)
 
 
 def _register() -> None:
