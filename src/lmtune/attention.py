@@ -13,7 +13,7 @@ is ``sdpa`` itself whenever a call carries no segments (evaluation with a cache,
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,10 +31,13 @@ class Segments:
 
     offsets: tuple[int, ...]
     cumulative: torch.Tensor  # the same offsets, int32 on the device, for fused varlen kernels
-    longest: int
 
     def lengths(self) -> list[int]:
         return [end - start for start, end in zip(self.offsets[:-1], self.offsets[1:], strict=True)]
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths(), default=0)
 
 
 @dataclass(frozen=True)
@@ -85,9 +88,7 @@ def flatten(
         flat_labels = torch.cat([flat_labels, flat_labels.new_full((filler,), IGNORE_INDEX)])
         offsets.append(tokens + filler)
     cumulative = torch.tensor(offsets, dtype=torch.int32, device=keep.device)
-    segments = Segments(tuple(offsets), cumulative, 0)
-    segments = replace(segments, longest=max(segments.lengths(), default=0))
-    return Flat(ids[None], positions[None], flat_labels[None], segments)
+    return Flat(ids[None], positions[None], flat_labels[None], Segments(tuple(offsets), cumulative))
 
 
 def _round_up(tokens: int) -> int:
