@@ -4,11 +4,15 @@ import os
 import sys
 
 from lmtune.cli import main
-from lmtune.distributed import launched_world_size
+from lmtune.launch import die_with_launcher
 
 if __name__ == "__main__":
+    # A worker of a launched job (torchrun, lmtune's launcher, an elastic restart) never outlives it.
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    if launched:
+        die_with_launcher()
     code = main()
-    if launched_world_size() > 1:
+    if launched:
         # A worker of a launched job has written and closed everything. Interpreter teardown can
         # still abort it ("terminate called without an active exception": gloo threads meeting
         # objects freed at exit), which the launcher would report as a crash of this rank.

@@ -1,22 +1,30 @@
 """Checkpoints of the whole training state, exact resume, and export to Hugging Face format.
 
 A checkpoint is ``checkpoints/step-NNNNNN/``: the model (safetensors; under ``--lora`` only the
-adapter, in PEFT format), optimizer and LR-scheduler state (``torch.save``, loaded with
-``weights_only=True`` so no pickled code runs) or, under FSDP, model and optimizer shards written
-by every rank through ``torch.distributed.checkpoint`` (``sharded/``), every rank's RNG
-streams (JSON), the position in the global sample order, and a manifest with every file's size and
-SHA-256 written last. It is assembled in a hidden temporary folder and renamed into place when
-complete, so a run killed while saving leaves the previous checkpoint as the newest valid one.
+adapter, in PEFT format), optimizer state (``torch.save``, loaded with ``weights_only=True`` so no
+pickled code runs) or, under FSDP, model and optimizer shards written by every rank through
+``torch.distributed.checkpoint`` (``sharded/``, read back by :mod:`lmtune.sharded` without
+unpickling anything), every rank's RNG streams (JSON), the position in the global sample order,
+the run's fingerprint, and a manifest with every file's size and SHA-256 written last. It is
+assembled in a hidden temporary folder and renamed into place when complete, so a run killed while
+saving leaves the previous checkpoint as the newest valid one. The LR schedule is a function of the
+step, so it is rebuilt from the settings rather than stored.
+
+Everything read back is data: a manifest that names a path outside the folder, a link, or a file it
+does not list makes the checkpoint invalid.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import os
 import random
+import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,22 +34,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmtune import faults
-from lmtune.distributed import DistEnv, barrier
+from lmtune import faults, sharded
+from lmtune.distributed import DistEnv, barrier, broadcast_object
 from lmtune.errors import UserError
 from lmtune.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, load_adapter_state, save_adapter
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 SCALER_FILE = "scaler.pt"
+FINGERPRINT_FILE = "fingerprint.json"
+_STEP_NAME = re.compile(r"step-(\d+)")
 SHARDED_DIR = "sharded"  # torch.distributed.checkpoint folder: one file per rank + .metadata
 SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"
-MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, STATE_FILE = (
-    "model.safetensors",
-    "optimizer.pt",
-    "scheduler.pt",
-    "trainer.json",
-)
+MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "trainer.json"
 
 
 @dataclass(frozen=True)
@@ -224,18 +229,59 @@ def save_checkpoint(
     parts: ModelParts,
     tokenizer: Any,
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
     env: DistEnv,
+    *,
     keep_last: int,
+    fingerprint: dict[str, Any],
     scaler: torch.amp.GradScaler | None = None,
 ) -> Path:
-    """Write a checkpoint of ``state`` (collective: every rank calls it) and prune old ones."""
+    """Write a checkpoint of ``state`` (collective: every rank calls it) and prune old ones.
+
+    Raises:
+        UserError: on every rank when the disk has too little room (checked before writing), and on
+            the rank that ran out of space while writing; the temporary folder is removed and the
+            previous checkpoint stays valid.
+    """
     final = step_folder(output_dir, state.step)
     tmp = final.with_name(f".{final.name}.tmp")
+    problem = _space_problem(output_dir, state.step, parts, optimizer, env) if env.is_main else ""
+    problem = broadcast_object(problem, env)
+    if problem:
+        raise UserError(problem)
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(env)
+    try:
+        _write_checkpoint(tmp, state, parts, tokenizer, optimizer, env, fingerprint, scaler)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        needed, free = _estimate_bytes(parts, optimizer, env), shutil.disk_usage(output_dir).free
+        raise UserError(_no_space(state.step, final, needed, free)) from None
+    if env.is_main:
+        if final.exists():  # a checkpoint of this step from an earlier attempt: kept, not replaced
+            aside = final.with_name(f"{final.name}.replaced-{int(time.time())}")
+            final.rename(aside)
+            print(f"lmtune: kept the earlier {final.name} as {aside}", flush=True)
+        tmp.rename(final)
+        for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(env)
+    return final
+
+
+def _write_checkpoint(
+    tmp: Path,
+    state: TrainerState,
+    parts: ModelParts,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    env: DistEnv,
+    fingerprint: dict[str, Any],
+    scaler: torch.amp.GradScaler | None,
+) -> None:
     tmp.mkdir(parents=True, exist_ok=True)  # on another node when --output-dir is not shared
     _fsync_write(tmp / f"rng-rank-{env.rank}.json", json.dumps(_rng_state()))
     if parts.sharded:
@@ -252,9 +298,9 @@ def save_checkpoint(
         if not parts.sharded:
             # DDP keeps every replica identical, so rank 0's optimizer is the whole state.
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / SCALER_FILE)
+        _fsync_write(tmp / FINGERPRINT_FILE, json.dumps(fingerprint, indent=2))
         _fsync_write(tmp / STATE_FILE, json.dumps(asdict(state), indent=2))
     barrier(env)
     if env.is_main:
@@ -263,13 +309,38 @@ def save_checkpoint(
             p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files
         }
         _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier(env)
-    return final
+
+
+def _estimate_bytes(parts: ModelParts, optimizer: torch.optim.Optimizer, env: DistEnv) -> int:
+    """What a checkpoint of this run takes: the trained weights (whole) and the optimizer state."""
+    from lmtune.optim import optimizer_state_bytes
+
+    weights = sum(
+        p.numel() * p.element_size() for p in parts.root.parameters() if p.requires_grad or not parts.lora
+    )
+    shards = env.world_size if parts.sharded else 1
+    return weights + optimizer_state_bytes(optimizer) * shards
+
+
+def _space_problem(
+    output_dir: Path, step: int, parts: ModelParts, optimizer: torch.optim.Optimizer, env: DistEnv
+) -> str:
+    """Why a checkpoint of ``step`` would not fit on the disk ("" when it fits, with 5% to spare)."""
+    folder = output_dir / CHECKPOINTS
+    folder.mkdir(parents=True, exist_ok=True)
+    needed = _estimate_bytes(parts, optimizer, env)
+    free = faults.free_bytes_override() or shutil.disk_usage(folder).free
+    if free >= needed * 1.05 + (1 << 20):
+        return ""
+    return _no_space(step, step_folder(output_dir, step), needed, free)
+
+
+def _no_space(step: int, final: Path, needed: int, free: int) -> str:
+    return (
+        f"no space left on device while saving step {step} to {final}: about "
+        f"{needed / 2**20:,.0f} MB needed, {free / 2**20:,.0f} MB free; the previous checkpoint is "
+        "intact (free some space; the same command resumes from it)"
+    )
 
 
 def _base_config(model: nn.Module) -> Any:
@@ -321,69 +392,77 @@ def _prefix_of(parts: ModelParts) -> str:
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
-    """Checkpoint folders by step, oldest first (hidden temporary folders are not checkpoints)."""
+    """Checkpoint folders by step number, oldest first (hidden temporary folders, and folders kept
+    aside, are not checkpoints)."""
     root = output_dir / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")]
-    return sorted(found, key=lambda p: p.name)
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_NAME.fullmatch(p.name))]
+    return [p for _, p in sorted(found, key=lambda item: item[0])]
 
 
 def verify(folder: Path) -> str | None:
-    """Why ``folder`` is not a complete checkpoint, or None when its manifest checks out."""
+    """Why ``folder`` is not a complete checkpoint, or None when its manifest checks out.
+
+    The manifest must list every file of the folder, by plain relative names inside it; no entry
+    may be a link.
+    """
+    if folder.is_symlink() or not folder.is_dir():
+        return "not a folder"
     manifest_path = folder / MANIFEST
-    if not manifest_path.is_file():
+    if not manifest_path.is_file() or manifest_path.is_symlink():
         return "no manifest (the save did not finish)"
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
-        return "unreadable manifest"
-    for required in (SCHEDULER_FILE, STATE_FILE):
-        if required not in manifest:
-            return f"manifest lists no {required}"
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return f"{MANIFEST} is unreadable"
+    if not isinstance(manifest, dict) or not all(isinstance(e, dict) for e in manifest.values()):
+        return f"{MANIFEST} is not a manifest"
+    if STATE_FILE not in manifest:
+        return f"manifest lists no {STATE_FILE}"
     layouts = ((MODEL_FILE, OPTIMIZER_FILE), (ADAPTER_FILE, OPTIMIZER_FILE), (SHARDED_METADATA,))
     if not any(all(name in manifest for name in layout) for layout in layouts):
         return "manifest lists no model and optimizer state"
+    for path in folder.rglob("*"):
+        name = path.relative_to(folder).as_posix()
+        if path.is_symlink():
+            return f"{name} is a symbolic link"
+        if path.is_file() and name != MANIFEST and name not in manifest:
+            return f"{name} is not in the manifest"
+    root = folder.resolve()
     for name, entry in manifest.items():
         path = folder / name
+        if name.startswith("/") or "\\" in name or ".." in Path(name).parts or not name:
+            return f"manifest entry {name!r} is not a plain path inside the checkpoint"
         if not path.is_file():
             return f"{name} is missing"
-        if path.stat().st_size != entry["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {entry['bytes']}"
-        if _sha256(path) != entry["sha256"]:
+        if root not in path.resolve().parents:
+            return f"manifest entry {name!r} is not inside the checkpoint"
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            return f"{name} has {size} bytes, the manifest says {entry.get('bytes')}"
+        if _sha256(path) != entry.get("sha256"):
             return f"{name} does not match its checksum"
     return None
 
 
-def newest_valid(output_dir: Path, warn: Any) -> Path | None:
-    """The newest checkpoint whose manifest checks out; broken ones are reported through ``warn``."""
-    for folder in reversed(list_checkpoints(output_dir)):
-        reason = verify(folder)
-        if reason is None:
-            return folder
-        warn(f"ignoring checkpoint {folder}: {reason}")
-    return None
-
-
 def read_state(folder: Path) -> TrainerState:
-    return TrainerState(**json.loads((folder / STATE_FILE).read_text()))
+    """The trainer state of a verified checkpoint, checked field by field."""
+    path = folder / STATE_FILE
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        kwargs = {f: raw[f] for f in TrainerState.__dataclass_fields__ if f in raw}
+        state = TrainerState(**kwargs)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"{path}: not a trainer state lmtune wrote ({e})") from None
+    if not all(type(getattr(state, f)) is int and getattr(state, f) >= 0 for f in kwargs):
+        raise UserError(f"{path}: not a trainer state lmtune wrote (fields must be counts)")
+    return state
 
 
-def load_checkpoint(
-    folder: Path,
-    parts: ModelParts,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    env: DistEnv,
-    scaler: torch.amp.GradScaler | None = None,
-) -> TrainerState:
-    """Restore model, optimizer, schedule, gradient scaler and (same world size) this rank's RNG."""
-    from safetensors.torch import load_model
-
-    reason = verify(folder)
-    if reason is not None:
-        raise UserError(f"--resume {folder}: not a valid checkpoint: {reason}")
-    listed = json.loads((folder / MANIFEST).read_text())
+def check_layout(folder: Path, parts: ModelParts) -> dict[str, Any]:
+    """The manifest of ``folder``, when this run's model (LoRA or not, sharded or not) can load it."""
+    listed: dict[str, Any] = json.loads((folder / MANIFEST).read_text())
     saved_lora, saved_sharded = ADAPTER_FILE in listed, SHARDED_METADATA in listed
     if saved_lora != parts.lora or (parts.sharded and not saved_sharded):
         raise UserError(
@@ -391,14 +470,35 @@ def load_checkpoint(
             f"({_describe(parts.lora, parts.sharded)}) cannot load it; use the same --lora and "
             "--strategy, or --resume never with a new --output-dir"
         )
+    return listed
+
+
+def load_checkpoint(
+    folder: Path,
+    parts: ModelParts,
+    optimizer: torch.optim.Optimizer,
+    env: DistEnv,
+    scaler: torch.amp.GradScaler | None = None,
+) -> TrainerState:
+    """Restore model, optimizer, gradient scaler and (same world size) this rank's RNG.
+
+    What is loaded follows what the manifest lists, never what else lies in the folder.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model
+
+    reason = verify(folder)
+    if reason is not None:
+        raise UserError(f"--resume {folder}: not a valid checkpoint: {reason}")
+    listed = check_layout(folder, parts)
+    saved_sharded = SHARDED_METADATA in listed
     state = read_state(folder)
-    if (folder / SHARDED_DIR).is_dir():
+    if saved_sharded:
         # Sharded state loads into any world size and into an unsharded model too: DCP reshards.
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         saved = _sharded_state(parts, optimizer)
-        dcp_load(saved, checkpoint_id=str(folder / SHARDED_DIR), no_dist=not env.distributed)
+        sharded.load(saved, folder / SHARDED_DIR, no_dist=not env.distributed)
         set_state_dict(
             parts.root,
             optimizer,
@@ -407,19 +507,33 @@ def load_checkpoint(
             options=StateDictOptions(ignore_frozen_params=parts.lora, strict=not parts.lora),
         )
     else:
-        if parts.lora:
-            load_adapter_state(parts.model, folder)
-        else:
-            device = str(next(parts.model.parameters()).device)
-            load_model(parts.model, str(folder / MODEL_FILE), device=device)
-        optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True, map_location="cpu"))
-    scheduler.load_state_dict(torch.load(folder / SCHEDULER_FILE, weights_only=True))
-    if scaler is not None and (folder / SCALER_FILE).is_file():
-        scaler.load_state_dict(torch.load(folder / SCALER_FILE, weights_only=True))
-    rng = folder / f"rng-rank-{env.rank}.json"
-    if state.world_size == env.world_size and rng.is_file():
-        _set_rng_state(json.loads(rng.read_text()))
+        try:
+            if parts.lora:
+                load_adapter_state(parts.model, folder)
+            else:
+                device = str(next(parts.model.parameters()).device)
+                load_model(parts.model, str(folder / MODEL_FILE), device=device)
+            optimizer.load_state_dict(_load_plain(folder / OPTIMIZER_FILE))
+        except (RuntimeError, ValueError, KeyError, OSError, SafetensorError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"--resume {folder}: its state does not fit this run's model ({first})") from None
+    if scaler is not None and SCALER_FILE in listed:
+        scaler.load_state_dict(_load_plain(folder / SCALER_FILE))
+    rng = f"rng-rank-{env.rank}.json"
+    if state.world_size == env.world_size and rng in listed:
+        _set_rng_state(json.loads((folder / rng).read_text()))
     return state
+
+
+def _load_plain(path: Path) -> Any:
+    """A ``torch.save`` file read as tensors and plain values only: pickled code is refused."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        why = str(e).split("WeightsUnpickler error: ")[-1].splitlines()[0]
+        raise UserError(f"{path}: refused, not plain tensors and values ({why})") from None
 
 
 def _describe(lora: bool, sharded: bool) -> str:
@@ -438,8 +552,9 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False) -> None
     reason = verify(checkpoint)
     if reason is not None:
         raise UserError(f"{checkpoint}: not a valid checkpoint: {reason}")
+    listed = json.loads((checkpoint / MANIFEST).read_text())
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    if (checkpoint / ADAPTER_FILE).is_file():
+    if ADAPTER_FILE in listed:
 
         def write(tmp: Path) -> None:
             for name in (ADAPTER_FILE, ADAPTER_CONFIG):
@@ -450,7 +565,7 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False) -> None
         return
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    if (checkpoint / MODEL_FILE).is_file():
+    if MODEL_FILE in listed:
         load_model(model, str(checkpoint / MODEL_FILE))
     else:
         _load_sharded_model(model, checkpoint / SHARDED_DIR)
@@ -459,17 +574,12 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False) -> None
 
 def _load_sharded_model(model: nn.Module, folder: Path) -> None:
     """Read the model part of an FSDP checkpoint into one process (no process group needed)."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
     # Keys as the training wrapper named them ("model." + the model's names), under "model".
-    saved = set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    saved = set(sharded.read_index(folder).state_dict_metadata)
     missing = [n for n, _ in model.named_parameters() if f"model.model.{n}" not in saved]
     if missing:
         raise UserError(f"{folder}: the sharded checkpoint has no {missing[0]} (not a full model)")
     state = {"model": {f"model.{k}": v for k, v in model.state_dict().items()}}
     # Partial: a tied weight (the output head) may be stored once under the embedding's name.
-    planner = DefaultLoadPlanner(allow_partial_load=True)
-    dcp_load(state, checkpoint_id=str(folder), planner=planner, no_dist=True)
+    sharded.load(state, folder, no_dist=True, allow_partial=True)
     model.load_state_dict({k.removeprefix("model."): v for k, v in state["model"].items()})

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
-from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
+from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, UserError
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
@@ -41,10 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="lmtune",
+        allow_abbrev=False,
         description="Fine-tune causal language models on one device, DataParallel, DDP or several machines.",
     )
     parser.add_argument("--version", action="version", version=f"lmtune {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser = partial(commands.add_parser, allow_abbrev=False)  # type: ignore[method-assign]
     train = commands.add_parser(
         "train",
         help="fine-tune a model",
@@ -125,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = commands.add_parser("data", help="inspect training data").add_subparsers(
         dest="data_command", required=True, metavar="COMMAND"
     )
+    data.add_parser = partial(data.add_parser, allow_abbrev=False)  # type: ignore[method-assign]
     aud = data.add_parser(
         "audit",
         help="report what training would make of a data set",
@@ -324,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         report_error(str(e), USER_ERROR_EXIT_CODE)
         return USER_ERROR_EXIT_CODE
+    except StoppedBySignal as e:
+        print(f"lmtune: {e}", file=sys.stderr, flush=True)
+        return 128 + e.signum
     except Exception as e:
         from lmtune.loop import TrainingStopped
 

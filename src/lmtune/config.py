@@ -7,6 +7,7 @@ YAML file and ``run.json`` can never disagree about names or defaults.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -288,6 +289,13 @@ class TrainConfig:
         default=False,
         metadata=_help("Allow a hub model to run its own Python code (off: only built-in classes)."),
     )
+    overwrite: bool = field(
+        default=False,
+        metadata=_help(
+            "Start afresh in an --output-dir that holds an earlier run: its checkpoints, final/, "
+            "metrics and records are deleted first (without it, such a folder is refused)."
+        ),
+    )
 
 
 def config_fields() -> list[dataclasses.Field[Any]]:
@@ -306,6 +314,11 @@ def field_type(f: dataclasses.Field[Any]) -> type:
     return hint
 
 
+def _optional(name: str) -> bool:
+    hint = typing.get_type_hints(TrainConfig)[name]
+    return type(None) in typing.get_args(hint)
+
+
 def option_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -313,6 +326,8 @@ def option_name(name: str) -> str:
 def _coerce(name: str, value: Any, kind: type) -> Any:
     """Convert a YAML/CLI value to the field's type, or explain which option is wrong."""
     if value is None:
+        if not _optional(name):
+            raise UserError(f"{option_name(name)}: needs a value (got null)")
         return None
     if kind is bool:
         if isinstance(value, bool):
@@ -324,12 +339,19 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
         return ",".join(value)  # a YAML list of data files
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or (kind is int and isinstance(value, float)):
+    if (
+        isinstance(value, bool)
+        or (kind is int and isinstance(value, float))
+        or isinstance(value, (list, dict))
+    ):
         raise UserError(f"{option_name(name)}: expected {kind.__name__}, got {value!r}")
     try:
-        return kind(value)
-    except (TypeError, ValueError):
+        converted = kind(value)
+    except (TypeError, ValueError, OverflowError):
         raise UserError(f"{option_name(name)}: expected {kind.__name__}, got {value!r}") from None
+    if kind is float and not math.isfinite(converted):
+        raise UserError(f"{option_name(name)}: must be a finite number (got {value!r})")
+    return converted
 
 
 def load_yaml(path: str) -> dict[str, Any]:
@@ -347,7 +369,13 @@ def load_yaml(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(loaded, dict):
         raise UserError(f"--config: {path}: expected a mapping of settings, got {type(loaded).__name__}")
-    return {str(k).replace("-", "_"): v for k, v in loaded.items()}
+    settings: dict[str, Any] = {}
+    for key, value in loaded.items():
+        name = str(key).replace("-", "_")
+        if name in settings:
+            raise UserError(f"--config: {path}: {option_name(name)} is set twice (as {name} and {key})")
+        settings[name] = value
+    return settings
 
 
 def build_config(values: dict[str, Any], source: str = "") -> TrainConfig:
@@ -391,6 +419,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.global_batch_size >= 1, "global_batch_size", "must be >= 1")
     need(cfg.micro_batch_size is None or cfg.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
     need(cfg.max_length >= 2, "max_length", "must be >= 2")
+    need(0 <= cfg.seed < 2**32, "seed", "must be in [0, 2**32)")
+    need(bool(cfg.model.strip()), "model", "must name a model")
+    need(bool(cfg.data.strip()), "data", "must name data")
+    need(bool(cfg.output_dir.strip()), "output_dir", "must name a folder")
     need(0 <= cfg.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
     need(0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
     need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")

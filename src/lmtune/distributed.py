@@ -17,10 +17,13 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch.distributed import DistError
 
 from lmtune.errors import UserError
 
 T = TypeVar("T")
+JOIN_TIMEOUT_ENV = "LMTUNE_JOIN_TIMEOUT"
+JOIN_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -43,14 +46,77 @@ class DistEnv:
         return self.world_size > 1
 
 
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What a launcher (torchrun, lmtune's own, SLURM scripts) put in the environment, checked."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+
+def launch_env() -> LaunchEnv:
+    """The checked launch variables; none set means a single process.
+
+    Raises:
+        UserError: naming the variables that are missing, not integers or out of range, so a
+            half-set environment fails at once instead of waiting for peers that never come.
+    """
+    present = {name: os.environ[name] for name in LAUNCH_VARIABLES if name in os.environ}
+    if not {"RANK", "WORLD_SIZE", "LOCAL_RANK"} & set(present):
+        return LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1)
+    values: dict[str, int] = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        if name in present:
+            try:
+                values[name] = int(present[name])
+            except ValueError:
+                raise UserError(f"environment variable {name}={present[name]!r} is not an integer") from None
+    needed = ["RANK", "WORLD_SIZE"]
+    if values.get("WORLD_SIZE", 1) > 1:
+        needed += ["LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"]
+    missing = [n for n in needed if n not in present]
+    if missing:
+        raise UserError(
+            f"incomplete launch environment: {', '.join(sorted(present))} set but not {', '.join(missing)}; "
+            "start the job with torchrun or lmtune --nproc-per-node, or unset these variables"
+        )
+    world, rank = values["WORLD_SIZE"], values["RANK"]
+    local_rank = values.get("LOCAL_RANK", 0)
+    local_world = values.get("LOCAL_WORLD_SIZE", world)
+    problems = [
+        f"WORLD_SIZE={world} must be >= 1" if world < 1 else "",
+        f"RANK={rank} must be in [0, WORLD_SIZE={world})" if not 0 <= rank < world else "",
+        f"LOCAL_WORLD_SIZE={local_world} must be in [1, WORLD_SIZE]" if not 1 <= local_world <= world else "",
+        f"LOCAL_RANK={local_rank} must be in [0, LOCAL_WORLD_SIZE={local_world})"
+        if not 0 <= local_rank < local_world
+        else "",
+        f"MASTER_PORT={values['MASTER_PORT']} is not a port"
+        if not 0 < values.get("MASTER_PORT", 1) < 65536
+        else "",
+    ]
+    problems = [p for p in problems if p]
+    if problems:
+        raise UserError("invalid launch environment: " + "; ".join(problems))
+    return LaunchEnv(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world)
+
+
 def launched_world_size() -> int:
     """WORLD_SIZE set by torchrun, or 1 when not launched by it."""
-    return _env_int("WORLD_SIZE", 1)
+    return launch_env().world_size
 
 
 def launched_rank() -> int | None:
-    """RANK set by torchrun, or None when not launched by it."""
-    return _env_int("RANK", 0) if "RANK" in os.environ else None
+    """RANK set by torchrun, or None when not launched by it (or not readable: for error reports,
+    which must not fail themselves)."""
+    try:
+        return int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -69,10 +135,9 @@ def read_dist_env(device: str = "auto") -> DistEnv:
     Args:
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
     """
-    world_size = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    launched = launch_env()
+    world_size, rank = launched.world_size, launched.rank
+    local_rank, local_world_size = launched.local_rank, launched.local_world_size
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available on this machine")
@@ -118,14 +183,26 @@ def process_group(env: DistEnv, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
         return
     assert env.backend is not None
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend=env.backend,
-        store=_attempt_store(env, timeout),
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
-        device_id=env.device if env.device.type == "cuda" else None,
-    )
+    # Joining has a bound of its own: a process that was never started should not cost 30 minutes.
+    join = timedelta(seconds=float(os.environ.get(JOIN_TIMEOUT_ENV) or JOIN_TIMEOUT_S))
+    address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '29500')}"
+    try:
+        store = _attempt_store(env, join)
+        dist.init_process_group(
+            backend=env.backend,
+            store=store,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            device_id=env.device if env.device.type == "cuda" else None,
+        )
+    except (DistError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"the job's {env.world_size} processes did not all meet at {address} within "
+            f"{join.total_seconds():.0f}s ({first}); check that every process was started and can reach it"
+        ) from None
+    store.set_timeout(timeout)
     try:
         yield env
     finally:

@@ -12,3 +12,14 @@ class UserError(Exception):
 
 
 USER_ERROR_EXIT_CODE = 2
+
+
+class StoppedBySignal(Exception):
+    """SIGTERM or SIGINT arrived before training began: there is nothing to save, so the run ends
+    at once (exit code 128 + the signal's number, as a process killed by it would)."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(f"stopped by {signal.Signals(signum).name} before training began; nothing to save")
+        self.signum = signum

@@ -24,3 +24,9 @@ def maybe_kill_in_save(step: int) -> None:
 def nan_step() -> int | None:
     """LMTUNE_FAULT_NAN_AT_STEP=k: the loss of optimizer step k becomes NaN (on rank 0)."""
     return _step_from_env("LMTUNE_FAULT_NAN_AT_STEP")
+
+
+def free_bytes_override() -> int | None:
+    """LMTUNE_FAULT_FREE_BYTES=n: the disk has n bytes free (where a small file system cannot be
+    mounted for the disk-full test)."""
+    return _step_from_env("LMTUNE_FAULT_FREE_BYTES")

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
+import time
 import uuid
+from contextlib import nullcontext
 from pathlib import Path
 
 from lmtune.config import TrainConfig, parse_nnodes
@@ -33,6 +38,39 @@ def report_error(message: str, exit_code: int) -> None:
     print(f"{prefix}: {message}", file=sys.stderr, flush=True)
 
 
+def report_stopped(step: int) -> None:
+    """Tell the launcher that a signal stopped the job with a checkpoint of ``step`` saved."""
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir and Path(error_dir).is_dir():
+        (Path(error_dir) / STOPPED_FILE).write_text(json.dumps({"step": step}), encoding="utf-8")
+
+
+STOPPED_FILE = "stopped.json"
+_ELASTIC_LOG = "torch.distributed.elastic"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> None:
+    """A worker ends when the process that started it dies (a launcher killed by SIGKILL or the
+    OOM killer), instead of training on under init and writing into a folder a rerun may use."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ok = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux: watch the parent instead
+        ok = False
+    if os.getppid() != parent:  # the launcher died before the request above took effect
+        os._exit(1)
+    if not ok:
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="lmtune-parent-watch", daemon=True).start()
+
+
 def needs_launcher(cfg: TrainConfig) -> bool:
     """Whether this command must start the job through torch.distributed.run."""
     return cfg.nproc_per_node > 1 or parse_nnodes(cfg.nnodes)[1] > 1 or cfg.max_restarts > 0
@@ -51,6 +89,28 @@ def relaunch(argv: list[str], cfg: TrainConfig) -> int:
     When a worker fails the launcher stops the others, so no rank is left hanging; with
     ``--max-restarts`` it starts them all again and they resume from the newest checkpoint.
     """
+    from lmtune.rundir import LOCK_TOKEN_ENV, acquire
+
+    single_node = parse_nnodes(cfg.nnodes)[1] == 1 and cfg.rdzv_endpoint is None
+    run_id = str(uuid.uuid4()) if single_node else cfg.rdzv_id
+    # The job's lock, before any worker starts: taken here by the node that hosts the job, handed
+    # to the workers by its token; with several nodes, rank 0 takes it where no launcher here did.
+    hosts = single_node or cfg.node_rank == 0
+    lock = acquire(Path(cfg.output_dir), run_id, _warn) if hosts else nullcontext()
+    with lock as held:
+        if held is not None:
+            os.environ[LOCK_TOKEN_ENV] = held.holder.token
+        try:
+            return _launch(argv, cfg, run_id, single_node)
+        finally:
+            os.environ.pop(LOCK_TOKEN_ENV, None)
+
+
+def _warn(message: str) -> None:
+    print(f"lmtune: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -58,7 +118,6 @@ def relaunch(argv: list[str], cfg: TrainConfig) -> int:
     error_dir = tempfile.mkdtemp(prefix="lmtune-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir
     min_nodes, max_nodes = parse_nnodes(cfg.nnodes)
-    single_node = max_nodes == 1 and cfg.rdzv_endpoint is None
     rdzv_configs: dict[str, object] = {}
     if cfg.node_rank is not None:
         # Every node may resolve the endpoint's host as its own (loopback tests, one-host setups):
@@ -68,7 +127,7 @@ def relaunch(argv: list[str], cfg: TrainConfig) -> int:
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         nproc_per_node=cfg.nproc_per_node,
-        run_id=str(uuid.uuid4()) if single_node else cfg.rdzv_id,
+        run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0" if single_node else str(cfg.rdzv_endpoint),
         rdzv_configs=rdzv_configs,
@@ -76,13 +135,22 @@ def relaunch(argv: list[str], cfg: TrainConfig) -> int:
         monitor_interval=0.1,
     )
     # The agent logs every stop of a worker; we report failures ourselves, once, below.
-    elastic_log = logging.getLogger("torch.distributed.elastic")
-    previous_level = elastic_log.level
-    elastic_log.setLevel(logging.CRITICAL)
+    # (The agent's own module logger has a level of its own, so it is quieted by name too.)
+    elastic_logs = [logging.getLogger(n) for n in (_ELASTIC_LOG, f"{_ELASTIC_LOG}.agent.server.api")]
+    previous_levels = [log.level for log in elastic_logs]
+    for log in elastic_logs:
+        log.setLevel(logging.CRITICAL)
+    user_error = threading.Event()
+    launched = threading.Event()
+    if cfg.max_restarts > 0:
+        threading.Thread(
+            target=_stop_on_user_error, args=(Path(error_dir), user_error, launched), daemon=True
+        ).start()
     try:
         elastic_launch(config, sys.executable)("-m", "lmtune", *argv)
         return 0
     except ChildFailedError as e:
+        launched.set()
         reported = _reported_errors(Path(error_dir))
         messages = list(dict.fromkeys(message for message, _ in reported))
         for message in messages:
@@ -97,17 +165,44 @@ def relaunch(argv: list[str], cfg: TrainConfig) -> int:
                 print(f"lmtune: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
         return 1
     except SignalException as e:
-        # Ctrl+C or a scheduler's SIGTERM: the agent has already stopped the workers.
+        launched.set()
+        if user_error.is_set():  # our own stop: a user error is not worth a restart
+            for message in dict.fromkeys(m for m, code in _reported_errors(Path(error_dir)) if code == 2):
+                print(f"error: {message}", file=sys.stderr, flush=True)
+            return USER_ERROR_EXIT_CODE
+        # Ctrl+C or a scheduler's SIGTERM: the agent has passed it to the workers and waited for them.
+        stopped = Path(error_dir) / STOPPED_FILE
+        if stopped.is_file():
+            step = json.loads(stopped.read_text(encoding="utf-8"))["step"]
+            print(f"lmtune: stopped by {e.sigval.name} with a checkpoint of step {step}", file=sys.stderr)
+            return 0
         print(f"lmtune: stopped by {e.sigval.name}", file=sys.stderr)
         return 128 + int(e.sigval)
     finally:
-        elastic_log.setLevel(previous_level)
+        launched.set()
+        for log, level in zip(elastic_logs, previous_levels, strict=True):
+            log.setLevel(level)
         os.environ.pop(ERROR_DIR_ENV, None)
         shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def _stop_on_user_error(error_dir: Path, seen: threading.Event, launched: threading.Event) -> None:
+    """Under --max-restarts, end the job when a worker reports a user error: the agent would start
+    every worker again only to fail the same way."""
+    while not launched.wait(0.2):
+        if any(code == USER_ERROR_EXIT_CODE for _, code in _reported_errors(error_dir)):
+            seen.set()
+            os.kill(os.getpid(), signal.SIGTERM)  # the agent stops its workers and raises in the launcher
+            return
 
 
 def _reported_errors(error_dir: Path) -> list[tuple[str, int]]:
     """(message, exit code) of every worker that reported one, by rank."""
     found = sorted(error_dir.glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-    reports = [json.loads(p.read_text(encoding="utf-8")) for p in found]
+    reports = []
+    for p in found:
+        try:
+            reports.append(json.loads(p.read_text(encoding="utf-8")))
+        except ValueError:  # being written right now
+            continue
     return [(r["message"], int(r["exit_code"])) for r in reports]

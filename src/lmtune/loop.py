@@ -244,6 +244,6 @@ def fit(
     log.end_progress()
     if hooks.run_eval is not None:
         evaluate()
-    if hooks.save is not None and save_every:
+    if hooks.save is not None and save_every and state.step > start.step:
         hooks.save(state)
     return result

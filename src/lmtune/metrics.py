@@ -10,11 +10,17 @@ import json
 import sys
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm import tqdm
 
 from lmtune.distributed import DistEnv
+
+
+class InfoLog(Protocol):
+    """What a component needs of the run's log: a line for the user (rank 0 prints it)."""
+
+    def info(self, message: str) -> None: ...
 
 
 def open_jsonl(path: Path, keep_through_step: int) -> Any:

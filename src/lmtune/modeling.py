@@ -121,29 +121,58 @@ def load_config(name: str, trust_remote_code: bool = False) -> Any:
     """Only the model's config (no weights): for planning memory before anything is loaded."""
     if name in PRESETS:
         return preset_config(name, byte_tokenizer())
-    source, tried = _source(name, need_config=True)
+    where = _source(name, need_config=True)
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(
+            where.source, trust_remote_code=trust_remote_code, local_files_only=where.local_only
+        )
     except (OSError, ValueError) as e:
-        raise _load_error(name, tried, e) from None
+        raise _load_error(name, where.tried, e) from None
 
 
 def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.endswith(("/", "\\")) or name.count("/") > 1
 
 
-def _source(name: str, need_config: bool) -> tuple[str, str]:
+@dataclass(frozen=True)
+class _Where:
+    source: str  # what from_pretrained gets
+    tried: str  # how an error describes it
+    local_only: bool  # the hub is out of reach: read the local cache only
+
+
+def _source(name: str, need_config: bool) -> _Where:
     """Where ``name`` loads from, and how to describe that in an error."""
     path = Path(name).expanduser()
     if path.exists():
         if need_config and not (path / "config.json").is_file():
             raise UserError(f"--model {name}: folder has no config.json, so it is not a model folder")
-        return str(path), f"local folder {path}"
+        return _Where(str(path), f"local folder {path}", local_only=True)
     if _looks_like_path(name):
         raise UserError(f"--model {name}: no such folder (presets: {', '.join(PRESETS)})")
-    return name, f"hub id {name}"
+    if _hub_reachable():
+        return _Where(name, f"hub id {name}", local_only=False)
+    # Without this, the hub client retries for most of a minute before saying the same.
+    return _Where(name, f"hub id {name} (the hub is out of reach, so only the local cache)", local_only=True)
+
+
+def _hub_reachable(timeout_s: float = 5.0) -> bool:
+    """One quick connection to the hub's host; offline mode counts as out of reach."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname or "", url.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _load_error(name: str, tried: str, e: Exception) -> UserError:
@@ -172,17 +201,23 @@ def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedM
         return LoadedModel(
             merged, load_tokenizer(name, trust_remote_code), FINETUNE_LR, f"{base} + adapter {name}"
         )
-    source, tried = _source(name, need_config=True)
+    where = _source(name, need_config=True)
     tokenizer = load_tokenizer(name, trust_remote_code)
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source, trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=None
+            where.source,
+            trust_remote_code=trust_remote_code,
+            dtype=torch.float32,
+            use_safetensors=None,
+            local_files_only=where.local_only,
         )
-    except (OSError, ValueError) as e:
-        raise _load_error(name, tried, e) from None
-    return LoadedModel(model, tokenizer, FINETUNE_LR, source)
+    except Exception as e:  # a truncated weights file, weights that do not fit the config, ...
+        if "mismatched" in str(e):  # transformers' own text points at a report it logged
+            e = ValueError("its weights do not have the shapes its config.json describes")
+        raise _load_error(name, where.tried, e) from None
+    return LoadedModel(model, tokenizer, FINETUNE_LR, where.source)
 
 
 def _adapter_base(name: str) -> str | None:
@@ -203,13 +238,15 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     """Only the tokenizer of a preset, folder or hub id: for tools that never need the weights."""
     if name in PRESETS:
         return byte_tokenizer()
-    source, tried = _source(name, need_config=False)
+    where = _source(name, need_config=False)
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            where.source, trust_remote_code=trust_remote_code, local_files_only=where.local_only
+        )
     except (OSError, ValueError) as e:
-        raise _load_error(name, tried, e) from None
+        raise _load_error(name, where.tried, e) from None
     ensure_pad_token(tokenizer)
     return tokenizer
 

@@ -100,7 +100,37 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int, min_ratio: flo
 
 
 def build_schedule(
-    optimizer: torch.optim.Optimizer, total_steps: int, warmup_ratio: float, min_ratio: float
+    optimizer: torch.optim.Optimizer,
+    total_steps: int,
+    warmup_ratio: float,
+    min_ratio: float,
+    lr: float,
+    start_step: int = 0,
 ) -> LambdaLR:
+    """Warmup + cosine from ``lr``, positioned at ``start_step``.
+
+    The schedule is a function of the step alone, so a resumed run rebuilds it from its own settings
+    (a changed ``--lr`` or run length applies from the resume step) and gets the same learning rate
+    as an uninterrupted run when nothing changed.
+    """
     warmup = round(warmup_ratio * total_steps)
-    return LambdaLR(optimizer, lambda s: warmup_cosine(s, total_steps, warmup, min_ratio))
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] = lr
+    return LambdaLR(
+        optimizer, lambda s: warmup_cosine(s, total_steps, warmup, min_ratio), last_epoch=start_step - 1
+    )
+
+
+def set_hyperparameters(
+    optimizer: torch.optim.Optimizer,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    momentum: float,
+) -> None:
+    """This run's settings over those a loaded optimizer state brought back with it."""
+    for group, decay in zip(optimizer.param_groups, (weight_decay, 0.0), strict=False):
+        group["weight_decay"] = decay
+        for key, value in (("betas", betas), ("eps", eps), ("momentum", momentum)):
+            if key in group:
+                group[key] = value

@@ -8,6 +8,8 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
+from lmtune.errors import StoppedBySignal
+
 
 class StopRequest:
     """A flag the signals set; fit reads it once per step and all ranks agree on it.
@@ -19,15 +21,22 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
+        self.signum = 0
         self._previous: dict[int, Any] = {}
 
     def __call__(self) -> bool:
         return self.requested
 
+    def raise_if_requested(self) -> None:
+        """For the waits before training (data cache, tokenization): stop there, nothing to save."""
+        if self.requested:
+            raise StoppedBySignal(self.signum)
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
+        self.signum = signum
         print(
             f"lmtune: {signal.Signals(signum).name} received: finishing this step and saving a checkpoint",
             file=sys.stderr,

@@ -9,10 +9,10 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -20,13 +20,8 @@ from torch.utils.data import DataLoader
 from lmtune import __version__, faults
 from lmtune.attention import use_varlen
 from lmtune.checkpoint import (
-    CHECKPOINTS,
     ModelParts,
     TrainerState,
-    list_checkpoints,
-    load_checkpoint,
-    newest_valid,
-    read_state,
     save_checkpoint,
     save_final,
     save_hf_folder,
@@ -43,7 +38,6 @@ from lmtune.distributed import (
     DistEnv,
     all_gather_object,
     barrier,
-    broadcast_object,
     cpu_threads_per_process,
     process_group,
     read_dist_env,
@@ -51,10 +45,11 @@ from lmtune.distributed import (
 from lmtune.errors import UserError
 from lmtune.evaluate import EvalResult, evaluate
 from lmtune.generate import complete
+from lmtune.launch import report_stopped
 from lmtune.loop import FitHooks, fit, plan_steps
 from lmtune.lora import LoraSettings, add_lora, merged_model
 from lmtune.loss import SummedLoss
-from lmtune.metrics import RunLog, SampleLog
+from lmtune.metrics import InfoLog, RunLog, SampleLog
 from lmtune.modeling import load_model
 from lmtune.optim import build_optimizer, build_schedule, optimizer_state_bytes
 from lmtune.parallel import resolve_strategy, unwrap, wrap_model
@@ -65,6 +60,8 @@ from lmtune.perf import (
     peak_memory_bytes,
     train_flops_per_token,
 )
+from lmtune.resume import continue_from, fingerprint, resume_point
+from lmtune.rundir import acquire, prepare_output
 from lmtune.step import StepResult
 from lmtune.stopping import StopRequest
 
@@ -116,12 +113,12 @@ def _eval_spec(cfg: TrainConfig) -> str | None:
     return cfg.eval_data
 
 
-class InfoLog(Protocol):
-    def info(self, message: str) -> None: ...
-
-
 def prepare_data(
-    cfg: TrainConfig, tokenizer: Any, env: DistEnv, log: InfoLog
+    cfg: TrainConfig,
+    tokenizer: Any,
+    env: DistEnv,
+    log: InfoLog,
+    check_stop: Callable[[], None] = lambda: None,
 ) -> tuple[TokenizedDataset, TokenizedDataset | None, dict[str, Any]]:
     """Tokenize (or read from the cache) the training and evaluation data; report what was done."""
     settings = DataSettings(
@@ -133,12 +130,13 @@ def prepare_data(
     for name, spec, option in (("train", cfg.data, "--data"), ("eval", _eval_spec(cfg), "--eval-data")):
         if spec is None:
             continue
-        p = prepare(spec, tokenizer, settings, env, cache_dir, cfg.cache_per_node, option)
+        p = prepare(spec, tokenizer, settings, env, cache_dir, cfg.cache_per_node, option, check_stop)
         builders = [r for r, built in enumerate(all_gather_object(p.built, env)) if built]
         meta = p.dataset.meta
         info[name] = {
             "spec": spec,
             "cache": str(p.folder),
+            "key": p.key,
             "built_by_ranks": builders,
             **{k: meta[k] for k in (*(f.name for f in fields(EncodeStats)), "bad_lines")},
         }
@@ -228,8 +226,15 @@ def train(cfg: TrainConfig) -> TrainResult:
     if env.device.type == "cpu":
         torch.set_num_threads(threads)
     output_dir = Path(cfg.output_dir)
-    with process_group(env), RunLog(env, output_dir, cfg.progress) as log, StopRequest() as stop:
+    # Before anything is written: one run per folder (lmtune's launcher may hold it for the job).
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    lock = acquire(output_dir, run_id, _warn) if env.is_main else nullcontext()
+    with lock, process_group(env), RunLog(env, output_dir, cfg.progress) as log, StopRequest() as stop:
         return _run(cfg, env, strategy, threads, output_dir, log, stop)
+
+
+def _warn(message: str) -> None:
+    print(f"lmtune: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _build_model(
@@ -257,39 +262,6 @@ def _build_model(
     return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora)
 
 
-def _resume_point(cfg: TrainConfig, output_dir: Path, env: DistEnv, log: RunLog) -> Path | None:
-    """The checkpoint to continue from, decided by rank 0 (which checks the manifests) for all."""
-    chosen = ""
-    if env.is_main:
-        if cfg.resume == "never":
-            if list_checkpoints(output_dir):
-                raise UserError(
-                    f"--resume never, but {output_dir / CHECKPOINTS} holds checkpoints of an earlier "
-                    "run; remove them or choose another --output-dir"
-                )
-        elif cfg.resume == "auto":
-            found = newest_valid(output_dir, log.info)
-            chosen = str(found) if found else ""
-        else:
-            chosen = cfg.resume
-    chosen = broadcast_object(chosen, env)
-    return Path(chosen) if chosen else None
-
-
-def _check_resumable(state: TrainerState, cfg: TrainConfig, examples: int, folder: Path) -> None:
-    """A checkpoint's place in the sample order means nothing for other data or another batch."""
-    for option, saved, now in (
-        ("--global-batch-size", state.global_batch_size, cfg.global_batch_size),
-        ("--seed", state.seed, cfg.seed),
-        ("training examples (--data)", state.examples, examples),
-    ):
-        if saved != now:
-            raise UserError(
-                f"cannot resume from {folder}: it was saved with {option} {saved}, this run has {now}; "
-                "use the same settings, or --resume never with a new --output-dir"
-            )
-
-
 def _run(
     cfg: TrainConfig,
     env: DistEnv,
@@ -300,9 +272,10 @@ def _run(
     stop: StopRequest,
 ) -> TrainResult:
     started = time.time()
+    prepare_output(output_dir, resume=cfg.resume, overwrite=cfg.overwrite, env=env, warn=_warn)
     loaded = load_model(cfg.model, cfg.seed, cfg.trust_remote_code)
     tokenizer = loaded.tokenizer
-    train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log)
+    train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, stop.raise_if_requested)
     micro = micro_batch_size(cfg, env.world_size)
     plan = plan_steps(
         len(train_data), cfg.global_batch_size, micro, env.world_size, epochs(cfg), cfg.max_steps, cfg.data
@@ -322,18 +295,45 @@ def _run(
         cfg.adam_eps,
         cfg.momentum,
     )
-    scheduler = build_schedule(optimizer, plan.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
     scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
-    state = TrainerState(0, 0, 0, cfg.global_batch_size, env.world_size, cfg.seed, len(train_data))
-    resume_from = _resume_point(cfg, output_dir, env, log)
+    run_fp = fingerprint(
+        cfg,
+        data_key=data_info["train"]["key"],
+        examples=len(train_data),
+        model_config=loaded.model.config,
+        lr=lr,
+        total_steps=plan.total_steps,
+    )
+    state = TrainerState(
+        step=0,
+        epoch=0,
+        step_in_epoch=0,
+        global_batch_size=cfg.global_batch_size,
+        world_size=env.world_size,
+        seed=cfg.seed,
+        examples=len(train_data),
+    )
+    resume_from = resume_point(cfg, output_dir, env)
     if resume_from is not None:
-        _check_resumable(read_state(resume_from), cfg, len(train_data), resume_from)
-        saved = load_checkpoint(resume_from, parts, optimizer, scheduler, env, scaler)
-        state = replace(saved, world_size=env.world_size)
-        log.info(
-            f"resuming from {resume_from}: step {state.step}, epoch {state.epoch + 1}, sample "
-            f"{state.samples_in_epoch} of its order (saved by {saved.world_size} ranks, now {env.world_size})"
+        state = continue_from(
+            resume_from,
+            now=run_fp,
+            cfg=cfg,
+            parts=parts,
+            optimizer=optimizer,
+            env=env,
+            scaler=scaler,
+            log=log,
         )
+        if state.step >= plan.total_steps and (output_dir / "final").is_dir():
+            log.info(
+                f"{output_dir} holds a finished run (step {state.step} of {plan.total_steps}; the model "
+                f"is in {output_dir / 'final'}): nothing to do. Raise --max-steps or --epochs to train on"
+            )
+            return TrainResult(output_dir, state.step, float("nan"), None)
+    scheduler = build_schedule(
+        optimizer, plan.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio, lr, start_step=state.step
+    )
     log.open_metrics(state.step)
 
     batching = _batching(cfg, data_info["train"]["formats"])
@@ -361,7 +361,15 @@ def _run(
 
     def save(at: TrainerState) -> None:
         path = save_checkpoint(
-            output_dir, at, parts, tokenizer, optimizer, scheduler, env, cfg.keep_last, scaler
+            output_dir,
+            at,
+            parts,
+            tokenizer,
+            optimizer,
+            env,
+            keep_last=cfg.keep_last,
+            fingerprint=run_fp.to_json(),
+            scaler=scaler,
         )
         log.info(f"step {at.step}: saved checkpoint {path}")
 
@@ -440,11 +448,18 @@ def _run(
     log.write_json("run.json", run_info)
     if result.stopped_early:
         log.info(f"stopped at step {result.steps}; run the same command again to resume")
+        if env.is_main:
+            report_stopped(result.steps)
         return TrainResult(output_dir, result.steps, result.last_loss, final_eval, stopped_early=True)
     final_dir = output_dir / "final"
     save_final(parts, tokenizer, final_dir, env)
     what = "LoRA adapter (PEFT format)" if cfg.lora else "model"
-    log.info(f"saved the {what} to {final_dir} (loss {result.last_loss:.4f} at step {result.steps})")
+    trained_here = (
+        f"loss {result.last_loss:.4f} at step {result.steps}"
+        if result.steps > state.step
+        else (f"step {result.steps}, no steps left to train")
+    )
+    log.info(f"saved the {what} to {final_dir} ({trained_here})")
     if cfg.merge_lora and env.is_main:
         merged = merged_model(load_model(cfg.model, cfg.seed, cfg.trust_remote_code).model, final_dir)
         save_hf_folder(merged, tokenizer, final_dir / "merged")

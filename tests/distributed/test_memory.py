@@ -279,3 +279,27 @@ def test_an_adapter_folder_loads_as_a_model_through_its_base(runs: dict[str, Pat
     assert _max_diff(_weights(tmp_path / "adapter"), _weights(final)) == 0.0
     with pytest.raises(UserError, match="names no base model"):
         load_model(str(runs["lora_single"] / "final"), seed=0)
+
+
+def test_a_planted_payload_in_a_sharded_checkpoint_runs_nothing(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """DCP's index is a pickle: a crafted one (with a manifest made to match) is refused on resume
+    and on export, and its code never runs."""
+    import pickle
+
+    from tests.unit.test_integrity import Payload
+    from tests.unit.test_resume_rules import _rewrite_manifest
+
+    common = json.loads((runs["common_args"] / "common.json").read_text())
+    out = _resume_copy(runs["fsdp"], 3, tmp_path / "o")
+    ckpt = out / "checkpoints" / "step-000003"
+    marker = tmp_path / "ran"
+    (ckpt / "sharded" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    _rewrite_manifest(ckpt)
+    resumed = run_lmtune(["train", *common, "--strategy", "fsdp", "--output-dir", str(out)])
+    exported = run_lmtune(["export", str(ckpt), str(tmp_path / "exported")])
+    for proc in (resumed, exported):
+        assert proc.returncode == 2, proc.stderr
+        assert "sharded/.metadata: refused" in proc.stderr and "Traceback" not in proc.stderr
+    assert not marker.exists()

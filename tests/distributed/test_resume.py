@@ -212,15 +212,85 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint(base: dict[str, Pa
     assert proc.returncode == -signal.SIGKILL
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == [".step-000070.tmp", "step-000035"]
-    # A visible checkpoint whose files do not match its manifest is passed over too.
+    # A visible checkpoint whose files do not match its manifest stops the run: no silent fallback.
     broken = out / "checkpoints" / "step-000060"
     shutil.copytree(out / "checkpoints" / "step-000035", broken)
     (broken / "optimizer.pt").write_bytes(b"truncated")
     proc = run_lmtune(args(base["data"], out))
+    assert proc.returncode == 2, proc.stderr
+    assert "step-000060, is damaged: optimizer.pt has 9 bytes" in proc.stderr
+    assert "--resume " + str(out / "checkpoints" / "step-000035") in proc.stderr
+    assert "removed" in proc.stderr and ".step-000070.tmp" in proc.stderr  # the unfinished save
+    assert "Traceback" not in proc.stderr
+    proc = run_lmtune(args(base["data"], out, "--resume", str(out / "checkpoints" / "step-000035")))
     assert proc.returncode == 0, proc.stderr
-    assert "ignoring checkpoint" in proc.stdout and "optimizer.pt has 9 bytes" in proc.stdout
     assert "resuming from" in proc.stdout and "step-000035" in proc.stdout
     assert max_diff(base["one-long"], out) == 0.0
+    assert (broken / "optimizer.pt").read_bytes() == b"truncated"  # left as it was
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def test_the_launcher_stopped_by_sigterm_or_killed_loses_nothing(base: dict[str, Path]) -> None:
+    """SIGTERM: checkpoint and exit 0. SIGKILL: no worker outlives it, a second job is refused while
+    it runs, and the rerun takes the stale lock over and ends as if uninterrupted."""
+    out = base["root"] / "launcher-signals"
+    proc = popen(args(base["data"], out, *TWO))
+    while len(train_rows(out)) < 50:
+        assert proc.poll() is None, finish(proc)[1]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    code, output = finish(proc)
+    assert code == 0, output
+    assert "stopped by SIGTERM with a checkpoint of step" in output
+    stopped = json.loads((out / "run.json").read_text())["result"]["steps"]
+    assert (out / "checkpoints" / f"step-{stopped:06d}").is_dir()
+
+    proc = popen(args(base["data"], out, *TWO))
+    while len(train_rows(out)) < stopped + 40:
+        assert proc.poll() is None, finish(proc)[1]
+        time.sleep(0.05)
+    second = run_lmtune(args(base["data"], out, *TWO), timeout=60)
+    assert second.returncode == 2 and f"another run is using it (pid {proc.pid}" in second.stderr
+    workers = child_pids(proc.pid)
+    assert len(workers) == 2
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 5
+    while _alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _alive(workers) == [], "workers outlived their launcher"
+
+    rerun = run_lmtune(args(base["data"], out, *TWO))
+    assert rerun.returncode == 0, rerun.stderr
+    assert "taking over the lock of a run that is gone" in rerun.stderr
+    assert max_diff(base["two-long"], out) == 0.0
+    assert [r["step"] for r in train_rows(out)] == list(range(1, LONG + 1))
+
+
+def test_a_user_error_is_not_retried_by_max_restarts(base: dict[str, Path]) -> None:
+    bad = base["root"] / "bad.jsonl"
+    bad.write_text(base["data"].read_text() + '{"text": "lone \\ud800 surrogate"}\n')
+    cache = base["root"] / "restart-cache"
+    proc = run_lmtune(
+        args(bad, base["root"] / "user-error", *TWO, "--max-restarts", "3"),
+        env_extra={"LMTUNE_CACHE_DIR": str(cache)},
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"{bad}:204: holds an unpaired UTF-16 surrogate" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(list(cache.rglob("*.error-*"))) == 1  # one attempt tokenized it, no restart did
 
 
 def test_non_finite_loss_stops_naming_the_step_or_is_skipped(base: dict[str, Path]) -> None:

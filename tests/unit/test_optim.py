@@ -19,7 +19,7 @@ def test_schedule_warms_up_then_decays_to_the_floor() -> None:
 def test_scheduler_follows_the_function() -> None:
     model = torch.nn.Linear(3, 3)
     opt = build_optimizer("adamw", model, lr=1.0, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-8)
-    sched = build_schedule(opt, total_steps=10, warmup_ratio=0.2, min_ratio=0.0)
+    sched = build_schedule(opt, total_steps=10, warmup_ratio=0.2, min_ratio=0.0, lr=1.0)
     seen = []
     for _ in range(10):
         seen.append(sched.get_last_lr()[0])

@@ -83,6 +83,9 @@ class DatasetWriter:
             self._ids.write(e.ids.astype(np.int32).tobytes())
             self._mask.write(e.trainable.astype(np.bool_).tobytes())
             self._lengths.append(len(e.ids))
+        # Ranks waiting for this folder take a changing file time as the builder's sign of life.
+        self._ids.flush()
+        self._mask.flush()
 
     def close(self, meta: dict[str, Any]) -> None:
         """Finish the folder; ``meta.json`` is written last and marks it complete."""

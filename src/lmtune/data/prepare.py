@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +30,9 @@ from lmtune.errors import UserError
 CACHE_VERSION = 1
 LARGE_INPUT_BYTES = 16 << 20
 CACHE_ENV = "LMTUNE_CACHE_DIR"
+# A waiting rank gives up when the builder has written nothing for this long (it died, or hangs).
+CACHE_WAIT_TIMEOUT_ENV = "LMTUNE_CACHE_WAIT_TIMEOUT"
+CACHE_WAIT_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -123,16 +126,19 @@ def encode_into(
     sink: Sink,
     bad: BadLines,
     workers: int = 1,
+    check_stop: Callable[[], None] = lambda: None,
 ) -> EncodeStats:
     """Stream records through rendering and tokenization into ``sink``, a chunk at a time.
 
     With ``workers > 1`` chunks are rendered and tokenized in that many processes (chat templates
     render in Python, so one core would be the limit); results come back in order, and a bad
-    record stops the build exactly as it would in one process.
+    record stops the build exactly as it would in one process. ``check_stop`` runs between chunks
+    (it raises to end the build when the run is asked to stop).
     """
     stats = EncodeStats()
     if workers <= 1:
         for chunk in chunks(recs):
+            check_stop()
             encoded, chunk_stats = _encode(chunk, tokenizer, settings, bad)
             sink.write(encoded)
             stats.merge(chunk_stats)
@@ -140,6 +146,7 @@ def encode_into(
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds torch threads
     with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer, settings)) as pool:
         for encoded, chunk_stats, messages in pool.imap(_worker_encode, chunks(recs)):
+            check_stop()
             for message in messages:
                 bad.report(message)
             sink.write(encoded)
@@ -182,13 +189,20 @@ def encode_in_memory(
 
 
 def _build(
-    sources: list[Source], tokenizer: Any, settings: DataSettings, folder: Path, spec: str, option: str
+    sources: list[Source],
+    tokenizer: Any,
+    settings: DataSettings,
+    folder: Path,
+    spec: str,
+    option: str,
+    check_stop: Callable[[], None],
 ) -> None:
     started = time.perf_counter()
     bad = BadLines(skip=settings.skip_bad_lines)
     writer = DatasetWriter(folder)
     workers = build_workers(sources)
-    stats = encode_into(records(sources, settings, bad), tokenizer, settings, writer, bad, workers)
+    recs = records(sources, settings, bad)
+    stats = encode_into(recs, tokenizer, settings, writer, bad, workers, check_stop)
     if stats.examples == 0:
         raise UserError(
             f"{option} {spec}: no examples left ({stats.dropped_too_long} longer than --max-length, "
@@ -207,10 +221,31 @@ def _build(
     )
 
 
-def _wait_for(folder: Path, error_file: Path, poll_s: float = 0.1) -> None:
+def _last_write(cache_dir: Path, pattern: str) -> float:
+    try:
+        return max((f.stat().st_mtime for d in cache_dir.glob(pattern) for f in d.iterdir()), default=0.0)
+    except FileNotFoundError:  # renamed into place meanwhile: the next look finds it done
+        return time.time()
+
+
+def _wait_for(
+    folder: Path, error_file: Path, building: str, check_stop: Callable[[], None], poll_s: float = 0.1
+) -> None:
+    """Wait for another rank to build ``folder``: until it is there, the builder reports an error,
+    this run is asked to stop, or the builder has written nothing for the timeout."""
+    limit = float(os.environ.get(CACHE_WAIT_TIMEOUT_ENV) or CACHE_WAIT_TIMEOUT_S)
+    last_progress = time.time()
     while not (folder / META_FILE).is_file():
         if error_file.is_file():
             raise UserError(error_file.read_text(encoding="utf-8"))
+        check_stop()
+        last_progress = max(last_progress, _last_write(folder.parent, building))
+        if time.time() - last_progress > limit:
+            raise UserError(
+                f"waited {limit:.0f}s for the rank that tokenizes into {folder.parent} and it wrote "
+                f"nothing in that time; it died or hangs (see its output), or --cache-dir is not shared "
+                "between the nodes (then use --cache-per-node)"
+            )
         time.sleep(poll_s)
 
 
@@ -222,6 +257,7 @@ def prepare(
     cache_dir: Path,
     per_node: bool = False,
     option: str = "--data",
+    check_stop: Callable[[], None] = lambda: None,
 ) -> Prepared:
     """Return the tokenized data set for ``spec``, building the cache entry once if it is missing."""
     ensure_chat_template(tokenizer)
@@ -236,7 +272,7 @@ def prepare(
     if builder and not (folder / META_FILE).is_file():
         tmp = cache_dir / f"{key}.tmp-{nonce}-{env.rank}"
         try:
-            _build(sources, tokenizer, settings, tmp, spec, option)
+            _build(sources, tokenizer, settings, tmp, spec, option, check_stop)
         except UserError as e:
             error_file.parent.mkdir(parents=True, exist_ok=True)
             error_file.write_text(str(e), encoding="utf-8")
@@ -250,5 +286,5 @@ def prepare(
             shutil.rmtree(tmp, ignore_errors=True)
         built = True
     else:
-        _wait_for(folder, error_file)
+        _wait_for(folder, error_file, f"{key}.tmp-{nonce}-*", check_stop)
     return Prepared(TokenizedDataset.open(folder), built, key, folder)

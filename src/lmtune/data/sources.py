@@ -7,10 +7,12 @@ through.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import glob
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,10 +155,36 @@ def iter_records(source: Source, text_field: str, bad: BadLines, txt_mode: str =
 def _decoded_lines(path: str, bad: BadLines) -> Iterator[tuple[int, str]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):  # editors on Windows write one
+                raw = raw[len(codecs.BOM_UTF8) :]
             try:
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 bad.report(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)")
+
+
+# A JSON escape of a UTF-16 surrogate; only when one is present can a parsed string hold a lone one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _parse_json(text: str, where: str) -> Any:
+    """One JSON document, or a UserError at ``where`` (``:LINE`` added for a multi-line text)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        line = f":{e.lineno}" if "\n" in text.rstrip("\r\n") else ""
+        raise UserError(f"{where}{line}: not valid JSON ({e.msg}, column {e.colno})") from None
+    except RecursionError:
+        raise UserError(f"{where}: not valid JSON (nested too deeply)") from None
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            lone = e.object[e.start : e.end]
+            raise UserError(
+                f"{where}: holds an unpaired UTF-16 surrogate ({lone!a}), not valid text"
+            ) from None
+    return value
 
 
 def _jsonl(path: str, bad: BadLines) -> Iterator[Record]:
@@ -164,9 +192,9 @@ def _jsonl(path: str, bad: BadLines) -> Iterator[Record]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line.rstrip("\r\n"))
-        except json.JSONDecodeError as e:
-            bad.report(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})")
+            record = _parse_json(line.rstrip("\r\n"), f"{path}:{lineno}")
+        except UserError as e:
+            bad.report(str(e))
             continue
         if not isinstance(record, dict):
             bad.report(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
@@ -176,12 +204,11 @@ def _jsonl(path: str, bad: BadLines) -> Iterator[Record]:
 
 def _json(path: str) -> Iterator[Record]:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
     except UnicodeDecodeError:
         raise UserError(f"{path}: not valid UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+    data = _parse_json(text, path)
     if not isinstance(data, list):
         raise UserError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
     for i, record in enumerate(data, start=1):
@@ -206,7 +233,7 @@ def _parquet(path: str) -> Iterator[Record]:
 
 def _csv(path: str) -> Iterator[Record]:
     try:
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:
             reader = csv.DictReader(f)
             for record in reader:
                 yield Record(path, reader.line_num, dict(record))

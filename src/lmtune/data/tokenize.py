@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,12 @@ from lmtune.errors import UserError
 IGNORE_INDEX = -100
 TRUNCATIONS = ("right", "left", "drop", "error")
 CHUNK = 2048  # records per tokenizer call: large enough for the Rust side to use every core
+# A text far longer than --max-length can keep is cut before tokenizing, so one huge record costs
+# what the kept tokens cost. The cut keeps this many characters per token that could be kept (with
+# a margin of tokens, so the boundary of the cut never reaches the kept ones); a tokenizer whose
+# tokens are longer still gets the whole text.
+CHARS_PER_TOKEN = 16
+CUT_MARGIN_TOKENS = 64
 
 
 @dataclass
@@ -75,8 +81,22 @@ def trainable_mask(enc: Any, spans: tuple[tuple[int, int], ...], text_length: in
     return mask
 
 
+def cut_long_text(r: Rendered, max_length: int, truncation: str) -> Rendered:
+    """``r`` with the text that truncation would discard anyway cut off (spans moved along)."""
+    limit = CHARS_PER_TOKEN * (max_length + CUT_MARGIN_TOKENS)
+    if len(r.text) <= limit:
+        return r
+    start = len(r.text) - limit if truncation == "left" else 0
+    spans = tuple(
+        (max(lo - start, 0), min(hi - start, limit))
+        for lo, hi in r.spans
+        if hi > start and lo < start + limit
+    )
+    return replace(r, text=r.text[start : start + limit], spans=spans)
+
+
 def truncate(
-    ids: np.ndarray, trainable: np.ndarray, max_length: int, mode: str, where: str
+    ids: np.ndarray, trainable: np.ndarray, max_length: int, mode: str, where: str, cut: bool = False
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Apply ``--truncation`` to one over-long example; None means drop it."""
     if mode == "right":
@@ -86,8 +106,8 @@ def truncate(
     if mode == "drop":
         return None
     raise UserError(
-        f"{where}: {len(ids)} tokens, more than --max-length {max_length} (--truncation error); "
-        "raise --max-length or choose --truncation right, left or drop"
+        f"{where}: {len(ids)}{'+' if cut else ''} tokens, more than --max-length {max_length} "
+        "(--truncation error); raise --max-length or choose --truncation right, left or drop"
     )
 
 
@@ -108,12 +128,17 @@ def encode_chunk(
     stats = EncodeStats()
     records: list[Record] = []
     rendered: list[Rendered] = []
+    cut: list[bool] = []
     for record in chunk:
         try:
-            rendered.append(render(record, fmt, text_field, tokenizer))
-            records.append(record)
+            full = render(record, fmt, text_field, tokenizer)
         except UserError as e:
             bad.report(str(e))
+            continue
+        short = cut_long_text(full, max_length, truncation)
+        rendered.append(short)
+        records.append(record)
+        cut.append(short is not full)
     eos = tokenizer.eos_token_id
     out: list[Encoded] = []
     by_special: dict[bool, list[int]] = {}
@@ -133,28 +158,31 @@ def encode_chunk(
             encoded[i] = enc
     for i, (rec, r) in enumerate(zip(records, rendered, strict=True)):
         enc = encoded[i]
+        if cut[i] and len(enc.ids) <= max_length + CUT_MARGIN_TOKENS:  # tokens longer than assumed
+            r = render(rec, fmt, text_field, tokenizer)
+            enc = backend.encode(r.text, add_special_tokens=r.add_special_tokens)
         ids = np.asarray(enc.ids, dtype=np.int32)
         trainable = trainable_mask(enc, r.spans, len(r.text))
         if r.append_eos and not (len(ids) and ids[-1] == eos):
             ids = np.append(ids, np.int32(eos))
             trainable = np.append(trainable, True)
-        cut = None
+        kept = None
         if len(ids) > max_length:
             try:
-                cut = truncate(ids, trainable, max_length, truncation, rec.where)
+                kept = truncate(ids, trainable, max_length, truncation, rec.where, cut[i])
             except UserError as e:
                 bad.report(str(e))
                 continue
-            if cut is None:
+            if kept is None:
                 stats.dropped_too_long += 1
                 continue
-            ids, trainable = cut
+            ids, trainable = kept
         targets = int(trainable[1:].sum())  # position 0 is never predicted
         if targets == 0:
             stats.dropped_no_targets += 1  # would train as a loss of 0 on nothing
             continue
         stats.examples += 1
-        stats.truncated += bool(cut is not None)
+        stats.truncated += bool(kept is not None)
         stats.tokens += len(ids)
         stats.target_tokens += targets
         stats.eos_trained += bool(ids[-1] == eos and trainable[-1])

@@ -1,0 +1,204 @@
+"""Which checkpoint a run continues, and whether it may: the run's fingerprint.
+
+A checkpoint records what defines its run: the data's content (the cache key hashes the files,
+the tokenizer and every data setting), the model's config, the global batch, the seed, the
+optimizer and the LoRA settings. A run that differs in any of these cannot continue it, and is
+told each difference (saved -> now). Settings that may change between attempts (learning rate and
+schedule, run length, cadences, precision, world size) are applied from the resume step and
+listed, so nothing changes silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmtune.checkpoint import (
+    CHECKPOINTS,
+    FINGERPRINT_FILE,
+    ModelParts,
+    TrainerState,
+    check_layout,
+    list_checkpoints,
+    load_checkpoint,
+    read_state,
+    verify,
+)
+from lmtune.config import TrainConfig
+from lmtune.distributed import DistEnv, broadcast_object
+from lmtune.errors import UserError
+from lmtune.metrics import InfoLog
+from lmtune.optim import set_hyperparameters
+
+# Config entries that describe how a model runs here, not what it is.
+_VOLATILE_CONFIG = ("transformers_version", "torch_dtype", "dtype", "use_cache", "architectures")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """``fixed``: must match to resume; ``adjustable``: applied from the resume step when changed."""
+
+    fixed: dict[str, Any]
+    adjustable: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fixed": self.fixed, "adjustable": self.adjustable}
+
+
+def config_hash(config: Any) -> str:
+    """The model's architecture as its config states it (names and runtime choices left out)."""
+    raw = json.loads(config.to_json_string(use_diff=False))
+    kept = {k: v for k, v in raw.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG}
+    return hashlib.blake2b(json.dumps(kept, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def fingerprint(
+    cfg: TrainConfig, *, data_key: str, examples: int, model_config: Any, lr: float, total_steps: int
+) -> Fingerprint:
+    fixed: dict[str, Any] = {
+        "training data (content, tokenizer and data settings)": data_key,
+        "training examples": examples,
+        "model config": config_hash(model_config),
+        "--max-length": cfg.max_length,
+        "--data-format": cfg.data_format,
+        "--truncation": cfg.truncation,
+        "--global-batch-size": cfg.global_batch_size,
+        "--seed": cfg.seed,
+        "--optimizer": cfg.optimizer,
+        "--lora": cfg.lora,
+    }
+    if cfg.lora:
+        # The frozen base is rebuilt from --model on resume, so it must be the same one.
+        fixed |= {
+            "--model": cfg.model,
+            "--lora-rank": cfg.lora_rank,
+            "--lora-alpha": cfg.lora_alpha,
+            "--lora-dropout": cfg.lora_dropout,
+            "--lora-target-modules": cfg.lora_target_modules,
+        }
+    adjustable = {
+        "--lr": lr,
+        "--warmup-ratio": cfg.warmup_ratio,
+        "--min-lr-ratio": cfg.min_lr_ratio,
+        "--weight-decay": cfg.weight_decay,
+        "--adam-beta1": cfg.adam_beta1,
+        "--adam-beta2": cfg.adam_beta2,
+        "--adam-eps": cfg.adam_eps,
+        "--momentum": cfg.momentum,
+        "--max-grad-norm": cfg.max_grad_norm,
+        "total steps": total_steps,
+        "--eval-every": cfg.eval_every,
+        "--save-every": cfg.save_every,
+        "--precision": cfg.precision,
+    }
+    return Fingerprint(fixed, adjustable)
+
+
+def read_fingerprint(folder: Path) -> Fingerprint | None:
+    path = folder / FINGERPRINT_FILE
+    if not path.is_file():
+        return None  # saved by an lmtune before fingerprints
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return Fingerprint(dict(raw["fixed"]), dict(raw["adjustable"]))
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{path}: unreadable (not written by lmtune)") from None
+
+
+def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
+    """The adjustable settings that changed, as ``name old -> new``.
+
+    Raises:
+        UserError: naming every fixed setting that differs.
+    """
+
+    def changes(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+        return [f"{k} {a.get(k)} -> {b[k]}" for k in b if a.get(k) != b[k]]
+
+    refused = changes(saved.fixed, now.fixed)
+    if refused:
+        raise UserError(
+            f"cannot resume from {folder}: this run differs in what defines it: {'; '.join(refused)}. "
+            "Use the same settings and data, or start afresh with another --output-dir (or --overwrite)"
+        )
+    return changes(saved.adjustable, now.adjustable)
+
+
+def resume_point(cfg: TrainConfig, output_dir: Path, env: DistEnv) -> Path | None:
+    """The checkpoint to continue from, decided by rank 0 (which checks the manifests) for all.
+
+    A newest checkpoint that does not check out stops the run rather than falling back in silence:
+    the user decides which earlier one to continue (``--resume PATH``).
+    """
+    chosen = ""
+    if env.is_main:
+        found = list_checkpoints(output_dir)
+        if cfg.resume == "never":
+            if found:
+                raise UserError(
+                    f"--resume never, but {output_dir / CHECKPOINTS} holds checkpoints of an earlier "
+                    "run; remove them, choose another --output-dir, or --overwrite"
+                )
+        elif cfg.resume == "auto":
+            if found:
+                _check_valid(found[-1], "the newest checkpoint in --output-dir", found[:-1])
+                chosen = str(found[-1])
+        else:
+            _check_valid(Path(cfg.resume), "--resume", [])
+            chosen = cfg.resume
+    chosen = broadcast_object(chosen, env)
+    return Path(chosen) if chosen else None
+
+
+def _check_valid(folder: Path, what: str, older: list[Path]) -> None:
+    reason = verify(folder)
+    if reason is None:
+        return
+    advice = f"--resume {older[-1]} continues from the one before it" if older else "remove it"
+    raise UserError(
+        f"{what}, {folder}, is damaged: {reason}. It is left as it is; {advice}, or start afresh with "
+        "another --output-dir"
+    )
+
+
+def continue_from(
+    folder: Path,
+    *,
+    now: Fingerprint,
+    cfg: TrainConfig,
+    parts: ModelParts,
+    optimizer: torch.optim.Optimizer,
+    env: DistEnv,
+    scaler: torch.amp.GradScaler | None,
+    log: InfoLog,
+) -> TrainerState:
+    """Load ``folder`` when this run may continue it; the settings that changed are applied and
+    listed, the ones that define the run must be the same."""
+    check_layout(folder, parts)  # LoRA vs full and sharding first: the clearest words for them
+    saved_fp = read_fingerprint(folder)
+    if saved_fp is None:  # written before fingerprints: what its trainer state records must match
+        saved_state = read_state(folder)
+        keys = ("--global-batch-size", "--seed", "training examples")
+        recorded = (saved_state.global_batch_size, saved_state.seed, saved_state.examples)
+        saved_fp = Fingerprint(dict(zip(keys, recorded, strict=True)), now.adjustable)
+        now = Fingerprint({k: now.fixed[k] for k in keys}, now.adjustable)
+        log.info(f"{folder} predates run fingerprints: only the batch, seed and example count are checked")
+    changes = compare(saved_fp, now, folder)
+    saved = load_checkpoint(folder, parts, optimizer, env, scaler)
+    # The loaded optimizer state brought the saved hyperparameters back; this run's settings rule.
+    set_hyperparameters(
+        optimizer, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps, cfg.momentum
+    )
+    state = replace(saved, world_size=env.world_size)
+    log.info(
+        f"resuming from {folder}: step {state.step}, epoch {state.epoch + 1}, sample "
+        f"{state.samples_in_epoch} of its order (saved by {saved.world_size} ranks, now {env.world_size})"
+    )
+    if changes:
+        log.info(f"changed since the checkpoint, applied from step {state.step}: " + "; ".join(changes))
+    return state

@@ -1,0 +1,223 @@
+"""Bad input, from a careless user or an attacker: exit 2, one line naming the file:line, option or
+variable, no traceback, and bounded time and memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmtune.cli import main
+from lmtune.data.prepare import DataSettings, encode_in_memory
+from lmtune.data.sources import BadLines, Record, Source, iter_records
+from lmtune.data.tokenize import CHARS_PER_TOKEN
+from lmtune.modeling import byte_tokenizer
+from tests.conftest import write_jsonl
+
+
+def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "needle"),
+    [
+        ("model: ~\n", "--model: needs a value (got null)"),
+        ("data: null\n", "--data: needs a value"),
+        ("output_dir: null\n", "--output-dir: needs a value"),
+        ("max_steps: 3\nmax-steps: 4\n", "--max-steps is set twice (as max_steps and max-steps)"),
+        ("lr: .inf\n", "--lr: must be a finite number"),
+        ("epochs: [1, 2]\n", "--epochs: expected int"),
+    ],
+)
+def test_bad_yaml_settings(
+    yaml_text: str, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml_text if "output_dir" in yaml_text else f"{yaml_text}output_dir: {tmp_path / 'o'}\n"
+    )
+    assert needle in _error(["train", "--config", str(config)], capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--lr", "inf"], "--lr: must be a finite number"),
+        (["--adam-eps", "nan"], "--adam-eps: must be a finite number"),
+        (["--seed", str(2**64)], "--seed: must be in [0, 2**32)"),
+        (["--max-st", "2"], "unrecognized arguments: --max-st"),  # no abbreviations
+    ],
+)
+def test_bad_numbers_and_abbreviations(
+    argv: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    full = ["train", "--output-dir", str(tmp_path / "o"), *argv]
+    if argv[0] == "--max-st":
+        with pytest.raises(SystemExit) as stop:
+            main(full)
+        assert stop.value.code == 2 and needle in capsys.readouterr().err
+        return
+    assert needle in _error(full, capsys)
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"RANK": "1"}, "RANK set but not WORLD_SIZE"),
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE set but not RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),
+        ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK='abc' is not an integer"),
+        (
+            {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"},
+            "RANK=2 must be in [0, WORLD_SIZE=2)",
+        ),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "99999"},
+            "MASTER_PORT=99999 is not a port",
+        ),
+    ],
+)
+def test_a_half_set_launch_environment_fails_at_once(
+    env: dict[str, str],
+    needle: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert needle in _error(["train", "--output-dir", str(tmp_path / "o"), "--max-steps", "1"], capsys)
+
+
+def test_output_folder_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert "exists and is not a folder" in _error(["train", "--output-dir", str(a_file)], capsys)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "final").symlink_to(tmp_path)
+    assert "final is a symbolic link" in _error(["train", "--output-dir", str(linked)], capsys)
+
+
+def _records(path: Path, skip: bool = False) -> tuple[list[Record], BadLines]:
+    bad = BadLines(skip=skip)
+    return list(iter_records(Source("jsonl", str(path)), "text", bad)), bad
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"text": "first"}\n{"text": "second"}\n')
+    records, _ = _records(path)
+    assert [r.fields["text"] for r in records] == ["first", "second"]
+
+
+def test_unpaired_surrogates_and_deep_nesting_name_their_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok \\ud83d\\ude00"}\n{"text": "a\\ud800b"}\n' + "[" * 100_000 + "\n")
+    with pytest.raises(Exception, match=r"bad.jsonl:2: holds an unpaired UTF-16 surrogate \('\\ud800'\)"):
+        _records(path)
+    records, bad = _records(path, skip=True)
+    assert [r.fields["text"] for r in records] == ["ok \U0001f600"]
+    assert bad.count == 2 and "bad.jsonl:3: not valid JSON (nested too deeply)" in bad.messages[1]
+
+
+def test_audit_reports_a_surrogate_as_a_bad_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", ["fine"] * 40)
+    with path.open("a") as f:
+        f.write('{"text": "\\udfff"}\n')
+    assert main(["data", "audit", str(path)]) == 2
+    out = capsys.readouterr().out
+    assert "d.jsonl:41: holds an unpaired UTF-16 surrogate" in out
+
+
+@pytest.mark.parametrize("truncation", ["right", "left", "drop"])
+def test_a_huge_text_is_cut_to_what_max_length_keeps(
+    truncation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cut changes nothing: the kept tokens are those of the whole text."""
+    tok = byte_tokenizer()
+    text = "".join(f"word{i} " for i in range(4000))  # ~36k characters, far beyond 16 x (32 + 64)
+    records = [
+        Record("mem", 1, {"prompt": "question: ", "completion": text}),
+        Record("mem", 2, {"text": text}),
+    ]
+    settings = DataSettings(max_length=32, truncation=truncation)
+    cut, cut_stats = encode_in_memory(records, tok, settings)
+    monkeypatch.setattr("lmtune.data.tokenize.CHARS_PER_TOKEN", 10**9)
+    whole, whole_stats = encode_in_memory(records, tok, settings)
+    assert cut_stats == whole_stats and len(cut) == len(whole) == (0 if truncation == "drop" else 2)
+    for i in range(len(cut)):
+        assert (cut[i].input_ids == whole[i].input_ids).all() and (cut[i].labels == whole[i].labels).all()
+    assert len(text) > CHARS_PER_TOKEN * (32 + 64)
+
+
+def test_a_huge_line_trains_in_bounded_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "huge.jsonl"
+    with data.open("w") as f:
+        f.write(json.dumps({"text": "many words " * 1_000_000}) + "\n")  # 11 MB in one line
+        f.writelines(json.dumps({"text": f"short {i}"}) + "\n" for i in range(7))
+    out = tmp_path / "o"
+    argv = [
+        "train",
+        "--data",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "1",
+        "--global-batch-size",
+        "8",
+    ]
+    assert main([*argv, "--no-progress", "--max-length", "128"]) == 0
+    assert "1 truncated" in capsys.readouterr().out
+    assert os.path.getsize(out / "final" / "model.safetensors") > 0
+
+
+def _mount_tmpfs(folder: Path, options: str) -> None:
+    folder.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here: {done.stderr.decode().strip()}")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "size=20m")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_full_disk_stops_with_a_message_and_keeps_the_last_checkpoint(
+    small_disk: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real 20 MB file system: the first checkpoint (~11 MB) fits, the second does not."""
+    data = write_jsonl(small_disk.parent / "d.jsonl", ["some text"] * 16)
+    out = small_disk / "out"
+    argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "4", "--save-every", "2"]
+    err = _error([*argv, "--global-batch-size", "8", "--keep-last", "0", "--no-progress"], capsys)
+    assert "no space left on device while saving step 4 to" in err and "MB needed" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
+    from lmtune.checkpoint import verify
+
+    assert verify(out / "checkpoints" / "step-000002") is None
+
+
+def test_a_read_only_output_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    disk = tmp_path / "ro"
+    _mount_tmpfs(disk, "ro,size=1m")
+    try:
+        assert "cannot create it (Read-only file system)" in _error(
+            ["train", "--output-dir", str(disk / "out")], capsys
+        )
+        assert "not writable" in _error(["train", "--output-dir", str(disk)], capsys)
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)

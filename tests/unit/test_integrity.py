@@ -1,0 +1,244 @@
+"""Files from disk are data: crafted checkpoints run nothing, manifests stay inside their folder,
+one run per output folder, checkpoints sort by number, a full disk loses nothing."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lmtune import sharded
+from lmtune.checkpoint import (
+    MANIFEST,
+    ModelParts,
+    TrainerState,
+    list_checkpoints,
+    save_checkpoint,
+    step_folder,
+    verify,
+)
+from lmtune.distributed import DistEnv
+from lmtune.errors import UserError
+from lmtune.rundir import LOCK_FILE, LOCK_TOKEN_ENV, acquire, check_earlier_run, remove_leftovers
+
+
+class Payload:
+    """Unpickling this creates ``marker``: proof that code from a file ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+def _dcp_folder(folder: Path, extra: dict[str, Any] | None = None) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optimizer": {"lr": 0.5, **(extra or {})}}
+    save(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def test_a_crafted_index_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    folder, marker = tmp_path / "sharded", tmp_path / "ran"
+    _dcp_folder(folder)
+    assert sharded.read_index(folder).state_dict_metadata  # our own index reads fine
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(UserError, match=r"\.metadata: refused"):
+        sharded.read_index(folder)
+    with pytest.raises(UserError, match=r"\.metadata: refused"):
+        sharded.load({"model": {"w": torch.zeros(2, 3)}}, folder, no_dist=True)
+    assert not marker.exists()
+
+
+def test_an_index_pointing_outside_its_folder_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "sharded"
+    _dcp_folder(folder)
+    index = sharded.read_index(folder)
+    for info in index.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    (folder / ".metadata").write_bytes(pickle.dumps(index))
+    with pytest.raises(UserError, match="not a shard file of this folder"):
+        sharded.read_index(folder)
+
+
+def test_a_crafted_stored_value_is_read_as_data(tmp_path: Path) -> None:
+    """DCP keeps non-tensor values pickled in its shard files; they are loaded weights-only."""
+    folder, marker = tmp_path / "sharded", tmp_path / "ran"
+    _dcp_folder(folder, {"evil": Payload(marker)})
+    marker.unlink(missing_ok=True)
+    state: dict[str, Any] = {"model": {"w": torch.zeros(2, 3)}, "optimizer": {"lr": 0.0, "evil": None}}
+    with pytest.raises(UserError, match=r"refused, the stored value optimizer\.evil is not plain data"):
+        sharded.load(state, folder, no_dist=True)
+    assert not marker.exists()
+    honest: dict[str, Any] = {"model": {"w": torch.zeros(2, 3)}, "optimizer": {"lr": 0.0}}
+    sharded.load(honest, tmp_path / "sharded", no_dist=True)
+    assert honest["optimizer"]["lr"] == 0.5 and torch.equal(
+        honest["model"]["w"], torch.arange(6.0).view(2, 3)
+    )
+
+
+def _checkpoint(folder: Path, files: dict[str, bytes]) -> None:
+    import hashlib
+
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    manifest = {
+        name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+GOOD = {"trainer.json": b"{}", "model.safetensors": b"m", "optimizer.pt": b"o"}
+
+
+def test_manifest_entries_must_be_plain_files_inside_the_folder(tmp_path: Path) -> None:
+    _checkpoint(tmp_path / "ok", GOOD)
+    assert verify(tmp_path / "ok") is None
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"s")
+    _checkpoint(tmp_path / "dots", GOOD)
+    manifest = json.loads((tmp_path / "dots" / MANIFEST).read_text())
+    manifest["../secret"] = {"bytes": 1, "sha256": "x"}
+    (tmp_path / "dots" / MANIFEST).write_text(json.dumps(manifest))
+    assert "not a plain path inside the checkpoint" in str(verify(tmp_path / "dots"))
+    _checkpoint(tmp_path / "link", GOOD)
+    (tmp_path / "link" / "optimizer.pt").unlink()
+    (tmp_path / "link" / "optimizer.pt").symlink_to(outside)
+    assert verify(tmp_path / "link") == "optimizer.pt is a symbolic link"
+    _checkpoint(tmp_path / "extra", GOOD)
+    (tmp_path / "extra" / "sharded").mkdir()
+    (tmp_path / "extra" / "sharded" / ".metadata").write_bytes(b"planted")
+    assert verify(tmp_path / "extra") == "sharded/.metadata is not in the manifest"
+    _checkpoint(tmp_path / "absolute", {**GOOD})
+    manifest = json.loads((tmp_path / "absolute" / MANIFEST).read_text())
+    manifest[str(outside)] = {"bytes": 1, "sha256": "x"}
+    (tmp_path / "absolute" / MANIFEST).write_text(json.dumps(manifest))
+    assert "not a plain path" in str(verify(tmp_path / "absolute"))
+
+
+def test_checkpoints_sort_by_step_number(tmp_path: Path) -> None:
+    for step in (999_998, 999_999, 1_000_000, 7):
+        step_folder(tmp_path, step).mkdir(parents=True)
+    (tmp_path / "checkpoints" / ".step-1000001.tmp").mkdir()
+    (tmp_path / "checkpoints" / "step-000007.replaced-1").mkdir()
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["step-000007", "step-999998", "step-999999", "step-1000000"]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_one_run_per_output_folder(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    with acquire(tmp_path / "out", "", warnings.append) as held:
+        assert (tmp_path / "out" / LOCK_FILE).is_file() and held.owned
+        with pytest.raises(UserError, match=rf"another run is using it \(pid {os.getpid()} on"):
+            acquire(tmp_path / "out", "", warnings.append)
+    assert not (tmp_path / "out" / LOCK_FILE).exists()  # released
+    assert warnings == []
+
+
+def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path: Path) -> None:
+    lock = tmp_path / LOCK_FILE
+    holder = {"host": socket.gethostname(), "pid": _dead_pid(), "pid_started": None, "started": 0.0}
+    lock.write_text(json.dumps({**holder, "run_id": "", "token": "old"}))
+    warnings: list[str] = []
+    with acquire(tmp_path, "", warnings.append) as held:
+        assert held.owned and json.loads(lock.read_text())["pid"] == os.getpid()
+    assert len(warnings) == 1 and "a run that is gone" in warnings[0]
+    # Another host's live-looking lock cannot be checked from here: refused, naming the holder.
+    lock.write_text(json.dumps({**holder, "host": "elsewhere", "run_id": "", "token": "t"}))
+    with pytest.raises(UserError, match="on elsewhere"):
+        acquire(tmp_path, "", warnings.append)
+    # ... unless it is this job's own (a restarted attempt of the same run id).
+    lock.write_text(json.dumps({**holder, "host": "elsewhere", "run_id": "job-7", "token": "t"}))
+    with acquire(tmp_path, "job-7", warnings.append) as held:
+        assert held.owned
+    assert len(warnings) == 1
+
+
+def test_a_worker_accepts_its_launchers_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with acquire(tmp_path, "run", print) as launcher:
+        monkeypatch.setenv(LOCK_TOKEN_ENV, launcher.holder.token)
+        with acquire(tmp_path, "run", print) as worker:
+            assert not worker.owned
+        assert (tmp_path / LOCK_FILE).is_file()  # the worker leaves the launcher's lock alone
+
+
+def test_an_earlier_run_is_not_replaced_without_overwrite(tmp_path: Path) -> None:
+    (tmp_path / "final").mkdir()
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match=r"holds an earlier run \(final, metrics.jsonl\)"):
+        check_earlier_run(tmp_path, continued=False, overwrite=False)
+    check_earlier_run(tmp_path, continued=True, overwrite=False)  # its checkpoints continue it
+    check_earlier_run(tmp_path, continued=False, overwrite=True)
+    assert not (tmp_path / "final").exists() and not (tmp_path / "metrics.jsonl").exists()
+    (tmp_path / "checkpoints" / ".step-000004.tmp").mkdir(parents=True)
+    assert [p.name for p in remove_leftovers(tmp_path)] == [".step-000004.tmp"]
+
+
+def _tiny_parts() -> tuple[ModelParts, Any, torch.optim.Optimizer]:
+    from lmtune.modeling import load_model
+
+    loaded = load_model("tiny", 0)
+    optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
+    return ModelParts(loaded.model, loaded.model, sharded=False, lora=False), loaded.tokenizer, optimizer
+
+
+ONE = DistEnv(
+    rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend=None
+)
+
+
+def _state(step: int) -> TrainerState:
+    return TrainerState(
+        step=step, epoch=0, step_in_epoch=step, global_batch_size=8, world_size=1, seed=0, examples=100
+    )
+
+
+def test_a_full_disk_is_a_user_error_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parts, tokenizer, optimizer = _tiny_parts()
+    save_checkpoint(tmp_path, _state(1), parts, tokenizer, optimizer, ONE, keep_last=0, fingerprint={})
+    assert verify(step_folder(tmp_path, 1)) is None
+
+    def no_space(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", no_space)
+    with pytest.raises(
+        UserError, match=r"no space left on device while saving step 2 to .*step-000002: about"
+    ):
+        save_checkpoint(tmp_path, _state(2), parts, tokenizer, optimizer, ONE, keep_last=0, fingerprint={})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
+    assert verify(step_folder(tmp_path, 1)) is None
+    # Checked before writing: too little room is refused at once, naming both sizes.
+    monkeypatch.setenv("LMTUNE_FAULT_FREE_BYTES", str(2**20))
+    with pytest.raises(UserError, match=r"MB needed, 1 MB free; the previous checkpoint is intact"):
+        save_checkpoint(tmp_path, _state(3), parts, tokenizer, optimizer, ONE, keep_last=0, fingerprint={})
+
+
+def test_an_existing_checkpoint_of_the_same_step_is_kept_aside(tmp_path: Path) -> None:
+    parts, tokenizer, optimizer = _tiny_parts()
+    step_folder(tmp_path, 2).mkdir(parents=True)
+    (step_folder(tmp_path, 2) / "broken").write_text("")
+    save_checkpoint(tmp_path, _state(2), parts, tokenizer, optimizer, ONE, keep_last=1, fingerprint={})
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names[0] == "step-000002" and names[1].startswith("step-000002.replaced-")
+    assert (tmp_path / "checkpoints" / names[1] / "broken").is_file()

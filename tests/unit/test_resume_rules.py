@@ -1,0 +1,169 @@
+"""What a rerun into the same output folder does: continue, refuse with the reason, or say it is done.
+
+Runs in this process (world size 1, the same code path as a rank): each is a few steps of the tiny
+preset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmtune.cli import main
+from lmtune.optim import warmup_cosine
+from tests.conftest import train_rows, uneven_texts, write_jsonl
+from tests.unit.test_integrity import Payload
+
+STEPS, SAVE = 6, 3
+
+
+def _args(data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        *("--data", str(data), "--output-dir", str(out), "--max-steps", str(STEPS)),
+        *("--save-every", str(SAVE), "--global-batch-size", "8", "--lr", "1e-3", "--seed", "3"),
+        *("--max-length", "64", "--keep-last", "0", "--no-progress", "--warmup-ratio", "0"),
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("rules")
+    data = write_jsonl(root / "a.jsonl", uneven_texts(40, seed=1))
+    other = write_jsonl(root / "b.jsonl", uneven_texts(40, seed=2))  # the same count, other texts
+    out = root / "run"
+    assert main(_args(data, out)) == 0
+    return {"root": root, "data": data, "other": other, "out": out}
+
+
+def _copy(base: dict[str, Path], name: str, step: int = SAVE) -> Path:
+    out = base["root"] / name
+    ckpt = f"checkpoints/step-{step:06d}"
+    shutil.copytree(base["out"] / ckpt, out / ckpt)
+    return out
+
+
+def _rewrite_manifest(folder: Path) -> None:
+    """What an attacker does after planting a file: the manifest matches again."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "manifest.json")
+    manifest = {
+        p.relative_to(folder).as_posix(): {
+            "bytes": p.stat().st_size,
+            "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+        }
+        for p in files
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], *needles: str) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for needle in needles:
+        assert needle in err, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_a_finished_run_says_so_and_changes_nothing(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = {p: p.read_bytes() for p in base["out"].rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(_args(base["data"], base["out"])) == 0
+    assert "holds a finished run (step 6 of 6" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in base["out"].rglob("*") if p.is_file()} == before
+
+
+def test_what_defines_the_run_must_match(base: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    out = _copy(base, "differs")
+    _fails(_args(base["other"], out), capsys, "training data (content, tokenizer and data settings)")
+    _fails(_args(base["data"], out, "--max-length", "32"), capsys, "--max-length 64 -> 32")
+    _fails(_args(base["data"], out, "--optimizer", "sgd"), capsys, "--optimizer adamw -> sgd")
+    _fails(_args(base["data"], out, "--model", "small"), capsys, "model config")
+    _fails(_args(base["data"], out, "--seed", "4"), capsys, "--seed 3 -> 4")
+    assert not (out / "final").exists()
+
+
+def test_a_changed_lr_and_length_apply_from_the_resume_step(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _copy(base, "longer", step=STEPS)
+    shutil.copy(base["out"] / "metrics.jsonl", out / "metrics.jsonl")
+    assert main(_args(base["data"], out, "--max-steps", "9", "--lr", "5e-4")) == 0
+    log = capsys.readouterr().out
+    assert (
+        "changed since the checkpoint, applied from step 6: --lr 0.001 -> 0.0005; total steps 6 -> 9" in log
+    )
+    lrs = {r["step"]: r["lr"] for r in train_rows(out)}
+    assert [lrs[s] for s in (7, 8, 9)] == pytest.approx(
+        [5e-4 * warmup_cosine(s, 9, 0, 0.1) for s in (6, 7, 8)]
+    )
+    assert lrs[6] == pytest.approx(1e-3 * warmup_cosine(5, 6, 0, 0.1))  # the first run's rows are kept
+    assert json.loads((out / "run.json").read_text())["resolved"]["lr"] == 5e-4
+
+
+def test_a_damaged_newest_checkpoint_stops_the_run_and_is_kept(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = base["root"] / "damaged"
+    shutil.copytree(base["out"] / "checkpoints", out / "checkpoints")
+    with (out / "checkpoints" / "step-000006" / "optimizer.pt").open("ab") as f:
+        f.write(b"x")
+    _fails(_args(base["data"], out), capsys, "step-000006, is damaged: optimizer.pt has", "--resume")
+    assert main(_args(base["data"], out, "--resume", str(out / "checkpoints" / "step-000003"))) == 0
+    kept = [p.name for p in (out / "checkpoints").iterdir() if ".replaced-" in p.name]
+    assert len(kept) == 1 and kept[0].startswith("step-000006.replaced-")
+    final = {k: v for k, v in torch.load(out / "checkpoints" / "step-000006" / "optimizer.pt").items()}
+    assert final["state"]  # a new, valid checkpoint of step 6 stands beside the kept one
+
+
+def test_an_earlier_run_without_checkpoints_is_not_replaced(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = base["root"] / "earlier"
+    shutil.copytree(base["out"] / "final", out / "final")
+    shutil.copy(base["out"] / "metrics.jsonl", out / "metrics.jsonl")
+    _fails(_args(base["data"], out), capsys, "holds an earlier run (final, metrics.jsonl)", "--overwrite")
+    assert main(_args(base["data"], out, "--overwrite", "--max-steps", "3", "--save-every", "0")) == 0
+    assert [r["step"] for r in train_rows(out)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("where", ["sharded index", "optimizer state"])
+def test_a_planted_payload_runs_nothing(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    out = _copy(base, f"planted-{where.replace(' ', '-')}")
+    ckpt = out / "checkpoints" / "step-000003"
+    marker = base["root"] / f"ran-{where.replace(' ', '-')}"
+    if where == "sharded index":
+        (ckpt / "sharded").mkdir()
+        (ckpt / "sharded" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    else:
+        torch.save({"state": Payload(marker)}, ckpt / "optimizer.pt")
+    _rewrite_manifest(ckpt)
+    _fails(_args(base["data"], out), capsys, "refused")
+    if where == "sharded index":  # export reads the index where the checkpoint has no other model
+        (ckpt / "model.safetensors").unlink()
+        _rewrite_manifest(ckpt)
+        _fails(["export", str(ckpt), str(base["root"] / "exported")], capsys, "refused")
+    assert not marker.exists()
+
+
+def test_a_checkpoint_from_before_fingerprints_resumes_with_a_note(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _copy(base, "legacy")
+    ckpt = out / "checkpoints" / "step-000003"
+    (ckpt / "fingerprint.json").unlink()
+    _rewrite_manifest(ckpt)
+    assert main(_args(base["data"], out)) == 0
+    assert "predates run fingerprints" in capsys.readouterr().out
