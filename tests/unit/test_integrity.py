@@ -26,6 +26,7 @@ from lmtune.checkpoint import (
     step_folder,
     verify,
 )
+from lmtune.data.prepare import DataSettings
 from lmtune.distributed import DistEnv
 from lmtune.errors import UserError
 from lmtune.rundir import LOCK_FILE, LOCK_TOKEN_ENV, acquire, check_earlier_run, remove_leftovers
@@ -242,3 +243,41 @@ def test_an_existing_checkpoint_of_the_same_step_is_kept_aside(tmp_path: Path) -
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names[0] == "step-000002" and names[1].startswith("step-000002.replaced-")
     assert (tmp_path / "checkpoints" / names[1] / "broken").is_file()
+
+
+def test_waits_before_training_end_on_a_signal_or_without_progress(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from lmtune.data.prepare import _wait_for, encode_into
+    from lmtune.data.sources import BadLines, Record
+    from lmtune.errors import StoppedBySignal
+    from lmtune.modeling import byte_tokenizer
+
+    def stopped() -> None:
+        raise StoppedBySignal(15)
+
+    folder, error = tmp_path / "key", tmp_path / "key.error-1"
+    with pytest.raises(StoppedBySignal, match="stopped by SIGTERM before training began"):
+        _wait_for(folder, error, "key.tmp-1-*", stopped)
+    monkeypatch.setenv("LMTUNE_CACHE_WAIT_TIMEOUT", "0.3")
+    started = time.monotonic()
+    with pytest.raises(UserError, match="wrote nothing in that time"):
+        _wait_for(folder, error, "key.tmp-1-*", lambda: None)
+    assert time.monotonic() - started < 5
+    # Tokenizing stops between chunks, not after the whole corpus.
+    calls: list[int] = []
+
+    def stop_after_first() -> None:
+        calls.append(1)
+        if len(calls) > 1:
+            raise StoppedBySignal(15)
+
+    records = (Record("mem", i, {"text": "x"}) for i in range(100_000))
+    sink = type("Sink", (), {"write": lambda self, examples: None})()
+    with pytest.raises(StoppedBySignal):
+        encode_into(
+            records, byte_tokenizer(), DataSettings(), sink, BadLines(skip=False), 1, stop_after_first
+        )
+    assert len(calls) == 2
