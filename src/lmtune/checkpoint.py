@@ -43,6 +43,7 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 SCALER_FILE = "scaler.pt"
 FINGERPRINT_FILE = "fingerprint.json"
+GENERATION_CONFIG = "generation_config.json"
 _STEP_NAME = re.compile(r"step-(\d+)")
 SHARDED_DIR = "sharded"  # torch.distributed.checkpoint folder: one file per rank + .metadata
 SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"
@@ -96,6 +97,7 @@ def save_final(parts: ModelParts, tokenizer: Any, folder: Path, env: DistEnv) ->
 
             def write(tmp: Path) -> None:
                 save_adapter(parts.model, tmp, adapter)
+                _save_configs(parts.model, tmp, architecture=False)
                 tokenizer.save_pretrained(tmp)
 
             _replace_folder(folder, write)
@@ -158,7 +160,7 @@ def _save_sharded_hf_folder(parts: ModelParts, tokenizer: Any, folder: Path, env
         if env.is_main:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-            _base_config(parts.model).save_pretrained(tmp)
+            _save_configs(parts.model, tmp)
             tokenizer.save_pretrained(tmp)
 
     if env.is_main:
@@ -293,7 +295,7 @@ def _write_checkpoint(
         _save_model(parts, adapter, tmp)
         faults.maybe_kill_in_save(state.step)
         # Config and tokenizer make the checkpoint self-contained for `lmtune export`.
-        _base_config(parts.model).save_pretrained(tmp)
+        _save_configs(parts.model, tmp)
         tokenizer.save_pretrained(tmp)
         if not parts.sharded:
             # DDP keeps every replica identical, so rank 0's optimizer is the whole state.
@@ -343,9 +345,17 @@ def _no_space(step: int, final: Path, needed: int, free: int) -> str:
     )
 
 
-def _base_config(model: nn.Module) -> Any:
+def _save_configs(model: nn.Module, folder: Path, *, architecture: bool = True) -> None:
+    """The base model's config.json (unless ``architecture`` is False: a PEFT adapter folder must
+    not look like a model folder) and generation_config.json, whose stop tokens (a chat model's
+    end of turn) every tool that generates with the folder reads."""
     get_base = getattr(model, "get_base_model", None)
-    return (get_base() if callable(get_base) else model).config
+    base: Any = get_base() if callable(get_base) else model
+    if architecture:
+        base.config.save_pretrained(folder)
+    generation = getattr(base, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(folder)
 
 
 def _save_model(parts: ModelParts, adapter: dict[str, torch.Tensor], folder: Path) -> None:
@@ -557,14 +567,19 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False) -> None
     if ADAPTER_FILE in listed:
 
         def write(tmp: Path) -> None:
-            for name in (ADAPTER_FILE, ADAPTER_CONFIG):
-                shutil.copy2(checkpoint / name, tmp / name)
+            for name in (ADAPTER_FILE, ADAPTER_CONFIG, GENERATION_CONFIG):
+                if name in listed:
+                    shutil.copy2(checkpoint / name, tmp / name)
             tokenizer.save_pretrained(tmp)
 
         _replace_folder(out, write)
         return
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    if GENERATION_CONFIG in listed:  # the stop tokens training set (a chat model's end of turn)
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(checkpoint)
     if MODEL_FILE in listed:
         load_model(model, str(checkpoint / MODEL_FILE))
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -59,7 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model", required=True, help="model folder (for example OUTPUT/final), hub id or preset"
     )
-    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument(
+        "--prompt", default=None, help="text to continue; with --chat, the user's turn (default: read stdin)"
+    )
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="chat: apply the model's chat template to each user turn and answer until its end of turn; "
+        "turns come from --prompt, else one per line of stdin (an interactive prompt on a terminal)",
+    )
+    gen.add_argument("--system", default=None, help="with --chat: a system message first")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to add (default: 64)")
     gen.add_argument(
         "--temperature", type=float, default=0.0, help="0 for greedy decoding, above 0 to sample (default: 0)"
@@ -194,7 +203,6 @@ def _cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import torch
 
     from lmtune.distributed import read_dist_env
-    from lmtune.generate import complete
     from lmtune.modeling import load_model
 
     if args.temperature < 0:
@@ -203,15 +211,58 @@ def _cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"--top-p must be in (0, 1] (got {args.top_p})")
     if args.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device must be auto, cpu or cuda (got {args.device!r})")
+    if args.prompt is None and not args.chat:
+        raise UserError("--prompt is needed (or --chat, which reads turns from stdin)")
+    if args.system is not None and not args.chat:
+        raise UserError("--system needs --chat")
     device = read_dist_env(args.device).device
     loaded = load_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code)
     model = loaded.model.to(device)
+    options = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
     with torch.inference_mode():
-        text = complete(
-            model, loaded.tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed
-        )
-    print(args.prompt + text)
+        if args.chat:
+            _chat(model, loaded.tokenizer, args.prompt, args.system, options)
+        else:
+            from lmtune.generate import complete
+
+            print(args.prompt + complete(model, loaded.tokenizer, args.prompt, **options))
     return 0
+
+
+def _chat(
+    model: Any, tokenizer: Any, prompt: str | None, system: str | None, options: dict[str, Any]
+) -> None:
+    """One reply to --prompt, or a conversation over stdin's lines (interactive on a terminal)."""
+    from lmtune.data.formats import ensure_chat_template
+    from lmtune.generate import chat_reply
+
+    ensure_chat_template(tokenizer)
+    messages = [{"role": "system", "content": system}] if system else []
+    interactive = prompt is None and sys.stdin.isatty()
+    turns = [prompt] if prompt is not None else _stdin_turns(interactive)
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        reply = chat_reply(model, tokenizer, messages, **options)
+        messages.append({"role": "assistant", "content": reply})
+        print(f"assistant> {reply}" if interactive else reply, flush=True)
+
+
+def _stdin_turns(interactive: bool) -> Iterator[str]:
+    while True:
+        try:
+            line = input("you> ") if interactive else sys.stdin.readline()
+        except EOFError:  # Ctrl+D at the prompt
+            print()
+            return
+        if not interactive and not line:
+            return
+        if line.strip():
+            yield line.strip()
 
 
 def _cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -19,6 +19,7 @@ import yaml
 from lmtune.errors import UserError
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
 FORMATS = ("auto", "text", "prompt_completion", "messages")
 TRUNCATIONS = ("right", "left", "drop", "error")
@@ -143,9 +144,21 @@ class TrainConfig:
             "pretrained model."
         ),
     )
-    min_lr_ratio: float = field(default=0.1, metadata=_help("Cosine decay ends at lr x this ratio."))
+    lr_schedule: str = field(
+        default="cosine",
+        metadata=_help(
+            "cosine (warmup, then cosine decay to lr x --min-lr-ratio) | linear (warmup, then linear "
+            "decay to 0) | constant (after warmup) | wsd (warmup, stable, then the last --decay-ratio "
+            "of the steps decaying to lr x --min-lr-ratio)."
+        ),
+    )
+    min_lr_ratio: float = field(default=0.1, metadata=_help("cosine and wsd decay end at lr x this ratio."))
     warmup_ratio: float = field(
         default=0.05, metadata=_help("Fraction of the optimizer steps spent in linear warmup.")
+    )
+    warmup_steps: int | None = field(default=None, metadata=_help("Warmup steps, instead of --warmup-ratio."))
+    decay_ratio: float = field(
+        default=0.1, metadata=_help("wsd: fraction of the optimizer steps spent decaying at the end.")
     )
     weight_decay: float = field(
         default=0.01,
@@ -424,6 +437,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(bool(cfg.data.strip()), "data", "must name data")
     need(bool(cfg.output_dir.strip()), "output_dir", "must name a folder")
     need(0 <= cfg.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+    need(cfg.warmup_steps is None or cfg.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+    need(cfg.lr_schedule in SCHEDULES, "lr_schedule", f"must be one of {', '.join(SCHEDULES)}")
+    need(0 < cfg.decay_ratio <= 1, "decay_ratio", "must be in (0, 1]")
     need(0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
     need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
     need(0 <= cfg.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
@@ -499,3 +515,8 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 def dump_yaml(cfg: TrainConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    """Warmup in optimizer steps: as set, or --warmup-ratio of the run."""
+    return cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total_steps)

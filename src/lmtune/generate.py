@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmtune.chat import stop_ids
+
 
 @torch.no_grad()
 def complete(
@@ -17,10 +19,12 @@ def complete(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    add_special_tokens: bool = True,
 ) -> str:
-    """Continue ``prompt`` until EOS or ``max_new_tokens``: greedy at temperature 0, else sampled."""
+    """Continue ``prompt`` until a stop token (EOS, or a chat model's end of turn, as its generation
+    config lists them) or ``max_new_tokens``: greedy at temperature 0, else sampled."""
     device = next(model.parameters()).device
-    encoded = tokenizer(prompt, add_special_tokens=True, return_tensors="pt").to(device)
+    encoded = tokenizer(prompt, add_special_tokens=add_special_tokens, return_tensors="pt").to(device)
     sampled = temperature > 0
     options: dict[str, Any] = {"do_sample": sampled}
     if sampled:
@@ -32,10 +36,17 @@ def complete(
         out = model.generate(  # type: ignore[operator]
             **encoded,
             max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=stop_ids(model, tokenizer),
             pad_token_id=tokenizer.pad_token_id,
             **options,
         )
     model.train(was_training)
     new_tokens = out[0, encoded["input_ids"].size(1) :]
     return str(tokenizer.decode(new_tokens, skip_special_tokens=True))
+
+
+def chat_reply(model: nn.Module, tokenizer: Any, messages: list[dict[str, str]], **options: Any) -> str:
+    """The assistant's next reply to ``messages``, rendered with the tokenizer's chat template (which
+    writes its own special tokens) and ended by the end-of-turn token the model was trained with."""
+    prompt = str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return complete(model, tokenizer, prompt, add_special_tokens=False, **options).rstrip()

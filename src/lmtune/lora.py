@@ -92,4 +92,8 @@ def merged_model(base: nn.Module, adapter_folder: Path) -> nn.Module:
     peft = _peft()
     model = peft.PeftModel.from_pretrained(base, str(adapter_folder))
     merged: nn.Module = model.merge_and_unload()
+    if (adapter_folder / "generation_config.json").is_file():  # stop tokens set by training
+        from transformers import GenerationConfig
+
+        merged.generation_config = GenerationConfig.from_pretrained(adapter_folder)  # type: ignore[assignment]
     return merged

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -101,24 +101,50 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int, min_ratio: flo
 
 def build_schedule(
     optimizer: torch.optim.Optimizer,
+    *,
+    name: str,
     total_steps: int,
-    warmup_ratio: float,
+    warmup_steps: int,
     min_ratio: float,
+    decay_ratio: float,
     lr: float,
     start_step: int = 0,
 ) -> LambdaLR:
-    """Warmup + cosine from ``lr``, positioned at ``start_step``.
+    """The LR schedule ``name`` from ``lr``, positioned at ``start_step``.
 
-    The schedule is a function of the step alone, so a resumed run rebuilds it from its own settings
-    (a changed ``--lr`` or run length applies from the resume step) and gets the same learning rate
-    as an uninterrupted run when nothing changed.
+    cosine: linear warmup, cosine decay to ``lr * min_ratio``. linear (to 0), constant, and wsd
+    (warmup, stable, then the last ``decay_ratio`` of the steps decaying to ``lr * min_ratio``) are
+    transformers' own schedules. Every schedule is a function of the step alone, so a resumed run
+    rebuilds it from its own settings (a changed ``--lr`` or run length applies from the resume
+    step) and gets the same learning rate as an uninterrupted run when nothing changed.
     """
-    warmup = round(warmup_ratio * total_steps)
+    from transformers import optimization as hf
+
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = lr
-    return LambdaLR(
-        optimizer, lambda s: warmup_cosine(s, total_steps, warmup, min_ratio), last_epoch=start_step - 1
-    )
+    last = start_step - 1
+    if name == "cosine":
+        return LambdaLR(
+            optimizer, lambda s: warmup_cosine(s, total_steps, warmup_steps, min_ratio), last_epoch=last
+        )
+    made: Any
+    if name == "linear":
+        made = hf.get_linear_schedule_with_warmup(  # type: ignore[no-untyped-call]
+            optimizer, warmup_steps, total_steps, last_epoch=last
+        )
+    elif name == "constant":
+        made = hf.get_constant_schedule_with_warmup(optimizer, warmup_steps, last_epoch=last)
+    else:
+        decay = round(decay_ratio * total_steps)
+        made = hf.get_wsd_schedule(
+            optimizer,
+            warmup_steps,
+            decay,
+            num_training_steps=total_steps,
+            min_lr_ratio=min_ratio,
+            last_epoch=last,
+        )
+    return cast(LambdaLR, made)
 
 
 def set_hyperparameters(

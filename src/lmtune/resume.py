@@ -29,7 +29,7 @@ from lmtune.checkpoint import (
     read_state,
     verify,
 )
-from lmtune.config import TrainConfig
+from lmtune.config import TrainConfig, warmup_steps
 from lmtune.distributed import DistEnv, broadcast_object
 from lmtune.errors import UserError
 from lmtune.metrics import InfoLog
@@ -83,8 +83,10 @@ def fingerprint(
         }
     adjustable = {
         "--lr": lr,
-        "--warmup-ratio": cfg.warmup_ratio,
+        "--lr-schedule": cfg.lr_schedule,
+        "warmup steps": warmup_steps(cfg, total_steps),
         "--min-lr-ratio": cfg.min_lr_ratio,
+        "--decay-ratio": cfg.decay_ratio,
         "--weight-decay": cfg.weight_decay,
         "--adam-beta1": cfg.adam_beta1,
         "--adam-beta2": cfg.adam_beta2,

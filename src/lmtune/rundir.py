@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from lmtune.distributed import DistEnv, broadcast_object
 from lmtune.errors import UserError
@@ -157,21 +158,35 @@ def _check_folder(output_dir: Path) -> None:
             )
 
 
-def check_earlier_run(output_dir: Path, continued: bool, overwrite: bool) -> None:
+def check_earlier_run(output_dir: Path, continued: bool, overwrite: bool, config: dict[str, Any]) -> None:
     """Refuse to replace an earlier run's results that no checkpoint continues; ``--overwrite``
-    deletes them (and the checkpoints) instead. Call with the lock held."""
+    deletes them (and the checkpoints) instead. Call with the lock held.
+
+    The same run stopped before its first checkpoint (its run.json has this very ``config``, and it
+    has no ``final/``) starts over: what it leaves is its own and is written again.
+    """
     present = [n for n in RUN_FILES if (output_dir / n).exists()]
     if overwrite:
         for name in present:
             target = output_dir / name
             shutil.rmtree(target) if target.is_dir() else target.unlink()
         return
+    if continued or not ({"final", "metrics.jsonl"} & set(present)):
+        return
+    if "final" not in present and _recorded_config(output_dir) == config:
+        return
     results = [n for n in present if n in ("final", "metrics.jsonl")]
-    if results and not continued:
-        raise UserError(
-            f"--output-dir {output_dir} holds an earlier run ({', '.join(results)}) with no checkpoint "
-            "to continue from; choose another --output-dir, or --overwrite to replace it"
-        )
+    raise UserError(
+        f"--output-dir {output_dir} holds an earlier run ({', '.join(results)}) with no checkpoint to "
+        "continue from; choose another --output-dir, or --overwrite to replace it"
+    )
+
+
+def _recorded_config(output_dir: Path) -> Any:
+    try:
+        return json.loads((output_dir / "run.json").read_text(encoding="utf-8")).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def remove_leftovers(output_dir: Path) -> list[Path]:
@@ -184,7 +199,13 @@ def remove_leftovers(output_dir: Path) -> list[Path]:
 
 
 def prepare_output(
-    output_dir: Path, *, resume: str, overwrite: bool, env: DistEnv, warn: Callable[[str], None]
+    output_dir: Path,
+    *,
+    resume: str,
+    overwrite: bool,
+    config: dict[str, Any],
+    env: DistEnv,
+    warn: Callable[[str], None],
 ) -> None:
     """Rank 0, holding the lock: clear unfinished saves, refuse to replace an earlier run's results
     (``--overwrite`` deletes them). Every rank raises the same error, so none is left waiting."""
@@ -197,7 +218,7 @@ def prepare_output(
                 warn(f"removed {path}, left by a save that did not finish")
             # A checkpoint here (--resume never then refuses it by itself), or one named by --resume.
             continued = resume not in ("auto", "never") or bool(list_checkpoints(output_dir))
-            check_earlier_run(output_dir, continued, overwrite)
+            check_earlier_run(output_dir, continued, overwrite, config)
         except UserError as e:
             problem = str(e)
     problem = broadcast_object(problem, env)

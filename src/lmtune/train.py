@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from lmtune import __version__, faults
 from lmtune.attention import use_varlen
+from lmtune.chat import end_of_turn_ids, set_stop_tokens
 from lmtune.checkpoint import (
     ModelParts,
     TrainerState,
@@ -26,7 +27,15 @@ from lmtune.checkpoint import (
     save_final,
     save_hf_folder,
 )
-from lmtune.config import SAMPLE_DATA, TrainConfig, epochs, micro_batch_size, to_dict, validate
+from lmtune.config import (
+    SAMPLE_DATA,
+    TrainConfig,
+    epochs,
+    micro_batch_size,
+    to_dict,
+    validate,
+    warmup_steps,
+)
 from lmtune.data.collate import Collator, StepCollator
 from lmtune.data.dataset import TokenizedDataset
 from lmtune.data.prepare import DataSettings, default_cache_dir, prepare
@@ -272,10 +281,16 @@ def _run(
     stop: StopRequest,
 ) -> TrainResult:
     started = time.time()
-    prepare_output(output_dir, resume=cfg.resume, overwrite=cfg.overwrite, env=env, warn=_warn)
+    prepare_output(
+        output_dir, resume=cfg.resume, overwrite=cfg.overwrite, config=to_dict(cfg), env=env, warn=_warn
+    )
     loaded = load_model(cfg.model, cfg.seed, cfg.trust_remote_code)
     tokenizer = loaded.tokenizer
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, stop.raise_if_requested)
+    if "messages" in data_info["train"]["formats"]:
+        # The reply's end-of-turn token trains; saved models must also stop generating there.
+        stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
+        log.info(f"chat data: saved models stop at {tokenizer.convert_ids_to_tokens(stops)}")
     micro = micro_batch_size(cfg, env.world_size)
     plan = plan_steps(
         len(train_data), cfg.global_batch_size, micro, env.world_size, epochs(cfg), cfg.max_steps, cfg.data
@@ -332,7 +347,14 @@ def _run(
             )
             return TrainResult(output_dir, state.step, float("nan"), None)
     scheduler = build_schedule(
-        optimizer, plan.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio, lr, start_step=state.step
+        optimizer,
+        name=cfg.lr_schedule,
+        total_steps=plan.total_steps,
+        warmup_steps=warmup_steps(cfg, plan.total_steps),
+        min_ratio=cfg.min_lr_ratio,
+        decay_ratio=cfg.decay_ratio,
+        lr=lr,
+        start_step=state.step,
     )
     log.open_metrics(state.step)
 

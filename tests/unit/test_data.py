@@ -207,7 +207,9 @@ def test_truncation_modes_and_counts() -> None:
 def test_an_example_left_with_no_targets_is_dropped_and_counted() -> None:
     rows = [{"prompt": "a very long prompt", "completion": "x"}, {"text": "ok"}]
     data, stats, _ = encode(rows, max_length=6, truncation="right")
-    assert len(data) == 1 and stats.dropped_no_targets == 1 and stats.truncated == 0
+    # The prompt alone fills --max-length: dropped for being too long, not as "nothing to train".
+    assert len(data) == 1 and stats.dropped_too_long == 1 and stats.dropped_no_targets == 0
+    assert stats.truncated == 0
 
 
 # --- batching -------------------------------------------------------------------------------------

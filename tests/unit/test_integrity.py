@@ -184,11 +184,17 @@ def test_a_worker_accepts_its_launchers_lock(tmp_path: Path, monkeypatch: pytest
 def test_an_earlier_run_is_not_replaced_without_overwrite(tmp_path: Path) -> None:
     (tmp_path / "final").mkdir()
     (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "run.json").write_text(json.dumps({"config": {"lr": 1.0}}))
     with pytest.raises(UserError, match=r"holds an earlier run \(final, metrics.jsonl\)"):
-        check_earlier_run(tmp_path, continued=False, overwrite=False)
-    check_earlier_run(tmp_path, continued=True, overwrite=False)  # its checkpoints continue it
-    check_earlier_run(tmp_path, continued=False, overwrite=True)
-    assert not (tmp_path / "final").exists() and not (tmp_path / "metrics.jsonl").exists()
+        check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 1.0})
+    check_earlier_run(tmp_path, continued=True, overwrite=False, config={})  # its checkpoints continue it
+    (tmp_path / "final").rmdir()
+    # The same run, stopped before its first checkpoint, starts over; another run is refused.
+    check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 1.0})
+    with pytest.raises(UserError, match=r"holds an earlier run \(metrics.jsonl\)"):
+        check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 2.0})
+    check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
+    assert not (tmp_path / "run.json").exists() and not (tmp_path / "metrics.jsonl").exists()
     (tmp_path / "checkpoints" / ".step-000004.tmp").mkdir(parents=True)
     assert [p.name for p in remove_leftovers(tmp_path)] == [".step-000004.tmp"]
 

@@ -19,7 +19,9 @@ def test_schedule_warms_up_then_decays_to_the_floor() -> None:
 def test_scheduler_follows_the_function() -> None:
     model = torch.nn.Linear(3, 3)
     opt = build_optimizer("adamw", model, lr=1.0, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-8)
-    sched = build_schedule(opt, total_steps=10, warmup_ratio=0.2, min_ratio=0.0, lr=1.0)
+    sched = build_schedule(
+        opt, name="cosine", total_steps=10, warmup_steps=2, min_ratio=0.0, decay_ratio=0.1, lr=1.0
+    )
     seen = []
     for _ in range(10):
         seen.append(sched.get_last_lr()[0])
@@ -93,3 +95,48 @@ def test_missing_bitsandbytes_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(sys.modules, "bitsandbytes.optim", None)
     with pytest.raises(UserError, match="--optimizer adamw8bit needs bitsandbytes"):
         build_optimizer("adamw8bit", torch.nn.Linear(2, 2), 1e-3, 0.0, (0.9, 0.999), 1e-8)
+
+
+def _lrs(name: str, total: int, start: int = 0, steps: int | None = None) -> list[float]:
+    model = torch.nn.Linear(3, 3)
+    opt = build_optimizer("adamw", model, lr=1.0, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-8)
+    sched = build_schedule(
+        opt,
+        name=name,
+        total_steps=total,
+        warmup_steps=4,
+        min_ratio=0.1,
+        decay_ratio=0.3,
+        lr=2.0,
+        start_step=start,
+    )
+    seen = []
+    for _ in range(total - start if steps is None else steps):
+        seen.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return seen
+
+
+@pytest.mark.parametrize("name", ["cosine", "linear", "constant", "wsd"])
+def test_each_schedule_follows_its_formula_and_resumes_exactly(name: str) -> None:
+    import math
+
+    total = 20
+
+    def expected(s: int) -> float:
+        if s < 4 and name == "wsd":  # transformers' wsd warms up from lr x min_lr_ratio
+            return 2.0 * (0.1 + 0.9 * s / 4)
+        if s < 4:
+            return 2.0 * (s if name != "cosine" else s + 1) / 4
+        if name == "cosine":
+            return 2.0 * warmup_cosine(s, total, 4, 0.1)
+        if name == "linear":
+            return 2.0 * (total - s) / (total - 4)
+        if name == "constant" or s < total - 6:
+            return 2.0
+        progress = (s - (total - 6)) / 6  # wsd: the last 30% decay (cosine) to lr x 0.1
+        return 2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    assert _lrs(name, total) == pytest.approx([expected(s) for s in range(total)])
+    assert _lrs(name, total, start=9) == _lrs(name, total)[9:]  # rebuilt at a resume step: the same

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from lmtune.chat import end_of_turn_ids
 from lmtune.data.formats import ensure_chat_template
 from lmtune.data.prepare import DataSettings, encode_into, records
 from lmtune.data.sampling import epoch_order, rank_indices
@@ -36,10 +37,11 @@ class AuditReport:
     truncation: str
     pad_is_eos: bool
     imbalance: Imbalance | None
+    stops: list[str]  # the tokens that end an example: EOS, and in chat data the end of turn
 
     @property
     def eos_ok(self) -> bool:
-        """Every example ends in a trained EOS, except those whose end truncation cut off."""
+        """Every example trains a stop token, except those whose end truncation cut off."""
         missing = self.stats.examples - self.stats.eos_trained
         return missing <= (self.stats.truncated if self.truncation == "right" else 0)
 
@@ -106,15 +108,19 @@ def audit(
     imbalance = None
     if nproc_per_node > 1 and global_batch_size % (micro * nproc_per_node) == 0:
         imbalance = rank_imbalance(lengths, nproc_per_node, global_batch_size, micro, seed)
+    stops = [tokenizer.eos_token_id]
+    if "messages" in stats.formats:
+        stops += [t for t in end_of_turn_ids(tokenizer) if t not in stops]
     return AuditReport(
-        spec,
-        stats,
-        bad,
-        lengths,
-        settings.max_length,
-        mode,
-        tokenizer.pad_token_id == tokenizer.eos_token_id,
-        imbalance,
+        spec=spec,
+        stats=stats,
+        bad=bad,
+        lengths=lengths,
+        max_length=settings.max_length,
+        truncation=mode,
+        pad_is_eos=tokenizer.pad_token_id == tokenizer.eos_token_id,
+        imbalance=imbalance,
+        stops=tokenizer.convert_ids_to_tokens(stops),
     )
 
 
@@ -152,10 +158,12 @@ def format_report(report: AuditReport) -> str:
         lines.append(f"    ... and {report.bad.count - len(report.bad.messages):,} more")
     lines += [
         f"  over --max-length   {s.truncated:,} truncated, {s.dropped_too_long:,} dropped "
-        f"(--max-length {report.max_length})",
+        f"(--max-length {report.max_length}; dropped: too long, or left with nothing to train, as a "
+        "prompt that fills it)",
         f"  no trainable tokens {s.dropped_no_targets:,} (dropped: they would train on nothing)",
-        f"  EOS keeps its label {'yes' if report.eos_ok else 'NO'}: {s.eos_trained:,} of {s.examples:,} "
-        f"kept examples end in a trained EOS"
+        f"  {'EOS' if len(report.stops) == 1 else 'stop'} keeps its label "
+        f"{'yes' if report.eos_ok else 'NO'}: {s.eos_trained:,} of {s.examples:,} "
+        f"kept examples train a stop token ({' or '.join(report.stops)})"
         + (" (the rest were cut by truncation)" if report.eos_ok and s.eos_trained < s.examples else "")
         + f"; pad == eos: {'yes' if report.pad_is_eos else 'no'}",
         f"  tokens              {s.tokens:,} ({s.target_tokens:,} trained)",

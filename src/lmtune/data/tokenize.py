@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from lmtune.chat import end_of_turn_ids
 from lmtune.data.formats import Rendered, render
 from lmtune.data.sources import BadLines, Record
 from lmtune.errors import UserError
@@ -33,7 +34,7 @@ class EncodeStats:
     truncated: int = 0
     dropped_too_long: int = 0
     dropped_no_targets: int = 0
-    eos_trained: int = 0  # kept examples that end in an EOS which keeps its label
+    eos_trained: int = 0  # kept examples that train a stop: EOS, or in chat data the end of turn
     formats: dict[str, int] = field(default_factory=dict)
 
     def merge(self, other: EncodeStats) -> None:
@@ -140,6 +141,9 @@ def encode_chunk(
         records.append(record)
         cut.append(short is not full)
     eos = tokenizer.eos_token_id
+    # A trained stop: EOS, or in chat data the template's end-of-turn token (which may be EOS).
+    chat = any(r.format == "messages" for r in rendered)
+    stops = np.asarray([eos, *(end_of_turn_ids(tokenizer) if chat else [])], dtype=np.int32)
     out: list[Encoded] = []
     by_special: dict[bool, list[int]] = {}
     for i, r in enumerate(rendered):
@@ -178,14 +182,17 @@ def encode_chunk(
                 continue
             ids, trainable = kept
         targets = int(trainable[1:].sum())  # position 0 is never predicted
-        if targets == 0:
-            stats.dropped_no_targets += 1  # would train as a loss of 0 on nothing
+        if targets == 0:  # would train as a loss of 0 on nothing
+            if kept is not None:  # the prompt alone fills --max-length: dropped for being too long
+                stats.dropped_too_long += 1
+            else:
+                stats.dropped_no_targets += 1
             continue
         stats.examples += 1
         stats.truncated += bool(kept is not None)
         stats.tokens += len(ids)
         stats.target_tokens += targets
-        stats.eos_trained += bool(ids[-1] == eos and trainable[-1])
+        stats.eos_trained += bool((trainable & np.isin(ids, stops)).any())
         out.append(Encoded(ids, trainable))
     return out, stats
 

@@ -1,0 +1,144 @@
+"""A model fine-tuned on chat data stops at the end of its turn, in every folder lmtune saves and in
+every tool that generates with it (transformers' generate, `lmtune generate --chat`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lmtune.chat import end_of_turn_ids, stop_ids
+from lmtune.cli import main
+from lmtune.modeling import byte_tokenizer, load_model
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chatml_tokenizer() -> Any:
+    """The byte tokenizer with ChatML's turn markers: its end of turn is not its EOS, as in Qwen."""
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
+def test_the_end_of_turn_is_the_special_token_after_a_reply() -> None:
+    tok = chatml_tokenizer()
+    assert end_of_turn_ids(tok) == [tok.convert_tokens_to_ids("<|im_end|>")]
+    from lmtune.data.formats import ensure_chat_template
+
+    builtin = byte_tokenizer()
+    ensure_chat_template(builtin)
+    assert end_of_turn_ids(builtin) == [builtin.eos_token_id]  # lmtune's template ends turns with EOS
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("chat")
+    tok = chatml_tokenizer()
+    base = load_model("tiny", 0).model
+    base.resize_token_embeddings(len(tok))
+    base.save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    data = root / "chat.jsonl"
+    questions = [f"what is {a} plus {b}?" for a in range(8) for b in range(8)]
+    data.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]})
+            + "\n"
+            for q in questions
+        )
+    )
+    common = ["--data", str(data), "--max-steps", "100", "--global-batch-size", "16", "--lr", "3e-3"]
+    common += ["--save-every", "100", "--no-progress", "--seed", "1"]
+    out = root / "full"
+    assert main(["train", "--model", str(root / "base"), *common, "--output-dir", str(out)]) == 0
+    # LoRA cannot teach a frozen head a new token: its base is a chat model that already writes
+    # <|im_end|> (as Qwen's instruct models do), whose generation config does not list it.
+    import shutil
+
+    shutil.copytree(out / "final", root / "chat-base")
+    config = json.loads((root / "chat-base" / "generation_config.json").read_text())
+    (root / "chat-base" / "generation_config.json").write_text(
+        json.dumps({**config, "eos_token_id": tok.eos_token_id})
+    )
+    lora = root / "lora"
+    lora_args = ["--lora", "--lora-rank", "8", "--lora-dropout", "0", "--merge-lora", "--max-steps", "10"]
+    argv = ["train", "--model", str(root / "chat-base"), *common, *lora_args, "--save-every", "10"]
+    assert main([*argv, "--output-dir", str(lora)]) == 0
+    exported = root / "exported"
+    assert main(["export", str(out / "checkpoints" / "step-000100"), str(exported)]) == 0
+    return {"root": root, "final": out / "final", "merged": lora / "final" / "merged", "exported": exported}
+
+
+@pytest.mark.parametrize("folder", ["final", "merged", "exported"])
+def test_a_saved_chat_model_stops_at_the_end_of_turn(chat_run: dict[str, Path], folder: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = chat_run[folder]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == [
+        tok.eos_token_id,
+        im_end,
+    ]
+    messages = [{"role": "user", "content": "what is 3 plus 4?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=20, do_sample=False, pad_token_id=tok.pad_token_id)
+    new = out[0, ids["input_ids"].shape[1] :].tolist()
+    assert new[-1] == im_end and len(new) < 20, tok.decode(new)  # stopped, not ran on into a next turn
+    assert tok.decode(new, skip_special_tokens=True) == "ok"
+
+
+def test_generate_chat_answers_and_stops(chat_run: dict[str, Path]) -> None:
+    from lmtune.modeling import load_model as load
+
+    loaded = load(str(chat_run["final"]), 0)
+    assert loaded.tokenizer.convert_tokens_to_ids("<|im_end|>") in stop_ids(loaded.model, loaded.tokenizer)
+    generate = [sys.executable, "-m", "lmtune", "generate", "--chat", "--max-new-tokens", "20"]
+    one = subprocess.run(
+        [*generate, "--model", str(chat_run["final"]), "--prompt", "what is 1 plus 2?"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert one.returncode == 0, one.stderr
+    assert one.stdout == "ok\n"
+    turns = subprocess.run(
+        [*generate, "--model", str(chat_run["merged"]), "--system", "be brief"],
+        input="what is 1 plus 2?\n\nwhat is 5 plus 5?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert turns.returncode == 0, turns.stderr
+    assert turns.stdout == "ok\nok\n"
+
+
+def test_audit_names_the_end_of_turn_as_the_trained_stop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = tmp_path / "base"
+    tok = chatml_tokenizer()
+    tok.save_pretrained(base)
+    (base / "config.json").write_text("{}")  # the audit reads only the tokenizer
+    data = tmp_path / "chat.jsonl"
+    long_prompt = "x" * 300
+    rows = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]] * 3
+    rows.append([{"role": "user", "content": long_prompt}, {"role": "assistant", "content": "late"}])
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    assert main(["data", "audit", str(data), "--model", str(base), "--max-length", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "stop keeps its label yes: 3 of 3 kept examples train a stop token (<|eos|> or <|im_end|>)" in out
+    assert "1 truncated, 1 dropped" not in out and "0 truncated, 1 dropped" in out  # the long prompt
+    assert "no trainable tokens 0" in out and "result              clean" in out
