@@ -116,9 +116,13 @@ def trial_run(
     fault: str, trial: int, cmd: list[str], out: Path, kill_at: int, env: dict[str, str], timeout: float
 ) -> tuple[int | None, str]:
     """Run, strike, and (after a launcher fault) run the same command again; (exit code, problem)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f"{out.name}.log").open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     while steps_done(out) < kill_at and proc.poll() is None:
         time.sleep(0.02)
+    if proc.poll() is not None:
+        return proc.returncode, "the run ended before the fault: " + _tail(out)
     problem = strike(fault, proc, trial)
     try:
         code: int | None = proc.wait(timeout=timeout)
@@ -126,10 +130,17 @@ def trial_run(
         proc.kill()
         return None, "hung"
     if fault == "launcher-term" and code != 0:
-        return code, f"SIGTERM ended the launcher with exit {code}"
+        return code, f"SIGTERM ended the launcher with exit {code}: " + _tail(out)
     if fault != "worker":
-        code = subprocess.run(cmd, env=env, capture_output=True, timeout=timeout).returncode
+        rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        code = rerun.returncode
+        if code != 0:
+            problem += " the rerun failed: " + rerun.stderr[-500:]
     return code, problem
+
+
+def _tail(out: Path) -> str:
+    return (out.parent / f"{out.name}.log").read_text()[-800:]
 
 
 def main() -> None:

@@ -407,7 +407,9 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     root = output_dir / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_NAME.fullmatch(p.name))]
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_NAME.fullmatch(p.name)) and p.is_dir()
+    ]
     return [p for _, p in sorted(found, key=lambda item: item[0])]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator, Sequence
-from functools import partial
 from typing import Any
 
 from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, UserError
@@ -47,15 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"lmtune {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser = partial(commands.add_parser, allow_abbrev=False)  # type: ignore[method-assign]
     train = commands.add_parser(
         "train",
+        allow_abbrev=False,
         help="fine-tune a model",
         description="Fine-tune a causal LM. Every setting can also come from --config run.yaml.",
     )
     _add_train_options(train)
     train.set_defaults(run=_cmd_train)
-    gen = commands.add_parser("generate", help="complete a prompt with a trained model")
+    gen = commands.add_parser("generate", allow_abbrev=False, help="complete a prompt with a trained model")
     gen.add_argument(
         "--model", required=True, help="model folder (for example OUTPUT/final), hub id or preset"
     )
@@ -80,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=_cmd_generate)
     bench = commands.add_parser(
         "bench",
+        allow_abbrev=False,
         help="measure throughput, MFU and memory per strategy and precision",
         description="Train --steps steps after --warmup for every strategy x precision on your model and "
         "data and print one table (tokens/s, MFU against this device's measured matmul peak, peak "
@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=_cmd_bench)
     pl = commands.add_parser(
         "plan",
+        allow_abbrev=False,
         help="predict peak memory per device before training",
         description="Build the model from its config on a fake device (no weights loaded) and predict "
         "the peak memory per device of the setup the train options describe: weights, gradients, "
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(run=_cmd_plan)
     exp = commands.add_parser(
         "export",
+        allow_abbrev=False,
         help="write a Hugging Face model folder from a checkpoint",
         description="Write config, model.safetensors and the tokenizer of a training checkpoint to DIR.",
     )
@@ -134,12 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("out", metavar="DIR", help="folder to write")
     exp.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
     exp.set_defaults(run=_cmd_export)
-    data = commands.add_parser("data", help="inspect training data").add_subparsers(
+    data = commands.add_parser("data", allow_abbrev=False, help="inspect training data").add_subparsers(
         dest="data_command", required=True, metavar="COMMAND"
     )
-    data.add_parser = partial(data.add_parser, allow_abbrev=False)  # type: ignore[method-assign]
     aud = data.add_parser(
         "audit",
+        allow_abbrev=False,
         help="report what training would make of a data set",
         description="Read every record and report formats, bad lines, token lengths, truncation, "
         "untrainable examples, EOS labels and rank imbalance. Exit 0 when clean, 2 when errors were found.",

@@ -60,6 +60,14 @@ class TrainConfig:
             "held-out split; otherwise no evaluation unless given."
         ),
     )
+    eval_split: float | None = field(
+        default=None,
+        metadata=_help(
+            "Hold out this share of --data for evaluation (a fraction below 1, or a number of "
+            "examples): the same examples whatever the number of processes and across resume, never "
+            "trained on. Instead of --eval-data."
+        ),
+    )
     data_format: str = field(
         default="auto",
         metadata=_help(
@@ -433,6 +441,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.micro_batch_size is None or cfg.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
     need(cfg.max_length >= 2, "max_length", "must be >= 2")
     need(0 <= cfg.seed < 2**32, "seed", "must be in [0, 2**32)")
+    need(cfg.eval_split is None or cfg.eval_data is None, "eval_split", "is instead of --eval-data: give one")
+    need(
+        cfg.eval_split is None or 0 < cfg.eval_split < 1 or float(cfg.eval_split).is_integer(),
+        "eval_split",
+        "must be a fraction in (0, 1) or a whole number of examples",
+    )
     need(bool(cfg.model.strip()), "model", "must name a model")
     need(bool(cfg.data.strip()), "data", "must name data")
     need(bool(cfg.output_dir.strip()), "output_dir", "must name a folder")

@@ -141,16 +141,16 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
     for log in elastic_logs:
         log.setLevel(logging.CRITICAL)
     user_error = threading.Event()
-    launched = threading.Event()
+    ended = threading.Event()
     if cfg.max_restarts > 0:
         threading.Thread(
-            target=_stop_on_user_error, args=(Path(error_dir), user_error, launched), daemon=True
+            target=_stop_on_user_error, args=(Path(error_dir), user_error, ended), daemon=True
         ).start()
     try:
         elastic_launch(config, sys.executable)("-m", "lmtune", *argv)
         return 0
     except ChildFailedError as e:
-        launched.set()
+        ended.set()
         reported = _reported_errors(Path(error_dir))
         messages = list(dict.fromkeys(message for message, _ in reported))
         for message in messages:
@@ -165,7 +165,7 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
                 print(f"lmtune: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
         return 1
     except SignalException as e:
-        launched.set()
+        ended.set()
         if user_error.is_set():  # our own stop: a user error is not worth a restart
             for message in dict.fromkeys(m for m, code in _reported_errors(Path(error_dir)) if code == 2):
                 print(f"error: {message}", file=sys.stderr, flush=True)
@@ -179,17 +179,17 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
         print(f"lmtune: stopped by {e.sigval.name}", file=sys.stderr)
         return 128 + int(e.sigval)
     finally:
-        launched.set()
+        ended.set()
         for log, level in zip(elastic_logs, previous_levels, strict=True):
             log.setLevel(level)
         os.environ.pop(ERROR_DIR_ENV, None)
         shutil.rmtree(error_dir, ignore_errors=True)
 
 
-def _stop_on_user_error(error_dir: Path, seen: threading.Event, launched: threading.Event) -> None:
+def _stop_on_user_error(error_dir: Path, seen: threading.Event, ended: threading.Event) -> None:
     """Under --max-restarts, end the job when a worker reports a user error: the agent would start
     every worker again only to fail the same way."""
-    while not launched.wait(0.2):
+    while not ended.wait(0.2):
         if any(code == USER_ERROR_EXIT_CODE for _, code in _reported_errors(error_dir)):
             seen.set()
             os.kill(os.getpid(), signal.SIGTERM)  # the agent stops its workers and raises in the launcher

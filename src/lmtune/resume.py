@@ -63,6 +63,7 @@ def fingerprint(
     fixed: dict[str, Any] = {
         "training data (content, tokenizer and data settings)": data_key,
         "training examples": examples,
+        "--eval-split": cfg.eval_split,
         "model config": config_hash(model_config),
         "--max-length": cfg.max_length,
         "--data-format": cfg.data_format,

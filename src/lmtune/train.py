@@ -37,7 +37,7 @@ from lmtune.config import (
     warmup_steps,
 )
 from lmtune.data.collate import Collator, StepCollator
-from lmtune.data.dataset import TokenizedDataset
+from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.prepare import DataSettings, default_cache_dir, prepare
 from lmtune.data.sample import addition_examples, split_prompt
 from lmtune.data.sampling import EvalSampler, TrainSampler
@@ -117,7 +117,7 @@ def _compile(model: torch.nn.Module, log: RunLog) -> None:
 
 
 def _eval_spec(cfg: TrainConfig) -> str | None:
-    if cfg.eval_data is None and cfg.data == SAMPLE_DATA:
+    if cfg.eval_data is None and cfg.data == SAMPLE_DATA and cfg.eval_split is None:
         return SAMPLE_EVAL
     return cfg.eval_data
 
@@ -159,6 +159,13 @@ def prepare_data(
         for message in meta["bad_line_examples"][:5] if builders else []:
             log.info(f"  skipped: {message}")
         prepared[name] = p.dataset
+    if cfg.eval_split is not None:
+        try:
+            prepared["train"], prepared["eval"] = split_off(prepared["train"], cfg.eval_split, cfg.seed)
+        except ValueError as e:
+            raise UserError(f"--eval-split {cfg.eval_split}: {e}") from None
+        info["eval"] = {"spec": f"--eval-split {cfg.eval_split}", "examples": len(prepared["eval"])}
+        log.info(f"eval data: {len(prepared['eval']):,} examples of --data held out (--eval-split)")
     return prepared["train"], prepared.get("eval"), info
 
 

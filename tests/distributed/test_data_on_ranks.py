@@ -128,3 +128,45 @@ def test_every_bad_input_stops_both_ranks_with_one_message(tmp_path: Path) -> No
         assert proc.stderr.count("error: ") == 1, f"{name}: {proc.stderr}"
         assert "Traceback" not in proc.stderr + proc.stdout, name
         assert elapsed < 60, f"{name} took {elapsed:.0f}s"
+
+
+def _trained_ids(out: Path) -> list[int]:
+    ids: list[int] = []
+    for path in sorted((out / "samples").glob("rank-*.jsonl")):
+        ids += [i for line in path.read_text().splitlines() for i in json.loads(line)["ids"]]
+    return ids
+
+
+def test_the_eval_split_is_never_trained_on_whatever_the_world_size(tmp_path: Path) -> None:
+    """--eval-split holds out the same examples for 1 and 2 ranks and across a resume."""
+    from lmtune.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in uneven_texts(40, seed=8)))
+    split = ["--data", str(data), "--eval-split", "0.25", "--record-samples", "--seed", "3"]
+    two = tmp_path / "two"
+    proc = run_lmtune([*TRAIN, *split, "--max-steps", "16", "--output-dir", str(two)])
+    assert proc.returncode == 0, proc.stderr
+    one = tmp_path / "one"
+    one_args = ["train", *split, "--global-batch-size", "4", "--no-progress", "--keep-last", "0"]
+    assert main([*one_args, "--max-steps", "8", "--save-every", "4", "--output-dir", str(one)]) == 0
+    assert (
+        main([*one_args, "--max-steps", "16", "--save-every", "4", "--output-dir", str(one)]) == 0
+    )  # resumed
+    from lmtune.data.dataset import split_off
+    from lmtune.data.prepare import DataSettings, encode_in_memory
+    from lmtune.data.sources import BadLines, Source, iter_records
+    from lmtune.modeling import byte_tokenizer
+
+    records = iter_records(Source("jsonl", str(data)), "text", BadLines(skip=False))
+    _, held = split_off(encode_in_memory(records, byte_tokenizer(), DataSettings())[0], 0.25, 3)
+    held_out = set(held.indices.tolist())
+    assert len(held_out) == 10
+    for out in (two, one):
+        trained = _trained_ids(out)
+        assert len(trained) == 16 * 4 and not held_out & set(trained)  # 2 epochs of the other 30
+        assert len(set(trained)) >= 28  # each epoch trains 28 of the 30 (7 full global batches)
+        run = json.loads((out / "run.json").read_text())
+        assert run["data"]["eval"]["examples"] == 10
+    evals = [json.loads(r) for r in (one / "metrics.jsonl").read_text().splitlines() if '"eval"' in r]
+    assert evals[-1]["eval_examples"] == 10

@@ -221,3 +221,15 @@ def test_a_read_only_output_folder(tmp_path: Path, capsys: pytest.CaptureFixture
         assert "not writable" in _error(["train", "--output-dir", str(disk)], capsys)
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_eval_split_settings_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", ["some text"] * 40)
+    base = ["train", "--data", str(data), "--output-dir", str(tmp_path / "o")]
+    assert "is instead of --eval-data" in _error(
+        [*base, "--eval-split", "0.1", "--eval-data", str(data)], capsys
+    )
+    assert "a fraction in (0, 1) or a whole number" in _error([*base, "--eval-split", "1.5"], capsys)
+    assert "--eval-split 100.0: holds out 100 of 40 examples" in _error(
+        [*base, "--eval-split", "100"], capsys
+    )

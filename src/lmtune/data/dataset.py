@@ -95,3 +95,37 @@ class DatasetWriter:
         np.cumsum(np.asarray(self._lengths, dtype=np.int64), out=offsets[1:])
         np.save(self.folder / OFFSETS_FILE, offsets)
         (self.folder / META_FILE).write_text(json.dumps(meta, indent=2))
+
+
+class SplitView(TokenizedDataset):
+    """Some of a data set's examples, by their positions in it; example ids stay the positions in
+    the whole set, so records of what trained name the same examples as the data file does."""
+
+    def __init__(self, base: TokenizedDataset, indices: np.ndarray):
+        super().__init__(base.input_ids, base.trainable, base.offsets, base.meta)
+        self.indices = indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> Example:
+        return super().__getitem__(int(self.indices[i]))
+
+    def lengths(self) -> np.ndarray:
+        kept: np.ndarray = super().lengths()[self.indices]
+        return kept
+
+
+def split_off(data: TokenizedDataset, share: float, seed: int) -> tuple[SplitView, SplitView]:
+    """(training, held out): ``share`` of the examples (a fraction below 1, else a count) held out.
+
+    The choice depends only on the data set's size and the seed: the same examples whatever the
+    number of processes, and again on resume.
+    """
+    n = len(data)
+    count = round(share * n) if share < 1 else int(share)
+    if not 1 <= count < n:
+        raise ValueError(f"holds out {count} of {n} examples")
+    held = np.sort(np.random.default_rng(seed).permutation(n)[:count])
+    kept = np.setdiff1d(np.arange(n), held, assume_unique=True)
+    return SplitView(data, kept), SplitView(data, held)
