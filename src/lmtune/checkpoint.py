@@ -234,10 +234,14 @@ def save_checkpoint(
     env: DistEnv,
     *,
     keep_last: int,
-    fingerprint: dict[str, Any],
+    records: dict[str, Any],
     scaler: torch.amp.GradScaler | None = None,
+    protect: Path | None = None,
 ) -> Path:
     """Write a checkpoint of ``state`` (collective: every rank calls it) and prune old ones.
+
+    ``records`` are JSON files written into it by name (the run's fingerprint, the best-model
+    tracker); ``protect`` is a checkpoint that pruning keeps (the best one).
 
     Raises:
         UserError: on every rank when the disk has too little room (checked before writing), and on
@@ -255,7 +259,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier(env)
     try:
-        _write_checkpoint(tmp, state, parts, tokenizer, optimizer, env, fingerprint, scaler)
+        _write_checkpoint(tmp, state, parts, tokenizer, optimizer, env, records, scaler)
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
@@ -269,7 +273,8 @@ def save_checkpoint(
             print(f"lmtune: kept the earlier {final.name} as {aside}", flush=True)
         tmp.rename(final)
         for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != protect:
+                shutil.rmtree(old, ignore_errors=True)
     barrier(env)
     return final
 
@@ -281,7 +286,7 @@ def _write_checkpoint(
     tokenizer: Any,
     optimizer: torch.optim.Optimizer,
     env: DistEnv,
-    fingerprint: dict[str, Any],
+    records: dict[str, Any],
     scaler: torch.amp.GradScaler | None,
 ) -> None:
     tmp.mkdir(parents=True, exist_ok=True)  # on another node when --output-dir is not shared
@@ -302,7 +307,8 @@ def _write_checkpoint(
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / SCALER_FILE)
-        _fsync_write(tmp / FINGERPRINT_FILE, json.dumps(fingerprint, indent=2))
+        for name, record in records.items():
+            _fsync_write(tmp / name, json.dumps(record, indent=2))
         _fsync_write(tmp / STATE_FILE, json.dumps(asdict(state), indent=2))
     barrier(env)
     if env.is_main:

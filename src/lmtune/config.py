@@ -20,6 +20,7 @@ from lmtune.errors import UserError
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
+METRICS = ("eval_loss", "eval_perplexity")
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
 FORMATS = ("auto", "text", "prompt_completion", "messages")
 TRUNCATIONS = ("right", "left", "drop", "error")
@@ -256,6 +257,29 @@ class TrainConfig:
     eval_every: int = field(
         default=0, metadata=_help("Evaluate every N optimizer steps; 0 evaluates only at the end.")
     )
+    metric_for_best: str | None = field(
+        default=None,
+        metadata=_help(
+            "Keep the best checkpoint by this eval metric (eval_loss | eval_perplexity; lower is "
+            "better unless --greater-is-better): it is saved when it improves and never pruned."
+        ),
+    )
+    greater_is_better: bool = field(
+        default=False, metadata=_help("With --metric-for-best: higher is better.")
+    )
+    load_best_at_end: bool = field(
+        default=False, metadata=_help("With --metric-for-best: final/ is the best model, not the last one.")
+    )
+    early_stopping_patience: int = field(
+        default=0,
+        metadata=_help(
+            "With --metric-for-best: stop (saved, exit 0) after this many evaluations without "
+            "improvement; 0 never stops early."
+        ),
+    )
+    early_stopping_threshold: float = field(
+        default=0.0, metadata=_help("How much better an evaluation must be to count as an improvement.")
+    )
     log_every: int = field(default=1, metadata=_help("Write a metrics.jsonl line every N optimizer steps."))
     num_workers: int = field(default=0, metadata=_help("DataLoader worker processes per rank."))
     progress: bool = field(default=True, metadata=_help("Show a progress bar on rank 0."))
@@ -476,6 +500,21 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise UserError(f"--resume: no such checkpoint folder: {cfg.resume}")
     need(cfg.threads_per_process >= 0, "threads_per_process", "must be >= 0")
     need(cfg.eval_every >= 0, "eval_every", "must be >= 0")
+    need(cfg.metric_for_best in (None, *METRICS), "metric_for_best", f"must be one of {', '.join(METRICS)}")
+    evaluates = cfg.eval_data is not None or cfg.eval_split is not None or cfg.data == SAMPLE_DATA
+    need(cfg.metric_for_best is None or evaluates, "metric_for_best", "needs --eval-data or --eval-split")
+    need(
+        not cfg.load_best_at_end or cfg.metric_for_best is not None,
+        "load_best_at_end",
+        "needs --metric-for-best",
+    )
+    need(cfg.early_stopping_patience >= 0, "early_stopping_patience", "must be >= 0")
+    need(
+        not cfg.early_stopping_patience or (cfg.metric_for_best is not None and cfg.eval_every > 0),
+        "early_stopping_patience",
+        "needs --metric-for-best and --eval-every",
+    )
+    need(cfg.early_stopping_threshold >= 0, "early_stopping_threshold", "must be >= 0")
     need(cfg.log_every >= 1, "log_every", "must be >= 1")
     need(cfg.num_workers >= 0, "num_workers", "must be >= 0")
     need(bool(cfg.text_field), "text_field", "must not be empty")

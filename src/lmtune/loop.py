@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lmtune.best import BestTracker
 from lmtune.checkpoint import TrainerState
 from lmtune.data.collate import Batch
 from lmtune.data.sampling import TrainSampler, steps_per_epoch
@@ -73,6 +74,7 @@ class FitHooks:
     scaler: torch.amp.GradScaler | None = None  # fp16 only
     mfu: Callable[[StepResult, float], float] | None = None  # (step, seconds) -> model FLOPs utilisation
     timer: PhaseTimer | None = None  # per-phase step times (--profile)
+    best: BestTracker | None = None  # --metric-for-best: saves the best model, may stop early
 
 
 @dataclass
@@ -80,8 +82,10 @@ class FitResult:
     steps: int
     last_loss: float
     skipped_steps: int
-    stopped_early: bool = False
+    stopped_early: bool = False  # by a signal: saved, the same command resumes
+    early_stopped: bool = False  # by --early-stopping-patience: finished
     evals: list[EvalResult] = field(default_factory=list)
+    saved_step: int = -1
 
 
 def _micro_batches(steps: Iterator[list[Batch]], device: torch.device) -> list[Batch]:
@@ -176,10 +180,23 @@ def fit(
     result = FitResult(steps=start.step, last_loss=float("nan"), skipped_steps=start.skipped_steps)
     state = start
 
-    def evaluate() -> None:
+    def save() -> None:
+        """A checkpoint of this step, once (a best model and a scheduled save may fall together)."""
+        if hooks.save is not None and result.saved_step != state.step:
+            hooks.save(state)
+            result.saved_step = state.step
+
+    def evaluate() -> bool:
+        """Evaluate; save when it is the best so far; True when the run should stop early."""
         assert hooks.run_eval is not None
         result.evals.append(hooks.run_eval())
         _record_eval(log, state, result.evals[-1])
+        best = hooks.best
+        if best is None:
+            return False
+        if best.observe(state.step, metric_value(result.evals[-1], best.metric), log.output_dir):
+            save()
+        return best.should_stop
 
     log.start_progress(plan.total_steps, initial=start.step)
     model.train()
@@ -228,22 +245,41 @@ def fit(
                     f"epoch {state.epoch + 1}/{plan.epochs}: train loss {loss_sum / max(loss_tokens, 1):.4f}"
                 )
                 state = replace(state, epoch=state.epoch + 1, step_in_epoch=0)
+            stop_early = False
             if hooks.run_eval is not None and eval_every and state.step % eval_every == 0 and not finished:
-                evaluate()
+                stop_early = evaluate()
             if r.stop:  # every rank saw it in the same step: save and leave together
                 log.info(f"stopping at step {state.step} as asked (signal): saving a checkpoint")
-                if hooks.save is not None:
-                    hooks.save(state)
+                save()
                 result.stopped_early = True
                 log.end_progress()
                 return result
-            if hooks.save is not None and save_every and state.step % save_every == 0 and not finished:
-                hooks.save(state)
+            if stop_early:  # every rank evaluated the same loss, so all stop here together
+                _log_early_stop(log, state, hooks.best)
+                save()
+                result.early_stopped = True
+                log.end_progress()
+                return result
+            if save_every and state.step % save_every == 0 and not finished:
+                save()
             if epoch_done or finished:
                 break
     log.end_progress()
     if hooks.run_eval is not None:
         evaluate()
-    if hooks.save is not None and save_every and state.step > start.step:
-        hooks.save(state)
+    if save_every and state.step > start.step:
+        save()
     return result
+
+
+def metric_value(ev: EvalResult, metric: str) -> float:
+    """An evaluation's value of ``metric`` (as metrics.jsonl names it)."""
+    return {"eval_loss": ev.loss, "eval_perplexity": ev.perplexity}[metric]
+
+
+def _log_early_stop(log: RunLog, state: TrainerState, best: BestTracker | None) -> None:
+    assert best is not None and best.best is not None
+    log.info(
+        f"stopping early at step {state.step}: {best.metric} has not improved for "
+        f"{best.without_improvement} evaluations (best {best.best.value:.4f} at step {best.best.step})"
+    )

@@ -19,10 +19,13 @@ from torch.utils.data import DataLoader
 
 from lmtune import __version__, faults
 from lmtune.attention import use_varlen
+from lmtune.best import BEST_FILE, BestTracker
 from lmtune.chat import end_of_turn_ids, set_stop_tokens
 from lmtune.checkpoint import (
+    FINGERPRINT_FILE,
     ModelParts,
     TrainerState,
+    load_checkpoint,
     save_checkpoint,
     save_final,
     save_hf_folder,
@@ -388,7 +391,21 @@ def _run(
         def run_eval() -> EvalResult:
             return evaluate(unwrap(model), eval_loader, env, autocast(), lockstep=parts.sharded)
 
+    best = None
+    if cfg.metric_for_best is not None:
+        best = BestTracker(
+            cfg.metric_for_best,
+            cfg.greater_is_better,
+            cfg.early_stopping_patience,
+            cfg.early_stopping_threshold,
+        )
+        if resume_from is not None:
+            best.restore(resume_from)
+
     def save(at: TrainerState) -> None:
+        records: dict[str, Any] = {FINGERPRINT_FILE: run_fp.to_json()}
+        if best is not None:
+            records[BEST_FILE] = best.to_json()
         path = save_checkpoint(
             output_dir,
             at,
@@ -397,8 +414,9 @@ def _run(
             optimizer,
             env,
             keep_last=cfg.keep_last,
-            fingerprint=run_fp.to_json(),
+            records=records,
             scaler=scaler,
+            protect=Path(best.best.checkpoint) if best is not None and best.best is not None else None,
         )
         log.info(f"step {at.step}: saved checkpoint {path}")
 
@@ -412,7 +430,18 @@ def _run(
         return flops_per_token(round(mean_length)) * r.tokens / max(seconds, 1e-9) / (peak * env.world_size)
 
     timer = PhaseTimer(env.device) if cfg.profile else None
-    hooks = FitHooks(autocast, run_eval, save, samples, stop, faults.nan_step(), scaler, mfu, timer)
+    hooks = FitHooks(
+        autocast=autocast,
+        run_eval=run_eval,
+        save=save,
+        record_samples=samples,
+        stop_requested=stop,
+        poison_step=faults.nan_step(),
+        scaler=scaler,
+        mfu=mfu,
+        timer=timer,
+        best=best,
+    )
 
     run_info: dict[str, Any] = {
         "config": to_dict(cfg),
@@ -471,6 +500,8 @@ def _run(
         "last_loss": result.last_loss,
         "skipped_steps": result.skipped_steps,
         "stopped_early": result.stopped_early,
+        "early_stopped": result.early_stopped,
+        "best": asdict(best.best) if best is not None and best.best is not None else None,
         "eval": asdict(final_eval) if final_eval else None,
         "wall_time_s": time.time() - started,
     }
@@ -481,13 +512,16 @@ def _run(
             report_stopped(result.steps)
         return TrainResult(output_dir, result.steps, result.last_loss, final_eval, stopped_early=True)
     final_dir = output_dir / "final"
-    save_final(parts, tokenizer, final_dir, env)
-    what = "LoRA adapter (PEFT format)" if cfg.lora else "model"
     trained_here = (
         f"loss {result.last_loss:.4f} at step {result.steps}"
         if result.steps > state.step
-        else (f"step {result.steps}, no steps left to train")
+        else f"step {result.steps}, no steps left to train"
     )
+    if cfg.load_best_at_end and best is not None and best.best is not None and best.best.step != result.steps:
+        load_checkpoint(Path(best.best.checkpoint), parts, optimizer, env, scaler)
+        trained_here = f"the best model: step {best.best.step}, {best.best.metric} {best.best.value:.4f}"
+    save_final(parts, tokenizer, final_dir, env)
+    what = "LoRA adapter (PEFT format)" if cfg.lora else "model"
     log.info(f"saved the {what} to {final_dir} ({trained_here})")
     if cfg.merge_lora and env.is_main:
         merged = merged_model(load_model(cfg.model, cfg.seed, cfg.trust_remote_code).model, final_dir)

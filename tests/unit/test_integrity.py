@@ -222,7 +222,7 @@ def test_a_full_disk_is_a_user_error_and_loses_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     parts, tokenizer, optimizer = _tiny_parts()
-    save_checkpoint(tmp_path, _state(1), parts, tokenizer, optimizer, ONE, keep_last=0, fingerprint={})
+    save_checkpoint(tmp_path, _state(1), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
     assert verify(step_folder(tmp_path, 1)) is None
 
     def no_space(*args: object, **kwargs: object) -> None:
@@ -232,20 +232,20 @@ def test_a_full_disk_is_a_user_error_and_loses_nothing(
     with pytest.raises(
         UserError, match=r"no space left on device while saving step 2 to .*step-000002: about"
     ):
-        save_checkpoint(tmp_path, _state(2), parts, tokenizer, optimizer, ONE, keep_last=0, fingerprint={})
+        save_checkpoint(tmp_path, _state(2), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
     assert verify(step_folder(tmp_path, 1)) is None
     # Checked before writing: too little room is refused at once, naming both sizes.
     monkeypatch.setenv("LMTUNE_FAULT_FREE_BYTES", str(2**20))
     with pytest.raises(UserError, match=r"MB needed, 1 MB free; the previous checkpoint is intact"):
-        save_checkpoint(tmp_path, _state(3), parts, tokenizer, optimizer, ONE, keep_last=0, fingerprint={})
+        save_checkpoint(tmp_path, _state(3), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
 
 
 def test_an_existing_checkpoint_of_the_same_step_is_kept_aside(tmp_path: Path) -> None:
     parts, tokenizer, optimizer = _tiny_parts()
     step_folder(tmp_path, 2).mkdir(parents=True)
     (step_folder(tmp_path, 2) / "broken").write_text("")
-    save_checkpoint(tmp_path, _state(2), parts, tokenizer, optimizer, ONE, keep_last=1, fingerprint={})
+    save_checkpoint(tmp_path, _state(2), parts, tokenizer, optimizer, ONE, keep_last=1, records={})
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names[0] == "step-000002" and names[1].startswith("step-000002.replaced-")
     assert (tmp_path / "checkpoints" / names[1] / "broken").is_file()

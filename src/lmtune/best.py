@@ -1,0 +1,71 @@
+"""The best model so far by an evaluation metric, and early stopping when it stops improving.
+
+Every evaluation is offered to :class:`BestTracker`; an improvement names the checkpoint that holds
+it (saved at that step), which pruning never removes. Each checkpoint carries the tracker's state
+(``best.json``), so a resumed run goes on counting exactly where the saved one was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lmtune.checkpoint import step_folder
+
+BEST_FILE = "best.json"
+
+
+@dataclass(frozen=True)
+class Best:
+    step: int
+    metric: str
+    value: float
+    checkpoint: str
+
+
+@dataclass
+class BestTracker:
+    metric: str  # an eval metric as metrics.jsonl names it: eval_loss, eval_perplexity, ...
+    greater_is_better: bool
+    patience: int  # evaluations without improvement before stopping; 0: never stop early
+    threshold: float  # how much better a value must be to count as an improvement
+    best: Best | None = None
+    without_improvement: int = 0
+
+    def observe(self, step: int, value: float, output_dir: Path) -> bool:
+        """Take an evaluation of ``step``; True when it is the new best (save a checkpoint of it)."""
+        better = (
+            self.best is None
+            or (self.greater_is_better and value > self.best.value + self.threshold)
+            or (not self.greater_is_better and value < self.best.value - self.threshold)
+        )
+        if better and math.isfinite(value):
+            self.best = Best(step, self.metric, value, str(step_folder(output_dir, step)))
+            self.without_improvement = 0
+            return True
+        self.without_improvement += 1
+        return False
+
+    @property
+    def should_stop(self) -> bool:
+        return 0 < self.patience <= self.without_improvement
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "best": asdict(self.best) if self.best else None,
+            "without_improvement": self.without_improvement,
+        }
+
+    def restore(self, checkpoint: Path) -> None:
+        """Continue counting from the record saved with the checkpoint a run resumes from."""
+        try:
+            record = json.loads((checkpoint / BEST_FILE).read_text(encoding="utf-8"))
+            best = Best(**record["best"]) if record["best"] else None
+            count = int(record["without_improvement"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # none (saved without --metric-for-best): start counting afresh
+        if best is None or best.metric == self.metric:
+            self.best, self.without_improvement = best, count
