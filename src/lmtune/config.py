@@ -78,6 +78,13 @@ class TrainConfig:
         ),
     )
     text_field: str = field(default="text", metadata=_help("Name of the field holding plain text."))
+    train_on_prompt: bool = field(
+        default=False,
+        metadata=_help(
+            "Train on every token: the prompt of prompt_completion records and chat's system and user "
+            "turns too (by default only completions and assistant replies train)."
+        ),
+    )
     packing: str = field(
         default="auto",
         metadata=_help(

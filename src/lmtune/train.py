@@ -134,7 +134,13 @@ def prepare_data(
 ) -> tuple[TokenizedDataset, TokenizedDataset | None, dict[str, Any]]:
     """Tokenize (or read from the cache) the training and evaluation data; report what was done."""
     settings = DataSettings(
-        cfg.data_format, cfg.text_field, cfg.max_length, cfg.truncation, cfg.skip_bad_lines, cfg.txt_mode
+        format=cfg.data_format,
+        text_field=cfg.text_field,
+        max_length=cfg.max_length,
+        truncation=cfg.truncation,
+        skip_bad_lines=cfg.skip_bad_lines,
+        txt_mode=cfg.txt_mode,
+        train_on_prompt=cfg.train_on_prompt,
     )
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     info: dict[str, Any] = {}

@@ -142,3 +142,26 @@ def test_audit_names_the_end_of_turn_as_the_trained_stop(
     assert "stop keeps its label yes: 3 of 3 kept examples train a stop token (<|eos|> or <|im_end|>)" in out
     assert "1 truncated, 1 dropped" not in out and "0 truncated, 1 dropped" in out  # the long prompt
     assert "no trainable tokens 0" in out and "result              clean" in out
+
+
+def test_train_on_prompt_trains_every_token_and_keeps_the_end_of_turn() -> None:
+    from lmtune.data.prepare import DataSettings, encode_in_memory
+    from lmtune.data.sources import Record
+    from lmtune.data.tokenize import IGNORE_INDEX
+
+    tok = chatml_tokenizer()
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    records = [
+        Record("mem", 1, {"messages": conversation}),
+        Record("mem", 2, {"prompt": "Q: ", "completion": "A"}),
+    ]
+    replies, _ = encode_in_memory(records, tok, DataSettings())
+    everything, _ = encode_in_memory(records, tok, DataSettings(train_on_prompt=True))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    chat = everything[0]
+    assert (chat.labels == chat.input_ids).all()  # every token of the conversation, markers included
+    assert list(chat.labels).count(im_end) == 2  # both turns' ends
+    assert (replies[0].labels != IGNORE_INDEX).sum() == 4  # by default: "o", "k", <|im_end|>, "\n"
+    completion = everything[1]
+    assert completion.labels[0] == IGNORE_INDEX and (completion.labels[1:] == completion.input_ids[1:]).all()
+    assert (replies[1].labels != IGNORE_INDEX).sum() == 2  # by default: "A" and EOS

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +91,7 @@ def audit(
     sources = resolve_sources(spec, "audit")
     # Over-long examples are counted as truncation would treat them, not raised as errors.
     mode = "drop" if settings.truncation == "error" else settings.truncation
-    counting = DataSettings(
-        settings.format, settings.text_field, settings.max_length, mode, True, settings.txt_mode
-    )
+    counting = replace(settings, truncation=mode, skip_bad_lines=True)
     ensure_chat_template(tokenizer)
     sink = _Lengths()
     stats = encode_into(records(sources, counting, bad), tokenizer, counting, sink, bad)

@@ -8,7 +8,7 @@ tokenizer happens to encode a role marker.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lmtune.data.sources import Record
@@ -68,8 +68,11 @@ def _string(record: Record, name: str, allow_missing: bool = False) -> str:
     return value
 
 
-def render(record: Record, fmt: str, text_field: str, tokenizer: Any) -> Rendered:
-    """Render one record in format ``fmt`` (``auto`` detects it from the fields)."""
+def render(
+    record: Record, fmt: str, text_field: str, tokenizer: Any, *, train_on_prompt: bool = False
+) -> Rendered:
+    """Render one record in format ``fmt`` (``auto`` detects it from the fields); with
+    ``train_on_prompt`` all of it trains (the prompt, and chat's system and user turns too)."""
     chosen = detect_format(record.fields, text_field) if fmt == "auto" else fmt
     if chosen is None:
         found = ", ".join(repr(k) for k in record.fields) or "none"
@@ -88,8 +91,10 @@ def render(record: Record, fmt: str, text_field: str, tokenizer: Any) -> Rendere
             prompt = instruction + (f"\n\n{extra}" if extra else "") + "\n\n"
             completion = _string(record, "output")
         text = prompt + completion
-        return Rendered(text, ((len(prompt), len(text)),), True, True, "prompt_completion")
-    return _render_messages(record, tokenizer)
+        start = 0 if train_on_prompt else len(prompt)
+        return Rendered(text, ((start, len(text)),), True, True, "prompt_completion")
+    rendered = _render_messages(record, tokenizer)
+    return replace(rendered, spans=((0, len(rendered.text)),)) if train_on_prompt else rendered
 
 
 def _messages(record: Record) -> list[dict[str, str]]:

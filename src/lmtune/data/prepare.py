@@ -45,6 +45,7 @@ class DataSettings:
     truncation: str = "right"
     skip_bad_lines: bool = False
     txt_mode: str = "line"
+    train_on_prompt: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,14 @@ def _encode(
     chunk: list[Record], tokenizer: Any, settings: DataSettings, bad: BadLines
 ) -> tuple[list[Encoded], EncodeStats]:
     return encode_chunk(
-        chunk, tokenizer, settings.format, settings.text_field, settings.max_length, settings.truncation, bad
+        chunk,
+        tokenizer,
+        settings.format,
+        settings.text_field,
+        settings.max_length,
+        settings.truncation,
+        bad,
+        train_on_prompt=settings.train_on_prompt,
     )
 
 

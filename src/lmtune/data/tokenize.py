@@ -120,6 +120,8 @@ def encode_chunk(
     max_length: int,
     truncation: str,
     bad: BadLines,
+    *,
+    train_on_prompt: bool = False,
 ) -> tuple[list[Encoded], EncodeStats]:
     """Render and tokenize a list of records; returns the kept examples and the counts.
 
@@ -132,7 +134,7 @@ def encode_chunk(
     cut: list[bool] = []
     for record in chunk:
         try:
-            full = render(record, fmt, text_field, tokenizer)
+            full = render(record, fmt, text_field, tokenizer, train_on_prompt=train_on_prompt)
         except UserError as e:
             bad.report(str(e))
             continue
@@ -163,7 +165,7 @@ def encode_chunk(
     for i, (rec, r) in enumerate(zip(records, rendered, strict=True)):
         enc = encoded[i]
         if cut[i] and len(enc.ids) <= max_length + CUT_MARGIN_TOKENS:  # tokens longer than assumed
-            r = render(rec, fmt, text_field, tokenizer)
+            r = render(rec, fmt, text_field, tokenizer, train_on_prompt=train_on_prompt)
             enc = backend.encode(r.text, add_special_tokens=r.add_special_tokens)
         ids = np.asarray(enc.ids, dtype=np.int32)
         trainable = trainable_mask(enc, r.spans, len(r.text))
