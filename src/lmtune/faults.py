@@ -10,23 +10,23 @@ import os
 import signal
 
 
-def _step_from_env(name: str) -> int | None:
+def _int_from_env(name: str) -> int | None:
     raw = os.environ.get(name)
     return int(raw) if raw else None
 
 
 def maybe_kill_in_save(step: int) -> None:
     """LMTUNE_FAULT_KILL_IN_SAVE=k: die by SIGKILL halfway through writing checkpoint k."""
-    if _step_from_env("LMTUNE_FAULT_KILL_IN_SAVE") == step:
+    if _int_from_env("LMTUNE_FAULT_KILL_IN_SAVE") == step:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def nan_step() -> int | None:
     """LMTUNE_FAULT_NAN_AT_STEP=k: the loss of optimizer step k becomes NaN (on rank 0)."""
-    return _step_from_env("LMTUNE_FAULT_NAN_AT_STEP")
+    return _int_from_env("LMTUNE_FAULT_NAN_AT_STEP")
 
 
 def free_bytes_override() -> int | None:
     """LMTUNE_FAULT_FREE_BYTES=n: the disk has n bytes free (where a small file system cannot be
     mounted for the disk-full test)."""
-    return _step_from_env("LMTUNE_FAULT_FREE_BYTES")
+    return _int_from_env("LMTUNE_FAULT_FREE_BYTES")

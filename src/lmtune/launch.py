@@ -96,7 +96,7 @@ def relaunch(argv: list[str], cfg: TrainConfig) -> int:
     # The job's lock, before any worker starts: taken here by the node that hosts the job, handed
     # to the workers by its token; with several nodes, rank 0 takes it where no launcher here did.
     hosts = single_node or cfg.node_rank == 0
-    lock = acquire(Path(cfg.output_dir), run_id, _warn) if hosts else nullcontext()
+    lock = acquire(Path(cfg.output_dir), run_id, warn) if hosts else nullcontext()
     with lock as held:
         if held is not None:
             os.environ[LOCK_TOKEN_ENV] = held.holder.token
@@ -106,7 +106,8 @@ def relaunch(argv: list[str], cfg: TrainConfig) -> int:
             os.environ.pop(LOCK_TOKEN_ENV, None)
 
 
-def _warn(message: str) -> None:
+def warn(message: str) -> None:
+    """A warning line on stderr, from the launcher or a rank (both print it the same way)."""
     print(f"lmtune: warning: {message}", file=sys.stderr, flush=True)
 
 

@@ -57,7 +57,7 @@ from lmtune.distributed import (
 from lmtune.errors import UserError
 from lmtune.evaluate import EvalResult, evaluate
 from lmtune.generate import complete
-from lmtune.launch import report_stopped
+from lmtune.launch import report_stopped, warn
 from lmtune.loop import FitHooks, fit, plan_steps
 from lmtune.lora import LoraSettings, add_lora, merged_model
 from lmtune.loss import SummedLoss
@@ -253,13 +253,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     output_dir = Path(cfg.output_dir)
     # Before anything is written: one run per folder (lmtune's launcher may hold it for the job).
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    lock = acquire(output_dir, run_id, _warn) if env.is_main else nullcontext()
+    lock = acquire(output_dir, run_id, warn) if env.is_main else nullcontext()
     with lock, process_group(env), RunLog(env, output_dir, cfg.progress) as log, StopRequest() as stop:
         return _run(cfg, env, strategy, threads, output_dir, log, stop)
-
-
-def _warn(message: str) -> None:
-    print(f"lmtune: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _build_model(
@@ -298,7 +294,7 @@ def _run(
 ) -> TrainResult:
     started = time.time()
     prepare_output(
-        output_dir, resume=cfg.resume, overwrite=cfg.overwrite, config=to_dict(cfg), env=env, warn=_warn
+        output_dir, resume=cfg.resume, overwrite=cfg.overwrite, config=to_dict(cfg), env=env, warn=warn
     )
     loaded = load_model(cfg.model, cfg.seed, cfg.trust_remote_code)
     tokenizer = loaded.tokenizer
