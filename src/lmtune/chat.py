@@ -7,9 +7,15 @@ config that lists only ``<|endoftext|>`` lets ``generate`` run past it into an i
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from lmtune.errors import UserError
+
+if TYPE_CHECKING:  # config validation reads templates without importing torch
+    from torch import nn
 
 _PROBE = "lmtune-end-of-turn-probe"
 
@@ -49,3 +55,93 @@ def set_stop_tokens(model: nn.Module, tokenizer: Any, extra: list[int]) -> list[
     if config is not None:
         config.eos_token_id = ids if len(ids) > 1 else ids[0]
     return ids
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str  # Jinja, as tokenizers store it in ``chat_template``
+    markers: tuple[str, ...]  # the special tokens it writes (added to a vocabulary that lacks them)
+
+
+# Turn by turn, with no trimming, so a reply's text is found unchanged in the rendering. Each writes
+# the tokenizer's BOS where its model family does (Llama 3, Gemma); ChatML (Qwen) writes none.
+TEMPLATES: dict[str, ChatTemplate] = {
+    "chatml": ChatTemplate(
+        "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor -%}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}",
+        ("<|im_start|>", "<|im_end|>"),
+    ),
+    "llama3": ChatTemplate(
+        "{%- if bos_token %}{{ bos_token }}{% endif -%}"
+        "{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] }}<|eot_id|>{% endfor -%}"
+        "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif -%}",
+        ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    ),
+    # Gemma names the assistant "model"; a system turn is kept as its own turn rather than folded
+    # into the first user turn, so that every turn renders the same wherever it stands.
+    "gemma": ChatTemplate(
+        "{%- if bos_token %}{{ bos_token }}{% endif -%}"
+        "{%- for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+        "{{ m['content'] }}<end_of_turn>\n{% endfor -%}"
+        "{%- if add_generation_prompt %}<start_of_turn>model\n{% endif -%}",
+        ("<start_of_turn>", "<end_of_turn>"),
+    ),
+}
+MAX_TEMPLATE_BYTES = 64 * 1024
+# Marker-shaped literals of a template file: <|name|> (ChatML, Llama 3, Phi) or <word_word> (Gemma).
+_MARKER = re.compile(r"<\|[A-Za-z0-9_.-]{1,64}\|>|<[a-z]+(?:_[a-z]+)+>")
+
+
+def read_template(choice: str) -> ChatTemplate:
+    """A built-in template by name, or a ``.jinja`` file (which transformers renders sandboxed)."""
+    if choice in TEMPLATES:
+        return TEMPLATES[choice]
+    option = f"--chat-template {choice}"
+    path = Path(choice).expanduser()
+    if path.suffix != ".jinja":
+        raise UserError(f"{option}: must be one of {', '.join(TEMPLATES)} or a .jinja file")
+    if not path.is_file():
+        raise UserError(f"{option}: no such file")
+    if path.stat().st_size > MAX_TEMPLATE_BYTES:
+        raise UserError(f"{option}: over {MAX_TEMPLATE_BYTES // 1024} KiB, not a chat template")
+    try:
+        source = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{option}: not UTF-8 text (byte {e.start})") from None
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(source)
+    except TemplateSyntaxError as e:
+        raise UserError(f"{option}: line {e.lineno}: {e.message}") from None
+    if "messages" not in source:
+        raise UserError(f"{option}: the template never reads 'messages', so it renders no conversation")
+    return ChatTemplate(source, tuple(dict.fromkeys(_MARKER.findall(source))))
+
+
+def use_chat_template(tokenizer: Any, choice: str) -> list[str]:
+    """Give ``tokenizer`` the chosen template (saved with every model folder) and its turn markers
+    as special tokens, so each is one token that decoding hides. Returns the markers that were not
+    in the vocabulary: the model's embeddings must grow by that many rows."""
+    from tokenizers import AddedToken
+
+    template = read_template(choice)
+    vocabulary = tokenizer.get_vocab()
+    new = [m for m in template.markers if m not in vocabulary]
+    tokenizer.add_tokens(
+        [AddedToken(m, special=True, normalized=False) for m in template.markers], special_tokens=True
+    )
+    tokenizer.chat_template = template.source
+    return new
+
+
+def fit_embeddings(model: nn.Module, tokenizer: Any) -> bool:
+    """Grow the embeddings (and an untied head) to the tokenizer's size; new rows start at the mean
+    of the others, as transformers does. True when they grew."""
+    rows = model.get_input_embeddings().weight.shape[0]  # type: ignore[operator]
+    if len(tokenizer) <= rows:  # many models ship spare rows beyond the tokenizer's ids
+        return False
+    model.resize_token_embeddings(len(tokenizer))  # type: ignore[operator]
+    return True

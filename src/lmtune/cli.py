@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--truncation", default="right", help="as in train (default: right)")
     aud.add_argument("--txt-mode", default="line", help="as in train (default: line)")
     aud.add_argument(
+        "--chat-template", default=None, help="as in train: chatml | llama3 | gemma | FILE.jinja"
+    )
+    aud.add_argument(
         "--nproc-per-node",
         type=int,
         default=1,
@@ -349,6 +352,10 @@ def _cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.max_length < 2 or args.nproc_per_node < 1 or args.global_batch_size < 1:
         raise UserError("--max-length must be >= 2, --nproc-per-node and --global-batch-size >= 1")
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    if args.chat_template is not None:
+        from lmtune.chat import use_chat_template
+
+        use_chat_template(tokenizer, args.chat_template)
     settings = DataSettings(
         args.data_format, args.text_field, args.max_length, args.truncation, True, args.txt_mode
     )

@@ -85,6 +85,14 @@ class TrainConfig:
             "turns too (by default only completions and assistant replies train)."
         ),
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_help(
+            "Chat template for messages data: chatml | llama3 | gemma | a FILE.jinja. Its turn markers "
+            "become special tokens (the embeddings grow when the vocabulary lacks them) and it is saved "
+            "with the model. Default: the tokenizer's own template, else a built-in one."
+        ),
+    )
     packing: str = field(
         default="auto",
         metadata=_help(
@@ -287,6 +295,24 @@ class TrainConfig:
     early_stopping_threshold: float = field(
         default=0.0, metadata=_help("How much better an evaluation must be to count as an improvement.")
     )
+    sample_prompts: str | None = field(
+        default=None,
+        metadata=_help(
+            'JSONL file of prompts to generate from during training: each line a string, {"prompt": '
+            '...} or {"messages": [...]} (rendered with the chat template). The generations go to '
+            'metrics.jsonl ("kind": "sample") and the log.'
+        ),
+    )
+    sample_every: int = field(
+        default=0,
+        metadata=_help("With --sample-prompts: generate every N optimizer steps; 0 only at the end."),
+    )
+    sample_temperature: float = field(
+        default=0.0, metadata=_help("With --sample-prompts: 0 decodes greedily, above 0 samples (seeded).")
+    )
+    sample_max_new_tokens: int = field(
+        default=48, metadata=_help("With --sample-prompts: the most tokens generated per prompt.")
+    )
     log_every: int = field(default=1, metadata=_help("Write a metrics.jsonl line every N optimizer steps."))
     num_workers: int = field(default=0, metadata=_help("DataLoader worker processes per rank."))
     progress: bool = field(default=True, metadata=_help("Show a progress bar on rank 0."))
@@ -479,6 +505,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         "must be a fraction in (0, 1) or a whole number of examples",
     )
     need(bool(cfg.model.strip()), "model", "must name a model")
+    if cfg.chat_template is not None:
+        from lmtune.chat import read_template
+
+        read_template(cfg.chat_template)
     need(bool(cfg.data.strip()), "data", "must name data")
     need(bool(cfg.output_dir.strip()), "output_dir", "must name a folder")
     need(0 <= cfg.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
@@ -523,6 +553,15 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     )
     need(cfg.early_stopping_threshold >= 0, "early_stopping_threshold", "must be >= 0")
     need(cfg.log_every >= 1, "log_every", "must be >= 1")
+    need(cfg.sample_every >= 0, "sample_every", "must be >= 0")
+    need(not cfg.sample_every or cfg.sample_prompts is not None, "sample_every", "needs --sample-prompts")
+    need(cfg.sample_temperature >= 0, "sample_temperature", "must be >= 0")
+    need(1 <= cfg.sample_max_new_tokens <= 4096, "sample_max_new_tokens", "must be in [1, 4096]")
+    need(
+        cfg.sample_prompts is None or Path(cfg.sample_prompts).expanduser().is_file(),
+        "sample_prompts",
+        "no such file",
+    )
     need(cfg.num_workers >= 0, "num_workers", "must be >= 0")
     need(bool(cfg.text_field), "text_field", "must not be empty")
     processes = f"{world_size} process{'es' if world_size > 1 else ''}"

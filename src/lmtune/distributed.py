@@ -247,6 +247,13 @@ def all_reduce_max(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return t
 
 
+def broadcast(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Rank 0's tensor on every rank (in place, also returned)."""
+    if env.distributed:
+        dist.broadcast(t, src=0)
+    return t
+
+
 def broadcast_object(obj: T, env: DistEnv) -> T:
     """Rank 0's ``obj`` on every rank (a small picklable value)."""
     if not env.distributed:

@@ -75,6 +75,9 @@ class FitHooks:
     mfu: Callable[[StepResult, float], float] | None = None  # (step, seconds) -> model FLOPs utilisation
     timer: PhaseTimer | None = None  # per-phase step times (--profile)
     best: BestTracker | None = None  # --metric-for-best: saves the best model, may stop early
+    # Per-step components (generations, ...): called after every optimizer step with its state
+    # and whether it is the last; each decides itself whether this step concerns it.
+    after_step: tuple[Callable[[TrainerState, bool], None], ...] = ()
 
 
 @dataclass
@@ -239,6 +242,8 @@ def fit(
             result.steps, result.last_loss, result.skipped_steps = state.step, r.loss, state.skipped_steps
             if hooks.record_samples is not None:
                 hooks.record_samples(state.step, [i for b in micro for i in b.example_ids])
+            for component in hooks.after_step:
+                component(state, finished)
             epoch_done = state.step_in_epoch == plan.steps_per_epoch
             if epoch_done:
                 log.info(

@@ -52,10 +52,16 @@ class SummedLoss(nn.Module):
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        labels: torch.Tensor,
+        labels: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The summed loss; without ``labels``, each row's next-token logits (for generation,
+        which must also pass through this module: under FSDP2 its call gathers the parameters)."""
+        if labels is None:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            last: torch.Tensor = hidden.logits[:, -1]
+            return last
         if self.varlen and (segment_ids is not None or _padding(attention_mask) > PACK_ABOVE_PADDING):
             return self._flat_forward(input_ids, attention_mask, labels, position_ids, segment_ids)
         if segment_ids is not None:

@@ -469,6 +469,10 @@ def row_length(cfg: TrainConfig) -> tuple[int, bool, str]:
     env = read_dist_env("cpu")
     quiet = _QuietLog()
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    if cfg.chat_template is not None:  # the same tokens, and the same cache entry, as training
+        from lmtune.chat import use_chat_template
+
+        use_chat_template(tokenizer, cfg.chat_template)
     train, _, info = prepare_data(replace(cfg, eval_data=None), tokenizer, env, quiet)
     lengths = train.lengths()
     longest = int(lengths.max())

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from lmtune import __version__, faults
 from lmtune.attention import use_varlen
 from lmtune.best import BEST_FILE, BestTracker
-from lmtune.chat import end_of_turn_ids, set_stop_tokens
+from lmtune.chat import end_of_turn_ids, fit_embeddings, set_stop_tokens, stop_ids, use_chat_template
 from lmtune.checkpoint import (
     FINGERPRINT_FILE,
     ModelParts,
@@ -57,6 +57,7 @@ from lmtune.distributed import (
 from lmtune.errors import UserError
 from lmtune.evaluate import EvalResult, evaluate
 from lmtune.generate import complete
+from lmtune.generations import Sampler, SampleSettings, read_prompts
 from lmtune.launch import report_stopped, warn
 from lmtune.loop import FitHooks, fit, plan_steps
 from lmtune.lora import LoraSettings, add_lora, merged_model
@@ -283,6 +284,24 @@ def _build_model(
     return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora)
 
 
+def _use_chat_template(cfg: TrainConfig, model: torch.nn.Module, tokenizer: Any, log: RunLog) -> None:
+    assert cfg.chat_template is not None
+    added = use_chat_template(tokenizer, cfg.chat_template)
+    if added and cfg.lora:
+        raise UserError(
+            f"--chat-template {cfg.chat_template}: its turn markers {', '.join(added)} are new to "
+            f"{cfg.model}'s vocabulary, and LoRA leaves new token embeddings untrained, so the model "
+            "could never learn to end a turn. Fine-tune without --lora, or use a template whose "
+            "markers the tokenizer has (its own, when it has one)"
+        )
+    grew = fit_embeddings(model, tokenizer)
+    log.info(
+        f"chat template {cfg.chat_template}"
+        + (f": new special tokens {', '.join(added)}" if added else "")
+        + (f" (embeddings grown to {len(tokenizer):,} rows)" if grew else "")
+    )
+
+
 def _run(
     cfg: TrainConfig,
     env: DistEnv,
@@ -298,6 +317,8 @@ def _run(
     )
     loaded = load_model(cfg.model, cfg.seed, cfg.trust_remote_code)
     tokenizer = loaded.tokenizer
+    if cfg.chat_template is not None:
+        _use_chat_template(cfg, loaded.model, tokenizer, log)
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, stop.raise_if_requested)
     if "messages" in data_info["train"]["formats"]:
         # The reply's end-of-turn token trains; saved models must also stop generating there.
@@ -432,6 +453,19 @@ def _run(
         return flops_per_token(round(mean_length)) * r.tokens / max(seconds, 1e-9) / (peak * env.world_size)
 
     timer = PhaseTimer(env.device) if cfg.profile else None
+    after_step = []
+    if cfg.sample_prompts is not None:
+        sample_settings = SampleSettings(
+            prompts=read_prompts(Path(cfg.sample_prompts).expanduser(), tokenizer),
+            every=cfg.sample_every,
+            max_new_tokens=cfg.sample_max_new_tokens,
+            temperature=cfg.sample_temperature,
+            seed=cfg.seed,
+        )
+        stops = stop_ids(loaded.model, tokenizer)
+        after_step.append(
+            Sampler(sample_settings, unwrap(model), tokenizer, stops, env, log, parts.sharded, autocast)
+        )
     hooks = FitHooks(
         autocast=autocast,
         run_eval=run_eval,
@@ -443,6 +477,7 @@ def _run(
         mfu=mfu,
         timer=timer,
         best=best,
+        after_step=tuple(after_step),
     )
 
     run_info: dict[str, Any] = {

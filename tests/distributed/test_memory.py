@@ -22,6 +22,7 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 6
 GLOBAL_BATCH = 8
+SAMPLE_PROMPTS = ["the ", {"prompt": "a b"}, {"messages": [{"role": "user", "content": "hi"}]}]
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -59,9 +60,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ]
     lora = ["--lora", "--lora-rank", "4", "--lora-dropout", "0", "--lr", "3e-3"]
     two = ["--nproc-per-node", "2"]
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in SAMPLE_PROMPTS))
+    samples = ["--sample-prompts", str(prompts), "--sample-every", "4", "--sample-max-new-tokens", "6"]
     plan: dict[str, list[str]] = {
-        "ddp": [*two, "--strategy", "ddp"],
-        "fsdp": [*two, "--strategy", "fsdp"],
+        "ddp": [*two, "--strategy", "ddp", *samples],
+        "fsdp": [*two, "--strategy", "fsdp", *samples],
         "fsdp_ckpt": [*two, "--strategy", "fsdp", "--activation-checkpointing"],
         "fsdp_bf16": [*two, "--strategy", "fsdp", "--precision", "bf16"],
         "lora_single": [*lora, "--merge-lora"],
@@ -114,6 +118,19 @@ def test_fsdp_trains_like_ddp(runs: dict[str, Path]) -> None:
     assert _max_diff(_weights(runs["fsdp"] / "final"), _weights(runs["ddp"] / "final")) <= 1e-5
     run = json.loads((runs["fsdp"] / "run.json").read_text())
     assert run["resolved"]["strategy"] == "fsdp" and run["resolved"]["accumulation"] == 2
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_samples_are_generated_at_their_steps(runs: dict[str, Path], strategy: str) -> None:
+    """--sample-every 4 of 6 steps: at step 4 and at the end; under FSDP every rank decodes in
+    lockstep (a rank that left early would hang the others), under DDP rank 0 alone."""
+    rows = [json.loads(line) for line in (runs[strategy] / "metrics.jsonl").read_text().splitlines()]
+    samples = [r for r in rows if r["kind"] == "sample"]
+    assert [(r["step"], r["prompt"]) for r in samples] == [
+        (step, prompt) for step in (4, 6) for prompt in ("the ", "a b", "hi")
+    ]
+    assert all(0 <= r["tokens"] <= 6 and isinstance(r["completion"], str) for r in samples)
+    assert all(r["stopped"] or r["tokens"] == 6 for r in samples)
 
 
 def test_fsdp_with_activation_checkpointing_trains_the_same(runs: dict[str, Path]) -> None:

@@ -165,3 +165,95 @@ def test_train_on_prompt_trains_every_token_and_keeps_the_end_of_turn() -> None:
     completion = everything[1]
     assert completion.labels[0] == IGNORE_INDEX and (completion.labels[1:] == completion.input_ids[1:]).all()
     assert (replies[1].labels != IGNORE_INDEX).sum() == 2  # by default: "A" and EOS
+
+
+def _chat_data(path: Path) -> Path:
+    questions = [f"what is {a} plus {b}?" for a in range(8) for b in range(8)]
+    turns = [[{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}] for q in questions]
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in turns))
+    return path
+
+
+@pytest.mark.parametrize(("template", "end"), [("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>")])
+def test_chat_template_option_adds_its_markers_and_the_model_stops(
+    tmp_path: Path, template: str, end: str
+) -> None:
+    """A tokenizer without the template's markers (the byte preset): they become special tokens,
+    the embeddings grow, and the saved model ends its reply at the template's end of turn."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lmtune.chat import TEMPLATES
+
+    data = _chat_data(tmp_path / "chat.jsonl")
+    out = tmp_path / "out"
+    argv = ["train", "--data", str(data), "--chat-template", template, "--max-steps", "60", "--lr", "3e-3"]
+    argv += ["--global-batch-size", "16", "--no-progress", "--output-dir", str(out)]
+    assert main(argv) == 0
+    final = out / "final"
+    tok = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    assert tok.chat_template == TEMPLATES[template].source
+    assert model.config.vocab_size == len(tok) == len(byte_tokenizer()) + len(TEMPLATES[template].markers)
+    end_id = tok.convert_tokens_to_ids(end)
+    assert tok(f"a{end}", add_special_tokens=False)["input_ids"][-1] == end_id  # one token
+    generation_config = json.loads((final / "generation_config.json").read_text())
+    assert generation_config["eos_token_id"] == [tok.eos_token_id, end_id]
+    messages = [{"role": "user", "content": "what is 3 plus 4?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        generated = model.generate(**ids, max_new_tokens=20, do_sample=False, pad_token_id=tok.pad_token_id)
+    new = generated[0, ids["input_ids"].shape[1] :].tolist()
+    assert new[-1] == end_id and tok.decode(new, skip_special_tokens=True) == "ok"
+
+
+def test_gemma_template_renders_turn_by_turn_and_ends_turns_with_its_marker() -> None:
+    from lmtune.chat import use_chat_template
+    from lmtune.data.formats import render
+    from lmtune.data.sources import Record
+
+    tok = byte_tokenizer()
+    assert use_chat_template(tok, "gemma") == ["<start_of_turn>", "<end_of_turn>"]
+    assert use_chat_template(tok, "gemma") == []  # a second time adds nothing
+    assert end_of_turn_ids(tok) == [tok.convert_tokens_to_ids("<end_of_turn>")]
+    conversation = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+    r = render(Record("mem", 1, {"messages": conversation}), "messages", "text", tok)
+    assert r.text.startswith("<|bos|><start_of_turn>system\nbe brief<end_of_turn>\n")
+    assert [r.text[a:b] for a, b in r.spans] == ["hello<end_of_turn>\n"]
+    assert "<start_of_turn>model\n" in r.text
+
+
+def test_a_chat_template_file_is_checked_and_its_markers_found(tmp_path: Path) -> None:
+    from lmtune.chat import read_template
+    from lmtune.errors import UserError
+
+    good = tmp_path / "mine.jinja"
+    good.write_text(
+        "{% for m in messages %}<|turn|>{{ m['role'] }}: {{ m['content'] }}<end_of_reply>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|turn|>assistant: {% endif %}"
+    )
+    assert read_template(str(good)).markers == ("<|turn|>", "<end_of_reply>")
+    cases = {
+        "broken.jinja": ("{% for m in messages %}x", "line 1:"),
+        "empty.jinja": ("hello", "never reads 'messages'"),
+        "latin1.jinja": (b"{{ messages }}\xe9", "not UTF-8"),
+        "huge.jinja": ("{{ messages }}" + " " * 70_000, "KiB"),
+        "template.txt": ("{{ messages }}", "or a .jinja file"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(UserError, match=message):
+            read_template(str(path))
+    with pytest.raises(UserError, match="no such file"):
+        read_template(str(tmp_path / "missing.jinja"))
+
+
+def test_lora_with_new_turn_markers_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _chat_data(tmp_path / "chat.jsonl")
+    argv = ["train", "--data", str(data), "--chat-template", "chatml", "--lora", "--max-steps", "1"]
+    assert main([*argv, "--output-dir", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "LoRA leaves new token embeddings untrained" in capsys.readouterr().err

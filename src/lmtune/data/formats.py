@@ -144,6 +144,13 @@ def _render_messages(record: Record, tokenizer: Any) -> Rendered:
     return Rendered(text, tuple(spans), False, False, "messages")
 
 
+def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:
+    """A conversation's last turn, and the conversation rendered up to the assistant's reply."""
+    ensure_chat_template(tokenizer)
+    messages = _messages(record)
+    return messages[-1]["content"], _chat(tokenizer, messages, generation_prompt=True)
+
+
 def _empty_prompt(tokenizer: Any) -> str:
     """What precedes a reply that opens the conversation."""
     try:

@@ -1,0 +1,200 @@
+"""Generations during training (--sample-prompts): what the model writes for a few fixed prompts,
+every --sample-every steps and at the end, in metrics.jsonl (``"kind": "sample"``) and the log.
+
+Decoding is lmtune's own short loop over the training wrapper (no KV cache; prompts are short):
+under FSDP2 every forward gathers parameters from all ranks, so every rank decodes the same prompt
+in lockstep and rank 0's choice of each token is broadcast. Under DDP rank 0 decodes alone while
+the others wait in the next step's collective, so a time budget bounds that wait.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmtune.checkpoint import TrainerState
+from lmtune.distributed import DistEnv, broadcast
+from lmtune.errors import UserError
+from lmtune.metrics import RunLog
+
+MAX_PROMPTS_BYTES = 1 << 20
+MAX_PROMPTS = 64
+# Under DDP the other ranks wait for rank 0 in a collective whose timeout is minutes, not hours.
+TIME_BUDGET_S = 120.0
+
+
+@dataclass(frozen=True)
+class Prompt:
+    shown: str  # as the log and metrics.jsonl show it
+    ids: list[int]
+
+
+def _prompt_text(line: str, path: Path, number: int, tokenizer: Any) -> tuple[str, str, bool]:
+    """(shown, rendered, whether the tokenizer adds its own specials) of one line."""
+    where = f"{path}:{number}"
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not JSON ({e.msg})") from None
+    if isinstance(value, str):
+        return value, value, True
+    if isinstance(value, dict) and isinstance(value.get("prompt"), str):
+        return value["prompt"], value["prompt"], True
+    if not isinstance(value, dict) or "messages" not in value:
+        raise UserError(f'{where}: expected a string, {{"prompt": ...}} or {{"messages": [...]}}')
+    from lmtune.data.formats import chat_prompt
+    from lmtune.data.sources import Record
+
+    shown, rendered = chat_prompt(Record(str(path), number, value), tokenizer)
+    return shown, rendered, False
+
+
+def read_prompts(path: Path, tokenizer: Any) -> list[Prompt]:
+    """The prompts of a --sample-prompts file; every problem is an error naming the line."""
+    option = f"--sample-prompts {path}"
+    if not path.is_file():
+        raise UserError(f"{option}: no such file")
+    if path.stat().st_size > MAX_PROMPTS_BYTES:
+        raise UserError(f"{option}: over {MAX_PROMPTS_BYTES >> 20} MiB; a few prompts are enough")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{option}: not UTF-8 text (byte {e.start})") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        shown, rendered, specials = _prompt_text(line, path, number, tokenizer)
+        ids = tokenizer(rendered, add_special_tokens=specials)["input_ids"]
+        if not ids:
+            raise UserError(f"{path}:{number}: the prompt is empty")
+        prompts.append(Prompt(shown, list(ids)))
+    if not prompts:
+        raise UserError(f"{option}: no prompts in it")
+    if len(prompts) > MAX_PROMPTS:
+        raise UserError(f"{option}: {len(prompts)} prompts; at most {MAX_PROMPTS} are generated from")
+    return prompts
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt: str
+    completion: str
+    tokens: int
+    stopped: bool  # ended by a stop token (else by the token limit or the time budget)
+
+
+@torch.no_grad()
+def decode(
+    root: nn.Module,
+    prompt: list[int],
+    *,
+    stop: set[int],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    env: DistEnv,
+    lockstep: bool,
+    autocast: Callable[[], AbstractContextManager[object]],
+    deadline: float,
+) -> tuple[list[int], bool, bool]:
+    """New tokens after ``prompt``, whether a stop token ended them, and whether the time budget
+    ran out (the same on every rank). ``root`` is the training wrapper, whose forward without
+    labels returns the last position's logits."""
+    ids = torch.tensor([prompt], device=env.device)
+    generator = torch.Generator().manual_seed(seed)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        with autocast():
+            logits = root(ids, torch.ones_like(ids), None)[0].float()
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1).cpu()
+            token = int(torch.multinomial(probs, 1, generator=generator))
+        else:
+            token = int(logits.argmax())
+        late = int(time.monotonic() > deadline)
+        if lockstep:  # rank 0 decides, so no rank can leave the loop while another forwards
+            token, late = (int(v) for v in broadcast(torch.tensor([token, late], device=env.device), env))
+        if token in stop:
+            return new, True, bool(late)
+        new.append(token)
+        if late:
+            return new, False, True
+        ids = torch.cat([ids, torch.tensor([[token]], device=env.device)], dim=1)
+    return new, False, False
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    prompts: list[Prompt]
+    every: int  # 0: at the end only
+    max_new_tokens: int
+    temperature: float
+    seed: int
+
+
+class Sampler:
+    """Called after every optimizer step; generates on the scheduled ones."""
+
+    def __init__(
+        self,
+        settings: SampleSettings,
+        root: nn.Module,
+        tokenizer: Any,
+        stop: list[int],
+        env: DistEnv,
+        log: RunLog,
+        lockstep: bool,
+        autocast: Callable[[], AbstractContextManager[object]],
+    ):
+        self.settings, self.root, self.tokenizer, self.env, self.log = settings, root, tokenizer, env, log
+        self.stop, self.lockstep, self.autocast = set(stop), lockstep, autocast
+
+    def __call__(self, state: TrainerState, finished: bool) -> None:
+        step, every = state.step, self.settings.every
+        if not (finished or (every and step % every == 0)):
+            return
+        if not (self.lockstep or self.env.is_main):
+            return  # DDP: rank 0 alone; the others go on to the next step's collective
+        was_training = self.root.training
+        self.root.eval()
+        try:
+            generations = self._generate()
+        finally:
+            self.root.train(was_training)
+        for g in generations:
+            self.log.record({"kind": "sample", "step": step, "epoch": state.epoch, **asdict(g)})
+        shown = [f"  {g.prompt!r} -> {g.completion!r}{'' if g.stopped else ' ...'}" for g in generations]
+        self.log.info(f"step {step}: samples\n" + "\n".join(shown))
+
+    def _generate(self) -> list[Generation]:
+        s = self.settings
+        deadline = time.monotonic() + TIME_BUDGET_S
+        out = []
+        for i, prompt in enumerate(s.prompts):
+            new, stopped, late = decode(
+                self.root,
+                prompt.ids,
+                stop=self.stop,
+                max_new_tokens=s.max_new_tokens,
+                temperature=s.temperature,
+                seed=s.seed + i,
+                env=self.env,
+                lockstep=self.lockstep,
+                autocast=self.autocast,
+                deadline=deadline,
+            )
+            text = str(self.tokenizer.decode(new, skip_special_tokens=True))
+            out.append(Generation(prompt.shown, text, len(new), stopped))
+            if late:
+                self.log.info(f"samples: the {TIME_BUDGET_S:.0f} s budget ran out after {i + 1} prompts")
+                break
+        return out

@@ -1,0 +1,106 @@
+"""Generations during training: the prompts file is read strictly, and lmtune's decoding loop over
+the training wrapper writes what transformers' generate writes."""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmtune.chat import stop_ids
+from lmtune.distributed import read_dist_env
+from lmtune.errors import UserError
+from lmtune.generations import decode, read_prompts
+from lmtune.loss import SummedLoss
+from lmtune.modeling import load_model
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_decoding_matches_transformers_generate(varlen: bool) -> None:
+    from lmtune.attention import use_varlen
+
+    loaded = load_model("tiny", 3)
+    model, tok = loaded.model.eval(), loaded.tokenizer
+    root = SummedLoss(model, varlen=varlen and use_varlen(model))
+    stops = stop_ids(model, tok)
+    for prompt in ("12+7=", "hello there, ", "x"):
+        ids = tok(prompt)["input_ids"]
+        new, stopped, late = decode(
+            root,
+            ids,
+            stop=set(stops),
+            max_new_tokens=12,
+            temperature=0.0,
+            seed=0,
+            env=read_dist_env("cpu"),
+            lockstep=False,
+            autocast=nullcontext,
+            deadline=float("inf"),
+        )
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=stops, pad_token_id=0
+            )
+        expected = out[0, len(ids) :].tolist()
+        assert not late
+        if stopped:
+            assert expected == [*new, expected[-1]] and expected[-1] in stops
+        else:
+            assert new == expected and len(new) == 12
+
+
+def test_sampling_is_seeded() -> None:
+    loaded = load_model("tiny", 3)
+    root = SummedLoss(loaded.model.eval())
+    ids = loaded.tokenizer("abc")["input_ids"]
+
+    def run(seed: int) -> list[int]:
+        options = {"stop": set(), "max_new_tokens": 10, "temperature": 1.5, "env": read_dist_env("cpu")}
+        return decode(root, ids, seed=seed, lockstep=False, autocast=nullcontext, deadline=1e18, **options)[0]
+
+    assert run(1) == run(1) != run(2)
+
+
+def test_the_time_budget_ends_decoding() -> None:
+    loaded = load_model("tiny", 3)
+    new, stopped, late = decode(
+        SummedLoss(loaded.model.eval()),
+        loaded.tokenizer("abc")["input_ids"],
+        stop=set(),
+        max_new_tokens=50,
+        temperature=0.0,
+        seed=0,
+        env=read_dist_env("cpu"),
+        lockstep=False,
+        autocast=nullcontext,
+        deadline=0.0,  # long past
+    )
+    assert (len(new), stopped, late) == (1, False, True)
+
+
+def test_prompt_files_are_read_strictly(tmp_path: Path) -> None:
+    tok = load_model("tiny", 0).tokenizer
+    good = tmp_path / "good.jsonl"
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    good.write_text(json.dumps("1+1=") + "\n\n" + json.dumps({"messages": conversation}) + "\n")
+    plain, chat = read_prompts(good, tok)
+    assert plain.shown == "1+1=" and plain.ids == tok("1+1=")["input_ids"]
+    assert chat.shown == "2+2?" and tok.decode(chat.ids).endswith("<|assistant|>\n")
+    cases = {
+        "bad.jsonl": ('"a"\n{"prompt": 3}\n', "bad.jsonl:2: expected a string"),
+        "json.jsonl": ("not json\n", "json.jsonl:1: not JSON"),
+        "role.jsonl": ('{"messages": [{"role": "wizard", "content": "x"}]}\n', "role.jsonl:1: .*role"),
+        "empty.jsonl": ("\n\n", "no prompts in it"),
+        "many.jsonl": ('"a"\n' * 65, "at most 64"),
+        "latin.jsonl": (b'"\xe9"\n', "not UTF-8"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(UserError, match=message):
+            read_prompts(path, tok)
+    with pytest.raises(UserError, match="no such file"):
+        read_prompts(tmp_path / "missing.jsonl", tok)
