@@ -253,6 +253,15 @@ class TrainConfig:
         default=False,
         metadata=_help("With --lora, also write the base model with the adapter merged to final/merged/."),
     )
+    loss_chunk_size: int | None = field(
+        default=None,
+        metadata=_help(
+            "Compute the output layer and the loss this many tokens at a time, so the logits of a "
+            "micro-batch (tokens x vocabulary) never exist whole; 0 computes full logits. Default: "
+            "sized from the vocabulary (about 128 MiB of fp32 logits per chunk). Models whose "
+            "output is not a plain linear layer (a logit soft-cap) keep full logits."
+        ),
+    )
     compile: bool = field(
         default=False,
         metadata=_help("torch.compile the model; falls back to eager with a message if it fails."),
@@ -553,6 +562,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     )
     need(cfg.early_stopping_threshold >= 0, "early_stopping_threshold", "must be >= 0")
     need(cfg.log_every >= 1, "log_every", "must be >= 1")
+    need(cfg.loss_chunk_size is None or cfg.loss_chunk_size >= 0, "loss_chunk_size", "must be >= 0")
     need(cfg.sample_every >= 0, "sample_every", "must be >= 0")
     need(not cfg.sample_every or cfg.sample_prompts is not None, "sample_every", "needs --sample-prompts")
     need(cfg.sample_temperature >= 0, "sample_temperature", "must be >= 0")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmtune.chunked_loss import linear_cross_entropy_sum, split_head
 from lmtune.data.collate import PACK_ABOVE_PADDING
 from lmtune.data.tokenize import IGNORE_INDEX
 
@@ -40,9 +43,13 @@ class SummedLoss(nn.Module):
     instead of every replica's logits, and gives DDP/DP one module to wrap.
     """
 
-    def __init__(self, model: nn.Module, varlen: bool = False):
+    def __init__(self, model: nn.Module, varlen: bool = False, loss_chunk: int = 0):
         super().__init__()
         self.model = model
+        # Tokens per chunk of the chunked linear cross-entropy (lmtune.chunked_loss); 0: the model
+        # computes full logits. The decoder and head are looked up per call, not stored: DataParallel
+        # replicates this module's children, and a stored reference would point at GPU 0's.
+        self.loss_chunk = loss_chunk
         # The model runs lmtune.attention's per-example attention: used for packed rows and for
         # rows with much padding; rows of nearly equal lengths run as they are, which costs fewer
         # operations (on 11-token examples the flattened path was ~20% slower).
@@ -71,11 +78,17 @@ class SummedLoss(nn.Module):
             attention_mask = block_causal_mask(
                 segment_ids, sliding_window(getattr(self.model, "config", None))
             )
-        logits = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).logits
-        loss_sum, _ = token_loss_sum(logits, labels)
+        loss_sum = self._loss_sum(
+            labels, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        )
         return torch.stack([loss_sum])  # not a view: FSDP2 hooks the output for its backward
+
+    def _loss_sum(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        split = split_head(self.model) if self.loss_chunk else None
+        if split is None:
+            return token_loss_sum(self.model(**inputs, use_cache=False).logits, labels)[0]
+        hidden = split.decoder(**inputs, use_cache=False).last_hidden_state
+        return linear_cross_entropy_sum(hidden, split.head, labels, self.loss_chunk)
 
     def _flat_forward(
         self,
@@ -92,11 +105,11 @@ class SummedLoss(nn.Module):
         flat = flatten(input_ids, attention_mask, labels, position_ids, segment_ids, round_length=on_cpu)
         # An all-ones mask rather than None: given None, transformers looks for packing in the
         # positions and builds an L x L mask that per-example attention has no use for.
-        logits = self.model(
+        loss_sum = self._loss_sum(
+            flat.labels,
             input_ids=flat.input_ids,
             attention_mask=torch.ones_like(flat.input_ids),
             position_ids=flat.position_ids,
-            use_cache=False,
             **{SEGMENTS: flat.segments},
-        ).logits
-        return torch.stack([token_loss_sum(logits, flat.labels)[0]])
+        )
+        return torch.stack([loss_sum])

@@ -54,6 +54,7 @@ class Setup:
     length: int  # tokens per row of a micro-batch
     world_size: int
     accumulation: int  # micro-steps per optimizer step
+    loss_chunk: int = 0  # tokens per chunk of the chunked linear cross-entropy; 0: full logits
 
     def label(self) -> str:
         extras = (
@@ -280,9 +281,32 @@ def estimate(setup: Setup, facts: ModelFacts, host: Host, padded: bool) -> Estim
     else:
         kept = facts.layers * facts.per_layer
     activations = rows * (kept + facts.other) + _mask_bytes(setup, padded)
-    # The saved log-softmax plus, during the backward, the logits' gradient (fp32).
-    logits = rows * (facts.logits + 4 * setup.length * facts.vocab)
+    logits = _loss_bytes(setup, facts)
     return Estimate(setup, weights, gradients, optimizer, activations, logits, buffers, host)
+
+
+def _loss_bytes(setup: Setup, facts: ModelFacts) -> int:
+    """Bytes the loss holds at its peak."""
+    tokens = setup.micro_batch_size * setup.length
+    if not setup.loss_chunk:
+        # The saved log-softmax plus, during the backward, the logits' gradient (fp32).
+        return setup.micro_batch_size * facts.logits + 4 * tokens * facts.vocab
+    # One chunk's logits in the compute dtype, their fp32 copy (the softmax and its gradient are
+    # made in place) and the gradient cast back; kept from forward to backward: the gradients
+    # of the hidden states and, unless LoRA freezes it, of the output layer's weight (fp32).
+    low = 2 if low_precision_dtype(setup.precision) is not None else 0
+    chunk = min(setup.loss_chunk, tokens) * facts.vocab * (4 + 2 * low)
+    head = 0 if setup.lora else 4 * facts.vocab * facts.hidden
+    return chunk + head + 4 * tokens * facts.hidden
+
+
+def loss_chunk(cfg: TrainConfig, config: Any) -> int:
+    """The chunk lmtune train would use (chunked_loss.choose decides it on the real model)."""
+    from lmtune.chunked_loss import default_chunk_size
+
+    if cfg.loss_chunk_size == 0 or cfg.compile or getattr(config, "final_logit_softcapping", None):
+        return 0
+    return cfg.loss_chunk_size or default_chunk_size(int(config.vocab_size))
 
 
 def measure_host(
@@ -359,6 +383,7 @@ def measure_peak(cfg: TrainConfig, setup: Setup, workdir: Path, model: str | Non
         *("--global-batch-size", str(setup.micro_batch_size * setup.world_size * setup.accumulation)),
         *("--precision", setup.precision, "--optimizer", setup.optimizer, "--resume", "never"),
         *("--nproc-per-node", str(setup.world_size), "--packing", cfg.packing, "--device", cfg.device),
+        *("--loss-chunk-size", str(setup.loss_chunk)),
     ]
     args += ["--cache-dir", cfg.cache_dir] if cfg.cache_dir else []
     args += ["--lora"] if setup.lora else []
@@ -374,7 +399,7 @@ def measure_peak(cfg: TrainConfig, setup: Setup, workdir: Path, model: str | Non
     return int(max(run["result"]["peak_memory_per_rank"]))
 
 
-def setup_from(cfg: TrainConfig, world_size: int, length: int) -> Setup:
+def setup_from(cfg: TrainConfig, world_size: int, length: int, chunk: int = 0) -> Setup:
     """The setup ``lmtune train`` would run with these settings on ``world_size`` processes."""
     strategy = cfg.strategy
     if strategy == "auto" or (world_size == 1 and strategy in ("ddp", "fsdp")):
@@ -390,6 +415,7 @@ def setup_from(cfg: TrainConfig, world_size: int, length: int) -> Setup:
         length=length,
         world_size=world_size,
         accumulation=max(1, cfg.global_batch_size // (micro * world_size)),
+        loss_chunk=chunk,
     )
 
 
@@ -524,7 +550,7 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
             facts[key] = model_facts(model_config, adapters, setup.precision, length, device)
         return estimate(setup, facts[key], host, padded)
 
-    requested = setup_from(cfg, world, length)
+    requested = setup_from(cfg, world, length, loss_chunk(cfg, config))
     host = Host()
     if device == "cpu":
         host = measure_host(cfg, requested, config, lambda c, s: predict_for(c, s, Host()), workdir)
@@ -550,7 +576,8 @@ def format_report(report: PlanReport) -> str:
     r = report.requested
     lines = [
         f"memory plan: {r.setup.label()}, micro-batch {r.setup.micro_batch_size} x {r.setup.length} "
-        f"tokens ({report.length_reason}), {r.setup.accumulation} micro-step(s) per step",
+        f"tokens ({report.length_reason}), {r.setup.accumulation} micro-step(s) per step, "
+        + (f"loss in chunks of {r.setup.loss_chunk} tokens" if r.setup.loss_chunk else "full logits"),
         "",
         HEADER,
         format_row(r),

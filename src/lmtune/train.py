@@ -30,6 +30,8 @@ from lmtune.checkpoint import (
     save_final,
     save_hf_folder,
 )
+from lmtune.chunked_loss import LossChoice
+from lmtune.chunked_loss import choose as choose_loss
 from lmtune.config import (
     SAMPLE_DATA,
     TrainConfig,
@@ -261,7 +263,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 def _build_model(
     cfg: TrainConfig, base: torch.nn.Module, strategy: str, env: DistEnv, log: RunLog
-) -> tuple[torch.nn.Module, ModelParts]:
+) -> tuple[torch.nn.Module, ModelParts, LossChoice]:
     """Memory savers, LoRA, compile, the loss wrapper and the strategy's wrapper, in that order."""
     if cfg.activation_checkpointing:
         _checkpoint_activations(base, cfg.model)
@@ -277,11 +279,14 @@ def _build_model(
         trained = add_lora(base, lora)
     # A rank-specific stream from here on, so dropout differs across the ranks' examples.
     torch.manual_seed(cfg.seed + env.rank)
+    loss = choose_loss(trained, cfg.loss_chunk_size, cfg.compile)
+    if cfg.loss_chunk_size and not loss.chunk:
+        log.info(f"--loss-chunk-size {cfg.loss_chunk_size}: not used; {loss.description}")
     if cfg.compile:
         _compile(trained, log)
-    loss_module = SummedLoss(trained, varlen)
+    loss_module = SummedLoss(trained, varlen, loss.chunk)
     model = wrap_model(loss_module, strategy, env, cfg.precision)
-    return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora)
+    return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora), loss
 
 
 def _use_chat_template(cfg: TrainConfig, model: torch.nn.Module, tokenizer: Any, log: RunLog) -> None:
@@ -331,7 +336,7 @@ def _run(
     # Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
     default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora else loaded.default_lr
     lr = cfg.lr if cfg.lr is not None else default_lr
-    model, parts = _build_model(cfg, loaded.model, strategy, env, log)
+    model, parts, loss = _build_model(cfg, loaded.model, strategy, env, log)
     loss_module, trained = parts.root, parts.model
     # After wrapping: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
     optimizer = build_optimizer(
@@ -487,6 +492,7 @@ def _run(
             "micro_batch_size": micro,
             "batching": batching,
             "attention": "per example" if loss_module.varlen else "masked",
+            "loss": loss.description,
             "lr": lr,
             "model_source": loaded.source,
             **asdict(plan),
@@ -504,7 +510,7 @@ def _run(
         f"{env.world_size} x {env.device.type}; global batch "
         f"{cfg.global_batch_size} = {micro} x {env.world_size} x {plan.accumulation} "
         f"accumulation ({BATCHING_NAMES[batching]}, {run_info['resolved']['attention']} attention); "
-        f"{plan.total_steps} steps"
+        f"{plan.total_steps} steps; loss: {loss.description}"
     )
     try:
         result = fit(

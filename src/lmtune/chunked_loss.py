@@ -1,0 +1,165 @@
+"""Cross-entropy through the output layer, a chunk of tokens at a time: the logits of a whole
+micro-batch (tokens x vocabulary, and their fp32 copy, and their gradient) never exist at once.
+
+Each chunk's gradients (for the hidden states, the head's weight and bias) are computed in the
+forward, right after its loss, and the backward only scales them by the incoming gradient. That
+costs no second product with the head, which for a model with a large vocabulary is a big share
+of the step, against holding one fp32 weight-sized gradient from forward to backward.
+Only positions with a target are projected: prompt tokens and padding cost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmtune.data.tokenize import IGNORE_INDEX
+
+# Default chunk: about this many bytes of fp32 logits (big enough for efficient products).
+CHUNK_BYTES = 128 * 2**20
+MIN_CHUNK, MAX_CHUNK = 256, 16384
+
+
+def default_chunk_size(vocab: int) -> int:
+    """Tokens per chunk for a vocabulary: a multiple of 128, within [MIN_CHUNK, MAX_CHUNK]."""
+    return max(MIN_CHUNK, min(MAX_CHUNK, CHUNK_BYTES // (4 * vocab) // 128 * 128))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b and bias is not None else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # The products run in the autocast dtype as the full-logits path's would; softmax and
+        # log-sum-exp in fp32. Autocast is off inside so each cast is the one written here.
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = bias.to(dtype) if bias is not None else None
+            for start in range(0, hidden.size(0), chunk):
+                h = hidden[start : start + chunk].to(dtype)
+                t = targets[start : start + chunk]
+                logits = F.linear(h, w, b).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                if grad_h is None and grad_w is None and grad_b is None:
+                    continue
+                # d(loss)/d(logits) = softmax - one_hot(target), computed in place in the logits.
+                g = logits.sub_(lse[:, None]).exp_()
+                g[torch.arange(t.numel(), device=t.device), t] -= 1.0
+                if grad_b is not None:
+                    grad_b += g.sum(0)
+                g = g.to(dtype)
+                if grad_h is not None:
+                    grad_h[start : start + chunk] = g @ w
+                if grad_w is not None:
+                    grad_w += (g.t() @ h).float()
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        scale = grad_out.float()
+        return (
+            None if grad_h is None else (grad_h * scale).to(h_dtype),
+            None if grad_w is None else (grad_w * scale).to(w_dtype),
+            None if grad_b is None else (grad_b * scale).to(w_dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """The summed next-token loss of ``head(hidden)`` against ``labels`` (shifted here), as
+    :func:`lmtune.loss.token_loss_sum` computes it from full logits, without them."""
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    keep = targets != IGNORE_INDEX
+    rows = hidden.reshape(-1, hidden.size(-1))[keep]
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    loss: torch.Tensor = _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
+        rows, head.weight, head.bias, targets[keep], chunk, dtype
+    )
+    return loss
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """A causal LM as its decoder (to the final hidden states) and its output layer."""
+
+    decoder: nn.Module
+    head: nn.Linear
+
+
+def split_head(model: nn.Module) -> HeadSplit | None:
+    """The decoder and a plain linear output layer of ``model`` (a PEFT wrapper looked through),
+    or None when it has no such pair."""
+    unwrap = getattr(model, "get_base_model", None)
+    base: nn.Module = unwrap() if callable(unwrap) else model
+    get_decoder, get_head = getattr(base, "get_decoder", None), getattr(base, "get_output_embeddings", None)
+    if not callable(get_decoder) or not callable(get_head):
+        return None
+    head, decoder = get_head(), get_decoder()
+    if type(head) is not nn.Linear or decoder is base:  # a LoRA-adapted head is not plain
+        return None
+    return HeadSplit(decoder, head)
+
+
+@torch.no_grad()
+def head_is_exact(model: nn.Module, split: HeadSplit) -> bool:
+    """Whether the model's logits are exactly its head applied to its decoder's output: not so
+    for models that scale or soft-cap the logits (Gemma 2's final soft-cap, Cohere's scale, ...).
+    Checked on a few tokens rather than by a list of model types that would age."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = split.head.weight.device
+        ids = torch.arange(1, 5, device=device)[None] % split.head.out_features
+        full = model(input_ids=ids, use_cache=False).logits.float()
+        parts = split.head(split.decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
+    except Exception:  # a decoder that needs other inputs: keep the full-logits path
+        return False
+    finally:
+        model.train(was_training)
+    return full.shape == parts.shape and bool(torch.allclose(full, parts, rtol=1e-4, atol=1e-5))
+
+
+@dataclass(frozen=True)
+class LossChoice:
+    chunk: int  # tokens per chunk; 0: full logits
+    description: str  # for the log and run.json's resolved.loss
+
+
+def choose(model: nn.Module, requested: int | None, compiled: bool) -> LossChoice:
+    """The chunked loss where its math is exactly the model's, else full logits and why."""
+    if requested == 0:
+        return LossChoice(0, "full logits (--loss-chunk-size 0)")
+    if compiled:  # the compiled graph is the model's whole forward, logits included
+        return LossChoice(0, "full logits (--compile compiles the model's own forward)")
+    split = split_head(model)
+    if split is None or not head_is_exact(model, split):
+        return LossChoice(
+            0, "full logits (the model's output is not a plain linear layer over its decoder's output)"
+        )
+    chunk = requested or default_chunk_size(split.head.out_features)
+    return LossChoice(chunk, f"chunked linear cross-entropy ({chunk} tokens per chunk)")
