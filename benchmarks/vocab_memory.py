@@ -13,6 +13,7 @@ prediction for each. Targets: peak at least 35% lower, step time at most 1.03x, 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -111,7 +112,7 @@ def main() -> None:
         run = json.loads((out / "run.json").read_text())
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         elapsed = [r["elapsed_s"] for r in rows if r["kind"] == "train"]
-        steps = [b - a for a, b in zip(elapsed, elapsed[1:])]
+        steps = [b - a for a, b in itertools.pairwise(elapsed)]
         lmtune(["plan", *common, *extra, "--json", str(out / "plan.json")])
         plan = json.loads((out / "plan.json").read_text())["requested"]
         results[name] = {
