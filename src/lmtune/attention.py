@@ -22,6 +22,10 @@ from torch import nn
 from lmtune.data.tokenize import IGNORE_INDEX
 
 VARLEN = "lmtune_varlen"
+# The same on the CPU under bf16 autocast, with attention in bf16 over bucketed shapes.
+VARLEN_BUCKETED = "lmtune_varlen_bucketed"
+BUCKET = 64  # example lengths round up to a multiple of this in bucketed attention
+CPU_ATTENTION_ENV = "LMTUNE_CPU_ATTENTION"  # auto | fp32 | bf16: overrides the measured choice
 SEGMENTS = "lmtune_segments"  # the keyword that carries a flattened batch's Segments to attention
 
 
@@ -98,29 +102,69 @@ def _round_up(tokens: int) -> int:
     return -(-tokens // step) * step
 
 
-def use_varlen(model: nn.Module) -> bool:
+def use_varlen(model: nn.Module, cpu_bf16: bool = False) -> bool:
     """Switch ``model`` to per-example attention when it dispatches through transformers'
     attention interface and runs ``sdpa``; returns whether it did. Other implementations (eager,
     flash-attention chosen by the user, models with their own attention code) are left as they
-    are and get packed rows through a block-diagonal mask instead."""
+    are and get packed rows through a block-diagonal mask instead.
+
+    ``cpu_bf16`` (training on the CPU under bf16 autocast): attention runs in bf16 over bucketed
+    shapes where that measures faster than fp32 on this machine, else in fp32."""
     config = getattr(model, "config", None)
     if not getattr(model, "_supports_attention_backend", False) or config is None:
         return False
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
     _register()
-    model.set_attn_implementation(VARLEN)  # type: ignore[operator]
-    return bool(config._attn_implementation == VARLEN)  # a model may decline (with a warning)
+    name = VARLEN
+    if cpu_bf16 and _bf16_attention_wins(config):
+        name = VARLEN_BUCKETED
+    model.set_attn_implementation(name)  # type: ignore[operator]
+    return bool(config._attn_implementation == name)  # a model may decline (with a warning)
+
+
+def attention_description(model: nn.Module) -> str:
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if name == VARLEN_BUCKETED:
+        return f"per example, bf16 in lengths rounded to {BUCKET}"
+    return "per example" if name == VARLEN else "masked"
 
 
 def _register() -> None:
-    """Make ``VARLEN`` known to transformers (idempotent): our attention, with sdpa's masks for the
-    calls that carry no segments."""
+    """Make our attention known to transformers (idempotent), with sdpa's masks for the calls
+    that carry no segments."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(VARLEN, varlen_attention)
     AttentionMaskInterface.register(VARLEN, sdpa_mask)
+    AttentionInterface.register(VARLEN_BUCKETED, bucketed_attention)
+    AttentionMaskInterface.register(VARLEN_BUCKETED, sdpa_mask)
+
+
+def _bf16_attention_wins(config: Any) -> bool:
+    """Whether this CPU runs the model's attention (forward and backward) faster in bf16 than in
+    fp32, timed on a typical shape; ``LMTUNE_CPU_ATTENTION`` overrides. Without bf16 matrix
+    instructions (AVX-512 BF16, AMX) bf16 loses many times over."""
+    import os
+    import time
+
+    forced = os.environ.get(CPU_ATTENTION_ENV, "auto")
+    if forced in ("fp32", "bf16"):
+        return forced == "bf16"
+    heads = int(getattr(config, "num_attention_heads", 8))
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(4, heads, 256, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.sum().backward()  # type: ignore[no-untyped-call]
+            times.append(time.perf_counter() - start)
+        seconds[dtype] = min(times[1:])  # the first call sets up kernels
+    return seconds[torch.bfloat16] < seconds[torch.float32]
 
 
 def varlen_attention(
@@ -161,6 +205,54 @@ def varlen_attention(
         else:
             out = _one_by_one(attend, query, key, value, segments, bias)
     return out.to(dtype), None
+
+
+def bucketed_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Per-example attention in the inputs' (low) precision on the CPU, with every call's shape
+    drawn from a small set: example lengths round up to a multiple of ``BUCKET`` and the examples
+    of one length run together, their count rounded up to a power of two. PyTorch's CPU bf16
+    kernels keep memory for every shape they meet, so unbounded shapes would grow the process
+    without end; bounded ones level off."""
+    segments: Segments | None = kwargs.get(SEGMENTS)
+    if segments is None or kwargs.get("position_bias") is not None or query.device.type != "cpu":
+        return varlen_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    attend = _Attend(module, dropout, scaling, kwargs.get("sliding_window"))
+    return _bucketed(attend, query, key, value, segments), None
+
+
+def _bucketed(
+    attend: _Attend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments
+) -> torch.Tensor:
+    """``[1, heads, T, dim]`` in, ``[1, T, heads, dim]`` out; padding queries and keys come after
+    every real one of their example, so causal attention never lets a real query see them."""
+    device, tokens = query.device, query.size(2)
+    lengths = segments.lengths()
+    widths = [-(-n // BUCKET) * BUCKET for n in lengths]
+    padded = [torch.cat([t, t.new_zeros(*t.shape[:2], 1, t.size(3))], dim=2)[0] for t in (query, key, value)]
+    outputs, places = [], []
+    for width in sorted(set(widths)):
+        members = [i for i, w in enumerate(widths) if w == width]
+        count = 1 << (len(members) - 1).bit_length()  # spare rows are all padding
+        spare = [0] * (count - len(members))
+        starts = torch.tensor([segments.offsets[i] for i in members] + spare, device=device)
+        sizes = torch.tensor([lengths[i] for i in members] + spare, device=device)
+        positions = torch.arange(width, device=device)
+        real = positions[None] < sizes[:, None]  # [count, width]
+        index = torch.where(real, starts[:, None] + positions[None], tokens)
+        q, k, v = (t[:, index].transpose(0, 1) for t in padded)  # [count, heads, width, dim]
+        outputs.append(attend(q, k, v)[real])
+        places.append(index[real])
+    out = torch.cat(outputs)
+    return out.new_zeros(tokens, *out.shape[1:]).index_copy(0, torch.cat(places), out)[None]
 
 
 @dataclass(frozen=True)

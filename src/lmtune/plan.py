@@ -200,8 +200,9 @@ def _cut(config: Any, layers: int) -> Any:
     """The same architecture with only ``layers`` decoder blocks."""
     small = copy.deepcopy(config)
     small.num_hidden_layers = layers
-    if getattr(small, "layer_types", None):
-        small.layer_types = small.layer_types[:layers]
+    types = getattr(small, "layer_types", None)
+    if types:  # cut, or (for a cut of a cut) continued in the same pattern
+        small.layer_types = [types[i % len(types)] for i in range(layers)]
     return small
 
 

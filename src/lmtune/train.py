@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lmtune import __version__, faults
-from lmtune.attention import use_varlen
+from lmtune.attention import attention_description, use_varlen
 from lmtune.best import BEST_FILE, BestTracker
 from lmtune.chat import end_of_turn_ids, fit_embeddings, set_stop_tokens, stop_ids, use_chat_template
 from lmtune.checkpoint import (
@@ -269,7 +269,8 @@ def _build_model(
         _checkpoint_activations(base, cfg.model)
     # Per-example attention computes nothing on padding or across packed examples. Its per-example
     # loop would make torch.compile recompile for every batch, so compiled runs keep the masks.
-    varlen = not cfg.compile and use_varlen(base)
+    cpu_bf16 = env.device.type == "cpu" and cfg.precision == "bf16"
+    varlen = not cfg.compile and use_varlen(base, cpu_bf16)
     trained = base
     if cfg.lora:
         # The same adapter init on every rank: FSDP keeps each rank's own shard of it (DDP would
@@ -491,7 +492,7 @@ def _run(
             "strategy": strategy,
             "micro_batch_size": micro,
             "batching": batching,
-            "attention": "per example" if loss_module.varlen else "masked",
+            "attention": attention_description(loaded.model) if loss_module.varlen else "masked",
             "loss": loss.description,
             "lr": lr,
             "model_source": loaded.source,

@@ -57,6 +57,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         *("--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", "2", "--epochs", "1"),
         *("--eval-every", "3", "--save-every", "3", "--keep-last", "0", "--lr", "1e-3"),
         *("--warmup-ratio", "0.2", "--max-length", "64", "--threads-per-process", "1", "--no-progress"),
+        *("--loss-chunk-size", "16"),  # the chunked loss, in many chunks, under every strategy
     ]
     lora = ["--lora", "--lora-rank", "4", "--lora-dropout", "0", "--lr", "3e-3"]
     two = ["--nproc-per-node", "2"]
@@ -66,6 +67,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     plan: dict[str, list[str]] = {
         "ddp": [*two, "--strategy", "ddp", *samples],
         "fsdp": [*two, "--strategy", "fsdp", *samples],
+        "ddp_full_logits": [*two, "--strategy", "ddp", "--loss-chunk-size", "0"],
         "fsdp_ckpt": [*two, "--strategy", "fsdp", "--activation-checkpointing"],
         "fsdp_bf16": [*two, "--strategy", "fsdp", "--precision", "bf16"],
         "lora_single": [*lora, "--merge-lora"],
@@ -118,6 +120,18 @@ def test_fsdp_trains_like_ddp(runs: dict[str, Path]) -> None:
     assert _max_diff(_weights(runs["fsdp"] / "final"), _weights(runs["ddp"] / "final")) <= 1e-5
     run = json.loads((runs["fsdp"] / "run.json").read_text())
     assert run["resolved"]["strategy"] == "fsdp" and run["resolved"]["accumulation"] == 2
+
+
+def test_the_chunked_loss_trains_like_full_logits(runs: dict[str, Path]) -> None:
+    chunked, full = train_rows(runs["ddp"]), train_rows(runs["ddp_full_logits"])
+    assert [r["loss"] for r in chunked] == pytest.approx([r["loss"] for r in full], rel=1e-6)
+    assert [r["grad_norm"] for r in chunked] == pytest.approx([r["grad_norm"] for r in full], rel=1e-5)
+    assert _max_diff(_weights(runs["ddp"] / "final"), _weights(runs["ddp_full_logits"] / "final")) <= 1e-5
+    resolved = {
+        k: json.loads((runs[k] / "run.json").read_text())["resolved"] for k in ("ddp", "ddp_full_logits")
+    }
+    assert resolved["ddp"]["loss"] == "chunked linear cross-entropy (16 tokens per chunk)"
+    assert resolved["ddp_full_logits"]["loss"] == "full logits (--loss-chunk-size 0)"
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

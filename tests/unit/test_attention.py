@@ -207,3 +207,26 @@ def test_bf16_autocast_trains_the_same_rows_and_keeps_attention_in_fp32() -> Non
     # bf16 rounds the projections differently in the two layouts; the loss agrees to bf16's precision.
     assert losses[1] == pytest.approx(losses[0], rel=1e-2)
     assert seen and set(seen) == {(torch.float32, False)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_bucketed_attention_equals_the_masked_rows(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU bf16 path's bucketing (lengths rounded up to 64, examples of one width together,
+    their count rounded to a power of two) changes no result: checked in fp32, where it is exact."""
+    from lmtune.attention import CPU_ATTENTION_ENV, VARLEN_BUCKETED
+
+    monkeypatch.setenv(CPU_ATTENTION_ENV, "bf16")
+    model, tok = _model(arch)
+    masked = SummedLoss(copy.deepcopy(model))
+    assert use_varlen(model, cpu_bf16=True) and model.config._attn_implementation == VARLEN_BUCKETED
+    bucketed = SummedLoss(model, varlen=True)
+    data = _data(tok, "uneven")
+    examples = [data[i] for i in range(len(data))]
+    padded = Collator(tok.pad_token_id)(examples)
+    rows = pack_bins(data.lengths().tolist(), 120)
+    packed = PackedCollator(tok.pad_token_id)([[examples[j] for j in row] for row in rows])
+    reference_loss, reference_grads = _loss_and_grads(masked, padded)
+    for batch in (packed, padded):
+        loss, grads = _loss_and_grads(bucketed, batch)
+        assert abs(loss - reference_loss) <= 1e-5 * reference_loss
+        assert (grads - reference_grads).abs().max() <= 1e-6
