@@ -7,6 +7,7 @@ processes) on the user's model and data, timed after a warm-up; nothing is simul
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -66,7 +67,8 @@ def _measure(out: Path, warmup: int, devices: int) -> BenchRow:
         devices=devices,
         tokens_per_s=throughput,
         tokens_per_s_per_device=throughput / devices,
-        mfu=statistics.mean(r["mfu"] for r in timed),
+        # A step whose MFU was over 100% has none (its peak was measured low): then no mean either.
+        mfu=statistics.mean(r["mfu"] if r["mfu"] is not None else math.nan for r in timed),
         peak_memory_mib=peak,
         step_ms=1000 * sum(r["tokens"] for r in timed) / throughput / len(timed),
         phase_ms=phases,
@@ -150,12 +152,39 @@ def format_table(rows: list[BenchRow]) -> str:
             continue
         ph = r.phase_ms or {}
         split = " / ".join(f"{ph.get(p, 0.0):.1f}" for p in PHASES)
+        mfu = f"{100 * r.mfu:>6.0f}%" if math.isfinite(r.mfu) else f"{'n/a':>7}"
         lines.append(
             f"{r.strategy:<9}{r.precision:<10}{r.devices:>8}{r.tokens_per_s:>11,.0f}"
-            f"{r.tokens_per_s_per_device:>10,.0f}{100 * r.mfu:>6.0f}%{r.peak_memory_mib:>10,.0f}"
+            f"{r.tokens_per_s_per_device:>10,.0f}{mfu}{r.peak_memory_mib:>10,.0f}"
             f"{r.step_ms:>9.1f}  {split}"
         )
     return "\n".join(lines)
+
+
+def measure_peaks(precisions: list[str], nproc: int, device_name: str) -> list[str]:
+    """`lmtune bench --measure-peak`: measure the matmul peak again (several longer probes) for each
+    precision and each thread count training uses here, and replace the cached ones MFU divides by."""
+    import torch
+
+    from lmtune.data.prepare import cache_root
+    from lmtune.distributed import available_cores, read_dist_env
+    from lmtune.perf import PEAKS_FILE, measure_and_store_peak
+
+    device = read_dist_env(device_name).device
+    cores = available_cores()
+    thread_counts = sorted({cores, max(1, cores // nproc)}) if device.type == "cpu" else [cores]
+    lines = []
+    for precision in precisions:
+        if precision == "fp16" and device.type != "cuda":
+            continue
+        for threads in thread_counts:
+            if device.type == "cpu":
+                torch.set_num_threads(threads)
+            flops = measure_and_store_peak(device, precision, threads, cache_root() / PEAKS_FILE)
+            where = f"{threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else str(device)
+            lines.append(f"peak {precision:<5} {where:<10} {flops / 1e9:>10,.1f} GFLOP/s")
+    lines.append(f"stored in {cache_root() / PEAKS_FILE}")
+    return lines
 
 
 def to_json(rows: list[BenchRow]) -> list[dict[str, Any]]:

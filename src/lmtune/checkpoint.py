@@ -67,6 +67,13 @@ class TrainerState:
     def samples_in_epoch(self) -> int:
         return self.step_in_epoch * self.global_batch_size
 
+    @property
+    def epochs_done(self) -> float:
+        """Epochs completed, fractional (Hugging Face Trainer's ``epoch``): 0.5 halfway through the
+        first, 1.0 at its end. metrics.jsonl, reports and dashboards use this one convention."""
+        per_epoch = max(self.examples // self.global_batch_size, 1)
+        return round(self.epoch + self.step_in_epoch / per_epoch, 6)
+
 
 @dataclass(frozen=True)
 class ModelParts:

@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--json", metavar="PATH", default="bench.json", help="table as JSON (default: bench.json)"
     )
+    bench.add_argument(
+        "--measure-peak",
+        action="store_true",
+        help="only measure this device's matmul peak again for --precisions (several longer probes) and "
+        "store it as the peak MFU divides by; do it on an idle machine",
+    )
+    bench.add_argument("--device", default="auto", help="with --measure-peak: auto | cpu | cuda")
     bench.set_defaults(run=_cmd_bench)
     pl = commands.add_parser(
         "plan",
@@ -136,6 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("out", metavar="DIR", help="folder to write")
     exp.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
     exp.set_defaults(run=_cmd_export)
+    rep = commands.add_parser(
+        "report",
+        allow_abbrev=False,
+        help="one HTML page with the plots of one run or several overlaid",
+        description="Read OUTPUT folders (finished or still running) and write one self-contained HTML "
+        "file: loss and eval loss against steps and tokens, learning rate, gradient norm, tokens/s, MFU, "
+        "peak memory per rank, step times, example lengths, the data summary, the final evaluation, the "
+        "configuration, and with several runs the settings that differ.",
+    )
+    rep.add_argument("outputs", nargs="+", metavar="OUTPUT", help="run output folders")
+    rep.add_argument("--out", default="report.html", help="HTML file to write (default: report.html)")
+    rep.add_argument("--png", metavar="DIR", default=None, help="also write every plot as a PNG file here")
+    rep.set_defaults(run=_cmd_report)
     data = commands.add_parser("data", allow_abbrev=False, help="inspect training data").add_subparsers(
         dest="data_command", required=True, metavar="COMMAND"
     )
@@ -273,7 +293,11 @@ def _stdin_turns(interactive: bool) -> Iterator[str]:
 def _cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import json
 
-    from lmtune.bench import format_table, run_bench, to_json
+    from lmtune.bench import format_table, measure_peaks, run_bench, to_json
+
+    if args.measure_peak:
+        print("\n".join(measure_peaks(args.precisions.split(","), args.nproc_per_node, args.device)))
+        return 0
 
     train_args = [
         "--model",
@@ -331,6 +355,22 @@ def _cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     export(Path(args.checkpoint), Path(args.out), args.trust_remote_code)
     print(f"wrote {args.out}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from lmtune.report import PLOTS, report
+
+    drawn = report([Path(o) for o in args.outputs], Path(args.out), Path(args.png) if args.png else None)
+    empty = [name for name in PLOTS if name not in drawn]
+    print(
+        f"wrote {args.out}: {len(drawn)} plots"
+        + (f" (nothing recorded for {', '.join(empty)})" if empty else "")
+    )
+    if args.png:
+        print(f"wrote {len(drawn)} PNG files to {args.png}")
     return 0
 
 

@@ -323,6 +323,14 @@ class TrainConfig:
         default=48, metadata=_help("With --sample-prompts: the most tokens generated per prompt.")
     )
     log_every: int = field(default=1, metadata=_help("Write a metrics.jsonl line every N optimizer steps."))
+    report_to: str = field(
+        default="none",
+        metadata=_help(
+            "Also send the metrics to: none | tensorboard | wandb | mlflow, or a comma list "
+            "(TensorBoard under OUTPUT/tensorboard; W&B offline under OUTPUT/wandb unless "
+            "WANDB_API_KEY or WANDB_MODE is set; MLflow to MLFLOW_TRACKING_URI, else OUTPUT/mlruns)."
+        ),
+    )
     num_workers: int = field(default=0, metadata=_help("DataLoader worker processes per rank."))
     progress: bool = field(default=True, metadata=_help("Show a progress bar on rank 0."))
     profile: bool = field(
@@ -562,6 +570,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     )
     need(cfg.early_stopping_threshold >= 0, "early_stopping_threshold", "must be >= 0")
     need(cfg.log_every >= 1, "log_every", "must be >= 1")
+    from lmtune.reporters import check_installed, parse_report_to
+
+    check_installed(parse_report_to(cfg.report_to))
     need(cfg.loss_chunk_size is None or cfg.loss_chunk_size >= 0, "loss_chunk_size", "must be >= 0")
     need(cfg.sample_every >= 0, "sample_every", "must be >= 0")
     need(not cfg.sample_every or cfg.sample_prompts is not None, "sample_every", "needs --sample-prompts")

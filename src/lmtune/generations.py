@@ -171,7 +171,7 @@ class Sampler:
         finally:
             self.root.train(was_training)
         for g in generations:
-            self.log.record({"kind": "sample", "step": step, "epoch": state.epoch, **asdict(g)})
+            self.log.record({"kind": "sample", "step": step, "epoch": state.epochs_done, **asdict(g)})
         shown = [f"  {g.prompt!r} -> {g.completion!r}{'' if g.stopped else ' ...'}" for g in generations]
         self.log.info(f"step {step}: samples\n" + "\n".join(shown))
 

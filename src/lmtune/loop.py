@@ -72,7 +72,9 @@ class FitHooks:
     stop_requested: Callable[[], bool] = lambda: False
     poison_step: int | None = None  # fault injection: this step's loss becomes NaN on rank 0
     scaler: torch.amp.GradScaler | None = None  # fp16 only
-    mfu: Callable[[StepResult, float], float] | None = None  # (step, seconds) -> model FLOPs utilisation
+    mfu: Callable[[StepResult, float], float | None] | None = (
+        None  # (step, seconds) -> model FLOPs utilisation
+    )
     timer: PhaseTimer | None = None  # per-phase step times (--profile)
     best: BestTracker | None = None  # --metric-for-best: saves the best model, may stop early
     # Per-step components (generations, ...): called after every optimizer step with its state
@@ -124,7 +126,7 @@ def _record_step(
         {
             "kind": "train",
             "step": state.step,
-            "epoch": state.epoch,
+            "epoch": state.epochs_done,
             "loss": r.loss,
             "lr": lr,
             "grad_norm": r.grad_norm,
@@ -149,7 +151,7 @@ def _record_eval(log: RunLog, state: TrainerState, ev: EvalResult) -> None:
         {
             "kind": "eval",
             "step": state.step,
-            "epoch": state.epoch,
+            "epoch": state.epochs_done,
             "eval_loss": ev.loss,
             "eval_perplexity": ev.perplexity,
             "eval_tokens": ev.target_tokens,

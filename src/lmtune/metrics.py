@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from tqdm import tqdm
 
 from lmtune.distributed import DistEnv
+from lmtune.reporters import Reporter
 
 
 class InfoLog(Protocol):
@@ -65,6 +66,7 @@ class RunLog:
         self.progress = progress and self.active
         self._bar: tqdm[Any] | None = None
         self._metrics: Any = None
+        self._reporters: list[Reporter] = []
         if self.active:
             output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -81,11 +83,18 @@ class RunLog:
     ) -> None:
         self.close()
 
+    def add_reporters(self, reporters: list[Reporter]) -> None:
+        """Outputs that get every row metrics.jsonl gets (--report-to), from now on."""
+        self._reporters += reporters
+
     def close(self) -> None:
         self.end_progress()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        for reporter in self._reporters:
+            reporter.close()
+        self._reporters = []
 
     def info(self, message: str) -> None:
         if not self.active:
@@ -111,6 +120,12 @@ class RunLog:
         if self._metrics is not None:
             self._metrics.write(json.dumps(row) + "\n")
             self._metrics.flush()
+        for reporter in list(self._reporters):
+            try:
+                reporter.write(row)
+            except Exception as e:  # a dashboard that fails must not end the training it reports on
+                self._reporters.remove(reporter)
+                self.info(f"warning: {type(reporter).__name__} stopped: {type(e).__name__}: {e}")
 
     def advance(self, postfix: dict[str, str]) -> None:
         if self._bar is not None:
@@ -125,10 +140,10 @@ class RunLog:
             tmp.replace(path)
 
 
-def read_metrics(output_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
-    """The rows of one kind ("train" or "eval") of a run's metrics.jsonl."""
+def read_metrics(output_dir: Path, kind: str | None = "train") -> list[dict[str, Any]]:
+    """The rows of one kind ("train", "eval", "sample"; None: all) of a run's metrics.jsonl."""
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["kind"] == kind]
+    return [r for r in rows if kind is None or r["kind"] == kind]
 
 
 def tokens_per_second(train_rows: list[dict[str, Any]], warmup: int = 0) -> float:

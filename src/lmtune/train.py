@@ -43,7 +43,7 @@ from lmtune.config import (
 )
 from lmtune.data.collate import Collator, StepCollator
 from lmtune.data.dataset import TokenizedDataset, split_off
-from lmtune.data.prepare import DataSettings, default_cache_dir, prepare
+from lmtune.data.prepare import DataSettings, cache_root, default_cache_dir, prepare
 from lmtune.data.sample import addition_examples, split_prompt
 from lmtune.data.sampling import EvalSampler, TrainSampler
 from lmtune.data.sources import SAMPLE_EVAL
@@ -64,17 +64,19 @@ from lmtune.launch import report_stopped, warn
 from lmtune.loop import FitHooks, fit, plan_steps
 from lmtune.lora import LoraSettings, add_lora, merged_model
 from lmtune.loss import SummedLoss
-from lmtune.metrics import InfoLog, RunLog, SampleLog
+from lmtune.metrics import InfoLog, RunLog, SampleLog, read_metrics
 from lmtune.modeling import load_model
 from lmtune.optim import build_optimizer, build_schedule, optimizer_state_bytes
 from lmtune.parallel import resolve_strategy, unwrap, wrap_model
 from lmtune.perf import (
+    PEAKS_FILE,
     PhaseTimer,
+    best_peak_flops,
     low_precision_dtype,
-    measure_peak_flops,
     peak_memory_bytes,
     train_flops_per_token,
 )
+from lmtune.reporters import open_reporters, parse_report_to
 from lmtune.resume import continue_from, fingerprint, resume_point
 from lmtune.rundir import acquire, prepare_output
 from lmtune.step import StepResult
@@ -396,6 +398,11 @@ def _run(
         start_step=state.step,
     )
     log.open_metrics(state.step)
+    if env.is_main:
+        names = parse_report_to(cfg.report_to)
+        # A resumed run's history (metrics.jsonl keeps the rows up to its checkpoint).
+        history = read_metrics(output_dir, kind=None) if state.step else []
+        log.add_reporters(open_reporters(names, output_dir, to_dict(cfg), history))
 
     batching = _batching(cfg, data_info["train"]["formats"])
     step_collate = StepCollator(tokenizer.pad_token_id, micro, batching, cfg.max_length)
@@ -451,12 +458,26 @@ def _run(
 
     samples = SampleLog(output_dir, env.rank, state.step) if cfg.record_samples else None
     flops_per_token = partial(train_flops_per_token, loaded.model)
-    peak = measure_peak_flops(env.device, cfg.precision, seconds=0.3)
+    peak = best_peak_flops(
+        env.device, cfg.precision, threads, cache_root() / PEAKS_FILE if env.is_main else None
+    )
+    over_peak: list[float] = []  # MFU readings above 100%, warned about once
 
-    def mfu(r: StepResult, seconds: float) -> float:
-        """Model FLOPs per second of this step over the measured peak of all devices."""
+    def mfu(r: StepResult, seconds: float) -> float | None:
+        """Model FLOPs per second of this step over the measured peak of all devices; None (and a
+        warning) where that is over 100%: the peak was measured low, not the step faster than it."""
         mean_length = r.tokens / max(r.examples, 1)
-        return flops_per_token(round(mean_length)) * r.tokens / max(seconds, 1e-9) / (peak * env.world_size)
+        value = flops_per_token(round(mean_length)) * r.tokens / max(seconds, 1e-9) / (peak * env.world_size)
+        if value <= 1.0:
+            return value
+        if not over_peak:
+            log.info(
+                f"warning: MFU would read {100 * value:.0f}%: the matmul peak measured at start "
+                f"({peak / 1e9:,.1f} GFLOP/s) is below what this step reached (measured while the machine "
+                "was busy?); MFU is left out. Re-measure it: lmtune bench --measure-peak"
+            )
+        over_peak.append(value)
+        return None
 
     timer = PhaseTimer(env.device) if cfg.profile else None
     after_step = []

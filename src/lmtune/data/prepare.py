@@ -60,11 +60,16 @@ class Sink(Protocol):
     def write(self, examples: list[Encoded]) -> None: ...
 
 
-def default_cache_dir() -> Path:
+def cache_root() -> Path:
+    """lmtune's cache: $LMTUNE_CACHE_DIR, else ~/.cache/lmtune."""
     root = os.environ.get(CACHE_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lmtune"
     )
-    return Path(root) / "data"
+    return Path(root)
+
+
+def default_cache_dir() -> Path:
+    return cache_root() / "data"
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -1,0 +1,346 @@
+"""`lmtune report`: one self-contained HTML page (plots embedded) for one run or several overlaid.
+
+It reads what a run folder holds (metrics.jsonl, run.json, the data cache it names) and works on a
+run that is still going: a line cut off mid-write is left out, missing parts are said to be missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmtune.errors import UserError
+
+SMOOTHING = 0.9  # exponential moving average of the training loss (as TensorBoard's slider)
+
+
+@dataclass
+class Run:
+    name: str
+    folder: Path
+    rows: list[dict[str, Any]]
+    info: dict[str, Any] = field(default_factory=dict)  # run.json; {} when not written yet
+
+    def kind(self, kind: str) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r.get("kind") == kind]
+
+    def series(self, key: str, kind: str = "train") -> tuple[list[float], list[float]]:
+        """(steps, values) where ``key`` has a number."""
+        points = [(r["step"], r[key]) for r in self.kind(kind) if _number(r.get(key))]
+        return [float(s) for s, _ in points], [float(v) for _, v in points]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def load_run(folder: Path) -> Run:
+    metrics = folder / "metrics.jsonl"
+    if not metrics.is_file():
+        raise UserError(f"{folder}: no metrics.jsonl, so not an lmtune output folder (or not started)")
+    rows = []
+    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the line being written as the file was read
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    info: dict[str, Any] = {}
+    try:
+        loaded = json.loads((folder / "run.json").read_text(encoding="utf-8"))
+        info = loaded if isinstance(loaded, dict) else {}
+    except (OSError, ValueError):
+        pass
+    return Run(folder.resolve().name, folder, rows, info)
+
+
+def _smooth(values: list[float]) -> list[float]:
+    out, average = [], 0.0
+    for i, v in enumerate(values, 1):
+        average = SMOOTHING * average + (1 - SMOOTHING) * v
+        out.append(average / (1 - SMOOTHING**i))  # debiased, so the start is not pulled to 0
+    return out
+
+
+def _lengths(run: Run) -> list[int]:
+    """Token lengths of the training examples, from the data cache the run names (if still there)."""
+    import numpy as np
+
+    cache = run.info.get("data", {}).get("train", {}).get("cache")
+    try:
+        offsets = np.load(Path(cache) / "offsets.npy", allow_pickle=False)
+    except (OSError, TypeError, ValueError):
+        return []
+    return [int(n) for n in np.diff(offsets)]
+
+
+Plot = Callable[[Any, list[Run]], bool]  # draws on an Axes; False when there was nothing to draw
+
+
+def _plot_loss(ax: Any, runs: list[Run]) -> bool:
+    drawn = False
+    for i, run in enumerate(runs):
+        color = f"C{i}"
+        steps, loss = run.series("loss")
+        if steps:
+            ax.plot(steps, loss, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(steps, _smooth(loss), color=color, label=f"{run.name} train (smoothed)")
+            drawn = True
+        steps, loss = run.series("eval_loss", "eval")
+        if steps:
+            ax.plot(steps, loss, "o--", color=color, label=f"{run.name} eval")
+            drawn = True
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    return drawn
+
+
+def _plot_loss_tokens(ax: Any, runs: list[Run]) -> bool:
+    drawn = False
+    for i, run in enumerate(runs):
+        rows = [r for r in run.kind("train") if _number(r.get("loss")) and _number(r.get("tokens"))]
+        if rows:
+            tokens, total = [], 0.0
+            for r in rows:
+                total += r["tokens"]
+                tokens.append(total)
+            ax.plot(tokens, _smooth([r["loss"] for r in rows]), color=f"C{i}", label=run.name)
+            drawn = True
+    ax.set_xlabel("tokens trained (logged steps)")
+    ax.set_ylabel("train loss (smoothed)")
+    return drawn
+
+
+def _series_plot(key: str, label: str, scale: float = 1.0) -> Plot:
+    def draw(ax: Any, runs: list[Run]) -> bool:
+        drawn = False
+        for i, run in enumerate(runs):
+            steps, values = run.series(key)
+            if steps:
+                ax.plot(steps, [v * scale for v in values], color=f"C{i}", label=run.name)
+                drawn = True
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        return drawn
+
+    return draw
+
+
+def _plot_memory_per_rank(ax: Any, runs: list[Run]) -> bool:
+    bars = [(run.name, rank, b) for run in runs for rank, b in enumerate(_peaks(run))]
+    for i, (name, _, b) in enumerate(bars):
+        ax.bar(i, b / 2**20, color=f"C{[r.name for r in runs].index(name)}")
+    ax.set_xticks(range(len(bars)), [f"{n}\nrank {r}" for n, r, _ in bars], fontsize=7)
+    ax.set_ylabel("peak MiB (end of run)")
+    return bool(bars)
+
+
+def _peaks(run: Run) -> list[int]:
+    peaks = (run.info.get("result") or {}).get("peak_memory_per_rank") or []
+    return [int(p) for p in peaks if _number(p)]
+
+
+def _plot_phases(ax: Any, runs: list[Run]) -> bool:
+    drawn = False
+    for i, run in enumerate(runs):
+        for key, style in (("step_time_max_s", "-"), ("step_time_min_s", ":")):
+            steps, values = run.series(key)
+            if steps:
+                ax.plot(steps, values, style, color=f"C{i}", label=f"{run.name} {key[10:13]} over ranks")
+                drawn = True
+        phases = sorted(
+            {k for r in run.kind("train") for k in r if k.startswith("time_") and k.endswith("_s")}
+        )
+        for j, key in enumerate(phases):
+            steps, values = run.series(key)
+            ax.plot(steps, values, color=f"C{(i + j + 1) % 10}", alpha=0.7, label=f"{run.name} {key[5:-2]}")
+            drawn = True
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    return drawn
+
+
+def _plot_lengths(ax: Any, runs: list[Run]) -> bool:
+    drawn = False
+    for i, run in enumerate(runs):
+        lengths = _lengths(run)
+        if lengths:
+            ax.hist(lengths, bins=40, color=f"C{i}", alpha=0.6, label=run.name)
+            drawn = True
+    ax.set_xlabel("tokens per training example")
+    ax.set_ylabel("examples")
+    return drawn
+
+
+PLOTS: dict[str, tuple[str, Plot]] = {
+    "loss": ("Loss against steps (train raw and smoothed; eval)", _plot_loss),
+    "loss_tokens": ("Train loss against tokens", _plot_loss_tokens),
+    "lr": ("Learning rate", _series_plot("lr", "learning rate")),
+    "grad_norm": ("Gradient norm (before clipping)", _series_plot("grad_norm", "grad norm")),
+    "tokens_per_s": ("Throughput", _series_plot("tokens_per_s", "tokens/s")),
+    "mfu": ("Model FLOPs utilisation", _series_plot("mfu", "MFU %", 100.0)),
+    "memory": ("Peak memory of rank 0", _series_plot("peak_memory_bytes", "MiB", 1 / 2**20)),
+    "memory_per_rank": ("Peak memory per rank", _plot_memory_per_rank),
+    "step_times": ("Step times (per rank, per phase where recorded)", _plot_phases),
+    "lengths": ("Training example lengths", _plot_lengths),
+}
+
+
+def render_plots(runs: list[Run]) -> dict[str, bytes | None]:
+    """PNG bytes per plot name; None where the runs hold nothing to draw."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("lmtune report draws with matplotlib: pip install 'lmtune[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: dict[str, bytes | None] = {}
+    for name, (title, draw) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=100)
+        if draw(ax, runs):
+            ax.set_title(title, fontsize=10)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+            fig.tight_layout()
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format="png")
+            out[name] = buffer.getvalue()
+        else:
+            out[name] = None
+        plt.close(fig)
+    return out
+
+
+def _summary(run: Run) -> dict[str, str]:
+    resolved, result = run.info.get("resolved") or {}, run.info.get("result") or {}
+    env = run.info.get("environment") or {}
+    train = run.kind("train")
+    evals = run.kind("eval")
+    last = train[-1] if train else {}
+    status = "finished" if (run.folder / "final").is_dir() else "stopped" if result else "running or stopped"
+    return {
+        "status": status,
+        "model": str((run.info.get("config") or {}).get("model", "?")),
+        "strategy": f"{resolved.get('strategy', '?')} on {env.get('world_size', '?')} "
+        f"x {env.get('device', '?')}",
+        "steps": f"{last.get('step', 0)} of {resolved.get('total_steps', '?')}",
+        "last train loss": f"{last['loss']:.4f}" if _number(last.get("loss")) else "-",
+        "last eval loss": f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})" if evals else "-",
+        "best": json.dumps(result["best"]) if result.get("best") else "-",
+        "peak memory per rank": ", ".join(f"{p / 2**20:,.0f} MiB" for p in _peaks(run)) or "-",
+        "wall time": f"{result['wall_time_s']:,.0f} s" if _number(result.get("wall_time_s")) else "-",
+        "loss": str(resolved.get("loss", "-")),
+        "attention": str(resolved.get("attention", "-")),
+    }
+
+
+def _data_summary(run: Run) -> dict[str, str]:
+    out = {}
+    for split, d in (run.info.get("data") or {}).items():
+        if isinstance(d, dict):
+            keys = ("examples", "tokens", "truncated", "dropped_too_long", "dropped_no_targets", "bad_lines")
+            out[split] = ", ".join(f"{k} {d[k]:,}" for k in keys if _number(d.get(k))) or str(
+                d.get("spec", "")
+            )
+    return out
+
+
+def differing_settings(runs: list[Run]) -> dict[str, list[str]]:
+    configs = [run.info.get("config") or {} for run in runs]
+    # output_dir always differs, and the runs are named by it.
+    keys = sorted({k for c in configs for k in c} - {"output_dir"})
+    return {
+        k: [json.dumps(c.get(k)) for c in configs]
+        for k in keys
+        if len({json.dumps(c.get(k)) for c in configs}) > 1
+    }
+
+
+def _table(rows: list[list[str]], head: list[str] | None = None) -> str:
+    cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    top = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>" if head else ""
+    return f"<table>{top}{cells}</table>"
+
+
+STYLE = (
+    "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}"
+    "table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;"
+    "font-size:13px;text-align:left;vertical-align:top}th{background:#f3f3f3}"
+    ".plots{display:flex;flex-wrap:wrap;gap:8px}figure{margin:0}img{max-width:540px}"
+    "pre{background:#f7f7f7;padding:8px;font-size:12px;overflow:auto}"
+)
+
+
+def build_html(runs: list[Run], pngs: dict[str, bytes | None]) -> str:
+    names = [run.name for run in runs]
+    summaries = [_summary(run) for run in runs]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>lmtune report: {html.escape(', '.join(names))}</title><style>{STYLE}</style></head><body>",
+        f"<h1>lmtune report: {html.escape(', '.join(names))}</h1>",
+        "<h2>Runs</h2>",
+        _table([[k, *(s[k] for s in summaries)] for k in summaries[0]], ["", *names]),
+    ]
+    if len(runs) > 1:
+        diff = differing_settings(runs)
+        parts += [
+            "<h2>Settings that differ</h2>",
+            _table([[k, *v] for k, v in diff.items()], ["setting", *names]),
+        ]
+    parts.append("<h2>Plots</h2><div class='plots'>")
+    for name, (title, _) in PLOTS.items():
+        png = pngs.get(name)
+        if png is None:
+            caption = f"<figcaption>{html.escape(title)}: nothing recorded</figcaption>"
+            parts.append(f"<figure id='plot-{name}'>{caption}</figure>")
+        else:
+            encoded = base64.b64encode(png).decode()
+            image = f"<img alt='{html.escape(title)}' src='data:image/png;base64,{encoded}'>"
+            parts.append(f"<figure id='plot-{name}'>{image}</figure>")
+    parts.append("</div>")
+    for run in runs:
+        parts.append(f"<h2>{html.escape(run.name)}</h2>")
+        data_summary = _data_summary(run)
+        if data_summary:
+            parts += ["<h3>Data</h3>", _table([[k, v] for k, v in data_summary.items()])]
+        evals = run.kind("eval")
+        if evals:
+            final = evals[-1]
+            parts += [
+                "<h3>Final evaluation</h3>",
+                _table([[k, str(v)] for k, v in final.items() if k != "kind"]),
+            ]
+        samples = run.kind("sample")
+        if samples:
+            step = samples[-1]["step"]
+            rows = [[str(r.get("prompt")), str(r.get("completion"))] for r in samples if r["step"] == step]
+            parts += [f"<h3>Samples at step {step}</h3>", _table(rows, ["prompt", "completion"])]
+        config = run.info.get("config")
+        if config:
+            text = html.escape(json.dumps(config, indent=2))
+            parts.append(f"<details><summary>Configuration</summary><pre>{text}</pre></details>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def report(folders: list[Path], out: Path, png_dir: Path | None) -> list[str]:
+    """Write the report (and the PNGs); returns the names of the plots that had data."""
+    runs = [load_run(f) for f in folders]
+    pngs = render_plots(runs)
+    out.write_text(build_html(runs, pngs), encoding="utf-8")
+    if png_dir is not None:
+        png_dir.mkdir(parents=True, exist_ok=True)
+        for name, png in pngs.items():
+            if png is not None:
+                (png_dir / f"{name}.png").write_bytes(png)
+    return [name for name, png in pngs.items() if png is not None]

@@ -1,0 +1,203 @@
+"""Metrics outputs beside metrics.jsonl (``--report-to``): TensorBoard, Weights & Biases, MLflow.
+
+Rank 0 writes every row that goes to metrics.jsonl to each of them, under Hugging Face Trainer's
+scalar names (``train/loss``, ``eval/loss``, ...) so that dashboards built for it carry over.
+A resumed run continues the same run of each tool with every step once: TensorBoard drops what
+earlier attempts wrote and is given the history again; W&B and MLflow, which cannot drop history,
+are given the steps they do not hold (resume is exact, so the values held are the ones the
+resumed run computes again).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from lmtune.errors import UserError
+
+# --report-to name -> (module imported, pip extra)
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+STATE_FILE = "reporting.json"  # each tool's run id, continued on resume
+SCALARS = {
+    "train": {
+        "loss": "train/loss",
+        "lr": "train/learning_rate",
+        "grad_norm": "train/grad_norm",
+        "tokens_per_s": "train/tokens_per_second",
+        "mfu": "train/mfu",
+        "peak_memory_bytes": "train/peak_memory_bytes",
+        "epoch": "train/epoch",
+    },
+    "eval": {"eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity"},
+}
+
+
+def parse_report_to(text: str) -> list[str]:
+    """``"tensorboard,wandb"`` -> the names; ``"none"`` -> []."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["none"] or not names:
+        return []
+    unknown = [n for n in names if n not in PACKAGES]
+    if unknown:
+        raise UserError(
+            f"--report-to {text}: unknown {', '.join(unknown)} (choose from none, {', '.join(PACKAGES)})"
+        )
+    return list(dict.fromkeys(names))
+
+
+def check_installed(names: list[str]) -> None:
+    for name in names:
+        if importlib.util.find_spec(PACKAGES[name]) is None:
+            raise UserError(
+                f"--report-to {name}: the {PACKAGES[name]} package is not installed; "
+                f"pip install 'lmtune[{name}]'"
+            )
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """A metrics.jsonl row's values under the reporting names (numbers only)."""
+    names = SCALARS.get(row.get("kind", ""), {})
+    out = {}
+    for key, name in names.items():
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[name] = float(value)
+    return out
+
+
+class Reporter(Protocol):
+    def write(self, row: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _flat(config: dict[str, Any]) -> dict[str, str | int | float | bool]:
+    """Hyperparameters as the tools take them (no None, no nesting)."""
+    return {k: v if isinstance(v, (str, int, float, bool)) else str(v) for k, v in config.items()}
+
+
+class TensorBoard:
+    def __init__(self, output_dir: Path, config: dict[str, Any], resume_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+
+        # Every earlier event is dropped when read (purge from step 1) and the history up to the
+        # checkpoint is written again: an attempt that died may not have flushed all of it, and
+        # what it wrote after its checkpoint is not this run's.
+        self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=1)
+        if resume_step == 0:
+            self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
+            # In this run's own folder (add_hparams would start another run beside it).
+            events = self.writer._get_file_writer()  # type: ignore[no-untyped-call]
+            for summary in hparams(_flat(config), {}):  # type: ignore[no-untyped-call]
+                events.add_summary(summary)
+
+    def write(self, row: dict[str, Any]) -> None:
+        for name, value in scalars(row).items():
+            self.writer.add_scalar(name, value, row["step"])
+        if row.get("kind") == "sample":
+            self.writer.add_text("samples", f"**{row['prompt']}** {row['completion']}", row["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _run_ids(output_dir: Path) -> dict[str, str]:
+    try:
+        state = json.loads((output_dir / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in state.items() if isinstance(v, str)} if isinstance(state, dict) else {}
+
+
+def _remember_run_id(output_dir: Path, tool: str, run_id: str) -> None:
+    state = _run_ids(output_dir)
+    state[tool] = run_id
+    (output_dir / STATE_FILE).write_text(json.dumps(state), encoding="utf-8")
+
+
+class WandB:
+    def __init__(self, output_dir: Path, config: dict[str, Any], resume_step: int):
+        import wandb
+
+        # Offline (a run folder under OUTPUT/wandb, `wandb sync` uploads it) unless an account is set.
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "lmtune"),
+            name=output_dir.resolve().name,
+            id=_run_ids(output_dir).get("wandb") if resume_step else None,
+            resume="allow",
+            dir=str(output_dir),
+            config=config,
+            mode=mode,  # type: ignore[arg-type]
+        )
+        # Online, a resumed run starts at the step after the last one the server holds; offline
+        # each attempt is a run folder of its own that holds nothing yet (the previous one may
+        # have lost what it had not written when it died), so the history is written again.
+        self.next_step = int(self.run.step or 0) if resume_step else 0
+        _remember_run_id(output_dir, "wandb", self.run.id)
+
+    def write(self, row: dict[str, Any]) -> None:
+        values = scalars(row)
+        if values and int(row["step"]) >= self.next_step:
+            self.run.log(values, step=int(row["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MLflow:
+    def __init__(self, output_dir: Path, config: dict[str, Any], resume_step: int):
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # A file store in the output folder; MLflow 3 asks for this opt-in to use one.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri((output_dir / "mlruns").resolve().as_uri())
+        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "lmtune"))
+        self.mlflow = mlflow
+        run_id = _run_ids(output_dir).get("mlflow") if resume_step else None
+        self.run = mlflow.start_run(run_id=run_id, run_name=output_dir.resolve().name)
+        # MLflow writes each value as it is logged, so what the run holds is known exactly.
+        self.held: dict[str, int] = {}
+        if run_id is None:
+            mlflow.log_params(_flat(config))
+        else:
+            client = MlflowClient()
+            for name in self.run.data.metrics:
+                self.held[name] = max((m.step for m in client.get_metric_history(run_id, name)), default=0)
+        _remember_run_id(output_dir, "mlflow", self.run.info.run_id)
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = int(row["step"])
+        values = {k: v for k, v in scalars(row).items() if step > self.held.get(k, 0)}
+        if values:
+            self.mlflow.log_metrics(values, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def open_reporters(
+    names: list[str], output_dir: Path, config: dict[str, Any], history: list[dict[str, Any]]
+) -> list[Reporter]:
+    """Open each tool's run; a resumed run (``history``: the metrics.jsonl rows up to its
+    checkpoint) continues the same one, and each is given the rows it does not hold yet."""
+    kinds: dict[str, type[TensorBoard] | type[WandB] | type[MLflow]] = {
+        "tensorboard": TensorBoard,
+        "wandb": WandB,
+        "mlflow": MLflow,
+    }
+    resume_step = max((int(r["step"]) for r in history), default=0)
+    reporters: list[Reporter] = []
+    for name in names:
+        reporter = kinds[name](output_dir, config, resume_step)
+        for row in history:
+            reporter.write(row)
+        reporters.append(reporter)
+    return reporters

@@ -1,0 +1,156 @@
+"""--report-to: TensorBoard, W&B (offline) and MLflow (file store) hold what metrics.jsonl holds,
+each step once across a crash and resume; `lmtune report` draws every plot and names the settings
+that differ; MFU is never reported over 100%."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmtune.cli import main
+from tests.conftest import run_lmtune, train_rows
+
+
+def _wandb_history(folder: Path) -> list[dict[str, Any]]:
+    """The history rows of every offline W&B run file under ``folder`` (LevelDB-style log records
+    of protobuf ``Record``s, as wandb writes them)."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(folder.glob("wandb/offline-run-*/run-*.wandb")):
+        data, pos, pending = path.read_bytes(), 7, b""  # a 7-byte file header
+        while pos + 7 <= len(data):
+            room = 32768 - pos % 32768
+            if room < 7:
+                pos += room
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            if kind == 0:
+                pos += room
+                continue
+            chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+            pending = chunk if kind in (1, 2) else pending + chunk
+            if kind in (1, 4):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(pending)
+                if record.WhichOneof("record_type") == "history":
+                    items = record.history.item
+                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """30 steps, every dashboard; the first attempt dies writing checkpoint 30 (after logging
+    steps 21-30), the second resumes from step 20."""
+    out = tmp_path_factory.mktemp("reports") / "out"
+    args = ["train", "--max-steps", "30", "--save-every", "10", "--eval-every", "10", "--no-progress"]
+    args += ["--report-to", "tensorboard,wandb,mlflow", "--output-dir", str(out)]
+    first = run_lmtune(args, env_extra={"LMTUNE_FAULT_KILL_IN_SAVE": "30", "WANDB_SILENT": "true"})
+    assert first.returncode != 0
+    second = run_lmtune(args, env_extra={"WANDB_SILENT": "true"})
+    assert second.returncode == 0, second.stderr
+    assert "resuming from" in second.stdout + second.stderr
+    return out
+
+
+def _expected(out: Path) -> dict[str, list[tuple[int, float]]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == list(range(1, 31))
+    return {
+        "train/loss": [(r["step"], r["loss"]) for r in train],
+        "train/learning_rate": [(r["step"], r["lr"]) for r in train],
+        "train/grad_norm": [(r["step"], r["grad_norm"]) for r in train],
+        "eval/loss": [(r["step"], r["eval_loss"]) for r in evals],
+    }
+
+
+def test_tensorboard_holds_every_step_once_after_a_resume(resumed: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(resumed / "tensorboard"))
+    events.Reload()
+    for tag, expected in _expected(resumed).items():
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in expected], tag  # each step once, in order
+        assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-6), tag
+
+
+def test_wandb_offline_and_mlflow_hold_the_scalars_once(
+    resumed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = _expected(resumed)
+    history = _wandb_history(resumed)
+    for tag, values in expected.items():
+        got = [(row["_step"], row[tag]) for row in history if tag in row]
+        assert got == [(s, pytest.approx(v, rel=1e-9)) for s, v in values], tag
+
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a file store on request
+    state = json.loads((resumed / "reporting.json").read_text())
+    client = MlflowClient(tracking_uri=(resumed / "mlruns").resolve().as_uri())
+    for tag, values in expected.items():
+        got = [(m.step, m.value) for m in client.get_metric_history(state["mlflow"], tag)]
+        assert sorted(got) == [(s, pytest.approx(v, rel=1e-9)) for s, v in values], tag
+    assert client.get_run(state["mlflow"]).data.params["max_steps"] == "30"
+
+
+def test_a_missing_package_is_a_user_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    assert main(["train", "--report-to", "wandb", "--max-steps", "1"]) == 2
+    assert "pip install 'lmtune[wandb]'" in capsys.readouterr().err
+    assert main(["train", "--report-to", "tensorboard,comet", "--max-steps", "1"]) == 2
+
+
+def test_report_draws_every_plot_and_the_settings_that_differ(resumed: Path, tmp_path: Path) -> None:
+    from lmtune.report import PLOTS
+
+    other = tmp_path / "other"
+    args = ["train", "--max-steps", "12", "--lr", "3e-3", "--profile", "--eval-every", "6", "--no-progress"]
+    assert main([*args, "--output-dir", str(other)]) == 0
+    page = tmp_path / "report.html"
+    assert main(["report", str(resumed), str(other), "--out", str(page), "--png", str(tmp_path / "png")]) == 0
+    text = page.read_text()
+    for name in PLOTS:  # every plot has data: the runs record everything each draws
+        assert f"<figure id='plot-{name}'><img" in text, name
+        assert (tmp_path / "png" / f"{name}.png").stat().st_size > 1000
+    assert "Settings that differ" in text
+    differ = text.split("Settings that differ")[1].split("</table>")[0]
+    for setting in ("max_steps", "lr", "profile", "report_to"):
+        assert f"<td>{setting}</td>" in differ
+    assert "<td>seed</td>" not in differ
+
+
+def test_report_reads_a_run_that_is_still_writing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["train", "--max-steps", "5", "--no-progress", "--output-dir", str(out)]) == 0
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"kind": "train", "step": 6, "lo')  # cut off mid-write
+    (out / "run.json").unlink()
+    assert main(["report", str(out), "--out", str(tmp_path / "r.html")]) == 0
+    assert "nothing recorded" in (tmp_path / "r.html").read_text()  # no run.json: no per-rank peaks
+    assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "x.html")]) == 2
+
+
+def test_mfu_over_100_percent_is_never_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lmtune.train
+
+    monkeypatch.setenv("LMTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(lmtune.train, "best_peak_flops", lambda *a, **k: 1e6)  # far below any CPU
+    out = tmp_path / "out"
+    assert main(["train", "--max-steps", "3", "--no-progress", "--output-dir", str(out)]) == 0
+    assert all(r["mfu"] is None for r in train_rows(out))
