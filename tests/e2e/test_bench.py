@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from lmtune.bench import skip_reason
@@ -30,7 +31,7 @@ def test_bench_table_and_json(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     rows = {(r["strategy"], r["precision"]): r for r in json.loads(out.read_text())}
     ok = rows[("single", "fp32")]
-    assert ok["status"] == "ok" and ok["tokens_per_s"] > 0 and 0 < ok["mfu"] < 1.5
+    assert ok["status"] == "ok" and ok["tokens_per_s"] > 0 and (0 < ok["mfu"] <= 1 or math.isnan(ok["mfu"]))
     assert ok["peak_memory_mib"] > 0 and set(ok["phase_ms"]) == {"data", "forward", "backward", "optimizer"}
     assert rows[("dp", "fp32")]["status"].startswith("skipped: DataParallel needs 2+ CUDA GPUs")
     assert rows[("single", "fp16")]["status"].startswith("skipped: fp16 needs a CUDA GPU")

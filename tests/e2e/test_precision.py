@@ -19,7 +19,8 @@ def test_training_options_still_learn(tmp_path: Path, extra: dict[str, object]) 
     rows = train_rows(out)
     assert result.steps == 30 and len(rows) == 30
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
-    assert all(0 < r["mfu"] < 1.5 for r in rows[1:])
+    measured = [r["mfu"] for r in rows[1:] if r["mfu"] is not None]  # None: over 100% (peak read low)
+    assert len(measured) >= 20 and all(0 < m <= 1 for m in measured)
 
 
 def test_cpu_bf16_attention_memory_stays_flat_over_a_long_run(tmp_path: Path) -> None:

@@ -63,6 +63,8 @@ def _expected(out: Path) -> dict[str, list[tuple[int, float]]]:
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
     assert [r["step"] for r in train] == list(range(1, 31))
+    per_epoch = json.loads((out / "run.json").read_text())["resolved"]["steps_per_epoch"]
+    assert [r["epoch"] for r in train] == [round(r["step"] / per_epoch, 6) for r in train]  # epochs done
     return {
         "train/loss": [(r["step"], r["loss"]) for r in train],
         "train/learning_rate": [(r["step"], r["lr"]) for r in train],
