@@ -323,6 +323,22 @@ class TrainConfig:
         default=48, metadata=_help("With --sample-prompts: the most tokens generated per prompt.")
     )
     log_every: int = field(default=1, metadata=_help("Write a metrics.jsonl line every N optimizer steps."))
+    hang_timeout: float = field(
+        default=30.0,
+        metadata=_help(
+            "Under lmtune's launcher, end the job (exit code 3, or a restart under --max-restarts) when "
+            "a rank has not advanced for this long, or 10x its slowest step if longer (evaluation, "
+            "saving and the first step get 10 minutes); OUTPUT/hang-report.txt says which rank, where. "
+            "0 turns the watchdog off."
+        ),
+    )
+    collective_timeout: float = field(
+        default=300.0,
+        metadata=_help(
+            "After the first step, a collective that waits this long for another rank fails (before: "
+            "30 minutes, for loading and warm-up; evaluation and saving keep 30 minutes)."
+        ),
+    )
     report_to: str = field(
         default="none",
         metadata=_help(
@@ -570,6 +586,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     )
     need(cfg.early_stopping_threshold >= 0, "early_stopping_threshold", "must be >= 0")
     need(cfg.log_every >= 1, "log_every", "must be >= 1")
+    need(cfg.hang_timeout >= 0, "hang_timeout", "must be >= 0 (0: no watchdog)")
+    need(cfg.collective_timeout >= 10, "collective_timeout", "must be >= 10 seconds")
     from lmtune.reporters import check_installed, parse_report_to
 
     check_installed(parse_report_to(cfg.report_to))

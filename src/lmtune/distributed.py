@@ -234,6 +234,12 @@ def _attempt_store(env: DistEnv, timeout: timedelta) -> Store:
     return PrefixStore(f"lmtune/attempt-{attempt}", store)
 
 
+def set_collective_timeout(env: DistEnv, seconds: float) -> None:
+    """How long a collective may wait for the other ranks before it fails, from now on."""
+    if env.distributed:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
 def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """Sum a tensor over all ranks (in place, also returned); identity for one process."""
     if env.distributed:

@@ -13,11 +13,13 @@ import tempfile
 import threading
 import time
 import uuid
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
+from functools import partial
 from pathlib import Path
 
 from lmtune.config import TrainConfig, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE
+from lmtune.health import HANG_EXIT_CODE, HEALTH_DIR_ENV, Watchdog, read_beats
 
 # Workers started by `relaunch` leave their error messages here instead of printing them, so the
 # launcher prints each distinct message once rather than once per rank.
@@ -147,11 +149,26 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
         threading.Thread(
             target=_stop_on_user_error, args=(Path(error_dir), user_error, ended), daemon=True
         ).start()
+    watchdog = None
+    if cfg.hang_timeout > 0:
+        # The workers' heartbeats go beside their error reports; this launcher watches its own ranks.
+        os.environ[HEALTH_DIR_ENV] = error_dir
+        watchdog = Watchdog(
+            Path(error_dir), Path(cfg.output_dir), cfg.hang_timeout, partial(_end_workers, error_dir)
+        )
+        threading.Thread(target=watchdog.run, args=(ended,), daemon=True, name="lmtune-watchdog").start()
     try:
         elastic_launch(config, sys.executable)("-m", "lmtune", *argv)
         return 0
     except ChildFailedError as e:
         ended.set()
+        if watchdog is not None and watchdog.hangs:
+            print(
+                f"lmtune: ended the job after a hang (exit code {HANG_EXIT_CODE})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return HANG_EXIT_CODE
         reported = _reported_errors(Path(error_dir))
         messages = list(dict.fromkeys(message for message, _ in reported))
         for message in messages:
@@ -184,7 +201,16 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
         for log, level in zip(elastic_logs, previous_levels, strict=True):
             log.setLevel(level)
         os.environ.pop(ERROR_DIR_ENV, None)
+        os.environ.pop(HEALTH_DIR_ENV, None)
         shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def _end_workers(health_dir: str) -> None:
+    """After a hang: SIGKILL every worker of this node (a stopped or deadlocked process would not
+    act on SIGTERM); the agent then fails the job, or restarts it under --max-restarts."""
+    for beat in read_beats(Path(health_dir)).values():
+        with suppress(OSError):  # already gone
+            os.kill(beat.pid, signal.SIGKILL)
 
 
 def _stop_on_user_error(error_dir: Path, seen: threading.Event, ended: threading.Event) -> None:

@@ -18,6 +18,7 @@ from lmtune.data.sampling import TrainSampler, steps_per_epoch
 from lmtune.distributed import DistEnv
 from lmtune.errors import UserError
 from lmtune.evaluate import EvalResult
+from lmtune.health import Heartbeat, StragglerWatch
 from lmtune.metrics import RunLog
 from lmtune.perf import PhaseTimer, peak_memory_bytes, phase
 from lmtune.step import StepResult, train_step
@@ -80,6 +81,8 @@ class FitHooks:
     # Per-step components (generations, ...): called after every optimizer step with its state
     # and whether it is the last; each decides itself whether this step concerns it.
     after_step: tuple[Callable[[TrainerState, bool], None], ...] = ()
+    heartbeat: Heartbeat | None = None  # step and phase for the launcher's hang watchdog
+    stragglers: StragglerWatch | None = None  # names a rank that is slow step after step
 
 
 @dataclass
@@ -136,6 +139,7 @@ def _record_step(
             "mfu": mfu,
             "peak_memory_bytes": memory,
             **{f"time_{name}_s": seconds for name, seconds in r.phases.items()},
+            **_rank_times(r),
             "elapsed_s": elapsed,
             "skipped": r.nonfinite,
         }
@@ -144,6 +148,20 @@ def _record_step(
     if mfu is not None:
         shown["mfu"] = f"{100 * mfu:.0f}%"
     log.advance(shown)
+
+
+def _rank_times(r: StepResult) -> dict[str, float | int]:
+    """The slowest and fastest rank of a step (data wait and forward), when there are several."""
+    work, data = r.rank_work_s, r.rank_data_s
+    if len(work) < 2:
+        return {}
+    return {
+        "step_time_min_s": min(work),
+        "step_time_max_s": max(work),
+        "step_time_max_rank": max(range(len(work)), key=work.__getitem__),
+        "data_wait_max_s": max(data),
+        "data_wait_max_rank": max(range(len(data)), key=data.__getitem__),
+    }
 
 
 def _record_eval(log: RunLog, state: TrainerState, ev: EvalResult) -> None:
@@ -185,15 +203,21 @@ def fit(
     result = FitResult(steps=start.step, last_loss=float("nan"), skipped_steps=start.skipped_steps)
     state = start
 
+    def beat(phase_name: str) -> None:
+        if hooks.heartbeat is not None:
+            hooks.heartbeat.beat(phase_name)
+
     def save() -> None:
         """A checkpoint of this step, once (a best model and a scheduled save may fall together)."""
         if hooks.save is not None and result.saved_step != state.step:
+            beat("save")
             hooks.save(state)
             result.saved_step = state.step
 
     def evaluate() -> bool:
         """Evaluate; save when it is the best so far; True when the run should stop early."""
         assert hooks.run_eval is not None
+        beat("eval")
         result.evals.append(hooks.run_eval())
         _record_eval(log, state, result.evals[-1])
         best = hooks.best
@@ -211,9 +235,13 @@ def fit(
         batches = iter(loader)
         loss_sum, loss_tokens = 0.0, 0  # this epoch's, for its summary line
         while True:
+            if hooks.heartbeat is not None:
+                hooks.heartbeat.step = state.step + 1
             # Timed from the end of the last step: waiting for data counts against tokens/s.
+            data_started = time.perf_counter()
             with phase(hooks.timer, "data"):
                 micro = _micro_batches(batches, env.device)
+            data_s = time.perf_counter() - data_started
             lr = float(scheduler.get_last_lr()[0])
             poison = hooks.poison_step == state.step + 1 and env.is_main
             r = train_step(
@@ -228,6 +256,7 @@ def fit(
                 poison,
                 hooks.scaler,
                 hooks.timer,
+                data_s,
             )
             state = replace(state, step=state.step + 1, step_in_epoch=state.step_in_epoch + 1)
             if r.nonfinite:
@@ -244,6 +273,15 @@ def fit(
             result.steps, result.last_loss, result.skipped_steps = state.step, r.loss, state.skipped_steps
             if hooks.record_samples is not None:
                 hooks.record_samples(state.step, [i for b in micro for i in b.example_ids])
+            if hooks.stragglers is not None:
+                for rank in hooks.stragglers.observe(r.rank_work_s):
+                    log.info(
+                        f"step {state.step}: rank {rank} is a straggler: its data wait and forward took "
+                        f"over {hooks.stragglers.ratio:.1f}x the median of the ranks for "
+                        f"{hooks.stragglers.steps} steps in a row (metrics.jsonl: step_time_*)"
+                    )
+            if hooks.after_step:
+                beat("sample")
             for component in hooks.after_step:
                 component(state, finished)
             epoch_done = state.step_in_epoch == plan.steps_per_epoch

@@ -7,7 +7,7 @@ import math
 import os
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -151,18 +151,25 @@ def measure_and_store_peak(device: torch.device, precision: str, threads: int, c
 
 
 class PhaseTimer:
-    """Wall time per phase of a step (data, forward, backward, optimizer), for `lmtune bench`.
+    """Phase boundaries of a step (data, forward, backward, optimizer): told to the heartbeat (the
+    hang watchdog's), and with ``timed`` (``--profile``, `lmtune bench`) timed.
 
-    The device is synchronised at every boundary, so GPU work counts in the phase that launched it;
-    DDP's all-reduce overlaps the backward pass, so the part it does not hide shows in ``backward``.
+    When timed, the device is synchronised at every boundary, so GPU work counts in the phase that
+    launched it; DDP's all-reduce overlaps the backward pass, so the part it does not hide shows in
+    ``backward``.
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, timed: bool = True, beat: Callable[[str], None] | None = None):
+        self.device, self.timed, self.beat = device, timed, beat
         self.seconds: dict[str, float] = {}
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        if self.beat is not None:
+            self.beat(name)
+        if not self.timed:
+            yield
+            return
         _synchronize(self.device)
         start = time.perf_counter()
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 
@@ -25,6 +26,10 @@ class StepResult:
     nonfinite: bool  # some rank saw a non-finite loss or gradient norm; the update was not applied
     stop: bool  # some rank was asked to stop (SIGTERM/SIGINT)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase, when timed
+    # Per rank: this step's data wait plus forward time (the work before its first collective
+    # under DDP, where a slow rank shows), and the data wait alone.
+    rank_work_s: list[float] = field(default_factory=list)
+    rank_data_s: list[float] = field(default_factory=list)
 
 
 def train_step(
@@ -39,6 +44,7 @@ def train_step(
     poison: bool = False,
     scaler: torch.amp.GradScaler | None = None,
     timer: PhaseTimer | None = None,
+    data_s: float = 0.0,
 ) -> StepResult:
     """Forward/backward every micro-batch, then clip and step.
 
@@ -64,10 +70,13 @@ def train_step(
     if is_sharded(model):
         micro_batches = _lockstep(micro_batches, env)
     last = len(micro_batches) - 1
+    work_s = data_s
     for i, batch in enumerate(micro_batches):
         with no_sync(model, sync=i == last):
+            started = time.perf_counter()
             with phase(timer, "forward"), autocast:
                 micro_loss = model(*batch.model_inputs()).sum()
+            work_s += time.perf_counter() - started
             if poison:
                 micro_loss = micro_loss * float("nan")
             scaled = micro_loss * scale
@@ -85,6 +94,7 @@ def train_step(
             loss_sum,
             stop_requested,
             (target_tokens, tokens, examples),
+            (work_s, data_s),
         )
     return replace(result, phases=timer.take()) if timer is not None else result
 
@@ -106,8 +116,10 @@ def _update(
     loss_sum: torch.Tensor,
     stop_requested: bool,
     counts: tuple[int, int, int],
+    times: tuple[float, float],
 ) -> StepResult:
-    """Clip, agree across ranks whether to apply the update, then apply it (or not)."""
+    """Clip, agree across ranks whether to apply the update, then apply it (or not). The same
+    all-reduce carries every rank's step times (each rank fills its own slots), for stragglers."""
     target_tokens, tokens, examples = counts
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip and judge the true gradients
@@ -118,14 +130,12 @@ def _update(
     # Under fp16 an infinite gradient is the scaler's business (it skips the step and lowers the
     # scale); only a non-finite loss is the model's.
     local_bad = not torch.isfinite(loss_sum) or (scaler is None and not torch.isfinite(grad_norm))
-    agreed = torch.stack(
-        [
-            loss_sum,
-            torch.tensor(float(local_bad), dtype=torch.float64, device=env.device),
-            torch.tensor(float(stop_requested), dtype=torch.float64, device=env.device),
-        ]
-    )
-    total_loss, bad_ranks, stopping = all_reduce_sum(agreed, env).tolist()
+    per_rank = torch.zeros(2 * env.world_size, dtype=torch.float64, device=env.device)
+    per_rank[env.rank], per_rank[env.world_size + env.rank] = times
+    flags = torch.tensor([float(local_bad), float(stop_requested)], dtype=torch.float64, device=env.device)
+    agreed = torch.cat([loss_sum.reshape(1), flags, per_rank])
+    summed = all_reduce_sum(agreed, env).tolist()
+    total_loss, bad_ranks, stopping = summed[:3]
     nonfinite = bad_ranks > 0
     if scaler is not None:
         if not nonfinite:
@@ -144,4 +154,6 @@ def _update(
         examples,
         nonfinite,
         stopping > 0,
+        rank_work_s=summed[3 : 3 + env.world_size],
+        rank_data_s=summed[3 + env.world_size :],
     )

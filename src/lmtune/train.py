@@ -7,8 +7,8 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from functools import partial
 from pathlib import Path
@@ -55,11 +55,13 @@ from lmtune.distributed import (
     cpu_threads_per_process,
     process_group,
     read_dist_env,
+    set_collective_timeout,
 )
 from lmtune.errors import UserError
 from lmtune.evaluate import EvalResult, evaluate
 from lmtune.generate import complete
 from lmtune.generations import Sampler, SampleSettings, read_prompts
+from lmtune.health import Heartbeat, StragglerWatch
 from lmtune.launch import report_stopped, warn
 from lmtune.loop import FitHooks, fit, plan_steps
 from lmtune.lora import LoraSettings, add_lora, merged_model
@@ -83,6 +85,7 @@ from lmtune.step import StepResult
 from lmtune.stopping import StopRequest
 
 LORA_MIN_DEFAULT_LR = 2e-4
+LONG_COLLECTIVE_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -259,8 +262,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     # Before anything is written: one run per folder (lmtune's launcher may hold it for the job).
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     lock = acquire(output_dir, run_id, warn) if env.is_main else nullcontext()
-    with lock, process_group(env), RunLog(env, output_dir, cfg.progress) as log, StopRequest() as stop:
-        return _run(cfg, env, strategy, threads, output_dir, log, stop)
+    heartbeat = Heartbeat.from_env(env.rank)
+    try:
+        with lock, process_group(env), RunLog(env, output_dir, cfg.progress) as log, StopRequest() as stop:
+            return _run(cfg, env, strategy, threads, output_dir, log, stop, heartbeat)
+    finally:
+        heartbeat.close()
 
 
 def _build_model(
@@ -318,16 +325,20 @@ def _run(
     output_dir: Path,
     log: RunLog,
     stop: StopRequest,
+    heartbeat: Heartbeat,
 ) -> TrainResult:
     started = time.time()
     prepare_output(
         output_dir, resume=cfg.resume, overwrite=cfg.overwrite, config=to_dict(cfg), env=env, warn=warn
     )
+    heartbeat.beat("load")
     loaded = load_model(cfg.model, cfg.seed, cfg.trust_remote_code)
     tokenizer = loaded.tokenizer
     if cfg.chat_template is not None:
         _use_chat_template(cfg, loaded.model, tokenizer, log)
+    heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, stop.raise_if_requested)
+    heartbeat.beat("load")
     if "messages" in data_info["train"]["formats"]:
         # The reply's end-of-turn token trains; saved models must also stop generating there.
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
@@ -425,7 +436,8 @@ def _run(
         eval_loader = _loader(eval_data, eval_sampler, micro, Collator(tokenizer.pad_token_id), env, 0)
 
         def run_eval() -> EvalResult:
-            return evaluate(unwrap(model), eval_loader, env, autocast(), lockstep=parts.sharded)
+            with patient_collectives():
+                return evaluate(unwrap(model), eval_loader, env, autocast(), lockstep=parts.sharded)
 
     best = None
     if cfg.metric_for_best is not None:
@@ -438,7 +450,29 @@ def _run(
         if resume_from is not None:
             best.restore(resume_from)
 
+    @contextmanager
+    def patient_collectives() -> Iterator[None]:
+        """Evaluation and saving keep the long collective timeout (a big checkpoint takes time)."""
+        set_collective_timeout(env, LONG_COLLECTIVE_TIMEOUT_S)
+        try:
+            yield
+        finally:
+            if started_training:
+                set_collective_timeout(env, cfg.collective_timeout)
+
+    started_training: list[bool] = []
+
+    def shorten_collective_timeout(at: TrainerState, finished: bool) -> None:
+        """After the first step, a rank that does not come is noticed in minutes, not half an hour."""
+        if not started_training:
+            started_training.append(True)
+            set_collective_timeout(env, cfg.collective_timeout)
+
     def save(at: TrainerState) -> None:
+        with patient_collectives():
+            _save(at)
+
+    def _save(at: TrainerState) -> None:
         records: dict[str, Any] = {FINGERPRINT_FILE: run_fp.to_json()}
         if best is not None:
             records[BEST_FILE] = best.to_json()
@@ -479,8 +513,9 @@ def _run(
         over_peak.append(value)
         return None
 
-    timer = PhaseTimer(env.device) if cfg.profile else None
-    after_step = []
+    faults.install_slow_or_stuck_rank(loss_module, env.rank, lambda: heartbeat.step)
+    timer = PhaseTimer(env.device, timed=cfg.profile, beat=heartbeat.beat)
+    after_step: list[Callable[[TrainerState, bool], None]] = [shorten_collective_timeout]
     if cfg.sample_prompts is not None:
         sample_settings = SampleSettings(
             prompts=read_prompts(Path(cfg.sample_prompts).expanduser(), tokenizer),
@@ -505,6 +540,8 @@ def _run(
         timer=timer,
         best=best,
         after_step=tuple(after_step),
+        heartbeat=heartbeat,
+        stragglers=StragglerWatch() if env.world_size > 1 else None,
     )
 
     run_info: dict[str, Any] = {
@@ -555,6 +592,8 @@ def _run(
     finally:
         if samples is not None:
             samples.close()
+    set_collective_timeout(env, LONG_COLLECTIVE_TIMEOUT_S)  # the final save and merge take time
+    heartbeat.beat("save")
     final_eval = result.evals[-1] if result.evals else None
     peaks = all_gather_object(peak_memory_bytes(env.device), env)
     log.info("peak memory per rank: " + ", ".join(f"{p / 2**20:,.0f} MiB" for p in peaks))

@@ -1,0 +1,154 @@
+"""Run health on 2 CPU ranks: a stopped or stuck rank is diagnosed (which rank, which phase, its
+stack where it can be had) and the job ends with exit code 3 and no process left, or restarts
+under --max-restarts and finishes as if uninterrupted; a slow rank is named; without the watchdog
+the shortened collective timeout still ends the job.
+
+The jobs mostly wait (for a stall to be noticed), so they all run at once, launched by one fixture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import assert_same_training, child_pids, lmtune_cmd, train_rows
+
+pytestmark = pytest.mark.distributed
+
+COMMON = ["--nproc-per-node", "2", "--global-batch-size", "8", "--max-length", "64", "--no-progress"]
+COMMON += ["--threads-per-process", "1", "--seed", "3"]
+SLOW = {"LMTUNE_FAULT_SLOW_RANK": "1:0.15"}  # rank 1 sleeps 150 ms in every forward
+FINITE = ["--max-steps", "30", "--save-every", "10"]
+ENDLESS = ["--max-steps", "100000"]
+
+
+@dataclass
+class Job:
+    out: Path
+    process: subprocess.Popen[str]
+    workers: dict[int, int] | None = None  # rank -> pid, for the jobs whose rank is stopped
+    stopped_at: float = 0.0
+    ended_at: float = 0.0
+    output: str = ""
+
+
+def _start(out: Path, args: list[str], env_extra: dict[str, str] | None = None) -> Job:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    command = lmtune_cmd(["train", *COMMON, *args, "--output-dir", str(out)])
+    return Job(
+        out, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    )
+
+
+def _workers(job: Job, timeout: float = 180) -> dict[int, int]:
+    """rank -> pid of the job's workers, once it has logged 3 steps."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if len(train_rows(job.out)) >= 3:
+            workers = {}
+            for pid in child_pids(job.process.pid):
+                with contextlib.suppress(OSError):
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    rank = next(e.split(b"=", 1)[1] for e in environ if e.startswith(b"RANK="))
+                    workers[int(rank)] = pid
+            if len(workers) == 2:
+                return workers
+        assert job.process.poll() is None, job.process.communicate()[0]
+        time.sleep(0.3)
+    raise AssertionError("the workers did not reach step 3")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
+    root = tmp_path_factory.mktemp("health")
+    started = {
+        "straggler": _start(root / "straggler", FINITE, SLOW),
+        # Stuck in forward at step 15 on rank 1 (first attempt only), then restarted.
+        "restarted": _start(
+            root / "restarted",
+            [*FINITE, "--max-restarts", "1", "--hang-timeout", "10"],
+            {**SLOW, "LMTUNE_FAULT_HANG": "1:15"},
+        ),
+        "stop-rank-1": _start(root / "stop-rank-1", ENDLESS),  # default settings
+        "stop-rank-0": _start(root / "stop-rank-0", ENDLESS),
+        "no-watchdog": _start(
+            root / "no-watchdog", [*ENDLESS, "--hang-timeout", "0", "--collective-timeout", "10"]
+        ),
+    }
+    try:
+        for name, rank in (("stop-rank-1", 1), ("stop-rank-0", 0), ("no-watchdog", 1)):
+            job = started[name]
+            job.workers = _workers(job)
+            os.kill(job.workers[rank], signal.SIGSTOP)
+            job.stopped_at = time.time()
+        for job in started.values():
+            job.output, _ = job.process.communicate(timeout=400)
+            job.ended_at = time.time()
+    finally:
+        for job in started.values():  # never leave a stopped process behind, whatever happened
+            for pid in (job.workers or {}).values():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            if job.process.poll() is None:
+                job.process.kill()
+    return started
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_stopped_rank_is_named_and_the_job_ends_with_exit_3(jobs: dict[str, Job], rank: int) -> None:
+    job = jobs[f"stop-rank-{rank}"]
+    assert job.workers is not None
+    assert job.process.returncode == 3, job.output
+    assert job.ended_at - job.stopped_at < 60, job.output
+    assert f"the job is stuck: rank {rank} stopped advancing" in job.output
+    assert f"rank {rank} (pid {job.workers[rank]}): step" in job.output and "SIGSTOP" in job.output
+    report = (job.out / "hang-report.txt").read_text()
+    other = report.split(f"--- rank {1 - rank}")[1].split("--- rank")[0]
+    assert "train_step" in other  # its stack: waiting in the step's collective (all-reduce, DDP's backward)
+    assert "(no stack: the process is stopped or gone)" in report.split(f"--- rank {rank}")[1]
+    assert not any(_alive(pid) for pid in job.workers.values())
+
+
+def test_a_slow_rank_is_named_once(jobs: dict[str, Job]) -> None:
+    job = jobs["straggler"]
+    assert job.process.returncode == 0, job.output
+    assert job.output.count("is a straggler") == 1 and "rank 1 is a straggler" in job.output
+    rows = train_rows(job.out)
+    assert sum(r["step_time_max_rank"] == 1 for r in rows) >= 25
+    assert all(r["step_time_max_s"] >= r["step_time_min_s"] + 0.1 for r in rows[1:])
+
+
+def test_a_stuck_rank_shows_its_stack_and_a_restart_finishes_the_run(jobs: dict[str, Job]) -> None:
+    job = jobs["restarted"]
+    assert job.process.returncode == 0, job.output
+    assert "the job is stuck: rank 1 stopped advancing; rank 1 was first" in job.output
+    assert "step 15, phase forward" in job.output
+    stack = (job.out / "hang-report.txt").read_text().split("--- rank 1")[1]
+    assert "before_forward" in stack and "faults.py" in stack  # where it sleeps
+    assert "resuming from" in job.output
+    final = load_file(job.out / "final" / "model.safetensors")
+    assert_same_training(final, load_file(jobs["straggler"].out / "final" / "model.safetensors"))
+
+
+def test_without_the_watchdog_the_collective_timeout_ends_the_job(jobs: dict[str, Job]) -> None:
+    job = jobs["no-watchdog"]
+    assert job.workers is not None
+    assert job.process.returncode not in (0, 3), job.output
+    assert job.ended_at - job.stopped_at < 45, job.output
+    assert not (job.out / "hang-report.txt").exists()
+    assert not any(_alive(pid) for pid in job.workers.values())
