@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -31,6 +31,7 @@ def evaluate(
     env: DistEnv,
     autocast: AbstractContextManager[object],
     lockstep: bool = False,
+    on_batch: Callable[[], None] = lambda: None,
 ) -> EvalResult:
     """Mean loss over every target token of the eval set, each example counted once.
 
@@ -46,6 +47,7 @@ def evaluate(
         rounds = int(all_reduce_max(torch.tensor([rounds], device=env.device), env).item())
     idle = itertools.repeat(None, rounds - len(batches))
     for item in itertools.chain(batches, idle):
+        on_batch()  # progress, for the hang watchdog: an evaluation may take long, a batch does not
         batch = (item or idle_batch()).to(env.device)
         with autocast:
             loss_sum = loss_module(*batch.model_inputs()).sum()

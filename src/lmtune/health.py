@@ -41,9 +41,12 @@ PHASES = (
 )
 # Not watched: how long loading a model or tokenizing takes is not a hang (each has its own bound).
 UNWATCHED = {"start", "load", "data-prep", "done"}
-# Watched with a longer bound: the first step (compilation, warm-up), evaluation, saving, samples.
-LONG = {"eval", "save", "sample"}
+# Watched with a longer bound: the first step (compilation, warm-up) and saving (a large checkpoint
+# is one long write); generating samples is bounded by its own budget (lmtune.generations).
+# Evaluation beats at every batch, so it is watched like a step.
+LONG = {"save"}
 LONG_GRACE_S = 600.0
+SAMPLE_GRACE_S = 180.0
 _RECORD = struct.Struct("<qiid")  # step, phase, pid, wall time
 
 
@@ -132,7 +135,9 @@ class Watchdog:
 
     def limit(self, beat: Beat) -> float:
         base = max(self.floor_s, 10 * self.slowest_step_s)
-        return max(base, LONG_GRACE_S) if beat.phase in LONG or beat.step <= 1 else base
+        if beat.phase in LONG or beat.step <= 1:
+            return max(base, LONG_GRACE_S)
+        return max(base, SAMPLE_GRACE_S) if beat.phase == "sample" else base
 
     def observe(self, beats: dict[int, Beat]) -> None:
         """Learn step durations from the steps the ranks reach."""

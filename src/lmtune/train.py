@@ -437,7 +437,8 @@ def _run(
 
         def run_eval() -> EvalResult:
             with patient_collectives():
-                return evaluate(unwrap(model), eval_loader, env, autocast(), lockstep=parts.sharded)
+                beat = partial(heartbeat.beat, "eval")
+                return evaluate(unwrap(model), eval_loader, env, autocast(), parts.sharded, beat)
 
     best = None
     if cfg.metric_for_best is not None:
