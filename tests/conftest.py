@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import tempfile
@@ -99,3 +100,19 @@ def assert_same_training(a: dict[str, Any], b: dict[str, Any], label: str = "") 
     assert float(diff.max()) <= 5e-5, f"{label}: max abs diff {float(diff.max())}"
     far = float((diff > 1e-6).float().mean())
     assert far <= 1e-4, f"{label}: {far:.2e} of the weights differ by more than 1e-6"
+
+
+def free_port() -> int:
+    """A free port below the ephemeral range: a port the kernel hands out as a source port could
+    be taken by a client's own outgoing connection (a TCP self-connect) before the store binds it."""
+    low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    rng = random.Random(os.getpid())
+    for _ in range(200):
+        port = rng.randrange(20000, min(low, 32768))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port")

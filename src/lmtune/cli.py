@@ -143,6 +143,27 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("out", metavar="DIR", help="folder to write")
     exp.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
     exp.set_defaults(run=_cmd_export)
+    doc = commands.add_parser(
+        "doctor",
+        allow_abbrev=False,
+        help="check a machine or cluster before a run",
+        description="Start the job's processes as train would and check: versions and hosts, devices and "
+        "free memory, the matmul peak of every rank, all-reduce correctness and speed, the output and "
+        "cache folders (writable, the same folder on every node), free disk for the model's "
+        "checkpoints, the data on every rank, clock offsets. One table; exit 0 when all is well, 2 with "
+        "what to fix.",
+    )
+    doc.add_argument("--nproc-per-node", type=int, default=1, help="as in train (default: 1)")
+    doc.add_argument("--nnodes", default="1", help="as in train (default: 1)")
+    doc.add_argument("--node-rank", type=int, default=None, help="as in train")
+    doc.add_argument("--rdzv-endpoint", default=None, help="as in train")
+    doc.add_argument("--rdzv-id", default="lmtune-doctor", help="as in train (default: lmtune-doctor)")
+    doc.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    doc.add_argument("--output-dir", default=None, help="check this folder (writable, shared, free disk)")
+    doc.add_argument("--cache-dir", default=None, help="check this folder (writable, shared)")
+    doc.add_argument("--data", default=None, help="check that every rank can read this data")
+    doc.add_argument("--model", default=None, help="size the checkpoints by this model's config")
+    doc.set_defaults(run=_cmd_doctor)
     rep = commands.add_parser(
         "report",
         allow_abbrev=False,
@@ -355,6 +376,37 @@ def _cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     export(Path(args.checkpoint), Path(args.out), args.trust_remote_code)
     print(f"wrote {args.out}")
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from lmtune.config import TrainConfig, parse_nnodes
+    from lmtune.distributed import launched_world_size, process_group, read_dist_env
+    from lmtune.doctor import DoctorSettings, check_or_fail
+
+    if args.nproc_per_node < 1:
+        raise UserError("--nproc-per-node must be >= 1")
+    nodes = parse_nnodes(args.nnodes)[1]
+    if nodes > 1 and args.rdzv_endpoint is None:
+        raise UserError("--rdzv-endpoint is needed when --nnodes is more than 1")
+    if launched_world_size() == 1 and (args.nproc_per_node > 1 or nodes > 1):
+        from lmtune.launch import relaunch_unlocked
+
+        launch = TrainConfig(
+            nproc_per_node=args.nproc_per_node,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id,
+            hang_timeout=0,
+        )
+        return relaunch_unlocked(list(argv), launch)
+    env = read_dist_env(args.device)
+    settings = DoctorSettings(args.output_dir, args.cache_dir, args.data, args.model)
+    with process_group(env):
+        check_or_fail(env, settings)
+    if env.is_main:
+        print("all checks passed")
     return 0
 
 

@@ -323,6 +323,13 @@ class TrainConfig:
         default=48, metadata=_help("With --sample-prompts: the most tokens generated per prompt.")
     )
     log_every: int = field(default=1, metadata=_help("Write a metrics.jsonl line every N optimizer steps."))
+    doctor: bool = field(
+        default=False,
+        metadata=_help(
+            "Before training, run lmtune doctor's checks on every rank (versions, devices, all-reduce, "
+            "the output and cache folders shared and writable, free disk, data, clocks); stop on a failure."
+        ),
+    )
     hang_timeout: float = field(
         default=30.0,
         metadata=_help(

@@ -108,6 +108,12 @@ def relaunch(argv: list[str], cfg: TrainConfig) -> int:
             os.environ.pop(LOCK_TOKEN_ENV, None)
 
 
+def relaunch_unlocked(argv: list[str], cfg: TrainConfig) -> int:
+    """`relaunch` without taking the output folder: for commands that only look (lmtune doctor)."""
+    single_node = parse_nnodes(cfg.nnodes)[1] == 1 and cfg.rdzv_endpoint is None
+    return _launch(argv, cfg, str(uuid.uuid4()) if single_node else cfg.rdzv_id, single_node)
+
+
 def warn(message: str) -> None:
     """A warning line on stderr, from the launcher or a rank (both print it the same way)."""
     print(f"lmtune: warning: {message}", file=sys.stderr, flush=True)

@@ -57,6 +57,7 @@ from lmtune.distributed import (
     read_dist_env,
     set_collective_timeout,
 )
+from lmtune.doctor import DoctorSettings, check_or_fail
 from lmtune.errors import UserError
 from lmtune.evaluate import EvalResult, evaluate
 from lmtune.generate import complete
@@ -265,6 +266,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     heartbeat = Heartbeat.from_env(env.rank)
     try:
         with lock, process_group(env), RunLog(env, output_dir, cfg.progress) as log, StopRequest() as stop:
+            if cfg.doctor:
+                cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+                settings = DoctorSettings(
+                    cfg.output_dir, None if cfg.cache_per_node else str(cache), cfg.data, cfg.model
+                )
+                check_or_fail(env, settings)
             return _run(cfg, env, strategy, threads, output_dir, log, stop, heartbeat)
     finally:
         heartbeat.close()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import assert_same_training, child_pids, lmtune_cmd, train_rows
+from tests.conftest import assert_same_training, child_pids, free_port, lmtune_cmd, run_lmtune, train_rows
 
 pytestmark = pytest.mark.distributed
 
@@ -152,3 +152,42 @@ def test_without_the_watchdog_the_collective_timeout_ends_the_job(jobs: dict[str
     assert job.ended_at - job.stopped_at < 45, job.output
     assert not (job.out / "hang-report.txt").exists()
     assert not any(_alive(pid) for pid in job.workers.values())
+
+
+def test_doctor_passes_on_two_ranks(tmp_path: Path) -> None:
+    args = ["doctor", "--nproc-per-node", "2", "--output-dir", str(tmp_path / "out"), "--data", "sample"]
+    proc = run_lmtune([*args, "--model", "tiny", "--cache-dir", str(tmp_path / "cache")], timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for check in (
+        "versions",
+        "devices",
+        "matmul peak",
+        "all-reduce",
+        "output folder",
+        "free disk",
+        "data",
+        "clocks",
+    ):
+        assert f"ok    {check}" in proc.stdout, check
+    assert "sums right" in proc.stdout and "(ranks 0, 1)" in proc.stdout
+
+
+def test_doctor_names_the_node_that_sees_another_output_folder(tmp_path: Path) -> None:
+    """Two launchers on loopback, as two nodes whose --output-dir is not the same storage."""
+    port = free_port()
+    nodes = []
+    for node in (0, 1):
+        args = ["doctor", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        command = lmtune_cmd([*args, "--output-dir", str(tmp_path / f"node-{node}")])
+        nodes.append(
+            subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        )
+    outputs = [p.communicate(timeout=300)[0] for p in reversed(nodes)]
+    assert all(p.returncode == 2 for p in nodes), outputs
+    table = next(o for o in outputs if "lmtune doctor" in o)  # printed where rank 0 runs
+    assert (
+        "FAIL  output folder" in table
+        and "rank(s) 1 (" in table
+        and "see another folder than rank 0" in table
+    )

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -23,7 +21,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import child_pids, lmtune_cmd, run_lmtune, train_rows, uneven_texts, write_jsonl
+from tests.conftest import (
+    child_pids,
+    free_port,
+    lmtune_cmd,
+    run_lmtune,
+    train_rows,
+    uneven_texts,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -78,22 +84,6 @@ def finish(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[int, str]
         out, err = proc.communicate()
         return -1, f"timed out after {timeout:.0f}s\n{out}{err}"
     return proc.returncode, out + err
-
-
-def free_port() -> int:
-    """A free port below the ephemeral range: a port the kernel hands out as a source port could
-    be taken by a client's own outgoing connection (a TCP self-connect) before the store binds it."""
-    low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    rng = random.Random(os.getpid())
-    for _ in range(200):
-        port = rng.randrange(20000, min(low, 32768))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port")
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:

@@ -89,3 +89,13 @@ def test_resume_never_refuses_to_overwrite_checkpoints(
 def test_fp16_on_cpu_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--precision", "fp16", "--device", "cpu", "--output-dir", str(tmp_path)]) == 2
     assert "--precision fp16 needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_train_doctor_checks_before_training(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main(["train", "--doctor", "--max-steps", "1", "--no-progress", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "lmtune doctor" in printed and "ok    output folder" in printed
+    assert printed.index("lmtune doctor") < printed.index("lmtune: preset tiny")
+    assert main(["doctor", "--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert "FAIL  data" in capsys.readouterr().out
