@@ -169,6 +169,9 @@ class Watchdog:
             if diagnosis is None:
                 continue
             self.hangs += 1
+            traces = self.output_dir / "comm-traces"
+            if traces.is_dir() and any(traces.iterdir()):  # NCCL's flight recorder dumped
+                diagnosis += f"\nNCCL flight recorder dumps: {traces} (analyse: torchfrtrace {traces} -j)"
             report = diagnosis + "\n" + _stacks(self.folder, read_beats(self.folder))
             try:
                 (self.output_dir / "hang-report.txt").write_text(report, encoding="utf-8")

@@ -159,6 +159,7 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
     if cfg.hang_timeout > 0:
         # The workers' heartbeats go beside their error reports; this launcher watches its own ranks.
         os.environ[HEALTH_DIR_ENV] = error_dir
+        flight_recorder(Path(cfg.output_dir))
         watchdog = Watchdog(
             Path(error_dir), Path(cfg.output_dir), cfg.hang_timeout, partial(_end_workers, error_dir)
         )
@@ -209,6 +210,22 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
         os.environ.pop(ERROR_DIR_ENV, None)
         os.environ.pop(HEALTH_DIR_ENV, None)
         shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def flight_recorder(output_dir: Path) -> None:
+    """NCCL's flight recorder for the workers (unless set already): the last collectives of every
+    rank, dumped under OUTPUT/comm-traces/ when a collective times out (analysed with torchfrtrace).
+    Nothing happens on gloo, and the folder is made only where there are GPUs."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    traces = output_dir / "comm-traces"
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(traces / "rank_"))
+    with suppress(OSError):
+        traces.mkdir(parents=True, exist_ok=True)
 
 
 def _end_workers(health_dir: str) -> None:

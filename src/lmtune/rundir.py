@@ -30,7 +30,7 @@ LOCK_TOKEN_ENV = "LMTUNE_LOCK_TOKEN"
 # What an earlier run leaves; none of it is written through a symbolic link.
 RUN_FILES = (
     *("final", "checkpoints", "metrics.jsonl", "run.json", "samples"),
-    *("tensorboard", "wandb", "mlruns", "reporting.json"),
+    *("tensorboard", "wandb", "mlruns", "reporting.json", "hang-report.txt", "comm-traces"),
 )
 # torchrun's run id when none is given: shared by unrelated jobs, so it proves nothing.
 _ANONYMOUS_RUN_IDS = ("", "none")
