@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, UserError
+from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
@@ -483,11 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoppedBySignal as e:
         print(f"lmtune: {e}", file=sys.stderr, flush=True)
         return 128 + e.signum
-    except Exception as e:
-        from lmtune.loop import TrainingStopped
-
-        if not isinstance(e, TrainingStopped):
-            raise
+    except TrainingStopped as e:
         from lmtune.launch import report_error
 
         report_error(str(e), 1)

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from lmtune.data.sources import SAMPLE
 from lmtune.errors import UserError
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
@@ -27,7 +28,7 @@ TRUNCATIONS = ("right", "left", "drop", "error")
 TXT_MODES = ("line", "block")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-SAMPLE_DATA = "sample"
+SAMPLE_DATA = SAMPLE  # --data sample: the built-in addition task (lmtune.data.sources owns the name)
 DEFAULT_EPOCHS = 3
 SAMPLE_EPOCHS = 8
 

@@ -1,4 +1,4 @@
-"""The one exception type that means "the user asked for something we cannot do"."""
+"""The exceptions that end a run with a message rather than a traceback, and their exit codes."""
 
 from __future__ import annotations
 
@@ -23,3 +23,8 @@ class StoppedBySignal(Exception):
 
         super().__init__(f"stopped by {signal.Signals(signum).name} before training began; nothing to save")
         self.signum = signum
+
+
+class TrainingStopped(Exception):
+    """Training cannot go on (a non-finite loss under --on-nan stop); the message says why.
+    Exit code 1: the last checkpoint is intact."""

@@ -16,16 +16,12 @@ from lmtune.checkpoint import TrainerState
 from lmtune.data.collate import Batch
 from lmtune.data.sampling import TrainSampler, steps_per_epoch
 from lmtune.distributed import DistEnv
-from lmtune.errors import UserError
+from lmtune.errors import TrainingStopped, UserError
 from lmtune.evaluate import EvalResult
 from lmtune.health import Heartbeat, StragglerWatch
 from lmtune.metrics import RunLog
 from lmtune.perf import PhaseTimer, peak_memory_bytes, phase
 from lmtune.step import StepResult, train_step
-
-
-class TrainingStopped(Exception):
-    """Training cannot go on (a non-finite loss under --on-nan stop); the message says why."""
 
 
 @dataclass(frozen=True)

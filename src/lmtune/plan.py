@@ -385,7 +385,14 @@ def measure_peak(cfg: TrainConfig, setup: Setup, workdir: Path, model: str | Non
         *("--precision", setup.precision, "--optimizer", setup.optimizer, "--resume", "never"),
         *("--nproc-per-node", str(setup.world_size), "--packing", cfg.packing, "--device", cfg.device),
         *("--loss-chunk-size", str(setup.loss_chunk)),
+        # Every setting that changes what the run holds (the data's shape, the model's code).
+        *("--data-format", cfg.data_format, "--text-field", cfg.text_field, "--truncation", cfg.truncation),
+        *("--txt-mode", cfg.txt_mode),
     ]
+    args += ["--trust-remote-code"] if cfg.trust_remote_code else []
+    args += ["--compile"] if cfg.compile else []
+    args += ["--chat-template", cfg.chat_template] if cfg.chat_template else []
+    args += ["--train-on-prompt"] if cfg.train_on_prompt else []
     args += ["--cache-dir", cfg.cache_dir] if cfg.cache_dir else []
     args += ["--lora"] if setup.lora else []
     args += ["--activation-checkpointing"] if setup.activation_checkpointing else []

@@ -14,7 +14,6 @@ from typing import Any
 from lmtune.data.sources import Record
 from lmtune.errors import UserError
 
-FORMATS = ("auto", "text", "prompt_completion", "messages")
 ROLES = ("system", "user", "assistant", "tool")
 
 # The template for tokenizers that have none (and for the presets). Assistant turns end with EOS so

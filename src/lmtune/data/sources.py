@@ -24,7 +24,6 @@ from lmtune.errors import UserError
 SAMPLE = "sample"
 SAMPLE_EVAL = "sample:eval"
 EXTENSIONS = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".txt")
-TXT_MODES = ("line", "block")
 
 
 @dataclass(frozen=True)

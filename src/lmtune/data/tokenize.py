@@ -14,7 +14,6 @@ from lmtune.data.sources import BadLines, Record
 from lmtune.errors import UserError
 
 IGNORE_INDEX = -100
-TRUNCATIONS = ("right", "left", "drop", "error")
 CHUNK = 2048  # records per tokenizer call: large enough for the Rust side to use every core
 # A text far longer than --max-length can keep is cut before tokenizing, so one huge record costs
 # what the kept tokens cost. The cut keeps this many characters per token that could be kept (with
