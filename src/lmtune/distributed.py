@@ -240,6 +240,36 @@ def set_collective_timeout(env: DistEnv, seconds: float) -> None:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
 
 
+class CollectiveTimeouts:
+    """Half an hour for a collective while loading and warming up; after the first step
+    ``short_s``, so a rank that does not come is noticed in minutes, not half an hour; the long
+    bound again around evaluation and saving (a large checkpoint takes time)."""
+
+    def __init__(self, env: DistEnv, short_s: float, long_s: float = 1800.0):
+        self.env, self.short_s, self.long_s = env, short_s, long_s
+        self.training = False
+
+    def __call__(self, state: object, finished: bool) -> None:
+        """After each step (a fit component): shorten once, after the first."""
+        if not self.training:
+            self.training = True
+            set_collective_timeout(self.env, self.short_s)
+
+    @contextmanager
+    def patient(self) -> Iterator[None]:
+        set_collective_timeout(self.env, self.long_s)
+        try:
+            yield
+        finally:
+            if self.training:
+                set_collective_timeout(self.env, self.short_s)
+
+    def end(self) -> None:
+        """Training is over: what follows (the final save, a merge) may take long."""
+        self.training = False
+        set_collective_timeout(self.env, self.long_s)
+
+
 def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """Sum a tensor over all ranks (in place, also returned); identity for one process."""
     if env.distributed:

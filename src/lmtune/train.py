@@ -7,8 +7,8 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from functools import partial
 from pathlib import Path
@@ -49,13 +49,13 @@ from lmtune.data.sampling import EvalSampler, TrainSampler
 from lmtune.data.sources import SAMPLE_EVAL
 from lmtune.data.tokenize import EncodeStats
 from lmtune.distributed import (
+    CollectiveTimeouts,
     DistEnv,
     all_gather_object,
     barrier,
     cpu_threads_per_process,
     process_group,
     read_dist_env,
-    set_collective_timeout,
 )
 from lmtune.doctor import DoctorSettings, check_or_fail
 from lmtune.errors import UserError
@@ -86,7 +86,6 @@ from lmtune.step import StepResult
 from lmtune.stopping import StopRequest
 
 LORA_MIN_DEFAULT_LR = 2e-4
-LONG_COLLECTIVE_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -437,13 +436,14 @@ def _run(
         train_data, sampler, cfg.global_batch_size // env.world_size, step_collate, env, cfg.num_workers
     )
     autocast = partial(_autocast, cfg.precision, env.device)
+    timeouts = CollectiveTimeouts(env, cfg.collective_timeout)
     run_eval: Callable[[], EvalResult] | None = None
     if eval_data is not None:
         eval_sampler = EvalSampler(len(eval_data), env.rank, env.world_size)
         eval_loader = _loader(eval_data, eval_sampler, micro, Collator(tokenizer.pad_token_id), env, 0)
 
         def run_eval() -> EvalResult:
-            with patient_collectives():
+            with timeouts.patient():
                 beat = partial(heartbeat.beat, "eval")
                 return evaluate(unwrap(model), eval_loader, env, autocast(), parts.sharded, beat)
 
@@ -458,26 +458,8 @@ def _run(
         if resume_from is not None:
             best.restore(resume_from)
 
-    @contextmanager
-    def patient_collectives() -> Iterator[None]:
-        """Evaluation and saving keep the long collective timeout (a big checkpoint takes time)."""
-        set_collective_timeout(env, LONG_COLLECTIVE_TIMEOUT_S)
-        try:
-            yield
-        finally:
-            if started_training:
-                set_collective_timeout(env, cfg.collective_timeout)
-
-    started_training: list[bool] = []
-
-    def shorten_collective_timeout(at: TrainerState, finished: bool) -> None:
-        """After the first step, a rank that does not come is noticed in minutes, not half an hour."""
-        if not started_training:
-            started_training.append(True)
-            set_collective_timeout(env, cfg.collective_timeout)
-
     def save(at: TrainerState) -> None:
-        with patient_collectives():
+        with timeouts.patient():
             _save(at)
 
     def _save(at: TrainerState) -> None:
@@ -523,7 +505,7 @@ def _run(
 
     faults.install_slow_or_stuck_rank(loss_module, env.rank, lambda: heartbeat.step)
     timer = PhaseTimer(env.device, timed=cfg.profile, beat=heartbeat.beat)
-    after_step: list[Callable[[TrainerState, bool], None]] = [shorten_collective_timeout]
+    after_step: list[Callable[[TrainerState, bool], None]] = [timeouts]
     if cfg.sample_prompts is not None:
         sample_settings = SampleSettings(
             prompts=read_prompts(Path(cfg.sample_prompts).expanduser(), tokenizer),
@@ -600,7 +582,7 @@ def _run(
     finally:
         if samples is not None:
             samples.close()
-    set_collective_timeout(env, LONG_COLLECTIVE_TIMEOUT_S)  # the final save and merge take time
+    timeouts.end()
     heartbeat.beat("save")
     final_eval = result.evals[-1] if result.evals else None
     peaks = all_gather_object(peak_memory_bytes(env.device), env)

@@ -172,20 +172,31 @@ def test_doctor_passes_on_two_ranks(tmp_path: Path) -> None:
     assert "sums right" in proc.stdout and "(ranks 0, 1)" in proc.stdout
 
 
-def test_doctor_names_the_node_that_sees_another_output_folder(tmp_path: Path) -> None:
-    """Two launchers on loopback, as two nodes whose --output-dir is not the same storage."""
+def _doctor_on_two_nodes(tmp_path: Path, folders: tuple[str, str]) -> list[tuple[int, str]]:
+    """Two launchers on loopback, as two nodes, each with its own --output-dir."""
     port = free_port()
     nodes = []
     for node in (0, 1):
         args = ["doctor", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        command = lmtune_cmd([*args, "--output-dir", str(tmp_path / f"node-{node}")])
+        command = lmtune_cmd([*args, "--output-dir", str(tmp_path / folders[node])])
         nodes.append(
             subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         )
-    outputs = [p.communicate(timeout=300)[0] for p in reversed(nodes)]
-    assert all(p.returncode == 2 for p in nodes), outputs
-    table = next(o for o in outputs if "lmtune doctor" in o)  # printed where rank 0 runs
+    outputs = [p.communicate(timeout=300)[0] for p in reversed(nodes)][::-1]
+    return [(p.returncode, output) for p, output in zip(nodes, outputs, strict=True)]
+
+
+def test_doctor_on_two_nodes_passes_and_names_the_node_that_sees_another_output_folder(
+    tmp_path: Path,
+) -> None:
+    shared = _doctor_on_two_nodes(tmp_path, ("shared", "shared"))
+    assert [code for code, _ in shared] == [0, 0], shared
+    table = next(output for _, output in shared if "lmtune doctor" in output)  # where rank 0 runs
+    assert "ok    output folder" in table and "2 ranks" in table
+    apart = _doctor_on_two_nodes(tmp_path, ("node-0", "node-1"))
+    assert [code for code, _ in apart] == [2, 2], apart
+    table = next(output for _, output in apart if "lmtune doctor" in output)
     assert (
         "FAIL  output folder" in table
         and "rank(s) 1 (" in table
