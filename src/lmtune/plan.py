@@ -494,9 +494,9 @@ def row_length(cfg: TrainConfig) -> tuple[int, bool, str]:
     Packed rows are --max-length wide; otherwise a micro-batch is as wide as its longest example,
     found by tokenizing --data (through the same cache as training).
     """
+    from lmtune.build import prepare_data
     from lmtune.distributed import read_dist_env
     from lmtune.modeling import load_tokenizer
-    from lmtune.train import prepare_data
 
     if cfg.packing == "on":
         return cfg.max_length, True, "--packing on: rows of --max-length"

@@ -3,35 +3,38 @@
 from __future__ import annotations
 
 import os
-import platform
-import socket
-import sys
 import time
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, fields
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
-from lmtune import __version__, faults
-from lmtune.attention import attention_description, use_varlen
+from lmtune import faults
+from lmtune.attention import attention_description
 from lmtune.best import BEST_FILE, BestTracker
-from lmtune.chat import end_of_turn_ids, fit_embeddings, set_stop_tokens, stop_ids, use_chat_template
+from lmtune.build import (
+    BATCHING_NAMES,
+    apply_chat_template_option,
+    autocast_context,
+    batching_of,
+    build_model,
+    environment_info,
+    make_loader,
+    prepare_data,
+)
+from lmtune.chat import end_of_turn_ids, set_stop_tokens, stop_ids
 from lmtune.checkpoint import (
     FINGERPRINT_FILE,
-    ModelParts,
     TrainerState,
     load_checkpoint,
     save_checkpoint,
     save_final,
     save_hf_folder,
 )
-from lmtune.chunked_loss import LossChoice
-from lmtune.chunked_loss import choose as choose_loss
 from lmtune.config import (
     SAMPLE_DATA,
     TrainConfig,
@@ -42,12 +45,9 @@ from lmtune.config import (
     warmup_steps,
 )
 from lmtune.data.collate import Collator, StepCollator
-from lmtune.data.dataset import TokenizedDataset, split_off
-from lmtune.data.prepare import DataSettings, cache_root, default_cache_dir, prepare
+from lmtune.data.prepare import cache_root, default_cache_dir
 from lmtune.data.sample import addition_examples, split_prompt
 from lmtune.data.sampling import EvalSampler, TrainSampler
-from lmtune.data.sources import SAMPLE_EVAL
-from lmtune.data.tokenize import EncodeStats
 from lmtune.distributed import (
     CollectiveTimeouts,
     DistEnv,
@@ -65,17 +65,15 @@ from lmtune.generations import Sampler, SampleSettings, read_prompts
 from lmtune.health import Heartbeat, StragglerWatch
 from lmtune.launch import report_stopped, warn
 from lmtune.loop import FitHooks, fit, plan_steps
-from lmtune.lora import LoraSettings, add_lora, merged_model
-from lmtune.loss import SummedLoss
-from lmtune.metrics import InfoLog, RunLog, SampleLog, read_metrics
+from lmtune.lora import merged_model
+from lmtune.metrics import RunLog, SampleLog, read_metrics
 from lmtune.modeling import load_model
 from lmtune.optim import build_optimizer, build_schedule, optimizer_state_bytes
-from lmtune.parallel import resolve_strategy, unwrap, wrap_model
+from lmtune.parallel import resolve_strategy, unwrap
 from lmtune.perf import (
     PEAKS_FILE,
     PhaseTimer,
     best_peak_flops,
-    low_precision_dtype,
     peak_memory_bytes,
     train_flops_per_token,
 )
@@ -95,150 +93,6 @@ class TrainResult:
     last_loss: float
     eval: EvalResult | None
     stopped_early: bool = False
-
-
-def _autocast(precision: str, device: torch.device) -> AbstractContextManager[object]:
-    dtype = low_precision_dtype(precision)
-    return nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def _checkpoint_activations(model: torch.nn.Module, name: str) -> None:
-    """Per-block activation checkpointing, non-reentrant: the reentrant variant runs backward
-    hooks twice and DDP then sees parameters "marked ready twice"."""
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise UserError(f"--activation-checkpointing: {name} does not support gradient checkpointing")
-    kwargs = {"use_reentrant": False}
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
-    if callable(enable):
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
-
-
-def _compile(model: torch.nn.Module, log: RunLog) -> None:
-    """torch.compile in place (parameter names unchanged, so checkpoints stay the same)."""
-    import torch._dynamo
-
-    # A graph that fails to compile at its first call runs eagerly instead of ending the run.
-    torch._dynamo.config.suppress_errors = True
-    try:
-        model.compile()
-    except Exception as e:  # compile support differs by platform and model; eager always works
-        log.info(f"--compile: torch.compile is not available here ({type(e).__name__}: {e}); running eagerly")
-
-
-def _eval_spec(cfg: TrainConfig) -> str | None:
-    if cfg.eval_data is None and cfg.data == SAMPLE_DATA and cfg.eval_split is None:
-        return SAMPLE_EVAL
-    return cfg.eval_data
-
-
-def prepare_data(
-    cfg: TrainConfig,
-    tokenizer: Any,
-    env: DistEnv,
-    log: InfoLog,
-    check_stop: Callable[[], None] = lambda: None,
-) -> tuple[TokenizedDataset, TokenizedDataset | None, dict[str, Any]]:
-    """Tokenize (or read from the cache) the training and evaluation data; report what was done."""
-    settings = DataSettings(
-        format=cfg.data_format,
-        text_field=cfg.text_field,
-        max_length=cfg.max_length,
-        truncation=cfg.truncation,
-        skip_bad_lines=cfg.skip_bad_lines,
-        txt_mode=cfg.txt_mode,
-        train_on_prompt=cfg.train_on_prompt,
-    )
-    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-    info: dict[str, Any] = {}
-    prepared: dict[str, TokenizedDataset] = {}
-    for name, spec, option in (("train", cfg.data, "--data"), ("eval", _eval_spec(cfg), "--eval-data")):
-        if spec is None:
-            continue
-        p = prepare(spec, tokenizer, settings, env, cache_dir, cfg.cache_per_node, option, check_stop)
-        builders = [r for r, built in enumerate(all_gather_object(p.built, env)) if built]
-        meta = p.dataset.meta
-        info[name] = {
-            "spec": spec,
-            "cache": str(p.folder),
-            "key": p.key,
-            "built_by_ranks": builders,
-            **{k: meta[k] for k in (*(f.name for f in fields(EncodeStats)), "bad_lines")},
-        }
-        how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
-        log.info(
-            f"{name} data {spec}: {meta['examples']:,} examples, {meta['tokens']:,} tokens ({how}); "
-            f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long, "
-            f"{meta['dropped_no_targets']} dropped with no trainable tokens"
-            + (f", {meta['bad_lines']} bad lines skipped" if meta["bad_lines"] else "")
-        )
-        for message in meta["bad_line_examples"][:5] if builders else []:
-            log.info(f"  skipped: {message}")
-        prepared[name] = p.dataset
-    if cfg.eval_split is not None:
-        try:
-            prepared["train"], prepared["eval"] = split_off(prepared["train"], cfg.eval_split, cfg.seed)
-        except ValueError as e:
-            raise UserError(f"--eval-split {cfg.eval_split}: {e}") from None
-        info["eval"] = {"spec": f"--eval-split {cfg.eval_split}", "examples": len(prepared["eval"])}
-        log.info(f"eval data: {len(prepared['eval']):,} examples of --data held out (--eval-split)")
-    return prepared["train"], prepared.get("eval"), info
-
-
-BATCHING_NAMES = {
-    "pack": "packed rows",
-    "auto": "packed where it saves padding",
-    "group": "grouped by length",
-    "pad": "padded",
-}
-
-
-def _batching(cfg: TrainConfig, formats: dict[str, int]) -> str:
-    """pack | auto | group | pad: how a step's examples become micro-batches."""
-    if cfg.packing == "on":
-        return "pack"
-    if cfg.packing == "auto" and set(formats) == {"text"}:
-        return "auto"
-    return "group" if cfg.group_by_length else "pad"
-
-
-def _loader(
-    data: TokenizedDataset,
-    sampler: Any,
-    batch_size: int,
-    collate: Callable[[Any], Any],
-    env: DistEnv,
-    workers: int,
-) -> DataLoader[Any]:
-    return DataLoader(
-        data,  # type: ignore[arg-type]
-        batch_size=batch_size,
-        sampler=sampler,
-        collate_fn=collate,
-        num_workers=workers,
-        pin_memory=env.device.type == "cuda",
-        persistent_workers=workers > 0,
-    )
-
-
-def environment_info(env: DistEnv, threads: int) -> dict[str, Any]:
-    import transformers
-
-    return {
-        "lmtune": __version__,
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "world_size": env.world_size,
-        "device": str(env.device),
-        "backend": env.backend,
-        "threads_per_process": threads,
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-    }
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -276,53 +130,6 @@ def train(cfg: TrainConfig) -> TrainResult:
         heartbeat.close()
 
 
-def _build_model(
-    cfg: TrainConfig, base: torch.nn.Module, strategy: str, env: DistEnv, log: RunLog
-) -> tuple[torch.nn.Module, ModelParts, LossChoice]:
-    """Memory savers, LoRA, compile, the loss wrapper and the strategy's wrapper, in that order."""
-    if cfg.activation_checkpointing:
-        _checkpoint_activations(base, cfg.model)
-    # Per-example attention computes nothing on padding or across packed examples. Its per-example
-    # loop would make torch.compile recompile for every batch, so compiled runs keep the masks.
-    cpu_bf16 = env.device.type == "cpu" and cfg.precision == "bf16"
-    varlen = not cfg.compile and use_varlen(base, cpu_bf16)
-    trained = base
-    if cfg.lora:
-        # The same adapter init on every rank: FSDP keeps each rank's own shard of it (DDP would
-        # broadcast rank 0's).
-        torch.manual_seed(cfg.seed)
-        lora = LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
-        trained = add_lora(base, lora)
-    # A rank-specific stream from here on, so dropout differs across the ranks' examples.
-    torch.manual_seed(cfg.seed + env.rank)
-    loss = choose_loss(trained, cfg.loss_chunk_size, cfg.compile)
-    if cfg.loss_chunk_size and not loss.chunk:
-        log.info(f"--loss-chunk-size {cfg.loss_chunk_size}: not used; {loss.description}")
-    if cfg.compile:
-        _compile(trained, log)
-    loss_module = SummedLoss(trained, varlen, loss.chunk)
-    model = wrap_model(loss_module, strategy, env, cfg.precision)
-    return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora), loss
-
-
-def _use_chat_template(cfg: TrainConfig, model: torch.nn.Module, tokenizer: Any, log: RunLog) -> None:
-    assert cfg.chat_template is not None
-    added = use_chat_template(tokenizer, cfg.chat_template)
-    if added and cfg.lora:
-        raise UserError(
-            f"--chat-template {cfg.chat_template}: its turn markers {', '.join(added)} are new to "
-            f"{cfg.model}'s vocabulary, and LoRA leaves new token embeddings untrained, so the model "
-            "could never learn to end a turn. Fine-tune without --lora, or use a template whose "
-            "markers the tokenizer has (its own, when it has one)"
-        )
-    grew = fit_embeddings(model, tokenizer)
-    log.info(
-        f"chat template {cfg.chat_template}"
-        + (f": new special tokens {', '.join(added)}" if added else "")
-        + (f" (embeddings grown to {len(tokenizer):,} rows)" if grew else "")
-    )
-
-
 def _run(
     cfg: TrainConfig,
     env: DistEnv,
@@ -341,7 +148,7 @@ def _run(
     loaded = load_model(cfg.model, cfg.seed, cfg.trust_remote_code)
     tokenizer = loaded.tokenizer
     if cfg.chat_template is not None:
-        _use_chat_template(cfg, loaded.model, tokenizer, log)
+        apply_chat_template_option(cfg, loaded.model, tokenizer, log)
     heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, stop.raise_if_requested)
     heartbeat.beat("load")
@@ -356,7 +163,7 @@ def _run(
     # Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
     default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora else loaded.default_lr
     lr = cfg.lr if cfg.lr is not None else default_lr
-    model, parts, loss = _build_model(cfg, loaded.model, strategy, env, log)
+    model, parts, loss = build_model(cfg, loaded.model, strategy, env, log)
     loss_module, trained = parts.root, parts.model
     # After wrapping: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
     optimizer = build_optimizer(
@@ -421,7 +228,7 @@ def _run(
         history = read_metrics(output_dir, kind=None) if state.step else []
         log.add_reporters(open_reporters(names, output_dir, to_dict(cfg), history))
 
-    batching = _batching(cfg, data_info["train"]["formats"])
+    batching = batching_of(cfg, data_info["train"]["formats"])
     step_collate = StepCollator(tokenizer.pad_token_id, micro, batching, cfg.max_length)
     sampler = TrainSampler(
         len(train_data),
@@ -432,15 +239,15 @@ def _run(
         train_data.lengths().tolist(),
     )
     # One loader item is one rank's share of one optimizer step, already cut into micro-batches.
-    loader = _loader(
+    loader = make_loader(
         train_data, sampler, cfg.global_batch_size // env.world_size, step_collate, env, cfg.num_workers
     )
-    autocast = partial(_autocast, cfg.precision, env.device)
+    autocast = partial(autocast_context, cfg.precision, env.device)
     timeouts = CollectiveTimeouts(env, cfg.collective_timeout)
     run_eval: Callable[[], EvalResult] | None = None
     if eval_data is not None:
         eval_sampler = EvalSampler(len(eval_data), env.rank, env.world_size)
-        eval_loader = _loader(eval_data, eval_sampler, micro, Collator(tokenizer.pad_token_id), env, 0)
+        eval_loader = make_loader(eval_data, eval_sampler, micro, Collator(tokenizer.pad_token_id), env, 0)
 
         def run_eval() -> EvalResult:
             with timeouts.patient():

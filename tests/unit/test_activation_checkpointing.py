@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers.models.llama import modeling_llama
 
+from lmtune.build import checkpoint_activations
 from lmtune.modeling import build_preset
-from lmtune.train import _checkpoint_activations
 
 
 def _run(checkpointed: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, torch.Tensor]:
@@ -25,7 +25,7 @@ def _run(checkpointed: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, torc
     monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", counting)
     model = build_preset("tiny", seed=0).model.train()
     if checkpointed:
-        _checkpoint_activations(model, "tiny")
+        checkpoint_activations(model, "tiny")
     x = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(0))
     model(input_ids=x, labels=x).loss.backward()
     return calls, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
