@@ -605,6 +605,11 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     need(cfg.sample_temperature >= 0, "sample_temperature", "must be >= 0")
     need(1 <= cfg.sample_max_new_tokens <= 4096, "sample_max_new_tokens", "must be in [1, 4096]")
     need(
+        cfg.sample_prompts is None or cfg.sample_max_new_tokens < cfg.max_length,
+        "sample_max_new_tokens",
+        "must be below --max-length (a prompt and its generation stay within it)",
+    )
+    need(
         cfg.sample_prompts is None or Path(cfg.sample_prompts).expanduser().is_file(),
         "sample_prompts",
         "no such file",

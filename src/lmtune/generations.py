@@ -57,8 +57,10 @@ def _prompt_text(line: str, path: Path, number: int, tokenizer: Any) -> tuple[st
     return shown, rendered, False
 
 
-def read_prompts(path: Path, tokenizer: Any) -> list[Prompt]:
-    """The prompts of a --sample-prompts file; every problem is an error naming the line."""
+def read_prompts(path: Path, tokenizer: Any, max_tokens: int | None = None) -> list[Prompt]:
+    """The prompts of a --sample-prompts file; every problem is an error naming the line.
+    ``max_tokens``: the longest prompt plus generation the run allows (found now, not at the
+    sampling step hours into training)."""
     option = f"--sample-prompts {path}"
     if not path.is_file():
         raise UserError(f"{option}: no such file")
@@ -76,6 +78,11 @@ def read_prompts(path: Path, tokenizer: Any) -> list[Prompt]:
         ids = tokenizer(rendered, add_special_tokens=specials)["input_ids"]
         if not ids:
             raise UserError(f"{path}:{number}: the prompt is empty")
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise UserError(
+                f"{path}:{number}: the prompt is {len(ids)} tokens; with --sample-max-new-tokens it may be "
+                f"at most {max_tokens} (--max-length)"
+            )
         prompts.append(Prompt(shown, list(ids)))
     if not prompts:
         raise UserError(f"{option}: no prompts in it")

@@ -56,9 +56,11 @@ def load_run(folder: Path) -> Run:
     info: dict[str, Any] = {}
     try:
         loaded = json.loads((folder / "run.json").read_text(encoding="utf-8"))
-        info = loaded if isinstance(loaded, dict) else {}
     except (OSError, ValueError):
-        pass
+        loaded = {}
+    if isinstance(loaded, dict):  # each section as the report reads it, or left out
+        info = {k: v for k, v in loaded.items() if isinstance(v, dict)}
+        info["data"] = {k: v for k, v in info.get("data", {}).items() if isinstance(v, dict)}
     return Run(folder.resolve().name, folder, rows, info)
 
 

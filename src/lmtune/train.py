@@ -315,7 +315,9 @@ def _run(
     after_step: list[Callable[[TrainerState, bool], None]] = [timeouts]
     if cfg.sample_prompts is not None:
         sample_settings = SampleSettings(
-            prompts=read_prompts(Path(cfg.sample_prompts).expanduser(), tokenizer),
+            prompts=read_prompts(
+                Path(cfg.sample_prompts).expanduser(), tokenizer, cfg.max_length - cfg.sample_max_new_tokens
+            ),
             every=cfg.sample_every,
             max_new_tokens=cfg.sample_max_new_tokens,
             temperature=cfg.sample_temperature,

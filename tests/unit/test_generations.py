@@ -104,3 +104,7 @@ def test_prompt_files_are_read_strictly(tmp_path: Path) -> None:
             read_prompts(path, tok)
     with pytest.raises(UserError, match="no such file"):
         read_prompts(tmp_path / "missing.jsonl", tok)
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps("ab" * 40) + "\n")
+    with pytest.raises(UserError, match=r"long.jsonl:1: the prompt is 81 tokens; .* at most 50"):
+        read_prompts(long, tok, max_tokens=50)  # found at start, not at the sampling step

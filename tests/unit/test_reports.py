@@ -145,6 +145,11 @@ def test_report_reads_a_run_that_is_still_writing(tmp_path: Path) -> None:
     (out / "run.json").unlink()
     assert main(["report", str(out), "--out", str(tmp_path / "r.html")]) == 0
     assert "nothing recorded" in (tmp_path / "r.html").read_text()  # no run.json: no per-rank peaks
+    # A run.json of the wrong shapes is read as far as it makes sense, never a traceback.
+    (out / "run.json").write_text(
+        json.dumps({"config": [1], "resolved": "x", "result": {"best": [2]}, "data": {"train": 3}})
+    )
+    assert main(["report", str(out), "--out", str(tmp_path / "r.html")]) == 0
     assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "x.html")]) == 2
 
 
