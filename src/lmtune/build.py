@@ -74,6 +74,11 @@ def _eval_spec(cfg: TrainConfig) -> str | None:
     return cfg.eval_data
 
 
+def data_cache_dir(cfg: TrainConfig) -> Path:
+    """--cache-dir, else lmtune's default cache of tokenized data."""
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+
+
 def prepare_data(
     cfg: TrainConfig,
     tokenizer: Any,
@@ -91,7 +96,7 @@ def prepare_data(
         txt_mode=cfg.txt_mode,
         train_on_prompt=cfg.train_on_prompt,
     )
-    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    cache_dir = data_cache_dir(cfg)
     info: dict[str, Any] = {}
     prepared: dict[str, TokenizedDataset] = {}
     for name, spec, option in (("train", cfg.data, "--data"), ("eval", _eval_spec(cfg), "--eval-data")):

@@ -8,7 +8,7 @@ import os
 import resource
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
@@ -110,44 +110,37 @@ def _read_peaks(path: Path) -> dict[str, float]:
     }
 
 
-def best_peak_flops(
-    device: torch.device,
-    precision: str,
-    threads: int,
-    cache: Path | None,
-    seconds: float = 0.3,
-    probes: int = 1,
-) -> float:
-    """The matmul peak for MFU: the best of this run's probes and every earlier one cached for the
+def best_peak_flops(device: torch.device, precision: str, threads: int, cache: Path | None) -> float:
+    """The matmul peak for MFU: the best of this run's probe and every earlier one cached for the
     same machine, device, precision and thread count. One short probe at a busy moment reads low
     (3x apart between runs on a loaded machine), which made MFU read over 100%; the best kept over
     runs converges on what the device reaches. ``cache`` None: this probe alone."""
-    measured = max(measure_peak_flops(device, precision, seconds) for _ in range(probes))
+    measured = measure_peak_flops(device, precision, seconds=0.3)
     if cache is None:
         return measured
     key = _peak_key(device, precision, threads)
-    peaks = _read_peaks(cache)
-    best = max(measured, peaks.get(key, 0.0))
-    if best > peaks.get(key, 0.0):
-        peaks[key] = best
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(peaks, indent=1), encoding="utf-8")
-            tmp.replace(cache)
-        except OSError:  # a read-only cache costs only the remembering
-            pass
-    return best
+    known = _read_peaks(cache).get(key, 0.0)
+    if measured > known:
+        with suppress(OSError):  # a read-only cache costs only the remembering
+            _store_peak(cache, key, measured)
+    return max(measured, known)
 
 
 def measure_and_store_peak(device: torch.device, precision: str, threads: int, cache: Path) -> float:
     """`lmtune bench --measure-peak`: several longer probes; the result replaces the cached peak."""
     measured = max(measure_peak_flops(device, precision, 1.0) for _ in range(5))
-    peaks = _read_peaks(cache)
-    peaks[_peak_key(device, precision, threads)] = measured
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(peaks, indent=1), encoding="utf-8")
+    _store_peak(cache, _peak_key(device, precision, threads), measured)
     return measured
+
+
+def _store_peak(cache: Path, key: str, flops: float) -> None:
+    """Replace one entry of the peaks file, atomically (ranks and runs may read it meanwhile)."""
+    peaks = _read_peaks(cache)
+    peaks[key] = flops
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(peaks, indent=1), encoding="utf-8")
+    tmp.replace(cache)
 
 
 class PhaseTimer:

@@ -10,13 +10,13 @@ import base64
 import html
 import io
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lmtune.errors import UserError
+from lmtune.reporters import is_number
 
 SMOOTHING = 0.9  # exponential moving average of the training loss (as TensorBoard's slider)
 
@@ -33,12 +33,8 @@ class Run:
 
     def series(self, key: str, kind: str = "train") -> tuple[list[float], list[float]]:
         """(steps, values) where ``key`` has a number."""
-        points = [(r["step"], r[key]) for r in self.kind(kind) if _number(r.get(key))]
+        points = [(r["step"], r[key]) for r in self.kind(kind) if is_number(r.get(key))]
         return [float(s) for s, _ in points], [float(v) for _, v in points]
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def load_run(folder: Path) -> Run:
@@ -108,7 +104,7 @@ def _plot_loss(ax: Any, runs: list[Run]) -> bool:
 def _plot_loss_tokens(ax: Any, runs: list[Run]) -> bool:
     drawn = False
     for i, run in enumerate(runs):
-        rows = [r for r in run.kind("train") if _number(r.get("loss")) and _number(r.get("tokens"))]
+        rows = [r for r in run.kind("train") if is_number(r.get("loss")) and is_number(r.get("tokens"))]
         if rows:
             tokens, total = [], 0.0
             for r in rows:
@@ -147,7 +143,7 @@ def _plot_memory_per_rank(ax: Any, runs: list[Run]) -> bool:
 
 def _peaks(run: Run) -> list[int]:
     peaks = (run.info.get("result") or {}).get("peak_memory_per_rank") or []
-    return [int(p) for p in peaks if _number(p)]
+    return [int(p) for p in peaks if is_number(p)]
 
 
 def _plot_phases(ax: Any, runs: list[Run]) -> bool:
@@ -236,11 +232,11 @@ def _summary(run: Run) -> dict[str, str]:
         "strategy": f"{resolved.get('strategy', '?')} on {env.get('world_size', '?')} "
         f"x {env.get('device', '?')}",
         "steps": f"{last.get('step', 0)} of {resolved.get('total_steps', '?')}",
-        "last train loss": f"{last['loss']:.4f}" if _number(last.get("loss")) else "-",
+        "last train loss": f"{last['loss']:.4f}" if is_number(last.get("loss")) else "-",
         "last eval loss": f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})" if evals else "-",
         "best": json.dumps(result["best"]) if result.get("best") else "-",
         "peak memory per rank": ", ".join(f"{p / 2**20:,.0f} MiB" for p in _peaks(run)) or "-",
-        "wall time": f"{result['wall_time_s']:,.0f} s" if _number(result.get("wall_time_s")) else "-",
+        "wall time": f"{result['wall_time_s']:,.0f} s" if is_number(result.get("wall_time_s")) else "-",
         "loss": str(resolved.get("loss", "-")),
         "attention": str(resolved.get("attention", "-")),
     }
@@ -251,7 +247,7 @@ def _data_summary(run: Run) -> dict[str, str]:
     for split, d in (run.info.get("data") or {}).items():
         if isinstance(d, dict):
             keys = ("examples", "tokens", "truncated", "dropped_too_long", "dropped_no_targets", "bad_lines")
-            out[split] = ", ".join(f"{k} {d[k]:,}" for k in keys if _number(d.get(k))) or str(
+            out[split] = ", ".join(f"{k} {d[k]:,}" for k in keys if is_number(d.get(k))) or str(
                 d.get("spec", "")
             )
     return out

@@ -58,15 +58,15 @@ def check_installed(names: list[str]) -> None:
             )
 
 
+def is_number(value: Any) -> bool:
+    """A finite int or float (a bool is not a measurement)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """A metrics.jsonl row's values under the reporting names (numbers only)."""
     names = SCALARS.get(row.get("kind", ""), {})
-    out = {}
-    for key, name in names.items():
-        value = row.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out[name] = float(value)
-    return out
+    return {name: float(row[key]) for key, name in names.items() if is_number(row.get(key))}
 
 
 class Reporter(Protocol):

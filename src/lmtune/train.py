@@ -22,6 +22,7 @@ from lmtune.build import (
     autocast_context,
     batching_of,
     build_model,
+    data_cache_dir,
     environment_info,
     make_loader,
     prepare_data,
@@ -45,7 +46,7 @@ from lmtune.config import (
     warmup_steps,
 )
 from lmtune.data.collate import Collator, StepCollator
-from lmtune.data.prepare import cache_root, default_cache_dir
+from lmtune.data.prepare import cache_root
 from lmtune.data.sample import addition_examples, split_prompt
 from lmtune.data.sampling import EvalSampler, TrainSampler
 from lmtune.distributed import (
@@ -120,10 +121,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     try:
         with lock, process_group(env), RunLog(env, output_dir, cfg.progress) as log, StopRequest() as stop:
             if cfg.doctor:
-                cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-                settings = DoctorSettings(
-                    cfg.output_dir, None if cfg.cache_per_node else str(cache), cfg.data, cfg.model
-                )
+                cache = None if cfg.cache_per_node else str(data_cache_dir(cfg))  # node-local: not shared
+                settings = DoctorSettings(cfg.output_dir, cache, cfg.data, cfg.model)
                 check_or_fail(env, settings)
             return _run(cfg, env, strategy, threads, output_dir, log, stop, heartbeat)
     finally:
