@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from lmtune.data.prepare import DataSettings, prepare
-from lmtune.distributed import read_dist_env
-from lmtune.modeling import byte_tokenizer
+from lmtune.model.modeling import byte_tokenizer
+from lmtune.parallel.distributed import read_dist_env
 
 WORDS = [
     "the",

@@ -27,7 +27,7 @@ from pathlib import Path
 def build_model(folder: Path, layers: int) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from lmtune.modeling import byte_tokenizer
+    from lmtune.model.modeling import byte_tokenizer
 
     tok = byte_tokenizer()
     config = Qwen2Config(

@@ -26,7 +26,7 @@ import torch
 from lmtune.config import TrainConfig
 from lmtune.data.sample import addition_examples
 from lmtune.metrics import read_metrics, tokens_per_second
-from lmtune.modeling import build_preset
+from lmtune.model.modeling import build_preset
 from lmtune.train import train
 
 

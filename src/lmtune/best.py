@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lmtune.checkpoint import step_folder
+from lmtune.checkpoint.layout import step_folder
+from lmtune.config import TrainConfig
 
 BEST_FILE = "best.json"
 
@@ -43,7 +44,9 @@ class BestTracker:
             or (not self.greater_is_better and value < self.best.value - self.threshold)
         )
         if better and math.isfinite(value):
-            self.best = Best(step, self.metric, value, str(step_folder(output_dir, step)))
+            self.best = Best(
+                step=step, metric=self.metric, value=value, checkpoint=str(step_folder(output_dir, step))
+            )
             self.without_improvement = 0
             return True
         self.without_improvement += 1
@@ -69,3 +72,17 @@ class BestTracker:
             return  # none (saved without --metric-for-best): start counting afresh
         if best is None or best.metric == self.metric:
             self.best, self.without_improvement = best, count
+
+
+def best_tracker(cfg: TrainConfig, resume_from: Path | None) -> BestTracker | None:
+    if cfg.metric_for_best is None:
+        return None
+    best = BestTracker(
+        metric=cfg.metric_for_best,
+        greater_is_better=cfg.greater_is_better,
+        patience=cfg.early_stopping_patience,
+        threshold=cfg.early_stopping_threshold,
+    )
+    if resume_from is not None:
+        best.restore(resume_from)
+    return best

@@ -1,46 +1,137 @@
-"""What train() is built from: data, loaders, the model with its memory savers, strategy and loss.
-
-Each function takes the run's settings and returns one part; train.py composes them.
-"""
+"""What train() is built from: data, loaders, the model with its memory savers, strategy, loss
+and optimizer. :func:`build` makes them all for one run; train.py composes the run from them."""
 
 from __future__ import annotations
 
-import os
-import platform
-import socket
-import sys
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from lmtune import __version__
-from lmtune.attention import use_varlen
-from lmtune.chat import fit_embeddings, use_chat_template
-from lmtune.checkpoint import ModelParts
-from lmtune.chunked_loss import LossChoice
-from lmtune.chunked_loss import choose as choose_loss
-from lmtune.config import SAMPLE_DATA, TrainConfig
+from lmtune.batching import BatchLayout, batch_layout
+from lmtune.chat import end_of_turn_ids, fit_embeddings, set_stop_tokens, use_chat_template
+from lmtune.checkpoint.state import ModelParts
+from lmtune.config import SAMPLE_DATA, TrainConfig, warmup_steps
+from lmtune.data.collate import Collator, StepCollator
 from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.prepare import DataSettings, default_cache_dir, prepare
+from lmtune.data.sampling import EvalSampler, TrainSampler
 from lmtune.data.sources import SAMPLE_EVAL
 from lmtune.data.tokenize import EncodeStats
-from lmtune.distributed import DistEnv, all_gather_object
 from lmtune.errors import UserError
-from lmtune.lora import LoraSettings, add_lora
-from lmtune.loss import SummedLoss
+from lmtune.loop import FitData
 from lmtune.metrics import InfoLog, RunLog
-from lmtune.parallel import wrap_model
-from lmtune.perf import low_precision_dtype
+from lmtune.model.attention import use_varlen
+from lmtune.model.chunked_loss import LossChoice
+from lmtune.model.chunked_loss import choose as choose_loss
+from lmtune.model.lora import LoraSettings, add_lora
+from lmtune.model.loss import SummedLoss
+from lmtune.model.modeling import LoadedModel, load_model
+from lmtune.model.precision import grad_scaler
+from lmtune.optim import build_optimizer, build_schedule
+from lmtune.parallel.distributed import DistEnv, all_gather_object
+from lmtune.parallel.health import Heartbeat
+from lmtune.parallel.wrap import wrap_model
+from lmtune.resume import Fingerprint, fingerprint
+from lmtune.stopping import StopRequest
+
+# Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
+LORA_MIN_DEFAULT_LR = 2e-4
 
 
-def autocast_context(precision: str, device: torch.device) -> AbstractContextManager[object]:
-    dtype = low_precision_dtype(precision)
-    return nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
+@dataclass(frozen=True)
+class Run:
+    """One process's run: its settings and the services every part of it shares."""
+
+    cfg: TrainConfig
+    env: DistEnv
+    strategy: str  # resolved: single | dp | ddp | fsdp
+    threads: int  # CPU threads of this process
+    log: RunLog
+    stop: StopRequest
+    heartbeat: Heartbeat
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+
+@dataclass(frozen=True)
+class Built:
+    """The parts of a run, before resume."""
+
+    loaded: LoadedModel  # the Hugging Face model as loaded, and its tokenizer
+    train_data: TokenizedDataset
+    eval_data: TokenizedDataset | None
+    data_info: dict[str, Any]  # run.json's "data"
+    layout: BatchLayout
+    lr: float
+    model: torch.nn.Module  # the strategy's wrapper around the loss module
+    parts: ModelParts
+    loss: LossChoice
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    fingerprint: Fingerprint  # what a checkpoint of this run must match to be continued
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+
+def build(run: Run) -> Built:
+    """Model, data, batch layout, the wrapped model with its loss, and the optimizer."""
+    cfg, env, log = run.cfg, run.env, run.log
+    run.heartbeat.beat("load")
+    loaded = load_model(cfg.model, cfg.seed, cfg.trust_remote_code)
+    tokenizer = loaded.tokenizer
+    if cfg.chat_template is not None:
+        apply_chat_template_option(cfg, loaded.model, tokenizer, log)
+    run.heartbeat.beat("data-prep")
+    train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
+    run.heartbeat.beat("load")
+    if "messages" in data_info["train"]["formats"]:
+        # The reply's end-of-turn token trains; saved models must also stop generating there.
+        stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
+        log.info(f"chat data: saved models stop at {tokenizer.convert_ids_to_tokens(stops)}")
+    layout = batch_layout(cfg, env.world_size, len(train_data))
+    default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora else loaded.default_lr
+    lr = cfg.lr if cfg.lr is not None else default_lr
+    model, parts, loss = build_model(cfg, loaded.model, run.strategy, env, log)
+    # After wrapping: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
+    optimizer = build_optimizer(
+        cfg.optimizer,
+        parts.root,
+        lr,
+        weight_decay=cfg.weight_decay,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        momentum=cfg.momentum,
+    )
+    run_fingerprint = fingerprint(
+        cfg,
+        data_key=data_info["train"]["key"],
+        examples=len(train_data),
+        model_config=loaded.model.config,
+        lr=lr,
+        total_steps=layout.total_steps,
+    )
+    return Built(
+        loaded=loaded,
+        train_data=train_data,
+        eval_data=eval_data,
+        data_info=data_info,
+        layout=layout,
+        lr=lr,
+        model=model,
+        parts=parts,
+        loss=loss,
+        optimizer=optimizer,
+        scaler=grad_scaler(cfg.precision),
+        fingerprint=run_fingerprint,
+    )
 
 
 def checkpoint_activations(model: torch.nn.Module, name: str) -> None:
@@ -168,23 +259,28 @@ def make_loader(
     )
 
 
-def environment_info(env: DistEnv, threads: int) -> dict[str, Any]:
-    import transformers
-
-    return {
-        "lmtune": __version__,
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "world_size": env.world_size,
-        "device": str(env.device),
-        "backend": env.backend,
-        "threads_per_process": threads,
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-    }
+def loaders(run: Run, b: Built) -> tuple[FitData, DataLoader[Any] | None]:
+    """The training data as fit walks it, and the evaluation loader (None without eval data)."""
+    cfg, env, layout = run.cfg, run.env, b.layout
+    batching = batching_of(cfg, b.data_info["train"]["formats"])
+    step_collate = StepCollator(
+        pad_token_id=b.tokenizer.pad_token_id,
+        micro_batch_size=layout.micro_batch_size,
+        mode=batching,
+        max_length=cfg.max_length,
+    )
+    lengths = b.train_data.lengths().tolist()
+    sampler = TrainSampler(
+        len(b.train_data), cfg.global_batch_size, env.rank, env.world_size, cfg.seed, lengths
+    )
+    # One loader item is one rank's share of one optimizer step, already cut into micro-batches.
+    loader = make_loader(b.train_data, sampler, layout.per_rank, step_collate, env, cfg.num_workers)
+    eval_loader = None
+    if b.eval_data is not None:
+        eval_sampler = EvalSampler(len(b.eval_data), env.rank, env.world_size)
+        collate = Collator(b.tokenizer.pad_token_id)
+        eval_loader = make_loader(b.eval_data, eval_sampler, layout.micro_batch_size, collate, env, 0)
+    return FitData(loader, sampler, layout), eval_loader
 
 
 def build_model(
@@ -202,7 +298,12 @@ def build_model(
         # The same adapter init on every rank: FSDP keeps each rank's own shard of it (DDP would
         # broadcast rank 0's).
         torch.manual_seed(cfg.seed)
-        lora = LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+        lora = LoraSettings(
+            rank=cfg.lora_rank,
+            alpha=cfg.lora_alpha,
+            dropout=cfg.lora_dropout,
+            target_modules=cfg.lora_target_modules,
+        )
         trained = add_lora(base, lora)
     # A rank-specific stream from here on, so dropout differs across the ranks' examples.
     torch.manual_seed(cfg.seed + env.rank)
@@ -231,4 +332,18 @@ def apply_chat_template_option(cfg: TrainConfig, model: torch.nn.Module, tokeniz
         f"chat template {cfg.chat_template}"
         + (f": new special tokens {', '.join(added)}" if added else "")
         + (f" (embeddings grown to {len(tokenizer):,} rows)" if grew else "")
+    )
+
+
+def schedule(cfg: TrainConfig, b: Built, start_step: int) -> torch.optim.lr_scheduler.LRScheduler:
+    total = b.layout.total_steps
+    return build_schedule(
+        b.optimizer,
+        name=cfg.lr_schedule,
+        total_steps=total,
+        warmup_steps=warmup_steps(cfg, total),
+        min_ratio=cfg.min_lr_ratio,
+        decay_ratio=cfg.decay_ratio,
+        lr=b.lr,
+        start_step=start_step,
     )

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from lmtune import commands
 from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
 
 
-def _add_train_options(parser: argparse.ArgumentParser) -> None:
-    from lmtune.config import config_fields, field_type, option_name
+def _add_train_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> None:
+    """The settings of TrainConfig as flags (``only``: just these), all defaulting to "not given"
+    so that a --config YAML file fills the rest."""
+    from lmtune.config import choices, config_fields, field_type, option_name
 
     parser.add_argument(
         "--config",
@@ -20,20 +23,20 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         help="YAML file with any of the settings below; flags given here override it.",
     )
     for f in config_fields():
-        kind = field_type(f)
+        if only and f.name not in only:
+            continue
         text = f"{f.metadata['help']} (default: {f.default})".replace("%", "%%")  # argparse formats %
-        if kind is bool:
+        if field_type(f) is bool:
+            action: Any = argparse.BooleanOptionalAction
             parser.add_argument(
-                option_name(f.name),
-                dest=f.name,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=text,
+                option_name(f.name), dest=f.name, action=action, default=argparse.SUPPRESS, help=text
             )
-        else:
-            parser.add_argument(
-                option_name(f.name), dest=f.name, metavar=f.name.upper(), default=argparse.SUPPRESS, help=text
-            )
+            continue
+        allowed = choices(f.name)
+        metavar = "{" + ",".join(allowed) + "}" if allowed else f.name.upper()
+        parser.add_argument(
+            option_name(f.name), dest=f.name, metavar=metavar, default=argparse.SUPPRESS, help=text
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,16 +48,31 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fine-tune causal language models on one device, DataParallel, DDP or several machines.",
     )
     parser.add_argument("--version", action="version", version=f"lmtune {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train = commands.add_parser(
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _train_parser(sub)
+    _generate_parser(sub)
+    _bench_parser(sub)
+    _plan_parser(sub)
+    _export_parser(sub)
+    _doctor_parser(sub)
+    _report_parser(sub)
+    _data_parser(sub)
+    return parser
+
+
+def _train_parser(sub: Any) -> None:
+    train = sub.add_parser(
         "train",
         allow_abbrev=False,
         help="fine-tune a model",
         description="Fine-tune a causal LM. Every setting can also come from --config run.yaml.",
     )
     _add_train_options(train)
-    train.set_defaults(run=_cmd_train)
-    gen = commands.add_parser("generate", allow_abbrev=False, help="complete a prompt with a trained model")
+    train.set_defaults(run=commands.train)
+
+
+def _generate_parser(sub: Any) -> None:
+    gen = sub.add_parser("generate", allow_abbrev=False, help="complete a prompt with a trained model")
     gen.add_argument(
         "--model", required=True, help="model folder (for example OUTPUT/final), hub id or preset"
     )
@@ -76,8 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
-    gen.set_defaults(run=_cmd_generate)
-    bench = commands.add_parser(
+    gen.set_defaults(run=commands.generate)
+
+
+def _bench_parser(sub: Any) -> None:
+    bench = sub.add_parser(
         "bench",
         allow_abbrev=False,
         help="measure throughput, MFU and memory per strategy and precision",
@@ -108,8 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
         "store it as the peak MFU divides by; do it on an idle machine",
     )
     bench.add_argument("--device", default="auto", help="with --measure-peak: auto | cpu | cuda")
-    bench.set_defaults(run=_cmd_bench)
-    pl = commands.add_parser(
+    bench.set_defaults(run=commands.bench)
+
+
+def _plan_parser(sub: Any) -> None:
+    pl = sub.add_parser(
         "plan",
         allow_abbrev=False,
         help="predict peak memory per device before training",
@@ -131,9 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="train two real steps at two micro-batch sizes and correct the prediction by what they measure",
     )
     pl.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON")
-    _add_train_options(pl)
-    pl.set_defaults(run=_cmd_plan)
-    exp = commands.add_parser(
+    from lmtune.config import PLAN_SETTINGS
+
+    _add_train_options(pl, only=PLAN_SETTINGS)
+    pl.set_defaults(run=commands.plan)
+
+
+def _export_parser(sub: Any) -> None:
+    exp = sub.add_parser(
         "export",
         allow_abbrev=False,
         help="write a Hugging Face model folder from a checkpoint",
@@ -142,8 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("checkpoint", help="checkpoint folder, for example OUTPUT/checkpoints/step-000100")
     exp.add_argument("out", metavar="DIR", help="folder to write")
     exp.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
-    exp.set_defaults(run=_cmd_export)
-    doc = commands.add_parser(
+    exp.set_defaults(run=commands.export)
+
+
+def _doctor_parser(sub: Any) -> None:
+    doc = sub.add_parser(
         "doctor",
         allow_abbrev=False,
         help="check a machine or cluster before a run",
@@ -163,8 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--cache-dir", default=None, help="check this folder (writable, shared)")
     doc.add_argument("--data", default=None, help="check that every rank can read this data")
     doc.add_argument("--model", default=None, help="size the checkpoints by this model's config")
-    doc.set_defaults(run=_cmd_doctor)
-    rep = commands.add_parser(
+    doc.set_defaults(run=commands.doctor)
+
+
+def _report_parser(sub: Any) -> None:
+    rep = sub.add_parser(
         "report",
         allow_abbrev=False,
         help="one HTML page with the plots of one run or several overlaid",
@@ -176,8 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("outputs", nargs="+", metavar="OUTPUT", help="run output folders")
     rep.add_argument("--out", default="report.html", help="HTML file to write (default: report.html)")
     rep.add_argument("--png", metavar="DIR", default=None, help="also write every plot as a PNG file here")
-    rep.set_defaults(run=_cmd_report)
-    data = commands.add_parser("data", allow_abbrev=False, help="inspect training data").add_subparsers(
+    rep.set_defaults(run=commands.report)
+
+
+def _data_parser(sub: Any) -> None:
+    data = sub.add_parser("data", allow_abbrev=False, help="inspect training data").add_subparsers(
         dest="data_command", required=True, metavar="COMMAND"
     )
     aud = data.add_parser(
@@ -210,261 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--seed", type=int, default=42, help="as in train (default: 42)")
     aud.add_argument("--plot", metavar="PNG", default=None, help="also write the length histogram as a PNG")
     aud.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own Python code")
-    aud.set_defaults(run=_cmd_audit)
-    return parser
-
-
-def _train_config(args: argparse.Namespace) -> Any:
-    from lmtune.config import build_config, config_fields, load_yaml
-
-    values: dict[str, Any] = {}
-    source = ""
-    if hasattr(args, "config"):
-        values.update(load_yaml(args.config))
-        source = args.config
-    values.update({f.name: getattr(args, f.name) for f in config_fields() if hasattr(args, f.name)})
-    return build_config(values, source)
-
-
-def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from lmtune.config import validate
-    from lmtune.distributed import launched_world_size
-
-    cfg = _train_config(args)
-    if launched_world_size() == 1:
-        from lmtune.launch import needs_launcher, relaunch, world_size_bounds
-
-        if needs_launcher(cfg):
-            # Check in the launcher first: a bad option is then reported once, before N processes start.
-            for world_size in sorted(set(world_size_bounds(cfg))):
-                validate(cfg, world_size)
-            return relaunch(list(argv), cfg)
-    from lmtune.train import train
-
-    train(cfg)  # a run stopped by a signal has saved a checkpoint and exits cleanly too
-    return 0
-
-
-def _cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    import torch
-
-    from lmtune.distributed import read_dist_env
-    from lmtune.modeling import load_model
-
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (got {args.temperature})")
-    if not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1] (got {args.top_p})")
-    if args.device not in ("auto", "cpu", "cuda"):
-        raise UserError(f"--device must be auto, cpu or cuda (got {args.device!r})")
-    if args.prompt is None and not args.chat:
-        raise UserError("--prompt is needed (or --chat, which reads turns from stdin)")
-    if args.system is not None and not args.chat:
-        raise UserError("--system needs --chat")
-    device = read_dist_env(args.device).device
-    loaded = load_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code)
-    model = loaded.model.to(device)
-    options = {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "seed": args.seed,
-    }
-    with torch.inference_mode():
-        if args.chat:
-            _chat(model, loaded.tokenizer, args.prompt, args.system, options)
-        else:
-            from lmtune.generate import complete
-
-            print(args.prompt + complete(model, loaded.tokenizer, args.prompt, **options))
-    return 0
-
-
-def _chat(
-    model: Any, tokenizer: Any, prompt: str | None, system: str | None, options: dict[str, Any]
-) -> None:
-    """One reply to --prompt, or a conversation over stdin's lines (interactive on a terminal)."""
-    from lmtune.data.formats import ensure_chat_template
-    from lmtune.generate import chat_reply
-
-    ensure_chat_template(tokenizer)
-    messages = [{"role": "system", "content": system}] if system else []
-    interactive = prompt is None and sys.stdin.isatty()
-    turns = [prompt] if prompt is not None else _stdin_turns(interactive)
-    for turn in turns:
-        messages.append({"role": "user", "content": turn})
-        reply = chat_reply(model, tokenizer, messages, **options)
-        messages.append({"role": "assistant", "content": reply})
-        print(f"assistant> {reply}" if interactive else reply, flush=True)
-
-
-def _stdin_turns(interactive: bool) -> Iterator[str]:
-    while True:
-        try:
-            line = input("you> ") if interactive else sys.stdin.readline()
-        except EOFError:  # Ctrl+D at the prompt
-            print()
-            return
-        if not interactive and not line:
-            return
-        if line.strip():
-            yield line.strip()
-
-
-def _cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    import json
-
-    from lmtune.bench import format_table, measure_peaks, run_bench, to_json
-
-    if args.measure_peak:
-        print("\n".join(measure_peaks(args.precisions.split(","), args.nproc_per_node, args.device)))
-        return 0
-
-    train_args = [
-        "--model",
-        args.model,
-        "--data",
-        args.data,
-        "--global-batch-size",
-        str(args.global_batch_size),
-        "--max-length",
-        str(args.max_length),
-        "--packing",
-        args.packing,
-    ]
-    if args.micro_batch_size:
-        train_args += ["--micro-batch-size", str(args.micro_batch_size)]
-    rows = run_bench(
-        train_args,
-        args.strategies.split(","),
-        args.precisions.split(","),
-        args.nproc_per_node,
-        args.steps,
-        args.warmup,
-    )
-    print(format_table(rows))
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(to_json(rows), f, indent=2)
-    print(f"wrote {args.json}")
-    return 0
-
-
-def _cmd_plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    import json
-    import tempfile
-    from pathlib import Path
-
-    from lmtune.config import validate
-    from lmtune.plan import format_report, parse_size, plan, report_json
-
-    cfg = _train_config(args)
-    validate(cfg, cfg.nproc_per_node)
-    memory = parse_size(args.memory_per_device) if args.memory_per_device else None
-    with tempfile.TemporaryDirectory(prefix="lmtune-plan-") as workdir:
-        report = plan(cfg, memory, args.calibrate, Path(workdir))
-    print(format_report(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report_json(report), indent=2))
-        print(f"wrote {args.json}")
-    return 0
-
-
-def _cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from pathlib import Path
-
-    from lmtune.checkpoint import export
-
-    export(Path(args.checkpoint), Path(args.out), args.trust_remote_code)
-    print(f"wrote {args.out}")
-    return 0
-
-
-def _cmd_doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from lmtune.config import TrainConfig, parse_nnodes
-    from lmtune.distributed import launched_world_size, process_group, read_dist_env
-    from lmtune.doctor import DoctorSettings, check_or_fail
-
-    if args.nproc_per_node < 1:
-        raise UserError("--nproc-per-node must be >= 1")
-    nodes = parse_nnodes(args.nnodes)[1]
-    if nodes > 1 and args.rdzv_endpoint is None:
-        raise UserError("--rdzv-endpoint is needed when --nnodes is more than 1")
-    if launched_world_size() == 1 and (args.nproc_per_node > 1 or nodes > 1):
-        from lmtune.launch import relaunch_unlocked
-
-        launch = TrainConfig(
-            nproc_per_node=args.nproc_per_node,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            rdzv_endpoint=args.rdzv_endpoint,
-            rdzv_id=args.rdzv_id,
-            hang_timeout=0,
-        )
-        return relaunch_unlocked(list(argv), launch)
-    env = read_dist_env(args.device)
-    settings = DoctorSettings(args.output_dir, args.cache_dir, args.data, args.model)
-    with process_group(env):
-        check_or_fail(env, settings)
-    if env.is_main:
-        print("all checks passed")
-    return 0
-
-
-def _cmd_report(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from pathlib import Path
-
-    from lmtune.report import PLOTS, report
-
-    drawn = report([Path(o) for o in args.outputs], Path(args.out), Path(args.png) if args.png else None)
-    empty = [name for name in PLOTS if name not in drawn]
-    print(
-        f"wrote {args.out}: {len(drawn)} plots"
-        + (f" (nothing recorded for {', '.join(empty)})" if empty else "")
-    )
-    if args.png:
-        print(f"wrote {len(drawn)} PNG files to {args.png}")
-    return 0
-
-
-def _cmd_audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from pathlib import Path
-
-    from lmtune.config import FORMATS, TRUNCATIONS, TXT_MODES
-    from lmtune.data.audit import audit, format_report, plot_histogram
-    from lmtune.data.prepare import DataSettings
-    from lmtune.modeling import load_tokenizer
-
-    for option, value, allowed in (
-        ("--data-format", args.data_format, FORMATS),
-        ("--truncation", args.truncation, TRUNCATIONS),
-        ("--txt-mode", args.txt_mode, TXT_MODES),
-    ):
-        if value not in allowed:
-            raise UserError(f"{option}: must be one of {', '.join(allowed)} (got {value!r})")
-    if args.max_length < 2 or args.nproc_per_node < 1 or args.global_batch_size < 1:
-        raise UserError("--max-length must be >= 2, --nproc-per-node and --global-batch-size >= 1")
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    if args.chat_template is not None:
-        from lmtune.chat import use_chat_template
-
-        use_chat_template(tokenizer, args.chat_template)
-    settings = DataSettings(
-        args.data_format, args.text_field, args.max_length, args.truncation, True, args.txt_mode
-    )
-    report = audit(
-        ",".join(args.data),
-        tokenizer,
-        settings,
-        args.nproc_per_node,
-        args.global_batch_size,
-        args.micro_batch_size,
-        args.seed,
-    )
-    print(format_report(report))
-    if args.plot:
-        plot_histogram(report, Path(args.plot))
-        print(f"  histogram           {args.plot}")
-    return 0 if report.clean else USER_ERROR_EXIT_CODE
+    aud.set_defaults(run=commands.audit)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -476,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.run(args, argv)
         return code
     except UserError as e:
-        from lmtune.launch import report_error
+        from lmtune.parallel.launch import report_error
 
         report_error(str(e), USER_ERROR_EXIT_CODE)
         return USER_ERROR_EXIT_CODE
@@ -484,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lmtune: {e}", file=sys.stderr, flush=True)
         return 128 + e.signum
     except TrainingStopped as e:
-        from lmtune.launch import report_error
+        from lmtune.parallel.launch import report_error
 
         report_error(str(e), 1)
         return 1

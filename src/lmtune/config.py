@@ -7,34 +7,31 @@ YAML file and ``run.json`` can never disagree about names or defaults.
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from lmtune.data.sources import SAMPLE
 from lmtune.errors import UserError
 
-STRATEGIES = ("auto", "single", "dp", "ddp", "fsdp")
-SCHEDULES = ("cosine", "linear", "constant", "wsd")
-METRICS = ("eval_loss", "eval_perplexity")
-OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
-FORMATS = ("auto", "text", "prompt_completion", "messages")
-TRUNCATIONS = ("right", "left", "drop", "error")
-TXT_MODES = ("line", "block")
-PRECISIONS = ("fp32", "bf16", "fp16")
-DEVICES = ("auto", "cpu", "cuda")
 SAMPLE_DATA = SAMPLE  # --data sample: the built-in addition task (lmtune.data.sources owns the name)
+# The settings `lmtune plan` reads (the model, the data's shape, the setup): its --help lists these.
+_PLAN = (
+    "model data data_format text_field train_on_prompt chat_template packing truncation "
+    "skip_bad_lines txt_mode cache_dir max_length global_batch_size micro_batch_size seed strategy "
+    "precision optimizer activation_checkpointing lora lora_rank lora_alpha lora_dropout "
+    "lora_target_modules loss_chunk_size compile device nproc_per_node nnodes trust_remote_code"
+)
+PLAN_SETTINGS = tuple(_PLAN.split())
 DEFAULT_EPOCHS = 3
 SAMPLE_EPOCHS = 8
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+def _help(text: str, choices: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Field metadata: the --help text, and the allowed values where there is a fixed set (the one
+    place they are listed: --help shows them as {a,b,c}, validate() checks them)."""
+    return {"help": text, "choices": choices}
 
 
 @dataclass
@@ -75,7 +72,8 @@ class TrainConfig:
         metadata=_help(
             "auto (from each record's fields) | text (train on all of it) | prompt_completion "
             "(prompt+completion or instruction/input/output; train on the completion) | messages "
-            "(chat; train on assistant turns)."
+            "(chat; train on assistant turns).",
+            ("auto", "text", "prompt_completion", "messages"),
         ),
     )
     text_field: str = field(default="text", metadata=_help("Name of the field holding plain text."))
@@ -99,7 +97,8 @@ class TrainConfig:
         metadata=_help(
             "Pack several examples of a step into rows of --max-length, with no attention across "
             "them: on | off | auto (text-format data: packs the steps where grouping by length "
-            "would still leave over 10% padding)."
+            "would still leave over 10% padding).",
+            ("auto", "on", "off"),
         ),
     )
     group_by_length: bool = field(
@@ -110,7 +109,8 @@ class TrainConfig:
         default="right",
         metadata=_help(
             "Examples longer than --max-length: right (cut the end) | left (cut the start) | drop | "
-            "error. Counts go to the log and run.json."
+            "error. Counts go to the log and run.json.",
+            ("right", "left", "drop", "error"),
         ),
     )
     skip_bad_lines: bool = field(
@@ -120,7 +120,10 @@ class TrainConfig:
         ),
     )
     txt_mode: str = field(
-        default="line", metadata=_help(".txt files: one example per line | per blank-line-separated block.")
+        default="line",
+        metadata=_help(
+            ".txt files: one example per line | per blank-line-separated block.", ("line", "block")
+        ),
     )
     cache_dir: str | None = field(
         default=None,
@@ -174,7 +177,8 @@ class TrainConfig:
         metadata=_help(
             "cosine (warmup, then cosine decay to lr x --min-lr-ratio) | linear (warmup, then linear "
             "decay to 0) | constant (after warmup) | wsd (warmup, stable, then the last --decay-ratio "
-            "of the steps decaying to lr x --min-lr-ratio)."
+            "of the steps decaying to lr x --min-lr-ratio).",
+            ("cosine", "linear", "constant", "wsd"),
         ),
     )
     min_lr_ratio: float = field(default=0.1, metadata=_help("cosine and wsd decay end at lr x this ratio."))
@@ -194,7 +198,8 @@ class TrainConfig:
         metadata=_help(
             "adamw | adamw8bit (bitsandbytes: 8-bit optimizer state, about a quarter of the memory) | "
             "paged_adamw8bit (8-bit, state paged to CPU memory under GPU memory pressure) | sgd "
-            "(with --momentum). Weights stay fp32 with every choice."
+            "(with --momentum). Weights stay fp32 with every choice.",
+            ("adamw", "adamw8bit", "paged_adamw8bit", "sgd"),
         ),
     )
     momentum: float = field(default=0.9, metadata=_help("SGD momentum (--optimizer sgd)."))
@@ -216,14 +221,16 @@ class TrainConfig:
         metadata=_help(
             "auto (ddp when launched with several processes, else single) | single | "
             "dp (nn.DataParallel over the visible GPUs) | ddp | fsdp (FSDP2: parameters, gradients "
-            "and optimizer state sharded over the processes; sharded checkpoints)."
+            "and optimizer state sharded over the processes; sharded checkpoints).",
+            ("auto", "single", "dp", "ddp", "fsdp"),
         ),
     )
     precision: str = field(
         default="fp32",
         metadata=_help(
             "fp32 | bf16 (autocast, CPU and GPU) | fp16 (autocast with a gradient scaler, GPU only); "
-            "weights and optimizer state stay fp32."
+            "weights and optimizer state stay fp32.",
+            ("fp32", "bf16", "fp16"),
         ),
     )
     activation_checkpointing: bool = field(
@@ -267,7 +274,9 @@ class TrainConfig:
         default=False,
         metadata=_help("torch.compile the model; falls back to eager with a message if it fails."),
     )
-    device: str = field(default="auto", metadata=_help("auto (cuda when available) | cpu | cuda."))
+    device: str = field(
+        default="auto", metadata=_help("auto (cuda when available) | cpu | cuda.", ("auto", "cpu", "cuda"))
+    )
     nproc_per_node: int = field(
         default=1,
         metadata=_help(
@@ -286,7 +295,8 @@ class TrainConfig:
         default=None,
         metadata=_help(
             "Keep the best checkpoint by this eval metric (eval_loss | eval_perplexity; lower is "
-            "better unless --greater-is-better): it is saved when it improves and never pruned."
+            "better unless --greater-is-better): it is saved when it improves and never pruned.",
+            ("eval_loss", "eval_perplexity"),
         ),
     )
     greater_is_better: bool = field(
@@ -379,7 +389,8 @@ class TrainConfig:
     on_nan: str = field(
         default="stop",
         metadata=_help(
-            "A non-finite loss or gradient norm: stop (keep the last checkpoint) | skip the update."
+            "A non-finite loss or gradient norm: stop (keep the last checkpoint) | skip the update.",
+            ("stop", "skip"),
         ),
     )
     record_samples: bool = field(
@@ -422,6 +433,9 @@ def config_fields() -> list[dataclasses.Field[Any]]:
     return list(dataclasses.fields(TrainConfig))
 
 
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
 def field_type(f: dataclasses.Field[Any]) -> type:
     """The scalar type of a field (``int | None`` gives ``int``)."""
     hints = typing.get_type_hints(TrainConfig)
@@ -433,208 +447,14 @@ def field_type(f: dataclasses.Field[Any]) -> type:
     return hint
 
 
-def _optional(name: str) -> bool:
-    hint = typing.get_type_hints(TrainConfig)[name]
-    return type(None) in typing.get_args(hint)
-
-
 def option_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _coerce(name: str, value: Any, kind: type) -> Any:
-    """Convert a YAML/CLI value to the field's type, or explain which option is wrong."""
-    if value is None:
-        if not _optional(name):
-            raise UserError(f"{option_name(name)}: needs a value (got null)")
-        return None
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise UserError(f"{option_name(name)}: expected true or false, got {value!r}")
-    if kind is str and isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return ",".join(value)  # a YAML list of data files
-    if kind is int and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if (
-        isinstance(value, bool)
-        or (kind is int and isinstance(value, float))
-        or isinstance(value, (list, dict))
-    ):
-        raise UserError(f"{option_name(name)}: expected {kind.__name__}, got {value!r}")
-    try:
-        converted = kind(value)
-    except (TypeError, ValueError, OverflowError):
-        raise UserError(f"{option_name(name)}: expected {kind.__name__}, got {value!r}") from None
-    if kind is float and not math.isfinite(converted):
-        raise UserError(f"{option_name(name)}: must be a finite number (got {value!r})")
-    return converted
-
-
-def load_yaml(path: str) -> dict[str, Any]:
-    """Read a YAML mapping of settings; keys may use dashes or underscores."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--config: no such file: {path}")
-    try:
-        loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else path
-        raise UserError(f"--config: {where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise UserError(f"--config: {path}: expected a mapping of settings, got {type(loaded).__name__}")
-    settings: dict[str, Any] = {}
-    for key, value in loaded.items():
-        name = str(key).replace("-", "_")
-        if name in settings:
-            raise UserError(f"--config: {path}: {option_name(name)} is set twice (as {name} and {key})")
-        settings[name] = value
-    return settings
-
-
-def build_config(values: dict[str, Any], source: str = "") -> TrainConfig:
-    """Make a config from a mapping of settings (YAML and flags already merged)."""
-    known = {f.name: f for f in config_fields()}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        where = f" in {source}" if source else ""
-        raise UserError(
-            f"unknown setting{'s' if len(unknown) > 1 else ''}{where}: "
-            + ", ".join(option_name(u) for u in unknown)
-        )
-    kwargs = {k: _coerce(k, v, field_type(known[k])) for k, v in values.items()}
-    return TrainConfig(**kwargs)
-
-
-def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Reject settings that cannot work, naming the option; ``world_size`` is the process count."""
-
-    def need(ok: bool, name: str, why: str) -> None:
-        if not ok:
-            raise UserError(f"{option_name(name)}: {why} (got {getattr(cfg, name)!r})")
-
-    need(cfg.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}")
-    need(cfg.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
-    need(0 <= cfg.momentum < 1, "momentum", "must be in [0, 1)")
-    need(cfg.lora_rank >= 1, "lora_rank", "must be >= 1")
-    need(cfg.lora_alpha > 0, "lora_alpha", "must be > 0")
-    need(0 <= cfg.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
-    need(bool(cfg.lora_target_modules.strip(" ,")), "lora_target_modules", "must name modules or all-linear")
-    need(cfg.lora or not cfg.merge_lora, "merge_lora", "needs --lora")
-    need(cfg.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
-    need(cfg.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
-    need(cfg.data_format in FORMATS, "data_format", f"must be one of {', '.join(FORMATS)}")
-    need(cfg.truncation in TRUNCATIONS, "truncation", f"must be one of {', '.join(TRUNCATIONS)}")
-    need(cfg.txt_mode in TXT_MODES, "txt_mode", f"must be one of {', '.join(TXT_MODES)}")
-    need(cfg.packing in ("auto", "on", "off"), "packing", "must be auto, on or off")
-    need(cfg.lr is None or cfg.lr > 0, "lr", "must be > 0")
-    need(cfg.epochs is None or cfg.epochs >= 1, "epochs", "must be >= 1")
-    need(cfg.max_steps is None or cfg.max_steps >= 1, "max_steps", "must be >= 1")
-    need(cfg.global_batch_size >= 1, "global_batch_size", "must be >= 1")
-    need(cfg.micro_batch_size is None or cfg.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
-    need(cfg.max_length >= 2, "max_length", "must be >= 2")
-    need(0 <= cfg.seed < 2**32, "seed", "must be in [0, 2**32)")
-    need(cfg.eval_split is None or cfg.eval_data is None, "eval_split", "is instead of --eval-data: give one")
-    need(
-        cfg.eval_split is None or 0 < cfg.eval_split < 1 or float(cfg.eval_split).is_integer(),
-        "eval_split",
-        "must be a fraction in (0, 1) or a whole number of examples",
-    )
-    need(bool(cfg.model.strip()), "model", "must name a model")
-    if cfg.chat_template is not None:
-        from lmtune.chat import read_template
-
-        read_template(cfg.chat_template)
-    need(bool(cfg.data.strip()), "data", "must name data")
-    need(bool(cfg.output_dir.strip()), "output_dir", "must name a folder")
-    need(0 <= cfg.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
-    need(cfg.warmup_steps is None or cfg.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-    need(cfg.lr_schedule in SCHEDULES, "lr_schedule", f"must be one of {', '.join(SCHEDULES)}")
-    need(0 < cfg.decay_ratio <= 1, "decay_ratio", "must be in (0, 1]")
-    need(0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
-    need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
-    need(0 <= cfg.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
-    need(0 <= cfg.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
-    need(cfg.adam_eps > 0, "adam_eps", "must be > 0")
-    need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
-    need(cfg.nproc_per_node >= 1, "nproc_per_node", "must be >= 1")
-    need(cfg.save_every >= 0, "save_every", "must be >= 0")
-    need(cfg.keep_last >= 0, "keep_last", "must be >= 0")
-    need(cfg.on_nan in ("stop", "skip"), "on_nan", "must be stop or skip")
-    need(cfg.max_restarts >= 0, "max_restarts", "must be >= 0")
-    need(cfg.node_rank is None or cfg.node_rank >= 0, "node_rank", "must be >= 0")
-    nodes = parse_nnodes(cfg.nnodes)
-    need(
-        cfg.rdzv_endpoint is not None or nodes[1] == 1,
-        "rdzv_endpoint",
-        "is needed when --nnodes is more than 1",
-    )
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir():
-        raise UserError(f"--resume: no such checkpoint folder: {cfg.resume}")
-    need(cfg.threads_per_process >= 0, "threads_per_process", "must be >= 0")
-    need(cfg.eval_every >= 0, "eval_every", "must be >= 0")
-    need(cfg.metric_for_best in (None, *METRICS), "metric_for_best", f"must be one of {', '.join(METRICS)}")
-    evaluates = cfg.eval_data is not None or cfg.eval_split is not None or cfg.data == SAMPLE_DATA
-    need(cfg.metric_for_best is None or evaluates, "metric_for_best", "needs --eval-data or --eval-split")
-    need(
-        not cfg.load_best_at_end or cfg.metric_for_best is not None,
-        "load_best_at_end",
-        "needs --metric-for-best",
-    )
-    need(cfg.early_stopping_patience >= 0, "early_stopping_patience", "must be >= 0")
-    need(
-        not cfg.early_stopping_patience or (cfg.metric_for_best is not None and cfg.eval_every > 0),
-        "early_stopping_patience",
-        "needs --metric-for-best and --eval-every",
-    )
-    need(cfg.early_stopping_threshold >= 0, "early_stopping_threshold", "must be >= 0")
-    need(cfg.log_every >= 1, "log_every", "must be >= 1")
-    need(cfg.hang_timeout >= 0, "hang_timeout", "must be >= 0 (0: no watchdog)")
-    need(cfg.collective_timeout >= 10, "collective_timeout", "must be >= 10 seconds")
-    from lmtune.reporters import check_installed, parse_report_to
-
-    check_installed(parse_report_to(cfg.report_to))
-    need(cfg.loss_chunk_size is None or cfg.loss_chunk_size >= 0, "loss_chunk_size", "must be >= 0")
-    need(cfg.sample_every >= 0, "sample_every", "must be >= 0")
-    need(not cfg.sample_every or cfg.sample_prompts is not None, "sample_every", "needs --sample-prompts")
-    need(cfg.sample_temperature >= 0, "sample_temperature", "must be >= 0")
-    need(1 <= cfg.sample_max_new_tokens <= 4096, "sample_max_new_tokens", "must be in [1, 4096]")
-    need(
-        cfg.sample_prompts is None or cfg.sample_max_new_tokens < cfg.max_length,
-        "sample_max_new_tokens",
-        "must be below --max-length (a prompt and its generation stay within it)",
-    )
-    need(
-        cfg.sample_prompts is None or Path(cfg.sample_prompts).expanduser().is_file(),
-        "sample_prompts",
-        "no such file",
-    )
-    need(cfg.num_workers >= 0, "num_workers", "must be >= 0")
-    need(bool(cfg.text_field), "text_field", "must not be empty")
-    processes = f"{world_size} process{'es' if world_size > 1 else ''}"
-    if cfg.micro_batch_size is None:
-        if cfg.global_batch_size % world_size:
-            raise UserError(
-                f"--global-batch-size {cfg.global_batch_size} does not divide over {processes}; "
-                f"use a multiple of {world_size}"
-            )
-    elif cfg.global_batch_size % (cfg.micro_batch_size * world_size):
-        per_step = cfg.micro_batch_size * world_size
-        raise UserError(
-            f"--global-batch-size {cfg.global_batch_size} does not divide into "
-            f"--micro-batch-size {cfg.micro_batch_size} x {processes}; use a multiple of {per_step}"
-        )
-    from lmtune.data.sources import resolve_sources
-
-    for name in ("data", "eval_data"):
-        spec = getattr(cfg, name)
-        if spec is not None:
-            resolve_sources(spec, option_name(name))  # missing files and empty globs fail here
+def choices(name: str) -> tuple[str, ...]:
+    """The allowed values of a setting (empty: any value of its type)."""
+    found: tuple[str, ...] = _FIELDS[name].metadata.get("choices", ())
+    return found
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -649,23 +469,8 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return low, high
 
 
-def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
-    """The micro-batch size in effect: as set, or the whole per-process share of the global batch."""
-    return cfg.micro_batch_size or cfg.global_batch_size // world_size
-
-
-def epochs(cfg: TrainConfig) -> int:
-    if cfg.epochs is not None:
-        return cfg.epochs
-    return SAMPLE_EPOCHS if cfg.data == SAMPLE_DATA else DEFAULT_EPOCHS
-
-
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
-
-
-def dump_yaml(cfg: TrainConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
 def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:

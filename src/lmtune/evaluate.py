@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lmtune.data.collate import Batch, idle_batch
-from lmtune.distributed import DistEnv, all_reduce_max, all_reduce_sum
+from lmtune.data.batch import Batch, idle_batch
+from lmtune.parallel.distributed import DistEnv, all_reduce_max, all_reduce_sum
 
 
 @dataclass(frozen=True)
@@ -58,4 +58,6 @@ def evaluate(
     loss_module.train(was_training)
     total_loss, tokens, examples = all_reduce_sum(sums, env).tolist()
     loss = total_loss / max(tokens, 1.0)
-    return EvalResult(loss, math.exp(min(loss, 700.0)), int(tokens), int(examples))
+    return EvalResult(
+        loss=loss, perplexity=math.exp(min(loss, 700.0)), target_tokens=int(tokens), examples=int(examples)
+    )

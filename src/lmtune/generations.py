@@ -15,15 +15,18 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 import torch
 from torch import nn
 
-from lmtune.checkpoint import TrainerState
-from lmtune.distributed import DistEnv, broadcast
+from lmtune.callbacks import Callback, Control, StepEnd
 from lmtune.errors import UserError
 from lmtune.metrics import RunLog
+from lmtune.parallel.distributed import DistEnv, broadcast
 
 MAX_PROMPTS_BYTES = 1 << 20
 MAX_PROMPTS = 64
@@ -99,23 +102,32 @@ class Generation:
     stopped: bool  # ended by a stop token (else by the token limit or the time budget)
 
 
+class DecodeOptions(TypedDict):
+    stop: set[int]  # token ids that end a generation
+    max_new_tokens: int
+    temperature: float  # 0: greedy
+    seed: int
+    env: DistEnv
+    lockstep: bool  # FSDP: every rank forwards; rank 0's token is broadcast
+    autocast: Callable[[], AbstractContextManager[object]]
+    deadline: float  # time.monotonic() after which decoding ends
+
+
 @torch.no_grad()
 def decode(
-    root: nn.Module,
-    prompt: list[int],
-    *,
-    stop: set[int],
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-    env: DistEnv,
-    lockstep: bool,
-    autocast: Callable[[], AbstractContextManager[object]],
-    deadline: float,
+    root: nn.Module, prompt: list[int], **options: Unpack[DecodeOptions]
 ) -> tuple[list[int], bool, bool]:
     """New tokens after ``prompt``, whether a stop token ended them, and whether the time budget
     ran out (the same on every rank). ``root`` is the training wrapper, whose forward without
     labels returns the last position's logits."""
+    stop, max_new_tokens, temperature = options["stop"], options["max_new_tokens"], options["temperature"]
+    env, lockstep, autocast, deadline = (
+        options["env"],
+        options["lockstep"],
+        options["autocast"],
+        options["deadline"],
+    )
+    seed = options["seed"]
     ids = torch.tensor([prompt], device=env.device)
     generator = torch.Generator().manual_seed(seed)
     new: list[int] = []
@@ -148,8 +160,10 @@ class SampleSettings:
     seed: int
 
 
-class Sampler:
-    """Called after every optimizer step; generates on the scheduled ones."""
+class Sampler(Callback):
+    """Generates from the prompts every ``settings.every`` steps and at the end."""
+
+    phase = "sample"
 
     def __init__(
         self,
@@ -165,9 +179,10 @@ class Sampler:
         self.settings, self.root, self.tokenizer, self.env, self.log = settings, root, tokenizer, env, log
         self.stop, self.lockstep, self.autocast = set(stop), lockstep, autocast
 
-    def __call__(self, state: TrainerState, finished: bool) -> None:
+    def on_step_end(self, end: StepEnd, control: Control) -> None:
+        state = end.state
         step, every = state.step, self.settings.every
-        if not (finished or (every and step % every == 0)):
+        if not (end.finished or (every and step % every == 0)):
             return
         if not (self.lockstep or self.env.is_main):
             return  # DDP: rank 0 alone; the others go on to the next step's collective
@@ -200,7 +215,7 @@ class Sampler:
                 deadline=deadline,
             )
             text = str(self.tokenizer.decode(new, skip_special_tokens=True))
-            out.append(Generation(prompt.shown, text, len(new), stopped))
+            out.append(Generation(prompt=prompt.shown, completion=text, tokens=len(new), stopped=stopped))
             if late:
                 self.log.info(f"samples: the {TIME_BUDGET_S:.0f} s budget ran out after {i + 1} prompts")
                 break

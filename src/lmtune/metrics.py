@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from lmtune.distributed import DistEnv
+from lmtune.parallel.distributed import DistEnv
 from lmtune.reporters import Reporter
 
 

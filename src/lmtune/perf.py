@@ -15,12 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def low_precision_dtype(precision: str) -> torch.dtype | None:
-    """The autocast (and FSDP compute) dtype of ``--precision``; None for fp32."""
-    return None if precision == "fp32" else DTYPES[precision]
+from lmtune.model.precision import DTYPES
 
 
 def _synchronize(device: torch.device) -> None:
@@ -186,3 +181,27 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MfuMeter:
+    """Model FLOPs per second of a step over the measured peak of all devices. A reading over
+    100% is None (and a warning, once): the peak was measured low, not the step faster than it."""
+
+    def __init__(self, flops_per_token: Callable[[int], float], peak: float, devices: int, log: Any):
+        self.flops_per_token, self.peak, self.devices, self.log = flops_per_token, peak, devices, log
+        self.over_peak: list[float] = []
+
+    def __call__(self, tokens: int, examples: int, seconds: float) -> float | None:
+        mean_length = tokens / max(examples, 1)
+        flops = self.flops_per_token(round(mean_length)) * tokens
+        value = flops / max(seconds, 1e-9) / (self.peak * self.devices)
+        if value <= 1.0:
+            return value
+        if not self.over_peak:
+            self.log.info(
+                f"warning: MFU would read {100 * value:.0f}%: the matmul peak measured at start "
+                f"({self.peak / 1e9:,.1f} GFLOP/s) is below what this step reached (measured while the "
+                "machine was busy?); MFU is left out. Re-measure it: lmtune bench --measure-peak"
+            )
+        self.over_peak.append(value)
+        return None

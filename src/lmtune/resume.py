@@ -18,22 +18,14 @@ from typing import Any
 
 import torch
 
-from lmtune.checkpoint import (
-    CHECKPOINTS,
-    FINGERPRINT_FILE,
-    ModelParts,
-    TrainerState,
-    check_layout,
-    list_checkpoints,
-    load_checkpoint,
-    read_state,
-    verify,
-)
+from lmtune.checkpoint.layout import CHECKPOINTS, FINGERPRINT_FILE, list_checkpoints, verify
+from lmtune.checkpoint.state import ModelParts, TrainerState
+from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
 from lmtune.config import TrainConfig, warmup_steps
-from lmtune.distributed import DistEnv, broadcast_object
 from lmtune.errors import UserError
 from lmtune.metrics import InfoLog
 from lmtune.optim import set_hyperparameters
+from lmtune.parallel.distributed import DistEnv, broadcast_object
 
 # Config entries that describe how a model runs here, not what it is.
 _VOLATILE_CONFIG = ("transformers_version", "torch_dtype", "dtype", "use_cache", "architectures")
@@ -205,3 +197,32 @@ def continue_from(
     if changes:
         log.info(f"changed since the checkpoint, applied from step {state.step}: " + "; ".join(changes))
     return state
+
+
+def starting_state(
+    cfg: TrainConfig,
+    env: DistEnv,
+    now: Fingerprint,
+    *,
+    parts: ModelParts,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    log: InfoLog,
+) -> tuple[TrainerState, Path | None]:
+    """Where this run starts: step 0, or the checkpoint it continues (loaded), and that folder."""
+    fresh = TrainerState(
+        step=0,
+        epoch=0,
+        step_in_epoch=0,
+        global_batch_size=cfg.global_batch_size,
+        world_size=env.world_size,
+        seed=cfg.seed,
+        examples=now.fixed["training examples"],
+    )
+    folder = resume_point(cfg, Path(cfg.output_dir), env)
+    if folder is None:
+        return fresh, None
+    state = continue_from(
+        folder, now=now, cfg=cfg, parts=parts, optimizer=optimizer, env=env, scaler=scaler, log=log
+    )
+    return state, folder

@@ -22,8 +22,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from lmtune.distributed import DistEnv, broadcast_object
 from lmtune.errors import UserError
+from lmtune.parallel.distributed import DistEnv, broadcast_object
 
 LOCK_FILE = ".lmtune.lock"
 LOCK_TOKEN_ENV = "LMTUNE_LOCK_TOKEN"
@@ -117,7 +117,14 @@ def acquire(output_dir: Path, run_id: str, warn: Callable[[str], None]) -> RunLo
     path = output_dir / LOCK_FILE
     inherited = os.environ.get(LOCK_TOKEN_ENV)
     pid = os.getpid()
-    me = LockHolder(socket.gethostname(), pid, _pid_started(pid), time.time(), run_id, uuid.uuid4().hex)
+    me = LockHolder(
+        host=socket.gethostname(),
+        pid=pid,
+        pid_started=_pid_started(pid),
+        started=time.time(),
+        run_id=run_id,
+        token=uuid.uuid4().hex,
+    )
     for _ in range(3):  # a holder may release between our look and our create
         current = _read(path)
         if current is not None:
@@ -212,7 +219,7 @@ def prepare_output(
 ) -> None:
     """Rank 0, holding the lock: clear unfinished saves, refuse to replace an earlier run's results
     (``--overwrite`` deletes them). Every rank raises the same error, so none is left waiting."""
-    from lmtune.checkpoint import list_checkpoints
+    from lmtune.checkpoint.layout import list_checkpoints
 
     problem = ""
     if env.is_main:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from lmtune.data.collate import Batch, idle_batch
-from lmtune.distributed import DistEnv, all_reduce_max, all_reduce_sum
-from lmtune.parallel import is_sharded, no_sync
+from lmtune.data.batch import Batch, idle_batch
+from lmtune.parallel.distributed import DistEnv, all_reduce_max, all_reduce_sum
+from lmtune.parallel.wrap import is_sharded, no_sync
 from lmtune.perf import PhaseTimer, phase
 
 
@@ -32,20 +33,36 @@ class StepResult:
     rank_data_s: list[float] = field(default_factory=list)
 
 
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    micro_batches: list[Batch],
-    env: DistEnv,
-    max_grad_norm: float,
-    autocast: AbstractContextManager[object],
-    stop_requested: bool = False,
-    poison: bool = False,
-    scaler: torch.amp.GradScaler | None = None,
-    timer: PhaseTimer | None = None,
-    data_s: float = 0.0,
-) -> StepResult:
+@dataclass(frozen=True)
+class Trainee:
+    """What an optimizer step changes."""
+
+    model: nn.Module  # the strategy's wrapper around the loss module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None = None  # fp16 only
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How every step of a run is taken."""
+
+    max_grad_norm: float  # 0: no clipping
+    autocast: Callable[[], AbstractContextManager[object]]
+    timer: PhaseTimer | None = None  # per-phase times (--profile) and heartbeat phases
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One rank's share of one optimizer step."""
+
+    micro_batches: list[Batch]
+    stop_requested: bool = False  # this rank got SIGTERM/SIGINT
+    poison: bool = False  # fault injection: this rank's loss becomes NaN
+    data_s: float = 0.0  # how long this rank waited for the batches
+
+
+def train_step(trainee: Trainee, step: StepInput, env: DistEnv, options: StepOptions) -> StepResult:
     """Forward/backward every micro-batch, then clip and step.
 
     Every micro-step's summed loss is divided by the number of target tokens of the whole
@@ -57,6 +74,7 @@ def train_step(
     runs: one rank skipping alone would leave the replicas apart. ``poison`` makes this rank's loss
     NaN (fault injection for tests).
     """
+    micro_batches, timer, model = step.micro_batches, options.timer, trainee.model
     local = [
         sum(b.target_tokens() for b in micro_batches),
         sum(int(b.attention_mask.sum()) for b in micro_batches),
@@ -70,32 +88,27 @@ def train_step(
     if is_sharded(model):
         micro_batches = _lockstep(micro_batches, env)
     last = len(micro_batches) - 1
-    work_s = data_s
+    work_s = step.data_s
     for i, batch in enumerate(micro_batches):
         with no_sync(model, sync=i == last):
             started = time.perf_counter()
-            with phase(timer, "forward"), autocast:
+            with phase(timer, "forward"), options.autocast():
                 micro_loss = model(*batch.model_inputs()).sum()
             work_s += time.perf_counter() - started
-            if poison:
+            if step.poison:
                 micro_loss = micro_loss * float("nan")
             scaled = micro_loss * scale
             with phase(timer, "backward"):
-                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                (trainee.scaler.scale(scaled) if trainee.scaler is not None else scaled).backward()
         loss_sum += micro_loss.detach().double()
     with phase(timer, "optimizer"):
-        result = _update(
-            model,
-            optimizer,
-            scheduler,
-            env,
-            max_grad_norm,
-            scaler,
-            loss_sum,
-            stop_requested,
-            (target_tokens, tokens, examples),
-            (work_s, data_s),
+        tally = _Tally(
+            loss_sum=loss_sum,
+            stop_requested=step.stop_requested,
+            counts=(target_tokens, tokens, examples),
+            times=(work_s, step.data_s),
         )
+        result = _update(trainee, env, options.max_grad_norm, tally)
     return replace(result, phases=timer.take()) if timer is not None else result
 
 
@@ -106,24 +119,24 @@ def _lockstep(micro_batches: list[Batch], env: DistEnv) -> list[Batch]:
     return micro_batches + [idle_batch().to(env.device) for _ in range(most - len(micro_batches))]
 
 
-def _update(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    env: DistEnv,
-    max_grad_norm: float,
-    scaler: torch.amp.GradScaler | None,
-    loss_sum: torch.Tensor,
-    stop_requested: bool,
-    counts: tuple[int, int, int],
-    times: tuple[float, float],
-) -> StepResult:
+@dataclass(frozen=True)
+class _Tally:
+    """This rank's part of a step, agreed across ranks in one all-reduce."""
+
+    loss_sum: torch.Tensor
+    stop_requested: bool
+    counts: tuple[int, int, int]  # target tokens, tokens, examples: already summed over ranks
+    times: tuple[float, float]  # this rank's work and data wait
+
+
+def _update(trainee: Trainee, env: DistEnv, max_grad_norm: float, tally: _Tally) -> StepResult:
     """Clip, agree across ranks whether to apply the update, then apply it (or not). The same
     all-reduce carries every rank's step times (each rank fills its own slots), for stragglers."""
-    target_tokens, tokens, examples = counts
+    optimizer, scaler, loss_sum = trainee.optimizer, trainee.scaler, tally.loss_sum
+    target_tokens, tokens, examples = tally.counts
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip and judge the true gradients
-    params = [p for p in model.parameters() if p.grad is not None]
+    params = [p for p in trainee.model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, already reduced over the shards
         grad_norm = grad_norm.full_tensor()
@@ -131,8 +144,10 @@ def _update(
     # scale); only a non-finite loss is the model's.
     local_bad = not torch.isfinite(loss_sum) or (scaler is None and not torch.isfinite(grad_norm))
     per_rank = torch.zeros(2 * env.world_size, dtype=torch.float64, device=env.device)
-    per_rank[env.rank], per_rank[env.world_size + env.rank] = times
-    flags = torch.tensor([float(local_bad), float(stop_requested)], dtype=torch.float64, device=env.device)
+    per_rank[env.rank], per_rank[env.world_size + env.rank] = tally.times
+    flags = torch.tensor(
+        [float(local_bad), float(tally.stop_requested)], dtype=torch.float64, device=env.device
+    )
     agreed = torch.cat([loss_sum.reshape(1), flags, per_rank])
     summed = all_reduce_sum(agreed, env).tolist()
     total_loss, bad_ranks, stopping = summed[:3]
@@ -144,16 +159,16 @@ def _update(
     elif not nonfinite:
         optimizer.step()
     # The schedule follows the step count, so a skipped update does not shift later learning rates.
-    scheduler.step()
+    trainee.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
-        total_loss / max(target_tokens, 1),
-        float(grad_norm),
-        target_tokens,
-        tokens,
-        examples,
-        nonfinite,
-        stopping > 0,
+        loss=total_loss / max(target_tokens, 1),
+        grad_norm=float(grad_norm),
+        target_tokens=target_tokens,
+        tokens=tokens,
+        examples=examples,
+        nonfinite=nonfinite,
+        stop=stopping > 0,
         rank_work_s=summed[3 : 3 + env.world_size],
         rank_data_s=summed[3 + env.world_size :],
     )

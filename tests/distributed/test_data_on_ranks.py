@@ -157,7 +157,7 @@ def test_the_eval_split_is_never_trained_on_whatever_the_world_size(tmp_path: Pa
     from lmtune.data.dataset import split_off
     from lmtune.data.prepare import DataSettings, encode_in_memory
     from lmtune.data.sources import BadLines, Source, iter_records
-    from lmtune.modeling import byte_tokenizer
+    from lmtune.model.modeling import byte_tokenizer
 
     records = iter_records(Source("jsonl", str(data)), "text", BadLines(skip=False))
     _, held = split_off(encode_in_memory(records, byte_tokenizer(), DataSettings())[0], 0.25, 3)

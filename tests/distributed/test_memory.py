@@ -86,7 +86,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ],
     }
     # A base model in a local folder, as a hub model would be: the adapter then names its base.
-    from lmtune.modeling import load_model
+    from lmtune.model.modeling import load_model
 
     base = load_model("tiny", 5)
     base.model.save_pretrained(root / "base")
@@ -205,7 +205,7 @@ def test_fsdp_checkpoint_resumes_in_one_process(runs: dict[str, Path]) -> None:
 
 
 def test_export_of_a_sharded_checkpoint_equals_final(runs: dict[str, Path], tmp_path: Path) -> None:
-    from lmtune.checkpoint import export
+    from lmtune.checkpoint.export import export
 
     export(runs["fsdp"] / "checkpoints" / "step-000006", tmp_path / "exported")
     exported = _weights(tmp_path / "exported")
@@ -248,7 +248,7 @@ def test_lora_final_loads_with_peft_and_merged_with_transformers(runs: dict[str,
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from lmtune.modeling import load_model
+    from lmtune.model.modeling import load_model
 
     final = runs["lora_single"] / "final"
     adapted = PeftModel.from_pretrained(load_model("tiny", 5).model, final).eval()
@@ -295,8 +295,8 @@ def test_an_adapter_folder_loads_as_a_model_through_its_base(runs: dict[str, Pat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from lmtune.checkpoint import export
-    from lmtune.modeling import load_model
+    from lmtune.checkpoint.export import export
+    from lmtune.model.modeling import load_model
 
     final = runs["lora_folder_base"] / "final"
     config = json.loads((final / "adapter_config.json").read_text())

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from lmtune.bench import skip_reason
+from lmtune.tools.bench import skip_reason
 from tests.conftest import run_lmtune
 
 

@@ -30,7 +30,7 @@ def test_cpu_bf16_attention_memory_stays_flat_over_a_long_run(tmp_path: Path) ->
     import json
     import random
 
-    from lmtune.attention import CPU_ATTENTION_ENV
+    from lmtune.model.attention import CPU_ATTENTION_ENV
     from tests.conftest import run_lmtune
 
     rng = random.Random(0)

@@ -102,9 +102,9 @@ def test_fused_varlen_attention_equals_the_masked_rows_on_gpu(arch: str) -> None
     attention and a sliding window shorter than the longer examples (Mistral)."""
     import copy
 
-    from lmtune.attention import use_varlen
     from lmtune.data.collate import Collator
-    from lmtune.loss import SummedLoss
+    from lmtune.model.attention import use_varlen
+    from lmtune.model.loss import SummedLoss
     from tests.unit.test_attention import _data, _model
 
     model, tok = _model(arch)

@@ -9,7 +9,7 @@ import torch
 from transformers.models.llama import modeling_llama
 
 from lmtune.build import checkpoint_activations
-from lmtune.modeling import build_preset
+from lmtune.model.modeling import build_preset
 
 
 def _run(checkpointed: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, torch.Tensor]:

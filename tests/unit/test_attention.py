@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from lmtune.attention import VARLEN, _pad_together, flatten, use_varlen
 from lmtune.data.collate import Batch, Collator
 from lmtune.data.packing import PackedCollator, pack_bins
 from lmtune.data.tokenize import IGNORE_INDEX
-from lmtune.loss import SummedLoss
-from lmtune.modeling import build_preset
+from lmtune.model.attention import VARLEN, _pad_together, flatten, use_varlen
+from lmtune.model.loss import SummedLoss
+from lmtune.model.modeling import build_preset
 from tests.conftest import tokenized, uneven_texts
 
 
@@ -138,7 +138,7 @@ def test_no_example_sees_another() -> None:
             return [float(module(*PackedCollator(tok.pad_token_id)([[e]]).model_inputs())) for e in exs]
 
     def packed_logits(exs: list[Any]) -> torch.Tensor:
-        from lmtune.attention import SEGMENTS
+        from lmtune.model.attention import SEGMENTS
 
         batch = PackedCollator(tok.pad_token_id)([exs])
         flat = flatten(*batch.model_inputs())
@@ -213,7 +213,7 @@ def test_bf16_autocast_trains_the_same_rows_and_keeps_attention_in_fp32() -> Non
 def test_bucketed_attention_equals_the_masked_rows(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU bf16 path's bucketing (lengths rounded up to 64, examples of one width together,
     their count rounded to a power of two) changes no result: checked in fp32, where it is exact."""
-    from lmtune.attention import CPU_ATTENTION_ENV, VARLEN_BUCKETED
+    from lmtune.model.attention import CPU_ATTENTION_ENV, VARLEN_BUCKETED
 
     monkeypatch.setenv(CPU_ATTENTION_ENV, "bf16")
     model, tok = _model(arch)

@@ -8,9 +8,9 @@ import pytest
 
 from lmtune.data.prepare import DataSettings, cache_key, prepare
 from lmtune.data.sources import resolve_sources
-from lmtune.distributed import read_dist_env
 from lmtune.errors import UserError
-from lmtune.modeling import byte_tokenizer
+from lmtune.model.modeling import byte_tokenizer
+from lmtune.parallel.distributed import read_dist_env
 from tests.conftest import write_jsonl
 
 

@@ -14,7 +14,7 @@ import torch
 
 from lmtune.chat import end_of_turn_ids, stop_ids
 from lmtune.cli import main
-from lmtune.modeling import byte_tokenizer, load_model
+from lmtune.model.modeling import byte_tokenizer, load_model
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -101,7 +101,7 @@ def test_a_saved_chat_model_stops_at_the_end_of_turn(chat_run: dict[str, Path], 
 
 
 def test_generate_chat_answers_and_stops(chat_run: dict[str, Path]) -> None:
-    from lmtune.modeling import load_model as load
+    from lmtune.model.modeling import load_model as load
 
     loaded = load(str(chat_run["final"]), 0)
     assert loaded.tokenizer.convert_tokens_to_ids("<|im_end|>") in stop_ids(loaded.model, loaded.tokenizer)

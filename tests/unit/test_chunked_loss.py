@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from lmtune.chunked_loss import default_chunk_size, head_is_exact, split_head
 from lmtune.data.tokenize import IGNORE_INDEX
-from lmtune.loss import SummedLoss
+from lmtune.model.chunked_loss import default_chunk_size, head_is_exact, split_head
+from lmtune.model.loss import SummedLoss
 
 VOCAB = 301
 
@@ -89,8 +89,8 @@ def test_chunked_equals_full_logits_under_bf16_autocast(kind: str) -> None:
 
 
 def test_chunked_with_per_example_attention_and_lora() -> None:
-    from lmtune.attention import use_varlen
-    from lmtune.lora import LoraSettings, add_lora
+    from lmtune.model.attention import use_varlen
+    from lmtune.model.lora import LoraSettings, add_lora
 
     model = _model("llama-untied")
     assert use_varlen(model)

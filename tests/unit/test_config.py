@@ -5,18 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from lmtune.cli import _train_config, build_parser
-from lmtune.config import (
-    TrainConfig,
-    build_config,
-    config_fields,
-    epochs,
-    load_yaml,
-    micro_batch_size,
-    option_name,
-    validate,
-)
+from lmtune.batching import epochs, micro_batch_size
+from lmtune.cli import build_parser
+from lmtune.commands import train_config as _train_config
+from lmtune.config import TrainConfig, config_fields, option_name
+from lmtune.config_io import build_config, load_yaml
 from lmtune.errors import UserError
+from lmtune.validate import validate
 
 REPO = Path(__file__).resolve().parents[2]
 

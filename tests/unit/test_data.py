@@ -16,7 +16,7 @@ from lmtune.data.sample import addition_examples, split_prompt
 from lmtune.data.sources import BadLines, Record, resolve_sources
 from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.errors import UserError
-from lmtune.modeling import byte_tokenizer
+from lmtune.model.modeling import byte_tokenizer
 
 # A ChatML template like the ones Qwen models ship, to check masking under a real template.
 CHATML = (

@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from lmtune.chat import stop_ids
-from lmtune.distributed import read_dist_env
 from lmtune.errors import UserError
 from lmtune.generations import decode, read_prompts
-from lmtune.loss import SummedLoss
-from lmtune.modeling import load_model
+from lmtune.model.loss import SummedLoss
+from lmtune.model.modeling import load_model
+from lmtune.parallel.distributed import read_dist_env
 
 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_decoding_matches_transformers_generate(varlen: bool) -> None:
-    from lmtune.attention import use_varlen
+    from lmtune.model.attention import use_varlen
 
     loaded = load_model("tiny", 3)
     model, tok = loaded.model.eval(), loaded.tokenizer

@@ -15,7 +15,7 @@ from lmtune.cli import main
 from lmtune.data.prepare import DataSettings, encode_in_memory
 from lmtune.data.sources import BadLines, Record, Source, iter_records
 from lmtune.data.tokenize import CHARS_PER_TOKEN
-from lmtune.modeling import byte_tokenizer
+from lmtune.model.modeling import byte_tokenizer
 from tests.conftest import write_jsonl
 
 
@@ -206,7 +206,7 @@ def test_a_full_disk_stops_with_a_message_and_keeps_the_last_checkpoint(
     err = _error([*argv, "--global-batch-size", "8", "--keep-last", "0", "--no-progress"], capsys)
     assert "no space left on device while saving step 4 to" in err and "MB needed" in err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
-    from lmtune.checkpoint import verify
+    from lmtune.checkpoint.layout import verify
 
     assert verify(out / "checkpoints" / "step-000002") is None
 

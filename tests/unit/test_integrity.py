@@ -16,19 +16,13 @@ from typing import Any
 import pytest
 import torch
 
-from lmtune import sharded
-from lmtune.checkpoint import (
-    MANIFEST,
-    ModelParts,
-    TrainerState,
-    list_checkpoints,
-    save_checkpoint,
-    step_folder,
-    verify,
-)
+from lmtune.checkpoint import sharded
+from lmtune.checkpoint.layout import MANIFEST, list_checkpoints, step_folder, verify
+from lmtune.checkpoint.state import ModelParts, TrainerState
+from lmtune.checkpoint.store import save_checkpoint
 from lmtune.data.prepare import DataSettings
-from lmtune.distributed import DistEnv
 from lmtune.errors import UserError
+from lmtune.parallel.distributed import DistEnv
 from lmtune.rundir import LOCK_FILE, LOCK_TOKEN_ENV, acquire, check_earlier_run, remove_leftovers
 
 
@@ -200,7 +194,7 @@ def test_an_earlier_run_is_not_replaced_without_overwrite(tmp_path: Path) -> Non
 
 
 def _tiny_parts() -> tuple[ModelParts, Any, torch.optim.Optimizer]:
-    from lmtune.modeling import load_model
+    from lmtune.model.modeling import load_model
 
     loaded = load_model("tiny", 0)
     optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=1e-3)
@@ -259,7 +253,7 @@ def test_waits_before_training_end_on_a_signal_or_without_progress(
     from lmtune.data.prepare import _wait_for, encode_into
     from lmtune.data.sources import BadLines, Record
     from lmtune.errors import StoppedBySignal
-    from lmtune.modeling import byte_tokenizer
+    from lmtune.model.modeling import byte_tokenizer
 
     def stopped() -> None:
         raise StoppedBySignal(15)

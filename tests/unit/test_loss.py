@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from lmtune.data.collate import Collator
-from lmtune.loss import SummedLoss, token_loss_sum
-from lmtune.modeling import build_preset
+from lmtune.model.loss import SummedLoss, token_loss_sum
+from lmtune.model.modeling import build_preset
 from tests.conftest import tokenized, uneven_texts
 
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmtune.checkpoint import save_hf_folder
+from lmtune.checkpoint.export import save_hf_folder
 from lmtune.errors import UserError
-from lmtune.modeling import build_preset, byte_tokenizer, load_model
+from lmtune.model.modeling import build_preset, byte_tokenizer, load_model
 
 
 def test_byte_tokenizer_round_trips_any_text() -> None:

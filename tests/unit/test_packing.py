@@ -8,8 +8,8 @@ import torch
 
 from lmtune.data.collate import Collator
 from lmtune.data.packing import PackedCollator, pack_bins
-from lmtune.loss import SummedLoss
-from lmtune.modeling import build_preset
+from lmtune.model.loss import SummedLoss
+from lmtune.model.modeling import build_preset
 from tests.conftest import tokenized, uneven_texts
 
 
@@ -66,7 +66,7 @@ def test_no_position_attends_across_a_boundary() -> None:
 
     def logits(examples: list[object]) -> torch.Tensor:
         batch = collate([examples])  # type: ignore[list-item]
-        from lmtune.data.packing import block_causal_mask
+        from lmtune.model.masks import block_causal_mask
 
         with torch.no_grad():
             return module.model(

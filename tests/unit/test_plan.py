@@ -9,18 +9,10 @@ import pytest
 import torch
 
 from lmtune.errors import UserError
-from lmtune.lora import LoraSettings, add_lora
-from lmtune.modeling import load_config, load_model
-from lmtune.plan import (
-    Estimate,
-    Host,
-    Setup,
-    _optimizer_bytes,
-    _saved_bytes,
-    estimate,
-    model_facts,
-    parse_size,
-)
+from lmtune.model.lora import LoraSettings, add_lora
+from lmtune.model.modeling import load_config, load_model
+from lmtune.tools.memory import Estimate, Host, Setup, _optimizer_bytes, _saved_bytes, estimate, model_facts
+from lmtune.tools.plan import parse_size
 from tests.conftest import run_lmtune
 
 LORA = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear")
@@ -36,7 +28,7 @@ def test_parse_size() -> None:
 
 def _real_saved_bytes(model: torch.nn.Module, length: int) -> int:
     """The same measurement as the plan's, on real tensors of the real model."""
-    from lmtune.loss import token_loss_sum
+    from lmtune.model.loss import token_loss_sum
 
     params = {id(p) for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -71,7 +63,7 @@ def test_parameters_match_the_real_model_with_and_without_lora() -> None:
 
 
 def test_optimizer_bytes_match_the_real_optimizers() -> None:
-    from lmtune.loss import SummedLoss
+    from lmtune.model.loss import SummedLoss
     from lmtune.optim import build_optimizer, optimizer_state_bytes
 
     model = SummedLoss(load_model("tiny", 0).model)

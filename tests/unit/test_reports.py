@@ -119,7 +119,7 @@ def test_a_missing_package_is_a_user_error(
 
 
 def test_report_draws_every_plot_and_the_settings_that_differ(resumed: Path, tmp_path: Path) -> None:
-    from lmtune.report import PLOTS
+    from lmtune.tools.report import PLOTS
 
     other = tmp_path / "other"
     args = ["train", "--max-steps", "12", "--lr", "3e-3", "--profile", "--eval-every", "6", "--no-progress"]

@@ -74,7 +74,12 @@ def rank_imbalance(
                 padded += int(micro.max()) * len(micro)
             real += int(mine.sum())
         ratios.append(max(per_rank) / max(float(np.mean(per_rank)), 1e-9))
-    return Imbalance(world_size, float(np.mean(ratios)), float(max(ratios)), padded / max(real, 1))
+    return Imbalance(
+        world_size=world_size,
+        mean=float(np.mean(ratios)),
+        worst=float(max(ratios)),
+        padding=padded / max(real, 1),
+    )
 
 
 def audit(

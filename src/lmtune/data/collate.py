@@ -2,65 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 import torch
 
+from lmtune.data.batch import Batch
 from lmtune.data.dataset import Example
+from lmtune.data.packing import PackedCollator, pack_bins
 from lmtune.data.tokenize import IGNORE_INDEX
 
 T = TypeVar("T")
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor
-    example_ids: list[int]  # which examples of the data set, in row order
-    # Packed rows only: positions restart at every example; segments tell the examples apart.
-    position_ids: torch.Tensor | None = None
-    segment_ids: torch.Tensor | None = None
-
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
-        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else fn(t)
-
-        return Batch(
-            fn(self.input_ids),
-            fn(self.attention_mask),
-            fn(self.labels),
-            self.example_ids,
-            opt(self.position_ids),
-            opt(self.segment_ids),
-        )
-
-    def to(self, device: torch.device) -> Batch:
-        return self._map(lambda t: t.to(device, non_blocking=device.type == "cuda"))
-
-    def pin_memory(self) -> Batch:
-        return self._map(lambda t: t.pin_memory())
-
-    def model_inputs(self) -> tuple[torch.Tensor, ...]:
-        """Positional arguments of the loss module (DataParallel scatters each along dim 0)."""
-        if self.segment_ids is None:
-            return self.input_ids, self.attention_mask, self.labels
-        assert self.position_ids is not None
-        return self.input_ids, self.attention_mask, self.labels, self.position_ids, self.segment_ids
-
-    def target_tokens(self) -> int:
-        """Positions that contribute to the loss after the causal shift."""
-        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
-
-
-def idle_batch() -> Batch:
-    """One token with no target: a forward (and backward) that joins FSDP's collectives on a rank
-    with fewer micro-batches than the others, and adds nothing to the loss or the gradients."""
-    one = torch.ones(1, 1, dtype=torch.long)
-    return Batch(one, one.clone(), torch.full((1, 1), IGNORE_INDEX), [])
 
 
 PACK_ABOVE_PADDING = 0.10
@@ -91,8 +45,6 @@ class StepCollator:
             padded = sum(chunk[0] * len(chunk) for chunk in _chunks(lengths, self.micro_batch_size))
             mode = "pack" if padded > (1 + PACK_ABOVE_PADDING) * sum(lengths) else "group"
         if mode == "pack":
-            from lmtune.data.packing import PackedCollator, pack_bins
-
             rows = pack_bins([len(e.input_ids) for e in examples], self.max_length)
             packed = [[examples[i] for i in row] for row in rows]
             collate_rows = PackedCollator(self.pad_token_id)
@@ -128,4 +80,9 @@ class Collator:
         # Padding is found from the attention mask, never by token id: with pad == eos a search by
         # id would also mask the real EOS and the model would never learn to stop.
         labels[attention_mask == 0] = IGNORE_INDEX
-        return Batch(input_ids, attention_mask, labels, [e.example_id for e in examples])
+        return Batch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            labels=labels,
+            example_ids=[e.example_id for e in examples],
+        )

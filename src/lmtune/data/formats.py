@@ -81,7 +81,9 @@ def render(
         )
     if chosen == "text":
         text = _string(record, text_field)
-        return Rendered(text, ((0, len(text)),), True, True, "text")
+        return Rendered(
+            text=text, spans=((0, len(text)),), add_special_tokens=True, append_eos=True, format="text"
+        )
     if chosen == "prompt_completion":
         if "prompt" in record.fields or "instruction" not in record.fields:
             prompt, completion = _string(record, "prompt"), _string(record, "completion")
@@ -91,7 +93,13 @@ def render(
             completion = _string(record, "output")
         text = prompt + completion
         start = 0 if train_on_prompt else len(prompt)
-        return Rendered(text, ((start, len(text)),), True, True, "prompt_completion")
+        return Rendered(
+            text=text,
+            spans=((start, len(text)),),
+            add_special_tokens=True,
+            append_eos=True,
+            format="prompt_completion",
+        )
     rendered = _render_messages(record, tokenizer)
     return replace(rendered, spans=((0, len(rendered.text)),)) if train_on_prompt else rendered
 
@@ -140,7 +148,9 @@ def _render_messages(record: Record, tokenizer: Any) -> Rendered:
                 "the assistant replies cannot be located; use a template that appends turns"
             )
         spans.append((len(before), len(upto)))
-    return Rendered(text, tuple(spans), False, False, "messages")
+    return Rendered(
+        text=text, spans=tuple(spans), add_special_tokens=False, append_eos=False, format="messages"
+    )
 
 
 def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:

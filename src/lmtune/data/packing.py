@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lmtune.data.collate import Batch
+from lmtune.data.batch import Batch
 from lmtune.data.dataset import Example
 from lmtune.data.tokenize import IGNORE_INDEX
-from lmtune.errors import UserError
 
 
 def pack_bins(lengths: Sequence[int], max_length: int) -> list[list[int]]:
@@ -72,33 +71,11 @@ class PackedCollator:
                 example_ids.append(example_id)
                 at += n
             position_ids[r, at:] = torch.arange(width - at)
-        return Batch(input_ids, attention_mask, labels, example_ids, position_ids, segment_ids)
-
-
-def block_causal_mask(segment_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """``[batch, 1, L, L]`` bool: position q may attend to k when both are in one segment and k <= q
-    (and q - window < k for a model with a sliding window)."""
-    length = segment_ids.size(1)
-    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
-    if window is not None:
-        causal = causal.triu(1 - window)
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (same & causal)[:, None]
-
-
-def sliding_window(config: object) -> int | None:
-    """The sliding window all attention layers of a model share (None: full attention).
-
-    A 4D mask passed to the model replaces every layer's own; a model that mixes sliding and full
-    layers cannot take one, and needs per-example attention for packed rows.
-    """
-    window = getattr(config, "sliding_window", None)
-    kinds = set(getattr(config, "layer_types", None) or [])
-    if window is None or kinds <= {"sliding_attention"}:
-        return window
-    if "sliding_attention" not in kinds:
-        return None
-    raise UserError(
-        "--packing: this model mixes sliding-window and full attention layers, so packed rows need "
-        "per-example attention, which --compile turns off; use --packing off with --compile"
-    )
+        return Batch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            labels=labels,
+            example_ids=example_ids,
+            position_ids=position_ids,
+            segment_ids=segment_ids,
+        )

@@ -24,8 +24,8 @@ from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
 from lmtune.data.formats import ensure_chat_template
 from lmtune.data.sources import BadLines, Record, Source, iter_records, resolve_sources
 from lmtune.data.tokenize import Encoded, EncodeStats, chunks, encode_chunk
-from lmtune.distributed import DistEnv, available_cores, broadcast_object
 from lmtune.errors import UserError
+from lmtune.parallel.distributed import DistEnv, available_cores, broadcast_object
 
 CACHE_VERSION = 1
 LARGE_INPUT_BYTES = 16 << 20
@@ -300,4 +300,4 @@ def prepare(
         built = True
     else:
         _wait_for(folder, error_file, f"{key}.tmp-{nonce}-*", check_stop)
-    return Prepared(TokenizedDataset.open(folder), built, key, folder)
+    return Prepared(dataset=TokenizedDataset.open(folder), built=built, key=key, folder=folder)

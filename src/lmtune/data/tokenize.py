@@ -111,6 +111,20 @@ def truncate(
     )
 
 
+def _encode_batch(backend: Any, rendered: list[Rendered]) -> dict[int, Any]:
+    """Every rendered text's Encoding, by position. The Rust tokenizer directly: it encodes a batch
+    on every core, and its Encoding objects answer span lookups without converting every token's
+    offsets to Python."""
+    by_special: dict[bool, list[int]] = {}
+    for i, r in enumerate(rendered):
+        by_special.setdefault(r.add_special_tokens, []).append(i)
+    encoded: dict[int, Any] = {}
+    for special, idx in by_special.items():
+        texts = [rendered[i].text for i in idx]
+        encoded.update(zip(idx, backend.encode_batch(texts, add_special_tokens=special), strict=True))
+    return encoded
+
+
 def encode_chunk(
     chunk: list[Record],
     tokenizer: Any,
@@ -146,21 +160,10 @@ def encode_chunk(
     chat = any(r.format == "messages" for r in rendered)
     stops = np.asarray([eos, *(end_of_turn_ids(tokenizer) if chat else [])], dtype=np.int32)
     out: list[Encoded] = []
-    by_special: dict[bool, list[int]] = {}
-    for i, r in enumerate(rendered):
-        by_special.setdefault(r.add_special_tokens, []).append(i)
+    for r in rendered:
         stats.formats[r.format] = stats.formats.get(r.format, 0) + 1
-    # The Rust tokenizer directly: it encodes a batch on every core, and its Encoding objects
-    # answer span lookups without converting every token's offsets to Python.
     backend = tokenizer.backend_tokenizer
-    encoded: dict[int, Any] = {}
-    for special, idx in by_special.items():
-        for i, enc in zip(
-            idx,
-            backend.encode_batch([rendered[i].text for i in idx], add_special_tokens=special),
-            strict=True,
-        ):
-            encoded[i] = enc
+    encoded = _encode_batch(backend, rendered)
     for i, (rec, r) in enumerate(zip(records, rendered, strict=True)):
         enc = encoded[i]
         if cut[i] and len(enc.ids) <= max_length + CUT_MARGIN_TOKENS:  # tokens longer than assumed

@@ -29,11 +29,17 @@ class Preset:
 
 # Presets are trained from scratch, so their default learning rate is far above a fine-tuning one.
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(128, 384, 4, 4, 1024, 1e-3),
-    "small": Preset(512, 1376, 6, 8, 2048, 5e-4),
+    "tiny": Preset(
+        hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, max_positions=1024, lr=1e-3
+    ),
+    "small": Preset(
+        hidden_size=512, intermediate_size=1376, num_layers=6, num_heads=8, max_positions=2048, lr=5e-4
+    ),
     # ~100M parameters: large enough that matrix products dominate a step even with bf16 matrix
     # units (AMX) on a CPU, as they do for the models people fine-tune.
-    "medium": Preset(1024, 2816, 8, 16, 2048, 3e-4),
+    "medium": Preset(
+        hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, max_positions=2048, lr=3e-4
+    ),
 }
 FINETUNE_LR = 2e-5
 
@@ -95,7 +101,7 @@ def build_preset(name: str, seed: int) -> LoadedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return LoadedModel(model, tok, p.lr, f"preset {name}")
+    return LoadedModel(model=model, tokenizer=tok, default_lr=p.lr, source=f"preset {name}")
 
 
 def preset_config(name: str, tok: Any) -> Any:
@@ -194,12 +200,15 @@ def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedM
         return build_preset(name, seed)
     base = _adapter_base(name)
     if base is not None:
-        from lmtune.lora import merged_model
+        from lmtune.model.lora import merged_model
 
         loaded = load_model(base, seed, trust_remote_code)
         merged = merged_model(loaded.model, Path(name).expanduser())
         return LoadedModel(
-            merged, load_tokenizer(name, trust_remote_code), FINETUNE_LR, f"{base} + adapter {name}"
+            model=merged,
+            tokenizer=load_tokenizer(name, trust_remote_code),
+            default_lr=FINETUNE_LR,
+            source=f"{base} + adapter {name}",
         )
     where = _source(name, need_config=True)
     tokenizer = load_tokenizer(name, trust_remote_code)
@@ -217,7 +226,7 @@ def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedM
         if "mismatched" in str(e):  # transformers' own text points at a report it logged
             e = ValueError("its weights do not have the shapes its config.json describes")
         raise _load_error(name, where.tried, e) from None
-    return LoadedModel(model, tokenizer, FINETUNE_LR, where.source)
+    return LoadedModel(model=model, tokenizer=tokenizer, default_lr=FINETUNE_LR, source=where.source)
 
 
 def _adapter_base(name: str) -> str | None:

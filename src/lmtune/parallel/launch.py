@@ -16,10 +16,11 @@ import uuid
 from contextlib import nullcontext, suppress
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from lmtune.config import TrainConfig, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE
-from lmtune.health import HANG_EXIT_CODE, HEALTH_DIR_ENV, Watchdog, read_beats
+from lmtune.parallel.health import HANG_EXIT_CODE, HEALTH_DIR_ENV, Watchdog, read_beats
 
 # Workers started by `relaunch` leave their error messages here instead of printing them, so the
 # launcher prints each distinct message once rather than once per rank.
@@ -28,7 +29,7 @@ ERROR_DIR_ENV = "LMTUNE_ERROR_DIR"
 
 def report_error(message: str, exit_code: int) -> None:
     """Print an error that ends the run, or hand it to the launcher that started this worker."""
-    from lmtune.distributed import launched_rank
+    from lmtune.parallel.distributed import launched_rank
 
     error_dir = os.environ.get(ERROR_DIR_ENV)
     rank = launched_rank()
@@ -122,27 +123,11 @@ def warn(message: str) -> None:
 def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     error_dir = tempfile.mkdtemp(prefix="lmtune-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir
-    min_nodes, max_nodes = parse_nnodes(cfg.nnodes)
-    rdzv_configs: dict[str, object] = {}
-    if cfg.node_rank is not None:
-        # Every node may resolve the endpoint's host as its own (loopback tests, one-host setups):
-        # say which one hosts the store instead of leaving it to a race.
-        rdzv_configs["is_host"] = cfg.node_rank == 0
-    config = LaunchConfig(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        nproc_per_node=cfg.nproc_per_node,
-        run_id=run_id,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0" if single_node else str(cfg.rdzv_endpoint),
-        rdzv_configs=rdzv_configs,
-        max_restarts=cfg.max_restarts,
-        monitor_interval=0.1,
-    )
+    config = _launch_config(cfg, run_id, single_node)
     # The agent logs every stop of a worker; we report failures ourselves, once, below.
     # (The agent's own module logger has a level of its own, so it is quieted by name too.)
     elastic_logs = [logging.getLogger(n) for n in (_ELASTIC_LOG, f"{_ELASTIC_LOG}.agent.server.api")]
@@ -161,7 +146,10 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
         os.environ[HEALTH_DIR_ENV] = error_dir
         flight_recorder(Path(cfg.output_dir))
         watchdog = Watchdog(
-            Path(error_dir), Path(cfg.output_dir), cfg.hang_timeout, partial(_end_workers, error_dir)
+            folder=Path(error_dir),
+            output_dir=Path(cfg.output_dir),
+            floor_s=cfg.hang_timeout,
+            on_hang=partial(_end_workers, error_dir),
         )
         threading.Thread(target=watchdog.run, args=(ended,), daemon=True, name="lmtune-watchdog").start()
     try:
@@ -169,26 +157,7 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
         return 0
     except ChildFailedError as e:
         ended.set()
-        if watchdog is not None and watchdog.hangs:
-            print(
-                f"lmtune: ended the job after a hang (exit code {HANG_EXIT_CODE})",
-                file=sys.stderr,
-                flush=True,
-            )
-            return HANG_EXIT_CODE
-        reported = _reported_errors(Path(error_dir))
-        messages = list(dict.fromkeys(message for message, _ in reported))
-        for message in messages:
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        # By what the workers reported, not by which exit the agent saw first: a worker stopped
-        # while it tears down after the error can die of a signal instead.
-        codes = {code for _, code in reported} | {f.exitcode for f in e.failures.values()}
-        if USER_ERROR_EXIT_CODE in codes:
-            return USER_ERROR_EXIT_CODE
-        if not messages:
-            for rank, failure in sorted(e.failures.items()):
-                print(f"lmtune: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
-        return 1
+        return _failed(e, Path(error_dir), hung=watchdog is not None and bool(watchdog.hangs))
     except SignalException as e:
         ended.set()
         if user_error.is_set():  # our own stop: a user error is not worth a restart
@@ -210,6 +179,52 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
         os.environ.pop(ERROR_DIR_ENV, None)
         os.environ.pop(HEALTH_DIR_ENV, None)
         shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def _launch_config(cfg: TrainConfig, run_id: str, single_node: bool) -> Any:
+    from torch.distributed.launcher.api import LaunchConfig
+
+    min_nodes, max_nodes = parse_nnodes(cfg.nnodes)
+    rdzv_configs: dict[str, object] = {}
+    if cfg.node_rank is not None:
+        # Every node may resolve the endpoint's host as its own (loopback tests, one-host setups):
+        # say which one hosts the store instead of leaving it to a race.
+        rdzv_configs["is_host"] = cfg.node_rank == 0
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=cfg.nproc_per_node,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0" if single_node else str(cfg.rdzv_endpoint),
+        rdzv_configs=rdzv_configs,
+        max_restarts=cfg.max_restarts,
+        monitor_interval=0.1,
+    )
+
+
+def _failed(e: Any, error_dir: Path, hung: bool) -> int:
+    """The exit code of a job whose worker failed, with what the workers reported, said once."""
+    if hung:
+        print(
+            f"lmtune: ended the job after a hang (exit code {HANG_EXIT_CODE})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return HANG_EXIT_CODE
+    reported = _reported_errors(error_dir)
+    messages = list(dict.fromkeys(message for message, _ in reported))
+    for message in messages:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    # By what the workers reported, not by which exit the agent saw first: a worker stopped
+    # while it tears down after the error can die of a signal instead.
+    codes = {code for _, code in reported} | {f.exitcode for f in e.failures.values()}
+    if USER_ERROR_EXIT_CODE in codes:
+        return USER_ERROR_EXIT_CODE
+    if not messages:
+        for rank, failure in sorted(e.failures.items()):
+            print(f"lmtune: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+    return 1
 
 
 def flight_recorder(output_dir: Path) -> None:

@@ -91,7 +91,7 @@ def linear_cross_entropy_sum(
     hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int
 ) -> torch.Tensor:
     """The summed next-token loss of ``head(hidden)`` against ``labels`` (shifted here), as
-    :func:`lmtune.loss.token_loss_sum` computes it from full logits, without them."""
+    :func:`lmtune.model.loss.token_loss_sum` computes it from full logits, without them."""
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
     keep = targets != IGNORE_INDEX
     rows = hidden.reshape(-1, hidden.size(-1))[keep]

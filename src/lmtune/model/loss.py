@@ -8,9 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmtune.chunked_loss import linear_cross_entropy_sum, split_head
-from lmtune.data.collate import PACK_ABOVE_PADDING
 from lmtune.data.tokenize import IGNORE_INDEX
+from lmtune.model.chunked_loss import linear_cross_entropy_sum, split_head
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,6 +30,14 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return loss_sum, (targets != IGNORE_INDEX).sum()
 
 
+# Rows with more padding than this run per-example attention even when not packed: below it, rows of
+# nearly equal lengths run as they are, which costs fewer operations.
+VARLEN_ABOVE_PADDING = 0.10
+# SummedLoss holds the Hugging Face model as ``self.model``: state-dict keys of the wrapped module
+# are the model's own names behind this prefix (checkpoints of a sharded run are keyed so).
+WRAPPED_PREFIX = "model."
+
+
 def _padding(attention_mask: torch.Tensor) -> float:
     """The share of a micro-batch's positions that are padding."""
     return 1.0 - float(attention_mask.sum()) / max(attention_mask.numel(), 1)
@@ -46,11 +53,11 @@ class SummedLoss(nn.Module):
     def __init__(self, model: nn.Module, varlen: bool = False, loss_chunk: int = 0):
         super().__init__()
         self.model = model
-        # Tokens per chunk of the chunked linear cross-entropy (lmtune.chunked_loss); 0: the model
+        # Tokens per chunk of the chunked linear cross-entropy (lmtune.model.chunked_loss); 0: the model
         # computes full logits. The decoder and head are looked up per call, not stored: DataParallel
         # replicates this module's children, and a stored reference would point at GPU 0's.
         self.loss_chunk = loss_chunk
-        # The model runs lmtune.attention's per-example attention: used for packed rows and for
+        # The model runs lmtune.model.attention's per-example attention: used for packed rows and for
         # rows with much padding; rows of nearly equal lengths run as they are, which costs fewer
         # operations (on 11-token examples the flattened path was ~20% slower).
         self.varlen = varlen
@@ -69,11 +76,11 @@ class SummedLoss(nn.Module):
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             last: torch.Tensor = hidden.logits[:, -1]
             return last
-        if self.varlen and (segment_ids is not None or _padding(attention_mask) > PACK_ABOVE_PADDING):
+        if self.varlen and (segment_ids is not None or _padding(attention_mask) > VARLEN_ABOVE_PADDING):
             return self._flat_forward(input_ids, attention_mask, labels, position_ids, segment_ids)
         if segment_ids is not None:
             # Packed rows: a block-diagonal causal mask keeps every example to itself.
-            from lmtune.data.packing import block_causal_mask, sliding_window
+            from lmtune.model.masks import block_causal_mask, sliding_window
 
             attention_mask = block_causal_mask(
                 segment_ids, sliding_window(getattr(self.model, "config", None))
@@ -98,8 +105,8 @@ class SummedLoss(nn.Module):
         position_ids: torch.Tensor | None,
         segment_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The rows' real tokens as one sequence, attention per example (lmtune.attention)."""
-        from lmtune.attention import SEGMENTS, flatten
+        """The rows' real tokens as one sequence, attention per example (lmtune.model.attention)."""
+        from lmtune.model.attention import SEGMENTS, flatten
 
         on_cpu = input_ids.device.type == "cpu"
         flat = flatten(input_ids, attention_mask, labels, position_ids, segment_ids, round_length=on_cpu)

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from lmtune.distributed import DistEnv, all_gather_object, all_reduce_sum, barrier, broadcast_object
 from lmtune.errors import UserError
+from lmtune.parallel.distributed import DistEnv, all_gather_object, all_reduce_sum, barrier, broadcast_object
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -204,12 +204,12 @@ def _disk(env: DistEnv, folder: Path, model: str | None) -> Check:
     free = shutil.disk_usage(folder).free
     if model is None:
         return Check("free disk", OK, f"{free / 2**30:,.1f} GiB free in {folder}")
-    from lmtune.modeling import load_config
-    from lmtune.plan import _fake, _fake_model
+    from lmtune.model.modeling import load_config
+    from lmtune.tools.memory import fake_device, fake_model
 
     config = load_config(model)
-    with _fake("cpu"):
-        params = sum(p.numel() for p in _fake_model(config).parameters())
+    with fake_device("cpu"):
+        params = sum(p.numel() for p in fake_model(config).parameters())
     # A full fine-tuning checkpoint: fp32 weights and AdamW's two moments, then final/ (fp32).
     checkpoint = params * 12
     need = 2 * checkpoint + params * 4

@@ -57,7 +57,7 @@ def load_run(folder: Path) -> Run:
     if isinstance(loaded, dict):  # each section as the report reads it, or left out
         info = {k: v for k, v in loaded.items() if isinstance(v, dict)}
         info["data"] = {k: v for k, v in info.get("data", {}).items() if isinstance(v, dict)}
-    return Run(folder.resolve().name, folder, rows, info)
+    return Run(name=folder.resolve().name, folder=folder, rows=rows, info=info)
 
 
 def _smooth(values: list[float]) -> list[float]:

@@ -92,7 +92,12 @@ def flatten(
         flat_labels = torch.cat([flat_labels, flat_labels.new_full((filler,), IGNORE_INDEX)])
         offsets.append(tokens + filler)
     cumulative = torch.tensor(offsets, dtype=torch.int32, device=keep.device)
-    return Flat(ids[None], positions[None], flat_labels[None], Segments(tuple(offsets), cumulative))
+    return Flat(
+        input_ids=ids[None],
+        position_ids=positions[None],
+        labels=flat_labels[None],
+        segments=Segments(tuple(offsets), cumulative),
+    )
 
 
 def _round_up(tokens: int) -> int:
@@ -198,7 +203,7 @@ def varlen_attention(
     if on_cpu:
         query, key, value = (t.float() for t in (query, key, value))
     lengths = segments.lengths()
-    attend = _Attend(module, dropout, scaling, window)
+    attend = _Attend(module=module, dropout=dropout, scaling=scaling, window=window)
     with torch.autocast("cpu", enabled=False) if on_cpu else nullcontext():
         if bias is None and _pad_together(lengths):
             out = _padded(attend, query, key, value, segments)
@@ -225,7 +230,7 @@ def bucketed_attention(
     segments: Segments | None = kwargs.get(SEGMENTS)
     if segments is None or kwargs.get("position_bias") is not None or query.device.type != "cpu":
         return varlen_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    attend = _Attend(module, dropout, scaling, kwargs.get("sliding_window"))
+    attend = _Attend(module=module, dropout=dropout, scaling=scaling, window=kwargs.get("sliding_window"))
     return _bucketed(attend, query, key, value, segments), None
 
 

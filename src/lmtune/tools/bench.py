@@ -13,17 +13,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lmtune.config import TrainConfig, choices
+from lmtune.config_io import to_argv
 from lmtune.errors import UserError
 from lmtune.metrics import read_metrics, tokens_per_second
 
-STRATEGIES = ("single", "dp", "ddp", "fsdp")
-PRECISIONS = ("fp32", "bf16", "fp16")
+STRATEGIES = tuple(s for s in choices("strategy") if s != "auto")  # each one is measured as it is
+PRECISIONS = choices("precision")
 PHASES = ("data", "forward", "backward", "optimizer")
 
 
@@ -76,14 +78,15 @@ def _measure(out: Path, warmup: int, devices: int) -> BenchRow:
 
 
 def run_bench(
-    train_args: list[str],
+    base: TrainConfig,
     strategies: list[str],
     precisions: list[str],
     nproc: int,
     steps: int,
     warmup: int,
 ) -> list[BenchRow]:
-    """Run every strategy x precision with ``lmtune train <train_args>``; skipped ones say why."""
+    """Run every strategy x precision of ``base`` (``lmtune train``, in a subprocess each); the
+    combinations that cannot run here say why."""
     for s in strategies:
         if s not in STRATEGIES:
             raise UserError(f"--strategies: unknown strategy {s!r} (choose from {', '.join(STRATEGIES)})")
@@ -101,29 +104,19 @@ def run_bench(
                     results.append(BenchRow(strategy, precision, reason))
                     continue
                 out = Path(tmp) / f"{strategy}-{precision}"
-                launch = ["--nproc-per-node", str(nproc)] if strategy in ("ddp", "fsdp") else []
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "lmtune",
-                    "train",
-                    *train_args,
-                    *launch,
-                    "--strategy",
-                    strategy,
-                    "--precision",
-                    precision,
-                    "--max-steps",
-                    str(warmup + steps),
-                    "--output-dir",
-                    str(out),
-                    "--resume",
-                    "never",
-                    "--save-every",
-                    "0",
-                    "--profile",
-                    "--no-progress",
-                ]
+                run = replace(
+                    base,
+                    strategy=strategy,
+                    precision=precision,
+                    nproc_per_node=nproc if strategy in ("ddp", "fsdp") else 1,
+                    max_steps=warmup + steps,
+                    output_dir=str(out),
+                    resume="never",
+                    save_every=0,
+                    profile=True,
+                    progress=False,
+                )
+                cmd = [sys.executable, "-m", "lmtune", "train", *to_argv(run)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
                 if proc.returncode != 0:
                     last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -167,7 +160,7 @@ def measure_peaks(precisions: list[str], nproc: int, device_name: str) -> list[s
     import torch
 
     from lmtune.data.prepare import cache_root
-    from lmtune.distributed import available_cores, read_dist_env
+    from lmtune.parallel.distributed import available_cores, read_dist_env
     from lmtune.perf import PEAKS_FILE, measure_and_store_peak
 
     device = read_dist_env(device_name).device

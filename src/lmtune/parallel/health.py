@@ -109,7 +109,7 @@ def read_beats(folder: Path) -> dict[int, Beat]:
         except (OSError, ValueError, struct.error):
             continue
         if pid > 0 and 0 <= phase < len(PHASES) and abs(time.time() - t) < 86400:  # not half-written
-            beats[rank] = Beat(rank, step, PHASES[phase], pid, t)
+            beats[rank] = Beat(rank=rank, step=step, phase=PHASES[phase], pid=pid, time=t)
     return beats
 
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lmtune.distributed import DistEnv
 from lmtune.errors import UserError
-from lmtune.perf import low_precision_dtype
+from lmtune.model.precision import low_precision_dtype
+from lmtune.parallel.distributed import DistEnv
 
 
 def resolve_strategy(strategy: str, env: DistEnv) -> str:

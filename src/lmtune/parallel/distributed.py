@@ -151,7 +151,14 @@ def read_dist_env(device: str = "auto") -> DistEnv:
     else:
         dev = torch.device("cpu")
     backend = None if world_size == 1 else ("nccl" if use_cuda else "gloo")
-    return DistEnv(rank, local_rank, world_size, local_world_size, dev, backend)
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        device=dev,
+        backend=backend,
+    )
 
 
 def cpu_threads_per_process(env: DistEnv, requested: int = 0) -> int:
@@ -249,8 +256,8 @@ class CollectiveTimeouts:
         self.env, self.short_s, self.long_s = env, short_s, long_s
         self.training = False
 
-    def __call__(self, state: object, finished: bool) -> None:
-        """After each step (a fit component): shorten once, after the first."""
+    def after_step(self) -> None:
+        """Shorten once, after the first step."""
         if not self.training:
             self.training = True
             set_collective_timeout(self.env, self.short_s)

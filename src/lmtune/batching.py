@@ -1,0 +1,58 @@
+"""BatchLayout: how the global batch maps onto processes and micro-steps, and how many optimizer
+steps the run takes. Computed once per run from the settings and the data's size, then passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmtune.config import DEFAULT_EPOCHS, SAMPLE_DATA, SAMPLE_EPOCHS, TrainConfig
+from lmtune.data.sampling import steps_per_epoch
+from lmtune.errors import UserError
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    global_batch_size: int  # examples per optimizer step, all processes
+    micro_batch_size: int  # examples per forward on one process
+    world_size: int
+    accumulation: int  # micro-steps per optimizer step on each rank (at most this many when packing)
+    steps_per_epoch: int
+    total_steps: int
+    epochs: int
+
+    @property
+    def per_rank(self) -> int:
+        """Examples of one optimizer step on one process."""
+        return self.global_batch_size // self.world_size
+
+
+def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """The micro-batch size in effect: as set, or the whole per-process share of the global batch."""
+    return cfg.micro_batch_size or cfg.global_batch_size // world_size
+
+
+def epochs(cfg: TrainConfig) -> int:
+    if cfg.epochs is not None:
+        return cfg.epochs
+    return SAMPLE_EPOCHS if cfg.data == SAMPLE_DATA else DEFAULT_EPOCHS
+
+
+def batch_layout(cfg: TrainConfig, world_size: int, n_examples: int) -> BatchLayout:
+    """The layout of a run of ``cfg`` on ``world_size`` processes over ``n_examples`` examples."""
+    per_epoch = steps_per_epoch(n_examples, cfg.global_batch_size)
+    if per_epoch == 0:
+        raise UserError(
+            f"--data {cfg.data}: {n_examples} examples, fewer than one global batch "
+            f"(--global-batch-size {cfg.global_batch_size})"
+        )
+    micro = micro_batch_size(cfg, world_size)
+    total = cfg.max_steps if cfg.max_steps is not None else epochs(cfg) * per_epoch
+    return BatchLayout(
+        global_batch_size=cfg.global_batch_size,
+        micro_batch_size=micro,
+        world_size=world_size,
+        accumulation=cfg.global_batch_size // (micro * world_size),
+        steps_per_epoch=per_epoch,
+        total_steps=total,
+        epochs=-(-total // per_epoch),
+    )

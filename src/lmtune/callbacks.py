@@ -1,0 +1,312 @@
+"""The loop's extension points: the Callback protocol, and the components every run registers.
+
+:func:`lmtune.loop.fit` runs optimizer steps; everything else a run does around them is a
+component with its own cadence: metrics rows and the progress bar, the NaN policy, evaluation and
+the best model, checkpoints, stopping on a signal, the example-order record, stragglers, and (in
+their own files) sample generations and the collective timeout. A new one subclasses
+:class:`Callback`, overrides what it needs, and is registered in one line of ``train.py``.
+
+Components run in registration order. They steer the loop only through :class:`Control`: ask for
+a checkpoint of this step, or to stop after it (every rank must decide alike: decide from values
+all ranks share, such as the step's all-reduced results or an evaluation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lmtune.batching import BatchLayout
+from lmtune.best import BestTracker
+from lmtune.checkpoint.state import TrainerState
+from lmtune.errors import TrainingStopped
+from lmtune.evaluate import EvalResult
+from lmtune.metrics import RunLog, SampleLog
+from lmtune.parallel.distributed import CollectiveTimeouts
+from lmtune.parallel.health import StragglerWatch
+from lmtune.perf import peak_memory_bytes
+from lmtune.step import StepResult
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """One finished optimizer step, as components see it."""
+
+    state: TrainerState  # after the step (the next epoch's, when it ended one)
+    result: StepResult
+    lr: float  # the learning rate the step used
+    seconds: float  # since the end of the previous step: its data wait counts
+    elapsed: float  # since fit started
+    finished: bool  # the run's last step
+    epoch_done: bool  # the step ended an epoch
+    example_ids: list[int]  # the examples this rank trained on in it
+
+
+@dataclass
+class Control:
+    """What the components ask of the loop after a step; the loop resets ``save`` every step."""
+
+    save: bool = False  # checkpoint this step (once, whoever asks)
+    stop: str | None = None  # "signal" (resumable) or "early" (finished): leave after this step
+
+
+class Callback:
+    """A component of the loop; every method is optional. ``phase`` names the heartbeat phase its
+    work runs in (the launcher's hang watchdog allows save, eval and sample more time)."""
+
+    phase: str | None = None
+
+    def on_train_begin(self, state: TrainerState, layout: BatchLayout) -> None:
+        """Before the first step of this attempt (``state``: where it starts)."""
+
+    def on_step_end(self, step: StepEnd, control: Control) -> None:
+        """After every optimizer step."""
+
+    def on_train_end(self, state: TrainerState, control: Control) -> None:
+        """After the last step, or after a stop (``control.stop`` says which)."""
+
+
+class StepLogger(Callback):
+    """metrics.jsonl train rows (every ``every`` steps and the last) and the progress bar."""
+
+    def __init__(
+        self, log: RunLog, every: int, mfu: Callable[[int, int, float], float | None], device: torch.device
+    ):
+        self.log, self.every, self.mfu, self.device = log, every, mfu, device
+
+    def on_train_begin(self, state: TrainerState, layout: BatchLayout) -> None:
+        self.log.start_progress(layout.total_steps, initial=state.step)
+
+    def on_step_end(self, step: StepEnd, control: Control) -> None:
+        if step.state.step % self.every and not step.finished:
+            return
+        r = step.result
+        mfu = self.mfu(r.tokens, r.examples, step.seconds)
+        self.log.record(step_row(step, mfu, peak_memory_bytes(self.device)))
+        shown = {"loss": f"{r.loss:.4f}", "lr": f"{step.lr:.2e}", "tok/s": f"{r.tokens / step.seconds:,.0f}"}
+        if mfu is not None:
+            shown["mfu"] = f"{100 * mfu:.0f}%"
+        self.log.advance(shown)
+
+    def on_train_end(self, state: TrainerState, control: Control) -> None:
+        self.log.end_progress()
+
+
+class EpochSummary(Callback):
+    """The log line closing each epoch: its token-weighted mean train loss."""
+
+    def __init__(self, log: RunLog):
+        self.log = log
+        self.loss_sum, self.loss_tokens, self.epochs = 0.0, 0, 0
+
+    def on_train_begin(self, state: TrainerState, layout: BatchLayout) -> None:
+        self.epochs = layout.epochs
+
+    def on_step_end(self, step: StepEnd, control: Control) -> None:
+        r = step.result
+        if not r.nonfinite:
+            self.loss_sum += r.loss * r.target_tokens
+            self.loss_tokens += r.target_tokens
+        if step.epoch_done:
+            mean = self.loss_sum / max(self.loss_tokens, 1)
+            self.log.info(f"epoch {step.state.epoch}/{self.epochs}: train loss {mean:.4f}")
+            self.loss_sum, self.loss_tokens = 0.0, 0
+
+
+def step_row(step: StepEnd, mfu: float | None, memory: int) -> dict[str, object]:
+    """The metrics.jsonl row of a train step."""
+    r = step.result
+    return {
+        "kind": "train",
+        "step": step.state.step,
+        "epoch": step.state.epochs_done,
+        "loss": r.loss,
+        "lr": step.lr,
+        "grad_norm": r.grad_norm,
+        "tokens": r.tokens,
+        "target_tokens": r.target_tokens,
+        "tokens_per_s": r.tokens / step.seconds,
+        "mfu": mfu,
+        "peak_memory_bytes": memory,
+        **{f"time_{name}_s": seconds for name, seconds in r.phases.items()},
+        **_rank_times(r),
+        "elapsed_s": step.elapsed,
+        "skipped": r.nonfinite,
+    }
+
+
+def _rank_times(r: StepResult) -> dict[str, float | int]:
+    """The slowest and fastest rank of a step (data wait and forward), when there are several."""
+    work, data = r.rank_work_s, r.rank_data_s
+    if len(work) < 2:
+        return {}
+    return {
+        "step_time_min_s": min(work),
+        "step_time_max_s": max(work),
+        "step_time_max_rank": max(range(len(work)), key=work.__getitem__),
+        "data_wait_max_s": max(data),
+        "data_wait_max_rank": max(range(len(data)), key=data.__getitem__),
+    }
+
+
+class NanPolicy(Callback):
+    """--on-nan: a step whose loss or gradient norm was not finite (no rank applied its update)
+    stops the run, or is counted and logged."""
+
+    def __init__(self, on_nan: str, log: RunLog):
+        self.on_nan, self.log = on_nan, log
+
+    def on_step_end(self, step: StepEnd, control: Control) -> None:
+        if not step.result.nonfinite:
+            return
+        state = step.state
+        if self.on_nan == "stop":
+            raise TrainingStopped(
+                f"non-finite loss or gradient norm at step {state.step}; the update was not applied and "
+                "training stopped (the last checkpoint is intact; --on-nan skip skips such steps instead)"
+            )
+        self.log.info(
+            f"step {state.step}: non-finite loss or gradient norm, update skipped "
+            f"({state.skipped_steps} so far)"
+        )
+
+
+class Evaluator(Callback):
+    """Evaluation every ``every`` steps and at the end; with a best-model tracker, a checkpoint of
+    each new best and early stopping."""
+
+    phase = "eval"
+
+    def __init__(self, run_eval: Callable[[], EvalResult], log: RunLog, every: int, best: BestTracker | None):
+        self.run_eval, self.log, self.every, self.best = run_eval, log, every, best
+        self.evals: list[EvalResult] = []
+
+    def on_step_end(self, step: StepEnd, control: Control) -> None:
+        if self.every and step.state.step % self.every == 0 and not step.finished:
+            self._evaluate(step.state, control)
+
+    def on_train_end(self, state: TrainerState, control: Control) -> None:
+        if control.stop is None:
+            self._evaluate(state, control)
+
+    def _evaluate(self, state: TrainerState, control: Control) -> None:
+        ev = self.run_eval()
+        self.evals.append(ev)
+        self.log.record(
+            {
+                "kind": "eval",
+                "step": state.step,
+                "epoch": state.epochs_done,
+                "eval_loss": ev.loss,
+                "eval_perplexity": ev.perplexity,
+                "eval_tokens": ev.target_tokens,
+                "eval_examples": ev.examples,
+            }
+        )
+        self.log.info(
+            f"step {state.step}: eval loss {ev.loss:.4f}, perplexity {ev.perplexity:.3f} "
+            f"({ev.examples} examples, {ev.target_tokens} tokens)"
+        )
+        best = self.best
+        if best is None:
+            return
+        control.save |= best.observe(state.step, metric_value(ev, best.metric), self.log.output_dir)
+        if best.should_stop and control.stop is None:  # all ranks evaluated alike: all stop here
+            assert best.best is not None
+            control.stop = "early"
+            self.log.info(
+                f"stopping early at step {state.step}: {best.metric} has not improved for "
+                f"{best.without_improvement} evaluations "
+                f"(best {best.best.value:.4f} at step {best.best.step})"
+            )
+
+
+def metric_value(ev: EvalResult, metric: str) -> float:
+    """An evaluation's value of ``metric`` (as metrics.jsonl names it)."""
+    return {"eval_loss": ev.loss, "eval_perplexity": ev.perplexity}[metric]
+
+
+class SignalStop(Callback):
+    """SIGTERM/SIGINT on any rank (agreed in the step's all-reduce): save this step and leave."""
+
+    def __init__(self, log: RunLog):
+        self.log = log
+
+    def on_step_end(self, step: StepEnd, control: Control) -> None:
+        if step.result.stop:
+            control.stop, control.save = "signal", True
+            self.log.info(f"stopping at step {step.state.step} as asked (signal): saving a checkpoint")
+
+
+class Checkpointer(Callback):
+    """Saves when asked (a best model, a stop), every ``every`` steps, and at the end of a run
+    that saves periodically; one checkpoint per step at most. Runs after the components that ask."""
+
+    phase = "save"
+
+    def __init__(self, save: Callable[[TrainerState], None], every: int):
+        self.save, self.every = save, every
+        self.saved_step = -1
+        self.start_step = 0
+
+    def on_train_begin(self, state: TrainerState, layout: BatchLayout) -> None:
+        self.start_step = state.step
+
+    def on_step_end(self, step: StepEnd, control: Control) -> None:
+        scheduled = self.every and step.state.step % self.every == 0 and not step.finished
+        if control.save or control.stop or scheduled:
+            self._save(step.state)
+
+    def on_train_end(self, state: TrainerState, control: Control) -> None:
+        if control.stop is None and (control.save or (self.every and state.step > self.start_step)):
+            self._save(state)
+
+    def _save(self, state: TrainerState) -> None:
+        if self.saved_step != state.step:
+            self.save(state)
+            self.saved_step = state.step
+
+
+class ExampleOrder(Callback):
+    """--record-samples: the example ids of every step, per rank (to audit the data order)."""
+
+    def __init__(self, samples: SampleLog):
+        self.samples = samples
+
+    def on_step_end(self, step: StepEnd, control: Control) -> None:
+        self.samples(step.state.step, step.example_ids)
+
+    def on_train_end(self, state: TrainerState, control: Control) -> None:
+        self.samples.close()
+
+
+@dataclass
+class StragglerReport(Callback):
+    """Names a rank in the log that is slow step after step (several processes only)."""
+
+    log: RunLog
+    watch: StragglerWatch = field(default_factory=StragglerWatch)
+
+    def on_step_end(self, step: StepEnd, control: Control) -> None:
+        for rank in self.watch.observe(step.result.rank_work_s):
+            self.log.info(
+                f"step {step.state.step}: rank {rank} is a straggler: its data wait and forward took "
+                f"over {self.watch.ratio:.1f}x the median of the ranks for {self.watch.steps} steps in a "
+                "row (metrics.jsonl: step_time_*)"
+            )
+
+
+class CollectiveTimeoutSwitch(Callback):
+    """--collective-timeout: the short timeout from the end of the first step on, the long one
+    again after the last (the final save and a merge may take long)."""
+
+    def __init__(self, timeouts: CollectiveTimeouts):
+        self.timeouts = timeouts
+
+    def on_step_end(self, step: StepEnd, control: Control) -> None:
+        self.timeouts.after_step()
+
+    def on_train_end(self, state: TrainerState, control: Control) -> None:
+        self.timeouts.end()

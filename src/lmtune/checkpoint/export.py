@@ -1,0 +1,196 @@
+"""Models in Hugging Face format: final/ (whole, gathered block by block under FSDP, or a PEFT
+adapter), the configs that make a folder loadable elsewhere (generation_config's stop tokens), and
+`lmtune export` of a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmtune.checkpoint import sharded
+from lmtune.checkpoint.layout import GENERATION_CONFIG, MANIFEST, MODEL_FILE, SHARDED_DIR, verify
+from lmtune.checkpoint.state import ModelParts
+from lmtune.errors import UserError
+from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, save_adapter
+from lmtune.model.loss import WRAPPED_PREFIX
+from lmtune.parallel.distributed import DistEnv, barrier
+
+
+def save_hf_folder(model: nn.Module, tokenizer: Any, folder: Path) -> None:
+    """Write config, ``model.safetensors`` and the tokenizer so ``from_pretrained`` loads it back."""
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
+        tokenizer.save_pretrained(tmp)
+
+    replace_folder(folder, write)
+
+
+def save_final(parts: ModelParts, tokenizer: Any, folder: Path, env: DistEnv) -> None:
+    """``final/`` (collective): the whole model as a Hugging Face folder, or the LoRA adapter in
+    PEFT format. FSDP gathers one decoder block at a time, so no rank ever holds the whole model."""
+    if parts.lora:
+        adapter = gathered_adapter(parts)
+        if env.is_main:
+
+            def write(tmp: Path) -> None:
+                save_adapter(parts.model, tmp, adapter)
+                save_configs(parts.model, tmp, architecture=False)
+                tokenizer.save_pretrained(tmp)
+
+            replace_folder(folder, write)
+    elif parts.sharded:
+        _save_sharded_hf_folder(parts, tokenizer, folder, env)
+    elif env.is_main:
+        save_hf_folder(parts.model, tokenizer, folder)
+    barrier(env)
+
+
+def replace_folder(folder: Path, write: Callable[[Path], None]) -> None:
+    """Write beside the final name and rename when complete, so a crash never leaves a half-written
+    folder where a finished one is expected."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+
+
+def _save_sharded_hf_folder(parts: ModelParts, tokenizer: Any, folder: Path, env: DistEnv) -> None:
+    """Hugging Face's sharded layout (``model-0000k-of-0000n.safetensors`` + index), one file per
+    decoder block: each block's parameters are gathered, written by rank 0 and dropped."""
+    import re
+
+    from safetensors.torch import save_file
+
+    prefix = prefix_of(parts)
+    every = {n for n, _ in parts.root.named_parameters(remove_duplicate=False)}
+    aliases = every - {n for n, _ in parts.root.named_parameters()}  # tied weights: saved once
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, value in parts.root.state_dict().items():
+        if name in aliases or not name.startswith(prefix):
+            continue
+        block = re.search(r"\.layers\.(\d+)\.", name)
+        groups.setdefault(block.group(1) if block else "rest", []).append((name.removeprefix(prefix), value))
+    weight_map: dict[str, str] = {}
+    total = 0
+
+    def write(tmp: Path) -> None:
+        nonlocal total
+        for i, (_, items) in enumerate(groups.items()):
+            file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            # Every rank joins each gather (full_tensor is a collective); only rank 0 keeps the result.
+            tensors = {
+                n: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for n, v in items
+            }
+            if env.is_main:
+                save_file(
+                    {n: t.contiguous() for n, t in tensors.items()},
+                    str(tmp / file),
+                    metadata={"format": "pt"},
+                )
+                weight_map.update(dict.fromkeys(tensors, file))
+                total += sum(t.numel() * t.element_size() for t in tensors.values())
+            del tensors
+        if env.is_main:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            save_configs(parts.model, tmp)
+            tokenizer.save_pretrained(tmp)
+
+    if env.is_main:
+        replace_folder(folder, write)
+    else:
+        write(folder)  # joins the gathers; writes nothing
+
+
+def save_configs(model: nn.Module, folder: Path, *, architecture: bool = True) -> None:
+    """The base model's config.json (unless ``architecture`` is False: a PEFT adapter folder must
+    not look like a model folder) and generation_config.json, whose stop tokens (a chat model's
+    end of turn) every tool that generates with the folder reads."""
+    get_base = getattr(model, "get_base_model", None)
+    base: Any = get_base() if callable(get_base) else model
+    if architecture:
+        base.config.save_pretrained(folder)
+    generation = getattr(base, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(folder)
+
+
+def gathered_adapter(parts: ModelParts) -> dict[str, torch.Tensor]:
+    """The LoRA adapter's tensors, whole, under PEFT's names (collective under FSDP; adapters are
+    small, so gathering them on every rank costs little)."""
+    if not parts.sharded:
+        return adapter_state(parts.model)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True, broadcast_from_rank0=False)
+    full = get_model_state_dict(parts.root, options=options)
+    prefix = prefix_of(parts)
+    return adapter_state(parts.model, {k.removeprefix(prefix): v for k, v in full.items()})
+
+
+def prefix_of(parts: ModelParts) -> str:
+    """The name prefix of ``parts.model`` inside ``parts.root`` (``model.`` under SummedLoss)."""
+    for name, module in parts.root.named_modules():
+        if module is parts.model:
+            return f"{name}." if name else ""
+    raise ValueError("the model is not inside the wrapped module")
+
+
+def export(checkpoint: Path, out: Path, trust_remote_code: bool = False) -> None:
+    """Write a Hugging Face model folder (config, safetensors, tokenizer) from a checkpoint; a LoRA
+    checkpoint gives a PEFT adapter folder."""
+    from safetensors.torch import load_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not checkpoint.is_dir():
+        raise UserError(f"{checkpoint}: no such checkpoint folder")
+    reason = verify(checkpoint)
+    if reason is not None:
+        raise UserError(f"{checkpoint}: not a valid checkpoint: {reason}")
+    listed = json.loads((checkpoint / MANIFEST).read_text())
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    if ADAPTER_FILE in listed:
+
+        def write(tmp: Path) -> None:
+            for name in (ADAPTER_FILE, ADAPTER_CONFIG, GENERATION_CONFIG):
+                if name in listed:
+                    shutil.copy2(checkpoint / name, tmp / name)
+            tokenizer.save_pretrained(tmp)
+
+        replace_folder(out, write)
+        return
+    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    if GENERATION_CONFIG in listed:  # the stop tokens training set (a chat model's end of turn)
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(checkpoint)
+    if MODEL_FILE in listed:
+        load_model(model, str(checkpoint / MODEL_FILE))
+    else:
+        _load_sharded_model(model, checkpoint / SHARDED_DIR)
+    save_hf_folder(model, tokenizer, out)
+
+
+def _load_sharded_model(model: nn.Module, folder: Path) -> None:
+    """Read the model part of an FSDP checkpoint into one process (no process group needed)."""
+    # Keys as the training wrapper named them (its prefix + the model's names), under "model".
+    saved = set(sharded.read_index(folder).state_dict_metadata)
+    missing = [n for n, _ in model.named_parameters() if f"model.{WRAPPED_PREFIX}{n}" not in saved]
+    if missing:
+        raise UserError(f"{folder}: the sharded checkpoint has no {missing[0]} (not a full model)")
+    state = {"model": {f"{WRAPPED_PREFIX}{k}": v for k, v in model.state_dict().items()}}
+    # Partial: a tied weight (the output head) may be stored once under the embedding's name.
+    sharded.load(state, folder, no_dist=True, allow_partial=True)
+    model.load_state_dict({k.removeprefix(WRAPPED_PREFIX): v for k, v in state["model"].items()})

@@ -1,0 +1,108 @@
+"""A checkpoint folder's layout: its file names, where step N lives, the manifest, and verify(),
+which treats every folder read back as hostile (a manifest must list every file, inside the folder,
+no links, sizes and SHA-256 matching)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+from lmtune.model.lora import ADAPTER_FILE
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+SCALER_FILE = "scaler.json"  # the fp16 gradient scaler's state: plain numbers
+FINGERPRINT_FILE = "fingerprint.json"
+GENERATION_CONFIG = "generation_config.json"
+_STEP_NAME = re.compile(r"step-(\d+)")
+SHARDED_DIR = "sharded"  # torch.distributed.checkpoint folder: one file per rank + .metadata
+SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"
+MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "trainer.json"
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_write(path: Path, text: str) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def step_folder(output_dir: Path, step: int) -> Path:
+    return output_dir / CHECKPOINTS / f"step-{step:06d}"
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """Checkpoint folders by step number, oldest first (hidden temporary folders, and folders kept
+    aside, are not checkpoints)."""
+    root = output_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_NAME.fullmatch(p.name)) and p.is_dir()
+    ]
+    return [p for _, p in sorted(found, key=lambda item: item[0])]
+
+
+def verify(folder: Path) -> str | None:
+    """Why ``folder`` is not a complete checkpoint, or None when its manifest checks out.
+
+    The manifest must list every file of the folder, by plain relative names inside it; no entry
+    may be a link.
+    """
+    if folder.is_symlink() or not folder.is_dir():
+        return "not a folder"
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file() or manifest_path.is_symlink():
+        return "no manifest (the save did not finish)"
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return f"{MANIFEST} is unreadable"
+    if not isinstance(manifest, dict) or not all(isinstance(e, dict) for e in manifest.values()):
+        return f"{MANIFEST} is not a manifest"
+    if STATE_FILE not in manifest:
+        return f"manifest lists no {STATE_FILE}"
+    layouts = ((MODEL_FILE, OPTIMIZER_FILE), (ADAPTER_FILE, OPTIMIZER_FILE), (SHARDED_METADATA,))
+    if not any(all(name in manifest for name in layout) for layout in layouts):
+        return "manifest lists no model and optimizer state"
+    for path in folder.rglob("*"):
+        name = path.relative_to(folder).as_posix()
+        if path.is_symlink():
+            return f"{name} is a symbolic link"
+        if path.is_file() and name != MANIFEST and name not in manifest:
+            return f"{name} is not in the manifest"
+    root = folder.resolve()
+    for name, entry in manifest.items():
+        path = folder / name
+        if name.startswith("/") or "\\" in name or ".." in Path(name).parts or not name:
+            return f"manifest entry {name!r} is not a plain path inside the checkpoint"
+        if not path.is_file():
+            return f"{name} is missing"
+        if root not in path.resolve().parents:
+            return f"manifest entry {name!r} is not inside the checkpoint"
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            return f"{name} has {size} bytes, the manifest says {entry.get('bytes')}"
+        if sha256(path) != entry.get("sha256"):
+            return f"{name} does not match its checksum"
+    return None
+
+
+def write_manifest(folder: Path) -> None:
+    """Every file's size and SHA-256, written last: a folder without it is an unfinished save."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    manifest = {
+        p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in files
+    }
+    fsync_write(folder / MANIFEST, json.dumps(manifest, indent=2))

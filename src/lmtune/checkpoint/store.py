@@ -1,0 +1,294 @@
+"""Checkpoints of the whole training state, exact resume, and export to Hugging Face format.
+
+A checkpoint is ``checkpoints/step-NNNNNN/``: the model (safetensors; under ``--lora`` only the
+adapter, in PEFT format), optimizer state (``torch.save``, loaded with ``weights_only=True`` so no
+pickled code runs) or, under FSDP, model and optimizer shards written by every rank through
+``torch.distributed.checkpoint`` (``sharded/``, read back by :mod:`lmtune.checkpoint.sharded` without
+unpickling anything), every rank's RNG streams (JSON), the position in the global sample order,
+the run's fingerprint, and a manifest with every file's size and SHA-256 written last. It is
+assembled in a hidden temporary folder and renamed into place when complete, so a run killed while
+saving leaves the previous checkpoint as the newest valid one. The LR schedule is a function of the
+step, so it is rebuilt from the settings rather than stored.
+
+Everything read back is data: a manifest that names a path outside the folder, a link, or a file it
+does not list makes the checkpoint invalid.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmtune import faults
+from lmtune.checkpoint import sharded
+from lmtune.checkpoint.export import gathered_adapter, save_configs
+from lmtune.checkpoint.layout import (
+    CHECKPOINTS,
+    MANIFEST,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    SCALER_FILE,
+    SHARDED_DIR,
+    SHARDED_METADATA,
+    STATE_FILE,
+    fsync_write,
+    list_checkpoints,
+    step_folder,
+    verify,
+    write_manifest,
+)
+from lmtune.checkpoint.state import ModelParts, TrainerState, rng_state, set_rng_state
+from lmtune.errors import UserError
+from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
+from lmtune.parallel.distributed import DistEnv, barrier, broadcast_object
+
+
+def save_checkpoint(
+    output_dir: Path,
+    state: TrainerState,
+    parts: ModelParts,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    env: DistEnv,
+    *,
+    keep_last: int,
+    records: dict[str, Any],
+) -> Path:
+    """Write a checkpoint of ``state`` (collective: every rank calls it), then keep the newest
+    ``keep_last`` (0: all; :func:`prune` keeps a chosen one besides).
+
+    ``records`` are JSON files written into it by name: the run's fingerprint, the best-model
+    tracker, the fp16 gradient scaler (:data:`SCALER_FILE`).
+
+    Raises:
+        UserError: on every rank when the disk has too little room (checked before writing), and on
+            the rank that ran out of space while writing; the temporary folder is removed and the
+            previous checkpoint stays valid.
+    """
+    final = step_folder(output_dir, state.step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    problem = _space_problem(output_dir, state.step, parts, optimizer, env) if env.is_main else ""
+    problem = broadcast_object(problem, env)
+    if problem:
+        raise UserError(problem)
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(env)
+    try:
+        _write_checkpoint(tmp, state, parts, tokenizer, optimizer, env, records)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        needed, free = _estimate_bytes(parts, optimizer, env), shutil.disk_usage(output_dir).free
+        raise UserError(_no_space(state.step, final, needed, free)) from None
+    if env.is_main:
+        if final.exists():  # a checkpoint of this step from an earlier attempt: kept, not replaced
+            aside = final.with_name(f"{final.name}.replaced-{int(time.time())}")
+            final.rename(aside)
+            print(f"lmtune: kept the earlier {final.name} as {aside}", flush=True)
+        tmp.rename(final)
+        prune(output_dir, keep_last)
+    barrier(env)
+    return final
+
+
+def prune(output_dir: Path, keep_last: int, protect: Path | None = None) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints (0 keeps all), never ``protect``."""
+    for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
+        if old != protect:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_checkpoint(
+    tmp: Path,
+    state: TrainerState,
+    parts: ModelParts,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    env: DistEnv,
+    records: dict[str, Any],
+) -> None:
+    tmp.mkdir(parents=True, exist_ok=True)  # on another node when --output-dir is not shared
+    fsync_write(tmp / f"rng-rank-{env.rank}.json", json.dumps(rng_state()))
+    if parts.sharded:
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        dcp_save(_sharded_state(parts, optimizer), checkpoint_id=str(tmp / SHARDED_DIR))
+    adapter = gathered_adapter(parts) if parts.lora else {}  # collective under FSDP
+    if env.is_main:
+        _save_model(parts, adapter, tmp)
+        faults.maybe_kill_in_save(state.step)
+        # Config and tokenizer make the checkpoint self-contained for `lmtune export`.
+        save_configs(parts.model, tmp)
+        tokenizer.save_pretrained(tmp)
+        if not parts.sharded:
+            # DDP keeps every replica identical, so rank 0's optimizer is the whole state.
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        for name, record in records.items():
+            fsync_write(tmp / name, json.dumps(record, indent=2))
+        fsync_write(tmp / STATE_FILE, json.dumps(asdict(state), indent=2))
+    barrier(env)
+    if env.is_main:
+        write_manifest(tmp)
+
+
+def _estimate_bytes(parts: ModelParts, optimizer: torch.optim.Optimizer, env: DistEnv) -> int:
+    """What a checkpoint of this run takes: the trained weights (whole) and the optimizer state."""
+    from lmtune.optim import optimizer_state_bytes
+
+    weights = sum(
+        p.numel() * p.element_size() for p in parts.root.parameters() if p.requires_grad or not parts.lora
+    )
+    shards = env.world_size if parts.sharded else 1
+    return weights + optimizer_state_bytes(optimizer) * shards
+
+
+def _space_problem(
+    output_dir: Path, step: int, parts: ModelParts, optimizer: torch.optim.Optimizer, env: DistEnv
+) -> str:
+    """Why a checkpoint of ``step`` would not fit on the disk ("" when it fits, with 5% to spare)."""
+    folder = output_dir / CHECKPOINTS
+    folder.mkdir(parents=True, exist_ok=True)
+    needed = _estimate_bytes(parts, optimizer, env)
+    free = faults.free_bytes_override() or shutil.disk_usage(folder).free
+    if free >= needed * 1.05 + (1 << 20):
+        return ""
+    return _no_space(step, step_folder(output_dir, step), needed, free)
+
+
+def _no_space(step: int, final: Path, needed: int, free: int) -> str:
+    return (
+        f"no space left on device while saving step {step} to {final}: about "
+        f"{needed / 2**20:,.0f} MB needed, {free / 2**20:,.0f} MB free; the previous checkpoint is "
+        "intact (free some space; the same command resumes from it)"
+    )
+
+
+def _save_model(parts: ModelParts, adapter: dict[str, torch.Tensor], folder: Path) -> None:
+    from safetensors.torch import save_model
+
+    if parts.lora:
+        save_adapter(parts.model, folder, adapter)
+    elif not parts.sharded:
+        save_model(parts.model, str(folder / MODEL_FILE))
+
+
+def _sharded_state(parts: ModelParts, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer state keyed by parameter name, each rank holding its shards; the frozen
+    base of a LoRA model is left out (it is rebuilt from --model)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(ignore_frozen_params=parts.lora)
+    model_state, optimizer_state = get_state_dict(parts.root, optimizer, options=options)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def read_state(folder: Path) -> TrainerState:
+    """The trainer state of a verified checkpoint, checked field by field."""
+    path = folder / STATE_FILE
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        kwargs = {f: raw[f] for f in TrainerState.__dataclass_fields__ if f in raw}
+        state = TrainerState(**kwargs)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"{path}: not a trainer state lmtune wrote ({e})") from None
+    if not all(type(getattr(state, f)) is int and getattr(state, f) >= 0 for f in kwargs):
+        raise UserError(f"{path}: not a trainer state lmtune wrote (fields must be counts)")
+    return state
+
+
+def check_layout(folder: Path, parts: ModelParts) -> dict[str, Any]:
+    """The manifest of ``folder``, when this run's model (LoRA or not, sharded or not) can load it."""
+    listed: dict[str, Any] = json.loads((folder / MANIFEST).read_text())
+    saved_lora, saved_sharded = ADAPTER_FILE in listed, SHARDED_METADATA in listed
+    if saved_lora != parts.lora or (parts.sharded and not saved_sharded):
+        raise UserError(
+            f"--resume {folder}: it was saved by {_describe(saved_lora, saved_sharded)}; this run "
+            f"({_describe(parts.lora, parts.sharded)}) cannot load it; use the same --lora and "
+            "--strategy, or --resume never with a new --output-dir"
+        )
+    return listed
+
+
+def load_checkpoint(
+    folder: Path,
+    parts: ModelParts,
+    optimizer: torch.optim.Optimizer,
+    env: DistEnv,
+    scaler: torch.amp.GradScaler | None = None,
+) -> TrainerState:
+    """Restore model, optimizer, gradient scaler and (same world size) this rank's RNG.
+
+    What is loaded follows what the manifest lists, never what else lies in the folder.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model
+
+    reason = verify(folder)
+    if reason is not None:
+        raise UserError(f"--resume {folder}: not a valid checkpoint: {reason}")
+    listed = check_layout(folder, parts)
+    saved_sharded = SHARDED_METADATA in listed
+    state = read_state(folder)
+    if saved_sharded:
+        # Sharded state loads into any world size and into an unsharded model too: DCP reshards.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        saved = _sharded_state(parts, optimizer)
+        sharded.load(saved, folder / SHARDED_DIR, no_dist=not env.distributed)
+        set_state_dict(
+            parts.root,
+            optimizer,
+            model_state_dict=saved["model"],
+            optim_state_dict=saved["optimizer"],
+            options=StateDictOptions(ignore_frozen_params=parts.lora, strict=not parts.lora),
+        )
+    else:
+        try:
+            if parts.lora:
+                load_adapter_state(parts.model, folder)
+            else:
+                device = str(next(parts.model.parameters()).device)
+                load_model(parts.model, str(folder / MODEL_FILE), device=device)
+            optimizer.load_state_dict(_load_plain(folder / OPTIMIZER_FILE))
+        except (RuntimeError, ValueError, KeyError, OSError, SafetensorError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"--resume {folder}: its state does not fit this run's model ({first})") from None
+    if scaler is not None and SCALER_FILE in listed:
+        scaler.load_state_dict(_read_json(folder / SCALER_FILE))
+    rng = f"rng-rank-{env.rank}.json"
+    if state.world_size == env.world_size and rng in listed:
+        set_rng_state(json.loads((folder / rng).read_text()))
+    return state
+
+
+def _load_plain(path: Path) -> Any:
+    """A ``torch.save`` file read as tensors and plain values only: pickled code is refused."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        why = str(e).split("WeightsUnpickler error: ")[-1].splitlines()[0]
+        raise UserError(f"{path}: refused, not plain tensors and values ({why})") from None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise UserError(f"{path}: unreadable ({e})") from None
+
+
+def _describe(lora: bool, sharded: bool) -> str:
+    what = "LoRA" if lora else "full fine-tuning"
+    return f"{what} under {'--strategy fsdp' if sharded else 'single/ddp'}"

@@ -1,0 +1,265 @@
+"""The commands behind `lmtune`'s subcommands: parsed arguments -> work. Each imports what it needs
+when it runs, so `lmtune --help` and a mistyped option cost no torch import."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
+
+
+def train_config(args: argparse.Namespace) -> Any:
+    from lmtune.config import config_fields
+    from lmtune.config_io import build_config, load_yaml
+
+    values: dict[str, Any] = {}
+    source = ""
+    if hasattr(args, "config"):
+        values.update(load_yaml(args.config))
+        source = args.config
+    values.update({f.name: getattr(args, f.name) for f in config_fields() if hasattr(args, f.name)})
+    return build_config(values, source)
+
+
+def train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from lmtune.parallel.distributed import launched_world_size
+    from lmtune.validate import validate
+
+    cfg = train_config(args)
+    if launched_world_size() == 1:
+        from lmtune.parallel.launch import needs_launcher, relaunch, world_size_bounds
+
+        if needs_launcher(cfg):
+            # Check in the launcher first: a bad option is then reported once, before N processes start.
+            for world_size in sorted(set(world_size_bounds(cfg))):
+                validate(cfg, world_size)
+            return relaunch(list(argv), cfg)
+    from lmtune.train import train
+
+    train(cfg)  # a run stopped by a signal has saved a checkpoint and exits cleanly too
+    return 0
+
+
+def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import torch
+
+    from lmtune.model.modeling import load_model
+    from lmtune.parallel.distributed import read_dist_env
+
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (got {args.temperature})")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1] (got {args.top_p})")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device must be auto, cpu or cuda (got {args.device!r})")
+    if args.prompt is None and not args.chat:
+        raise UserError("--prompt is needed (or --chat, which reads turns from stdin)")
+    if args.system is not None and not args.chat:
+        raise UserError("--system needs --chat")
+    device = read_dist_env(args.device).device
+    loaded = load_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code)
+    model = loaded.model.to(device)
+    options = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
+    with torch.inference_mode():
+        if args.chat:
+            _chat(model, loaded.tokenizer, args.prompt, args.system, options)
+        else:
+            from lmtune.generate import complete
+
+            print(args.prompt + complete(model, loaded.tokenizer, args.prompt, **options))
+    return 0
+
+
+def _chat(
+    model: Any, tokenizer: Any, prompt: str | None, system: str | None, options: dict[str, Any]
+) -> None:
+    """One reply to --prompt, or a conversation over stdin's lines (interactive on a terminal)."""
+    from lmtune.data.formats import ensure_chat_template
+    from lmtune.generate import chat_reply
+
+    ensure_chat_template(tokenizer)
+    messages = [{"role": "system", "content": system}] if system else []
+    interactive = prompt is None and sys.stdin.isatty()
+    turns = [prompt] if prompt is not None else _stdin_turns(interactive)
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        reply = chat_reply(model, tokenizer, messages, **options)
+        messages.append({"role": "assistant", "content": reply})
+        print(f"assistant> {reply}" if interactive else reply, flush=True)
+
+
+def _stdin_turns(interactive: bool) -> Iterator[str]:
+    while True:
+        try:
+            line = input("you> ") if interactive else sys.stdin.readline()
+        except EOFError:  # Ctrl+D at the prompt
+            print()
+            return
+        if not interactive and not line:
+            return
+        if line.strip():
+            yield line.strip()
+
+
+def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import json
+
+    from lmtune.tools.bench import format_table, measure_peaks, run_bench, to_json
+
+    if args.measure_peak:
+        print("\n".join(measure_peaks(args.precisions.split(","), args.nproc_per_node, args.device)))
+        return 0
+
+    from lmtune.config import TrainConfig
+
+    base = TrainConfig(
+        model=args.model,
+        data=args.data,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size or None,
+        max_length=args.max_length,
+        packing=args.packing,
+    )
+    rows = run_bench(
+        base,
+        args.strategies.split(","),
+        args.precisions.split(","),
+        args.nproc_per_node,
+        args.steps,
+        args.warmup,
+    )
+    print(format_table(rows))
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(to_json(rows), f, indent=2)
+    print(f"wrote {args.json}")
+    return 0
+
+
+def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from lmtune.tools.plan import format_report, parse_size, plan, report_json
+    from lmtune.validate import validate
+
+    cfg = train_config(args)
+    validate(cfg, cfg.nproc_per_node)
+    memory = parse_size(args.memory_per_device) if args.memory_per_device else None
+    with tempfile.TemporaryDirectory(prefix="lmtune-plan-") as workdir:
+        report = plan(cfg, memory, args.calibrate, Path(workdir))
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report_json(report), indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from lmtune.checkpoint.export import export
+
+    export(Path(args.checkpoint), Path(args.out), args.trust_remote_code)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from lmtune.config import TrainConfig, parse_nnodes
+    from lmtune.parallel.distributed import launched_world_size, process_group, read_dist_env
+    from lmtune.tools.doctor import DoctorSettings, check_or_fail
+
+    if args.nproc_per_node < 1:
+        raise UserError("--nproc-per-node must be >= 1")
+    nodes = parse_nnodes(args.nnodes)[1]
+    if nodes > 1 and args.rdzv_endpoint is None:
+        raise UserError("--rdzv-endpoint is needed when --nnodes is more than 1")
+    if launched_world_size() == 1 and (args.nproc_per_node > 1 or nodes > 1):
+        from lmtune.parallel.launch import relaunch_unlocked
+
+        launch = TrainConfig(
+            nproc_per_node=args.nproc_per_node,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id,
+            hang_timeout=0,
+        )
+        return relaunch_unlocked(list(argv), launch)
+    env = read_dist_env(args.device)
+    settings = DoctorSettings(
+        output_dir=args.output_dir, cache_dir=args.cache_dir, data=args.data, model=args.model
+    )
+    with process_group(env):
+        check_or_fail(env, settings)
+    if env.is_main:
+        print("all checks passed")
+    return 0
+
+
+def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from lmtune.tools.report import PLOTS, report
+
+    drawn = report([Path(o) for o in args.outputs], Path(args.out), Path(args.png) if args.png else None)
+    empty = [name for name in PLOTS if name not in drawn]
+    print(
+        f"wrote {args.out}: {len(drawn)} plots"
+        + (f" (nothing recorded for {', '.join(empty)})" if empty else "")
+    )
+    if args.png:
+        print(f"wrote {len(drawn)} PNG files to {args.png}")
+    return 0
+
+
+def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from lmtune.config import choices, option_name
+    from lmtune.data.audit import audit, format_report, plot_histogram
+    from lmtune.data.prepare import DataSettings
+    from lmtune.model.modeling import load_tokenizer
+
+    for name in ("data_format", "truncation", "txt_mode"):
+        value, allowed, option = getattr(args, name), choices(name), option_name(name)
+        if value not in allowed:
+            raise UserError(f"{option}: must be one of {', '.join(allowed)} (got {value!r})")
+    if args.max_length < 2 or args.nproc_per_node < 1 or args.global_batch_size < 1:
+        raise UserError("--max-length must be >= 2, --nproc-per-node and --global-batch-size >= 1")
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    if args.chat_template is not None:
+        from lmtune.chat import use_chat_template
+
+        use_chat_template(tokenizer, args.chat_template)
+    settings = DataSettings(
+        format=args.data_format,
+        text_field=args.text_field,
+        max_length=args.max_length,
+        truncation=args.truncation,
+        skip_bad_lines=True,
+        txt_mode=args.txt_mode,
+    )
+    report = audit(
+        ",".join(args.data),
+        tokenizer,
+        settings,
+        args.nproc_per_node,
+        args.global_batch_size,
+        args.micro_batch_size,
+        args.seed,
+    )
+    print(format_report(report))
+    if args.plot:
+        plot_histogram(report, Path(args.plot))
+        print(f"  histogram           {args.plot}")
+    return 0 if report.clean else USER_ERROR_EXIT_CODE

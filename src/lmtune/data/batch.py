@@ -1,0 +1,60 @@
+"""Batch: the tensors of one micro-batch (padded or packed rows) and which examples they hold."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lmtune.data.tokenize import IGNORE_INDEX
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    example_ids: list[int]  # which examples of the data set, in row order
+    # Packed rows only: positions restart at every example; segments tell the examples apart.
+    position_ids: torch.Tensor | None = None
+    segment_ids: torch.Tensor | None = None
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return Batch(
+            input_ids=fn(self.input_ids),
+            attention_mask=fn(self.attention_mask),
+            labels=fn(self.labels),
+            example_ids=self.example_ids,
+            position_ids=opt(self.position_ids),
+            segment_ids=opt(self.segment_ids),
+        )
+
+    def to(self, device: torch.device) -> Batch:
+        return self._map(lambda t: t.to(device, non_blocking=device.type == "cuda"))
+
+    def pin_memory(self) -> Batch:
+        return self._map(lambda t: t.pin_memory())
+
+    def model_inputs(self) -> tuple[torch.Tensor, ...]:
+        """Positional arguments of the loss module (DataParallel scatters each along dim 0)."""
+        if self.segment_ids is None:
+            return self.input_ids, self.attention_mask, self.labels
+        assert self.position_ids is not None
+        return self.input_ids, self.attention_mask, self.labels, self.position_ids, self.segment_ids
+
+    def target_tokens(self) -> int:
+        """Positions that contribute to the loss after the causal shift."""
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def idle_batch() -> Batch:
+    """One token with no target: a forward (and backward) that joins FSDP's collectives on a rank
+    with fewer micro-batches than the others, and adds nothing to the loss or the gradients."""
+    one = torch.ones(1, 1, dtype=torch.long)
+    return Batch(
+        input_ids=one, attention_mask=one.clone(), labels=torch.full((1, 1), IGNORE_INDEX), example_ids=[]
+    )

@@ -1,0 +1,38 @@
+"""The built-in demo's proof of learning: after training on --data sample, answer held-out sums."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmtune.config import TrainConfig
+from lmtune.data.sample import addition_examples, split_prompt
+from lmtune.generate import complete
+from lmtune.metrics import InfoLog
+from lmtune.model.lora import merged_model
+from lmtune.model.modeling import load_model
+
+
+def final_model(cfg: TrainConfig, final_dir: Path) -> torch.nn.Module:
+    """The trained model read back from ``final/`` (under FSDP no rank holds it whole)."""
+    if cfg.lora:
+        return merged_model(load_model(cfg.model, cfg.seed, cfg.trust_remote_code).model, final_dir)
+    from transformers import AutoModelForCausalLM
+
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(final_dir)
+    return model
+
+
+def show_answers(model: torch.nn.Module, tokenizer: Any, log: InfoLog, n: int = 50) -> None:
+    """Answer ``n`` held-out sums the model never trained on; log the score and a few answers."""
+    right = 0
+    lines: list[str] = []
+    for text in addition_examples()[1][:n]:
+        prompt, expected = split_prompt(text)
+        got = complete(model, tokenizer, prompt, max_new_tokens=8)
+        right += got == expected
+        if len(lines) < 5:
+            lines.append(f"  {prompt}{got:<4} {'ok' if got == expected else 'expected ' + expected}")
+    log.info(f"held-out answers: {right}/{n} correct\n" + "\n".join(lines))

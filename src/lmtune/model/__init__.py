@@ -1,0 +1,1 @@
+"""The model side: loading, LoRA, the loss wrapper and its chunked head, attention, masks, precision."""

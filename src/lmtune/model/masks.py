@@ -1,0 +1,37 @@
+"""Attention masks the model is given for packed rows: block-diagonal causal, with the model's
+sliding window where it has one."""
+
+from __future__ import annotations
+
+import torch
+
+from lmtune.errors import UserError
+
+
+def block_causal_mask(segment_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """``[batch, 1, L, L]`` bool: position q may attend to k when both are in one segment and k <= q
+    (and q - window < k for a model with a sliding window)."""
+    length = segment_ids.size(1)
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    if window is not None:
+        causal = causal.triu(1 - window)
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+def sliding_window(config: object) -> int | None:
+    """The sliding window all attention layers of a model share (None: full attention).
+
+    A 4D mask passed to the model replaces every layer's own; a model that mixes sliding and full
+    layers cannot take one, and needs per-example attention for packed rows.
+    """
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or [])
+    if window is None or kinds <= {"sliding_attention"}:
+        return window
+    if "sliding_attention" not in kinds:
+        return None
+    raise UserError(
+        "--packing: this model mixes sliding-window and full attention layers, so packed rows need "
+        "per-example attention, which --compile turns off; use --packing off with --compile"
+    )

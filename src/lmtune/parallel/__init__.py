@@ -1,0 +1,1 @@
+"""Processes and devices: the distributed environment, strategy wrappers, the launcher, run health."""

@@ -1,0 +1,110 @@
+"""run.json: the settings, what they resolved to, the data, the environment, and the result."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmtune import __version__
+from lmtune.batching import BatchLayout
+from lmtune.best import BestTracker
+from lmtune.build import BATCHING_NAMES, Built, Run, batching_of
+from lmtune.config import to_dict
+from lmtune.evaluate import EvalResult
+from lmtune.loop import FitResult
+from lmtune.model.attention import attention_description
+from lmtune.optim import optimizer_state_bytes
+from lmtune.parallel.distributed import DistEnv, all_gather_object
+from lmtune.perf import peak_memory_bytes
+
+
+def environment_info(env: DistEnv, threads: int) -> dict[str, Any]:
+    import transformers
+
+    return {
+        "lmtune": __version__,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "world_size": env.world_size,
+        "device": str(env.device),
+        "backend": env.backend,
+        "threads_per_process": threads,
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def count(params: Iterable[torch.nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def result_record(
+    result: FitResult,
+    evals: list[EvalResult],
+    best: BestTracker | None,
+    optimizer: torch.optim.Optimizer,
+    env: DistEnv,
+) -> dict[str, Any]:
+    """run.json's ``result`` (collective: every rank's peak memory and optimizer state)."""
+    state = result.state
+    return {
+        "peak_memory_per_rank": all_gather_object(peak_memory_bytes(env.device), env),
+        "optimizer_state_bytes_per_rank": all_gather_object(optimizer_state_bytes(optimizer), env),
+        "steps": state.step,
+        "last_loss": result.last_loss,
+        "skipped_steps": state.skipped_steps,
+        "stopped_early": result.stop == "signal",
+        "early_stopped": result.stop == "early",
+        "best": asdict(best.best) if best is not None and best.best is not None else None,
+        "eval": asdict(evals[-1]) if evals else None,
+    }
+
+
+def run_record(run: Run, b: Built, resume_from: Path | None, peak: float) -> dict[str, Any]:
+    """run.json before training; the start line says the same in short."""
+    cfg, env, layout = run.cfg, run.env, b.layout
+    batching = batching_of(cfg, b.data_info["train"]["formats"])
+    attention = attention_description(b.loaded.model) if b.parts.root.varlen else "masked"
+    resolved = {
+        "strategy": run.strategy,
+        "batching": batching,
+        "attention": attention,
+        "loss": b.loss.description,
+        "lr": b.lr,
+        "model_source": b.loaded.source,
+        **asdict(layout),
+        "parameters": count(b.loaded.model.parameters()),
+        "trainable_parameters": count(p for p in b.parts.root.parameters() if p.requires_grad),
+        "resumed_from": str(resume_from) if resume_from else None,
+        "peak_flops_per_device": peak,
+    }
+    run.log.info(
+        f"lmtune: {b.loaded.source}, {resolved['parameters']:,} parameters, {run.strategy} on "
+        f"{env.world_size} x {env.device.type}; global batch {_batch_line(layout)} "
+        f"({BATCHING_NAMES[batching]}, {attention} attention); {layout.total_steps} steps; "
+        f"loss: {b.loss.description}"
+    )
+    return {
+        "config": to_dict(cfg),
+        "resolved": resolved,
+        "data": b.data_info,
+        "environment": environment_info(env, run.threads),
+    }
+
+
+def _batch_line(layout: BatchLayout) -> str:
+    return (
+        f"{layout.global_batch_size} = {layout.micro_batch_size} x {layout.world_size} x "
+        f"{layout.accumulation} accumulation"
+    )

@@ -1,0 +1,1 @@
+"""Commands around training: plan (memory), bench (speed), report (HTML), doctor (cluster checks)."""

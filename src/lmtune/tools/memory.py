@@ -1,0 +1,297 @@
+"""The memory model behind `lmtune plan`: a setup (strategy, optimizer, precision, LoRA,
+checkpointing, micro-batch) and the model's facts -> bytes per device, term by term.
+
+The model is built from its config alone under ``FakeTensorMode`` (tensors with shapes, dtypes and a
+device but no storage), so nothing of the model is allocated. Weights, gradients, optimizer state
+and communication buffers follow from the parameter list and the strategy. The activations are not
+guessed from a formula: a fake forward pass of one row records every tensor autograd saves for the
+backward pass, with the kernels and autocast rules of this device, once for a model cut to one
+decoder block and once to two; the difference is one block, the rest is embeddings, head and loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmtune.config import TrainConfig
+from lmtune.errors import UserError
+from lmtune.model.lora import LoraSettings
+from lmtune.model.precision import low_precision_dtype
+from lmtune.parallel.wrap import decoder_blocks
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Setup:
+    strategy: str  # single | ddp | fsdp
+    optimizer: str
+    lora: bool
+    activation_checkpointing: bool
+    precision: str
+    micro_batch_size: int
+    length: int  # tokens per row of a micro-batch
+    world_size: int
+    accumulation: int  # micro-steps per optimizer step
+    loss_chunk: int = 0  # tokens per chunk of the chunked linear cross-entropy; 0: full logits
+
+    def label(self) -> str:
+        extras = (
+            [self.optimizer]
+            + (["lora"] if self.lora else [])
+            + (["ckpt"] if self.activation_checkpointing else [])
+        )
+        return f"{self.strategy} x{self.world_size} {self.precision} " + "+".join(extras)
+
+
+@dataclass(frozen=True)
+class Host:
+    """What a CPU process holds besides the tensors the plan counts (a GPU allocator counts none of
+    it): a fixed footprint (Python, torch, transformers, kernel code) and the allocator's resident
+    bytes per live tensor byte (freed activations stay resident in the C heap)."""
+
+    runtime: int = 0
+    allocator: float = 1.0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted peak bytes on one device, by what holds them."""
+
+    setup: Setup
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int  # saved for backward by the decoder blocks and embeddings
+    logits: int  # vocab x length x batch: the saved log-softmax and its gradient
+    buffers: int  # FSDP all-gather and reduce-scatter buffers (DDP's buckets are the gradients)
+    host: Host = Host()
+    activation_scale: float = 1.0  # set by --calibrate
+    offset: int = 0  # set by --calibrate
+
+    @property
+    def tensors(self) -> int:
+        """Peak bytes of live tensors."""
+        dynamic = (self.activations + self.logits) * self.activation_scale
+        state = self.weights + self.optimizer + self.buffers
+        if self.setup.accumulation > 1 or self.setup.strategy == "ddp":
+            # Gradients of earlier micro-steps stay while the next one's activations are alive;
+            # DDP's gradients are views into its buckets, allocated once for the whole run.
+            return int(state + self.gradients + dynamic)
+        # One micro-step: gradients appear as the backward frees activations, so they overlap little.
+        return int(state + max(dynamic, self.gradients + self.logits * 0.5 * self.activation_scale))
+
+    @property
+    def total(self) -> int:
+        return int(self.host.runtime + self.host.allocator * self.tensors + self.offset)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the fake model tells about one variant (with or without LoRA) at one row length."""
+
+    params: list[tuple[str, int, bool]]  # name, elements, trainable (tied weights once)
+    layers: int
+    hidden: int
+    vocab: int
+    block_elements: int  # parameters of one decoder block
+    per_layer: int  # bytes saved for backward by one block, one row
+    other: int  # bytes saved outside the blocks (embeddings, final norm), one row
+    logits: int  # bytes of vocab-wide tensors saved for the loss, one row
+
+
+@contextmanager
+def fake_device(device: str) -> Iterator[None]:
+    """Tensors with shape, dtype and device but no storage: nothing is allocated or initialised."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device(device):
+        yield
+
+
+def fake_model(config: Any) -> torch.nn.Module:
+    """Call inside ``_fake``."""
+    from transformers import AutoModelForCausalLM
+
+    model: torch.nn.Module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    return model
+
+
+def _lora_targets(model: torch.nn.Module, lora: LoraSettings) -> list[tuple[str, int, int]]:
+    """(name, in, out) of every linear layer LoRA would adapt: as peft's all-linear, those in the
+    decoder blocks; or those named by --lora-target-modules."""
+    names = {n.strip() for n in lora.target_modules.split(",") if n.strip()}
+    in_blocks = {id(m) for b in decoder_blocks(model) for m in b.modules()}
+    found = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.ndim != 2 or type(module).__name__ not in ("Linear", "Conv1D"):
+            continue
+        wanted = id(module) in in_blocks if names == {"all-linear"} else name.rsplit(".", 1)[-1] in names
+        if wanted:
+            rows, cols = weight.shape
+            # GPT-2's Conv1D stores the weight as [in, out], nn.Linear as [out, in].
+            found.append((name, rows, cols) if type(module).__name__ == "Conv1D" else (name, cols, rows))
+    return found
+
+
+def _saved_bytes(config: Any, precision: str, length: int, device: str) -> tuple[int, int]:
+    """Bytes autograd saves for the backward of one row of ``length`` tokens: all, and vocab-wide."""
+    from lmtune.model.loss import token_loss_sum
+
+    with fake_device(device):
+        model = fake_model(config)
+        params = {id(p) for p in model.parameters()}
+        saved: dict[int, tuple[int, bool]] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            base = t._base if t._base is not None else t
+            if id(t) in params or id(base) in params:
+                return t
+            shape = tuple(base.shape)
+            # The attention mask: transformers builds one here that an unpadded run does not have;
+            # padded and packed runs pay for theirs separately (see _mask_bytes).
+            if len(shape) == 4 and shape[-1] == shape[-2] == length and shape[1] == 1:
+                return t
+            wide = bool(shape) and shape[-1] == config.vocab_size
+            saved[id(base)] = (base.numel() * base.element_size(), wide)
+            return t
+
+        ids = torch.zeros(1, length, dtype=torch.long)
+        dtype = low_precision_dtype(precision)
+        with (
+            torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            token_loss_sum(model(input_ids=ids, use_cache=False).logits, ids)
+    return sum(b for b, _ in saved.values()), sum(b for b, wide in saved.values() if wide)
+
+
+def cut_layers(config: Any, layers: int) -> Any:
+    """The same architecture with only ``layers`` decoder blocks."""
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = layers
+    types = getattr(small, "layer_types", None)
+    if types:  # cut, or (for a cut of a cut) continued in the same pattern
+        small.layer_types = [types[i % len(types)] for i in range(layers)]
+    return small
+
+
+def model_facts(
+    config: Any, lora: LoraSettings | None, precision: str, length: int, device: str
+) -> ModelFacts:
+    """Parameters of the whole model; saved activations of a one-block and a two-block cut of it."""
+    one, logits = _saved_bytes(cut_layers(config, 1), precision, length, device)
+    two, _ = _saved_bytes(cut_layers(config, 2), precision, length, device)
+    per_layer = two - one
+    with fake_device(device):
+        full = fake_model(config)
+        blocks = decoder_blocks(full)
+        params = [(n, p.numel(), lora is None) for n, p in full.named_parameters()]
+        block_elements = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+        targets = _lora_targets(full, lora) if lora is not None else []
+    if lora is not None:
+        if not targets:
+            raise UserError(
+                f"--lora-target-modules {lora.target_modules}: no linear layer of the model matches"
+            )
+        # Adapter weights A [r, in] and B [out, r]; per row they save A's output (r wide) and, with
+        # dropout, the dropped input and its mask. The input itself was already saved for the
+        # base layer in the full fine-tuning trace.
+        params += [(f"{n}.lora", lora.rank * (i + o), True) for n, i, o in targets]
+        extra = sum(length * (4 * lora.rank + (5 * i if lora.dropout > 0 else 0)) for _, i, _ in targets)
+        per_layer += extra // max(len(blocks), 1)
+    return ModelFacts(
+        params=params,
+        layers=len(blocks),
+        hidden=int(config.hidden_size),
+        vocab=int(config.vocab_size),
+        block_elements=block_elements,
+        per_layer=per_layer,
+        other=one - per_layer - logits if lora is None else one - (two - one) - logits,
+        logits=logits,
+    )
+
+
+def _optimizer_bytes(name: str, sizes: Sequence[int]) -> int:
+    """State bytes for these trainable tensors: AdamW two fp32 moments and a step counter each;
+    bitsandbytes 8-bit one byte per moment plus an fp32 absmax per 256-element block and two
+    256-entry quantisation maps (fp32 moments under 4096 elements); SGD one momentum buffer."""
+    if name == "sgd":
+        return 4 * sum(sizes)
+    if name in ("adamw8bit", "paged_adamw8bit"):
+        return sum(8 * n if n < 4096 else 2 * n + 8 * math.ceil(n / 256) + 2 * 256 * 4 for n in sizes)
+    return sum(8 * n + 4 for n in sizes)
+
+
+def _mask_bytes(setup: Setup, padded: bool) -> int:
+    """A padded or packed micro-batch carries a boolean [B, 1, L, L] attention mask."""
+    return setup.micro_batch_size * setup.length * setup.length if padded else 0
+
+
+def estimate(setup: Setup, facts: ModelFacts, host: Host, padded: bool) -> Estimate:
+    world = setup.world_size
+    shard = world if setup.strategy == "fsdp" else 1
+    total_elements = sum(n for _, n, _ in facts.params)
+    trainable = [n for _, n, t in facts.params if t]
+    gathered_bytes = 2 if setup.precision in ("bf16", "fp16") else 4  # FSDP casts what it gathers
+    weights = 4 * total_elements // shard
+    gradients = 4 * sum(trainable) // shard
+    buffers = 0
+    if setup.strategy == "fsdp":
+        root = total_elements - facts.block_elements * facts.layers
+        gathered = (root + 2 * facts.block_elements) * gathered_bytes
+        buffers = gathered + 4 * facts.block_elements  # plus one block's unsharded gradients
+        if setup.accumulation > 1:
+            gradients = 4 * sum(trainable)  # without sync, FSDP2 keeps gradients unsharded
+    optimizer = _optimizer_bytes(setup.optimizer, trainable) // shard
+    rows = setup.micro_batch_size
+    if setup.activation_checkpointing:
+        # Kept: each block's input; recomputed during its backward: one block's activations.
+        # (The residual stream between blocks stays fp32 under autocast.)
+        kept = facts.layers * setup.length * facts.hidden * 4 + facts.per_layer
+    else:
+        kept = facts.layers * facts.per_layer
+    activations = rows * (kept + facts.other) + _mask_bytes(setup, padded)
+    logits = _loss_bytes(setup, facts)
+    return Estimate(
+        setup=setup,
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=activations,
+        logits=logits,
+        buffers=buffers,
+        host=host,
+    )
+
+
+def _loss_bytes(setup: Setup, facts: ModelFacts) -> int:
+    """Bytes the loss holds at its peak."""
+    tokens = setup.micro_batch_size * setup.length
+    if not setup.loss_chunk:
+        # The saved log-softmax plus, during the backward, the logits' gradient (fp32).
+        return setup.micro_batch_size * facts.logits + 4 * tokens * facts.vocab
+    # One chunk's logits in the compute dtype, their fp32 copy (the softmax and its gradient are
+    # made in place) and the gradient cast back; kept from forward to backward: the gradients
+    # of the hidden states and, unless LoRA freezes it, of the output layer's weight (fp32).
+    low = 2 if low_precision_dtype(setup.precision) is not None else 0
+    chunk = min(setup.loss_chunk, tokens) * facts.vocab * (4 + 2 * low)
+    head = 0 if setup.lora else 4 * facts.vocab * facts.hidden
+    return chunk + head + 4 * tokens * facts.hidden
+
+
+def loss_chunk(cfg: TrainConfig, config: Any) -> int:
+    """The chunk lmtune train would use (chunked_loss.choose decides it on the real model)."""
+    from lmtune.model.chunked_loss import default_chunk_size
+
+    if cfg.loss_chunk_size == 0 or cfg.compile or getattr(config, "final_logit_softcapping", None):
+        return 0
+    return cfg.loss_chunk_size or default_chunk_size(int(config.vocab_size))

@@ -1,0 +1,403 @@
+"""`lmtune plan`: predict the peak memory per device of a training setup before loading any weight,
+and list the setups that fit (the memory model is :mod:`lmtune.tools.memory`).
+
+On a GPU the allocator's peak counts exactly the tensors the model predicts. On CPU the measured
+peak is the resident size, which adds the process itself (Python, torch, transformers, kernel code)
+and the C heap's habit of keeping freed activations resident; both are measured, not assumed, by
+training two real steps of the same setup on the model cut to 1 and to 3 blocks (``measure_host``).
+
+``--calibrate`` trains two real steps at two micro-batch sizes and fits the activation scale and a
+fixed offset to what was measured; every candidate's prediction is then corrected with them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmtune.batching import micro_batch_size
+from lmtune.config import TrainConfig
+from lmtune.config_io import to_argv
+from lmtune.errors import UserError
+from lmtune.model.lora import LoraSettings
+from lmtune.tools.memory import (
+    Estimate,
+    Host,
+    ModelFacts,
+    Setup,
+    cut_layers,
+    estimate,
+    loss_chunk,
+    model_facts,
+)
+
+MIB = 2**20
+UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"24GiB"``, ``"80GB"``, ``"512M"`` -> bytes (binary units: G = GiB)."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgtKMGT]?)(i?[bB])?\s*", text)
+    if not match:
+        raise UserError(f"--memory-per-device: expected a size such as 24GiB or 512MiB, got {text!r}")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def measure_host(
+    cfg: TrainConfig,
+    setup: Setup,
+    config: Any,
+    predict_cut: Callable[[Any, Setup], Estimate],
+    workdir: Path,
+) -> Host:
+    """On CPU: train two real steps of this setup on the model cut to 1 and to 3 decoder blocks
+    (random weights, saved as a model folder), and solve measured = runtime + allocator x tensors
+    from the two peaks. Cheap next to the real model, and measured on this machine, not assumed."""
+    from transformers import AutoModelForCausalLM
+
+    from lmtune.model.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    layers = (1, min(3, int(config.num_hidden_layers)))
+    if layers[0] == layers[1]:
+        layers = (1, 2)
+    points = []
+    for n in layers:
+        folder = workdir / f"cut-{n}"
+        with torch.random.fork_rng(devices=[]):
+            model = AutoModelForCausalLM.from_config(cut_layers(config, n))  # type: ignore[no-untyped-call]
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        del model
+        points.append(
+            (
+                predict_cut(cut_layers(config, n), setup).tensors,
+                measure_peak(cfg, setup, workdir, str(folder)),
+            )
+        )
+    (t1, m1), (t2, m2) = points
+    allocator = min(max((m2 - m1) / max(t2 - t1, 1), 1.0), 3.0)
+    return Host(runtime=max(0, int(m1 - allocator * t1)), allocator=allocator)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    activation_scale: float
+    offset: int
+    points: list[tuple[int, int, int]]  # micro-batch size, predicted, measured
+
+
+def apply(e: Estimate, c: Calibration | None) -> Estimate:
+    return e if c is None else replace(e, activation_scale=c.activation_scale, offset=c.offset)
+
+
+def calibrate(
+    setup: Setup, predict: Callable[[Setup], Estimate], measure: Callable[[Setup], int]
+) -> Calibration:
+    """Two real runs of two steps, at the micro-batch size and at half (or double) of it; fit the
+    activation scale and an offset so both measured peaks are matched."""
+    other = setup.micro_batch_size // 2 if setup.micro_batch_size > 1 else 2
+    points = []
+    for b in (setup.micro_batch_size, other):
+        s = replace(setup, micro_batch_size=b)
+        points.append((b, predict(s), measure(s)))
+    (_, e1, m1), (_, e2, m2) = points
+    dynamic1 = e1.host.allocator * (e1.activations + e1.logits)
+    dynamic2 = e2.host.allocator * (e2.activations + e2.logits)
+    scale = (m1 - m2) / (dynamic1 - dynamic2) if dynamic1 != dynamic2 else 1.0
+    scale = min(max(scale, 0.25), 4.0)  # a noisy pair must not turn the model upside down
+    offset = m1 - apply(e1, Calibration(scale, 0, [])).total
+    return Calibration(scale, offset, [(b, e.total, m) for b, e, m in points])
+
+
+# What a calibration run changes beyond the setup: two steps on this machine, nothing kept.
+CALIBRATION_RUN: dict[str, Any] = {
+    "max_steps": 2,
+    "epochs": None,
+    "progress": False,
+    "resume": "never",
+    "overwrite": False,
+    "save_every": 0,
+    "eval_every": 0,
+    "report_to": "none",
+    "sample_prompts": None,
+    "sample_every": 0,
+    "record_samples": False,
+    "doctor": False,
+    "max_restarts": 0,
+    "nnodes": "1",
+    "node_rank": None,
+    "rdzv_endpoint": None,
+    "early_stopping_patience": 0,
+}
+
+
+def measure_peak(cfg: TrainConfig, setup: Setup, workdir: Path, model: str | None = None) -> int:
+    """Train two real steps with ``setup`` and return the largest peak of any rank."""
+    out = workdir / f"run-{setup.micro_batch_size}-{Path(model).name if model else 'model'}"
+    # The user's settings, with the setup's choices, two steps long, alone on this machine, and
+    # without side effects (no reporting, samples, checkpoints).
+    real = replace(
+        cfg,
+        model=model or cfg.model,
+        micro_batch_size=setup.micro_batch_size,
+        global_batch_size=setup.micro_batch_size * setup.world_size * setup.accumulation,
+        strategy=setup.strategy,
+        precision=setup.precision,
+        optimizer=setup.optimizer,
+        lora=setup.lora,
+        activation_checkpointing=setup.activation_checkpointing,
+        loss_chunk_size=setup.loss_chunk,
+        nproc_per_node=setup.world_size,
+        **CALIBRATION_RUN,
+        output_dir=str(out),
+    )
+    args = ["train", *to_argv(real)]
+    proc = subprocess.run([sys.executable, "-m", "lmtune", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise UserError(f"--calibrate: the real run of {setup.label()} failed: " + " | ".join(tail))
+    run = json.loads((out / "run.json").read_text())
+    return int(max(run["result"]["peak_memory_per_rank"]))
+
+
+def setup_from(cfg: TrainConfig, world_size: int, length: int, chunk: int = 0) -> Setup:
+    """The setup ``lmtune train`` would run with these settings on ``world_size`` processes."""
+    strategy = cfg.strategy
+    if strategy == "auto" or (world_size == 1 and strategy in ("ddp", "fsdp")):
+        strategy = "ddp" if world_size > 1 else "single"
+    micro = micro_batch_size(cfg, world_size)
+    return Setup(
+        strategy=strategy,
+        optimizer=cfg.optimizer,
+        lora=cfg.lora,
+        activation_checkpointing=cfg.activation_checkpointing,
+        precision=cfg.precision,
+        micro_batch_size=micro,
+        length=length,
+        world_size=world_size,
+        accumulation=max(1, cfg.global_batch_size // (micro * world_size)),
+        loss_chunk=chunk,
+    )
+
+
+def largest_micro_batch(setup: Setup, predict: Callable[[Setup], Estimate], memory: int, limit: int) -> int:
+    """The largest micro-batch (up to ``limit``) whose predicted peak fits ``memory``; 0 if none."""
+    best = 0
+    lo, hi = 1, limit
+    while lo <= hi:  # the peak grows with the micro-batch, so bisect
+        mid = (lo + hi) // 2
+        # As if accumulating (gradients alive beside activations): the safe side of either case.
+        if predict(replace(setup, micro_batch_size=mid, accumulation=2)).total <= memory:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def candidates(setup: Setup) -> list[Setup]:
+    """Alternatives to the requested setup: strategy x optimizer x checkpointing x LoRA."""
+    strategies = ["ddp", "fsdp"] if setup.world_size > 1 else ["single"]
+    out = []
+    for strategy in strategies:
+        for optimizer in ("adamw", "adamw8bit"):
+            if strategy == "fsdp" and optimizer == "adamw8bit":
+                continue  # bitsandbytes' 8-bit update does not take FSDP2's sharded parameters
+            for lora in (False, True):
+                for ckpt in (False, True):
+                    out.append(
+                        replace(
+                            setup,
+                            strategy=strategy,
+                            optimizer=optimizer,
+                            lora=lora,
+                            activation_checkpointing=ckpt,
+                        )
+                    )
+    return out
+
+
+def format_row(e: Estimate) -> str:
+    parts = [
+        f"{e.setup.label():<40}",
+        f"B={e.setup.micro_batch_size:<4}",
+        *(
+            f"{getattr(e, k) / MIB:>9,.0f}"
+            for k in ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
+        ),
+        f"{e.host.runtime / MIB:>9,.0f}",
+        f"{e.total / MIB:>10,.0f}",
+    ]
+    return " ".join(parts)
+
+
+HEADER = (
+    f"{'setup':<40} {'micro':<6}"
+    + "".join(f"{h:>10}" for h in ("weights", "grads", "optim", "activ.", "logits", "buffers", "runtime"))
+    + f"{'total MiB':>11}"
+)
+
+
+def to_json(e: Estimate) -> dict[str, Any]:
+    return {**asdict(e), "total": e.total}
+
+
+def row_length(cfg: TrainConfig) -> tuple[int, bool, str]:
+    """Tokens per row, whether rows carry a mask (padding or packing), and how that was decided.
+
+    Packed rows are --max-length wide; otherwise a micro-batch is as wide as its longest example,
+    found by tokenizing --data (through the same cache as training).
+    """
+    from lmtune.build import prepare_data
+    from lmtune.model.modeling import load_tokenizer
+    from lmtune.parallel.distributed import read_dist_env
+
+    if cfg.packing == "on":
+        return cfg.max_length, True, "--packing on: rows of --max-length"
+    env = read_dist_env("cpu")
+    quiet = _QuietLog()
+    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    if cfg.chat_template is not None:  # the same tokens, and the same cache entry, as training
+        from lmtune.chat import use_chat_template
+
+        use_chat_template(tokenizer, cfg.chat_template)
+    train, _, info = prepare_data(replace(cfg, eval_data=None), tokenizer, env, quiet)
+    lengths = train.lengths()
+    longest = int(lengths.max())
+    if cfg.packing == "auto" and set(info["train"]["formats"]) == {"text"} and int(lengths.min()) < longest:
+        return cfg.max_length, True, "text data may be packed into rows of --max-length"
+    padded = int(lengths.min()) < longest
+    return longest, padded, f"longest example of --data: {longest} tokens"
+
+
+class _QuietLog:
+    def info(self, message: str) -> None:
+        pass
+
+
+def device_memory(device_type: str, local_processes: int) -> int:
+    """Memory one device offers: the GPU's, or this machine's RAM shared by its processes."""
+    if device_type == "cuda":
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local_processes, 1)
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    requested: Estimate
+    candidates: list[tuple[Estimate, int]]  # estimate at the largest fitting micro-batch, that size
+    memory: int
+    length_reason: str
+    calibration: Calibration | None
+
+
+def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Path) -> PlanReport:
+    from lmtune.config import parse_nnodes
+    from lmtune.model.modeling import load_config
+    from lmtune.parallel.distributed import read_dist_env
+
+    config = load_config(cfg.model, cfg.trust_remote_code)
+    world = cfg.nproc_per_node * parse_nnodes(cfg.nnodes)[1]
+    device = read_dist_env(cfg.device).device.type
+    length, padded, reason = row_length(cfg)
+    lora = LoraSettings(
+        rank=cfg.lora_rank,
+        alpha=cfg.lora_alpha,
+        dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_target_modules,
+    )
+    facts: dict[tuple[int, bool, str], ModelFacts] = {}
+
+    def predict_for(model_config: Any, setup: Setup, host: Host) -> Estimate:
+        key = (int(model_config.num_hidden_layers), setup.lora, setup.precision)
+        if key not in facts:
+            adapters = lora if setup.lora else None
+            facts[key] = model_facts(model_config, adapters, setup.precision, length, device)
+        return estimate(setup, facts[key], host, padded)
+
+    requested = setup_from(cfg, world, length, loss_chunk(cfg, config))
+    host = Host()
+    if device == "cpu":
+        host = measure_host(cfg, requested, config, lambda c, s: predict_for(c, s, Host()), workdir)
+
+    def predict(setup: Setup) -> Estimate:
+        return predict_for(config, setup, host)
+
+    calibration = None
+    if calibrate_runs:
+        calibration = calibrate(requested, predict, lambda s: measure_peak(cfg, s, workdir))
+    budget = memory if memory is not None else device_memory(device, cfg.nproc_per_node)
+    limit = max(1, cfg.global_batch_size // world)
+    table = []
+    for candidate in candidates(requested):
+        best = largest_micro_batch(candidate, lambda s: apply(predict(s), calibration), budget, limit)
+        chosen = replace(candidate, micro_batch_size=max(best, 1))
+        accumulation = max(1, cfg.global_batch_size // (chosen.micro_batch_size * world))
+        table.append((apply(predict(replace(chosen, accumulation=accumulation)), calibration), best))
+    return PlanReport(
+        requested=apply(predict(requested), calibration),
+        candidates=table,
+        memory=budget,
+        length_reason=reason,
+        calibration=calibration,
+    )
+
+
+def format_report(report: PlanReport) -> str:
+    r = report.requested
+    lines = [
+        f"memory plan: {r.setup.label()}, micro-batch {r.setup.micro_batch_size} x {r.setup.length} "
+        f"tokens ({report.length_reason}), {r.setup.accumulation} micro-step(s) per step, "
+        + (f"loss in chunks of {r.setup.loss_chunk} tokens" if r.setup.loss_chunk else "full logits"),
+        "",
+        HEADER,
+        format_row(r),
+    ]
+    if r.host.runtime:
+        lines += [
+            f"CPU process: {r.host.runtime / MIB:,.0f} MiB of its own, and {r.host.allocator:.2f} "
+            "resident bytes per tensor byte (measured on 1- and 3-block cuts of the model)"
+        ]
+    if report.calibration is not None:
+        c = report.calibration
+        lines += [
+            "",
+            f"calibrated on two real runs: activations x{c.activation_scale:.2f}, "
+            f"offset {c.offset / MIB:+,.0f} MiB",
+        ]
+        lines += [
+            f"  micro-batch {b}: predicted {p / MIB:,.0f} MiB, measured {m / MIB:,.0f} MiB"
+            for b, p, m in c.points
+        ]
+    lines += [
+        "",
+        f"setups that fit {report.memory / 2**30:,.1f} GiB per device (largest micro-batch for each):",
+        HEADER,
+    ]
+    fitting = sorted((x for x in report.candidates if x[1] > 0), key=lambda x: (-x[1], x[0].total))
+    lines += [format_row(e) for e, _ in fitting] or ["  none: even a micro-batch of 1 does not fit"]
+    too_big = [e for e, best in report.candidates if best == 0]
+    if too_big:
+        lines += ["does not fit at micro-batch 1:"] + [
+            f"  {e.setup.label()} ({e.total / MIB:,.0f} MiB)" for e in too_big
+        ]
+    return "\n".join(lines)
+
+
+def report_json(report: PlanReport) -> dict[str, Any]:
+    return {
+        "requested": to_json(report.requested),
+        "memory_per_device": report.memory,
+        "candidates": [{**to_json(e), "largest_micro_batch": best} for e, best in report.candidates],
+        "calibration": asdict(report.calibration) if report.calibration else None,
+    }
