@@ -1,7 +1,9 @@
-"""Typed settings for `lmtune train`: defaults, help text, YAML load/dump and validation.
+"""Typed settings for `lmtune train`: every setting once, with its default, help and allowed values.
 
-Every setting is a dataclass field whose ``metadata["help"]`` becomes the CLI help, so the CLI, the
-YAML file and ``run.json`` can never disagree about names or defaults.
+Every setting is a dataclass field whose metadata holds its help text and, where there is a fixed
+set, its allowed values: the CLI (and its --help), the YAML file, validation (validate.py), the
+flags given to subprocesses (config_io.to_argv) and ``run.json`` can never disagree about names,
+defaults or choices.
 """
 
 from __future__ import annotations

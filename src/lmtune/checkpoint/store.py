@@ -1,4 +1,5 @@
-"""Checkpoints of the whole training state, exact resume, and export to Hugging Face format.
+"""Resumable checkpoints of the whole training state: save (atomically, space checked first), prune,
+and load for an exact resume.
 
 A checkpoint is ``checkpoints/step-NNNNNN/``: the model (safetensors; under ``--lora`` only the
 adapter, in PEFT format), optimizer state (``torch.save``, loaded with ``weights_only=True`` so no
@@ -10,8 +11,7 @@ assembled in a hidden temporary folder and renamed into place when complete, so 
 saving leaves the previous checkpoint as the newest valid one. The LR schedule is a function of the
 step, so it is rebuilt from the settings rather than stored.
 
-Everything read back is data: a manifest that names a path outside the folder, a link, or a file it
-does not list makes the checkpoint invalid.
+Everything read back is data, verified first (:func:`lmtune.checkpoint.layout.verify`).
 """
 
 from __future__ import annotations

@@ -16,13 +16,20 @@ from lmtune.model.precision import low_precision_dtype
 from lmtune.parallel.distributed import DistEnv
 
 
+def effective_strategy(strategy: str, world_size: int) -> str:
+    """The strategy ``--strategy`` means on ``world_size`` processes: ``auto`` is ddp with several,
+    single with one; ddp and fsdp in one process are the single-process run, without a wrapper."""
+    if strategy == "auto" or (strategy in ("ddp", "fsdp") and world_size == 1):
+        return "ddp" if world_size > 1 else "single"
+    return strategy
+
+
 def resolve_strategy(strategy: str, env: DistEnv) -> str:
-    """Turn ``auto`` into a concrete strategy and reject ones that cannot run here."""
-    if strategy == "auto":
-        return "ddp" if env.distributed else "single"
-    if strategy in ("ddp", "fsdp") and not env.distributed:
-        return "single"  # one process holds everything: the single-process run, without the wrapper
-    if strategy in ("single", "dp") and env.distributed:
+    """The strategy this process runs (see :func:`effective_strategy`); one that cannot run here
+    is a user error."""
+    if strategy in ("auto", "ddp", "fsdp"):
+        return effective_strategy(strategy, env.world_size)
+    if env.distributed:
         raise UserError(
             f"--strategy {strategy} runs in one process, but {env.world_size} were launched; "
             "use --strategy ddp (or auto)"

@@ -28,6 +28,7 @@ from lmtune.config import TrainConfig
 from lmtune.config_io import to_argv
 from lmtune.errors import UserError
 from lmtune.model.lora import LoraSettings
+from lmtune.parallel.wrap import effective_strategy
 from lmtune.tools.memory import (
     Estimate,
     Host,
@@ -171,9 +172,7 @@ def measure_peak(cfg: TrainConfig, setup: Setup, workdir: Path, model: str | Non
 
 def setup_from(cfg: TrainConfig, world_size: int, length: int, chunk: int = 0) -> Setup:
     """The setup ``lmtune train`` would run with these settings on ``world_size`` processes."""
-    strategy = cfg.strategy
-    if strategy == "auto" or (world_size == 1 and strategy in ("ddp", "fsdp")):
-        strategy = "ddp" if world_size > 1 else "single"
+    strategy = effective_strategy(cfg.strategy, world_size)
     micro = micro_batch_size(cfg, world_size)
     return Setup(
         strategy=strategy,

@@ -1,0 +1,287 @@
+"""fit, train_step, the loop's components and checkpoint store/export, in this process (world size 1).
+
+The distributed CLI tests prove N ranks == 1 process; these pin the single-process pieces down
+directly, so a failure names the piece.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lmtune.batching import BatchLayout
+from lmtune.best import BestTracker
+from lmtune.build import Built, Run, build, loaders, schedule
+from lmtune.callbacks import Callback, Checkpointer, Control, Evaluator, NanPolicy, SignalStop, StepEnd
+from lmtune.checkpoint.export import export
+from lmtune.checkpoint.layout import list_checkpoints, step_folder, verify
+from lmtune.checkpoint.state import TrainerState
+from lmtune.checkpoint.store import load_checkpoint, prune, save_checkpoint
+from lmtune.config import TrainConfig
+from lmtune.data.collate import StepCollator
+from lmtune.errors import TrainingStopped
+from lmtune.evaluate import EvalResult
+from lmtune.loop import FitResult, FitSettings, fit
+from lmtune.metrics import RunLog
+from lmtune.model.precision import autocast_context
+from lmtune.parallel.distributed import read_dist_env
+from lmtune.parallel.health import Heartbeat
+from lmtune.step import StepInput, StepOptions, StepResult, Trainee, train_step
+from lmtune.stopping import StopRequest
+from tests.conftest import uneven_texts, write_jsonl
+
+ENV = read_dist_env("cpu")
+STEPS = 7  # 24 examples / 8 per step: 3 steps per epoch, so the run crosses two epoch ends
+
+
+@contextlib.contextmanager
+def _built(tmp_path: Path, name: str, **settings: Any) -> Iterator[tuple[Run, Built]]:
+    data = write_jsonl(tmp_path / "data.jsonl", uneven_texts(24, seed=3))
+    values = {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": STEPS, "max_length": 64, **settings}
+    cfg = TrainConfig(model="tiny", data=str(data), output_dir=str(tmp_path / name), progress=False, **values)
+    with RunLog(ENV, Path(cfg.output_dir), progress=False) as log, StopRequest() as stop:
+        run = Run(
+            cfg=cfg, env=ENV, strategy="single", threads=1, log=log, stop=stop, heartbeat=Heartbeat(None, 0)
+        )
+        yield run, build(run)
+
+
+def _fresh_state(b: Built) -> TrainerState:
+    return TrainerState(
+        step=0,
+        epoch=0,
+        step_in_epoch=0,
+        global_batch_size=8,
+        world_size=1,
+        seed=42,
+        examples=len(b.train_data),
+    )
+
+
+def _fit(run: Run, b: Built, start: TrainerState, callbacks: list[Callback], **kw: Any) -> FitResult:
+    trainee = Trainee(b.model, b.optimizer, schedule(run.cfg, b, start.step), b.scaler)
+    data, _ = loaders(run, b)
+    options = StepOptions(run.cfg.max_grad_norm, lambda: autocast_context("fp32", ENV.device))
+    return fit(trainee, data, start, callbacks, FitSettings(env=ENV, step=options, **kw))
+
+
+def _weights(b: Built) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in b.parts.model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@dataclass
+class Recorder(Callback):
+    """Records what the loop tells its components; stops the run after ``stop_at`` if set."""
+
+    stop_at: int | None = None
+    began: list[tuple[int, BatchLayout]] = field(default_factory=list)
+    steps: list[StepEnd] = field(default_factory=list)
+    ended: list[tuple[int, str | None]] = field(default_factory=list)
+
+    def on_train_begin(self, state: TrainerState, layout: BatchLayout) -> None:
+        self.began.append((state.step, layout))
+
+    def on_step_end(self, step: StepEnd, control: Control) -> None:
+        self.steps.append(step)
+        if step.state.step == self.stop_at:
+            control.stop = "early"
+
+    def on_train_end(self, state: TrainerState, control: Control) -> None:
+        self.ended.append((state.step, control.stop))
+
+
+def test_fit_takes_the_same_steps_as_train_step_by_hand(tmp_path: Path) -> None:
+    with _built(tmp_path, "fit") as (run, b):
+        recorder = Recorder()
+        result = _fit(run, b, _fresh_state(b), [recorder])
+        by_fit = _weights(b)
+    with _built(tmp_path, "by-hand") as (run2, b2):
+        trainee = Trainee(b2.model, b2.optimizer, schedule(run2.cfg, b2, 0))
+        data, _ = loaders(run2, b2)
+        options = StepOptions(1.0, lambda: autocast_context("fp32", ENV.device))
+        losses = []
+        for epoch in range(3):
+            data.sampler.set_epoch(epoch, 0)
+            for micro in list(data.loader)[: STEPS - 3 * epoch]:
+                losses.append(train_step(trainee, StepInput(micro), ENV, options).loss)
+        assert _same(by_fit, _weights(b2))
+    assert [s.result.loss for s in recorder.steps] == losses
+    assert result.state == replace(_fresh_state(b), step=7, epoch=2, step_in_epoch=1)
+    assert [s.state.step for s in recorder.steps if s.epoch_done] == [3, 6]
+    assert [s.finished for s in recorder.steps] == [False] * 6 + [True]
+    assert recorder.began == [(0, b.layout)] and recorder.ended == [(7, None)]
+    assert recorder.steps[0].example_ids and all(s.seconds > 0 for s in recorder.steps)
+
+
+def test_a_component_stops_the_run_after_its_step(tmp_path: Path) -> None:
+    with _built(tmp_path, "stop") as (run, b):
+        recorder = Recorder(stop_at=4)
+        later = Recorder()
+        result = _fit(run, b, _fresh_state(b), [recorder, later])
+    assert (result.state.step, result.stop) == (4, "early")
+    # Every component still sees the step that asked to stop, and the end with the reason.
+    assert [s.state.step for s in later.steps] == [1, 2, 3, 4]
+    assert recorder.ended == later.ended == [(4, "early")]
+
+
+def test_resume_from_a_checkpoint_in_process_is_bit_identical(tmp_path: Path) -> None:
+    with _built(tmp_path, "straight") as (run, b):
+        _fit(run, b, _fresh_state(b), [])
+        straight, straight_opt = _weights(b), b.optimizer.state_dict()
+    with _built(tmp_path, "resumed") as (run, b):
+        saved: list[int] = []
+
+        def save(at: TrainerState) -> None:
+            save_checkpoint(
+                run.output_dir, at, b.parts, b.tokenizer, b.optimizer, ENV, keep_last=0, records={}
+            )
+            saved.append(at.step)
+
+        result = _fit(run, b, _fresh_state(b), [Recorder(stop_at=4), Checkpointer(save, every=0)])
+        assert saved == [4] and result.stop == "early"
+    folder = step_folder(tmp_path / "resumed", 4)
+    assert verify(folder) is None
+    torch.manual_seed(1234)  # disturbed: the checkpoint's RNG state must be what counts
+    with _built(tmp_path, "resumed") as (run, b):
+        start = load_checkpoint(folder, b.parts, b.optimizer, ENV)
+        assert (start.step, start.epoch, start.step_in_epoch) == (4, 1, 1)
+        _fit(run, b, start, [])
+        assert _same(straight, _weights(b))
+        resumed_opt = b.optimizer.state_dict()
+    for k, v in straight_opt["state"].items():
+        assert all(torch.equal(v[name], resumed_opt["state"][k][name]) for name in v)
+
+
+def test_gradient_accumulation_is_one_step_over_the_whole_batch(tmp_path: Path) -> None:
+    """Four micro-batches of two give the update of one micro-batch of eight (token-weighted)."""
+    results: list[StepResult] = []
+    weights = []
+    for micro in (8, 2):
+        with _built(tmp_path, f"accumulate-{micro}", optimizer="sgd", momentum=0.0) as (run, b):
+            examples = [b.train_data[i] for i in range(8)]
+            collate = StepCollator(b.tokenizer.pad_token_id, micro, "group", 64)
+            trainee = Trainee(b.model, b.optimizer, schedule(run.cfg, b, 0))
+            options = StepOptions(0.0, lambda: autocast_context("fp32", ENV.device))
+            results.append(train_step(trainee, StepInput(collate(examples)), ENV, options))
+            weights.append(_weights(b))
+    full, accumulated = results
+    assert accumulated.loss == pytest.approx(full.loss, rel=1e-6)
+    assert (accumulated.target_tokens, accumulated.examples) == (full.target_tokens, full.examples)
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_poisoned_step_is_not_applied_and_the_policy_decides(tmp_path: Path) -> None:
+    with _built(tmp_path, "skip", on_nan="skip") as (run, b):
+        recorder = Recorder()
+        result = _fit(run, b, _fresh_state(b), [NanPolicy("skip", run.log), recorder], poison_step=2)
+        assert result.state.step == STEPS and result.state.skipped_steps == 1
+        assert [s.result.nonfinite for s in recorder.steps][:3] == [False, True, False]
+    with _built(tmp_path, "stop") as (run, b), pytest.raises(TrainingStopped, match="step 2"):
+        _fit(run, b, _fresh_state(b), [NanPolicy("stop", run.log)], poison_step=2)
+
+
+def test_a_signal_saves_the_step_and_stops(tmp_path: Path) -> None:
+    saved: list[int] = []
+    with _built(tmp_path, "signal") as (run, b):
+        asked = iter([False, False, True] + [False] * 10)
+        callbacks = [SignalStop(run.log), Checkpointer(lambda at: saved.append(at.step), every=0)]
+        result = _fit(run, b, _fresh_state(b), callbacks, stop_requested=lambda: next(asked))
+    assert (result.state.step, result.stop, saved) == (3, "signal", [3])
+
+
+def _end(step: int, finished: bool = False) -> StepEnd:
+    state = TrainerState(
+        step=step, epoch=0, step_in_epoch=step, global_batch_size=8, world_size=1, seed=0, examples=800
+    )
+    result = StepResult(
+        loss=1.0, grad_norm=1.0, target_tokens=1, tokens=1, examples=1, nonfinite=False, stop=False
+    )
+    return StepEnd(
+        state=state,
+        result=result,
+        lr=1e-3,
+        seconds=1.0,
+        elapsed=float(step),
+        finished=finished,
+        epoch_done=False,
+        example_ids=[],
+    )
+
+
+def test_checkpointer_saves_on_schedule_when_asked_and_once_per_step() -> None:
+    saved: list[int] = []
+    checkpointer = Checkpointer(lambda at: saved.append(at.step), every=3)
+    checkpointer.on_train_begin(_end(0).state, layout=None)  # type: ignore[arg-type]
+    for step in range(1, 8):
+        control = Control(save=step == 5)
+        checkpointer.on_step_end(_end(step, finished=step == 7), control)
+        if step == 5:  # a second request in the same step
+            checkpointer.on_step_end(_end(step), control)
+    checkpointer.on_train_end(_end(7).state, Control())
+    assert saved == [3, 5, 6, 7]
+    stopped: list[int] = []
+    signal = Checkpointer(lambda at: stopped.append(at.step), every=0)
+    signal.on_train_begin(_end(0).state, layout=None)  # type: ignore[arg-type]
+    signal.on_train_end(_end(4).state, Control(stop="signal"))  # saved at its step, not again
+    assert stopped == []
+
+
+def test_evaluator_saves_each_best_and_stops_after_the_patience(tmp_path: Path) -> None:
+    losses = iter([3.0, 2.0, 2.5, 2.6, 1.0])
+    with RunLog(ENV, tmp_path, progress=False) as log:
+        log.open_metrics(0)
+        best = BestTracker(metric="eval_loss", greater_is_better=False, patience=2, threshold=0.0)
+        evaluator = Evaluator(
+            lambda: EvalResult(loss=next(losses), perplexity=1.0, target_tokens=10, examples=2),
+            log,
+            every=2,
+            best=best,
+        )
+        decisions = []
+        for step in range(1, 9):
+            control = Control()
+            evaluator.on_step_end(_end(step), control)
+            decisions.append((control.save, control.stop))
+    evaluated = [d for i, d in enumerate(decisions) if (i + 1) % 2 == 0]
+    assert evaluated == [(True, None), (True, None), (False, None), (False, "early")]
+    assert [e.loss for e in evaluator.evals] == [3.0, 2.0, 2.5, 2.6]
+    assert best.best is not None and best.best.step == 4
+
+
+def test_store_prunes_to_keep_last_but_keeps_the_protected_and_export_loads(tmp_path: Path) -> None:
+    with _built(tmp_path, "store") as (run, b):
+        state = _fresh_state(b)
+        for step in (1, 2, 3, 4):
+            save_checkpoint(
+                run.output_dir,
+                replace(state, step=step),
+                b.parts,
+                b.tokenizer,
+                b.optimizer,
+                ENV,
+                keep_last=0,
+                records={},
+            )
+        prune(run.output_dir, keep_last=2, protect=step_folder(run.output_dir, 1))
+        assert [p.name for p in list_checkpoints(run.output_dir)] == [
+            "step-000001",
+            "step-000003",
+            "step-000004",
+        ]
+        export(step_folder(run.output_dir, 4), tmp_path / "exported")
+        model = b.parts.model
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert _same({k: v for k, v in model.state_dict().items()}, dict(loaded.state_dict()))

@@ -1,0 +1,128 @@
+"""One owner per setting: allowed values in the field metadata, flags for subprocesses from to_argv
+(round-trip), plan's own --help, no abbreviated options."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmtune.cli import build_parser, main
+from lmtune.commands import train_config
+from lmtune.config import PLAN_SETTINGS, TrainConfig, choices, config_fields, field_type, option_name
+from lmtune.config_io import to_argv
+from lmtune.errors import UserError
+from lmtune.validate import validate
+
+
+def _different(f: Any) -> Any:
+    """A value of field ``f`` other than its default (strings start with "-" on purpose)."""
+    kind, default = field_type(f), f.default
+    if choices(f.name):
+        return next(c for c in choices(f.name) if c != default)
+    if kind is bool:
+        return not default
+    if kind is int:
+        return 3 if default is None else default + 2
+    if kind is float:
+        return 0.375 if default is None else default * 0.5 + 1e-7
+    return f"-odd {f.name}, with = and spaces"
+
+
+def test_every_setting_survives_to_argv_and_back() -> None:
+    cfg = TrainConfig(**{f.name: _different(f) for f in config_fields()})
+    assert all(getattr(cfg, f.name) != f.default for f in config_fields())
+    argv = to_argv(cfg)
+    assert train_config(build_parser().parse_args(["train", *argv])) == cfg
+    assert to_argv(TrainConfig()) == []  # defaults are not repeated
+
+
+def test_allowed_values_live_in_the_field_and_are_checked_and_shown() -> None:
+    with_choices = [f.name for f in config_fields() if choices(f.name)]
+    assert {"strategy", "precision", "optimizer", "data_format", "truncation", "packing"} <= set(with_choices)
+    help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()  # type: ignore[union-attr]
+    for name in with_choices:
+        assert "{" + ",".join(choices(name)) + "}" in help_text
+        with pytest.raises(UserError, match=f"{option_name(name)}: must be one of"):
+            validate(replace(TrainConfig(), **{name: "nonsense"}), 1)
+
+
+def test_plan_help_lists_only_what_plan_reads(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    shown = capsys.readouterr().out
+    for f in fields(TrainConfig):
+        assert (option_name(f.name) + " " in shown or option_name(f.name) + "\n" in shown) == (
+            f.name in PLAN_SETTINGS
+        ), f.name
+    assert "--calibrate" in shown and "--memory-per-device" in shown
+
+
+@pytest.mark.parametrize(
+    "argv", [["train", "--max-st", "2"], ["plan", "--glob", "8"], ["data", "audit", "x", "--max-len", "3"]]
+)
+def test_abbreviated_options_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_calibration_runs_the_users_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan --calibrate's real runs get every setting of the plan (not a hand-picked few)."""
+    from lmtune.tools import plan
+    from lmtune.tools.memory import Setup
+
+    seen: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        seen.append(cmd)
+        out = Path(next(a.split("=", 1)[1] for a in cmd if a.startswith("--output-dir=")))
+        out.mkdir(parents=True)
+        (out / "run.json").write_text(json.dumps({"result": {"peak_memory_per_rank": [123, 456]}}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    cfg = TrainConfig(
+        data="d.jsonl",
+        data_format="messages",
+        text_field="body",
+        truncation="left",
+        txt_mode="block",
+        train_on_prompt=True,
+        trust_remote_code=True,
+        compile=True,
+        seed=7,
+        report_to="tensorboard",
+    )
+    setup = Setup(
+        strategy="single",
+        optimizer="sgd",
+        lora=False,
+        activation_checkpointing=True,
+        precision="bf16",
+        micro_batch_size=2,
+        length=64,
+        world_size=1,
+        accumulation=2,
+        loss_chunk=16,
+    )
+    assert plan.measure_peak(cfg, setup, tmp_path) == 456
+    ran = train_config(build_parser().parse_args(seen[0][3:]))
+    expected = replace(
+        cfg,
+        micro_batch_size=2,
+        global_batch_size=4,
+        optimizer="sgd",
+        precision="bf16",
+        strategy="single",
+        activation_checkpointing=True,
+        loss_chunk_size=16,
+        **plan.CALIBRATION_RUN,
+        output_dir=ran.output_dir,
+    )
+    assert ran == expected
