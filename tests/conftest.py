@@ -20,6 +20,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(items: list[Any]) -> None:
+    """Everything under tests/e2e/ is e2e: the quick subset (-m "not distributed and not e2e")
+    leaves the long end-to-end runs out."""
+    import pytest
+
+    for item in items:
+        if "e2e" in Path(str(item.path)).relative_to(REPO).parts[:2]:
+            item.add_marker(pytest.mark.e2e)
+
+
 def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
     path.write_text("".join(json.dumps({field: t}) + "\n" for t in texts), encoding="utf-8")
     return path

@@ -103,11 +103,10 @@ def _bench_parser(sub: Any) -> None:
         allow_abbrev=False,
         help="measure throughput, MFU and memory per strategy and precision",
         description="Train --steps steps after --warmup for every strategy x precision on your model and "
-        "data and print one table (tokens/s, MFU against this device's measured matmul peak, peak "
-        "memory, step time split). Combinations that cannot run here are listed with the reason.",
+        "data (and any other train setting from --config) and print one table (tokens/s, MFU against "
+        "this device's measured matmul peak, peak memory, step time split). Combinations that cannot "
+        "run here are listed with the reason.",
     )
-    bench.add_argument("--model", default="tiny", help="as in train (default: tiny)")
-    bench.add_argument("--data", default="sample", help="as in train (default: sample)")
     bench.add_argument("--strategies", default="single,ddp", help="comma-separated (default: single,ddp)")
     bench.add_argument("--precisions", default="fp32,bf16", help="comma-separated (default: fp32,bf16)")
     bench.add_argument(
@@ -115,10 +114,10 @@ def _bench_parser(sub: Any) -> None:
     )
     bench.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
-    bench.add_argument("--global-batch-size", type=int, default=32, help="as in train (default: 32)")
-    bench.add_argument("--micro-batch-size", type=int, default=None, help="as in train")
-    bench.add_argument("--max-length", type=int, default=512, help="as in train (default: 512)")
-    bench.add_argument("--packing", default="auto", help="as in train (default: auto)")
+    # The run itself: a train --config file, and the few settings most often varied, as in train.
+    _add_train_options(
+        bench, only=("model", "data", "global_batch_size", "micro_batch_size", "max_length", "packing")
+    )
     bench.add_argument(
         "--json", metavar="PATH", default="bench.json", help="table as JSON (default: bench.json)"
     )

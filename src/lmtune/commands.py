@@ -118,18 +118,8 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print("\n".join(measure_peaks(args.precisions.split(","), args.nproc_per_node, args.device)))
         return 0
 
-    from lmtune.config import TrainConfig
-
-    base = TrainConfig(
-        model=args.model,
-        data=args.data,
-        global_batch_size=args.global_batch_size,
-        micro_batch_size=args.micro_batch_size or None,
-        max_length=args.max_length,
-        packing=args.packing,
-    )
     rows = run_bench(
-        base,
+        train_config(args),
         args.strategies.split(","),
         args.precisions.split(","),
         args.nproc_per_node,

@@ -105,6 +105,7 @@ def test_savers_lower_the_estimate() -> None:
     )
 
 
+@pytest.mark.e2e
 def test_plan_command_prints_a_table_and_json(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     proc = run_lmtune(
@@ -137,6 +138,7 @@ def test_plan_rejects_a_bad_size() -> None:
     assert proc.returncode == 2 and "--memory-per-device" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.e2e
 def test_calibrate_fits_two_real_runs(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     args = ["plan", "--micro-batch-size", "4", "--global-batch-size", "8", "--max-length", "64"]

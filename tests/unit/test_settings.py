@@ -126,3 +126,27 @@ def test_calibration_runs_the_users_settings(tmp_path: Path, monkeypatch: pytest
         output_dir=ran.output_dir,
     )
     assert ran == expected
+
+
+def test_bench_runs_the_settings_of_a_train_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lmtune.tools import bench
+
+    seen: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "boom")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("lr_schedule: wsd\nlora: true\nreport_to: wandb\nmax_length: 64\n")
+    argv = ["bench", "--config", str(yaml_file), "--max-length", "96", "--strategies", "single"]
+    argv += ["--precisions", "fp32", "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "b.json")]
+    assert main(argv) == 0
+    assert "failed: boom" in capsys.readouterr().out
+    ran = train_config(build_parser().parse_args(seen[0][3:]))
+    expected = TrainConfig(lr_schedule="wsd", lora=True, max_length=96, strategy="single", precision="fp32")
+    expected = replace(expected, max_steps=3, profile=True, **bench.BENCH_RUN, output_dir=ran.output_dir)
+    assert ran == expected

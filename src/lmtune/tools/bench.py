@@ -26,6 +26,23 @@ from lmtune.metrics import read_metrics, tokens_per_second
 
 STRATEGIES = tuple(s for s in choices("strategy") if s != "auto")  # each one is measured as it is
 PRECISIONS = choices("precision")
+# What every bench run changes beyond strategy, precision and length: timed, alone, nothing kept.
+BENCH_RUN: dict[str, Any] = {
+    "epochs": None,
+    "progress": False,
+    "resume": "never",
+    "overwrite": False,
+    "save_every": 0,
+    "report_to": "none",
+    "sample_prompts": None,
+    "sample_every": 0,
+    "record_samples": False,
+    "doctor": False,
+    "max_restarts": 0,
+    "nnodes": "1",
+    "node_rank": None,
+    "rdzv_endpoint": None,
+}
 PHASES = ("data", "forward", "backward", "optimizer")
 
 
@@ -111,10 +128,8 @@ def run_bench(
                     nproc_per_node=nproc if strategy in ("ddp", "fsdp") else 1,
                     max_steps=warmup + steps,
                     output_dir=str(out),
-                    resume="never",
-                    save_every=0,
                     profile=True,
-                    progress=False,
+                    **BENCH_RUN,
                 )
                 cmd = [sys.executable, "-m", "lmtune", "train", *to_argv(run)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
