@@ -204,6 +204,7 @@ def starting_state(
     env: DistEnv,
     now: Fingerprint,
     *,
+    examples: int,
     parts: ModelParts,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
@@ -217,7 +218,7 @@ def starting_state(
         global_batch_size=cfg.global_batch_size,
         world_size=env.world_size,
         seed=cfg.seed,
-        examples=now.fixed["training examples"],
+        examples=examples,
     )
     folder = resume_point(cfg, Path(cfg.output_dir), env)
     if folder is None:

@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -15,21 +15,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from lmtune import callbacks as cb
 from lmtune import faults
 from lmtune.best import BEST_FILE, BestTracker, best_tracker
 from lmtune.build import Built, Run, build, data_cache_dir, loaders, schedule
-from lmtune.callbacks import (
-    Callback,
-    Checkpointer,
-    CollectiveTimeoutSwitch,
-    EpochSummary,
-    Evaluator,
-    ExampleOrder,
-    NanPolicy,
-    SignalStop,
-    StepLogger,
-    StragglerReport,
-)
 from lmtune.chat import stop_ids
 from lmtune.checkpoint.layout import FINGERPRINT_FILE, SCALER_FILE
 from lmtune.checkpoint.state import TrainerState
@@ -120,7 +109,14 @@ def _run(run: Run) -> TrainResult:
     )
     b = build(run)
     state, resume_from = starting_state(
-        cfg, env, b.fingerprint, parts=b.parts, optimizer=b.optimizer, scaler=b.scaler, log=log
+        cfg,
+        env,
+        b.fingerprint,
+        examples=len(b.train_data),
+        parts=b.parts,
+        optimizer=b.optimizer,
+        scaler=b.scaler,
+        log=log,
     )
     if resume_from is not None and state.step >= b.layout.total_steps and (output_dir / "final").is_dir():
         log.info(
@@ -141,7 +137,7 @@ def _run(run: Run) -> TrainResult:
         env.device, cfg.precision, run.threads, cache_root() / PEAKS_FILE if env.is_main else None
     )
     mfu = MfuMeter(partial(train_flops_per_token, b.loaded.model), peak, env.world_size, log)
-    callbacks, evaluator = _components(run, b, state, best, mfu, eval_loader)
+    components, evaluator = _components(run, b, state, best, mfu, eval_loader)
     faults.install_slow_or_stuck_rank(b.parts.root, env.rank, lambda: run.heartbeat.step)
     timer = PhaseTimer(env.device, timed=cfg.profile, beat=run.heartbeat.beat)
     settings = FitSettings(
@@ -153,7 +149,7 @@ def _run(run: Run) -> TrainResult:
     )
     run_info = run_record(run, b, resume_from, peak)
     log.write_json("run.json", run_info)
-    result = fit(trainee, data, state, callbacks, settings)
+    result = fit(trainee, data, state, components, settings)
     run.heartbeat.beat("save")
     evals = evaluator.evals if evaluator is not None else []
     run_info["result"] = result_record(result, evals, best, b.optimizer, env) | {
@@ -162,22 +158,19 @@ def _run(run: Run) -> TrainResult:
     peaks = run_info["result"]["peak_memory_per_rank"]
     log.info("peak memory per rank: " + ", ".join(f"{p / 2**20:,.0f} MiB" for p in peaks))
     log.write_json("run.json", run_info)
-    final_eval = evals[-1] if evals else None
+    done = TrainResult(
+        output_dir=output_dir,
+        steps=result.state.step,
+        last_loss=result.last_loss,
+        eval=evals[-1] if evals else None,
+    )
     if result.stop == "signal":
         log.info(f"stopped at step {result.state.step}; run the same command again to resume")
         if env.is_main:
             report_stopped(result.state.step)
-        return TrainResult(
-            output_dir=output_dir,
-            steps=result.state.step,
-            last_loss=result.last_loss,
-            eval=final_eval,
-            stopped_early=True,
-        )
+        return replace(done, stopped_early=True)
     finalize(run, b, result, best, trained_from=state.step)
-    return TrainResult(
-        output_dir=output_dir, steps=result.state.step, last_loss=result.last_loss, eval=final_eval
-    )
+    return done
 
 
 def _components(
@@ -187,7 +180,7 @@ def _components(
     best: BestTracker | None,
     mfu: MfuMeter,
     eval_loader: DataLoader[Any] | None,
-) -> tuple[list[Callback], Evaluator | None]:
+) -> tuple[list[cb.Callback], cb.Evaluator | None]:
     """The loop's components, in the order they see each step; a new one is one line here."""
     cfg, env, log = run.cfg, run.env, run.log
     timeouts = CollectiveTimeouts(env, cfg.collective_timeout)
@@ -200,18 +193,18 @@ def _components(
                 beat = partial(run.heartbeat.beat, "eval")
                 return evaluate(unwrap(b.model), eval_loader, env, autocast(), b.parts.sharded, beat)
 
-        evaluator = Evaluator(run_eval, log, cfg.eval_every, best)
-    callbacks: list[Callback | None] = [
-        NanPolicy(cfg.on_nan, log),
-        StepLogger(log, cfg.log_every, mfu, env.device),
-        ExampleOrder(SampleLog(run.output_dir, env.rank, start.step)) if cfg.record_samples else None,
-        StragglerReport(log) if env.world_size > 1 else None,
-        CollectiveTimeoutSwitch(timeouts),
+        evaluator = cb.Evaluator(run_eval, log, cfg.eval_every, best)
+    callbacks: list[cb.Callback | None] = [
+        cb.NanPolicy(cfg.on_nan, log),
+        cb.StepLogger(log, cfg.log_every, mfu, env.device),
+        cb.ExampleOrder(SampleLog(run.output_dir, env.rank, start.step)) if cfg.record_samples else None,
+        cb.StragglerReport(log) if env.world_size > 1 else None,
+        cb.CollectiveTimeoutSwitch(timeouts),
         _sampler(run, b, autocast) if cfg.sample_prompts is not None else None,
-        EpochSummary(log),
+        cb.EpochSummary(log),
         evaluator,
-        SignalStop(log),
-        Checkpointer(_saver(run, b, best, timeouts), cfg.save_every),
+        cb.SignalStop(log),
+        cb.Checkpointer(_saver(run, b, best, timeouts), cfg.save_every),
     ]
     return [c for c in callbacks if c is not None], evaluator
 
