@@ -13,6 +13,25 @@ import yaml
 from lmtune.config import TrainConfig, config_fields, field_type, option_name, to_dict
 from lmtune.errors import UserError
 
+# How a run that lmtune starts to measure something (plan --calibrate, bench) differs from the
+# user's settings: alone on this machine, and nothing reported, sampled, saved, resumed or restarted.
+MEASURING_RUN: dict[str, Any] = {
+    "epochs": None,
+    "progress": False,
+    "resume": "never",
+    "overwrite": False,
+    "save_every": 0,
+    "report_to": "none",
+    "sample_prompts": None,
+    "sample_every": 0,
+    "record_samples": False,
+    "doctor": False,
+    "max_restarts": 0,
+    "nnodes": "1",
+    "node_rank": None,
+    "rdzv_endpoint": None,
+}
+
 
 def to_argv(cfg: TrainConfig) -> list[str]:
     """``lmtune train`` flags that give back ``cfg`` (its settings that differ from the defaults):

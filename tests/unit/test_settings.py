@@ -131,7 +131,7 @@ def test_calibration_runs_the_users_settings(tmp_path: Path, monkeypatch: pytest
 def test_bench_runs_the_settings_of_a_train_config_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from lmtune.tools import bench
+    from lmtune.config_io import MEASURING_RUN
 
     seen: list[list[str]] = []
 
@@ -148,5 +148,5 @@ def test_bench_runs_the_settings_of_a_train_config_file(
     assert "failed: boom" in capsys.readouterr().out
     ran = train_config(build_parser().parse_args(seen[0][3:]))
     expected = TrainConfig(lr_schedule="wsd", lora=True, max_length=96, strategy="single", precision="fp32")
-    expected = replace(expected, max_steps=3, profile=True, **bench.BENCH_RUN, output_dir=ran.output_dir)
+    expected = replace(expected, max_steps=3, profile=True, **MEASURING_RUN, output_dir=ran.output_dir)
     assert ran == expected

@@ -20,29 +20,12 @@ from typing import Any
 import torch
 
 from lmtune.config import TrainConfig, choices
-from lmtune.config_io import to_argv
+from lmtune.config_io import MEASURING_RUN, to_argv
 from lmtune.errors import UserError
 from lmtune.metrics import read_metrics, tokens_per_second
 
 STRATEGIES = tuple(s for s in choices("strategy") if s != "auto")  # each one is measured as it is
 PRECISIONS = choices("precision")
-# What every bench run changes beyond strategy, precision and length: timed, alone, nothing kept.
-BENCH_RUN: dict[str, Any] = {
-    "epochs": None,
-    "progress": False,
-    "resume": "never",
-    "overwrite": False,
-    "save_every": 0,
-    "report_to": "none",
-    "sample_prompts": None,
-    "sample_every": 0,
-    "record_samples": False,
-    "doctor": False,
-    "max_restarts": 0,
-    "nnodes": "1",
-    "node_rank": None,
-    "rdzv_endpoint": None,
-}
 PHASES = ("data", "forward", "backward", "optimizer")
 
 
@@ -129,7 +112,7 @@ def run_bench(
                     max_steps=warmup + steps,
                     output_dir=str(out),
                     profile=True,
-                    **BENCH_RUN,
+                    **MEASURING_RUN,
                 )
                 cmd = [sys.executable, "-m", "lmtune", "train", *to_argv(run)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))

@@ -25,7 +25,7 @@ import torch
 
 from lmtune.batching import micro_batch_size
 from lmtune.config import TrainConfig
-from lmtune.config_io import to_argv
+from lmtune.config_io import MEASURING_RUN, to_argv
 from lmtune.errors import UserError
 from lmtune.model.lora import LoraSettings
 from lmtune.parallel.wrap import effective_strategy
@@ -121,22 +121,9 @@ def calibrate(
 
 # What a calibration run changes beyond the setup: two steps on this machine, nothing kept.
 CALIBRATION_RUN: dict[str, Any] = {
+    **MEASURING_RUN,
     "max_steps": 2,
-    "epochs": None,
-    "progress": False,
-    "resume": "never",
-    "overwrite": False,
-    "save_every": 0,
     "eval_every": 0,
-    "report_to": "none",
-    "sample_prompts": None,
-    "sample_every": 0,
-    "record_samples": False,
-    "doctor": False,
-    "max_restarts": 0,
-    "nnodes": "1",
-    "node_rank": None,
-    "rdzv_endpoint": None,
     "early_stopping_patience": 0,
 }
 
