@@ -7,6 +7,7 @@ directly, so a failure names the piece.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -285,3 +286,23 @@ def test_store_prunes_to_keep_last_but_keeps_the_protected_and_export_loads(tmp_
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     assert _same({k: v for k, v in model.state_dict().items()}, dict(loaded.state_dict()))
+
+
+def test_a_crafted_scaler_record_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    from lmtune.checkpoint.store import _scaler_state
+    from lmtune.errors import UserError
+
+    good = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+    path = tmp_path / "scaler.json"
+    path.write_text(json.dumps({**good, "_growth_tracker": 7, "extra": "ignored"}))
+    assert _scaler_state(path) == {**good, "_growth_tracker": 7}
+    for bad in (
+        "[1, 2]",
+        json.dumps({**good, "_growth_tracker": "7"}),
+        json.dumps(good),
+        '{"scale": NaN}',
+        "{",
+    ):
+        path.write_text(bad)
+        with pytest.raises(UserError, match=r"scaler\.json"):
+            _scaler_state(path)

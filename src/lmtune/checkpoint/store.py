@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import shutil
 import time
 from dataclasses import asdict
@@ -264,7 +265,7 @@ def load_checkpoint(
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"--resume {folder}: its state does not fit this run's model ({first})") from None
     if scaler is not None and SCALER_FILE in listed:
-        scaler.load_state_dict(_read_json(folder / SCALER_FILE))
+        scaler.load_state_dict(_scaler_state(folder / SCALER_FILE))
     rng = f"rng-rank-{env.rank}.json"
     if state.world_size == env.world_size and rng in listed:
         set_rng_state(json.loads((folder / rng).read_text()))
@@ -282,11 +283,21 @@ def _load_plain(path: Path) -> Any:
         raise UserError(f"{path}: refused, not plain tensors and values ({why})") from None
 
 
-def _read_json(path: Path) -> Any:
+_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _scaler_state(path: Path) -> dict[str, float]:
+    """The gradient scaler's saved numbers, checked: a crafted file is an error, not a traceback."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        state = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise UserError(f"{path}: unreadable ({e})") from None
+    numbers = isinstance(state, dict) and all(
+        type(state.get(k)) in (int, float) and math.isfinite(state[k]) for k in _SCALER_KEYS
+    )
+    if not numbers:
+        raise UserError(f"{path}: not a gradient scaler state lmtune wrote (needs {', '.join(_SCALER_KEYS)})")
+    return {k: state[k] for k in _SCALER_KEYS}
 
 
 def _describe(lora: bool, sharded: bool) -> str:
