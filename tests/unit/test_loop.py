@@ -306,3 +306,19 @@ def test_a_crafted_scaler_record_is_an_error_not_a_traceback(tmp_path: Path) -> 
         path.write_text(bad)
         with pytest.raises(UserError, match=r"scaler\.json"):
             _scaler_state(path)
+
+
+def test_a_crafted_rng_record_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    from lmtune.checkpoint.layout import write_manifest
+    from lmtune.errors import UserError
+
+    with _built(tmp_path, "rng") as (run, b):
+        folder = save_checkpoint(
+            run.output_dir, _fresh_state(b), b.parts, b.tokenizer, b.optimizer, ENV, keep_last=0, records={}
+        )
+        for bad in ('{"python": [3, [1, 2], null]}', '{"torch": "AAAA"}', "[]"):
+            (folder / "rng-rank-0.json").write_text(bad)
+            (folder / "manifest.json").unlink()
+            write_manifest(folder)  # a consistent, crafted checkpoint
+            with pytest.raises(UserError, match=r"rng-rank-0\.json: not the RNG state"):
+                load_checkpoint(folder, b.parts, b.optimizer, ENV)

@@ -266,9 +266,12 @@ def load_checkpoint(
             raise UserError(f"--resume {folder}: its state does not fit this run's model ({first})") from None
     if scaler is not None and SCALER_FILE in listed:
         scaler.load_state_dict(_scaler_state(folder / SCALER_FILE))
-    rng = f"rng-rank-{env.rank}.json"
-    if state.world_size == env.world_size and rng in listed:
-        set_rng_state(json.loads((folder / rng).read_text()))
+    rng = folder / f"rng-rank-{env.rank}.json"
+    if state.world_size == env.world_size and rng.name in listed:
+        try:
+            set_rng_state(json.loads(rng.read_text(encoding="utf-8")))
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, RecursionError) as e:
+            raise UserError(f"{rng}: not the RNG state lmtune wrote ({type(e).__name__}: {e})") from None
     return state
 
 
