@@ -4,6 +4,7 @@ and optimizer. :func:`build` makes them all for one run; train.py composes the r
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.lora import LoraSettings, add_lora
 from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import LoadedModel, load_model
-from lmtune.model.precision import grad_scaler
+from lmtune.model.precision import autocast_context, grad_scaler
 from lmtune.optim import build_optimizer, build_schedule
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.parallel.health import Heartbeat
@@ -58,6 +59,10 @@ class Run:
     def output_dir(self) -> Path:
         return Path(self.cfg.output_dir)
 
+    def autocast(self) -> AbstractContextManager[object]:
+        """A fresh autocast context of --precision on this device (none under fp32)."""
+        return autocast_context(self.cfg.precision, self.env.device)
+
 
 @dataclass(frozen=True)
 class Built:
@@ -68,6 +73,7 @@ class Built:
     eval_data: TokenizedDataset | None
     data_info: dict[str, Any]  # run.json's "data"
     layout: BatchLayout
+    batching: str  # pack | auto | group | pad (see batching_of)
     lr: float
     model: torch.nn.Module  # the strategy's wrapper around the loss module
     parts: ModelParts
@@ -124,6 +130,7 @@ def build(run: Run) -> Built:
         eval_data=eval_data,
         data_info=data_info,
         layout=layout,
+        batching=batching_of(cfg, data_info["train"]["formats"]),
         lr=lr,
         model=model,
         parts=parts,
@@ -262,11 +269,10 @@ def make_loader(
 def loaders(run: Run, b: Built) -> tuple[FitData, DataLoader[Any] | None]:
     """The training data as fit walks it, and the evaluation loader (None without eval data)."""
     cfg, env, layout = run.cfg, run.env, b.layout
-    batching = batching_of(cfg, b.data_info["train"]["formats"])
     step_collate = StepCollator(
         pad_token_id=b.tokenizer.pad_token_id,
         micro_batch_size=layout.micro_batch_size,
-        mode=batching,
+        mode=b.batching,
         max_length=cfg.max_length,
     )
     lengths = b.train_data.lengths().tolist()

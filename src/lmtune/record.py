@@ -16,7 +16,7 @@ import torch
 from lmtune import __version__
 from lmtune.batching import BatchLayout
 from lmtune.best import BestTracker
-from lmtune.build import BATCHING_NAMES, Built, Run, batching_of
+from lmtune.build import BATCHING_NAMES, Built, Run
 from lmtune.config import to_dict
 from lmtune.evaluate import EvalResult
 from lmtune.loop import FitResult
@@ -74,11 +74,10 @@ def result_record(
 def run_record(run: Run, b: Built, resume_from: Path | None, peak: float) -> dict[str, Any]:
     """run.json before training; the start line says the same in short."""
     cfg, env, layout = run.cfg, run.env, b.layout
-    batching = batching_of(cfg, b.data_info["train"]["formats"])
     attention = attention_description(b.loaded.model) if b.parts.root.varlen else "masked"
     resolved = {
         "strategy": run.strategy,
-        "batching": batching,
+        "batching": b.batching,
         "attention": attention,
         "loss": b.loss.description,
         "lr": b.lr,
@@ -92,7 +91,7 @@ def run_record(run: Run, b: Built, resume_from: Path | None, peak: float) -> dic
     run.log.info(
         f"lmtune: {b.loaded.source}, {resolved['parameters']:,} parameters, {run.strategy} on "
         f"{env.world_size} x {env.device.type}; global batch {_batch_line(layout)} "
-        f"({BATCHING_NAMES[batching]}, {attention} attention); {layout.total_steps} steps; "
+        f"({BATCHING_NAMES[b.batching]}, {attention} attention); {layout.total_steps} steps; "
         f"loss: {b.loss.description}"
     )
     return {

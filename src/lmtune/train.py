@@ -30,7 +30,7 @@ from lmtune.finish import finalize
 from lmtune.generations import Sampler, SampleSettings, read_prompts
 from lmtune.loop import FitSettings, fit
 from lmtune.metrics import RunLog, SampleLog, read_metrics
-from lmtune.model.precision import autocast_context, check_device
+from lmtune.model.precision import check_device
 from lmtune.parallel.distributed import (
     CollectiveTimeouts,
     cpu_threads_per_process,
@@ -142,7 +142,7 @@ def _run(run: Run) -> TrainResult:
     timer = PhaseTimer(env.device, timed=cfg.profile, beat=run.heartbeat.beat)
     settings = FitSettings(
         env=env,
-        step=StepOptions(cfg.max_grad_norm, partial(autocast_context, cfg.precision, env.device), timer),
+        step=StepOptions(cfg.max_grad_norm, run.autocast, timer),
         stop_requested=run.stop,
         poison_step=faults.nan_step(),
         heartbeat=run.heartbeat,
@@ -184,14 +184,13 @@ def _components(
     """The loop's components, in the order they see each step; a new one is one line here."""
     cfg, env, log = run.cfg, run.env, run.log
     timeouts = CollectiveTimeouts(env, cfg.collective_timeout)
-    autocast = partial(autocast_context, cfg.precision, env.device)
     evaluator = None
     if eval_loader is not None:
 
         def run_eval() -> EvalResult:
             with timeouts.patient():
                 beat = partial(run.heartbeat.beat, "eval")
-                return evaluate(unwrap(b.model), eval_loader, env, autocast(), b.parts.sharded, beat)
+                return evaluate(unwrap(b.model), eval_loader, env, run.autocast(), b.parts.sharded, beat)
 
         evaluator = cb.Evaluator(run_eval, log, cfg.eval_every, best)
     callbacks: list[cb.Callback | None] = [
@@ -200,7 +199,7 @@ def _components(
         cb.ExampleOrder(SampleLog(run.output_dir, env.rank, start.step)) if cfg.record_samples else None,
         cb.StragglerReport(log) if env.world_size > 1 else None,
         cb.CollectiveTimeoutSwitch(timeouts),
-        _sampler(run, b, autocast) if cfg.sample_prompts is not None else None,
+        _sampler(run, b) if cfg.sample_prompts is not None else None,
         cb.EpochSummary(log),
         evaluator,
         cb.SignalStop(log),
@@ -232,7 +231,7 @@ def _saver(
     return save
 
 
-def _sampler(run: Run, b: Built, autocast: Callable[[], Any]) -> Sampler:
+def _sampler(run: Run, b: Built) -> Sampler:
     cfg = run.cfg
     assert cfg.sample_prompts is not None
     settings = SampleSettings(
@@ -245,4 +244,6 @@ def _sampler(run: Run, b: Built, autocast: Callable[[], Any]) -> Sampler:
         seed=cfg.seed,
     )
     stops = stop_ids(b.loaded.model, b.tokenizer)
-    return Sampler(settings, unwrap(b.model), b.tokenizer, stops, run.env, run.log, b.parts.sharded, autocast)
+    return Sampler(
+        settings, unwrap(b.model), b.tokenizer, stops, run.env, run.log, b.parts.sharded, run.autocast
+    )
