@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmtune.metrics import InfoLog
 from lmtune.model.precision import DTYPES
 
 
@@ -187,7 +188,7 @@ class MfuMeter:
     """Model FLOPs per second of a step over the measured peak of all devices. A reading over
     100% is None (and a warning, once): the peak was measured low, not the step faster than it."""
 
-    def __init__(self, flops_per_token: Callable[[int], float], peak: float, devices: int, log: Any):
+    def __init__(self, flops_per_token: Callable[[int], float], peak: float, devices: int, log: InfoLog):
         self.flops_per_token, self.peak, self.devices, self.log = flops_per_token, peak, devices, log
         self.over_peak: list[float] = []
 
