@@ -32,6 +32,7 @@ from lmtune.model.lora import LoraSettings, add_lora
 from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import LoadedModel, load_model
 from lmtune.model.precision import autocast_context, grad_scaler
+from lmtune.model.products import Products
 from lmtune.optim import build_optimizer, build_schedule
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.parallel.health import Heartbeat
@@ -54,6 +55,7 @@ class Run:
     log: RunLog
     stop: StopRequest
     heartbeat: Heartbeat
+    products: Products  # how matrices are multiplied (a CPU bf16 run's may be fp32)
 
     @property
     def output_dir(self) -> Path:
@@ -61,7 +63,7 @@ class Run:
 
     def autocast(self) -> AbstractContextManager[object]:
         """A fresh autocast context of --precision on this device (none under fp32)."""
-        return autocast_context(self.cfg.precision, self.env.device)
+        return autocast_context(self.cfg.precision, self.env.device, self.products.fp32)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def build(run: Run) -> Built:
     layout = batch_layout(cfg, env.world_size, len(train_data))
     default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora else loaded.default_lr
     lr = cfg.lr if cfg.lr is not None else default_lr
-    model, parts, loss = build_model(cfg, loaded.model, run.strategy, env, log)
+    model, parts, loss = build_model(run, loaded.model)
     # After wrapping: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
     optimizer = build_optimizer(
         cfg.optimizer,
@@ -289,10 +291,9 @@ def loaders(run: Run, b: Built) -> tuple[FitData, DataLoader[Any] | None]:
     return FitData(loader, sampler, layout), eval_loader
 
 
-def build_model(
-    cfg: TrainConfig, base: torch.nn.Module, strategy: str, env: DistEnv, log: RunLog
-) -> tuple[torch.nn.Module, ModelParts, LossChoice]:
+def build_model(run: Run, base: torch.nn.Module) -> tuple[torch.nn.Module, ModelParts, LossChoice]:
     """Memory savers, LoRA, compile, the loss wrapper and the strategy's wrapper, in that order."""
+    cfg, strategy, env, log = run.cfg, run.strategy, run.env, run.log
     if cfg.activation_checkpointing:
         checkpoint_activations(base, cfg.model)
     # Per-example attention computes nothing on padding or across packed examples. Its per-example
@@ -318,7 +319,7 @@ def build_model(
         log.info(f"--loss-chunk-size {cfg.loss_chunk_size}: not used; {loss.description}")
     if cfg.compile:
         compile_model(trained, log)
-    loss_module = SummedLoss(trained, varlen, loss.chunk)
+    loss_module = SummedLoss(trained, varlen, loss.chunk, run.products.fp32)
     model = wrap_model(loss_module, strategy, env, cfg.precision)
     return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora), loss
 

@@ -9,6 +9,7 @@ import resource
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from lmtune.metrics import InfoLog
 from lmtune.model.precision import DTYPES
+from lmtune.model.products import Fp32Products
 
 
 def _synchronize(device: torch.device) -> None:
@@ -45,40 +47,54 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
     return 6.0 * weights + 12.0 * layers * hidden * seq_len
 
 
-def measure_peak_flops(device: torch.device, precision: str, seconds: float = 0.5) -> float:
-    """Matrix-multiply FLOP/s this device reaches at ``precision``, measured, never looked up.
+@dataclass(frozen=True)
+class Probe:
+    """What a matmul peak is measured for: a device at a precision, with this many CPU threads,
+    and (a CPU bf16 run, lmtune.model.products) whether its products run in fp32."""
+
+    device: torch.device
+    precision: str
+    threads: int = 0
+    fp32_products: bool = False
+
+
+def measure_peak_flops(probe: Probe, seconds: float = 0.5) -> float:
+    """Matrix-multiply FLOP/s this device reaches at the probe's precision, measured, never looked up.
 
     Square products large enough to be compute-bound, in the layout a linear layer uses (``x @ W.T``):
     on CPUs without native bf16 support PyTorch's plain ``a @ b`` takes a path 20x slower than the
-    one linear layers take, which made MFU read 500%. The best of several timed batches.
+    one linear layers take, which made MFU read 500%. The products run as the run's do (fp32
+    products of bf16 operands included). The best of several timed batches.
     """
-    dtype = DTYPES[precision]
+    device = probe.device
     size = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    for _ in range(2):  # warm-up: kernels selected, caches filled
-        torch.nn.functional.linear(a, b)
-    _synchronize(device)
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        reps = 4
-        start = time.perf_counter()
-        for _ in range(reps):
+    a = torch.randn(size, size, device=device, dtype=DTYPES[probe.precision])
+    b = torch.randn(size, size, device=device, dtype=DTYPES[probe.precision])
+    with Fp32Products() if probe.fp32_products else nullcontext():
+        for _ in range(2):  # warm-up: kernels selected, caches filled
             torch.nn.functional.linear(a, b)
         _synchronize(device)
-        best = max(best, reps * 2 * size**3 / (time.perf_counter() - start))
+        best = 0.0
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            reps = 4
+            start = time.perf_counter()
+            for _ in range(reps):
+                torch.nn.functional.linear(a, b)
+            _synchronize(device)
+            best = max(best, reps * 2 * size**3 / (time.perf_counter() - start))
     return best
 
 
 PEAKS_FILE = "peaks.json"
 
 
-def _peak_key(device: torch.device, precision: str, threads: int) -> str:
+def _peak_key(probe: Probe) -> str:
     """What a measured peak holds for: this machine, device model, precision, threads, torch."""
     import platform
     import socket
 
+    device = probe.device
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
@@ -90,7 +106,9 @@ def _peak_key(device: torch.device, precision: str, threads: int) -> str:
                     break
         except OSError:
             pass
-    threads_part = "" if device.type == "cuda" else f" | {threads} threads"  # they matter on the CPU only
+    # Threads matter on the CPU only.
+    threads_part = "" if device.type == "cuda" else f" | {probe.threads} threads"
+    precision = probe.precision + (" fp32 products" if probe.fp32_products else "")
     return f"{socket.gethostname()} | {name} | {precision}{threads_part} | torch {torch.__version__}"
 
 
@@ -106,15 +124,15 @@ def _read_peaks(path: Path) -> dict[str, float]:
     }
 
 
-def best_peak_flops(device: torch.device, precision: str, threads: int, cache: Path | None) -> float:
+def best_peak_flops(probe: Probe, cache: Path | None) -> float:
     """The matmul peak for MFU: the best of this run's probe and every earlier one cached for the
     same machine, device, precision and thread count. One short probe at a busy moment reads low
     (3x apart between runs on a loaded machine), which made MFU read over 100%; the best kept over
     runs converges on what the device reaches. ``cache`` None: this probe alone."""
-    measured = measure_peak_flops(device, precision, seconds=0.3)
+    measured = measure_peak_flops(probe, seconds=0.3)
     if cache is None:
         return measured
-    key = _peak_key(device, precision, threads)
+    key = _peak_key(probe)
     known = _read_peaks(cache).get(key, 0.0)
     if measured > known:
         with suppress(OSError):  # a read-only cache costs only the remembering
@@ -122,10 +140,10 @@ def best_peak_flops(device: torch.device, precision: str, threads: int, cache: P
     return max(measured, known)
 
 
-def measure_and_store_peak(device: torch.device, precision: str, threads: int, cache: Path) -> float:
+def measure_and_store_peak(probe: Probe, cache: Path) -> float:
     """`lmtune bench --measure-peak`: several longer probes; the result replaces the cached peak."""
-    measured = max(measure_peak_flops(device, precision, 1.0) for _ in range(5))
-    _store_peak(cache, _peak_key(device, precision, threads), measured)
+    measured = max(measure_peak_flops(probe, 1.0) for _ in range(5))
+    _store_peak(cache, _peak_key(probe), measured)
     return measured
 
 

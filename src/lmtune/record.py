@@ -80,6 +80,7 @@ def run_record(run: Run, b: Built, resume_from: Path | None, peak: float) -> dic
         "batching": b.batching,
         "attention": attention,
         "loss": b.loss.description,
+        "products": run.products.description,
         "lr": b.lr,
         "model_source": b.loaded.source,
         **asdict(layout),
@@ -94,6 +95,8 @@ def run_record(run: Run, b: Built, resume_from: Path | None, peak: float) -> dic
         f"({BATCHING_NAMES[b.batching]}, {attention} attention); {layout.total_steps} steps; "
         f"loss: {b.loss.description}"
     )
+    if run.products.fp32:
+        run.log.info(f"matrix products: {run.products.description}")
     return {
         "config": to_dict(cfg),
         "resolved": resolved,

@@ -31,6 +31,7 @@ from lmtune.generations import Sampler, SampleSettings, read_prompts
 from lmtune.loop import FitSettings, fit
 from lmtune.metrics import RunLog, SampleLog, read_metrics
 from lmtune.model.precision import check_device
+from lmtune.model.products import choose_products
 from lmtune.parallel.distributed import (
     CollectiveTimeouts,
     cpu_threads_per_process,
@@ -40,7 +41,7 @@ from lmtune.parallel.distributed import (
 from lmtune.parallel.health import Heartbeat
 from lmtune.parallel.launch import report_stopped, warn
 from lmtune.parallel.wrap import resolve_strategy, unwrap
-from lmtune.perf import PEAKS_FILE, MfuMeter, PhaseTimer, best_peak_flops, train_flops_per_token
+from lmtune.perf import PEAKS_FILE, MfuMeter, PhaseTimer, Probe, best_peak_flops, train_flops_per_token
 from lmtune.record import result_record, run_record
 from lmtune.reporters import open_reporters, parse_report_to
 from lmtune.resume import starting_state
@@ -86,7 +87,14 @@ def train(cfg: TrainConfig) -> TrainResult:
             StopRequest() as stop,
         ):
             run = Run(
-                cfg=cfg, env=env, strategy=strategy, threads=threads, log=log, stop=stop, heartbeat=heartbeat
+                cfg=cfg,
+                env=env,
+                strategy=strategy,
+                threads=threads,
+                log=log,
+                stop=stop,
+                heartbeat=heartbeat,
+                products=choose_products(cfg.precision, env.device, cfg.compile),
             )
             if cfg.doctor:
                 cache = None if cfg.cache_per_node else str(data_cache_dir(cfg))  # node-local: not shared
@@ -134,7 +142,8 @@ def _run(run: Run) -> TrainResult:
     best = best_tracker(cfg, resume_from)
     data, eval_loader = loaders(run, b)
     peak = best_peak_flops(
-        env.device, cfg.precision, run.threads, cache_root() / PEAKS_FILE if env.is_main else None
+        Probe(env.device, cfg.precision, run.threads, run.products.fp32),
+        cache_root() / PEAKS_FILE if env.is_main else None,
     )
     mfu = MfuMeter(partial(train_flops_per_token, b.loaded.model), peak, env.world_size, log)
     components, evaluator = _components(run, b, state, best, mfu, eval_loader)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmtune.config import TrainConfig
+from lmtune.model.products import choose_products
 from lmtune.train import train
 from tests.conftest import train_rows
 
@@ -21,6 +24,8 @@ def test_training_options_still_learn(tmp_path: Path, extra: dict[str, object]) 
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     measured = [r["mfu"] for r in rows[1:] if r["mfu"] is not None]  # None: over 100% (peak read low)
     assert len(measured) >= 20 and all(0 < m <= 1 for m in measured)
+    products = json.loads((out / "run.json").read_text())["resolved"]["products"]
+    assert products == choose_products(cfg.precision, torch.device("cpu"), cfg.compile).description
 
 
 def test_cpu_bf16_attention_memory_stays_flat_over_a_long_run(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import torch
 from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.model.chunked_loss import default_chunk_size, head_is_exact, split_head
 from lmtune.model.loss import SummedLoss
+from lmtune.model.products import Fp32Products
 
 VOCAB = 301
 
@@ -47,14 +48,19 @@ def _batch(pad_from: int = 15) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def _loss_and_grads(
-    model: torch.nn.Module, chunk: int, dtype: torch.dtype | None, varlen: bool = False
+    model: torch.nn.Module,
+    chunk: int,
+    dtype: torch.dtype | None,
+    varlen: bool = False,
+    fp32_products: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     # Over 10% padding sends per-example attention down its flattened path.
     ids, mask, labels = _batch(pad_from=8 if varlen else 15)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext()
-    with autocast:
-        loss = SummedLoss(model, varlen=varlen, loss_chunk=chunk)(ids, mask, labels).sum()
+    with autocast, Fp32Products() if fp32_products else nullcontext():
+        wrapped = SummedLoss(model, varlen=varlen, loss_chunk=chunk, fp32_products=fp32_products)
+        loss = wrapped(ids, mask, labels).sum()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -77,13 +83,15 @@ def test_chunked_equals_full_logits_in_fp32(kind: str) -> None:
         _close(grads, full, 1e-5)
 
 
+@pytest.mark.parametrize("fp32_products", [False, True], ids=["bf16-products", "fp32-products"])
 @pytest.mark.parametrize("kind", ["llama-tied", "qwen2"])
-def test_chunked_equals_full_logits_under_bf16_autocast(kind: str) -> None:
-    """The products run in bf16 both ways and the loss in fp32; only the order in which bf16
-    gradient pieces are summed differs (chunk by chunk here), so they agree to bf16 rounding."""
+def test_chunked_equals_full_logits_under_bf16_autocast(kind: str, fp32_products: bool) -> None:
+    """The products take bf16 operands both ways and the loss runs in fp32; only the order in which
+    bf16 gradient pieces are summed differs (chunk by chunk here), so they agree to bf16 rounding.
+    fp32-products: a CPU bf16 run's (lmtune.model.products)."""
     model = _model(kind)
-    full_loss, full = _loss_and_grads(model, 0, torch.bfloat16)
-    loss, grads = _loss_and_grads(model, 16, torch.bfloat16)
+    full_loss, full = _loss_and_grads(model, 0, torch.bfloat16, fp32_products=fp32_products)
+    loss, grads = _loss_and_grads(model, 16, torch.bfloat16, fp32_products=fp32_products)
     assert float(loss) == pytest.approx(float(full_loss), rel=1e-4)
     _close(grads, full, 2e-2)
 

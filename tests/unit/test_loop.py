@@ -31,6 +31,7 @@ from lmtune.evaluate import EvalResult
 from lmtune.loop import FitResult, FitSettings, fit
 from lmtune.metrics import RunLog
 from lmtune.model.precision import autocast_context
+from lmtune.model.products import choose_products
 from lmtune.parallel.distributed import read_dist_env
 from lmtune.parallel.health import Heartbeat
 from lmtune.step import StepInput, StepOptions, StepResult, Trainee, train_step
@@ -48,7 +49,14 @@ def _built(tmp_path: Path, name: str, **settings: Any) -> Iterator[tuple[Run, Bu
     cfg = TrainConfig(model="tiny", data=str(data), output_dir=str(tmp_path / name), progress=False, **values)
     with RunLog(ENV, Path(cfg.output_dir), progress=False) as log, StopRequest() as stop:
         run = Run(
-            cfg=cfg, env=ENV, strategy="single", threads=1, log=log, stop=stop, heartbeat=Heartbeat(None, 0)
+            cfg=cfg,
+            env=ENV,
+            strategy="single",
+            threads=1,
+            log=log,
+            stop=stop,
+            heartbeat=Heartbeat(None, 0),
+            products=choose_products(cfg.precision, ENV.device),
         )
         yield run, build(run)
 

@@ -39,21 +39,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,
         chunk: int,
         dtype: torch.dtype,
+        product_dtype: torch.dtype,
     ) -> torch.Tensor:
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b and bias is not None else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        # The products run in the autocast dtype as the full-logits path's would; softmax and
-        # log-sum-exp in fp32. Autocast is off inside so each cast is the one written here.
+        # The products take operands rounded to the autocast dtype and give results rounded to it,
+        # as the full-logits path's would; softmax and log-sum-exp in fp32. Autocast is off inside
+        # so each cast is the one written here. ``product_dtype`` fp32: see lmtune.model.products.
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
-            b = bias.to(dtype) if bias is not None else None
+            w = weight.to(dtype).to(product_dtype)
+            b = bias.to(dtype).to(product_dtype) if bias is not None else None
             for start in range(0, hidden.size(0), chunk):
-                h = hidden[start : start + chunk].to(dtype)
+                h = hidden[start : start + chunk].to(dtype).to(product_dtype)
                 t = targets[start : start + chunk]
-                logits = F.linear(h, w, b).float()
+                logits = F.linear(h, w, b).to(dtype).float()
                 lse = torch.logsumexp(logits, dim=-1)
                 total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
                 if grad_h is None and grad_w is None and grad_b is None:
@@ -63,11 +65,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g[torch.arange(t.numel(), device=t.device), t] -= 1.0
                 if grad_b is not None:
                     grad_b += g.sum(0)
-                g = g.to(dtype)
+                g = g.to(dtype).to(product_dtype)
                 if grad_h is not None:
-                    grad_h[start : start + chunk] = g @ w
-                if grad_w is not None:
+                    grad_h[start : start + chunk] = (g @ w).to(dtype)
+                if grad_w is None:
+                    continue
+                if product_dtype == torch.float32:
+                    grad_w.addmm_(g.t(), h)  # summed in fp32 over the chunks, in place
+                else:
                     grad_w += (g.t() @ h).float()
+            if grad_w is not None and product_dtype != dtype:
+                # Rounded once, as the full-logits path's one product over all rows is: per chunk,
+                # the rounding also cost three passes over a weight-sized tensor each time.
+                grad_w = grad_w.to(dtype).float()
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total
@@ -84,21 +94,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
 def linear_cross_entropy_sum(
-    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int
+    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int, fp32_products: bool = False
 ) -> torch.Tensor:
     """The summed next-token loss of ``head(hidden)`` against ``labels`` (shifted here), as
-    :func:`lmtune.model.loss.token_loss_sum` computes it from full logits, without them."""
+    :func:`lmtune.model.loss.token_loss_sum` computes it from full logits, without them.
+    ``fp32_products``: a CPU bf16 run's products in fp32 (lmtune.model.products)."""
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
     keep = targets != IGNORE_INDEX
     rows = hidden.reshape(-1, hidden.size(-1))[keep]
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    product_dtype = torch.float32 if fp32_products else dtype
     loss: torch.Tensor = _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
-        rows, head.weight, head.bias, targets[keep], chunk, dtype
+        rows, head.weight, head.bias, targets[keep], chunk, dtype, product_dtype
     )
     return loss
 

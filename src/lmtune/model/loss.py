@@ -50,9 +50,12 @@ class SummedLoss(nn.Module):
     instead of every replica's logits, and gives DDP/DP one module to wrap.
     """
 
-    def __init__(self, model: nn.Module, varlen: bool = False, loss_chunk: int = 0):
+    def __init__(
+        self, model: nn.Module, varlen: bool = False, loss_chunk: int = 0, fp32_products: bool = False
+    ):
         super().__init__()
         self.model = model
+        self.fp32_products = fp32_products  # the chunked loss's products (lmtune.model.products)
         # Tokens per chunk of the chunked linear cross-entropy (lmtune.model.chunked_loss); 0: the model
         # computes full logits. The decoder and head are looked up per call, not stored: DataParallel
         # replicates this module's children, and a stored reference would point at GPU 0's.
@@ -95,7 +98,7 @@ class SummedLoss(nn.Module):
         if split is None:
             return token_loss_sum(self.model(**inputs, use_cache=False).logits, labels)[0]
         hidden = split.decoder(**inputs, use_cache=False).last_hidden_state
-        return linear_cross_entropy_sum(hidden, split.head, labels, self.loss_chunk)
+        return linear_cross_entropy_sum(hidden, split.head, labels, self.loss_chunk, self.fp32_products)
 
     def _flat_forward(
         self,

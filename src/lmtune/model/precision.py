@@ -5,11 +5,13 @@ Weights and optimizer state stay fp32 with every choice; bf16 and fp16 are compu
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from typing import Any
 
 import torch
 
 from lmtune.errors import UserError
+from lmtune.model.products import Fp32Products
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -27,9 +29,33 @@ def check_device(precision: str, device: torch.device) -> None:
         )
 
 
-def autocast_context(precision: str, device: torch.device) -> AbstractContextManager[object]:
+def autocast_context(
+    precision: str, device: torch.device, fp32_products: bool = False
+) -> AbstractContextManager[object]:
+    """Autocast of ``precision`` (none under fp32); with ``fp32_products`` (a CPU bf16 run, see
+    lmtune.model.products) its matrix products in fp32 of bf16 operands."""
     dtype = low_precision_dtype(precision)
-    return nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
+    if dtype is None:
+        return nullcontext()
+    if fp32_products:
+        return _WithFp32Products(device, dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class _WithFp32Products:
+    """Autocast and Fp32Products together; reusable, like torch.autocast (evaluation enters one
+    context for every batch)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self.stack = ExitStack()
+
+    def __enter__(self) -> None:
+        self.stack.enter_context(torch.autocast(device_type=self.device.type, dtype=self.dtype))
+        self.stack.enter_context(Fp32Products())
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.stack.__exit__(*exc)
 
 
 def grad_scaler(precision: str) -> torch.amp.GradScaler | None:

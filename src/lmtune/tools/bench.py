@@ -158,8 +158,9 @@ def measure_peaks(precisions: list[str], nproc: int, device_name: str) -> list[s
     import torch
 
     from lmtune.data.prepare import cache_root
+    from lmtune.model.products import choose_products
     from lmtune.parallel.distributed import available_cores, read_dist_env
-    from lmtune.perf import PEAKS_FILE, measure_and_store_peak
+    from lmtune.perf import PEAKS_FILE, Probe, measure_and_store_peak
 
     device = read_dist_env(device_name).device
     cores = available_cores()
@@ -171,9 +172,11 @@ def measure_peaks(precisions: list[str], nproc: int, device_name: str) -> list[s
         for threads in thread_counts:
             if device.type == "cpu":
                 torch.set_num_threads(threads)
-            flops = measure_and_store_peak(device, precision, threads, cache_root() / PEAKS_FILE)
+            probe = Probe(device, precision, threads, choose_products(precision, device).fp32)
+            flops = measure_and_store_peak(probe, cache_root() / PEAKS_FILE)
             where = f"{threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else str(device)
-            lines.append(f"peak {precision:<5} {where:<10} {flops / 1e9:>10,.1f} GFLOP/s")
+            how = " (fp32 products of bf16 operands)" if probe.fp32_products else ""
+            lines.append(f"peak {precision:<5} {where:<10} {flops / 1e9:>10,.1f} GFLOP/s{how}")
     lines.append(f"stored in {cache_root() / PEAKS_FILE}")
     return lines
 

@@ -114,9 +114,9 @@ def _environment(env: DistEnv) -> list[Check]:
 
 
 def _matmul(env: DistEnv) -> Check:
-    from lmtune.perf import measure_peak_flops
+    from lmtune.perf import Probe, measure_peak_flops
 
-    peaks = all_gather_object(measure_peak_flops(env.device, "fp32", 0.3), env)
+    peaks = all_gather_object(measure_peak_flops(Probe(env.device, "fp32"), 0.3), env)
     median = statistics.median(peaks)
     slow = [r for r, p in enumerate(peaks) if p < 0.5 * median]
     detail = f"fp32 {min(peaks) / 1e9:,.1f} to {max(peaks) / 1e9:,.1f} GFLOP/s per rank"
