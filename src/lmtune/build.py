@@ -4,7 +4,7 @@ and optimizer. :func:`build` makes them all for one run; train.py composes the r
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from lmtune.model.lora import LoraSettings, add_lora
 from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import LoadedModel, load_model
 from lmtune.model.precision import autocast_context, grad_scaler
-from lmtune.model.products import Products
+from lmtune.model.products import Fp32Products, Products
 from lmtune.optim import build_optimizer, build_schedule
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.parallel.health import Heartbeat
@@ -143,17 +143,27 @@ def build(run: Run) -> Built:
     )
 
 
-def checkpoint_activations(model: torch.nn.Module, name: str) -> None:
+def checkpoint_activations(model: torch.nn.Module, name: str, fp32_products: bool = False) -> None:
     """Per-block activation checkpointing, non-reentrant: the reentrant variant runs backward
     hooks twice and DDP then sees parameters "marked ready twice"."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise UserError(f"--activation-checkpointing: {name} does not support gradient checkpointing")
-    kwargs = {"use_reentrant": False}
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if fp32_products:
+        # The recomputation in backward runs outside the step's context: the checkpoint restores
+        # autocast, not the products' mode, and a block recomputed with PyTorch's bf16 kernels
+        # saves other tensors than its forward did (CheckpointError).
+        kwargs["context_fn"] = _recompute_with_fp32_products
     enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
     if callable(enable):
         enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+
+
+def _recompute_with_fp32_products() -> tuple[AbstractContextManager[object], AbstractContextManager[object]]:
+    """torch.utils.checkpoint's context_fn: (around the forward, around the recomputation)."""
+    return nullcontext(), Fp32Products()
 
 
 def compile_model(model: torch.nn.Module, log: RunLog) -> None:
@@ -295,7 +305,7 @@ def build_model(run: Run, base: torch.nn.Module) -> tuple[torch.nn.Module, Model
     """Memory savers, LoRA, compile, the loss wrapper and the strategy's wrapper, in that order."""
     cfg, strategy, env, log = run.cfg, run.strategy, run.env, run.log
     if cfg.activation_checkpointing:
-        checkpoint_activations(base, cfg.model)
+        checkpoint_activations(base, cfg.model, run.products.fp32)
     # Per-example attention computes nothing on padding or across packed examples. Its per-example
     # loop would make torch.compile recompile for every batch, so compiled runs keep the masks.
     cpu_bf16 = env.device.type == "cpu" and cfg.precision == "bf16"

@@ -37,3 +37,29 @@ def test_blocks_run_twice_and_gradients_do_not_change(monkeypatch: pytest.Monkey
     layers = 4
     assert (plain_calls, ckpt_calls) == (layers, 2 * layers)  # forward, then recomputed in backward
     assert torch.equal(plain, ckpt)
+
+
+def test_fp32_products_recompute_as_their_forward_did() -> None:
+    """A CPU bf16 run with fp32 products (lmtune.model.products): the backward's recomputation
+    multiplies as the forward did (it raised CheckpointError), every product in fp32, and the
+    gradients are those without checkpointing."""
+    from lmtune.model.precision import autocast_context
+    from tests.unit.test_products import _ProductDtypes
+
+    def grads(checkpointed: bool) -> tuple[torch.Tensor, set[torch.dtype]]:
+        model = build_preset("tiny", seed=0).model.train()
+        if checkpointed:
+            checkpoint_activations(model, "tiny", fp32_products=True)
+        x = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+        seen = _ProductDtypes()
+        with seen:
+            with autocast_context("bf16", torch.device("cpu"), fp32_products=True):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+        flat = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return flat, set(seen.dtypes)
+
+    plain, plain_dtypes = grads(False)
+    ckpt, ckpt_dtypes = grads(True)
+    assert plain_dtypes == ckpt_dtypes == {torch.float32}
+    assert torch.equal(plain, ckpt)
