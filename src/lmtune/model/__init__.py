@@ -1,1 +1,2 @@
-"""The model side: loading, LoRA, the loss wrapper and its chunked head, attention, masks, precision."""
+"""The model side: loading, LoRA, the loss wrapper and its chunked head, attention, masks, precision
+and its matrix products."""
