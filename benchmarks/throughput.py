@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lmtune.config import TrainConfig
+from lmtune.config.settings import TrainConfig
 from lmtune.data.sample import addition_examples
-from lmtune.metrics import read_metrics, tokens_per_second
 from lmtune.model.modeling import build_preset
+from lmtune.outputs.runlog import read_metrics, tokens_per_second
 from lmtune.train import train
 
 

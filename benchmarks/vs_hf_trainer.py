@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from lmtune.config import TrainConfig
+from lmtune.config.settings import TrainConfig
 from lmtune.data.sample import addition_examples
-from lmtune.metrics import read_metrics, tokens_per_second
 from lmtune.model.modeling import build_preset
+from lmtune.outputs.runlog import read_metrics, tokens_per_second
 from lmtune.train import train
 
 

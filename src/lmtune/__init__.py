@@ -8,14 +8,14 @@ __version__ = "0.1.0"
 __all__ = ["TrainConfig", "__version__", "train"]
 
 if TYPE_CHECKING:
-    from lmtune.config import TrainConfig
+    from lmtune.config.settings import TrainConfig
     from lmtune.train import train
 
 
 def __getattr__(name: str) -> Any:
     # Imported lazily so `import lmtune` (and `lmtune --help`) does not pay for torch.
     if name == "TrainConfig":
-        from lmtune.config import TrainConfig
+        from lmtune.config.settings import TrainConfig
 
         return TrainConfig
     if name == "train":

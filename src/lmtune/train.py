@@ -15,23 +15,18 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from lmtune import callbacks as cb
-from lmtune import faults
-from lmtune.best import BEST_FILE, BestTracker, best_tracker
-from lmtune.build import Built, Run, build, data_cache_dir, loaders, schedule
-from lmtune.chat import stop_ids
 from lmtune.checkpoint.layout import FINGERPRINT_FILE, SCALER_FILE
+from lmtune.checkpoint.resume import starting_state
+from lmtune.checkpoint.rundir import acquire, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.checkpoint.store import prune, save_checkpoint
-from lmtune.config import TrainConfig, to_dict
+from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.data.prepare import cache_root
-from lmtune.evaluate import EvalResult, evaluate
-from lmtune.finish import finalize
-from lmtune.generations import Sampler, SampleSettings, read_prompts
-from lmtune.loop import FitSettings, fit
-from lmtune.metrics import RunLog, SampleLog, read_metrics
 from lmtune.model.precision import check_device
 from lmtune.model.products import choose_products
+from lmtune.model.tokens import stop_ids
+from lmtune.outputs.reporters import open_reporters, parse_report_to
+from lmtune.outputs.runlog import RunLog, SampleLog, read_metrics
 from lmtune.parallel.distributed import (
     CollectiveTimeouts,
     cpu_threads_per_process,
@@ -41,15 +36,28 @@ from lmtune.parallel.distributed import (
 from lmtune.parallel.health import Heartbeat
 from lmtune.parallel.launch import report_stopped, warn
 from lmtune.parallel.wrap import resolve_strategy, unwrap
-from lmtune.perf import PEAKS_FILE, MfuMeter, PhaseTimer, Probe, best_peak_flops, train_flops_per_token
-from lmtune.record import result_record, run_record
-from lmtune.reporters import open_reporters, parse_report_to
-from lmtune.resume import starting_state
-from lmtune.rundir import acquire, prepare_output
-from lmtune.step import StepOptions, Trainee
-from lmtune.stopping import StopRequest
+from lmtune.testing.faults import requested as faults_requested
 from lmtune.tools.doctor import DoctorSettings, check_or_fail
-from lmtune.validate import validate
+from lmtune.training import callbacks as cb
+from lmtune.training.best import BEST_FILE, BestTracker, best_tracker
+from lmtune.training.build import Built, Run, build, data_cache_dir, loaders, schedule
+from lmtune.training.evaluate import EvalResult, evaluate
+from lmtune.training.finish import finalize
+from lmtune.training.loop import FitSettings, fit
+from lmtune.training.optim import set_hyperparameters
+from lmtune.training.perf import (
+    PEAKS_FILE,
+    MfuMeter,
+    PhaseTimer,
+    Probe,
+    best_peak_flops,
+    train_flops_per_token,
+)
+from lmtune.training.preflight import validate
+from lmtune.training.record import result_record, run_record
+from lmtune.training.samples import Sampler, SampleSettings, read_prompts
+from lmtune.training.signals import StopRequest
+from lmtune.training.step import StepOptions, Trainee
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,10 @@ def _run(run: Run) -> TrainResult:
         scaler=b.scaler,
         log=log,
     )
+    # A loaded optimizer state brings the saved hyperparameters back; this run's settings rule.
+    set_hyperparameters(
+        b.optimizer, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps, cfg.momentum
+    )
     if resume_from is not None and state.step >= b.layout.total_steps and (output_dir / "final").is_dir():
         log.info(
             f"{output_dir} holds a finished run (step {state.step} of {b.layout.total_steps}; the model "
@@ -147,13 +159,15 @@ def _run(run: Run) -> TrainResult:
     )
     mfu = MfuMeter(partial(train_flops_per_token, b.loaded.model), peak, env.world_size, log)
     components, evaluator = _components(run, b, state, best, mfu, eval_loader)
-    faults.install_slow_or_stuck_rank(b.parts.root, env.rank, lambda: run.heartbeat.step)
+    if faults_requested():
+        from lmtune.testing.faults import install
+
+        install(b.parts.root, env.rank, lambda: run.heartbeat.step)
     timer = PhaseTimer(env.device, timed=cfg.profile, beat=run.heartbeat.beat)
     settings = FitSettings(
         env=env,
         step=StepOptions(cfg.max_grad_norm, run.autocast, timer),
         stop_requested=run.stop,
-        poison_step=faults.nan_step(),
         heartbeat=run.heartbeat,
     )
     run_info = run_record(run, b, resume_from, peak)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmtune.config import TrainConfig
+from lmtune.config.settings import TrainConfig
 from lmtune.model.products import choose_products
 from lmtune.train import train
 from tests.conftest import train_rows

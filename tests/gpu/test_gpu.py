@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmtune.config import TrainConfig
+from lmtune.config.settings import TrainConfig
 from lmtune.train import train
 from tests.conftest import uneven_texts, write_jsonl
 

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from lmtune.chat import end_of_turn_ids, stop_ids
 from lmtune.cli import main
+from lmtune.data.chat import end_of_turn_ids
 from lmtune.model.modeling import byte_tokenizer, load_model
+from lmtune.model.tokens import stop_ids
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -182,7 +183,7 @@ def test_chat_template_option_adds_its_markers_and_the_model_stops(
     the embeddings grow, and the saved model ends its reply at the template's end of turn."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lmtune.chat import TEMPLATES
+    from lmtune.data.chat import TEMPLATES
 
     data = _chat_data(tmp_path / "chat.jsonl")
     out = tmp_path / "out"
@@ -207,7 +208,7 @@ def test_chat_template_option_adds_its_markers_and_the_model_stops(
 
 
 def test_gemma_template_renders_turn_by_turn_and_ends_turns_with_its_marker() -> None:
-    from lmtune.chat import use_chat_template
+    from lmtune.data.chat import use_chat_template
     from lmtune.data.formats import render
     from lmtune.data.sources import Record
 
@@ -227,7 +228,7 @@ def test_gemma_template_renders_turn_by_turn_and_ends_turns_with_its_marker() ->
 
 
 def test_a_chat_template_file_is_checked_and_its_markers_found(tmp_path: Path) -> None:
-    from lmtune.chat import read_template
+    from lmtune.data.chat import read_template
     from lmtune.errors import UserError
 
     good = tmp_path / "mine.jinja"

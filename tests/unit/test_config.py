@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from lmtune.batching import epochs, micro_batch_size
-from lmtune.cli import build_parser
-from lmtune.commands import train_config as _train_config
-from lmtune.config import TrainConfig, config_fields, option_name
-from lmtune.config_io import build_config, load_yaml
+from lmtune.cli.commands import train_config as _train_config
+from lmtune.cli.parser import build_parser
+from lmtune.config.io import build_config, load_yaml
+from lmtune.config.settings import TrainConfig, config_fields, option_name
 from lmtune.errors import UserError
-from lmtune.validate import validate
+from lmtune.training.batch_layout import epochs, micro_batch_size
+from lmtune.training.preflight import validate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,7 +116,7 @@ def test_every_shipped_config_parses() -> None:
 
 
 def test_nnodes_and_resume_options(tmp_path: Path) -> None:
-    from lmtune.config import parse_nnodes
+    from lmtune.config.settings import parse_nnodes
 
     assert parse_nnodes("2") == (2, 2) and parse_nnodes("1:4") == (1, 4)
     for bad in ("0", "3:2", "x"):

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmtune.chat import stop_ids
 from lmtune.errors import UserError
-from lmtune.generations import decode, read_prompts
 from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import load_model
+from lmtune.model.tokens import stop_ids
 from lmtune.parallel.distributed import read_dist_env
+from lmtune.training.samples import decode, read_prompts
 
 
 @pytest.mark.parametrize("varlen", [False, True])

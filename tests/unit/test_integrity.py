@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from lmtune.checkpoint import sharded
+from lmtune.checkpoint import sharded, store
 from lmtune.checkpoint.layout import MANIFEST, list_checkpoints, step_folder, verify
+from lmtune.checkpoint.rundir import LOCK_FILE, LOCK_TOKEN_ENV, acquire, check_earlier_run, remove_leftovers
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import save_checkpoint
 from lmtune.data.prepare import DataSettings
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv
-from lmtune.rundir import LOCK_FILE, LOCK_TOKEN_ENV, acquire, check_earlier_run, remove_leftovers
 
 
 class Payload:
@@ -230,7 +230,7 @@ def test_a_full_disk_is_a_user_error_and_loses_nothing(
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
     assert verify(step_folder(tmp_path, 1)) is None
     # Checked before writing: too little room is refused at once, naming both sizes.
-    monkeypatch.setenv("LMTUNE_FAULT_FREE_BYTES", str(2**20))
+    monkeypatch.setattr(store, "free_bytes", lambda folder: 2**20)
     with pytest.raises(UserError, match=r"MB needed, 1 MB free; the previous checkpoint is intact"):
         save_checkpoint(tmp_path, _state(3), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
 

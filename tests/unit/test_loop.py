@@ -16,26 +16,35 @@ from typing import Any
 import pytest
 import torch
 
-from lmtune.batching import BatchLayout
-from lmtune.best import BestTracker
-from lmtune.build import Built, Run, build, loaders, schedule
-from lmtune.callbacks import Callback, Checkpointer, Control, Evaluator, NanPolicy, SignalStop, StepEnd
 from lmtune.checkpoint.export import export
 from lmtune.checkpoint.layout import list_checkpoints, step_folder, verify
 from lmtune.checkpoint.state import TrainerState
 from lmtune.checkpoint.store import load_checkpoint, prune, save_checkpoint
-from lmtune.config import TrainConfig
+from lmtune.config.settings import TrainConfig
 from lmtune.data.collate import StepCollator
 from lmtune.errors import TrainingStopped
-from lmtune.evaluate import EvalResult
-from lmtune.loop import FitResult, FitSettings, fit
-from lmtune.metrics import RunLog
 from lmtune.model.precision import autocast_context
 from lmtune.model.products import choose_products
+from lmtune.outputs.runlog import RunLog
 from lmtune.parallel.distributed import read_dist_env
 from lmtune.parallel.health import Heartbeat
-from lmtune.step import StepInput, StepOptions, StepResult, Trainee, train_step
-from lmtune.stopping import StopRequest
+from lmtune.testing.faults import install as install_faults
+from lmtune.training.batch_layout import BatchLayout
+from lmtune.training.best import BestTracker
+from lmtune.training.build import Built, Run, build, loaders, schedule
+from lmtune.training.callbacks import (
+    Callback,
+    Checkpointer,
+    Control,
+    Evaluator,
+    NanPolicy,
+    SignalStop,
+    StepEnd,
+)
+from lmtune.training.evaluate import EvalResult
+from lmtune.training.loop import FitResult, FitSettings, fit
+from lmtune.training.signals import StopRequest
+from lmtune.training.step import StepInput, StepOptions, StepResult, Trainee, train_step
 from tests.conftest import uneven_texts, write_jsonl
 
 ENV = read_dist_env("cpu")
@@ -190,14 +199,24 @@ def test_gradient_accumulation_is_one_step_over_the_whole_batch(tmp_path: Path) 
         torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-5, atol=1e-6)
 
 
-def test_a_poisoned_step_is_not_applied_and_the_policy_decides(tmp_path: Path) -> None:
+def _poison_step_2(run: Run, b: Built, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Fault injection as the tests' subprocesses get it: step 2's loss becomes NaN."""
+    monkeypatch.setenv("LMTUNE_FAULT_NAN_AT_STEP", "2")
+    install_faults(b.parts.root, 0, lambda: run.heartbeat.step)
+    return {"heartbeat": run.heartbeat}
+
+
+def test_a_poisoned_step_is_not_applied_and_the_policy_decides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with _built(tmp_path, "skip", on_nan="skip") as (run, b):
         recorder = Recorder()
-        result = _fit(run, b, _fresh_state(b), [NanPolicy("skip", run.log), recorder], poison_step=2)
+        poisoned = _poison_step_2(run, b, monkeypatch)
+        result = _fit(run, b, _fresh_state(b), [NanPolicy("skip", run.log), recorder], **poisoned)
         assert result.state.step == STEPS and result.state.skipped_steps == 1
         assert [s.result.nonfinite for s in recorder.steps][:3] == [False, True, False]
     with _built(tmp_path, "stop") as (run, b), pytest.raises(TrainingStopped, match="step 2"):
-        _fit(run, b, _fresh_state(b), [NanPolicy("stop", run.log)], poison_step=2)
+        _fit(run, b, _fresh_state(b), [NanPolicy("stop", run.log)], **_poison_step_2(run, b, monkeypatch))
 
 
 def test_a_signal_saves_the_step_and_stops(tmp_path: Path) -> None:

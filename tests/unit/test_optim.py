@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmtune.optim import build_optimizer, build_schedule, optimizer_state_bytes, param_groups, warmup_cosine
+from lmtune.checkpoint.state import optimizer_state_bytes
+from lmtune.training.optim import build_optimizer, build_schedule, param_groups, warmup_cosine
 
 
 def test_schedule_warms_up_then_decays_to_the_floor() -> None:

@@ -15,7 +15,7 @@ from lmtune.model import products
 from lmtune.model.loss import SummedLoss
 from lmtune.model.precision import autocast_context
 from lmtune.model.products import PRODUCTS_ENV, Fp32Products, choose_products
-from lmtune.perf import Probe, _peak_key
+from lmtune.training.perf import Probe, _peak_key
 from tests.unit.test_chunked_loss import _batch, _close, _model
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lmtune.cli import main
-from lmtune.optim import warmup_cosine
+from lmtune.training.optim import warmup_cosine
 from tests.conftest import train_rows, uneven_texts, write_jsonl
 from tests.unit.test_integrity import Payload
 

@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 
-from lmtune.cli import build_parser, main
-from lmtune.commands import train_config
-from lmtune.config import PLAN_SETTINGS, TrainConfig, choices, config_fields, field_type, option_name
-from lmtune.config_io import to_argv
+from lmtune.cli import main
+from lmtune.cli.commands import train_config
+from lmtune.cli.parser import build_parser
+from lmtune.config.io import to_argv
+from lmtune.config.settings import PLAN_SETTINGS, TrainConfig, choices, config_fields, field_type, option_name
 from lmtune.errors import UserError
-from lmtune.validate import validate
+from lmtune.training.preflight import validate
 
 
 def _different(f: Any) -> Any:
@@ -131,7 +132,7 @@ def test_calibration_runs_the_users_settings(tmp_path: Path, monkeypatch: pytest
 def test_bench_runs_the_settings_of_a_train_config_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from lmtune.config_io import MEASURING_RUN
+    from lmtune.config.io import MEASURING_RUN
 
     seen: list[list[str]] = []
 

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from lmtune import faults
 from lmtune.checkpoint import sharded
 from lmtune.checkpoint.export import gathered_adapter, save_configs
 from lmtune.checkpoint.layout import (
@@ -127,7 +126,6 @@ def _write_checkpoint(
     adapter = gathered_adapter(parts) if parts.lora else {}  # collective under FSDP
     if env.is_main:
         _save_model(parts, adapter, tmp)
-        faults.maybe_kill_in_save(state.step)
         # Config and tokenizer make the checkpoint self-contained for `lmtune export`.
         save_configs(parts.model, tmp)
         tokenizer.save_pretrained(tmp)
@@ -142,9 +140,14 @@ def _write_checkpoint(
         write_manifest(tmp)
 
 
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the disk holding ``folder``."""
+    return shutil.disk_usage(folder).free
+
+
 def _estimate_bytes(parts: ModelParts, optimizer: torch.optim.Optimizer, env: DistEnv) -> int:
     """What a checkpoint of this run takes: the trained weights (whole) and the optimizer state."""
-    from lmtune.optim import optimizer_state_bytes
+    from lmtune.checkpoint.state import optimizer_state_bytes
 
     weights = sum(
         p.numel() * p.element_size() for p in parts.root.parameters() if p.requires_grad or not parts.lora
@@ -160,7 +163,7 @@ def _space_problem(
     folder = output_dir / CHECKPOINTS
     folder.mkdir(parents=True, exist_ok=True)
     needed = _estimate_bytes(parts, optimizer, env)
-    free = faults.free_bytes_override() or shutil.disk_usage(folder).free
+    free = free_bytes(folder)
     if free >= needed * 1.05 + (1 << 20):
         return ""
     return _no_space(step, step_folder(output_dir, step), needed, free)

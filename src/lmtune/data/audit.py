@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from lmtune.chat import end_of_turn_ids
+from lmtune.data.chat import end_of_turn_ids
 from lmtune.data.formats import ensure_chat_template
 from lmtune.data.prepare import DataSettings, encode_into, records
 from lmtune.data.sampling import epoch_order, rank_indices

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmtune.config.settings import SAMPLE_DATA as SAMPLE
+from lmtune.config.settings import SAMPLE_EVAL
 from lmtune.data.sample import SAMPLE_SEED, addition_examples
 from lmtune.errors import UserError
 
-SAMPLE = "sample"
-SAMPLE_EVAL = "sample:eval"
 EXTENSIONS = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".txt")
 
 

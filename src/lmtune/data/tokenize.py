@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from lmtune.chat import end_of_turn_ids
+from lmtune.data.chat import end_of_turn_ids
 from lmtune.data.formats import Rendered, render
 from lmtune.data.sources import BadLines, Record
 from lmtune.errors import UserError

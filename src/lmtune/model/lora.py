@@ -23,7 +23,7 @@ class LoraSettings:
 
 
 def _peft() -> Any:
-    from lmtune.optim import quiet_bitsandbytes
+    from lmtune.model.quantization import quiet_bitsandbytes
 
     quiet_bitsandbytes()  # peft imports bitsandbytes when installed
     try:

@@ -42,7 +42,7 @@ PHASES = (
 # Not watched: how long loading a model or tokenizing takes is not a hang (each has its own bound).
 UNWATCHED = {"start", "load", "data-prep", "done"}
 # Watched with a longer bound: the first step (compilation, warm-up) and saving (a large checkpoint
-# is one long write); generating samples is bounded by its own budget (lmtune.generations).
+# is one long write); generating samples is bounded by its own budget (lmtune.training.samples).
 # Evaluation beats at every batch, so it is watched like a step.
 LONG = {"save"}
 LONG_GRACE_S = 600.0

@@ -13,12 +13,13 @@ import tempfile
 import threading
 import time
 import uuid
-from contextlib import nullcontext, suppress
+from contextlib import suppress
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from lmtune.config import TrainConfig, parse_nnodes
+from lmtune.config.settings import TrainConfig, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE
 from lmtune.parallel.health import HANG_EXIT_CODE, HEALTH_DIR_ENV, Watchdog, read_beats
 
@@ -84,35 +85,51 @@ def world_size_bounds(cfg: TrainConfig) -> tuple[int, int]:
     return low * cfg.nproc_per_node, high * cfg.nproc_per_node
 
 
-def relaunch(argv: list[str], cfg: TrainConfig) -> int:
+# The output folder's lock token, handed by a launcher that holds the lock to the workers it starts.
+LOCK_TOKEN_ENV = "LMTUNE_LOCK_TOKEN"
+
+
+@dataclass(frozen=True)
+class Job:
+    """Who this launcher is in its job: the run id shared by its nodes, and whether it hosts the
+    job (one machine, or node 0 of several), which takes the output folder's lock for it."""
+
+    run_id: str
+    single_node: bool
+    hosts: bool
+
+
+def job_of(cfg: TrainConfig) -> Job:
+    single_node = parse_nnodes(cfg.nnodes)[1] == 1 and cfg.rdzv_endpoint is None
+    return Job(
+        run_id=str(uuid.uuid4()) if single_node else cfg.rdzv_id,
+        single_node=single_node,
+        hosts=single_node or cfg.node_rank == 0,
+    )
+
+
+def relaunch(argv: list[str], cfg: TrainConfig, job: Job, lock_token: str | None) -> int:
     """Run ``lmtune <argv>`` as ``cfg.nproc_per_node`` local workers of the job; return the exit code.
 
     One machine: the rendezvous endpoint is ``localhost:0`` so the OS picks a free port, and two
     runs never collide. Several machines: c10d rendezvous at ``--rdzv-endpoint``, hosted by node 0.
     When a worker fails the launcher stops the others, so no rank is left hanging; with
     ``--max-restarts`` it starts them all again and they resume from the newest checkpoint.
+    ``lock_token``: the output folder's lock, taken by the caller for the workers (None: with
+    several nodes, rank 0 takes it where no launcher here did).
     """
-    from lmtune.rundir import LOCK_TOKEN_ENV, acquire
-
-    single_node = parse_nnodes(cfg.nnodes)[1] == 1 and cfg.rdzv_endpoint is None
-    run_id = str(uuid.uuid4()) if single_node else cfg.rdzv_id
-    # The job's lock, before any worker starts: taken here by the node that hosts the job, handed
-    # to the workers by its token; with several nodes, rank 0 takes it where no launcher here did.
-    hosts = single_node or cfg.node_rank == 0
-    lock = acquire(Path(cfg.output_dir), run_id, warn) if hosts else nullcontext()
-    with lock as held:
-        if held is not None:
-            os.environ[LOCK_TOKEN_ENV] = held.holder.token
-        try:
-            return _launch(argv, cfg, run_id, single_node)
-        finally:
-            os.environ.pop(LOCK_TOKEN_ENV, None)
+    if lock_token is not None:
+        os.environ[LOCK_TOKEN_ENV] = lock_token
+    try:
+        return _launch(argv, cfg, job.run_id, job.single_node)
+    finally:
+        os.environ.pop(LOCK_TOKEN_ENV, None)
 
 
 def relaunch_unlocked(argv: list[str], cfg: TrainConfig) -> int:
     """`relaunch` without taking the output folder: for commands that only look (lmtune doctor)."""
-    single_node = parse_nnodes(cfg.nnodes)[1] == 1 and cfg.rdzv_endpoint is None
-    return _launch(argv, cfg, str(uuid.uuid4()) if single_node else cfg.rdzv_id, single_node)
+    job = job_of(cfg)
+    return _launch(argv, cfg, job.run_id, job.single_node)
 
 
 def warn(message: str) -> None:

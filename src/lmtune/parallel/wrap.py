@@ -12,7 +12,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lmtune.errors import UserError
-from lmtune.model.precision import low_precision_dtype
 from lmtune.parallel.distributed import DistEnv
 
 
@@ -48,11 +47,14 @@ def resolve_strategy(strategy: str, env: DistEnv) -> str:
     return strategy
 
 
-def wrap_model(module: nn.Module, strategy: str, env: DistEnv, precision: str = "fp32") -> nn.Module:
-    """Place the module on this rank's device and wrap it for ``strategy``."""
+def wrap_model(
+    module: nn.Module, strategy: str, env: DistEnv, low_dtype: torch.dtype | None = None
+) -> nn.Module:
+    """Place the module on this rank's device and wrap it for ``strategy``; ``low_dtype``: the
+    autocast dtype of a bf16/fp16 run (None under fp32), which FSDP2 gathers parameters in."""
     module = module.to(env.device)
     if strategy == "fsdp":
-        return _fully_shard(module, precision)
+        return _fully_shard(module, low_dtype)
     if strategy == "dp":
         # Logical ids: with CUDA_VISIBLE_DEVICES=1,2 these are physical GPUs 1 and 2.
         return nn.DataParallel(module, device_ids=list(range(torch.cuda.device_count())))
@@ -80,7 +82,7 @@ def decoder_blocks(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if type(m).__name__ in names]
 
 
-def _fully_shard(module: nn.Module, precision: str) -> nn.Module:
+def _fully_shard(module: nn.Module, low: torch.dtype | None) -> nn.Module:
     """FSDP2: each decoder block is one unit (its parameters are gathered just for its forward and
     backward), the root holds the rest (embeddings, final norm, head).
 
@@ -95,7 +97,6 @@ def _fully_shard(module: nn.Module, precision: str) -> nn.Module:
             "--strategy fsdp: found no decoder blocks to shard (the model lists no _no_split_modules); "
             "use --strategy ddp"
         )
-    low = low_precision_dtype(precision)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
     for block in blocks:
         fully_shard(block, mp_policy=policy)

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from lmtune.config import TrainConfig, choices
-from lmtune.config_io import MEASURING_RUN, to_argv
+from lmtune.config.io import MEASURING_RUN, to_argv
+from lmtune.config.settings import TrainConfig, choices
 from lmtune.errors import UserError
-from lmtune.metrics import read_metrics, tokens_per_second
+from lmtune.outputs.runlog import read_metrics, tokens_per_second
 
 STRATEGIES = tuple(s for s in choices("strategy") if s != "auto")  # each one is measured as it is
 PRECISIONS = choices("precision")
@@ -160,7 +160,7 @@ def measure_peaks(precisions: list[str], nproc: int, device_name: str) -> list[s
     from lmtune.data.prepare import cache_root
     from lmtune.model.products import choose_products
     from lmtune.parallel.distributed import available_cores, read_dist_env
-    from lmtune.perf import PEAKS_FILE, Probe, measure_and_store_peak
+    from lmtune.training.perf import PEAKS_FILE, Probe, measure_and_store_peak
 
     device = read_dist_env(device_name).device
     cores = available_cores()

@@ -114,7 +114,7 @@ def _environment(env: DistEnv) -> list[Check]:
 
 
 def _matmul(env: DistEnv) -> Check:
-    from lmtune.perf import Probe, measure_peak_flops
+    from lmtune.training.perf import Probe, measure_peak_flops
 
     peaks = all_gather_object(measure_peak_flops(Probe(env.device, "fp32"), 0.3), env)
     median = statistics.median(peaks)

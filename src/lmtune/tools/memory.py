@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lmtune.config import TrainConfig
+from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
 from lmtune.model.lora import LoraSettings
 from lmtune.model.precision import low_precision_dtype

@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 
-from lmtune.batching import micro_batch_size
-from lmtune.config import TrainConfig
-from lmtune.config_io import MEASURING_RUN, to_argv
+from lmtune.config.io import MEASURING_RUN, to_argv
+from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
 from lmtune.model.lora import LoraSettings
 from lmtune.parallel.wrap import effective_strategy
@@ -39,6 +38,7 @@ from lmtune.tools.memory import (
     loss_chunk,
     model_facts,
 )
+from lmtune.training.batch_layout import micro_batch_size
 
 MIB = 2**20
 UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -242,9 +242,9 @@ def row_length(cfg: TrainConfig) -> tuple[int, bool, str]:
     Packed rows are --max-length wide; otherwise a micro-batch is as wide as its longest example,
     found by tokenizing --data (through the same cache as training).
     """
-    from lmtune.build import prepare_data
     from lmtune.model.modeling import load_tokenizer
     from lmtune.parallel.distributed import read_dist_env
+    from lmtune.training.build import prepare_data
 
     if cfg.packing == "on":
         return cfg.max_length, True, "--packing on: rows of --max-length"
@@ -252,7 +252,7 @@ def row_length(cfg: TrainConfig) -> tuple[int, bool, str]:
     quiet = _QuietLog()
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     if cfg.chat_template is not None:  # the same tokens, and the same cache entry, as training
-        from lmtune.chat import use_chat_template
+        from lmtune.data.chat import use_chat_template
 
         use_chat_template(tokenizer, cfg.chat_template)
     train, _, info = prepare_data(replace(cfg, eval_data=None), tokenizer, env, quiet)
@@ -288,7 +288,7 @@ class PlanReport:
 
 
 def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Path) -> PlanReport:
-    from lmtune.config import parse_nnodes
+    from lmtune.config.settings import parse_nnodes
     from lmtune.model.modeling import load_config
     from lmtune.parallel.distributed import read_dist_env
 

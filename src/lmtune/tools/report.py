@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtune.errors import UserError
-from lmtune.reporters import is_number
+from lmtune.outputs.reporters import is_number
 
 SMOOTHING = 0.9  # exponential moving average of the training loss (as TensorBoard's slider)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from lmtune.config import TrainConfig, config_fields, field_type, option_name, to_dict
+from lmtune.config.settings import TrainConfig, config_fields, field_type, option_name, to_dict
 from lmtune.errors import UserError
 
 # How a run that lmtune starts to measure something (plan --calibrate, bench) differs from the

@@ -12,8 +12,8 @@ from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
 
 
 def train_config(args: argparse.Namespace) -> Any:
-    from lmtune.config import config_fields
-    from lmtune.config_io import build_config, load_yaml
+    from lmtune.config.io import build_config, load_yaml
+    from lmtune.config.settings import config_fields
 
     values: dict[str, Any] = {}
     source = ""
@@ -26,21 +26,36 @@ def train_config(args: argparse.Namespace) -> Any:
 
 def train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.parallel.distributed import launched_world_size
-    from lmtune.validate import validate
+    from lmtune.training.preflight import validate
 
     cfg = train_config(args)
     if launched_world_size() == 1:
-        from lmtune.parallel.launch import needs_launcher, relaunch, world_size_bounds
+        from lmtune.parallel.launch import needs_launcher, world_size_bounds
 
         if needs_launcher(cfg):
             # Check in the launcher first: a bad option is then reported once, before N processes start.
             for world_size in sorted(set(world_size_bounds(cfg))):
                 validate(cfg, world_size)
-            return relaunch(list(argv), cfg)
+            return _launch_job(list(argv), cfg)
     from lmtune.train import train
 
     train(cfg)  # a run stopped by a signal has saved a checkpoint and exits cleanly too
     return 0
+
+
+def _launch_job(argv: list[str], cfg: Any) -> int:
+    """The job's processes, started by lmtune's launcher under the output folder's lock: taken
+    before any worker starts by the launcher that hosts the job and handed to its workers."""
+    from contextlib import nullcontext
+    from pathlib import Path
+
+    from lmtune.checkpoint.rundir import acquire
+    from lmtune.parallel.launch import job_of, relaunch, warn
+
+    job = job_of(cfg)
+    lock = acquire(Path(cfg.output_dir), job.run_id, warn) if job.hosts else nullcontext()
+    with lock as held:
+        return relaunch(argv, cfg, job, held.holder.token if held is not None else None)
 
 
 def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -72,7 +87,7 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if args.chat:
             _chat(model, loaded.tokenizer, args.prompt, args.system, options)
         else:
-            from lmtune.generate import complete
+            from lmtune.model.generate import complete
 
             print(args.prompt + complete(model, loaded.tokenizer, args.prompt, **options))
     return 0
@@ -83,7 +98,7 @@ def _chat(
 ) -> None:
     """One reply to --prompt, or a conversation over stdin's lines (interactive on a terminal)."""
     from lmtune.data.formats import ensure_chat_template
-    from lmtune.generate import chat_reply
+    from lmtune.model.generate import chat_reply
 
     ensure_chat_template(tokenizer)
     messages = [{"role": "system", "content": system}] if system else []
@@ -139,7 +154,7 @@ def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from pathlib import Path
 
     from lmtune.tools.plan import format_report, parse_size, plan, report_json
-    from lmtune.validate import validate
+    from lmtune.training.preflight import validate
 
     cfg = train_config(args)
     validate(cfg, cfg.nproc_per_node)
@@ -164,7 +179,7 @@ def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from lmtune.config import TrainConfig, parse_nnodes
+    from lmtune.config.settings import TrainConfig, parse_nnodes
     from lmtune.parallel.distributed import launched_world_size, process_group, read_dist_env
     from lmtune.tools.doctor import DoctorSettings, check_or_fail
 
@@ -215,7 +230,7 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from pathlib import Path
 
-    from lmtune.config import choices, option_name
+    from lmtune.config.settings import choices, option_name
     from lmtune.data.audit import audit, format_report, plot_histogram
     from lmtune.data.prepare import DataSettings
     from lmtune.model.modeling import load_tokenizer
@@ -228,7 +243,7 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError("--max-length must be >= 2, --nproc-per-node and --global-batch-size >= 1")
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     if args.chat_template is not None:
-        from lmtune.chat import use_chat_template
+        from lmtune.data.chat import use_chat_template
 
         use_chat_template(tokenizer, args.chat_template)
     settings = DataSettings(

@@ -1,20 +1,17 @@
-"""Command line: argv + YAML -> config -> command. User errors become a message and exit code 2."""
+"""The argument parser of every subcommand; train's options come from the settings."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Sequence
 from typing import Any
 
-from lmtune import commands
-from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
+from lmtune.cli import commands
 
 
 def _add_train_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> None:
     """The settings of TrainConfig as flags (``only``: just these), all defaulting to "not given"
     so that a --config YAML file fills the rest."""
-    from lmtune.config import choices, config_fields, field_type, option_name
+    from lmtune.config.settings import choices, config_fields, field_type, option_name
 
     parser.add_argument(
         "--config",
@@ -154,7 +151,7 @@ def _plan_parser(sub: Any) -> None:
         help="train two real steps at two micro-batch sizes and correct the prediction by what they measure",
     )
     pl.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON")
-    from lmtune.config import PLAN_SETTINGS
+    from lmtune.config.settings import PLAN_SETTINGS
 
     _add_train_options(pl, only=PLAN_SETTINGS)
     pl.set_defaults(run=commands.plan)
@@ -248,43 +245,3 @@ def _data_parser(sub: Any) -> None:
     aud.add_argument("--plot", metavar="PNG", default=None, help="also write the length histogram as a PNG")
     aud.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own Python code")
     aud.set_defaults(run=commands.audit)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the process exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    _quiet_libraries()
-    try:
-        code: int = args.run(args, argv)
-        return code
-    except UserError as e:
-        from lmtune.parallel.launch import report_error
-
-        report_error(str(e), USER_ERROR_EXIT_CODE)
-        return USER_ERROR_EXIT_CODE
-    except StoppedBySignal as e:
-        print(f"lmtune: {e}", file=sys.stderr, flush=True)
-        return 128 + e.signum
-    except TrainingStopped as e:
-        from lmtune.parallel.launch import report_error
-
-        report_error(str(e), 1)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
-
-def _quiet_libraries() -> None:
-    """Hide transformers' per-load progress bars and advice; lmtune reports what matters."""
-    import os
-
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()

@@ -12,33 +12,33 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from lmtune.batching import BatchLayout, batch_layout
-from lmtune.chat import end_of_turn_ids, fit_embeddings, set_stop_tokens, use_chat_template
+from lmtune.checkpoint.resume import Fingerprint, fingerprint
 from lmtune.checkpoint.state import ModelParts
-from lmtune.config import SAMPLE_DATA, TrainConfig, warmup_steps
+from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps
+from lmtune.data.chat import end_of_turn_ids, use_chat_template
 from lmtune.data.collate import Collator, StepCollator
 from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.prepare import DataSettings, default_cache_dir, prepare
 from lmtune.data.sampling import EvalSampler, TrainSampler
-from lmtune.data.sources import SAMPLE_EVAL
 from lmtune.data.tokenize import EncodeStats
 from lmtune.errors import UserError
-from lmtune.loop import FitData
-from lmtune.metrics import InfoLog, RunLog
 from lmtune.model.attention import use_varlen
 from lmtune.model.chunked_loss import LossChoice
 from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.lora import LoraSettings, add_lora
 from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import LoadedModel, load_model
-from lmtune.model.precision import autocast_context, grad_scaler
+from lmtune.model.precision import autocast_context, grad_scaler, low_precision_dtype
 from lmtune.model.products import Fp32Products, Products
-from lmtune.optim import build_optimizer, build_schedule
+from lmtune.model.tokens import fit_embeddings, set_stop_tokens
+from lmtune.outputs.runlog import InfoLog, RunLog
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.parallel.health import Heartbeat
 from lmtune.parallel.wrap import wrap_model
-from lmtune.resume import Fingerprint, fingerprint
-from lmtune.stopping import StopRequest
+from lmtune.training.batch_layout import BatchLayout, batch_layout
+from lmtune.training.loop import FitData
+from lmtune.training.optim import build_optimizer, build_schedule
+from lmtune.training.signals import StopRequest
 
 # Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
 LORA_MIN_DEFAULT_LR = 2e-4
@@ -330,7 +330,7 @@ def build_model(run: Run, base: torch.nn.Module) -> tuple[torch.nn.Module, Model
     if cfg.compile:
         compile_model(trained, log)
     loss_module = SummedLoss(trained, varlen, loss.chunk, run.products.fp32)
-    model = wrap_model(loss_module, strategy, env, cfg.precision)
+    model = wrap_model(loss_module, strategy, env, low_precision_dtype(cfg.precision))
     return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora), loss
 
 

@@ -21,10 +21,9 @@ import torch
 from lmtune.checkpoint.layout import CHECKPOINTS, FINGERPRINT_FILE, list_checkpoints, verify
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
-from lmtune.config import TrainConfig, warmup_steps
+from lmtune.config.settings import TrainConfig, warmup_steps
 from lmtune.errors import UserError
-from lmtune.metrics import InfoLog
-from lmtune.optim import set_hyperparameters
+from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 
 # Config entries that describe how a model runs here, not what it is.
@@ -185,10 +184,6 @@ def continue_from(
         log.info(f"{folder} predates run fingerprints: only the batch, seed and example count are checked")
     changes = compare(saved_fp, now, folder)
     saved = load_checkpoint(folder, parts, optimizer, env, scaler)
-    # The loaded optimizer state brought the saved hyperparameters back; this run's settings rule.
-    set_hyperparameters(
-        optimizer, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps, cfg.momentum
-    )
     state = replace(saved, world_size=env.world_size)
     log.info(
         f"resuming from {folder}: step {state.step}, epoch {state.epoch + 1}, sample "

@@ -14,7 +14,7 @@ from torch import nn
 from lmtune.data.batch import Batch, idle_batch
 from lmtune.parallel.distributed import DistEnv, all_reduce_max, all_reduce_sum
 from lmtune.parallel.wrap import is_sharded, no_sync
-from lmtune.perf import PhaseTimer, phase
+from lmtune.training.perf import PhaseTimer, phase
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,6 @@ class StepInput:
 
     micro_batches: list[Batch]
     stop_requested: bool = False  # this rank got SIGTERM/SIGINT
-    poison: bool = False  # fault injection: this rank's loss becomes NaN
     data_s: float = 0.0  # how long this rank waited for the batches
 
 
@@ -71,8 +70,7 @@ def train_step(trainee: Trainee, step: StepInput, env: DistEnv, options: StepOpt
     padding; a mean of per-batch means would weight tokens differently with N ranks than with one.
 
     Whether to apply the update is agreed by all ranks in one collective before the optimizer
-    runs: one rank skipping alone would leave the replicas apart. ``poison`` makes this rank's loss
-    NaN (fault injection for tests).
+    runs: one rank skipping alone would leave the replicas apart.
     """
     micro_batches, timer, model = step.micro_batches, options.timer, trainee.model
     local = [
@@ -95,8 +93,6 @@ def train_step(trainee: Trainee, step: StepInput, env: DistEnv, options: StepOpt
             with phase(timer, "forward"), options.autocast():
                 micro_loss = model(*batch.model_inputs()).sum()
             work_s += time.perf_counter() - started
-            if step.poison:
-                micro_loss = micro_loss * float("nan")
             scaled = micro_loss * scale
             with phase(timer, "backward"):
                 (trainee.scaler.scale(scaled) if trainee.scaler is not None else scaled).backward()

@@ -1,7 +1,9 @@
-"""validate(cfg, world_size): every setting checked before anything runs, each error naming its option.
+"""check_settings(cfg, world_size): every setting's range and the combinations of settings, each
+error naming its option; nothing is read from disk here (lmtune.training.preflight checks the
+inputs the settings name).
 
-Allowed values come from the fields' metadata (config.py lists them once); the checks here are the
-ranges and the combinations.
+Allowed values come from the fields' metadata (settings.py lists them once); the checks here are
+the ranges and the combinations.
 """
 
 from __future__ import annotations
@@ -9,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from lmtune.config import SAMPLE_DATA, TrainConfig, choices, config_fields, option_name, parse_nnodes
+from lmtune.config.settings import SAMPLE_DATA, TrainConfig, choices, config_fields, option_name, parse_nnodes
 from lmtune.errors import UserError
 
 Need = Callable[[bool, str, str], None]
 
 
-def validate(cfg: TrainConfig, world_size: int) -> None:
+def check_settings(cfg: TrainConfig, world_size: int) -> None:
     """Reject settings that cannot work, naming the option; ``world_size`` is the process count."""
 
     def need(ok: bool, name: str, why: str) -> None:
@@ -33,12 +35,6 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     _check_processes(cfg, need)
     _check_outputs(cfg, need)
     _check_batch(cfg, world_size)
-    from lmtune.data.sources import resolve_sources
-
-    for name in ("data", "eval_data"):
-        spec = getattr(cfg, name)
-        if spec is not None:
-            resolve_sources(spec, option_name(name))  # missing files and empty globs fail here
 
 
 def _check_training(cfg: TrainConfig, need: Need) -> None:
@@ -71,10 +67,6 @@ def _check_data(cfg: TrainConfig, need: Need) -> None:
         "eval_split",
         "must be a fraction in (0, 1) or a whole number of examples",
     )
-    if cfg.chat_template is not None:
-        from lmtune.chat import read_template
-
-        read_template(cfg.chat_template)
 
 
 def _check_model(cfg: TrainConfig, need: Need) -> None:
@@ -141,9 +133,6 @@ def _check_outputs(cfg: TrainConfig, need: Need) -> None:
     need(cfg.log_every >= 1, "log_every", "must be >= 1")
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir():
         raise UserError(f"--resume: no such checkpoint folder: {cfg.resume}")
-    from lmtune.reporters import check_installed, parse_report_to
-
-    check_installed(parse_report_to(cfg.report_to))
 
 
 def _check_batch(cfg: TrainConfig, world_size: int) -> None:

@@ -8,15 +8,15 @@ from dataclasses import dataclass, replace
 
 from torch.utils.data import DataLoader
 
-from lmtune.batching import BatchLayout
-from lmtune.callbacks import Callback, Control, StepEnd
 from lmtune.checkpoint.state import TrainerState
 from lmtune.data.batch import Batch
 from lmtune.data.sampling import TrainSampler
 from lmtune.parallel.distributed import DistEnv
 from lmtune.parallel.health import Heartbeat
-from lmtune.perf import phase
-from lmtune.step import StepInput, StepOptions, StepResult, Trainee, train_step
+from lmtune.training.batch_layout import BatchLayout
+from lmtune.training.callbacks import Callback, Control, StepEnd
+from lmtune.training.perf import phase
+from lmtune.training.step import StepInput, StepOptions, StepResult, Trainee, train_step
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,6 @@ class FitSettings:
     env: DistEnv
     step: StepOptions
     stop_requested: Callable[[], bool] = lambda: False  # this rank got SIGTERM/SIGINT
-    poison_step: int | None = None  # fault injection: this step's loss becomes NaN on rank 0
     heartbeat: Heartbeat | None = None  # step and phase for the launcher's hang watchdog
 
 
@@ -75,7 +74,6 @@ def fit(
             step_input = StepInput(
                 micro,
                 stop_requested=settings.stop_requested(),
-                poison=settings.poison_step == state.step + 1 and env.is_main,
                 data_s=time.perf_counter() - data_started,
             )
             r = train_step(trainee, step_input, env, settings.step)

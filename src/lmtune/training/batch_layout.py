@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmtune.config import DEFAULT_EPOCHS, SAMPLE_DATA, SAMPLE_EPOCHS, TrainConfig
+from lmtune.config.settings import DEFAULT_EPOCHS, SAMPLE_DATA, SAMPLE_EPOCHS, TrainConfig
 from lmtune.data.sampling import steps_per_epoch
 from lmtune.errors import UserError
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmtune.best import BestTracker
-from lmtune.build import Built, Run
 from lmtune.checkpoint.export import save_final, save_hf_folder
 from lmtune.checkpoint.store import load_checkpoint
-from lmtune.config import SAMPLE_DATA
-from lmtune.demo import final_model, show_answers
-from lmtune.loop import FitResult
+from lmtune.config.settings import SAMPLE_DATA
 from lmtune.model.lora import merged_model
 from lmtune.model.modeling import load_model
 from lmtune.parallel.distributed import barrier
+from lmtune.training.best import BestTracker
+from lmtune.training.build import Built, Run
+from lmtune.training.demo import final_model, show_answers
+from lmtune.training.loop import FitResult
 
 
 def finalize(run: Run, b: Built, result: FitResult, best: BestTracker | None, trained_from: int) -> None:

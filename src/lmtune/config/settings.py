@@ -14,10 +14,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmtune.data.sources import SAMPLE
 from lmtune.errors import UserError
 
-SAMPLE_DATA = SAMPLE  # --data sample: the built-in addition task (lmtune.data.sources owns the name)
+# --data sample: the built-in addition task, and its held-out split (the default evaluation data).
+SAMPLE_DATA = "sample"
+SAMPLE_EVAL = "sample:eval"
 # The settings `lmtune plan` reads (the model, the data's shape, the setup): its --help lists these.
 _PLAN = (
     "model data data_format text_field train_on_prompt chat_template packing truncation "

@@ -24,9 +24,9 @@ from typing import Any
 
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, broadcast_object
+from lmtune.parallel.launch import LOCK_TOKEN_ENV
 
 LOCK_FILE = ".lmtune.lock"
-LOCK_TOKEN_ENV = "LMTUNE_LOCK_TOKEN"
 # What an earlier run leaves; none of it is written through a symbolic link.
 RUN_FILES = (
     *("final", "checkpoints", "metrics.jsonl", "run.json", "samples"),

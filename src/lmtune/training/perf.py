@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmtune.metrics import InfoLog
 from lmtune.model.precision import DTYPES
 from lmtune.model.products import Fp32Products
+from lmtune.outputs.runlog import InfoLog
 
 
 def _synchronize(device: torch.device) -> None:

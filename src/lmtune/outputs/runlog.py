@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
+from lmtune.outputs.reporters import Reporter
 from lmtune.parallel.distributed import DistEnv
-from lmtune.reporters import Reporter
 
 
 class InfoLog(Protocol):

@@ -1,21 +1,14 @@
-"""Where a chat model's reply ends: the end-of-turn token its template trains, and the stop tokens a
-saved model carries in ``generation_config.json`` so that every tool generating with it stops there.
-
-A model fine-tuned on ChatML data learns to write ``<|im_end|>`` after a reply, but a generation
-config that lists only ``<|endoftext|>`` lets ``generate`` run past it into an invented next turn.
-"""
+"""Chat templates: the built-in ones, a template file read and checked, the template and its turn
+markers given to a tokenizer, and the end-of-turn token a template trains after each reply."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lmtune.errors import UserError
-
-if TYPE_CHECKING:  # config validation reads templates without importing torch
-    from torch import nn
 
 _PROBE = "lmtune-end-of-turn-probe"
 
@@ -37,24 +30,6 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
         if token in special:
             return [int(token)]
     return []
-
-
-def stop_ids(model: nn.Module, tokenizer: Any) -> list[int]:
-    """Every token that ends generation for ``model``: its generation config's and the EOS."""
-    config = getattr(model, "generation_config", None)
-    listed = getattr(config, "eos_token_id", None)
-    ids = [listed] if isinstance(listed, int) else list(listed or [])
-    return list(dict.fromkeys([*ids, tokenizer.eos_token_id]))
-
-
-def set_stop_tokens(model: nn.Module, tokenizer: Any, extra: list[int]) -> list[int]:
-    """Add ``extra`` (end-of-turn tokens) to ``model``'s generation config, keeping the EOS; the
-    config is saved with the model, so transformers' ``generate`` stops there too."""
-    ids = list(dict.fromkeys([*stop_ids(model, tokenizer), *extra]))
-    config = getattr(model, "generation_config", None)
-    if config is not None:
-        config.eos_token_id = ids if len(ids) > 1 else ids[0]
-    return ids
 
 
 @dataclass(frozen=True)
@@ -135,13 +110,3 @@ def use_chat_template(tokenizer: Any, choice: str) -> list[str]:
     )
     tokenizer.chat_template = template.source
     return new
-
-
-def fit_embeddings(model: nn.Module, tokenizer: Any) -> bool:
-    """Grow the embeddings (and an untied head) to the tokenizer's size; new rows start at the mean
-    of the others, as transformers does. True when they grew."""
-    rows = model.get_input_embeddings().weight.shape[0]  # type: ignore[operator]
-    if len(tokenizer) <= rows:  # many models ship spare rows beyond the tokenizer's ids
-        return False
-    model.resize_token_embeddings(len(tokenizer))  # type: ignore[operator]
-    return True

@@ -14,16 +14,16 @@ from typing import Any
 import torch
 
 from lmtune import __version__
-from lmtune.batching import BatchLayout
-from lmtune.best import BestTracker
-from lmtune.build import BATCHING_NAMES, Built, Run
-from lmtune.config import to_dict
-from lmtune.evaluate import EvalResult
-from lmtune.loop import FitResult
+from lmtune.checkpoint.state import optimizer_state_bytes
+from lmtune.config.settings import to_dict
 from lmtune.model.attention import attention_description
-from lmtune.optim import optimizer_state_bytes
 from lmtune.parallel.distributed import DistEnv, all_gather_object
-from lmtune.perf import peak_memory_bytes
+from lmtune.training.batch_layout import BatchLayout
+from lmtune.training.best import BestTracker
+from lmtune.training.build import BATCHING_NAMES, Built, Run
+from lmtune.training.evaluate import EvalResult
+from lmtune.training.loop import FitResult
+from lmtune.training.perf import peak_memory_bytes
 
 
 def environment_info(env: DistEnv, threads: int) -> dict[str, Any]:

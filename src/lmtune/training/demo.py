@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from lmtune.config import TrainConfig
+from lmtune.config.settings import TrainConfig
 from lmtune.data.sample import addition_examples, split_prompt
-from lmtune.generate import complete
-from lmtune.metrics import InfoLog
+from lmtune.model.generate import complete
 from lmtune.model.lora import merged_model
 from lmtune.model.modeling import load_model
+from lmtune.outputs.runlog import InfoLog
 
 
 def final_model(cfg: TrainConfig, final_dir: Path) -> torch.nn.Module:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmtune.chat import stop_ids
+from lmtune.model.tokens import stop_ids
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtune.checkpoint.layout import step_folder
-from lmtune.config import TrainConfig
+from lmtune.config.settings import TrainConfig
 
 BEST_FILE = "best.json"
 

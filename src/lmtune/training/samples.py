@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 import torch
 from torch import nn
 
-from lmtune.callbacks import Callback, Control, StepEnd
 from lmtune.errors import UserError
-from lmtune.metrics import RunLog
+from lmtune.outputs.runlog import RunLog
 from lmtune.parallel.distributed import DistEnv, broadcast
+from lmtune.training.callbacks import Callback, Control, StepEnd
 
 MAX_PROMPTS_BYTES = 1 << 20
 MAX_PROMPTS = 64

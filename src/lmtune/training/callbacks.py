@@ -1,6 +1,6 @@
 """The loop's extension points: the Callback protocol, and the components every run registers.
 
-:func:`lmtune.loop.fit` runs optimizer steps; everything else a run does around them is a
+:func:`lmtune.training.loop.fit` runs optimizer steps; everything else a run does around them is a
 component with its own cadence: metrics rows and the progress bar, the NaN policy, evaluation and
 the best model, checkpoints, stopping on a signal, the example-order record, stragglers, and (in
 their own files) sample generations and the collective timeout. A new one subclasses
@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmtune.batching import BatchLayout
-from lmtune.best import BestTracker
 from lmtune.checkpoint.state import TrainerState
 from lmtune.errors import TrainingStopped
-from lmtune.evaluate import EvalResult
-from lmtune.metrics import RunLog, SampleLog
+from lmtune.outputs.runlog import RunLog, SampleLog
 from lmtune.parallel.distributed import CollectiveTimeouts
 from lmtune.parallel.health import StragglerWatch
-from lmtune.perf import peak_memory_bytes
-from lmtune.step import StepResult
+from lmtune.training.batch_layout import BatchLayout
+from lmtune.training.best import BestTracker
+from lmtune.training.evaluate import EvalResult
+from lmtune.training.perf import peak_memory_bytes
+from lmtune.training.step import StepResult
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, cast
 
@@ -11,6 +10,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from lmtune.errors import UserError
+from lmtune.model.quantization import quiet_bitsandbytes
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
@@ -71,23 +71,6 @@ def _bitsandbytes_optim(name: str) -> Any:
             "pip install 'lmtune[memory]' (or bitsandbytes), or use --optimizer adamw"
         ) from None
     return bnb_optim
-
-
-def quiet_bitsandbytes() -> None:
-    """bitsandbytes warns on CPU that optional 4-bit matmul kernels are missing; the 8-bit optimizer
-    and LoRA never use them, so the warning would only alarm users."""
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by the optimizer's state tensors (moments, quantisation maps, ...)."""
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                local = value.to_local() if hasattr(value, "to_local") else value
-                total += local.numel() * local.element_size()
-    return total
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:

@@ -1,0 +1,49 @@
+"""Command line: argv + YAML -> config -> command. User errors become a message and exit code 2."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from lmtune.cli.parser import build_parser
+from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        code: int = args.run(args, argv)
+        return code
+    except UserError as e:
+        from lmtune.parallel.launch import report_error
+
+        report_error(str(e), USER_ERROR_EXIT_CODE)
+        return USER_ERROR_EXIT_CODE
+    except StoppedBySignal as e:
+        print(f"lmtune: {e}", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    except TrainingStopped as e:
+        from lmtune.parallel.launch import report_error
+
+        report_error(str(e), 1)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _quiet_libraries() -> None:
+    """Hide transformers' per-load progress bars and advice; lmtune reports what matters."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
