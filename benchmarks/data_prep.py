@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from lmtune.data.prepare import DataSettings, prepare
+from lmtune.config.groups import ExampleSettings
+from lmtune.data.prepare import prepare
 from lmtune.model.modeling import byte_tokenizer
 from lmtune.parallel.distributed import read_dist_env
 
@@ -77,7 +78,7 @@ def main() -> None:
         timings = []
         for _ in range(2):
             started = time.perf_counter()
-            prepared = prepare(str(data), byte_tokenizer(), DataSettings(), env, Path(tmp) / "cache")
+            prepared = prepare(str(data), byte_tokenizer(), ExampleSettings(), env, Path(tmp) / "cache")
             timings.append((time.perf_counter() - started, prepared))
     (first, built), (hit, cached) = timings
     assert built.built and not cached.built

@@ -44,11 +44,12 @@ def uneven_texts(n: int, seed: int = 0) -> list[str]:
 
 def tokenized(texts: list[str], tokenizer: Any, max_length: int = 512) -> Any:
     """Plain texts as a tokenized data set, without a cache."""
-    from lmtune.data.prepare import DataSettings, encode_in_memory
+    from lmtune.config.groups import ExampleSettings
+    from lmtune.data.prepare import encode_in_memory
     from lmtune.data.sources import Record
 
     recs = [Record("mem", i + 1, {"text": t}) for i, t in enumerate(texts)]
-    return encode_in_memory(recs, tokenizer, DataSettings(max_length=max_length))[0]
+    return encode_in_memory(recs, tokenizer, ExampleSettings(max_length=max_length))[0]
 
 
 def run_lmtune(

@@ -55,7 +55,7 @@ from lmtune.training.perf import (
 )
 from lmtune.training.preflight import validate
 from lmtune.training.record import result_record, run_record
-from lmtune.training.samples import Sampler, SampleSettings, read_prompts
+from lmtune.training.samples import SamplePlan, Sampler, read_prompts
 from lmtune.training.signals import StopRequest
 from lmtune.training.step import StepOptions, Trainee
 
@@ -70,28 +70,28 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig) -> TrainResult:
-    """Fine-tune ``cfg.model`` on ``cfg.data`` in this process (one rank of a launched job or alone).
+    """Fine-tune ``cfg.model.name`` on ``cfg.data.train`` in this process (a rank of a job, or alone).
 
     Raises:
         UserError: for invalid settings, data or paths.
         TrainingStopped: when training cannot go on (a non-finite loss with --on-nan stop).
     """
-    env = read_dist_env(cfg.device)
+    env = read_dist_env(cfg.model.device)
     validate(cfg, env.world_size)
-    check_device(cfg.precision, env.device)
-    strategy = resolve_strategy(cfg.strategy, env)
-    threads = cpu_threads_per_process(env, cfg.threads_per_process)
+    check_device(cfg.model.precision, env.device)
+    strategy = resolve_strategy(cfg.launch.strategy, env)
+    threads = cpu_threads_per_process(env, cfg.launch.threads_per_process)
     if env.device.type == "cpu":
         torch.set_num_threads(threads)
     # Before anything is written: one run per folder (lmtune's launcher may hold it for the job).
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    lock = acquire(Path(cfg.output_dir), run_id, warn) if env.is_main else nullcontext()
+    lock = acquire(Path(cfg.checkpoint.output_dir), run_id, warn) if env.is_main else nullcontext()
     heartbeat = Heartbeat.from_env(env.rank)
     try:
         with (
             lock,
             process_group(env),
-            RunLog(env, Path(cfg.output_dir), cfg.progress) as log,
+            RunLog(env, Path(cfg.checkpoint.output_dir), cfg.logging.progress) as log,
             StopRequest() as stop,
         ):
             run = Run(
@@ -102,14 +102,19 @@ def train(cfg: TrainConfig) -> TrainResult:
                 log=log,
                 stop=stop,
                 heartbeat=heartbeat,
-                products=choose_products(cfg.precision, env.device, cfg.compile),
+                products=choose_products(cfg.model.precision, env.device, cfg.model.compile),
             )
-            if cfg.doctor:
-                cache = None if cfg.cache_per_node else str(data_cache_dir(cfg))  # node-local: not shared
+            if cfg.health.doctor:
+                cache = (
+                    None if cfg.data.cache_per_node else str(data_cache_dir(cfg.data))
+                )  # node-local: not shared
                 check_or_fail(
                     env,
                     DoctorSettings(
-                        output_dir=cfg.output_dir, cache_dir=cache, data=cfg.data, model=cfg.model
+                        output_dir=cfg.checkpoint.output_dir,
+                        cache_dir=cache,
+                        data=cfg.data.train,
+                        model=cfg.model.name,
                     ),
                 )
             return _run(run)
@@ -121,7 +126,12 @@ def _run(run: Run) -> TrainResult:
     cfg, env, log, output_dir = run.cfg, run.env, run.log, run.output_dir
     started = time.time()
     prepare_output(
-        output_dir, resume=cfg.resume, overwrite=cfg.overwrite, config=to_dict(cfg), env=env, warn=warn
+        output_dir,
+        resume=cfg.checkpoint.resume,
+        overwrite=cfg.checkpoint.overwrite,
+        config=to_dict(cfg),
+        env=env,
+        warn=warn,
     )
     b = build(run)
     state, resume_from = starting_state(
@@ -135,9 +145,7 @@ def _run(run: Run) -> TrainResult:
         log=log,
     )
     # A loaded optimizer state brings the saved hyperparameters back; this run's settings rule.
-    set_hyperparameters(
-        b.optimizer, cfg.weight_decay, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps, cfg.momentum
-    )
+    set_hyperparameters(b.optimizer, cfg.optim)
     if resume_from is not None and state.step >= b.layout.total_steps and (output_dir / "final").is_dir():
         log.info(
             f"{output_dir} holds a finished run (step {state.step} of {b.layout.total_steps}; the model "
@@ -150,11 +158,13 @@ def _run(run: Run) -> TrainResult:
     log.open_metrics(state.step)
     if env.is_main:  # a resumed run's history too (metrics.jsonl keeps the rows up to its checkpoint)
         history = read_metrics(output_dir, kind=None) if state.step else []
-        log.add_reporters(open_reporters(parse_report_to(cfg.report_to), output_dir, to_dict(cfg), history))
+        log.add_reporters(
+            open_reporters(parse_report_to(cfg.logging.report_to), output_dir, to_dict(cfg), history)
+        )
     best = best_tracker(cfg, resume_from)
     data, eval_loader = loaders(run, b)
     peak = best_peak_flops(
-        Probe(env.device, cfg.precision, run.threads, run.products.fp32),
+        Probe(env.device, cfg.model.precision, run.threads, run.products.fp32),
         cache_root() / PEAKS_FILE if env.is_main else None,
     )
     mfu = MfuMeter(partial(train_flops_per_token, b.loaded.model), peak, env.world_size, log)
@@ -163,10 +173,10 @@ def _run(run: Run) -> TrainResult:
         from lmtune.testing.faults import install
 
         install(b.parts.root, env.rank, lambda: run.heartbeat.step)
-    timer = PhaseTimer(env.device, timed=cfg.profile, beat=run.heartbeat.beat)
+    timer = PhaseTimer(env.device, timed=cfg.logging.profile, beat=run.heartbeat.beat)
     settings = FitSettings(
         env=env,
-        step=StepOptions(cfg.max_grad_norm, run.autocast, timer),
+        step=StepOptions(cfg.optim.max_grad_norm, run.autocast, timer),
         stop_requested=run.stop,
         heartbeat=run.heartbeat,
     )
@@ -206,7 +216,7 @@ def _components(
 ) -> tuple[list[cb.Callback], cb.Evaluator | None]:
     """The loop's components, in the order they see each step; a new one is one line here."""
     cfg, env, log = run.cfg, run.env, run.log
-    timeouts = CollectiveTimeouts(env, cfg.collective_timeout)
+    timeouts = CollectiveTimeouts(env, cfg.health.collective_timeout)
     evaluator = None
     if eval_loader is not None:
 
@@ -215,18 +225,20 @@ def _components(
                 beat = partial(run.heartbeat.beat, "eval")
                 return evaluate(unwrap(b.model), eval_loader, env, run.autocast(), b.parts.sharded, beat)
 
-        evaluator = cb.Evaluator(run_eval, log, cfg.eval_every, best)
+        evaluator = cb.Evaluator(run_eval, log, cfg.eval.every, best)
     callbacks: list[cb.Callback | None] = [
-        cb.NanPolicy(cfg.on_nan, log),
-        cb.StepLogger(log, cfg.log_every, mfu, env.device),
-        cb.ExampleOrder(SampleLog(run.output_dir, env.rank, start.step)) if cfg.record_samples else None,
+        cb.NanPolicy(cfg.health.on_nan, log),
+        cb.StepLogger(log, cfg.logging.log_every, mfu, env.device),
+        cb.ExampleOrder(SampleLog(run.output_dir, env.rank, start.step))
+        if cfg.logging.record_samples
+        else None,
         cb.StragglerReport(log) if env.world_size > 1 else None,
         cb.CollectiveTimeoutSwitch(timeouts),
-        _sampler(run, b) if cfg.sample_prompts is not None else None,
+        _sampler(run, b) if cfg.samples.prompts is not None else None,
         cb.EpochSummary(log),
         evaluator,
         cb.SignalStop(log),
-        cb.Checkpointer(_saver(run, b, best, timeouts), cfg.save_every),
+        cb.Checkpointer(_saver(run, b, best, timeouts), cfg.checkpoint.save_every),
     ]
     return [c for c in callbacks if c is not None], evaluator
 
@@ -248,7 +260,7 @@ def _saver(
             )
         if run.env.is_main:
             protect = Path(best.best.checkpoint) if best is not None and best.best is not None else None
-            prune(run.output_dir, run.cfg.keep_last, protect)
+            prune(run.output_dir, run.cfg.checkpoint.keep_last, protect)
         run.log.info(f"step {at.step}: saved checkpoint {path}")
 
     return save
@@ -256,16 +268,10 @@ def _saver(
 
 def _sampler(run: Run, b: Built) -> Sampler:
     cfg = run.cfg
-    assert cfg.sample_prompts is not None
-    settings = SampleSettings(
-        prompts=read_prompts(
-            Path(cfg.sample_prompts).expanduser(), b.tokenizer, cfg.max_length - cfg.sample_max_new_tokens
-        ),
-        every=cfg.sample_every,
-        max_new_tokens=cfg.sample_max_new_tokens,
-        temperature=cfg.sample_temperature,
-        seed=cfg.seed,
-    )
+    assert cfg.samples.prompts is not None
+    room = cfg.examples.max_length - cfg.samples.max_new_tokens
+    prompts = read_prompts(Path(cfg.samples.prompts).expanduser(), b.tokenizer, room)
+    settings = SamplePlan(prompts=prompts, settings=cfg.samples, seed=cfg.seed)
     stops = stop_ids(b.loaded.model, b.tokenizer)
     return Sampler(
         settings, unwrap(b.model), b.tokenizer, stops, run.env, run.log, b.parts.sharded, run.autocast

@@ -154,13 +154,14 @@ def test_the_eval_split_is_never_trained_on_whatever_the_world_size(tmp_path: Pa
     assert (
         main([*one_args, "--max-steps", "16", "--save-every", "4", "--output-dir", str(one)]) == 0
     )  # resumed
+    from lmtune.config.groups import ExampleSettings
     from lmtune.data.dataset import split_off
-    from lmtune.data.prepare import DataSettings, encode_in_memory
+    from lmtune.data.prepare import encode_in_memory
     from lmtune.data.sources import BadLines, Source, iter_records
     from lmtune.model.modeling import byte_tokenizer
 
     records = iter_records(Source("jsonl", str(data)), "text", BadLines(skip=False))
-    _, held = split_off(encode_in_memory(records, byte_tokenizer(), DataSettings())[0], 0.25, 3)
+    _, held = split_off(encode_in_memory(records, byte_tokenizer(), ExampleSettings())[0], 0.25, 3)
     held_out = set(held.indices.tolist())
     assert len(held_out) == 10
     for out in (two, one):

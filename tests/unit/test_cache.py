@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lmtune.data.prepare import DataSettings, cache_key, prepare
+from lmtune.config.groups import ExampleSettings
+from lmtune.data.prepare import cache_key, prepare
 from lmtune.data.sources import resolve_sources
 from lmtune.errors import UserError
 from lmtune.model.modeling import byte_tokenizer
@@ -15,7 +16,7 @@ from tests.conftest import write_jsonl
 
 
 def key(spec: str, tok: object = None, **settings: object) -> str:
-    return cache_key(resolve_sources(spec), tok or byte_tokenizer(), DataSettings(**settings))  # type: ignore[arg-type]
+    return cache_key(resolve_sources(spec), tok or byte_tokenizer(), ExampleSettings(**settings))  # type: ignore[arg-type]
 
 
 def test_key_is_stable_and_changes_with_every_input(tmp_path: Path) -> None:
@@ -41,8 +42,8 @@ def test_key_is_stable_and_changes_with_every_input(tmp_path: Path) -> None:
 def test_second_prepare_is_a_cache_hit(tmp_path: Path) -> None:
     f = write_jsonl(tmp_path / "d.jsonl", ["alpha", "beta", "gamma"])
     env = read_dist_env("cpu")
-    first = prepare(str(f), byte_tokenizer(), DataSettings(), env, tmp_path / "cache")
-    second = prepare(str(f), byte_tokenizer(), DataSettings(), env, tmp_path / "cache")
+    first = prepare(str(f), byte_tokenizer(), ExampleSettings(), env, tmp_path / "cache")
+    second = prepare(str(f), byte_tokenizer(), ExampleSettings(), env, tmp_path / "cache")
     assert first.built and not second.built and first.folder == second.folder
     assert [list(second.dataset[i][0]) for i in range(3)] == [list(first.dataset[i][0]) for i in range(3)]
     assert second.dataset.meta["examples"] == 3
@@ -53,7 +54,7 @@ def test_empty_data_is_a_user_error_and_leaves_no_entry(tmp_path: Path) -> None:
     f.write_text("\n\n")
     env = read_dist_env("cpu")
     with pytest.raises(UserError, match=r"--data .*empty\.jsonl: no examples left"):
-        prepare(str(f), byte_tokenizer(), DataSettings(), env, tmp_path / "cache")
+        prepare(str(f), byte_tokenizer(), ExampleSettings(), env, tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
 
 
@@ -66,8 +67,8 @@ def test_worker_processes_give_the_same_result_and_the_same_errors() -> None:
     ]
     recs = [Record("mem", i + 1, r) for i, r in enumerate(rows)]
     one, two = _ListSink(), _ListSink()
-    s1 = encode_into(recs, byte_tokenizer(), DataSettings(), one, BadLines(skip=False), workers=1)
-    s2 = encode_into(recs, byte_tokenizer(), DataSettings(), two, BadLines(skip=False), workers=2)
+    s1 = encode_into(recs, byte_tokenizer(), ExampleSettings(), one, BadLines(skip=False), workers=1)
+    s2 = encode_into(recs, byte_tokenizer(), ExampleSettings(), two, BadLines(skip=False), workers=2)
     assert s1 == s2
     assert all(
         (a.ids == b.ids).all() and (a.trainable == b.trainable).all()
@@ -75,4 +76,4 @@ def test_worker_processes_give_the_same_result_and_the_same_errors() -> None:
     )
     bad = [*recs[:4000], Record("mem", 4001, {"nothing": 1}), *recs[4000:]]
     with pytest.raises(UserError, match="mem:4001: cannot tell the format"):
-        encode_into(bad, byte_tokenizer(), DataSettings(), _ListSink(), BadLines(skip=False), workers=2)
+        encode_into(bad, byte_tokenizer(), ExampleSettings(), _ListSink(), BadLines(skip=False), workers=2)

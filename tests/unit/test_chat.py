@@ -146,7 +146,8 @@ def test_audit_names_the_end_of_turn_as_the_trained_stop(
 
 
 def test_train_on_prompt_trains_every_token_and_keeps_the_end_of_turn() -> None:
-    from lmtune.data.prepare import DataSettings, encode_in_memory
+    from lmtune.config.groups import ExampleSettings
+    from lmtune.data.prepare import encode_in_memory
     from lmtune.data.sources import Record
     from lmtune.data.tokenize import IGNORE_INDEX
 
@@ -156,8 +157,8 @@ def test_train_on_prompt_trains_every_token_and_keeps_the_end_of_turn() -> None:
         Record("mem", 1, {"messages": conversation}),
         Record("mem", 2, {"prompt": "Q: ", "completion": "A"}),
     ]
-    replies, _ = encode_in_memory(records, tok, DataSettings())
-    everything, _ = encode_in_memory(records, tok, DataSettings(train_on_prompt=True))
+    replies, _ = encode_in_memory(records, tok, ExampleSettings())
+    everything, _ = encode_in_memory(records, tok, ExampleSettings(train_on_prompt=True))
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     chat = everything[0]
     assert (chat.labels == chat.input_ids).all()  # every token of the conversation, markers included

@@ -97,8 +97,9 @@ def test_chunked_equals_full_logits_under_bf16_autocast(kind: str, fp32_products
 
 
 def test_chunked_with_per_example_attention_and_lora() -> None:
+    from lmtune.config.groups import LoraSettings
     from lmtune.model.attention import use_varlen
-    from lmtune.model.lora import LoraSettings, add_lora
+    from lmtune.model.lora import add_lora
 
     model = _model("llama-untied")
     assert use_varlen(model)
@@ -112,7 +113,8 @@ def test_chunked_with_per_example_attention_and_lora() -> None:
     assert float(loss) == pytest.approx(float(full_loss), rel=1e-6)
     _close(grads, full, 1e-5)
     torch.manual_seed(0)
-    lora = add_lora(_model("llama-tied"), LoraSettings(4, 8, 0.0, "all-linear"))
+    settings = LoraSettings(rank=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    lora = add_lora(_model("llama-tied"), settings)
     for p in lora.parameters():  # LoRA's B starts at zero; move it so its gradients mean something
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.02)

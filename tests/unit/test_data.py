@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from lmtune.config.groups import ExampleSettings
 from lmtune.data.collate import Collator
 from lmtune.data.formats import render
-from lmtune.data.prepare import DataSettings, encode_in_memory, records
+from lmtune.data.prepare import encode_in_memory, records
 from lmtune.data.sample import addition_examples, split_prompt
 from lmtune.data.sources import BadLines, Record, resolve_sources
 from lmtune.data.tokenize import IGNORE_INDEX
@@ -26,14 +27,14 @@ CHATML = (
 
 
 def read(spec: str, **kw: Any) -> list[dict[str, Any]]:
-    settings = DataSettings(**kw)
+    settings = ExampleSettings(**kw)
     return [r.fields for r in records(resolve_sources(spec), settings, BadLines(skip=False))]
 
 
 def encode(rows: list[dict[str, Any]], tokenizer: Any = None, **kw: Any) -> tuple[Any, Any, Any]:
     tok = tokenizer or byte_tokenizer()
     recs = [Record("mem", i + 1, r) for i, r in enumerate(rows)]
-    data, stats = encode_in_memory(recs, tok, DataSettings(**kw))
+    data, stats = encode_in_memory(recs, tok, ExampleSettings(**kw))
     return data, stats, tok
 
 
@@ -118,15 +119,15 @@ def test_bad_records_name_file_and_line(tmp_path: Path, content: bytes, message:
     f = tmp_path / "d.jsonl"
     f.write_bytes(content)
     with pytest.raises(UserError, match=message):
-        recs = list(records(resolve_sources(str(f)), DataSettings(), BadLines(skip=False)))
-        encode_in_memory(recs, byte_tokenizer(), DataSettings())
+        recs = list(records(resolve_sources(str(f)), ExampleSettings(), BadLines(skip=False)))
+        encode_in_memory(recs, byte_tokenizer(), ExampleSettings())
 
 
 def test_skip_bad_lines_counts_them(tmp_path: Path) -> None:
     f = tmp_path / "d.jsonl"
     f.write_bytes(b'{"text": "a"}\n{oops\n{"x": 1}\n{"text": "\xff"}\n{"text": "b"}\n')
     bad = BadLines(skip=True)
-    settings = DataSettings(skip_bad_lines=True)
+    settings = ExampleSettings(skip_bad_lines=True)
     data, _stats = encode_in_memory(
         records(resolve_sources(str(f)), settings, bad), byte_tokenizer(), settings, bad
     )

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from lmtune.cli import main
-from lmtune.data.prepare import DataSettings, encode_in_memory
+from lmtune.config.groups import ExampleSettings
+from lmtune.data.prepare import encode_in_memory
 from lmtune.data.sources import BadLines, Record, Source, iter_records
 from lmtune.data.tokenize import CHARS_PER_TOKEN
 from lmtune.model.modeling import byte_tokenizer
@@ -149,7 +150,7 @@ def test_a_huge_text_is_cut_to_what_max_length_keeps(
         Record("mem", 1, {"prompt": "question: ", "completion": text}),
         Record("mem", 2, {"text": text}),
     ]
-    settings = DataSettings(max_length=32, truncation=truncation)
+    settings = ExampleSettings(max_length=32, truncation=truncation)
     cut, cut_stats = encode_in_memory(records, tok, settings)
     monkeypatch.setattr("lmtune.data.tokenize.CHARS_PER_TOKEN", 10**9)
     whole, whole_stats = encode_in_memory(records, tok, settings)

@@ -21,7 +21,7 @@ from lmtune.checkpoint.layout import MANIFEST, list_checkpoints, step_folder, ve
 from lmtune.checkpoint.rundir import LOCK_FILE, LOCK_TOKEN_ENV, acquire, check_earlier_run, remove_leftovers
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import save_checkpoint
-from lmtune.data.prepare import DataSettings
+from lmtune.config.groups import ExampleSettings
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv
 
@@ -278,6 +278,6 @@ def test_waits_before_training_end_on_a_signal_or_without_progress(
     sink = type("Sink", (), {"write": lambda self, examples: None})()
     with pytest.raises(StoppedBySignal):
         encode_into(
-            records, byte_tokenizer(), DataSettings(), sink, BadLines(skip=False), 1, stop_after_first
+            records, byte_tokenizer(), ExampleSettings(), sink, BadLines(skip=False), 1, stop_after_first
         )
     assert len(calls) == 2

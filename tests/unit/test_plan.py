@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmtune.config.groups import LoraSettings
 from lmtune.errors import UserError
-from lmtune.model.lora import LoraSettings, add_lora
+from lmtune.model.lora import add_lora
 from lmtune.model.modeling import load_config, load_model
 from lmtune.tools.memory import Estimate, Host, Setup, _optimizer_bytes, _saved_bytes, estimate, model_facts
 from lmtune.tools.plan import parse_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ def test_plan_help_lists_only_what_plan_reads(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     shown = capsys.readouterr().out
-    for f in fields(TrainConfig):
+    for f in config_fields():
         assert (option_name(f.name) + " " in shown or option_name(f.name) + "\n" in shown) == (
             f.name in PLAN_SETTINGS
         ), f.name
@@ -151,3 +151,48 @@ def test_bench_runs_the_settings_of_a_train_config_file(
     expected = TrainConfig(lr_schedule="wsd", lora=True, max_length=96, strategy="single", precision="fp32")
     expected = replace(expected, max_steps=3, profile=True, **MEASURING_RUN, output_dir=ran.output_dir)
     assert ran == expected
+
+
+def test_settings_live_in_groups_with_flat_names(tmp_path: Path) -> None:
+    from lmtune.config.groups import LoraSettings
+    from lmtune.config.io import build_config, load_yaml
+    from lmtune.config.settings import GROUPS, to_dict
+
+    cfg = TrainConfig(lr=1e-4, lora=True, lora_rank=8, model="small", eval_data="e.jsonl")
+    assert (cfg.optim.lr, cfg.lora.enabled, cfg.lora.rank, cfg.model.name) == (1e-4, True, 8, "small")
+    assert (cfg.lr, cfg.lora_rank, cfg.eval_data) == (1e-4, 8, "e.jsonl")  # flat reads, for scripts
+    assert TrainConfig(lora=LoraSettings(enabled=True, rank=8)).lora == LoraSettings(enabled=True, rank=8)
+    assert cfg.replace(lora_rank=4).lora == LoraSettings(enabled=True, rank=4)  # the rest of the group kept
+    assert cfg.replace(model="tiny").model.name == "tiny" and cfg.replace(seed=1).optim.lr == 1e-4
+    with pytest.raises(TypeError, match="unknown setting 'learning_rate'"):
+        TrainConfig(learning_rate=1.0)
+    assert len(to_dict(cfg)) == len(config_fields()) and {s.group for s in config_fields()} == {*GROUPS, None}
+    # A YAML file may nest by group (a group's own field names or the flat names), flat, or both.
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(
+        "model: {name: small}\nlora: {enabled: true, rank: 8}\noptim: {lr: 1.0e-4}\neval_data: e.jsonl\n"
+    )
+    assert build_config(load_yaml(str(nested))) == cfg
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("model: small\nlora: true\nlora_rank: 8\nlr: 1.0e-4\neval-data: e.jsonl\n")
+    assert build_config(load_yaml(str(flat))) == cfg
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("lora: {rank: 8}\nlora_rank: 4\n")
+    with pytest.raises(UserError, match="--lora-rank is set twice"):
+        load_yaml(str(twice))
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("optim: {learning_rate: 1.0}\n")
+    with pytest.raises(UserError, match="optim: unknown setting 'learning_rate' \\(its settings: name, lr"):
+        load_yaml(str(wrong))
+
+
+def test_help_shows_the_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmtune.config.settings import GROUPS
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    shown = capsys.readouterr().out
+    titles = [line.split(" settings:")[0] for line in shown.splitlines() if line.endswith(" settings:")]
+    assert titles == [*GROUPS, "run"]
+    lora = shown.split("lora settings:")[1].split("eval settings:")[0]
+    assert all(option_name(s.name) in lora for s in config_fields() if s.group == "lora")

@@ -54,41 +54,41 @@ def fingerprint(
     fixed: dict[str, Any] = {
         "training data (content, tokenizer and data settings)": data_key,
         "training examples": examples,
-        "--eval-split": cfg.eval_split,
+        "--eval-split": cfg.data.eval_split,
         "model config": config_hash(model_config),
-        "--max-length": cfg.max_length,
-        "--data-format": cfg.data_format,
-        "--truncation": cfg.truncation,
-        "--global-batch-size": cfg.global_batch_size,
+        "--max-length": cfg.examples.max_length,
+        "--data-format": cfg.examples.format,
+        "--truncation": cfg.examples.truncation,
+        "--global-batch-size": cfg.batch.global_batch_size,
         "--seed": cfg.seed,
-        "--optimizer": cfg.optimizer,
-        "--lora": cfg.lora,
+        "--optimizer": cfg.optim.name,
+        "--lora": cfg.lora.enabled,
     }
-    if cfg.lora:
+    if cfg.lora.enabled:
         # The frozen base is rebuilt from --model on resume, so it must be the same one.
         fixed |= {
-            "--model": cfg.model,
-            "--lora-rank": cfg.lora_rank,
-            "--lora-alpha": cfg.lora_alpha,
-            "--lora-dropout": cfg.lora_dropout,
-            "--lora-target-modules": cfg.lora_target_modules,
+            "--model": cfg.model.name,
+            "--lora-rank": cfg.lora.rank,
+            "--lora-alpha": cfg.lora.alpha,
+            "--lora-dropout": cfg.lora.dropout,
+            "--lora-target-modules": cfg.lora.target_modules,
         }
     adjustable = {
         "--lr": lr,
-        "--lr-schedule": cfg.lr_schedule,
-        "warmup steps": warmup_steps(cfg, total_steps),
-        "--min-lr-ratio": cfg.min_lr_ratio,
-        "--decay-ratio": cfg.decay_ratio,
-        "--weight-decay": cfg.weight_decay,
-        "--adam-beta1": cfg.adam_beta1,
-        "--adam-beta2": cfg.adam_beta2,
-        "--adam-eps": cfg.adam_eps,
-        "--momentum": cfg.momentum,
-        "--max-grad-norm": cfg.max_grad_norm,
+        "--lr-schedule": cfg.schedule.name,
+        "warmup steps": warmup_steps(cfg.schedule, total_steps),
+        "--min-lr-ratio": cfg.schedule.min_lr_ratio,
+        "--decay-ratio": cfg.schedule.decay_ratio,
+        "--weight-decay": cfg.optim.weight_decay,
+        "--adam-beta1": cfg.optim.adam_beta1,
+        "--adam-beta2": cfg.optim.adam_beta2,
+        "--adam-eps": cfg.optim.adam_eps,
+        "--momentum": cfg.optim.momentum,
+        "--max-grad-norm": cfg.optim.max_grad_norm,
         "total steps": total_steps,
-        "--eval-every": cfg.eval_every,
-        "--save-every": cfg.save_every,
-        "--precision": cfg.precision,
+        "--eval-every": cfg.eval.every,
+        "--save-every": cfg.checkpoint.save_every,
+        "--precision": cfg.model.precision,
     }
     return Fingerprint(fixed, adjustable)
 
@@ -132,19 +132,19 @@ def resume_point(cfg: TrainConfig, output_dir: Path, env: DistEnv) -> Path | Non
     chosen = ""
     if env.is_main:
         found = list_checkpoints(output_dir)
-        if cfg.resume == "never":
+        if cfg.checkpoint.resume == "never":
             if found:
                 raise UserError(
                     f"--resume never, but {output_dir / CHECKPOINTS} holds checkpoints of an earlier "
                     "run; remove them, choose another --output-dir, or --overwrite"
                 )
-        elif cfg.resume == "auto":
+        elif cfg.checkpoint.resume == "auto":
             if found:
                 _check_valid(found[-1], "the newest checkpoint in --output-dir", found[:-1])
                 chosen = str(found[-1])
         else:
-            _check_valid(Path(cfg.resume), "--resume", [])
-            chosen = cfg.resume
+            _check_valid(Path(cfg.checkpoint.resume), "--resume", [])
+            chosen = cfg.checkpoint.resume
     chosen = broadcast_object(chosen, env)
     return Path(chosen) if chosen else None
 
@@ -210,12 +210,12 @@ def starting_state(
         step=0,
         epoch=0,
         step_in_epoch=0,
-        global_batch_size=cfg.global_batch_size,
+        global_batch_size=cfg.batch.global_batch_size,
         world_size=env.world_size,
         seed=cfg.seed,
         examples=examples,
     )
-    folder = resume_point(cfg, Path(cfg.output_dir), env)
+    folder = resume_point(cfg, Path(cfg.checkpoint.output_dir), env)
     if folder is None:
         return fresh, None
     state = continue_from(

@@ -53,7 +53,7 @@ def _launch_job(argv: list[str], cfg: Any) -> int:
     from lmtune.parallel.launch import job_of, relaunch, warn
 
     job = job_of(cfg)
-    lock = acquire(Path(cfg.output_dir), job.run_id, warn) if job.hosts else nullcontext()
+    lock = acquire(Path(cfg.checkpoint.output_dir), job.run_id, warn) if job.hosts else nullcontext()
     with lock as held:
         return relaunch(argv, cfg, job, held.holder.token if held is not None else None)
 
@@ -157,7 +157,7 @@ def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.training.preflight import validate
 
     cfg = train_config(args)
-    validate(cfg, cfg.nproc_per_node)
+    validate(cfg, cfg.launch.nproc_per_node)
     memory = parse_size(args.memory_per_device) if args.memory_per_device else None
     with tempfile.TemporaryDirectory(prefix="lmtune-plan-") as workdir:
         report = plan(cfg, memory, args.calibrate, Path(workdir))
@@ -179,30 +179,24 @@ def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from lmtune.config.settings import TrainConfig, parse_nnodes
+    from lmtune.config.settings import parse_nnodes
+    from lmtune.config.validate import check_settings
     from lmtune.parallel.distributed import launched_world_size, process_group, read_dist_env
     from lmtune.tools.doctor import DoctorSettings, check_or_fail
 
-    if args.nproc_per_node < 1:
-        raise UserError("--nproc-per-node must be >= 1")
-    nodes = parse_nnodes(args.nnodes)[1]
-    if nodes > 1 and args.rdzv_endpoint is None:
-        raise UserError("--rdzv-endpoint is needed when --nnodes is more than 1")
-    if launched_world_size() == 1 and (args.nproc_per_node > 1 or nodes > 1):
+    cfg = train_config(args)
+    check_settings(cfg, world_size=1)
+    launch = cfg.launch
+    if launched_world_size() == 1 and (launch.nproc_per_node > 1 or parse_nnodes(launch.nnodes)[1] > 1):
         from lmtune.parallel.launch import relaunch_unlocked
 
-        launch = TrainConfig(
-            nproc_per_node=args.nproc_per_node,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            rdzv_endpoint=args.rdzv_endpoint,
-            rdzv_id=args.rdzv_id,
-            hang_timeout=0,
-        )
-        return relaunch_unlocked(list(argv), launch)
-    env = read_dist_env(args.device)
+        return relaunch_unlocked(list(argv), cfg.replace(hang_timeout=0))
+    env = read_dist_env(cfg.model.device)
     settings = DoctorSettings(
-        output_dir=args.output_dir, cache_dir=args.cache_dir, data=args.data, model=args.model
+        output_dir=args.check_output_dir,
+        cache_dir=args.check_cache_dir,
+        data=args.check_data,
+        model=args.check_model,
     )
     with process_group(env):
         check_or_fail(env, settings)
@@ -228,40 +222,28 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from dataclasses import replace
     from pathlib import Path
 
-    from lmtune.config.settings import choices, option_name
+    from lmtune.config.validate import check_settings
     from lmtune.data.audit import audit, format_report, plot_histogram
-    from lmtune.data.prepare import DataSettings
     from lmtune.model.modeling import load_tokenizer
 
-    for name in ("data_format", "truncation", "txt_mode"):
-        value, allowed, option = getattr(args, name), choices(name), option_name(name)
-        if value not in allowed:
-            raise UserError(f"{option}: must be one of {', '.join(allowed)} (got {value!r})")
-    if args.max_length < 2 or args.nproc_per_node < 1 or args.global_batch_size < 1:
-        raise UserError("--max-length must be >= 2, --nproc-per-node and --global-batch-size >= 1")
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    if args.chat_template is not None:
+    cfg = train_config(args)  # the DATA arguments are its --data
+    check_settings(cfg, cfg.launch.nproc_per_node)
+    tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
+    if cfg.examples.chat_template is not None:
         from lmtune.data.chat import use_chat_template
 
-        use_chat_template(tokenizer, args.chat_template)
-    settings = DataSettings(
-        format=args.data_format,
-        text_field=args.text_field,
-        max_length=args.max_length,
-        truncation=args.truncation,
-        skip_bad_lines=True,
-        txt_mode=args.txt_mode,
-    )
+        use_chat_template(tokenizer, cfg.examples.chat_template)
     report = audit(
-        ",".join(args.data),
+        cfg.data.train,
         tokenizer,
-        settings,
-        args.nproc_per_node,
-        args.global_batch_size,
-        args.micro_batch_size,
-        args.seed,
+        replace(cfg.examples, skip_bad_lines=True),  # every line is read: a bad one is reported
+        cfg.launch.nproc_per_node,
+        cfg.batch.global_batch_size,
+        cfg.batch.micro_batch_size,
+        cfg.seed,
     )
     print(format_report(report))
     if args.plot:

@@ -8,31 +8,47 @@ from typing import Any
 from lmtune.cli import commands
 
 
-def _add_train_options(parser: argparse.ArgumentParser, only: tuple[str, ...] = ()) -> None:
-    """The settings of TrainConfig as flags (``only``: just these), all defaulting to "not given"
-    so that a --config YAML file fills the rest."""
-    from lmtune.config.settings import choices, config_fields, field_type, option_name
+def _add_train_options(
+    parser: argparse.ArgumentParser,
+    only: tuple[str, ...] = (),
+    *,
+    config_file: bool = True,
+    defaults: dict[str, object] | None = None,
+) -> None:
+    """Train's settings as flags (``only``: just these), in one argparse group per settings group,
+    all defaulting to "not given" so that a --config YAML file and then the settings' own defaults
+    fill the rest. ``defaults``: the few a command defaults otherwise (shown in its --help)."""
+    from lmtune.config.settings import GROUPS, config_fields, option_name
 
-    parser.add_argument(
-        "--config",
-        metavar="YAML",
-        default=argparse.SUPPRESS,
-        help="YAML file with any of the settings below; flags given here override it.",
-    )
-    for f in config_fields():
-        if only and f.name not in only:
+    if config_file:
+        parser.add_argument(
+            "--config",
+            metavar="YAML",
+            default=argparse.SUPPRESS,
+            help="YAML file with any of the settings below (flat, or nested by group); flags given "
+            "here override it.",
+        )
+    sections: dict[str | None, Any] = {}
+    for s in config_fields():
+        if only and s.name not in only:
             continue
-        text = f"{f.metadata['help']} (default: {f.default})".replace("%", "%%")  # argparse formats %
-        if field_type(f) is bool:
-            action: Any = argparse.BooleanOptionalAction
-            parser.add_argument(
-                option_name(f.name), dest=f.name, action=action, default=argparse.SUPPRESS, help=text
+        if s.group not in sections:
+            doc = (GROUPS[s.group].__doc__ or "").split("\n")[0] if s.group else "The run itself."
+            sections[s.group] = parser.add_argument_group(f"{s.group or 'run'} settings", doc)
+        default = (defaults or {}).get(s.name, s.default)
+        text = f"{s.help} (default: {default})".replace("%", "%%")  # argparse formats %
+        if s.type is bool:
+            sections[s.group].add_argument(
+                option_name(s.name),
+                dest=s.name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=text,
             )
             continue
-        allowed = choices(f.name)
-        metavar = "{" + ",".join(allowed) + "}" if allowed else f.name.upper()
-        parser.add_argument(
-            option_name(f.name), dest=f.name, metavar=metavar, default=argparse.SUPPRESS, help=text
+        metavar = "{" + ",".join(s.choices) + "}" if s.choices else s.name.upper()
+        sections[s.group].add_argument(
+            option_name(s.name), dest=s.name, metavar=metavar, default=argparse.SUPPRESS, help=text
         )
 
 
@@ -57,11 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DOCTOR_RDZV_ID = "lmtune-doctor"
+# What `lmtune data audit` reads of train's settings: the model's tokenizer, how records become
+# examples (every setting of that group), and how a step's examples are dealt to the ranks.
+AUDIT_SETTINGS = (
+    "model",
+    "trust_remote_code",
+    *("data_format", "text_field", "train_on_prompt", "chat_template", "max_length", "truncation"),
+    *("txt_mode", "global_batch_size", "micro_batch_size", "seed", "nproc_per_node"),
+)
+
+
 def _train_parser(sub: Any) -> None:
     train = sub.add_parser(
         "train",
         allow_abbrev=False,
         help="fine-tune a model",
+        usage="lmtune train [-h] [--config YAML] [--SETTING VALUE ...]",
         description="Fine-tune a causal LM. Every setting can also come from --config run.yaml.",
     )
     _add_train_options(train)
@@ -181,16 +209,35 @@ def _doctor_parser(sub: Any) -> None:
         "checkpoints, the data on every rank, clock offsets. One table; exit 0 when all is well, 2 with "
         "what to fix.",
     )
-    doc.add_argument("--nproc-per-node", type=int, default=1, help="as in train (default: 1)")
-    doc.add_argument("--nnodes", default="1", help="as in train (default: 1)")
-    doc.add_argument("--node-rank", type=int, default=None, help="as in train")
-    doc.add_argument("--rdzv-endpoint", default=None, help="as in train")
-    doc.add_argument("--rdzv-id", default="lmtune-doctor", help="as in train (default: lmtune-doctor)")
-    doc.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
-    doc.add_argument("--output-dir", default=None, help="check this folder (writable, shared, free disk)")
-    doc.add_argument("--cache-dir", default=None, help="check this folder (writable, shared)")
-    doc.add_argument("--data", default=None, help="check that every rank can read this data")
-    doc.add_argument("--model", default=None, help="size the checkpoints by this model's config")
+    # The job's processes are train's settings; what to check is named by doctor's own options.
+    launch = ("device", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
+    _add_train_options(doc, launch, config_file=False, defaults={"rdzv_id": DOCTOR_RDZV_ID})
+    doc.set_defaults(rdzv_id=DOCTOR_RDZV_ID)
+    checks = doc.add_argument_group("what to check")
+    checks.add_argument(
+        "--output-dir",
+        dest="check_output_dir",
+        metavar="DIR",
+        default=None,
+        help="this folder: writable, shared, free disk",
+    )
+    checks.add_argument(
+        "--cache-dir",
+        dest="check_cache_dir",
+        metavar="DIR",
+        default=None,
+        help="this folder: writable, shared",
+    )
+    checks.add_argument(
+        "--data", dest="check_data", metavar="DATA", default=None, help="that every rank can read this data"
+    )
+    checks.add_argument(
+        "--model",
+        dest="check_model",
+        metavar="MODEL",
+        default=None,
+        help="size the checkpoints by this model",
+    )
     doc.set_defaults(run=commands.doctor)
 
 
@@ -222,26 +269,7 @@ def _data_parser(sub: Any) -> None:
         "untrainable examples, EOS labels and rank imbalance. Exit 0 when clean, 2 when errors were found.",
     )
     aud.add_argument("data", nargs="+", metavar="DATA", help="files, globs, folders or data set names")
-    aud.add_argument("--model", default="tiny", help="tokenizer to count with (default: tiny)")
-    aud.add_argument("--max-length", type=int, default=512, help="as in train (default: 512)")
-    aud.add_argument("--data-format", default="auto", help="as in train (default: auto)")
-    aud.add_argument("--text-field", default="text", help="as in train (default: text)")
-    aud.add_argument("--truncation", default="right", help="as in train (default: right)")
-    aud.add_argument("--txt-mode", default="line", help="as in train (default: line)")
-    aud.add_argument(
-        "--chat-template", default=None, help="as in train: chatml | llama3 | gemma | FILE.jinja"
-    )
-    aud.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=1,
-        help="report the token imbalance between this many ranks (default: 1)",
-    )
-    aud.add_argument("--global-batch-size", type=int, default=32, help="as in train (default: 32)")
-    aud.add_argument(
-        "--micro-batch-size", type=int, default=None, help="as in train (default: global / ranks)"
-    )
-    aud.add_argument("--seed", type=int, default=42, help="as in train (default: 42)")
+    # Train's settings that decide what training makes of the data: the same names and defaults.
+    _add_train_options(aud, AUDIT_SETTINGS, config_file=True)
     aud.add_argument("--plot", metavar="PNG", default=None, help="also write the length histogram as a PNG")
-    aud.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own Python code")
     aud.set_defaults(run=commands.audit)

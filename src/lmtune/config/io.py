@@ -1,16 +1,26 @@
-"""Settings in and out: YAML files and flags -> TrainConfig (each value coerced to its field's type,
-each error naming the option), and TrainConfig -> flags for the subprocesses lmtune starts."""
+"""Settings in and out: YAML files and flags -> TrainConfig (each value coerced to its setting's
+type, each error naming the option), and TrainConfig -> flags for the subprocesses lmtune starts.
+
+A YAML file is flat (``lora_rank: 16``), nested by group (``lora: {rank: 16}``), or both."""
 
 from __future__ import annotations
 
 import math
-import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from lmtune.config.settings import TrainConfig, config_fields, field_type, option_name, to_dict
+from lmtune.config.settings import (
+    GROUPS,
+    Setting,
+    TrainConfig,
+    config_fields,
+    option_name,
+    setting_named,
+    to_dict,
+    value_of,
+)
 from lmtune.errors import UserError
 
 # How a run that lmtune starts to measure something (plan --calibrate, bench) differs from the
@@ -37,28 +47,24 @@ def to_argv(cfg: TrainConfig) -> list[str]:
     """``lmtune train`` flags that give back ``cfg`` (its settings that differ from the defaults):
     every subprocess lmtune starts for a run (plan --calibrate, bench) runs exactly these settings."""
     argv: list[str] = []
-    for f in config_fields():
-        value = getattr(cfg, f.name)
-        if value == f.default:
+    for s in config_fields():
+        value = value_of(cfg, s)
+        if value == s.default:
             continue
-        if value is None:  # only fields defaulting to None may be None, so this cannot be said
-            raise ValueError(f"{f.name}: None cannot be given as a flag")
+        if value is None:  # only settings defaulting to None may be None, so this cannot be said
+            raise ValueError(f"{s.name}: None cannot be given as a flag")
         if isinstance(value, bool):
-            argv.append(option_name(f.name) if value else "--no-" + option_name(f.name)[2:])
+            argv.append(option_name(s.name) if value else "--no-" + option_name(s.name)[2:])
         else:  # "=": a value that starts with "-" stays a value; str() of a float round-trips
-            argv.append(f"{option_name(f.name)}={value}")
+            argv.append(f"{option_name(s.name)}={value}")
     return argv
 
 
-def _optional(name: str) -> bool:
-    hint = typing.get_type_hints(TrainConfig)[name]
-    return type(None) in typing.get_args(hint)
-
-
-def _coerce(name: str, value: Any, kind: type) -> Any:
-    """Convert a YAML/CLI value to the field's type, or explain which option is wrong."""
+def _coerce(s: Setting, value: Any) -> Any:
+    """Convert a YAML/CLI value to the setting's type, or explain which option is wrong."""
+    name, kind = s.name, s.type
     if value is None:
-        if not _optional(name):
+        if not s.optional:
             raise UserError(f"{option_name(name)}: needs a value (got null)")
         return None
     if kind is bool:
@@ -104,23 +110,42 @@ def load_yaml(path: str) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     for key, value in loaded.items():
         name = str(key).replace("-", "_")
-        if name in settings:
-            raise UserError(f"--config: {path}: {option_name(name)} is set twice (as {name} and {key})")
-        settings[name] = value
+        group = GROUPS.get(name)
+        entries = _group_entries(name, value, path) if group and isinstance(value, dict) else {name: value}
+        for flat, item in entries.items():
+            if flat in settings:
+                raise UserError(f"--config: {path}: {option_name(flat)} is set twice (as {flat} and {key})")
+            settings[flat] = item
     return settings
+
+
+def _group_entries(group: str, values: dict[Any, Any], path: str) -> dict[str, Any]:
+    """A nested group (``lora: {rank: 16}``) as flat settings (``lora_rank: 16``); a key may be the
+    group's field name or the setting's flat name."""
+    fields = {s.field: s.name for s in config_fields() if s.group == group}
+    flat_names = set(fields.values())
+    entries = {}
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name not in fields and name not in flat_names:
+            raise UserError(
+                f"--config: {path}: {group}: unknown setting {key!r} (its settings: {', '.join(fields)})"
+            )
+        entries[fields.get(name, name)] = value
+    return entries
 
 
 def build_config(values: dict[str, Any], source: str = "") -> TrainConfig:
     """Make a config from a mapping of settings (YAML and flags already merged)."""
-    known = {f.name: f for f in config_fields()}
-    unknown = sorted(set(values) - set(known))
+    known = {s.name for s in config_fields()}
+    unknown = sorted(set(values) - known)
     if unknown:
         where = f" in {source}" if source else ""
         raise UserError(
             f"unknown setting{'s' if len(unknown) > 1 else ''}{where}: "
             + ", ".join(option_name(u) for u in unknown)
         )
-    kwargs = {k: _coerce(k, v, field_type(known[k])) for k, v in values.items()}
+    kwargs = {k: _coerce(setting_named(k), v) for k, v in values.items()}
     return TrainConfig(**kwargs)
 
 

@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 
+from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import end_of_turn_ids
 from lmtune.data.formats import ensure_chat_template
-from lmtune.data.prepare import DataSettings, encode_into, records
+from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, rank_indices
 from lmtune.data.sources import BadLines, resolve_sources
 from lmtune.data.tokenize import Encoded, EncodeStats
@@ -85,7 +86,7 @@ def rank_imbalance(
 def audit(
     spec: str,
     tokenizer: Any,
-    settings: DataSettings,
+    settings: ExampleSettings,
     nproc_per_node: int = 1,
     global_batch_size: int = 32,
     micro_batch_size: int | None = None,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from lmtune.config.groups import ExampleSettings
 from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
 from lmtune.data.formats import ensure_chat_template
 from lmtune.data.sources import BadLines, Record, Source, iter_records, resolve_sources
@@ -33,19 +34,6 @@ CACHE_ENV = "LMTUNE_CACHE_DIR"
 # A waiting rank gives up when the builder has written nothing for this long (it died, or hangs).
 CACHE_WAIT_TIMEOUT_ENV = "LMTUNE_CACHE_WAIT_TIMEOUT"
 CACHE_WAIT_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class DataSettings:
-    """How records become training examples; every field is part of the cache key."""
-
-    format: str = "auto"
-    text_field: str = "text"
-    max_length: int = 512
-    truncation: str = "right"
-    skip_bad_lines: bool = False
-    txt_mode: str = "line"
-    train_on_prompt: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,7 +72,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return digest.hexdigest()
 
 
-def cache_key(sources: list[Source], tokenizer: Any, settings: DataSettings) -> str:
+def cache_key(sources: list[Source], tokenizer: Any, settings: ExampleSettings) -> str:
     """Changes when the data's content, the tokenizer, its template or any setting changes."""
     parts = {
         "version": CACHE_VERSION,
@@ -95,13 +83,13 @@ def cache_key(sources: list[Source], tokenizer: Any, settings: DataSettings) -> 
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
-def records(sources: list[Source], settings: DataSettings, bad: BadLines) -> Iterator[Record]:
+def records(sources: list[Source], settings: ExampleSettings, bad: BadLines) -> Iterator[Record]:
     for source in sources:
         yield from iter_records(source, settings.text_field, bad, settings.txt_mode)
 
 
 def _encode(
-    chunk: list[Record], tokenizer: Any, settings: DataSettings, bad: BadLines
+    chunk: list[Record], tokenizer: Any, settings: ExampleSettings, bad: BadLines
 ) -> tuple[list[Encoded], EncodeStats]:
     return encode_chunk(
         chunk,
@@ -117,10 +105,10 @@ def _encode(
 
 # Set once in each pool worker by its initializer: the tokenizer is sent to a worker once, not
 # with every chunk.
-_worker_state: tuple[Any, DataSettings] | None = None
+_worker_state: tuple[Any, ExampleSettings] | None = None
 
 
-def _worker_init(tokenizer: Any, settings: DataSettings) -> None:
+def _worker_init(tokenizer: Any, settings: ExampleSettings) -> None:
     global _worker_state
     _worker_state = (tokenizer, settings)
 
@@ -135,7 +123,7 @@ def _worker_encode(chunk: list[Record]) -> tuple[list[Encoded], EncodeStats, lis
 def encode_into(
     recs: Iterable[Record],
     tokenizer: Any,
-    settings: DataSettings,
+    settings: ExampleSettings,
     sink: Sink,
     bad: BadLines,
     workers: int = 1,
@@ -191,7 +179,7 @@ class _ListSink:
 
 
 def encode_in_memory(
-    recs: Iterable[Record], tokenizer: Any, settings: DataSettings, bad: BadLines | None = None
+    recs: Iterable[Record], tokenizer: Any, settings: ExampleSettings, bad: BadLines | None = None
 ) -> tuple[TokenizedDataset, EncodeStats]:
     """Tokenize records without a cache: for small data, tests and tools."""
     ensure_chat_template(tokenizer)
@@ -204,7 +192,7 @@ def encode_in_memory(
 def _build(
     sources: list[Source],
     tokenizer: Any,
-    settings: DataSettings,
+    settings: ExampleSettings,
     folder: Path,
     spec: str,
     option: str,
@@ -265,7 +253,7 @@ def _wait_for(
 def prepare(
     spec: str,
     tokenizer: Any,
-    settings: DataSettings,
+    settings: ExampleSettings,
     env: DistEnv,
     cache_dir: Path,
     per_node: bool = False,

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from lmtune.config.groups import LoraSettings
 from lmtune.errors import UserError
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    rank: int
-    alpha: float
-    dropout: float
-    target_modules: str  # comma-separated names, or "all-linear"
 
 
 def _peft() -> Any:

@@ -77,12 +77,14 @@ def die_with_launcher() -> None:
 
 def needs_launcher(cfg: TrainConfig) -> bool:
     """Whether this command must start the job through torch.distributed.run."""
-    return cfg.nproc_per_node > 1 or parse_nnodes(cfg.nnodes)[1] > 1 or cfg.max_restarts > 0
+    return (
+        cfg.launch.nproc_per_node > 1 or parse_nnodes(cfg.launch.nnodes)[1] > 1 or cfg.launch.max_restarts > 0
+    )
 
 
 def world_size_bounds(cfg: TrainConfig) -> tuple[int, int]:
-    low, high = parse_nnodes(cfg.nnodes)
-    return low * cfg.nproc_per_node, high * cfg.nproc_per_node
+    low, high = parse_nnodes(cfg.launch.nnodes)
+    return low * cfg.launch.nproc_per_node, high * cfg.launch.nproc_per_node
 
 
 # The output folder's lock token, handed by a launcher that holds the lock to the workers it starts.
@@ -100,16 +102,16 @@ class Job:
 
 
 def job_of(cfg: TrainConfig) -> Job:
-    single_node = parse_nnodes(cfg.nnodes)[1] == 1 and cfg.rdzv_endpoint is None
+    single_node = parse_nnodes(cfg.launch.nnodes)[1] == 1 and cfg.launch.rdzv_endpoint is None
     return Job(
-        run_id=str(uuid.uuid4()) if single_node else cfg.rdzv_id,
+        run_id=str(uuid.uuid4()) if single_node else cfg.launch.rdzv_id,
         single_node=single_node,
-        hosts=single_node or cfg.node_rank == 0,
+        hosts=single_node or cfg.launch.node_rank == 0,
     )
 
 
 def relaunch(argv: list[str], cfg: TrainConfig, job: Job, lock_token: str | None) -> int:
-    """Run ``lmtune <argv>`` as ``cfg.nproc_per_node`` local workers of the job; return the exit code.
+    """Run ``lmtune <argv>`` as ``cfg.launch.nproc_per_node`` local workers of the job; return the exit code.
 
     One machine: the rendezvous endpoint is ``localhost:0`` so the OS picks a free port, and two
     runs never collide. Several machines: c10d rendezvous at ``--rdzv-endpoint``, hosted by node 0.
@@ -153,19 +155,19 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
         log.setLevel(logging.CRITICAL)
     user_error = threading.Event()
     ended = threading.Event()
-    if cfg.max_restarts > 0:
+    if cfg.launch.max_restarts > 0:
         threading.Thread(
             target=_stop_on_user_error, args=(Path(error_dir), user_error, ended), daemon=True
         ).start()
     watchdog = None
-    if cfg.hang_timeout > 0:
+    if cfg.health.hang_timeout > 0:
         # The workers' heartbeats go beside their error reports; this launcher watches its own ranks.
         os.environ[HEALTH_DIR_ENV] = error_dir
-        flight_recorder(Path(cfg.output_dir))
+        flight_recorder(Path(cfg.checkpoint.output_dir))
         watchdog = Watchdog(
             folder=Path(error_dir),
-            output_dir=Path(cfg.output_dir),
-            floor_s=cfg.hang_timeout,
+            output_dir=Path(cfg.checkpoint.output_dir),
+            floor_s=cfg.health.hang_timeout,
             on_hang=partial(_end_workers, error_dir),
         )
         threading.Thread(target=watchdog.run, args=(ended,), daemon=True, name="lmtune-watchdog").start()
@@ -201,21 +203,21 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
 def _launch_config(cfg: TrainConfig, run_id: str, single_node: bool) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
-    min_nodes, max_nodes = parse_nnodes(cfg.nnodes)
+    min_nodes, max_nodes = parse_nnodes(cfg.launch.nnodes)
     rdzv_configs: dict[str, object] = {}
-    if cfg.node_rank is not None:
+    if cfg.launch.node_rank is not None:
         # Every node may resolve the endpoint's host as its own (loopback tests, one-host setups):
         # say which one hosts the store instead of leaving it to a race.
-        rdzv_configs["is_host"] = cfg.node_rank == 0
+        rdzv_configs["is_host"] = cfg.launch.node_rank == 0
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        nproc_per_node=cfg.nproc_per_node,
+        nproc_per_node=cfg.launch.nproc_per_node,
         run_id=run_id,
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0" if single_node else str(cfg.rdzv_endpoint),
+        rdzv_endpoint="localhost:0" if single_node else str(cfg.launch.rdzv_endpoint),
         rdzv_configs=rdzv_configs,
-        max_restarts=cfg.max_restarts,
+        max_restarts=cfg.launch.max_restarts,
         monitor_interval=0.1,
     )
 

@@ -13,7 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +104,7 @@ def run_bench(
                     results.append(BenchRow(strategy, precision, reason))
                     continue
                 out = Path(tmp) / f"{strategy}-{precision}"
-                run = replace(
-                    base,
+                run = base.replace(
                     strategy=strategy,
                     precision=precision,
                     nproc_per_node=nproc if strategy in ("ddp", "fsdp") else 1,

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from lmtune.config.groups import LoraSettings
 from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
-from lmtune.model.lora import LoraSettings
 from lmtune.model.precision import low_precision_dtype
 from lmtune.parallel.wrap import decoder_blocks
 
@@ -292,6 +292,10 @@ def loss_chunk(cfg: TrainConfig, config: Any) -> int:
     """The chunk lmtune train would use (chunked_loss.choose decides it on the real model)."""
     from lmtune.model.chunked_loss import default_chunk_size
 
-    if cfg.loss_chunk_size == 0 or cfg.compile or getattr(config, "final_logit_softcapping", None):
+    if (
+        cfg.model.loss_chunk_size == 0
+        or cfg.model.compile
+        or getattr(config, "final_logit_softcapping", None)
+    ):
         return 0
-    return cfg.loss_chunk_size or default_chunk_size(int(config.vocab_size))
+    return cfg.model.loss_chunk_size or default_chunk_size(int(config.vocab_size))

@@ -26,7 +26,6 @@ import torch
 from lmtune.config.io import MEASURING_RUN, to_argv
 from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
-from lmtune.model.lora import LoraSettings
 from lmtune.parallel.wrap import effective_strategy
 from lmtune.tools.memory import (
     Estimate,
@@ -66,7 +65,7 @@ def measure_host(
 
     from lmtune.model.modeling import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
     layers = (1, min(3, int(config.num_hidden_layers)))
     if layers[0] == layers[1]:
         layers = (1, 2)
@@ -133,9 +132,8 @@ def measure_peak(cfg: TrainConfig, setup: Setup, workdir: Path, model: str | Non
     out = workdir / f"run-{setup.micro_batch_size}-{Path(model).name if model else 'model'}"
     # The user's settings, with the setup's choices, two steps long, alone on this machine, and
     # without side effects (no reporting, samples, checkpoints).
-    real = replace(
-        cfg,
-        model=model or cfg.model,
+    real = cfg.replace(
+        model=model or cfg.model.name,
         micro_batch_size=setup.micro_batch_size,
         global_batch_size=setup.micro_batch_size * setup.world_size * setup.accumulation,
         strategy=setup.strategy,
@@ -159,18 +157,18 @@ def measure_peak(cfg: TrainConfig, setup: Setup, workdir: Path, model: str | Non
 
 def setup_from(cfg: TrainConfig, world_size: int, length: int, chunk: int = 0) -> Setup:
     """The setup ``lmtune train`` would run with these settings on ``world_size`` processes."""
-    strategy = effective_strategy(cfg.strategy, world_size)
+    strategy = effective_strategy(cfg.launch.strategy, world_size)
     micro = micro_batch_size(cfg, world_size)
     return Setup(
         strategy=strategy,
-        optimizer=cfg.optimizer,
-        lora=cfg.lora,
-        activation_checkpointing=cfg.activation_checkpointing,
-        precision=cfg.precision,
+        optimizer=cfg.optim.name,
+        lora=cfg.lora.enabled,
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        precision=cfg.model.precision,
         micro_batch_size=micro,
         length=length,
         world_size=world_size,
-        accumulation=max(1, cfg.global_batch_size // (micro * world_size)),
+        accumulation=max(1, cfg.batch.global_batch_size // (micro * world_size)),
         loss_chunk=chunk,
     )
 
@@ -246,20 +244,24 @@ def row_length(cfg: TrainConfig) -> tuple[int, bool, str]:
     from lmtune.parallel.distributed import read_dist_env
     from lmtune.training.build import prepare_data
 
-    if cfg.packing == "on":
-        return cfg.max_length, True, "--packing on: rows of --max-length"
+    if cfg.batch.packing == "on":
+        return cfg.examples.max_length, True, "--packing on: rows of --max-length"
     env = read_dist_env("cpu")
     quiet = _QuietLog()
-    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    if cfg.chat_template is not None:  # the same tokens, and the same cache entry, as training
+    tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
+    if cfg.examples.chat_template is not None:  # the same tokens, and the same cache entry, as training
         from lmtune.data.chat import use_chat_template
 
-        use_chat_template(tokenizer, cfg.chat_template)
-    train, _, info = prepare_data(replace(cfg, eval_data=None), tokenizer, env, quiet)
+        use_chat_template(tokenizer, cfg.examples.chat_template)
+    train, _, info = prepare_data(cfg.replace(eval_data=None), tokenizer, env, quiet)
     lengths = train.lengths()
     longest = int(lengths.max())
-    if cfg.packing == "auto" and set(info["train"]["formats"]) == {"text"} and int(lengths.min()) < longest:
-        return cfg.max_length, True, "text data may be packed into rows of --max-length"
+    if (
+        cfg.batch.packing == "auto"
+        and set(info["train"]["formats"]) == {"text"}
+        and int(lengths.min()) < longest
+    ):
+        return cfg.examples.max_length, True, "text data may be packed into rows of --max-length"
     padded = int(lengths.min()) < longest
     return longest, padded, f"longest example of --data: {longest} tokens"
 
@@ -292,16 +294,11 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
     from lmtune.model.modeling import load_config
     from lmtune.parallel.distributed import read_dist_env
 
-    config = load_config(cfg.model, cfg.trust_remote_code)
-    world = cfg.nproc_per_node * parse_nnodes(cfg.nnodes)[1]
-    device = read_dist_env(cfg.device).device.type
+    config = load_config(cfg.model.name, cfg.model.trust_remote_code)
+    world = cfg.launch.nproc_per_node * parse_nnodes(cfg.launch.nnodes)[1]
+    device = read_dist_env(cfg.model.device).device.type
     length, padded, reason = row_length(cfg)
-    lora = LoraSettings(
-        rank=cfg.lora_rank,
-        alpha=cfg.lora_alpha,
-        dropout=cfg.lora_dropout,
-        target_modules=cfg.lora_target_modules,
-    )
+    lora = cfg.lora
     facts: dict[tuple[int, bool, str], ModelFacts] = {}
 
     def predict_for(model_config: Any, setup: Setup, host: Host) -> Estimate:
@@ -322,13 +319,13 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
     calibration = None
     if calibrate_runs:
         calibration = calibrate(requested, predict, lambda s: measure_peak(cfg, s, workdir))
-    budget = memory if memory is not None else device_memory(device, cfg.nproc_per_node)
-    limit = max(1, cfg.global_batch_size // world)
+    budget = memory if memory is not None else device_memory(device, cfg.launch.nproc_per_node)
+    limit = max(1, cfg.batch.global_batch_size // world)
     table = []
     for candidate in candidates(requested):
         best = largest_micro_batch(candidate, lambda s: apply(predict(s), calibration), budget, limit)
         chosen = replace(candidate, micro_batch_size=max(best, 1))
-        accumulation = max(1, cfg.global_batch_size // (chosen.micro_batch_size * world))
+        accumulation = max(1, cfg.batch.global_batch_size // (chosen.micro_batch_size * world))
         table.append((apply(predict(replace(chosen, accumulation=accumulation)), calibration), best))
     return PlanReport(
         requested=apply(predict(requested), calibration),

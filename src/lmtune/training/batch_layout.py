@@ -28,30 +28,30 @@ class BatchLayout:
 
 def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
     """The micro-batch size in effect: as set, or the whole per-process share of the global batch."""
-    return cfg.micro_batch_size or cfg.global_batch_size // world_size
+    return cfg.batch.micro_batch_size or cfg.batch.global_batch_size // world_size
 
 
 def epochs(cfg: TrainConfig) -> int:
-    if cfg.epochs is not None:
-        return cfg.epochs
-    return SAMPLE_EPOCHS if cfg.data == SAMPLE_DATA else DEFAULT_EPOCHS
+    if cfg.schedule.epochs is not None:
+        return cfg.schedule.epochs
+    return SAMPLE_EPOCHS if cfg.data.train == SAMPLE_DATA else DEFAULT_EPOCHS
 
 
 def batch_layout(cfg: TrainConfig, world_size: int, n_examples: int) -> BatchLayout:
     """The layout of a run of ``cfg`` on ``world_size`` processes over ``n_examples`` examples."""
-    per_epoch = steps_per_epoch(n_examples, cfg.global_batch_size)
+    per_epoch = steps_per_epoch(n_examples, cfg.batch.global_batch_size)
     if per_epoch == 0:
         raise UserError(
-            f"--data {cfg.data}: {n_examples} examples, fewer than one global batch "
-            f"(--global-batch-size {cfg.global_batch_size})"
+            f"--data {cfg.data.train}: {n_examples} examples, fewer than one global batch "
+            f"(--global-batch-size {cfg.batch.global_batch_size})"
         )
     micro = micro_batch_size(cfg, world_size)
-    total = cfg.max_steps if cfg.max_steps is not None else epochs(cfg) * per_epoch
+    total = cfg.schedule.max_steps if cfg.schedule.max_steps is not None else epochs(cfg) * per_epoch
     return BatchLayout(
-        global_batch_size=cfg.global_batch_size,
+        global_batch_size=cfg.batch.global_batch_size,
         micro_batch_size=micro,
         world_size=world_size,
-        accumulation=cfg.global_batch_size // (micro * world_size),
+        accumulation=cfg.batch.global_batch_size // (micro * world_size),
         steps_per_epoch=per_epoch,
         total_steps=total,
         epochs=-(-total // per_epoch),

@@ -75,13 +75,13 @@ class BestTracker:
 
 
 def best_tracker(cfg: TrainConfig, resume_from: Path | None) -> BestTracker | None:
-    if cfg.metric_for_best is None:
+    if cfg.eval.metric_for_best is None:
         return None
     best = BestTracker(
-        metric=cfg.metric_for_best,
-        greater_is_better=cfg.greater_is_better,
-        patience=cfg.early_stopping_patience,
-        threshold=cfg.early_stopping_threshold,
+        metric=cfg.eval.metric_for_best,
+        greater_is_better=cfg.eval.greater_is_better,
+        patience=cfg.eval.early_stopping_patience,
+        threshold=cfg.eval.early_stopping_threshold,
     )
     if resume_from is not None:
         best.restore(resume_from)

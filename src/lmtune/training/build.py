@@ -14,18 +14,19 @@ from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.resume import Fingerprint, fingerprint
 from lmtune.checkpoint.state import ModelParts
+from lmtune.config.groups import DataSettings
 from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps
 from lmtune.data.chat import end_of_turn_ids, use_chat_template
 from lmtune.data.collate import Collator, StepCollator
 from lmtune.data.dataset import TokenizedDataset, split_off
-from lmtune.data.prepare import DataSettings, default_cache_dir, prepare
+from lmtune.data.prepare import default_cache_dir, prepare
 from lmtune.data.sampling import EvalSampler, TrainSampler
 from lmtune.data.tokenize import EncodeStats
 from lmtune.errors import UserError
 from lmtune.model.attention import use_varlen
 from lmtune.model.chunked_loss import LossChoice
 from lmtune.model.chunked_loss import choose as choose_loss
-from lmtune.model.lora import LoraSettings, add_lora
+from lmtune.model.lora import add_lora
 from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import LoadedModel, load_model
 from lmtune.model.precision import autocast_context, grad_scaler, low_precision_dtype
@@ -37,7 +38,7 @@ from lmtune.parallel.health import Heartbeat
 from lmtune.parallel.wrap import wrap_model
 from lmtune.training.batch_layout import BatchLayout, batch_layout
 from lmtune.training.loop import FitData
-from lmtune.training.optim import build_optimizer, build_schedule
+from lmtune.training.optim import build_schedule, optimizer_for
 from lmtune.training.signals import StopRequest
 
 # Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
@@ -59,11 +60,11 @@ class Run:
 
     @property
     def output_dir(self) -> Path:
-        return Path(self.cfg.output_dir)
+        return Path(self.cfg.checkpoint.output_dir)
 
     def autocast(self) -> AbstractContextManager[object]:
         """A fresh autocast context of --precision on this device (none under fp32)."""
-        return autocast_context(self.cfg.precision, self.env.device, self.products.fp32)
+        return autocast_context(self.cfg.model.precision, self.env.device, self.products.fp32)
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,9 @@ def build(run: Run) -> Built:
     """Model, data, batch layout, the wrapped model with its loss, and the optimizer."""
     cfg, env, log = run.cfg, run.env, run.log
     run.heartbeat.beat("load")
-    loaded = load_model(cfg.model, cfg.seed, cfg.trust_remote_code)
+    loaded = load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code)
     tokenizer = loaded.tokenizer
-    if cfg.chat_template is not None:
+    if cfg.examples.chat_template is not None:
         apply_chat_template_option(cfg, loaded.model, tokenizer, log)
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
@@ -105,19 +106,11 @@ def build(run: Run) -> Built:
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
         log.info(f"chat data: saved models stop at {tokenizer.convert_ids_to_tokens(stops)}")
     layout = batch_layout(cfg, env.world_size, len(train_data))
-    default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora else loaded.default_lr
-    lr = cfg.lr if cfg.lr is not None else default_lr
+    default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora.enabled else loaded.default_lr
+    lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr
     model, parts, loss = build_model(run, loaded.model)
     # After wrapping: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
-    optimizer = build_optimizer(
-        cfg.optimizer,
-        parts.root,
-        lr,
-        weight_decay=cfg.weight_decay,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_eps,
-        momentum=cfg.momentum,
-    )
+    optimizer = optimizer_for(cfg.optim, parts.root, lr)
     run_fingerprint = fingerprint(
         cfg,
         data_key=data_info["train"]["key"],
@@ -138,7 +131,7 @@ def build(run: Run) -> Built:
         parts=parts,
         loss=loss,
         optimizer=optimizer,
-        scaler=grad_scaler(cfg.precision),
+        scaler=grad_scaler(cfg.model.precision),
         fingerprint=run_fingerprint,
     )
 
@@ -179,14 +172,14 @@ def compile_model(model: torch.nn.Module, log: RunLog) -> None:
 
 
 def _eval_spec(cfg: TrainConfig) -> str | None:
-    if cfg.eval_data is None and cfg.data == SAMPLE_DATA and cfg.eval_split is None:
+    if cfg.data.eval is None and cfg.data.train == SAMPLE_DATA and cfg.data.eval_split is None:
         return SAMPLE_EVAL
-    return cfg.eval_data
+    return cfg.data.eval
 
 
-def data_cache_dir(cfg: TrainConfig) -> Path:
+def data_cache_dir(data: DataSettings) -> Path:
     """--cache-dir, else lmtune's default cache of tokenized data."""
-    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    return Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
 
 
 def prepare_data(
@@ -197,22 +190,14 @@ def prepare_data(
     check_stop: Callable[[], None] = lambda: None,
 ) -> tuple[TokenizedDataset, TokenizedDataset | None, dict[str, Any]]:
     """Tokenize (or read from the cache) the training and evaluation data; report what was done."""
-    settings = DataSettings(
-        format=cfg.data_format,
-        text_field=cfg.text_field,
-        max_length=cfg.max_length,
-        truncation=cfg.truncation,
-        skip_bad_lines=cfg.skip_bad_lines,
-        txt_mode=cfg.txt_mode,
-        train_on_prompt=cfg.train_on_prompt,
-    )
-    cache_dir = data_cache_dir(cfg)
+    settings = cfg.examples
+    cache_dir = data_cache_dir(cfg.data)
     info: dict[str, Any] = {}
     prepared: dict[str, TokenizedDataset] = {}
-    for name, spec, option in (("train", cfg.data, "--data"), ("eval", _eval_spec(cfg), "--eval-data")):
+    for name, spec, option in (("train", cfg.data.train, "--data"), ("eval", _eval_spec(cfg), "--eval-data")):
         if spec is None:
             continue
-        p = prepare(spec, tokenizer, settings, env, cache_dir, cfg.cache_per_node, option, check_stop)
+        p = prepare(spec, tokenizer, settings, env, cache_dir, cfg.data.cache_per_node, option, check_stop)
         builders = [r for r, built in enumerate(all_gather_object(p.built, env)) if built]
         meta = p.dataset.meta
         info[name] = {
@@ -232,12 +217,12 @@ def prepare_data(
         for message in meta["bad_line_examples"][:5] if builders else []:
             log.info(f"  skipped: {message}")
         prepared[name] = p.dataset
-    if cfg.eval_split is not None:
+    if cfg.data.eval_split is not None:
         try:
-            prepared["train"], prepared["eval"] = split_off(prepared["train"], cfg.eval_split, cfg.seed)
+            prepared["train"], prepared["eval"] = split_off(prepared["train"], cfg.data.eval_split, cfg.seed)
         except ValueError as e:
-            raise UserError(f"--eval-split {cfg.eval_split}: {e}") from None
-        info["eval"] = {"spec": f"--eval-split {cfg.eval_split}", "examples": len(prepared["eval"])}
+            raise UserError(f"--eval-split {cfg.data.eval_split}: {e}") from None
+        info["eval"] = {"spec": f"--eval-split {cfg.data.eval_split}", "examples": len(prepared["eval"])}
         log.info(f"eval data: {len(prepared['eval']):,} examples of --data held out (--eval-split)")
     return prepared["train"], prepared.get("eval"), info
 
@@ -252,11 +237,11 @@ BATCHING_NAMES = {
 
 def batching_of(cfg: TrainConfig, formats: dict[str, int]) -> str:
     """pack | auto | group | pad: how a step's examples become micro-batches."""
-    if cfg.packing == "on":
+    if cfg.batch.packing == "on":
         return "pack"
-    if cfg.packing == "auto" and set(formats) == {"text"}:
+    if cfg.batch.packing == "auto" and set(formats) == {"text"}:
         return "auto"
-    return "group" if cfg.group_by_length else "pad"
+    return "group" if cfg.batch.group_by_length else "pad"
 
 
 def make_loader(
@@ -285,14 +270,14 @@ def loaders(run: Run, b: Built) -> tuple[FitData, DataLoader[Any] | None]:
         pad_token_id=b.tokenizer.pad_token_id,
         micro_batch_size=layout.micro_batch_size,
         mode=b.batching,
-        max_length=cfg.max_length,
+        max_length=cfg.examples.max_length,
     )
     lengths = b.train_data.lengths().tolist()
     sampler = TrainSampler(
-        len(b.train_data), cfg.global_batch_size, env.rank, env.world_size, cfg.seed, lengths
+        len(b.train_data), cfg.batch.global_batch_size, env.rank, env.world_size, cfg.seed, lengths
     )
     # One loader item is one rank's share of one optimizer step, already cut into micro-batches.
-    loader = make_loader(b.train_data, sampler, layout.per_rank, step_collate, env, cfg.num_workers)
+    loader = make_loader(b.train_data, sampler, layout.per_rank, step_collate, env, cfg.data.num_workers)
     eval_loader = None
     if b.eval_data is not None:
         eval_sampler = EvalSampler(len(b.eval_data), env.rank, env.world_size)
@@ -304,49 +289,43 @@ def loaders(run: Run, b: Built) -> tuple[FitData, DataLoader[Any] | None]:
 def build_model(run: Run, base: torch.nn.Module) -> tuple[torch.nn.Module, ModelParts, LossChoice]:
     """Memory savers, LoRA, compile, the loss wrapper and the strategy's wrapper, in that order."""
     cfg, strategy, env, log = run.cfg, run.strategy, run.env, run.log
-    if cfg.activation_checkpointing:
-        checkpoint_activations(base, cfg.model, run.products.fp32)
+    if cfg.model.activation_checkpointing:
+        checkpoint_activations(base, cfg.model.name, run.products.fp32)
     # Per-example attention computes nothing on padding or across packed examples. Its per-example
     # loop would make torch.compile recompile for every batch, so compiled runs keep the masks.
-    cpu_bf16 = env.device.type == "cpu" and cfg.precision == "bf16"
-    varlen = not cfg.compile and use_varlen(base, cpu_bf16)
+    cpu_bf16 = env.device.type == "cpu" and cfg.model.precision == "bf16"
+    varlen = not cfg.model.compile and use_varlen(base, cpu_bf16)
     trained = base
-    if cfg.lora:
+    if cfg.lora.enabled:
         # The same adapter init on every rank: FSDP keeps each rank's own shard of it (DDP would
         # broadcast rank 0's).
         torch.manual_seed(cfg.seed)
-        lora = LoraSettings(
-            rank=cfg.lora_rank,
-            alpha=cfg.lora_alpha,
-            dropout=cfg.lora_dropout,
-            target_modules=cfg.lora_target_modules,
-        )
-        trained = add_lora(base, lora)
+        trained = add_lora(base, cfg.lora)
     # A rank-specific stream from here on, so dropout differs across the ranks' examples.
     torch.manual_seed(cfg.seed + env.rank)
-    loss = choose_loss(trained, cfg.loss_chunk_size, cfg.compile)
-    if cfg.loss_chunk_size and not loss.chunk:
-        log.info(f"--loss-chunk-size {cfg.loss_chunk_size}: not used; {loss.description}")
-    if cfg.compile:
+    loss = choose_loss(trained, cfg.model.loss_chunk_size, cfg.model.compile)
+    if cfg.model.loss_chunk_size and not loss.chunk:
+        log.info(f"--loss-chunk-size {cfg.model.loss_chunk_size}: not used; {loss.description}")
+    if cfg.model.compile:
         compile_model(trained, log)
     loss_module = SummedLoss(trained, varlen, loss.chunk, run.products.fp32)
-    model = wrap_model(loss_module, strategy, env, low_precision_dtype(cfg.precision))
-    return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora), loss
+    model = wrap_model(loss_module, strategy, env, low_precision_dtype(cfg.model.precision))
+    return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora.enabled), loss
 
 
 def apply_chat_template_option(cfg: TrainConfig, model: torch.nn.Module, tokenizer: Any, log: RunLog) -> None:
-    assert cfg.chat_template is not None
-    added = use_chat_template(tokenizer, cfg.chat_template)
-    if added and cfg.lora:
+    assert cfg.examples.chat_template is not None
+    added = use_chat_template(tokenizer, cfg.examples.chat_template)
+    if added and cfg.lora.enabled:
         raise UserError(
-            f"--chat-template {cfg.chat_template}: its turn markers {', '.join(added)} are new to "
-            f"{cfg.model}'s vocabulary, and LoRA leaves new token embeddings untrained, so the model "
+            f"--chat-template {cfg.examples.chat_template}: its turn markers {', '.join(added)} are new to "
+            f"{cfg.model.name}'s vocabulary, and LoRA leaves new token embeddings untrained, so the model "
             "could never learn to end a turn. Fine-tune without --lora, or use a template whose "
             "markers the tokenizer has (its own, when it has one)"
         )
     grew = fit_embeddings(model, tokenizer)
     log.info(
-        f"chat template {cfg.chat_template}"
+        f"chat template {cfg.examples.chat_template}"
         + (f": new special tokens {', '.join(added)}" if added else "")
         + (f" (embeddings grown to {len(tokenizer):,} rows)" if grew else "")
     )
@@ -356,11 +335,11 @@ def schedule(cfg: TrainConfig, b: Built, start_step: int) -> torch.optim.lr_sche
     total = b.layout.total_steps
     return build_schedule(
         b.optimizer,
-        name=cfg.lr_schedule,
+        name=cfg.schedule.name,
         total_steps=total,
-        warmup_steps=warmup_steps(cfg, total),
-        min_ratio=cfg.min_lr_ratio,
-        decay_ratio=cfg.decay_ratio,
+        warmup_steps=warmup_steps(cfg.schedule, total),
+        min_ratio=cfg.schedule.min_lr_ratio,
+        decay_ratio=cfg.schedule.decay_ratio,
         lr=b.lr,
         start_step=start_step,
     )

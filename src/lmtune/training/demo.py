@@ -17,8 +17,10 @@ from lmtune.outputs.runlog import InfoLog
 
 def final_model(cfg: TrainConfig, final_dir: Path) -> torch.nn.Module:
     """The trained model read back from ``final/`` (under FSDP no rank holds it whole)."""
-    if cfg.lora:
-        return merged_model(load_model(cfg.model, cfg.seed, cfg.trust_remote_code).model, final_dir)
+    if cfg.lora.enabled:
+        return merged_model(
+            load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code).model, final_dir
+        )
     from transformers import AutoModelForCausalLM
 
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(final_dir)

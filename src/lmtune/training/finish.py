@@ -26,15 +26,18 @@ def finalize(run: Run, b: Built, result: FitResult, best: BestTracker | None, tr
         if steps > trained_from
         else f"step {steps}, no steps left to train"
     )
-    if cfg.load_best_at_end and best is not None and best.best is not None and best.best.step != steps:
+    if cfg.eval.load_best_at_end and best is not None and best.best is not None and best.best.step != steps:
         load_checkpoint(Path(best.best.checkpoint), b.parts, b.optimizer, env, b.scaler)
         trained = f"the best model: step {best.best.step}, {best.best.metric} {best.best.value:.4f}"
     save_final(b.parts, b.tokenizer, final_dir, env)
-    log.info(f"saved the {'LoRA adapter (PEFT format)' if cfg.lora else 'model'} to {final_dir} ({trained})")
-    if cfg.merge_lora and env.is_main:
-        merged = merged_model(load_model(cfg.model, cfg.seed, cfg.trust_remote_code).model, final_dir)
+    what = "LoRA adapter (PEFT format)" if cfg.lora.enabled else "model"
+    log.info(f"saved the {what} to {final_dir} ({trained})")
+    if cfg.lora.merge and env.is_main:
+        merged = merged_model(
+            load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code).model, final_dir
+        )
         save_hf_folder(merged, b.tokenizer, final_dir / "merged")
         log.info(f"saved the base model with the adapter merged to {final_dir / 'merged'}")
     barrier(env)
-    if env.is_main and cfg.data == SAMPLE_DATA:
+    if env.is_main and cfg.data.train == SAMPLE_DATA:
         show_answers(final_model(cfg, final_dir) if b.parts.sharded else b.parts.model, b.tokenizer, log)

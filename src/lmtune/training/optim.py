@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from lmtune.config.groups import OptimSettings
 from lmtune.errors import UserError
 from lmtune.model.quantization import quiet_bitsandbytes
 
@@ -130,16 +131,24 @@ def build_schedule(
     return cast(LambdaLR, made)
 
 
-def set_hyperparameters(
-    optimizer: torch.optim.Optimizer,
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float,
-    momentum: float,
-) -> None:
+def optimizer_for(settings: OptimSettings, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The optimizer of ``settings`` over ``model``'s trainable parameters, at peak rate ``lr``."""
+    return build_optimizer(
+        settings.name,
+        model,
+        lr,
+        weight_decay=settings.weight_decay,
+        betas=(settings.adam_beta1, settings.adam_beta2),
+        eps=settings.adam_eps,
+        momentum=settings.momentum,
+    )
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, settings: OptimSettings) -> None:
     """This run's settings over those a loaded optimizer state brought back with it."""
-    for group, decay in zip(optimizer.param_groups, (weight_decay, 0.0), strict=False):
+    betas = (settings.adam_beta1, settings.adam_beta2)
+    for group, decay in zip(optimizer.param_groups, (settings.weight_decay, 0.0), strict=False):
         group["weight_decay"] = decay
-        for key, value in (("betas", betas), ("eps", eps), ("momentum", momentum)):
+        for key, value in (("betas", betas), ("eps", settings.adam_eps), ("momentum", settings.momentum)):
             if key in group:
                 group[key] = value

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
-from lmtune.config.settings import TrainConfig, option_name
+from pathlib import Path
+
+from lmtune.config.settings import TrainConfig
 from lmtune.config.validate import check_settings
 from lmtune.data.chat import read_template
 from lmtune.data.sources import resolve_sources
+from lmtune.errors import UserError
 from lmtune.outputs.reporters import check_installed, parse_report_to
 
 
@@ -14,10 +17,14 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     """Reject settings that cannot work and inputs that are not there; ``world_size`` is the
     process count."""
     check_settings(cfg, world_size)
-    for name in ("data", "eval_data"):
-        spec = getattr(cfg, name)
+    for spec, option in ((cfg.data.train, "--data"), (cfg.data.eval, "--eval-data")):
         if spec is not None:
-            resolve_sources(spec, option_name(name))  # missing files and empty globs fail here
-    if cfg.chat_template is not None:
-        read_template(cfg.chat_template)
-    check_installed(parse_report_to(cfg.report_to))
+            resolve_sources(spec, option)  # missing files and empty globs fail here
+    if cfg.examples.chat_template is not None:
+        read_template(cfg.examples.chat_template)
+    if cfg.samples.prompts is not None and not Path(cfg.samples.prompts).expanduser().is_file():
+        raise UserError(f"--sample-prompts: no such file (got {cfg.samples.prompts!r})")
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "never") and not Path(resume).is_dir():
+        raise UserError(f"--resume: no such checkpoint folder: {resume}")
+    check_installed(parse_report_to(cfg.logging.report_to))

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 import torch
 from torch import nn
 
+from lmtune.config.groups import SampleSettings
 from lmtune.errors import UserError
 from lmtune.outputs.runlog import RunLog
 from lmtune.parallel.distributed import DistEnv, broadcast
@@ -152,22 +153,22 @@ def decode(
 
 
 @dataclass(frozen=True)
-class SampleSettings:
+class SamplePlan:
+    """What to generate and when: --sample-prompts read and checked, with the samples settings."""
+
     prompts: list[Prompt]
-    every: int  # 0: at the end only
-    max_new_tokens: int
-    temperature: float
+    settings: SampleSettings  # every (0: at the end only), temperature, max_new_tokens
     seed: int
 
 
 class Sampler(Callback):
-    """Generates from the prompts every ``settings.every`` steps and at the end."""
+    """Generates from the prompts every ``plan.settings.every`` steps and at the end."""
 
     phase = "sample"
 
     def __init__(
         self,
-        settings: SampleSettings,
+        plan: SamplePlan,
         root: nn.Module,
         tokenizer: Any,
         stop: list[int],
@@ -176,12 +177,12 @@ class Sampler(Callback):
         lockstep: bool,
         autocast: Callable[[], AbstractContextManager[object]],
     ):
-        self.settings, self.root, self.tokenizer, self.env, self.log = settings, root, tokenizer, env, log
+        self.plan, self.root, self.tokenizer, self.env, self.log = plan, root, tokenizer, env, log
         self.stop, self.lockstep, self.autocast = set(stop), lockstep, autocast
 
     def on_step_end(self, end: StepEnd, control: Control) -> None:
         state = end.state
-        step, every = state.step, self.settings.every
+        step, every = state.step, self.plan.settings.every
         if not (end.finished or (every and step % every == 0)):
             return
         if not (self.lockstep or self.env.is_main):
@@ -198,17 +199,17 @@ class Sampler(Callback):
         self.log.info(f"step {step}: samples\n" + "\n".join(shown))
 
     def _generate(self) -> list[Generation]:
-        s = self.settings
+        s, plan = self.plan.settings, self.plan
         deadline = time.monotonic() + TIME_BUDGET_S
         out = []
-        for i, prompt in enumerate(s.prompts):
+        for i, prompt in enumerate(plan.prompts):
             new, stopped, late = decode(
                 self.root,
                 prompt.ids,
                 stop=self.stop,
                 max_new_tokens=s.max_new_tokens,
                 temperature=s.temperature,
-                seed=s.seed + i,
+                seed=plan.seed + i,
                 env=self.env,
                 lockstep=self.lockstep,
                 autocast=self.autocast,

@@ -1,0 +1,462 @@
+"""The settings groups of a training run: each a frozen dataclass whose fields carry their --help
+text, their allowed values and, where it differs from the field's name, the flag that sets them.
+
+A group is what a function takes (``build_optimizer`` takes :class:`OptimSettings`, the data cache
+takes :class:`ExampleSettings`); :class:`lmtune.config.settings.TrainConfig` holds one of each. The
+flags and YAML keys stay flat (``--lora-rank``, ``lora_rank:``) and are listed once, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_EPOCHS = 3
+SAMPLE_EPOCHS = 8
+
+
+def setting(default: Any, text: str, *, choices: tuple[str, ...] = (), flag: str | None = None) -> Any:
+    """A settings field: its default, its --help text, its allowed values (the one place they are
+    listed: --help shows them as {a,b,c}, validation checks them) and its flag's name (default: the
+    field's own)."""
+    return field(default=default, metadata={"help": text, "choices": choices, "flag": flag})
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The model and how it runs: what to load, precision, device, and its memory savers."""
+
+    name: str = setting(
+        "tiny",
+        "Local Hugging Face model folder, hub id, or built-in preset (tiny, small) built offline.",
+        flag="model",
+    )
+    trust_remote_code: bool = setting(
+        False, "Allow a hub model to run its own Python code (off: only built-in classes)."
+    )
+    precision: str = setting(
+        "fp32",
+        (
+            "fp32 | bf16 (autocast, CPU and GPU) | fp16 (autocast with a gradient scaler, GPU only); weights "
+            "and optimizer state stay fp32."
+        ),
+        choices=("fp32", "bf16", "fp16"),
+    )
+    device: str = setting("auto", "auto (cuda when available) | cpu | cuda.", choices=("auto", "cpu", "cuda"))
+    compile: bool = setting(False, "torch.compile the model; falls back to eager with a message if it fails.")
+    activation_checkpointing: bool = setting(
+        False,
+        (
+            "Recompute each decoder block's activations in the backward pass instead of keeping them "
+            "(non-reentrant, so it works under DDP): less memory, about a third more compute."
+        ),
+    )
+    loss_chunk_size: int | None = setting(
+        None,
+        (
+            "Compute the output layer and the loss this many tokens at a time, so the logits of a "
+            "micro-batch "
+            "(tokens x vocabulary) never exist whole; 0 computes full logits. Default: sized from the "
+            "vocabulary (about 128 MiB of fp32 logits per chunk). Models whose output is not a plain linear "
+            "layer (a logit soft-cap) keep full logits."
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """Where the examples come from, where their tokenized form is cached, and how they are read."""
+
+    train: str = setting(
+        "sample",
+        (
+            "Training data, comma-separated: .jsonl/.ndjson, .json (a list), .parquet, .csv or .txt files, "
+            "globs, folders, a saved Hugging Face data set folder, a hub data set NAME[:SPLIT], or 'sample' "
+            "for the built-in addition task."
+        ),
+        flag="data",
+    )
+    eval: str | None = setting(
+        None,
+        (
+            "Evaluation data, given like --data. With --data sample it defaults to the sample's held-out "
+            "split; otherwise no evaluation unless given."
+        ),
+        flag="eval_data",
+    )
+    eval_split: float | None = setting(
+        None,
+        (
+            "Hold out this share of --data for evaluation (a fraction below 1, or a number of examples): the "
+            "same examples whatever the number of processes and across resume, never trained on. Instead of "
+            "--eval-data."
+        ),
+    )
+    cache_dir: str | None = setting(
+        None,
+        (
+            "Where tokenized data is cached (default: $LMTUNE_CACHE_DIR, else ~/.cache/lmtune/data). Must be "
+            "shared by all nodes unless --cache-per-node."
+        ),
+    )
+    cache_per_node: bool = setting(
+        False, "Cache dir is node-local: one process per node tokenizes, instead of one in all."
+    )
+    num_workers: int = setting(0, "DataLoader worker processes per rank.")
+
+
+@dataclass(frozen=True)
+class ExampleSettings:
+    """How records become training examples: format, chat template, what trains, length and truncation.
+
+    Every field is part of the tokenized-data cache key."""
+
+    format: str = setting(
+        "auto",
+        (
+            "auto (from each record's fields) | text (train on all of it) | prompt_completion "
+            "(prompt+completion or instruction/input/output; train on the completion) | messages "
+            "(chat; train "
+            "on assistant turns)."
+        ),
+        choices=("auto", "text", "prompt_completion", "messages"),
+        flag="data_format",
+    )
+    text_field: str = setting("text", "Name of the field holding plain text.")
+    train_on_prompt: bool = setting(
+        False,
+        (
+            "Train on every token: the prompt of prompt_completion records and chat's system and user turns "
+            "too (by default only completions and assistant replies train)."
+        ),
+    )
+    chat_template: str | None = setting(
+        None,
+        (
+            "Chat template for messages data: chatml | llama3 | gemma | a FILE.jinja. Its turn "
+            "markers become "
+            "special tokens (the embeddings grow when the vocabulary lacks them) and it is saved with the "
+            "model. Default: the tokenizer's own template, else a built-in one."
+        ),
+    )
+    max_length: int = setting(512, "Truncate examples to this many tokens (the appended EOS included).")
+    truncation: str = setting(
+        "right",
+        (
+            "Examples longer than --max-length: right (cut the end) | left (cut the start) | drop | error. "
+            "Counts go to the log and run.json."
+        ),
+        choices=("right", "left", "drop", "error"),
+    )
+    skip_bad_lines: bool = setting(
+        False, "Skip unreadable lines (bad JSON, bad UTF-8) with a warning and a count, instead of stopping."
+    )
+    txt_mode: str = setting(
+        "line",
+        ".txt files: one example per line | per blank-line-separated block.",
+        choices=("line", "block"),
+    )
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How examples form a step: the global batch (the invariant), micro-batches, packing."""
+
+    global_batch_size: int = setting(
+        32,
+        (
+            "Examples per optimizer step across all processes; gradient accumulation is derived from it, so "
+            "changing the number of processes does not change the optimisation."
+        ),
+    )
+    micro_batch_size: int | None = setting(
+        None,
+        (
+            "Examples per forward pass on one process. Default: the global batch divided by the number of "
+            "processes (no accumulation); lower it when a batch does not fit in memory."
+        ),
+    )
+    packing: str = setting(
+        "auto",
+        (
+            "Pack several examples of a step into rows of --max-length, with no attention across them: on | "
+            "off | auto (text-format data: packs the steps where grouping by length would still leave"
+            " over 10%"
+            " padding)."
+        ),
+        choices=("auto", "on", "off"),
+    )
+    group_by_length: bool = setting(
+        True, "Without packing, sort a step's examples by length before cutting micro-batches."
+    )
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """The optimizer and its hyperparameters."""
+
+    name: str = setting(
+        "adamw",
+        (
+            "adamw | adamw8bit (bitsandbytes: 8-bit optimizer state, about a quarter of the memory) | "
+            "paged_adamw8bit (8-bit, state paged to CPU memory under GPU memory pressure) | sgd (with "
+            "--momentum). Weights stay fp32 with every choice."
+        ),
+        choices=("adamw", "adamw8bit", "paged_adamw8bit", "sgd"),
+        flag="optimizer",
+    )
+    lr: float | None = setting(
+        None,
+        "Peak learning rate. Default: 1e-3 for a preset trained from scratch, 2e-5 for a pretrained model.",
+    )
+    weight_decay: float = setting(
+        0.01, "AdamW weight decay on matrices; biases, norms and other 1-d tensors get none."
+    )
+    momentum: float = setting(0.9, "SGD momentum (--optimizer sgd).")
+    adam_beta1: float = setting(0.9, "AdamW beta1.")
+    adam_beta2: float = setting(0.999, "AdamW beta2.")
+    adam_eps: float = setting(1e-08, "AdamW epsilon.")
+    max_grad_norm: float = setting(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+
+
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """How long the run is, and the learning rate over it."""
+
+    epochs: int | None = setting(
+        None,
+        (
+            f"Passes over the training data. Default: {DEFAULT_EPOCHS}, or {SAMPLE_EPOCHS} for --data "
+            f"sample (a"
+            f" small set that needs more passes)."
+        ),
+    )
+    max_steps: int | None = setting(None, "Stop after this many optimizer steps (overrides --epochs).")
+    name: str = setting(
+        "cosine",
+        (
+            "cosine (warmup, then cosine decay to lr x --min-lr-ratio) | linear (warmup, then linear "
+            "decay to "
+            "0) | constant (after warmup) | wsd (warmup, stable, then the last --decay-ratio of the steps "
+            "decaying to lr x --min-lr-ratio)."
+        ),
+        choices=("cosine", "linear", "constant", "wsd"),
+        flag="lr_schedule",
+    )
+    warmup_ratio: float = setting(0.05, "Fraction of the optimizer steps spent in linear warmup.")
+    warmup_steps: int | None = setting(None, "Warmup steps, instead of --warmup-ratio.")
+    min_lr_ratio: float = setting(0.1, "cosine and wsd decay end at lr x this ratio.")
+    decay_ratio: float = setting(0.1, "wsd: fraction of the optimizer steps spent decaying at the end.")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters (peft) instead of full fine-tuning."""
+
+    enabled: bool = setting(
+        False,
+        (
+            "Train LoRA adapters (peft) instead of all weights: only the adapters have gradients, optimizer "
+            "state and all-reduce; checkpoints and final/ hold the adapter (PEFT format)."
+        ),
+        flag="lora",
+    )
+    rank: int = setting(16, "LoRA rank r.", flag="lora_rank")
+    alpha: float = setting(32.0, "LoRA alpha (the update is scaled by alpha / r).", flag="lora_alpha")
+    dropout: float = setting(0.05, "Dropout on the LoRA input.", flag="lora_dropout")
+    target_modules: str = setting(
+        "all-linear",
+        (
+            "Comma-separated module names to adapt (q_proj,v_proj,...), or all-linear: every linear layer of "
+            "the decoder blocks, found per architecture (the output head excluded)."
+        ),
+        flag="lora_target_modules",
+    )
+    merge: bool = setting(
+        False,
+        "With --lora, also write the base model with the adapter merged to final/merged/.",
+        flag="merge_lora",
+    )
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """When to evaluate, which checkpoint is the best, and early stopping."""
+
+    every: int = setting(
+        0, "Evaluate every N optimizer steps; 0 evaluates only at the end.", flag="eval_every"
+    )
+    metric_for_best: str | None = setting(
+        None,
+        (
+            "Keep the best checkpoint by this eval metric (eval_loss | eval_perplexity; lower is "
+            "better unless"
+            " --greater-is-better): it is saved when it improves and never pruned."
+        ),
+        choices=("eval_loss", "eval_perplexity"),
+    )
+    greater_is_better: bool = setting(False, "With --metric-for-best: higher is better.")
+    load_best_at_end: bool = setting(
+        False, "With --metric-for-best: final/ is the best model, not the last one."
+    )
+    early_stopping_patience: int = setting(
+        0,
+        (
+            "With --metric-for-best: stop (saved, exit 0) after this many evaluations without improvement; 0 "
+            "never stops early."
+        ),
+    )
+    early_stopping_threshold: float = setting(
+        0.0, "How much better an evaluation must be to count as an improvement."
+    )
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """Generations from fixed prompts during training."""
+
+    prompts: str | None = setting(
+        None,
+        (
+            'JSONL file of prompts to generate from during training: each line a string, {"prompt": ...} or '
+            '{"messages": [...]} (rendered with the chat template). The generations go to metrics.jsonl '
+            '("kind": "sample") and the log.'
+        ),
+        flag="sample_prompts",
+    )
+    every: int = setting(
+        0, "With --sample-prompts: generate every N optimizer steps; 0 only at the end.", flag="sample_every"
+    )
+    temperature: float = setting(
+        0.0, "With --sample-prompts: 0 decodes greedily, above 0 samples (seeded).", flag="sample_temperature"
+    )
+    max_new_tokens: int = setting(
+        48, "With --sample-prompts: the most tokens generated per prompt.", flag="sample_max_new_tokens"
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """The output folder, resumable checkpoints and resuming."""
+
+    output_dir: str = setting("lmtune-output", "Folder for final/, metrics.jsonl and run.json.")
+    save_every: int = setting(
+        0,
+        (
+            "Save a resumable checkpoint every N optimizer steps and at the end; 0 saves only when "
+            "stopped by "
+            "SIGTERM/SIGINT."
+        ),
+    )
+    keep_last: int = setting(3, "Keep the newest K checkpoints; 0 keeps all.")
+    resume: str = setting(
+        "auto",
+        (
+            "auto (continue from the newest valid checkpoint in --output-dir, if any) | never | PATH of a "
+            "checkpoint folder."
+        ),
+    )
+    overwrite: bool = setting(
+        False,
+        (
+            "Start afresh in an --output-dir that holds an earlier run: its checkpoints, final/, metrics and "
+            "records are deleted first (without it, such a folder is refused)."
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """Processes, machines and the parallel strategy."""
+
+    strategy: str = setting(
+        "auto",
+        (
+            "auto (ddp when launched with several processes, else single) | single | dp "
+            "(nn.DataParallel over "
+            "the visible GPUs) | ddp | fsdp (FSDP2: parameters, gradients and optimizer state sharded"
+            " over the"
+            " processes; sharded checkpoints)."
+        ),
+        choices=("auto", "single", "dp", "ddp", "fsdp"),
+    )
+    nproc_per_node: int = setting(
+        1,
+        (
+            "Start this many processes on this machine through torch.distributed.run (ignored under "
+            "torchrun, "
+            "which has already started them)."
+        ),
+    )
+    threads_per_process: int = setting(
+        0, "CPU threads per process; 0 shares this machine's cores evenly among its processes."
+    )
+    nnodes: str = setting("1", "Machines in the job: N, or MIN:MAX for an elastic job (c10d rendezvous).")
+    node_rank: int | None = setting(
+        None, "This machine's rank; node 0 hosts the rendezvous store at --rdzv-endpoint."
+    )
+    rdzv_endpoint: str | None = setting(
+        None, "HOST:PORT of the rendezvous, the same on every node (multi-node)."
+    )
+    rdzv_id: str = setting("lmtune", "Job id shared by the nodes of one run.")
+    max_restarts: int = setting(
+        0, "Restart all workers this many times when one dies; they resume from the newest checkpoint."
+    )
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    """What the run records: progress, metrics, profiles, dashboards."""
+
+    log_every: int = setting(1, "Write a metrics.jsonl line every N optimizer steps.")
+    progress: bool = setting(True, "Show a progress bar on rank 0.")
+    profile: bool = setting(
+        False, "Time each step's data wait, forward, backward and optimizer into metrics.jsonl."
+    )
+    report_to: str = setting(
+        "none",
+        (
+            "Also send the metrics to: none | tensorboard | wandb | mlflow, or a comma list "
+            "(TensorBoard under"
+            " OUTPUT/tensorboard; W&B offline under OUTPUT/wandb unless WANDB_API_KEY or WANDB_MODE is set; "
+            "MLflow to MLFLOW_TRACKING_URI, else OUTPUT/mlruns)."
+        ),
+    )
+    record_samples: bool = setting(
+        False, "Write the example ids of every step to samples/rank-R.jsonl (to audit data order)."
+    )
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """Hangs, timeouts, non-finite losses and checks before a run."""
+
+    hang_timeout: float = setting(
+        30.0,
+        (
+            "Under lmtune's launcher, end the job (exit code 3, or a restart under --max-restarts) "
+            "when a rank"
+            " has not advanced for this long, or 10x its slowest step if longer (evaluation, saving and the "
+            "first step get 10 minutes); OUTPUT/hang-report.txt says which rank, where. 0 turns the watchdog "
+            "off."
+        ),
+    )
+    collective_timeout: float = setting(
+        300.0,
+        (
+            "After the first step, a collective that waits this long for another rank fails (before: 30 "
+            "minutes, for loading and warm-up; evaluation and saving keep 30 minutes)."
+        ),
+    )
+    on_nan: str = setting(
+        "stop",
+        "A non-finite loss or gradient norm: stop (keep the last checkpoint) | skip the update.",
+        choices=("stop", "skip"),
+    )
+    doctor: bool = setting(
+        False,
+        (
+            "Before training, run lmtune doctor's checks on every rank (versions, devices, all-reduce, the "
+            "output and cache folders shared and writable, free disk, data, clocks); stop on a failure."
+        ),
+    )
