@@ -20,14 +20,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Markers by folder: the quick subset (-m "not distributed and not e2e") leaves out the tests that
+# launch several processes and the long end-to-end runs; gpu tests skip without CUDA.
+FOLDER_MARKERS = {"distributed": "distributed", "e2e": "e2e", "gpu": "gpu"}
+
+
 def pytest_collection_modifyitems(items: list[Any]) -> None:
-    """Everything under tests/e2e/ is e2e: the quick subset (-m "not distributed and not e2e")
-    leaves the long end-to-end runs out."""
+    """tests/unit/ mirrors the packages (in process), tests/integration/ runs the CLI in process or
+    briefly in a subprocess, tests/distributed/, tests/e2e/ and tests/gpu/ carry their marker."""
     import pytest
 
     for item in items:
-        if "e2e" in Path(str(item.path)).relative_to(REPO).parts[:2]:
-            item.add_marker(pytest.mark.e2e)
+        folder = Path(str(item.path)).relative_to(REPO).parts[1]
+        if folder in FOLDER_MARKERS:
+            item.add_marker(getattr(pytest.mark, FOLDER_MARKERS[folder]))
 
 
 def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:

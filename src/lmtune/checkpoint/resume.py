@@ -123,7 +123,7 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
     return changes(saved.adjustable, now.adjustable)
 
 
-def resume_point(cfg: TrainConfig, output_dir: Path, env: DistEnv) -> Path | None:
+def resume_point(resume: str, output_dir: Path, env: DistEnv) -> Path | None:
     """The checkpoint to continue from, decided by rank 0 (which checks the manifests) for all.
 
     A newest checkpoint that does not check out stops the run rather than falling back in silence:
@@ -132,19 +132,19 @@ def resume_point(cfg: TrainConfig, output_dir: Path, env: DistEnv) -> Path | Non
     chosen = ""
     if env.is_main:
         found = list_checkpoints(output_dir)
-        if cfg.checkpoint.resume == "never":
+        if resume == "never":
             if found:
                 raise UserError(
                     f"--resume never, but {output_dir / CHECKPOINTS} holds checkpoints of an earlier "
                     "run; remove them, choose another --output-dir, or --overwrite"
                 )
-        elif cfg.checkpoint.resume == "auto":
+        elif resume == "auto":
             if found:
                 _check_valid(found[-1], "the newest checkpoint in --output-dir", found[:-1])
                 chosen = str(found[-1])
         else:
-            _check_valid(Path(cfg.checkpoint.resume), "--resume", [])
-            chosen = cfg.checkpoint.resume
+            _check_valid(Path(resume), "--resume", [])
+            chosen = resume
     chosen = broadcast_object(chosen, env)
     return Path(chosen) if chosen else None
 
@@ -164,7 +164,6 @@ def continue_from(
     folder: Path,
     *,
     now: Fingerprint,
-    cfg: TrainConfig,
     parts: ModelParts,
     optimizer: torch.optim.Optimizer,
     env: DistEnv,
@@ -192,33 +191,3 @@ def continue_from(
     if changes:
         log.info(f"changed since the checkpoint, applied from step {state.step}: " + "; ".join(changes))
     return state
-
-
-def starting_state(
-    cfg: TrainConfig,
-    env: DistEnv,
-    now: Fingerprint,
-    *,
-    examples: int,
-    parts: ModelParts,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None,
-    log: InfoLog,
-) -> tuple[TrainerState, Path | None]:
-    """Where this run starts: step 0, or the checkpoint it continues (loaded), and that folder."""
-    fresh = TrainerState(
-        step=0,
-        epoch=0,
-        step_in_epoch=0,
-        global_batch_size=cfg.batch.global_batch_size,
-        world_size=env.world_size,
-        seed=cfg.seed,
-        examples=examples,
-    )
-    folder = resume_point(cfg, Path(cfg.checkpoint.output_dir), env)
-    if folder is None:
-        return fresh, None
-    state = continue_from(
-        folder, now=now, cfg=cfg, parts=parts, optimizer=optimizer, env=env, scaler=scaler, log=log
-    )
-    return state, folder

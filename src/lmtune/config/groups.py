@@ -159,6 +159,19 @@ class ExampleSettings:
 
 
 @dataclass(frozen=True)
+class ObjectiveSettings:
+    """What training optimises (lmtune.objectives)."""
+
+    name: str = setting(
+        "sft",
+        "sft: supervised fine-tuning, next-token loss on the trained tokens, normalised by the "
+        "global number of target tokens.",
+        choices=("sft",),
+        flag="objective",
+    )
+
+
+@dataclass(frozen=True)
 class BatchSettings:
     """How examples form a step: the global batch (the invariant), micro-batches, packing."""
 

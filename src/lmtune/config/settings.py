@@ -7,7 +7,7 @@ takes the group it needs (:mod:`lmtune.config.groups`). To users settings are fl
 instead (``TrainConfig(lora=LoraSettings(rank=8))``), and flat names read as attributes too
 (``cfg.lr``), for scripts written against the flat config.
 
-Three groups share their name with a setting (``model``, ``data``, ``lora``): given a group
+Four groups share their name with a setting (``model``, ``data``, ``objective``, ``lora``): given a group
 object (or, in YAML, a mapping) the name means the group, given a plain value the setting
 (``--model``, ``--data``, ``--lora``); ``cfg.model`` is the group and ``cfg.model.name`` the model.
 """
@@ -34,6 +34,7 @@ from lmtune.config.groups import (
     LoggingSettings,
     LoraSettings,
     ModelSettings,
+    ObjectiveSettings,
     OptimSettings,
     SampleSettings,
     ScheduleSettings,
@@ -68,6 +69,7 @@ GROUPS: dict[str, type] = {
     "model": ModelSettings,
     "data": DataSettings,
     "examples": ExampleSettings,
+    "objective": ObjectiveSettings,
     "batch": BatchSettings,
     "optim": OptimSettings,
     "schedule": ScheduleSettings,
@@ -137,6 +139,7 @@ class TrainConfig:
     model: ModelSettings
     data: DataSettings
     examples: ExampleSettings
+    objective: ObjectiveSettings
     batch: BatchSettings
     optim: OptimSettings
     schedule: ScheduleSettings

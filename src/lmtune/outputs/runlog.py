@@ -45,7 +45,7 @@ def open_jsonl(path: Path, keep_through_step: int) -> Any:
     return f
 
 
-class SampleLog:
+class ExampleOrderLog:
     """samples/rank-R.jsonl: the example ids each optimizer step consumed on this rank."""
 
     def __init__(self, output_dir: Path, rank: int, resume_step: int):

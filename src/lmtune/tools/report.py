@@ -22,7 +22,7 @@ SMOOTHING = 0.9  # exponential moving average of the training loss (as TensorBoa
 
 
 @dataclass
-class Run:
+class RecordedRun:
     name: str
     folder: Path
     rows: list[dict[str, Any]]
@@ -37,7 +37,7 @@ class Run:
         return [float(s) for s, _ in points], [float(v) for _, v in points]
 
 
-def load_run(folder: Path) -> Run:
+def load_run(folder: Path) -> RecordedRun:
     metrics = folder / "metrics.jsonl"
     if not metrics.is_file():
         raise UserError(f"{folder}: no metrics.jsonl, so not an lmtune output folder (or not started)")
@@ -57,7 +57,7 @@ def load_run(folder: Path) -> Run:
     if isinstance(loaded, dict):  # each section as the report reads it, or left out
         info = {k: v for k, v in loaded.items() if isinstance(v, dict)}
         info["data"] = {k: v for k, v in info.get("data", {}).items() if isinstance(v, dict)}
-    return Run(name=folder.resolve().name, folder=folder, rows=rows, info=info)
+    return RecordedRun(name=folder.resolve().name, folder=folder, rows=rows, info=info)
 
 
 def _smooth(values: list[float]) -> list[float]:
@@ -68,7 +68,7 @@ def _smooth(values: list[float]) -> list[float]:
     return out
 
 
-def _lengths(run: Run) -> list[int]:
+def _lengths(run: RecordedRun) -> list[int]:
     """Token lengths of the training examples, from the data cache the run names (if still there)."""
     import numpy as np
 
@@ -80,10 +80,10 @@ def _lengths(run: Run) -> list[int]:
     return [int(n) for n in np.diff(offsets)]
 
 
-Plot = Callable[[Any, list[Run]], bool]  # draws on an Axes; False when there was nothing to draw
+Plot = Callable[[Any, list[RecordedRun]], bool]  # draws on an Axes; False when there was nothing to draw
 
 
-def _plot_loss(ax: Any, runs: list[Run]) -> bool:
+def _plot_loss(ax: Any, runs: list[RecordedRun]) -> bool:
     drawn = False
     for i, run in enumerate(runs):
         color = f"C{i}"
@@ -101,7 +101,7 @@ def _plot_loss(ax: Any, runs: list[Run]) -> bool:
     return drawn
 
 
-def _plot_loss_tokens(ax: Any, runs: list[Run]) -> bool:
+def _plot_loss_tokens(ax: Any, runs: list[RecordedRun]) -> bool:
     drawn = False
     for i, run in enumerate(runs):
         rows = [r for r in run.kind("train") if is_number(r.get("loss")) and is_number(r.get("tokens"))]
@@ -118,7 +118,7 @@ def _plot_loss_tokens(ax: Any, runs: list[Run]) -> bool:
 
 
 def _series_plot(key: str, label: str, scale: float = 1.0) -> Plot:
-    def draw(ax: Any, runs: list[Run]) -> bool:
+    def draw(ax: Any, runs: list[RecordedRun]) -> bool:
         drawn = False
         for i, run in enumerate(runs):
             steps, values = run.series(key)
@@ -132,7 +132,7 @@ def _series_plot(key: str, label: str, scale: float = 1.0) -> Plot:
     return draw
 
 
-def _plot_memory_per_rank(ax: Any, runs: list[Run]) -> bool:
+def _plot_memory_per_rank(ax: Any, runs: list[RecordedRun]) -> bool:
     bars = [(run.name, rank, b) for run in runs for rank, b in enumerate(_peaks(run))]
     for i, (name, _, b) in enumerate(bars):
         ax.bar(i, b / 2**20, color=f"C{[r.name for r in runs].index(name)}")
@@ -141,12 +141,12 @@ def _plot_memory_per_rank(ax: Any, runs: list[Run]) -> bool:
     return bool(bars)
 
 
-def _peaks(run: Run) -> list[int]:
+def _peaks(run: RecordedRun) -> list[int]:
     peaks = (run.info.get("result") or {}).get("peak_memory_per_rank") or []
     return [int(p) for p in peaks if is_number(p)]
 
 
-def _plot_phases(ax: Any, runs: list[Run]) -> bool:
+def _plot_phases(ax: Any, runs: list[RecordedRun]) -> bool:
     drawn = False
     for i, run in enumerate(runs):
         for key, style in (("step_time_max_s", "-"), ("step_time_min_s", ":")):
@@ -166,7 +166,7 @@ def _plot_phases(ax: Any, runs: list[Run]) -> bool:
     return drawn
 
 
-def _plot_lengths(ax: Any, runs: list[Run]) -> bool:
+def _plot_lengths(ax: Any, runs: list[RecordedRun]) -> bool:
     drawn = False
     for i, run in enumerate(runs):
         lengths = _lengths(run)
@@ -192,7 +192,7 @@ PLOTS: dict[str, tuple[str, Plot]] = {
 }
 
 
-def render_plots(runs: list[Run]) -> dict[str, bytes | None]:
+def render_plots(runs: list[RecordedRun]) -> dict[str, bytes | None]:
     """PNG bytes per plot name; None where the runs hold nothing to draw."""
     try:
         import matplotlib
@@ -219,7 +219,7 @@ def render_plots(runs: list[Run]) -> dict[str, bytes | None]:
     return out
 
 
-def _summary(run: Run) -> dict[str, str]:
+def _summary(run: RecordedRun) -> dict[str, str]:
     resolved, result = run.info.get("resolved") or {}, run.info.get("result") or {}
     env = run.info.get("environment") or {}
     train = run.kind("train")
@@ -242,7 +242,7 @@ def _summary(run: Run) -> dict[str, str]:
     }
 
 
-def _data_summary(run: Run) -> dict[str, str]:
+def _data_summary(run: RecordedRun) -> dict[str, str]:
     out = {}
     for split, d in (run.info.get("data") or {}).items():
         if isinstance(d, dict):
@@ -253,7 +253,7 @@ def _data_summary(run: Run) -> dict[str, str]:
     return out
 
 
-def differing_settings(runs: list[Run]) -> dict[str, list[str]]:
+def differing_settings(runs: list[RecordedRun]) -> dict[str, list[str]]:
     configs = [run.info.get("config") or {} for run in runs]
     # output_dir always differs, and the runs are named by it.
     keys = sorted({k for c in configs for k in c} - {"output_dir"})
@@ -279,7 +279,7 @@ STYLE = (
 )
 
 
-def build_html(runs: list[Run], pngs: dict[str, bytes | None]) -> str:
+def build_html(runs: list[RecordedRun], pngs: dict[str, bytes | None]) -> str:
     names = [run.name for run in runs]
     summaries = [_summary(run) for run in runs]
     parts = [

@@ -2,19 +2,19 @@
 
 Every evaluation is offered to :class:`BestTracker`; an improvement names the checkpoint that holds
 it (saved at that step), which pruning never removes. Each checkpoint carries the tracker's state
-(``best.json``), so a resumed run goes on counting exactly where the saved one was.
+(``best.json``, through the checkpoint manager), so a resumed run goes on counting exactly where
+the saved one was.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from lmtune.checkpoint.layout import step_folder
-from lmtune.config.settings import TrainConfig
+from lmtune.config.groups import EvalSettings
 
 BEST_FILE = "best.json"
 
@@ -29,6 +29,9 @@ class Best:
 
 @dataclass
 class BestTracker:
+    """The best evaluation so far and the evaluations since; checkpoints carry it (``best.json``)."""
+
+    file_name = BEST_FILE  # its record in every checkpoint (lmtune.checkpoint.manager)
     metric: str  # an eval metric as metrics.jsonl names it: eval_loss, eval_perplexity, ...
     greater_is_better: bool
     patience: int  # evaluations without improvement before stopping; 0: never stop early
@@ -62,27 +65,25 @@ class BestTracker:
             "without_improvement": self.without_improvement,
         }
 
-    def restore(self, checkpoint: Path) -> None:
-        """Continue counting from the record saved with the checkpoint a run resumes from."""
+    def restore(self, record: dict[str, Any]) -> None:
+        """Continue counting from the record saved with the checkpoint a run resumes from (one of
+        another metric, or not of this shape, starts the count afresh)."""
         try:
-            record = json.loads((checkpoint / BEST_FILE).read_text(encoding="utf-8"))
             best = Best(**record["best"]) if record["best"] else None
             count = int(record["without_improvement"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # none (saved without --metric-for-best): start counting afresh
+        except (KeyError, TypeError, ValueError):
+            return
         if best is None or best.metric == self.metric:
             self.best, self.without_improvement = best, count
 
 
-def best_tracker(cfg: TrainConfig, resume_from: Path | None) -> BestTracker | None:
-    if cfg.eval.metric_for_best is None:
+def best_tracker(settings: EvalSettings) -> BestTracker | None:
+    """The tracker of ``--metric-for-best`` (None without one)."""
+    if settings.metric_for_best is None:
         return None
-    best = BestTracker(
-        metric=cfg.eval.metric_for_best,
-        greater_is_better=cfg.eval.greater_is_better,
-        patience=cfg.eval.early_stopping_patience,
-        threshold=cfg.eval.early_stopping_threshold,
+    return BestTracker(
+        metric=settings.metric_for_best,
+        greater_is_better=settings.greater_is_better,
+        patience=settings.early_stopping_patience,
+        threshold=settings.early_stopping_threshold,
     )
-    if resume_from is not None:
-        best.restore(resume_from)
-    return best

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -25,9 +26,13 @@ from torch import nn
 
 from lmtune.config.groups import SampleSettings
 from lmtune.errors import UserError
+from lmtune.model.tokens import stop_ids
 from lmtune.outputs.runlog import RunLog
 from lmtune.parallel.distributed import DistEnv, broadcast
+from lmtune.parallel.wrap import unwrap
+from lmtune.training.build import Built
 from lmtune.training.callbacks import Callback, Control, StepEnd
+from lmtune.training.context import RunContext
 
 MAX_PROMPTS_BYTES = 1 << 20
 MAX_PROMPTS = 64
@@ -161,38 +166,40 @@ class SamplePlan:
     seed: int
 
 
-class Sampler(Callback):
+@dataclass(frozen=True)
+class SampleModel:
+    """The model generations run on: under FSDP every rank decodes in lockstep (``lockstep``)."""
+
+    root: nn.Module  # the loss module (its call gathers FSDP2's parameters)
+    tokenizer: Any
+    stop: list[int]  # token ids that end a generation
+    lockstep: bool
+    autocast: Callable[[], AbstractContextManager[object]]
+
+
+class SampleGenerator(Callback):
     """Generates from the prompts every ``plan.settings.every`` steps and at the end."""
 
-    phase = "sample"
-
     def __init__(
-        self,
-        plan: SamplePlan,
-        root: nn.Module,
-        tokenizer: Any,
-        stop: list[int],
-        env: DistEnv,
-        log: RunLog,
-        lockstep: bool,
-        autocast: Callable[[], AbstractContextManager[object]],
+        self, plan: SamplePlan, model: SampleModel, env: DistEnv, log: RunLog, beat: Callable[[], None]
     ):
-        self.plan, self.root, self.tokenizer, self.env, self.log = plan, root, tokenizer, env, log
-        self.stop, self.lockstep, self.autocast = set(stop), lockstep, autocast
+        self.plan, self.model, self.env, self.log, self.beat = plan, model, env, log, beat
 
     def on_step_end(self, end: StepEnd, control: Control) -> None:
         state = end.state
         step, every = state.step, self.plan.settings.every
         if not (end.finished or (every and step % every == 0)):
             return
-        if not (self.lockstep or self.env.is_main):
+        if not (self.model.lockstep or self.env.is_main):
             return  # DDP: rank 0 alone; the others go on to the next step's collective
-        was_training = self.root.training
-        self.root.eval()
+        self.beat()
+        root = self.model.root
+        was_training = root.training
+        root.eval()
         try:
             generations = self._generate()
         finally:
-            self.root.train(was_training)
+            root.train(was_training)
         for g in generations:
             self.log.record({"kind": "sample", "step": step, "epoch": state.epochs_done, **asdict(g)})
         shown = [f"  {g.prompt!r} -> {g.completion!r}{'' if g.stopped else ' ...'}" for g in generations]
@@ -203,21 +210,39 @@ class Sampler(Callback):
         deadline = time.monotonic() + TIME_BUDGET_S
         out = []
         for i, prompt in enumerate(plan.prompts):
+            m = self.model
             new, stopped, late = decode(
-                self.root,
+                m.root,
                 prompt.ids,
-                stop=self.stop,
+                stop=set(m.stop),
                 max_new_tokens=s.max_new_tokens,
                 temperature=s.temperature,
                 seed=plan.seed + i,
                 env=self.env,
-                lockstep=self.lockstep,
-                autocast=self.autocast,
+                lockstep=m.lockstep,
+                autocast=m.autocast,
                 deadline=deadline,
             )
-            text = str(self.tokenizer.decode(new, skip_special_tokens=True))
+            text = str(m.tokenizer.decode(new, skip_special_tokens=True))
             out.append(Generation(prompt=prompt.shown, completion=text, tokens=len(new), stopped=stopped))
             if late:
                 self.log.info(f"samples: the {TIME_BUDGET_S:.0f} s budget ran out after {i + 1} prompts")
                 break
         return out
+
+
+def sample_generator(run: RunContext, built: Built) -> SampleGenerator:
+    """The component that generates from --sample-prompts during a run."""
+    cfg = run.cfg
+    assert cfg.samples.prompts is not None
+    room = cfg.examples.max_length - cfg.samples.max_new_tokens
+    prompts = read_prompts(Path(cfg.samples.prompts).expanduser(), built.tokenizer, room)
+    model = SampleModel(
+        root=unwrap(built.model),
+        tokenizer=built.tokenizer,
+        stop=stop_ids(built.loaded.model, built.tokenizer),
+        lockstep=built.parts.sharded,
+        autocast=run.autocast,
+    )
+    plan = SamplePlan(prompts=prompts, settings=cfg.samples, seed=cfg.seed)
+    return SampleGenerator(plan, model, run.env, run.log, partial(run.heartbeat.beat, "sample"))

@@ -18,7 +18,7 @@ import torch
 from lmtune.cli import main
 from lmtune.training.optim import warmup_cosine
 from tests.conftest import train_rows, uneven_texts, write_jsonl
-from tests.unit.test_integrity import Payload
+from tests.unit.checkpoint.test_integrity import Payload
 
 STEPS, SAVE = 6, 3
 
