@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
-from lmtune.checkpoint.rundir import acquire, prepare_output
+from lmtune.checkpoint.rundir import acquire, finished_record, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.data.prepare import cache_root
@@ -129,19 +129,15 @@ def _run(run: RunContext) -> TrainResult:
     timeouts = CollectiveTimeouts(env, cfg.health.collective_timeout)
     checkpoints = _checkpoints(run, built, best, timeouts)
     fresh = TrainerState.fresh(cfg.batch.global_batch_size, env.world_size, cfg.seed, len(built.train_data))
-    state = checkpoints.resume(fresh)
-    # A loaded optimizer state brings the saved hyperparameters back; this run's settings rule.
-    set_hyperparameters(built.optimizer, cfg.optim)
-    if (
-        checkpoints.resumed_from is not None
-        and state.step >= built.layout.total_steps
-        and (output_dir / "final").is_dir()
-    ):
+    state = checkpoints.resume(fresh, built.layout.total_steps)
+    if checkpoints.finished is not None:
         log.info(
-            f"{output_dir} holds a finished run (step {state.step} of {built.layout.total_steps}; the model "
-            f"is in {output_dir / 'final'}): nothing to do. Raise --max-steps or --epochs to train on"
+            f"{output_dir} holds this run, finished at step {state.step} (the model is in "
+            f"{output_dir / 'final'}): nothing to do. Raise --max-steps or --epochs to train on"
         )
         return TrainResult(output_dir=output_dir, steps=state.step, last_loss=float("nan"), eval=None)
+    # A loaded optimizer state brings the saved hyperparameters back; this run's settings rule.
+    set_hyperparameters(built.optimizer, cfg.optim)
     trainee = Trainee(built.model, built.optimizer, schedule(cfg, built, state.step), built.scaler)
     log.open_metrics(state.step)
     if env.is_main:  # a resumed run's history too (metrics.jsonl keeps the rows up to its checkpoint)
@@ -183,6 +179,9 @@ def _run(run: RunContext) -> TrainResult:
             report_stopped(result.state.step)
         return replace(done, stopped_early=True)
     finish(run, built, result, checkpoints, trained_from=state.step)
+    fixed = built.fingerprint.fixed
+    run_info["result"]["finished"] = finished_record(result.state.step, built.layout.total_steps, fixed)
+    log.write_json("run.json", run_info)
     return done
 
 

@@ -1,8 +1,9 @@
 """CheckpointManager: the one owner of a run's checkpoints.
 
-It decides where a run starts (a fresh state, or the checkpoint it continues, loaded and checked
-against the run's fingerprint), when it saves (every ``--save-every`` steps, when a component asks,
-and at the end of a run that saves periodically; at most once per step), what a checkpoint carries
+It decides where a run starts (a fresh state, the checkpoint it continues, loaded and checked
+against the run's fingerprint, or nothing to do: the folder holds this run, finished), when it
+saves (every ``--save-every`` steps, when a component asks, and at the end of a run that saves
+periodically; at most once per step), what a checkpoint carries
 besides the model (the fingerprint, the fp16 scaler, and the records of the run's components, such
 as the best-model tracker), which checkpoints pruning keeps (the newest ``--keep-last`` and the
 protected one, the best), loading a saved step back (the best model at the end), and the final
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,9 +24,11 @@ import torch
 from lmtune.checkpoint.export import save_final
 from lmtune.checkpoint.layout import FINGERPRINT_FILE, SCALER_FILE, step_folder
 from lmtune.checkpoint.resume import Fingerprint, continue_from, resume_point
+from lmtune.checkpoint.rundir import Finished, read_finished
 from lmtune.checkpoint.state import ModelParts, TrainerState
-from lmtune.checkpoint.store import load_checkpoint, prune, save_checkpoint
+from lmtune.checkpoint.store import load_checkpoint, prune, read_state, save_checkpoint
 from lmtune.config.groups import CheckpointSettings
+from lmtune.errors import UserError
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv
 
@@ -65,13 +68,28 @@ class CheckpointManager:
     patient: Callable[[], AbstractContextManager[object]] = nullcontext  # long collective timeouts
     beat: Callable[[str], None] = lambda phase: None  # the heartbeat's phase while saving
     resumed_from: Path | None = None  # the checkpoint this run continues (after resume())
+    finished: Finished | None = None  # this run, finished earlier, with nothing left to do
     _saved_step: int = -1
     _start_step: int = 0
 
-    def resume(self, fresh: TrainerState) -> TrainerState:
+    def resume(self, fresh: TrainerState, total_steps: int) -> TrainerState:
         """Where this run starts: ``fresh``, or the checkpoint it continues, loaded (the model, the
-        optimizer, the scaler, this rank's RNG streams and every record)."""
+        optimizer, the scaler, this rank's RNG streams and every record).
+
+        A folder whose run.json says this very run finished (the same fingerprint) is judged one
+        way, whatever checkpoints it holds: with no more steps asked for, there is nothing to do
+        (``self.finished`` is set and nothing is loaded); with more, the run continues from a
+        checkpoint of its final state, and without one the user is told what to do.
+        """
+        earlier = read_finished(self.output_dir, self.fingerprint.fixed, self.env)
+        if earlier is not None and not earlier.same_run:
+            earlier = None  # another run: its checkpoints' fingerprints refuse it, naming why
+        if earlier is not None and total_steps <= earlier.total_steps:
+            self.finished = earlier
+            return replace(fresh, step=earlier.step)
         folder = resume_point(self.settings.resume, self.output_dir, self.env)
+        if earlier is not None:
+            folder = self._final_state_of(earlier, folder)
         self.resumed_from = folder
         if folder is None:
             self._start_step = fresh.step
@@ -92,6 +110,16 @@ class CheckpointManager:
                 record.restore(saved)
         self._start_step = self._saved_step = state.step
         return state
+
+    def _final_state_of(self, earlier: Finished, newest: Path | None) -> Path:
+        """The checkpoint of a finished run's last step, which a longer run continues from."""
+        if newest is not None and read_state(newest).step == earlier.step:
+            return newest
+        raise UserError(
+            f"--output-dir {self.output_dir} holds this run, finished at step {earlier.step}, and no "
+            f"checkpoint of that step to train on from (--save-every {self.settings.save_every}); "
+            "start afresh with --overwrite, or in another --output-dir"
+        )
 
     def after_step(self, state: TrainerState, *, asked: bool, last: bool) -> Path | None:
         """Save when asked (a new best, a stop), or every ``--save-every`` steps; not at the run's
@@ -158,7 +186,5 @@ def _read_record(path: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError) as e:
-        from lmtune.errors import UserError
-
         raise UserError(f"{path}: unreadable ({type(e).__name__})") from None
     return raw if isinstance(raw, dict) else None
