@@ -277,7 +277,7 @@ def test_the_manager_saves_on_schedule_when_asked_and_once_per_step(tmp_path: Pa
                 manager.after_step(_end(step).state, asked=True, last=False)
         manager.at_end(_end(7).state, asked=False)
         assert [p.name for p in list_checkpoints(run.output_dir)] == [f"step-00000{n}" for n in (3, 5, 6, 7)]
-    with _built(tmp_path, "no-cadence") as (run, b):
+    with _built(tmp_path, "no-cadence", save_every=0) as (run, b):
         manager = _manager(run, b)
         manager.resume(_fresh_state(b))
         manager.at_end(_end(4).state, asked=False)  # without --save-every nothing is due at the end
