@@ -259,7 +259,7 @@ def _saver(
                 run.output_dir, at, b.parts, b.tokenizer, b.optimizer, run.env, keep_last=0, records=records
             )
         if run.env.is_main:
-            protect = Path(best.best.checkpoint) if best is not None and best.best is not None else None
+            protect = best.folder(run.output_dir) if best is not None else None
             prune(run.output_dir, run.cfg.checkpoint.keep_last, protect)
         run.log.info(f"step {at.step}: saved checkpoint {path}")
 

@@ -212,7 +212,7 @@ class Evaluator(Callback):
         best = self.best
         if best is None:
             return
-        control.save |= best.observe(state.step, metric_value(ev, best.metric), self.log.output_dir)
+        control.save |= best.observe(state.step, metric_value(ev, best.metric))
         if best.should_stop and control.stop is None:  # all ranks evaluated alike: all stop here
             assert best.best is not None
             control.stop = "early"

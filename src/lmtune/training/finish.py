@@ -3,9 +3,8 @@ under --merge-lora, and the demo's answers."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from lmtune.checkpoint.export import save_final, save_hf_folder
+from lmtune.checkpoint.layout import step_folder
 from lmtune.checkpoint.store import load_checkpoint
 from lmtune.config.settings import SAMPLE_DATA
 from lmtune.model.lora import merged_model
@@ -27,7 +26,7 @@ def finalize(run: Run, b: Built, result: FitResult, best: BestTracker | None, tr
         else f"step {steps}, no steps left to train"
     )
     if cfg.eval.load_best_at_end and best is not None and best.best is not None and best.best.step != steps:
-        load_checkpoint(Path(best.best.checkpoint), b.parts, b.optimizer, env, b.scaler)
+        load_checkpoint(step_folder(run.output_dir, best.best.step), b.parts, b.optimizer, env, b.scaler)
         trained = f"the best model: step {best.best.step}, {best.best.metric} {best.best.value:.4f}"
     save_final(b.parts, b.tokenizer, final_dir, env)
     what = "LoRA adapter (PEFT format)" if cfg.lora.enabled else "model"
