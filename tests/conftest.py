@@ -127,3 +127,25 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port")
+
+
+def deadline(seconds: int) -> Any:
+    """A context that fails a test instead of letting it hang (a blocking read of a FIFO is
+    interrupted by SIGALRM)."""
+    import signal
+    from contextlib import contextmanager
+
+    @contextmanager
+    def limited() -> Any:
+        def expired(signum: int, frame: Any) -> None:
+            raise TimeoutError(f"still running after {seconds} s")
+
+        previous = signal.signal(signal.SIGALRM, expired)
+        signal.alarm(seconds)
+        try:
+            yield
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return limited()

@@ -244,14 +244,14 @@ def check_destination(checkpoint: Path, out: Path, overwrite: bool) -> None:
     if out.is_symlink():
         raise UserError(f"{where}: a symbolic link; lmtune does not write through links")
     source, dest = checkpoint.resolve(), out.expanduser().resolve()
-    if dest == source or dest in source.parents or source in dest.parents:
-        raise UserError(f"{where}: holds or lies inside the checkpoint {checkpoint}; choose another folder")
     for folder in (dest, *dest.parents):
         if folder.is_dir() and holds_a_run(folder):
             raise UserError(
                 f"{where}: lies inside the run folder {folder}, whose files are that run's; "
                 "choose a folder outside it"
             )
+    if dest == source or dest in source.parents or source in dest.parents:
+        raise UserError(f"{where}: holds or lies inside the checkpoint {checkpoint}; choose another folder")
     if not dest.exists():
         return
     if not dest.is_dir():

@@ -23,7 +23,7 @@ from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
 from lmtune.config.files import read_json_object
 from lmtune.config.settings import TrainConfig, warmup_steps
-from lmtune.errors import UserError, brief
+from lmtune.errors import UserError, one_line
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 
@@ -112,7 +112,10 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
     """
 
     def changes(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-        return [f"{k} {brief(a.get(k))} -> {brief(b[k])}" for k in b if a.get(k) != b[k]]
+        def shown(value: Any) -> str:
+            return one_line(str(value), 80)
+
+        return [f"{k} {shown(a.get(k))} -> {shown(b[k])}" for k in b if a.get(k) != b[k]]
 
     refused = changes(saved.fixed, now.fixed)
     if refused:

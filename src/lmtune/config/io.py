@@ -153,9 +153,8 @@ def load_yaml(path: str) -> dict[str, Any]:
         entries = _group_entries(name, value, path) if group and isinstance(value, dict) else {name: value}
         for flat, item in entries.items():
             if flat in settings:
-                raise UserError(
-                    f"--config: {path}: {option_name(flat)} is set twice (as {flat} and {brief(key)})"
-                )
+                both = f"as {flat} and {one_line(str(key), 60)}"
+                raise UserError(f"--config: {path}: {option_name(flat)} is set twice ({both})")
             settings[flat] = item
     return settings
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtune.config.files import read_text
-from lmtune.errors import UserError, brief
+from lmtune.errors import UserError, brief, one_line
 
 _PROBE = "lmtune-end-of-turn-probe"
 
@@ -125,7 +125,8 @@ def trial_render(source: str, origin: str) -> None:
         if "generation" not in (e.message or ""):  # transformers' {% generation %} tag parses there
             raise UserError(f"{origin}: line {e.lineno}: {brief(e.message or '', 160)}") from None
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    command = [sys.executable, "-c", "from lmtune.data.chat import trial_child; trial_child()"]
+    limits = f"{TRIAL_MEMORY_BYTES}, {TRIAL_SECONDS}, {TRIAL_OUTPUT_CHARS}"
+    command = [sys.executable, "-c", f"from lmtune.data.chat import trial_child; trial_child({limits})"]
     try:
         done = subprocess.run(
             command, input=source, capture_output=True, text=True, env=env, timeout=TRIAL_WALL_SECONDS
@@ -136,21 +137,21 @@ def trial_render(source: str, origin: str) -> None:
         ) from None
     if done.returncode == 0:
         return
-    problem = done.stdout.strip().splitlines()[-1:] or [""]
-    if not problem[0]:
-        killed = -done.returncode if done.returncode < 0 else 0
-        problem = [f"it did not finish within {TRIAL_SECONDS} s of CPU" if killed else "its render failed"]
-    raise UserError(f"{origin}: rendering a sample conversation: {brief(problem[0], 200).strip(chr(39))}")
+    said = done.stdout.strip().splitlines()[-1:] or done.stderr.strip().splitlines()[-1:] or [""]
+    problem = said[0]
+    if done.returncode < 0:  # ended by the kernel: past its CPU limit
+        problem = f"it did not finish within {TRIAL_SECONDS} s of CPU"
+    raise UserError(f"{origin}: rendering a sample conversation: {one_line(problem) or 'it failed'}")
 
 
-def trial_child() -> None:
+def trial_child(memory_bytes: int, cpu_seconds: int, output_chars: int) -> None:
     """The child of :func:`trial_render`: limits first, then the render, as transformers sets up
     its sandbox (trim_blocks, loop controls, raise_exception, tojson, namespace)."""
     import json
     import resource
 
-    resource.setrlimit(resource.RLIMIT_AS, (TRIAL_MEMORY_BYTES, TRIAL_MEMORY_BYTES))
-    resource.setrlimit(resource.RLIMIT_CPU, (TRIAL_SECONDS, TRIAL_SECONDS + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -187,11 +188,11 @@ def trial_child() -> None:
             }
             for piece in template.generate(**context):
                 written += len(piece)
-                if written > TRIAL_OUTPUT_CHARS:
-                    print(f"it writes over {TRIAL_OUTPUT_CHARS >> 20} MiB for five short messages")
+                if written > output_chars:
+                    print(f"it writes over {output_chars:,} characters for five short messages")
                     sys.exit(3)
     except MemoryError:
-        print(f"it needs over {TRIAL_MEMORY_BYTES >> 30} GiB of memory")
+        print(f"it needs over {memory_bytes >> 20:,} MiB of memory")
         sys.exit(3)
     except jinja2.TemplateSyntaxError as e:
         print(f"line {e.lineno}: {e.message}")
