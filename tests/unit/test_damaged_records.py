@@ -32,19 +32,14 @@ from lmtune.model.modeling import byte_tokenizer, load_model
 from lmtune.outputs.runlog import read_metrics
 from lmtune.parallel.distributed import read_dist_env
 from lmtune.training.optim import param_groups
-from tests.conftest import deadline, write_jsonl
+from tests.conftest import deadline, tiny_run_with_checkpoint, write_jsonl
 
 ONE = read_dist_env("cpu")
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("records")
-    data = write_jsonl(root / "d.jsonl", [f"text {i}" for i in range(16)])
-    out = root / "out"
-    argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "2", "--save-every", "2"]
-    assert main([*argv, "--global-batch-size", "8", "--no-progress"]) == 0
-    return out
+    return tiny_run_with_checkpoint(tmp_path_factory.mktemp("records"))
 
 
 def _copy(ckpt: Path, target: Path) -> Path:

@@ -15,25 +15,13 @@ from lmtune.checkpoint.layout import verify
 from lmtune.checkpoint.rundir import LOCK_FILE, check_earlier_run, check_output_dir
 from lmtune.cli import main
 from lmtune.errors import UserError
-from tests.conftest import write_jsonl
-
-
-def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.startswith("error") and err.count("\n") == 1, err
-    return err
+from tests.conftest import one_line_error as _error
+from tests.conftest import tiny_run_with_checkpoint, write_jsonl
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("own")
-    data = write_jsonl(root / "d.jsonl", [f"text {i}" for i in range(16)])
-    out = root / "out"
-    argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "2", "--save-every", "2"]
-    assert main([*argv, "--global-batch-size", "8", "--no-progress"]) == 0
-    return out
+    return tiny_run_with_checkpoint(tmp_path_factory.mktemp("own"))
 
 
 def _files(folder: Path) -> dict[str, int]:

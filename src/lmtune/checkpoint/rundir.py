@@ -99,7 +99,7 @@ def _read(path: Path) -> LockHolder | None:
 
 def _plausible(h: LockHolder) -> bool:
     strings = all(isinstance(v, str) for v in (h.host, h.run_id, h.token))
-    number = isinstance(h.started, (int, float)) and not isinstance(h.started, bool)
+    number = isinstance(h.started, (int, float)) and not isinstance(h.started, bool) and 0 <= h.started < 1e11
     return strings and number and is_int(h.pid, 1, 2**22) and isinstance(h.pid_started, (str, type(None)))
 
 

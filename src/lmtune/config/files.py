@@ -22,12 +22,17 @@ RECORD_BYTES = 4 * MIB
 SETTINGS_BYTES = 1 * MIB
 
 
+class TooLarge(UserError):
+    """A file over the size its kind may have (callers may say it in their own words)."""
+
+
 def read_bytes(path: Path, *, limit: int, follow_links: bool = True) -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` of them.
 
     Raises:
         FileNotFoundError: when there is no such file (callers decide whether that is an error).
-        UserError: a link (``follow_links`` False), not a regular file, over ``limit``, unreadable.
+        TooLarge: over ``limit``.
+        UserError: a link (``follow_links`` False), not a regular file, unreadable.
     """
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     if not follow_links:
@@ -45,13 +50,13 @@ def read_bytes(path: Path, *, limit: int, follow_links: bool = True) -> bytes:
         if not stat.S_ISREG(info.st_mode):
             raise UserError(f"{path}: not a regular file (a FIFO, device or socket is not read)")
         if info.st_size > limit:
-            raise UserError(f"{path}: {info.st_size:,} bytes, over the {limit:,} such a file may have")
+            raise TooLarge(f"{path}: {info.st_size:,} bytes, over the {limit:,} such a file may have")
         chunks, total = [], 0
         while chunk := os.read(fd, min(limit + 1 - total, MIB)):
             chunks.append(chunk)
             total += len(chunk)
             if total > limit:  # grew while being read
-                raise UserError(f"{path}: over the {limit:,} bytes such a file may have")
+                raise TooLarge(f"{path}: over the {limit:,} bytes such a file may have")
         return b"".join(chunks)
     except OSError as e:
         raise UserError(f"{path}: cannot read it ({e.strerror})") from None

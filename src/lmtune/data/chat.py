@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmtune.config.files import read_text
+from lmtune.config.files import TooLarge, read_text
 from lmtune.errors import UserError, brief, one_line
 
 _PROBE = "lmtune-end-of-turn-probe"
@@ -85,9 +85,9 @@ def read_template(choice: str) -> ChatTemplate:
         source = read_text(path, limit=MAX_TEMPLATE_BYTES)
     except FileNotFoundError:
         raise UserError(f"{option}: no such file") from None
+    except TooLarge:
+        raise UserError(f"{option}: over {MAX_TEMPLATE_BYTES // 1024} KiB, not a chat template") from None
     except UserError as e:
-        if "bytes, over" in str(e):
-            raise UserError(f"{option}: over {MAX_TEMPLATE_BYTES // 1024} KiB, not a chat template") from None
         raise UserError(f"{option}: {str(e).removeprefix(f'{path}: ')}") from None
     if "messages" not in source:
         raise UserError(f"{option}: the template never reads 'messages', so it renders no conversation")

@@ -233,13 +233,17 @@ def _last_write(cache_dir: Path, pattern: str) -> float:
 
 
 def _wait_for(
-    folder: Path, error_file: Path, building: str, check_stop: Callable[[], None], poll_s: float = 0.1
+    folder: Path,
+    error_file: Path,
+    building: str,
+    check_stop: Callable[[], None],
+    ready: Callable[[], bool] | None = None,
 ) -> None:
-    """Wait for another rank to build ``folder``: until it is there, the builder reports an error,
-    this run is asked to stop, or the builder has written nothing for the timeout."""
+    """Wait for another rank to build ``folder``: until it is there (``ready``), the builder reports
+    an error, this run is asked to stop, or the builder has written nothing for the timeout."""
     limit = environment.seconds(CACHE_WAIT_TIMEOUT_ENV, CACHE_WAIT_TIMEOUT_S)
     last_progress = time.time()
-    while not (folder / META_FILE).is_file():
+    while not (ready() if ready is not None else (folder / META_FILE).is_file()):
         if error_file.is_file():
             try:
                 message = read_text(error_file, limit=64 << 10, follow_links=False)
@@ -254,7 +258,7 @@ def _wait_for(
                 f"nothing in that time; it died or hangs (see its output), or --cache-dir is not shared "
                 "between the nodes (then use --cache-per-node)"
             )
-        time.sleep(poll_s)
+        time.sleep(0.1)
 
 
 def prepare(
@@ -267,47 +271,70 @@ def prepare(
     option: str = "--data",
     check_stop: Callable[[], None] = lambda: None,
 ) -> Prepared:
-    """Return the tokenized data set for ``spec``, building the cache entry once if it is missing."""
+    """Return the tokenized data set for ``spec``, building the cache entry once if it is missing
+    or damaged (an entry is checked by its builder before any other rank opens it)."""
     ensure_chat_template(tokenizer)
     sources = resolve_sources(spec, option)
-    # Rank 0 hashes the inputs once; a nonce per run keeps error markers of runs apart.
-    mine = (cache_key(sources, tokenizer, settings), uuid.uuid4().hex[:8]) if env.is_main else ("", "")
-    key, nonce = broadcast_object(mine, env)
-    folder = cache_dir / key
-    error_file = cache_dir / f"{key}.error-{nonce}"
-    builder = env.is_main or (per_node and env.local_rank == 0)
     vocab = len(tokenizer)
-    dataset = None
-    if builder:
-        remove_stale(cache_dir)
-        dataset = _reuse(folder, vocab, nonce)
-    if builder and dataset is None:
-        tmp = cache_dir / f"{key}.tmp-{nonce}-{env.rank}"
-        try:
-            _build(sources, tokenizer, settings, tmp, spec, option, check_stop)
-        except UserError as e:
-            error_file.parent.mkdir(parents=True, exist_ok=True)
-            error_file.write_text(str(e), encoding="utf-8")
-            raise
-        finally:
-            if not (tmp / META_FILE).is_file():
-                shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            tmp.rename(folder)
-            _fsync_folder(cache_dir)
-        except OSError:  # another node's builder finished first on a shared disk
+    builder = env.is_main or (per_node and env.local_rank == 0)
+    key, nonce, dataset = "", "", None
+    if env.is_main:  # hashes the inputs once; a nonce per run keeps error markers of runs apart
+        key, nonce = cache_key(sources, tokenizer, settings), uuid.uuid4().hex[:8]
+        dataset = _reuse(cache_dir, key, vocab, nonce)
+    key, nonce = broadcast_object((key, nonce), env)  # the others wait for rank 0's verdict here
+    folder, error_file = cache_dir / key, cache_dir / f"{key}.error-{nonce}"
+    if builder and not env.is_main:  # a node's own builder (--cache-per-node)
+        dataset = _reuse(cache_dir, key, vocab, nonce)
+    if not builder:
+        dataset = _open_built(folder, vocab, error_file, f"{key}.tmp-{nonce}-*", check_stop)
+        return Prepared(dataset=dataset, built=False, key=key, folder=folder)
+    if dataset is not None:
+        return Prepared(dataset=dataset, built=False, key=key, folder=folder)
+    tmp = cache_dir / f"{key}.tmp-{nonce}-{env.rank}"
+    try:
+        _build(sources, tokenizer, settings, tmp, spec, option, check_stop)
+    except UserError as e:
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        error_file.write_text(str(e), encoding="utf-8")
+        raise
+    finally:
+        if not (tmp / META_FILE).is_file():
             shutil.rmtree(tmp, ignore_errors=True)
-    elif not builder:
-        _wait_for(folder, error_file, f"{key}.tmp-{nonce}-*", check_stop)
-    built = builder and dataset is None
-    if dataset is None:
-        dataset = TokenizedDataset.open(folder, vocab)
-    return Prepared(dataset=dataset, built=built, key=key, folder=folder)
+    try:
+        tmp.rename(folder)
+        _fsync_folder(cache_dir)
+    except OSError:  # another node's builder finished first on a shared disk
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Prepared(dataset=TokenizedDataset.open(folder, vocab), built=True, key=key, folder=folder)
 
 
-def _reuse(folder: Path, vocab: int, nonce: str) -> TokenizedDataset | None:
-    """The cached entry when it checks out; a damaged one is set aside (and removed) with a
-    warning naming it, and built again."""
+def _open_built(
+    folder: Path, vocab: int, error_file: Path, building: str, check_stop: Callable[[], None]
+) -> TokenizedDataset:
+    """A waiting rank's entry, once its builder has it. A node's own builder (--cache-per-node)
+    judges its entry after this rank may have looked: an entry that fails here is waited on until
+    that builder has put a new one in its place."""
+    _wait_for(folder, error_file, building, check_stop)
+    try:
+        return TokenizedDataset.open(folder, vocab)
+    except UserError:
+        seen = _identity(folder)
+    _wait_for(folder, error_file, building, check_stop, ready=lambda: _identity(folder) not in (None, seen))
+    return TokenizedDataset.open(folder, vocab)
+
+
+def _identity(folder: Path) -> int | None:
+    try:
+        return (folder / META_FILE).stat().st_ino
+    except OSError:
+        return None
+
+
+def _reuse(cache_dir: Path, key: str, vocab: int, nonce: str) -> TokenizedDataset | None:
+    """The cached entry when it checks out (None: build it). A damaged one is set aside (and
+    removed) with a warning naming it; stale leftovers of killed builders are removed first."""
+    remove_stale(cache_dir)
+    folder = cache_dir / key
     if not (folder.exists() or folder.is_symlink()):
         return None
     try:
