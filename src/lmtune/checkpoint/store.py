@@ -47,7 +47,7 @@ from lmtune.checkpoint.layout import (
 )
 from lmtune.checkpoint.state import ModelParts, TrainerState, rng_state, set_rng_state
 from lmtune.config.files import is_int, read_json_object
-from lmtune.errors import UserError, brief
+from lmtune.errors import UserError, one_line
 from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
 from lmtune.parallel.distributed import DistEnv, barrier, broadcast_object
 
@@ -285,11 +285,14 @@ def load_checkpoint(
         scaler.load_state_dict(_scaler_state(folder / SCALER_FILE))
     rng = folder / f"rng-rank-{env.rank}.json"
     if state.world_size == env.world_size and rng.name in listed:
-        saved_rng = read_json_object(rng)
         try:
-            set_rng_state(saved_rng)
+            set_rng_state(read_json_object(rng))
+        except UserError as e:
+            raise UserError(
+                f"{rng}: not the RNG state lmtune wrote ({str(e).removeprefix(f'{rng}: ')})"
+            ) from None
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError, OverflowError, MemoryError) as e:
-            why = brief(str(e).splitlines()[0] if str(e) else "", 100)
+            why = one_line(str(e), 100)
             raise UserError(f"{rng}: not the RNG state lmtune wrote ({type(e).__name__}: {why})") from None
     return state
 
