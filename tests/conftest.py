@@ -133,3 +133,47 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port")
+
+
+def deadline(seconds: int) -> Any:
+    """A context that fails a test instead of letting it hang (a blocking read of a FIFO is
+    interrupted by SIGALRM)."""
+    import signal
+    from contextlib import contextmanager
+
+    @contextmanager
+    def limited() -> Any:
+        def expired(signum: int, frame: Any) -> None:
+            raise TimeoutError(f"still running after {seconds} s")
+
+        previous = signal.signal(signal.SIGALRM, expired)
+        signal.alarm(seconds)
+        try:
+            yield
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return limited()
+
+
+def one_line_error(argv: list[str], capsys: Any) -> str:
+    """Run the CLI in this process and expect a user error: exit code 2 and one line on stderr."""
+    from lmtune.cli import main
+
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error") and err.count("\n") == 1, err[:2000]
+    return str(err)
+
+
+def tiny_run_with_checkpoint(root: Path) -> Path:
+    """A 2-step run of the tiny preset with a checkpoint of step 2: ROOT/out."""
+    from lmtune.cli import main
+
+    data = write_jsonl(root / "d.jsonl", [f"text {i}" for i in range(16)])
+    out = root / "out"
+    argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "2", "--save-every", "2"]
+    assert main([*argv, "--global-batch-size", "8", "--no-progress"]) == 0
+    return out

@@ -12,7 +12,6 @@ save (``final/``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -27,6 +26,7 @@ from lmtune.checkpoint.resume import Fingerprint, continue_from, resume_point
 from lmtune.checkpoint.rundir import Finished, read_finished
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import load_checkpoint, prune, read_state, save_checkpoint
+from lmtune.config.files import read_json_object
 from lmtune.config.groups import CheckpointSettings
 from lmtune.errors import UserError
 from lmtune.outputs.runlog import InfoLog
@@ -179,12 +179,10 @@ class CheckpointManager:
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
-    """A record saved in a verified checkpoint (its manifest checked its size and hash), or None
-    when the checkpoint carries none (saved without that component)."""
+    """A record saved in a verified checkpoint (its manifest checked its size and hash), read as
+    hostile data all the same (bounded, a JSON object), or None when the checkpoint carries none
+    (saved without that component)."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        return read_json_object(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, RecursionError) as e:
-        raise UserError(f"{path}: unreadable ({type(e).__name__})") from None
-    return raw if isinstance(raw, dict) else None

@@ -21,8 +21,9 @@ import torch
 from lmtune.checkpoint.layout import CHECKPOINTS, FINGERPRINT_FILE, list_checkpoints, verify
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
+from lmtune.config.files import read_json_object
 from lmtune.config.settings import TrainConfig, warmup_steps
-from lmtune.errors import UserError
+from lmtune.errors import UserError, one_line
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 
@@ -97,11 +98,10 @@ def read_fingerprint(folder: Path) -> Fingerprint | None:
     path = folder / FINGERPRINT_FILE
     if not path.is_file():
         return None  # saved by an lmtune before fingerprints
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        return Fingerprint(dict(raw["fixed"]), dict(raw["adjustable"]))
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"{path}: unreadable (not written by lmtune)") from None
+    raw = read_json_object(path)
+    if not (isinstance(raw.get("fixed"), dict) and isinstance(raw.get("adjustable"), dict)):
+        raise UserError(f"{path}: unreadable (not written by lmtune)")
+    return Fingerprint(dict(raw["fixed"]), dict(raw["adjustable"]))
 
 
 def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
@@ -112,7 +112,10 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
     """
 
     def changes(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-        return [f"{k} {a.get(k)} -> {b[k]}" for k in b if a.get(k) != b[k]]
+        def shown(value: Any) -> str:
+            return one_line(str(value), 80)
+
+        return [f"{k} {shown(a.get(k))} -> {shown(b[k])}" for k in b if a.get(k) != b[k]]
 
     refused = changes(saved.fixed, now.fixed)
     if refused:

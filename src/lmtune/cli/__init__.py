@@ -15,6 +15,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_libraries()
     try:
+        from lmtune.config.environment import check_environment
+
+        check_environment()
         code: int = args.run(args, argv)
         return code
     except UserError as e:

@@ -195,6 +195,11 @@ def _export_parser(sub: Any) -> None:
     exp.add_argument("checkpoint", help="checkpoint folder, for example OUTPUT/checkpoints/step-000100")
     exp.add_argument("out", metavar="DIR", help="folder to write")
     exp.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
+    exp.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DIR when it holds an earlier export (any other non-empty folder is refused)",
+    )
     exp.set_defaults(run=commands.export)
 
 

@@ -40,7 +40,7 @@ from lmtune.config.groups import (
     ScheduleSettings,
     setting,
 )
-from lmtune.errors import UserError
+from lmtune.errors import UserError, brief
 
 __all__ = [
     "DEFAULT_EPOCHS",
@@ -262,9 +262,9 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     try:
         low, high = int(lo), int(hi or lo)
     except ValueError:
-        raise UserError(f"--nnodes: expected N or MIN:MAX, got {value!r}") from None
+        raise UserError(f"--nnodes: expected N or MIN:MAX, got {brief(value)}") from None
     if not 1 <= low <= high:
-        raise UserError(f"--nnodes: expected 1 <= MIN <= MAX, got {value!r}")
+        raise UserError(f"--nnodes: expected 1 <= MIN <= MAX, got {brief(value)}")
     return low, high
 
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lmtune.data.chat import check_chat_template, render_chat
 from lmtune.data.sources import Record
 from lmtune.errors import UserError
 
@@ -123,9 +124,7 @@ def _messages(record: Record) -> list[dict[str, str]]:
 
 
 def _chat(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-    return str(
-        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    )
+    return render_chat(tokenizer, messages, generation_prompt)
 
 
 def _render_messages(record: Record, tokenizer: Any) -> Rendered:
@@ -135,29 +134,39 @@ def _render_messages(record: Record, tokenizer: Any) -> Rendered:
     conversation before it with the generation prompt: the reply and its end-of-turn marker.
     """
     messages = _messages(record)
-    text = _chat(tokenizer, messages, generation_prompt=False)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = _chat(tokenizer, messages[:i], generation_prompt=True) if i else _empty_prompt(tokenizer)
-        upto = _chat(tokenizer, messages[: i + 1], generation_prompt=False)
-        if not (upto.startswith(before) and text.startswith(upto)):
-            raise UserError(
-                f"{record.where}: the chat template does not render the conversation turn by turn, so "
-                "the assistant replies cannot be located; use a template that appends turns"
-            )
-        spans.append((len(before), len(upto)))
+    try:
+        text = _chat(tokenizer, messages, generation_prompt=False)
+        spans = [
+            _reply_span(tokenizer, messages, i, text)
+            for i, m in enumerate(messages)
+            if m["role"] == "assistant"
+        ]
+    except UserError as e:
+        raise UserError(f"{record.where}: {e}") from None
     return Rendered(
         text=text, spans=tuple(spans), add_special_tokens=False, append_eos=False, format="messages"
     )
+
+
+def _reply_span(tokenizer: Any, messages: list[dict[str, str]], i: int, text: str) -> tuple[int, int]:
+    before = _chat(tokenizer, messages[:i], generation_prompt=True) if i else _empty_prompt(tokenizer)
+    upto = _chat(tokenizer, messages[: i + 1], generation_prompt=False)
+    if not (upto.startswith(before) and text.startswith(upto)):
+        raise UserError(
+            "the chat template does not render the conversation turn by turn, so "
+            "the assistant replies cannot be located; use a template that appends turns"
+        )
+    return len(before), len(upto)
 
 
 def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:
     """A conversation's last turn, and the conversation rendered up to the assistant's reply."""
     ensure_chat_template(tokenizer)
     messages = _messages(record)
-    return messages[-1]["content"], _chat(tokenizer, messages, generation_prompt=True)
+    try:
+        return messages[-1]["content"], _chat(tokenizer, messages, generation_prompt=True)
+    except UserError as e:
+        raise UserError(f"{record.where}: {e}") from None
 
 
 def _empty_prompt(tokenizer: Any) -> str:
@@ -172,3 +181,4 @@ def ensure_chat_template(tokenizer: Any) -> None:
     """Give a tokenizer without a chat template the built-in one (saved with the model)."""
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE
+    check_chat_template(tokenizer, known=(BUILTIN_CHAT_TEMPLATE,))

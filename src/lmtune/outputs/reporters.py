@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from lmtune.config.files import read_json
 from lmtune.errors import UserError
 
 # --report-to name -> (module imported, pip extra)
@@ -108,8 +109,8 @@ class TensorBoard:
 
 def _run_ids(output_dir: Path) -> dict[str, str]:
     try:
-        state = json.loads((output_dir / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        state = read_json(output_dir / STATE_FILE, limit=1 << 20)
+    except (OSError, UserError):
         return {}
     return {k: v for k, v in state.items() if isinstance(v, str)} if isinstance(state, dict) else {}
 

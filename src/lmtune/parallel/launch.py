@@ -19,6 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from lmtune.config import environment
 from lmtune.config.groups import LaunchSettings
 from lmtune.config.settings import TrainConfig, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE
@@ -26,7 +27,7 @@ from lmtune.parallel.health import HANG_EXIT_CODE, HEALTH_DIR_ENV, Watchdog, rea
 
 # Workers started by `relaunch` leave their error messages here instead of printing them, so the
 # launcher prints each distinct message once rather than once per rank.
-ERROR_DIR_ENV = "LMTUNE_ERROR_DIR"
+ERROR_DIR_ENV = environment.ERROR_DIR
 
 
 def report_error(message: str, exit_code: int) -> None:
@@ -87,7 +88,7 @@ def world_size_bounds(launch: LaunchSettings) -> tuple[int, int]:
 
 
 # The output folder's lock token, handed by a launcher that holds the lock to the workers it starts.
-LOCK_TOKEN_ENV = "LMTUNE_LOCK_TOKEN"
+LOCK_TOKEN_ENV = environment.LOCK_TOKEN
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,7 @@ class Evaluator:
         best = self.best
         if best is None:
             return ev
-        control.save |= best.observe(state.step, ev.value(best.metric), self.log.output_dir)
+        control.save |= best.observe(state.step, ev.value(best.metric))
         if best.should_stop and control.stop is None:  # all ranks evaluated alike: all stop here
             assert best.best is not None
             control.stop = "early"

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 import torch
 from torch import nn
 
+from lmtune.config.files import TooLarge, read_text
 from lmtune.config.groups import SampleSettings
 from lmtune.errors import UserError
 from lmtune.model.tokens import stop_ids
@@ -71,14 +72,14 @@ def read_prompts(path: Path, tokenizer: Any, max_tokens: int | None = None) -> l
     ``max_tokens``: the longest prompt plus generation the run allows (found now, not at the
     sampling step hours into training)."""
     option = f"--sample-prompts {path}"
-    if not path.is_file():
-        raise UserError(f"{option}: no such file")
-    if path.stat().st_size > MAX_PROMPTS_BYTES:
-        raise UserError(f"{option}: over {MAX_PROMPTS_BYTES >> 20} MiB; a few prompts are enough")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise UserError(f"{option}: not UTF-8 text (byte {e.start})") from None
+        lines = read_text(path, limit=MAX_PROMPTS_BYTES).splitlines()
+    except FileNotFoundError:
+        raise UserError(f"{option}: no such file") from None
+    except TooLarge:
+        raise UserError(f"{option}: over {MAX_PROMPTS_BYTES >> 20} MiB; a few prompts are enough") from None
+    except UserError as e:
+        raise UserError(f"{option}: {str(e).removeprefix(f'{path}: ')}") from None
     prompts = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
