@@ -10,6 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from lmtune.cli import main
+from lmtune.config.files import read_json_object
 from lmtune.errors import UserError
 from lmtune.training.best import BEST_FILE, BestTracker
 from tests.conftest import train_rows, uneven_texts, write_jsonl
@@ -91,7 +92,11 @@ def test_best_json_is_read_as_data_and_its_path_follows_the_folder(tmp_path: Pat
     record = {"best": {"step": 15, "metric": "eval_loss", "value": 2.5, "checkpoint": "/old/name/x"}}
     (checkpoint / BEST_FILE).write_text(json.dumps({**record, "without_improvement": 1}))
     tracker = BestTracker(metric="eval_loss", greater_is_better=False, patience=2, threshold=0.0)
-    tracker.restore(checkpoint)
+
+    def restore() -> None:  # as the checkpoint manager reads a record: bounded, a JSON object
+        tracker.restore(read_json_object(checkpoint / BEST_FILE))
+
+    restore()
     assert tracker.best is not None and tracker.best.checkpoint == "checkpoints/step-000015"
     assert tracker.folder(moved) == checkpoint and tracker.without_improvement == 1
     for bad in (
@@ -108,7 +113,7 @@ def test_best_json_is_read_as_data_and_its_path_follows_the_folder(tmp_path: Pat
     ):
         (checkpoint / BEST_FILE).write_text(json.dumps(bad))
         with pytest.raises(UserError, match=r"best\.json: "):
-            tracker.restore(checkpoint)
+            restore()
     (checkpoint / BEST_FILE).write_text("[" * 100_000)
     with pytest.raises(UserError, match="nested too deeply"):
-        tracker.restore(checkpoint)
+        restore()
