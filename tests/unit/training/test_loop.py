@@ -188,7 +188,7 @@ def test_resume_from_a_checkpoint_in_process_is_bit_identical(tmp_path: Path) ->
     assert verify(folder) is None
     torch.manual_seed(1234)  # disturbed: the checkpoint's RNG state must be what counts
     with _built(tmp_path, "resumed") as (run, b):
-        start = _manager(run, b).resume(_fresh_state(b))
+        start = _manager(run, b).resume(_fresh_state(b), STEPS)
         assert (start.step, start.epoch, start.step_in_epoch) == (4, 1, 1)
         _fit(run, b, start, [])
         assert _same(straight, _weights(b))
@@ -270,7 +270,7 @@ def _end(step: int, finished: bool = False) -> StepEnd:
 def test_the_manager_saves_on_schedule_when_asked_and_once_per_step(tmp_path: Path) -> None:
     with _built(tmp_path, "cadence", save_every=3, keep_last=0) as (run, b):
         manager = _manager(run, b)
-        manager.resume(_fresh_state(b))
+        manager.resume(_fresh_state(b), STEPS)
         for step in range(1, 8):
             manager.after_step(_end(step).state, asked=step == 5, last=step == 7)
             if step == 5:  # a second request in the same step
@@ -279,7 +279,7 @@ def test_the_manager_saves_on_schedule_when_asked_and_once_per_step(tmp_path: Pa
         assert [p.name for p in list_checkpoints(run.output_dir)] == [f"step-00000{n}" for n in (3, 5, 6, 7)]
     with _built(tmp_path, "no-cadence", save_every=0) as (run, b):
         manager = _manager(run, b)
-        manager.resume(_fresh_state(b))
+        manager.resume(_fresh_state(b), STEPS)
         manager.at_end(_end(4).state, asked=False)  # without --save-every nothing is due at the end
         assert list_checkpoints(run.output_dir) == []
 
