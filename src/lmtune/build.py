@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +19,29 @@ from lmtune.checkpoint.state import ModelParts
 from lmtune.config import SAMPLE_DATA, TrainConfig, warmup_steps
 from lmtune.data.collate import Collator, StepCollator
 from lmtune.data.dataset import TokenizedDataset, split_off
-from lmtune.data.prepare import DataSettings, default_cache_dir, prepare
+from lmtune.data.prepare import DataSettings, cache_root, default_cache_dir, prepare
 from lmtune.data.sampling import EvalSampler, TrainSampler
 from lmtune.data.sources import SAMPLE_EVAL
 from lmtune.data.tokenize import EncodeStats
 from lmtune.errors import UserError
 from lmtune.loop import FitData
 from lmtune.metrics import InfoLog, RunLog
-from lmtune.model.attention import use_varlen
+from lmtune.model.attention import supports_varlen, use_varlen
 from lmtune.model.chunked_loss import LossChoice
 from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.lora import LoraSettings, add_lora
 from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import LoadedModel, load_model
+from lmtune.model.paths import (
+    BF16,
+    PATHS_FILE,
+    Paths,
+    Question,
+    Workload,
+    decide_paths,
+    products_of,
+    sample_micro_batches,
+)
 from lmtune.model.precision import autocast_context, grad_scaler
 from lmtune.model.products import Fp32Products, Products
 from lmtune.optim import build_optimizer, build_schedule
@@ -55,15 +66,10 @@ class Run:
     log: RunLog
     stop: StopRequest
     heartbeat: Heartbeat
-    products: Products  # how matrices are multiplied (a CPU bf16 run's may be fp32)
 
     @property
     def output_dir(self) -> Path:
         return Path(self.cfg.output_dir)
-
-    def autocast(self) -> AbstractContextManager[object]:
-        """A fresh autocast context of --precision on this device (none under fp32)."""
-        return autocast_context(self.cfg.precision, self.env.device, self.products.fp32)
 
 
 @dataclass(frozen=True)
@@ -83,14 +89,19 @@ class Built:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
     fingerprint: Fingerprint  # what a checkpoint of this run must match to be continued
+    paths: Paths  # the CPU bf16 paths decided for this run (recorded in its checkpoints)
+    products: Products  # how matrices are multiplied (a CPU bf16 run's may be fp32)
+    # A fresh autocast context of --precision on this device (none under fp32), with the products'.
+    autocast: Callable[[], AbstractContextManager[object]]
 
     @property
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 
 
-def build(run: Run) -> Built:
-    """Model, data, batch layout, the wrapped model with its loss, and the optimizer."""
+def build(run: Run, recorded_paths: dict[str, Any] | None = None) -> Built:
+    """Model, data, batch layout, the paths (``recorded_paths``: those of the checkpoint the run
+    resumes), the wrapped model with its loss, and the optimizer."""
     cfg, env, log = run.cfg, run.env, run.log
     run.heartbeat.beat("load")
     loaded = load_model(cfg.model, cfg.seed, cfg.trust_remote_code)
@@ -107,7 +118,12 @@ def build(run: Run) -> Built:
     layout = batch_layout(cfg, env.world_size, len(train_data))
     default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora else loaded.default_lr
     lr = cfg.lr if cfg.lr is not None else default_lr
-    model, parts, loss = build_model(run, loaded.model)
+    batching = batching_of(cfg, data_info["train"]["formats"])
+    packed = cfg.max_length if batching in ("pack", "auto") else None
+    shapes = sample_micro_batches(train_data.lengths().tolist(), layout.micro_batch_size, packed)
+    paths = choose_paths(run, loaded.model, shapes, recorded_paths)
+    products = products_of(paths, cfg.precision)
+    model, parts, loss = build_model(run, loaded.model, paths)
     # After wrapping: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
     optimizer = build_optimizer(
         cfg.optimizer,
@@ -132,7 +148,7 @@ def build(run: Run) -> Built:
         eval_data=eval_data,
         data_info=data_info,
         layout=layout,
-        batching=batching_of(cfg, data_info["train"]["formats"]),
+        batching=batching,
         lr=lr,
         model=model,
         parts=parts,
@@ -140,7 +156,26 @@ def build(run: Run) -> Built:
         optimizer=optimizer,
         scaler=grad_scaler(cfg.precision),
         fingerprint=run_fingerprint,
+        paths=paths,
+        products=products,
+        autocast=partial(autocast_context, cfg.precision, env.device, products.fp32),
     )
+
+
+def choose_paths(
+    run: Run, model: torch.nn.Module, micro_batches: list[list[int]], recorded: dict[str, Any] | None
+) -> Paths:
+    """The run's CPU bf16 paths (lmtune.model.paths), timed where needed on its own micro-batches
+    (each as its examples' token counts)."""
+    cfg, env = run.cfg, run.env
+    question = Question(
+        cpu_bf16=env.device.type == "cpu" and cfg.precision == "bf16" and not cfg.compile,
+        attention=not cfg.compile and supports_varlen(model),
+        recorded=recorded,
+        cache=cache_root() / PATHS_FILE if env.is_main else None,
+        threads=run.threads,
+    )
+    return decide_paths(question, Workload(getattr(model, "config", None), micro_batches), env)
 
 
 def checkpoint_activations(model: torch.nn.Module, name: str, fp32_products: bool = False) -> None:
@@ -301,15 +336,18 @@ def loaders(run: Run, b: Built) -> tuple[FitData, DataLoader[Any] | None]:
     return FitData(loader, sampler, layout), eval_loader
 
 
-def build_model(run: Run, base: torch.nn.Module) -> tuple[torch.nn.Module, ModelParts, LossChoice]:
+def build_model(
+    run: Run, base: torch.nn.Module, paths: Paths
+) -> tuple[torch.nn.Module, ModelParts, LossChoice]:
     """Memory savers, LoRA, compile, the loss wrapper and the strategy's wrapper, in that order."""
     cfg, strategy, env, log = run.cfg, run.strategy, run.env, run.log
+    products = products_of(paths, cfg.precision)
     if cfg.activation_checkpointing:
-        checkpoint_activations(base, cfg.model, run.products.fp32)
+        checkpoint_activations(base, cfg.model, products.fp32)
     # Per-example attention computes nothing on padding or across packed examples. Its per-example
     # loop would make torch.compile recompile for every batch, so compiled runs keep the masks.
-    cpu_bf16 = env.device.type == "cpu" and cfg.precision == "bf16"
-    varlen = not cfg.compile and use_varlen(base, cpu_bf16)
+    bf16_attention = paths.attention is not None and paths.attention.choice == BF16
+    varlen = not cfg.compile and use_varlen(base, bucketed=bf16_attention)
     trained = base
     if cfg.lora:
         # The same adapter init on every rank: FSDP keeps each rank's own shard of it (DDP would
@@ -329,7 +367,7 @@ def build_model(run: Run, base: torch.nn.Module) -> tuple[torch.nn.Module, Model
         log.info(f"--loss-chunk-size {cfg.loss_chunk_size}: not used; {loss.description}")
     if cfg.compile:
         compile_model(trained, log)
-    loss_module = SummedLoss(trained, varlen, loss.chunk, run.products.fp32)
+    loss_module = SummedLoss(trained, varlen, loss.chunk, products.fp32, products.bucketed)
     model = wrap_model(loss_module, strategy, env, cfg.precision)
     return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora), loss
 

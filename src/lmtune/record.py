@@ -80,7 +80,8 @@ def run_record(run: Run, b: Built, resume_from: Path | None, peak: float) -> dic
         "batching": b.batching,
         "attention": attention,
         "loss": b.loss.description,
-        "products": run.products.description,
+        "products": b.products.description,
+        "paths": b.paths.to_json(),  # the CPU bf16 paths and how each was decided (lmtune.model.paths)
         "lr": b.lr,
         "model_source": b.loaded.source,
         **asdict(layout),
@@ -89,14 +90,15 @@ def run_record(run: Run, b: Built, resume_from: Path | None, peak: float) -> dic
         "resumed_from": str(resume_from) if resume_from else None,
         "peak_flops_per_device": peak,
     }
+    units = f" ({b.paths.units.describe()})" if env.device.type == "cpu" else ""
     run.log.info(
         f"lmtune: {b.loaded.source}, {resolved['parameters']:,} parameters, {run.strategy} on "
-        f"{env.world_size} x {env.device.type}; global batch {_batch_line(layout)} "
+        f"{env.world_size} x {env.device.type}{units}; global batch {_batch_line(layout)} "
         f"({BATCHING_NAMES[b.batching]}, {attention} attention); {layout.total_steps} steps; "
         f"loss: {b.loss.description}"
     )
-    if run.products.fp32:
-        run.log.info(f"matrix products: {run.products.description}")
+    if b.paths.products is not None:  # a CPU bf16 run: which paths its CPU's units chose, and how
+        run.log.info(f"{b.paths.line()}; matrix products: {b.products.description}")
     return {
         "config": to_dict(cfg),
         "resolved": resolved,

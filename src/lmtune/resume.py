@@ -24,6 +24,7 @@ from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
 from lmtune.config import TrainConfig, warmup_steps
 from lmtune.errors import UserError
 from lmtune.metrics import InfoLog
+from lmtune.model.paths import PATHS_FILE
 from lmtune.optim import set_hyperparameters
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 
@@ -209,8 +210,10 @@ def starting_state(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
     log: InfoLog,
+    folder: Path | None,
 ) -> tuple[TrainerState, Path | None]:
-    """Where this run starts: step 0, or the checkpoint it continues (loaded), and that folder."""
+    """Where this run starts: step 0, or ``folder``, the checkpoint it continues (:func:`resume_point`),
+    loaded; and that folder."""
     fresh = TrainerState(
         step=0,
         epoch=0,
@@ -220,10 +223,24 @@ def starting_state(
         seed=cfg.seed,
         examples=examples,
     )
-    folder = resume_point(cfg, Path(cfg.output_dir), env)
     if folder is None:
         return fresh, None
     state = continue_from(
         folder, now=now, cfg=cfg, parts=parts, optimizer=optimizer, env=env, scaler=scaler, log=log
     )
     return state, folder
+
+
+def recorded_paths(folder: Path | None, env: DistEnv) -> dict[str, Any] | None:
+    """The compute paths the run of checkpoint ``folder`` took (its ``paths.json``, see
+    lmtune.model.paths), which a resumed run takes again instead of deciding anew; None for a fresh
+    run or a checkpoint saved before paths were recorded. Read by rank 0 (a checkpoint's records are
+    written there) for all."""
+    record: dict[str, Any] | None = None
+    if env.is_main and folder is not None and (folder / PATHS_FILE).is_file():
+        try:
+            raw = json.loads((folder / PATHS_FILE).read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            raise UserError(f"{folder / PATHS_FILE}: unreadable (not written by lmtune)") from None
+        record = raw if isinstance(raw, dict) else None
+    return broadcast_object(record, env) if env.world_size > 1 else record

@@ -30,8 +30,8 @@ from lmtune.finish import finalize
 from lmtune.generations import Sampler, SampleSettings, read_prompts
 from lmtune.loop import FitSettings, fit
 from lmtune.metrics import RunLog, SampleLog, read_metrics
+from lmtune.model.paths import PATHS_FILE
 from lmtune.model.precision import check_device
-from lmtune.model.products import choose_products
 from lmtune.parallel.distributed import (
     CollectiveTimeouts,
     cpu_threads_per_process,
@@ -44,7 +44,7 @@ from lmtune.parallel.wrap import resolve_strategy, unwrap
 from lmtune.perf import PEAKS_FILE, MfuMeter, PhaseTimer, Probe, best_peak_flops, train_flops_per_token
 from lmtune.record import result_record, run_record
 from lmtune.reporters import open_reporters, parse_report_to
-from lmtune.resume import starting_state
+from lmtune.resume import recorded_paths, resume_point, starting_state
 from lmtune.rundir import acquire, prepare_output
 from lmtune.step import StepOptions, Trainee
 from lmtune.stopping import StopRequest
@@ -94,7 +94,6 @@ def train(cfg: TrainConfig) -> TrainResult:
                 log=log,
                 stop=stop,
                 heartbeat=heartbeat,
-                products=choose_products(cfg.precision, env.device, cfg.compile),
             )
             if cfg.doctor:
                 cache = None if cfg.cache_per_node else str(data_cache_dir(cfg))  # node-local: not shared
@@ -115,7 +114,8 @@ def _run(run: Run) -> TrainResult:
     prepare_output(
         output_dir, resume=cfg.resume, overwrite=cfg.overwrite, config=to_dict(cfg), env=env, warn=warn
     )
-    b = build(run)
+    resume_from = resume_point(cfg, output_dir, env)
+    b = build(run, recorded_paths(resume_from, env))  # a resumed run takes its checkpoint's paths
     state, resume_from = starting_state(
         cfg,
         env,
@@ -125,6 +125,7 @@ def _run(run: Run) -> TrainResult:
         optimizer=b.optimizer,
         scaler=b.scaler,
         log=log,
+        folder=resume_from,
     )
     if resume_from is not None and state.step >= b.layout.total_steps and (output_dir / "final").is_dir():
         log.info(
@@ -142,7 +143,7 @@ def _run(run: Run) -> TrainResult:
     best = best_tracker(cfg, resume_from)
     data, eval_loader = loaders(run, b)
     peak = best_peak_flops(
-        Probe(env.device, cfg.precision, run.threads, run.products.fp32),
+        Probe(env.device, cfg.precision, run.threads, b.products.fp32),
         cache_root() / PEAKS_FILE if env.is_main else None,
     )
     mfu = MfuMeter(partial(train_flops_per_token, b.loaded.model), peak, env.world_size, log)
@@ -151,7 +152,7 @@ def _run(run: Run) -> TrainResult:
     timer = PhaseTimer(env.device, timed=cfg.profile, beat=run.heartbeat.beat)
     settings = FitSettings(
         env=env,
-        step=StepOptions(cfg.max_grad_norm, run.autocast, timer),
+        step=StepOptions(cfg.max_grad_norm, b.autocast, timer),
         stop_requested=run.stop,
         poison_step=faults.nan_step(),
         heartbeat=run.heartbeat,
@@ -199,7 +200,7 @@ def _components(
         def run_eval() -> EvalResult:
             with timeouts.patient():
                 beat = partial(run.heartbeat.beat, "eval")
-                return evaluate(unwrap(b.model), eval_loader, env, run.autocast(), b.parts.sharded, beat)
+                return evaluate(unwrap(b.model), eval_loader, env, b.autocast(), b.parts.sharded, beat)
 
         evaluator = cb.Evaluator(run_eval, log, cfg.eval_every, best)
     callbacks: list[cb.Callback | None] = [
@@ -223,7 +224,7 @@ def _saver(
     """Saves a checkpoint with the run's records; keeps the newest --keep-last and the best."""
 
     def save(at: TrainerState) -> None:
-        records: dict[str, Any] = {FINGERPRINT_FILE: b.fingerprint.to_json()}
+        records: dict[str, Any] = {FINGERPRINT_FILE: b.fingerprint.to_json(), PATHS_FILE: b.paths.to_json()}
         if best is not None:
             records[BEST_FILE] = best.to_json()
         if b.scaler is not None:
@@ -254,5 +255,5 @@ def _sampler(run: Run, b: Built) -> Sampler:
     )
     stops = stop_ids(b.loaded.model, b.tokenizer)
     return Sampler(
-        settings, unwrap(b.model), b.tokenizer, stops, run.env, run.log, b.parts.sharded, run.autocast
+        settings, unwrap(b.model), b.tokenizer, stops, run.env, run.log, b.parts.sharded, b.autocast
     )

@@ -31,7 +31,6 @@ from lmtune.evaluate import EvalResult
 from lmtune.loop import FitResult, FitSettings, fit
 from lmtune.metrics import RunLog
 from lmtune.model.precision import autocast_context
-from lmtune.model.products import choose_products
 from lmtune.parallel.distributed import read_dist_env
 from lmtune.parallel.health import Heartbeat
 from lmtune.step import StepInput, StepOptions, StepResult, Trainee, train_step
@@ -56,7 +55,6 @@ def _built(tmp_path: Path, name: str, **settings: Any) -> Iterator[tuple[Run, Bu
             log=log,
             stop=stop,
             heartbeat=Heartbeat(None, 0),
-            products=choose_products(cfg.precision, ENV.device),
         )
         yield run, build(run)
 
