@@ -178,12 +178,15 @@ def test_a_recorded_choice_wins_unless_this_cpu_cannot_run_it(monkeypatch: pytes
     found = _decide(Question(cpu_bf16=True, attention=True, recorded=recorded))
     assert _choices(found) == (BF16, BF16) and not timings.calls
     assert found.attention is not None and found.attention.how == "from the checkpoint (timed: ...)"
+    again = {"attention": {"choice": BF16, "decided": found.attention.how}}  # resumed once more
+    twice = _decide(Question(cpu_bf16=True, attention=True, recorded=again)).attention
+    assert twice is not None and twice.how == "from the checkpoint (timed: ...)"
     monkeypatch.setenv(CPU_ATTENTION_ENV, FP32)  # an override still wins
     assert _choices(_decide(Question(cpu_bf16=True, attention=True, recorded=recorded))) == (BF16, FP32)
     _machine(monkeypatch, AVX2, onednn_bf16=False)  # resumed on a CPU without bf16 kernels
     found = _decide(Question(cpu_bf16=True, attention=True, recorded=recorded))
     assert _choices(found) == (FP32, FP32)
-    assert found.products is not None and "the checkpoint's bf16 cannot run here" in found.products.how
+    assert found.products is not None and "the checkpoint's bf16 set aside" in found.products.how
 
 
 def test_oneDNN_s_isa_cap_hides_the_units_it_keeps_oneDNN_from(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -244,8 +244,10 @@ def _decide(name: str, forced: str | None, rule: Decision | None, recorded: Any,
     saved = recorded.get("choice") if isinstance(recorded, dict) else None
     if saved in (BF16, FP32):
         if saved == BF16 and rule is not None and rule.choice == FP32:
-            return replace(rule, how=f"{rule.how}; the checkpoint's bf16 cannot run here")
-        return Decision(saved, f"from the checkpoint ({recorded.get('decided', 'recorded')})")
+            return replace(rule, how=f"{rule.how}; the checkpoint's bf16 set aside: no units for it here")
+        earlier = str(recorded.get("decided", "recorded"))
+        how = earlier if earlier.startswith("from the checkpoint") else f"from the checkpoint ({earlier})"
+        return Decision(saved, how)
     return rule if rule is not None else Decision(default, _UNDECIDED)
 
 
