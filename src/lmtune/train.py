@@ -15,12 +15,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
+from lmtune.checkpoint.resume import recorded_paths
 from lmtune.checkpoint.rundir import acquire, finished_record, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.data.prepare import cache_root
 from lmtune.model.precision import check_device
-from lmtune.model.products import choose_products
 from lmtune.outputs.reporters import open_reporters, parse_report_to
 from lmtune.outputs.runlog import ExampleOrderLog, RunLog, read_metrics
 from lmtune.parallel.distributed import (
@@ -32,7 +32,6 @@ from lmtune.parallel.distributed import (
 from lmtune.parallel.health import Heartbeat
 from lmtune.parallel.launch import report_stopped, warn
 from lmtune.parallel.wrap import resolve_strategy, unwrap
-from lmtune.testing.faults import requested as faults_requested
 from lmtune.tools.doctor import DoctorSettings, check_or_fail
 from lmtune.training import callbacks as cb
 from lmtune.training.best import BestTracker, best_tracker
@@ -100,7 +99,6 @@ def train(cfg: TrainConfig) -> TrainResult:
                 log=log,
                 stop=stop,
                 heartbeat=heartbeat,
-                products=choose_products(cfg.model.precision, env.device, cfg.model.compile),
             )
             if cfg.health.doctor:
                 cache = None if cfg.data.cache_per_node else str(data_cache_dir(cfg.data))  # node-local
@@ -124,7 +122,8 @@ def _run(run: RunContext) -> TrainResult:
         env=env,
         warn=warn,
     )
-    built = build(run)
+    # A resumed run is built with the CPU bf16 paths its checkpoint took, so it stays bit-identical.
+    built = build(run, recorded_paths=recorded_paths(cfg.checkpoint.resume, output_dir, env))
     best = best_tracker(cfg.eval)
     timeouts = CollectiveTimeouts(env, cfg.health.collective_timeout)
     checkpoints = _checkpoints(run, built, best, timeouts)
@@ -147,7 +146,7 @@ def _run(run: RunContext) -> TrainResult:
         )
     data, eval_loader = loaders(run, built)
     peak = best_peak_flops(
-        Probe(env.device, cfg.model.precision, run.threads, run.products.fp32),
+        Probe(env.device, cfg.model.precision, run.threads, built.products.fp32),
         cache_root() / PEAKS_FILE if env.is_main else None,
     )
     mfu = MfuMeter(partial(train_flops_per_token, built.loaded.model), peak, env.world_size, log)
@@ -161,7 +160,7 @@ def _run(run: RunContext) -> TrainResult:
 
         install(built.parts.root, env.rank, lambda: run.heartbeat.step)
     timer = PhaseTimer(env.device, timed=cfg.logging.profile, beat=run.heartbeat.beat)
-    step = StepOptions(cfg.optim.max_grad_norm, run.autocast, timer, built.objective)
+    step = StepOptions(cfg.optim.max_grad_norm, built.autocast, timer, built.objective)
     run_info = run_record(run, built, checkpoints.resumed_from, peak)
     log.write_json("run.json", run_info)
     result = fit(trainee, data, state, loop, FitSettings(env=env, step=step, stop_requested=run.stop))
@@ -195,7 +194,7 @@ def _checkpoints(
         trainable=Trainable(built.parts, built.optimizer, built.tokenizer, built.scaler),
         fingerprint=built.fingerprint,
         log=run.log,
-        records=[best] if best is not None else [],
+        records=[built.paths, *([best] if best is not None else [])],
         protected_step=lambda: best.best.step if best is not None and best.best is not None else None,
         patient=timeouts.patient,
         beat=run.heartbeat.beat,
@@ -237,6 +236,6 @@ def _evaluator(
         with timeouts.patient():
             beat = partial(run.heartbeat.beat, "eval")
             root, sharded = unwrap(built.model), built.parts.sharded
-            return evaluate(root, eval_loader, run.env, run.autocast(), sharded, beat, built.objective)
+            return evaluate(root, eval_loader, run.env, built.autocast(), sharded, beat, built.objective)
 
     return cb.Evaluator(run_eval, run.log, run.cfg.eval.every, best)

@@ -1,4 +1,5 @@
-"""bf16 autocast trains on CPU; --compile either compiles or falls back and still trains."""
+"""bf16 autocast trains on CPU; --compile either compiles or falls back and still trains; a long CPU
+bf16 run on varied lengths keeps its memory flat on whichever paths the CPU takes."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from lmtune.config.settings import TrainConfig
-from lmtune.model.products import choose_products
+from lmtune.model.attention import CPU_ATTENTION_ENV
+from lmtune.model.paths import BF16, FP32, cpu_units
+from lmtune.model.products import PRODUCTS_ENV, onednn_bf16
 from lmtune.train import train
-from tests.conftest import train_rows
+from tests.conftest import run_lmtune, train_rows
 
 
 @pytest.mark.parametrize("extra", [{"precision": "bf16"}, {"compile": True}], ids=["bf16", "compile"])
@@ -24,41 +26,57 @@ def test_training_options_still_learn(tmp_path: Path, extra: dict[str, object]) 
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     measured = [r["mfu"] for r in rows[1:] if r["mfu"] is not None]  # None: over 100% (peak read low)
     assert len(measured) >= 20 and all(0 < m <= 1 for m in measured)
-    products = json.loads((out / "run.json").read_text())["resolved"]["products"]
-    assert products == choose_products(cfg.precision, torch.device("cpu"), cfg.compile).description
+    resolved = json.loads((out / "run.json").read_text())["resolved"]
+    paths = resolved["paths"]
+    assert paths["cpu_matrix_units"] == cpu_units().describe()
+    if cfg.precision != "bf16" or cfg.compile:
+        assert paths["products"] is None and paths["attention"] is None
+        return
+    # Which paths a CPU takes is tested by forcing each (tests/unit/model/test_paths.py); here: the run
+    # says what it took and how, and the rules held where they decide.
+    products = paths["products"]
+    assert products["choice"] in (BF16, FP32) and products["decided"]
+    assert resolved["products"].startswith("fp32 products" if products["choice"] == FP32 else "bf16")
+    if not onednn_bf16():
+        assert products == {
+            "choice": FP32,
+            "decided": "rule: PyTorch has no bf16 matrix kernels for this CPU (reference loops)",
+        }
+    elif cpu_units().amx:
+        assert products == {"choice": BF16, "decided": "rule: AMX"}
 
 
-def test_cpu_bf16_attention_memory_stays_flat_over_a_long_run(tmp_path: Path) -> None:
-    """Bucketed bf16 attention on the CPU (forced: this machine may measure fp32 faster): 200 steps
-    of examples of every length from 8 to 200 tokens, and the process's peak memory after step 50
-    is within 5% of its peak after step 200 (unbounded shapes grew it ~20 MB a step)."""
-    import json
+def _varied_run(tmp_path: Path, env: dict[str, str]) -> tuple[dict[str, object], dict[int, int]]:
+    """200 steps of examples of every length from 8 to 200 tokens, one example per micro-batch
+    pair: a new token count at almost every step."""
     import random
-
-    from lmtune.model.attention import CPU_ATTENTION_ENV
-    from tests.conftest import run_lmtune
 
     rng = random.Random(0)
     data = tmp_path / "varied.jsonl"
     texts = ["".join(rng.choices("abcdefgh ", k=rng.randint(8, 200))) for _ in range(400)]
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     out = tmp_path / "out"
-    args = [
-        "train",
-        "--data",
-        str(data),
-        "--precision",
-        "bf16",
-        "--max-steps",
-        "200",
-        "--global-batch-size",
-        "2",
-    ]
-    args += ["--packing", "off", "--no-progress", "--output-dir", str(out), "--threads-per-process", "2"]
-    proc = run_lmtune(args, timeout=600, env_extra={CPU_ATTENTION_ENV: "bf16"})
+    args = ["train", "--data", str(data), "--precision", "bf16", "--max-steps", "200"]
+    args += ["--global-batch-size", "2", "--packing", "off", "--no-progress", "--output-dir", str(out)]
+    args += ["--threads-per-process", "2"]
+    proc = run_lmtune(args, timeout=600, env_extra=env)
     assert proc.returncode == 0, proc.stderr
-    assert (
-        "bf16 in lengths rounded to 64" in json.loads((out / "run.json").read_text())["resolved"]["attention"]
-    )
-    peak = {r["step"]: r["peak_memory_bytes"] for r in train_rows(out)}
-    assert peak[200] <= 1.05 * peak[50], (peak[50], peak[200])
+    resolved = json.loads((out / "run.json").read_text())["resolved"]
+    return resolved, {r["step"]: r["peak_memory_bytes"] for r in train_rows(out)}
+
+
+def test_cpu_bf16_memory_stays_flat_over_a_long_run(tmp_path: Path) -> None:
+    """On whichever paths this CPU takes: the peak after step 200 within 5% of the peak after step
+    100 (a new shape per step grew a run on AMX ~5 MB a step: 1,094 MiB at 100, 1,367 at 200)."""
+    resolved, peak = _varied_run(tmp_path, {PRODUCTS_ENV: "auto", CPU_ATTENTION_ENV: "auto"})
+    assert peak[200] <= 1.05 * peak[100], (resolved["paths"], peak[50], peak[100], peak[200])
+
+
+@pytest.mark.skipif(not cpu_units().bf16, reason="no bf16 matrix units: bf16 kernels run in reference loops")
+def test_cpu_bf16_kernels_memory_stays_flat_over_a_long_run(tmp_path: Path) -> None:
+    """bf16 products and bf16 (bucketed) attention forced, on a CPU with bf16 units: the kernels
+    that keep one per shape, on bounded shapes."""
+    resolved, peak = _varied_run(tmp_path, {PRODUCTS_ENV: BF16, CPU_ATTENTION_ENV: BF16})
+    assert resolved["products"] == "bf16, token counts bucketed"
+    assert "bf16 in lengths rounded to 64" in str(resolved["attention"])
+    assert peak[200] <= 1.05 * peak[100], (peak[50], peak[100], peak[200])

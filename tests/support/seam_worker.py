@@ -15,7 +15,6 @@ from safetensors.torch import save_file
 
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig
-from lmtune.model.products import choose_products
 from lmtune.outputs.runlog import RunLog
 from lmtune.parallel.distributed import process_group, read_dist_env
 from lmtune.parallel.health import Heartbeat
@@ -64,7 +63,6 @@ def main(out: Path, data: str, micro: int) -> None:
             log=log,
             stop=stop,
             heartbeat=Heartbeat(None, env.rank),
-            products=choose_products("fp32", env.device),
         )
         objective = SequenceMeanObjective()
         built = build(run, objective)
@@ -80,7 +78,7 @@ def main(out: Path, data: str, micro: int) -> None:
         trainee = Trainee(built.model, built.optimizer, schedule(cfg, built, 0))
         data_loader, _ = loaders(run, built)
         steps = Steps()
-        options = StepOptions(cfg.optim.max_grad_norm, run.autocast, None, objective)
+        options = StepOptions(cfg.optim.max_grad_norm, built.autocast, None, objective)
         fit(trainee, data_loader, start, LoopParts(callbacks=[steps]), FitSettings(env=env, step=options))
         if env.is_main:
             (out / "steps.json").write_text(json.dumps(steps.rows))

@@ -24,6 +24,7 @@ from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
 from lmtune.config.files import read_json_object
 from lmtune.config.settings import TrainConfig, warmup_steps
 from lmtune.errors import UserError, one_line
+from lmtune.model.paths import PATHS_FILE
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 
@@ -194,3 +195,17 @@ def continue_from(
     if changes:
         log.info(f"changed since the checkpoint, applied from step {state.step}: " + "; ".join(changes))
     return state
+
+
+def recorded_paths(resume: str, output_dir: Path, env: DistEnv) -> dict[str, Any] | None:
+    """The CPU bf16 paths (``paths.json``, see lmtune.model.paths) that the run of the checkpoint
+    this run would continue took, which the model is built with again instead of deciding anew;
+    None for a fresh run or a checkpoint saved before paths were recorded. Read before the model
+    exists, so before :func:`resume_point` checks the checkpoint (a damaged one stops the run
+    there); read by rank 0 for all."""
+    record: dict[str, Any] | None = None
+    if env.is_main and resume != "never":
+        found = list_checkpoints(output_dir) if resume == "auto" else [Path(resume)]
+        if found and (found[-1] / PATHS_FILE).is_file():
+            record = read_json_object(found[-1] / PATHS_FILE)
+    return broadcast_object(record, env) if env.world_size > 1 else record

@@ -12,6 +12,7 @@ is ``sdpa`` itself whenever a call carries no segments (evaluation with a cache,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ VARLEN = "lmtune_varlen"
 # The same on the CPU under bf16 autocast, with attention in bf16 over bucketed shapes.
 VARLEN_BUCKETED = "lmtune_varlen_bucketed"
 BUCKET = 64  # example lengths round up to a multiple of this in bucketed attention
-CPU_ATTENTION_ENV = "LMTUNE_CPU_ATTENTION"  # auto | fp32 | bf16: overrides the measured choice
+CPU_ATTENTION_ENV = "LMTUNE_CPU_ATTENTION"  # auto | fp32 | bf16: overrides the decided path
 SEGMENTS = "lmtune_segments"  # the keyword that carries a flattened batch's Segments to attention
 
 
@@ -60,7 +61,7 @@ def flatten(
     labels: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
-    round_length: bool = False,
+    round_to: Callable[[int], int] | None = None,
 ) -> Flat:
     """Drop the padding of right-padded or packed rows and concatenate what is left.
 
@@ -68,10 +69,10 @@ def flatten(
     in a row of its own, position 0 is never predicted, and flattened it would otherwise be the
     target of the previous example's last token.
 
-    ``round_length`` ends the sequence with a filler segment (no targets, attends only to itself)
-    up to a round length. PyTorch's CPU bf16 kernels keep memory for every matrix shape they meet:
-    in a bf16 probe a new length at every step grew the process by ~20 MB per step (no end in
-    sight after 48 steps), while rounded lengths levelled off.
+    ``round_to`` ends the sequence with a filler segment (no targets, attends only to itself, so no
+    real token's loss or gradient depends on it) up to the length it gives: :func:`round_up` on the
+    CPU, lmtune.model.products' ``token_bucket`` where oneDNN's bf16 kernels run the products (they
+    keep a compiled kernel for every matrix shape they meet).
     """
     keep = attention_mask.bool()
     if position_ids is None:  # right padding: the model's own positions are 0..n-1 on every row
@@ -85,7 +86,7 @@ def flatten(
     offsets = [*torch.nonzero(starts).flatten().tolist(), tokens]
     ids, positions = input_ids[keep], position_ids[keep]
     flat_labels = labels[keep].masked_fill(starts, IGNORE_INDEX)
-    filler = _round_up(tokens) - tokens if round_length else 0
+    filler = round_to(tokens) - tokens if round_to is not None else 0
     if filler:
         ids = torch.cat([ids, ids.new_zeros(filler)])
         positions = torch.cat([positions, torch.arange(filler, device=keep.device)])
@@ -100,32 +101,35 @@ def flatten(
     )
 
 
-def _round_up(tokens: int) -> int:
+def round_up(tokens: int) -> int:
     """The next multiple of 1/32 of the length's power of two: at most ~3% more tokens, and a few
     dozen distinct lengths over a run instead of one per step."""
     step = max(8, 1 << max(tokens.bit_length() - 6, 0))
     return -(-tokens // step) * step
 
 
-def use_varlen(model: nn.Module, cpu_bf16: bool = False) -> bool:
-    """Switch ``model`` to per-example attention when it dispatches through transformers'
-    attention interface and runs ``sdpa``; returns whether it did. Other implementations (eager,
-    flash-attention chosen by the user, models with their own attention code) are left as they
-    are and get packed rows through a block-diagonal mask instead.
-
-    ``cpu_bf16`` (training on the CPU under bf16 autocast): attention runs in bf16 over bucketed
-    shapes where that measures faster than fp32 on this machine, else in fp32."""
+def supports_varlen(model: nn.Module) -> bool:
+    """Whether ``model`` dispatches attention through transformers' attention interface and runs
+    ``sdpa``, so that :func:`use_varlen` can switch it to per-example attention."""
     config = getattr(model, "config", None)
     if not getattr(model, "_supports_attention_backend", False) or config is None:
         return False
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    return getattr(config, "_attn_implementation", None) == "sdpa"
+
+
+def use_varlen(model: nn.Module, bucketed: bool = False) -> bool:
+    """Switch ``model`` to per-example attention when it :func:`supports_varlen`; returns whether it
+    did. Other implementations (eager, flash-attention chosen by the user, models with their own
+    attention code) are left as they are and get packed rows through a block-diagonal mask instead.
+
+    ``bucketed`` (a CPU bf16 run whose attention lmtune.model.paths decided to run in bf16): bf16
+    over bucketed shapes (:func:`bucketed_attention`) instead of fp32."""
+    if not supports_varlen(model):
         return False
     _register()
-    name = VARLEN
-    if cpu_bf16 and _bf16_attention_wins(config):
-        name = VARLEN_BUCKETED
+    name = VARLEN_BUCKETED if bucketed else VARLEN
     model.set_attn_implementation(name)  # type: ignore[operator]
-    return bool(config._attn_implementation == name)  # a model may decline (with a warning)
+    return bool(model.config._attn_implementation == name)  # type: ignore[union-attr]  # may decline
 
 
 def attention_description(model: nn.Module) -> str:
@@ -145,31 +149,6 @@ def _register() -> None:
     AttentionMaskInterface.register(VARLEN, sdpa_mask)
     AttentionInterface.register(VARLEN_BUCKETED, bucketed_attention)
     AttentionMaskInterface.register(VARLEN_BUCKETED, sdpa_mask)
-
-
-def _bf16_attention_wins(config: Any) -> bool:
-    """Whether this CPU runs the model's attention (forward and backward) faster in bf16 than in
-    fp32, timed on a typical shape; ``LMTUNE_CPU_ATTENTION`` overrides. Without bf16 matrix
-    instructions (AVX-512 BF16, AMX) bf16 loses many times over."""
-    import os
-    import time
-
-    forced = os.environ.get(CPU_ATTENTION_ENV, "auto")
-    if forced in ("fp32", "bf16"):
-        return forced == "bf16"
-    heads = int(getattr(config, "num_attention_heads", 8))
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    seconds = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        q, k, v = (torch.randn(4, heads, 256, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
-        times = []
-        for _ in range(4):
-            start = time.perf_counter()
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            out.sum().backward()  # type: ignore[no-untyped-call]
-            times.append(time.perf_counter() - start)
-        seconds[dtype] = min(times[1:])  # the first call sets up kernels
-    return seconds[torch.bfloat16] < seconds[torch.float32]
 
 
 def varlen_attention(

@@ -10,6 +10,7 @@ Only positions with a target are projected: prompt tokens and padding cost nothi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmtune.data.tokenize import IGNORE_INDEX
+from lmtune.model.products import token_bucket
 
 # Default chunk: about this many bytes of fp32 logits (big enough for efficient products).
 CHUNK_BYTES = 128 * 2**20
@@ -40,6 +42,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk: int,
         dtype: torch.dtype,
         product_dtype: torch.dtype,
+        bucket: Callable[[int], int] | None,
     ) -> torch.Tensor:
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if want_h else None
@@ -53,21 +56,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
             w = weight.to(dtype).to(product_dtype)
             b = bias.to(dtype).to(product_dtype) if bias is not None else None
             for start in range(0, hidden.size(0), chunk):
-                h = hidden[start : start + chunk].to(dtype).to(product_dtype)
                 t = targets[start : start + chunk]
+                real = t.numel()
+                h = _rows(hidden[start : start + chunk], min(bucket(real), chunk) if bucket else real)
+                h = h.to(dtype).to(product_dtype)
                 logits = F.linear(h, w, b).to(dtype).float()
                 lse = torch.logsumexp(logits, dim=-1)
-                total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                total += (lse[:real] - logits[:real].gather(1, t[:, None]).squeeze(1)).sum()
                 if grad_h is None and grad_w is None and grad_b is None:
                     continue
                 # d(loss)/d(logits) = softmax - one_hot(target), computed in place in the logits.
                 g = logits.sub_(lse[:, None]).exp_()
-                g[torch.arange(t.numel(), device=t.device), t] -= 1.0
+                g[torch.arange(real, device=t.device), t] -= 1.0
+                g[real:] = 0.0  # bucketing's zero rows: no loss, no gradient
                 if grad_b is not None:
                     grad_b += g.sum(0)
                 g = g.to(dtype).to(product_dtype)
                 if grad_h is not None:
-                    grad_h[start : start + chunk] = (g @ w).to(dtype)
+                    grad_h[start : start + chunk] = (g @ w)[:real].to(dtype)
                 if grad_w is None:
                     continue
                 if product_dtype == torch.float32:
@@ -95,15 +101,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
+def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows``."""
+    return t if t.size(0) == rows else torch.cat([t, t.new_zeros(rows - t.size(0), *t.shape[1:])])
+
+
 def linear_cross_entropy_sum(
-    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int, fp32_products: bool = False
+    hidden: torch.Tensor,
+    head: nn.Linear,
+    labels: torch.Tensor,
+    chunk: int,
+    fp32_products: bool = False,
+    bucketed: bool = False,
 ) -> torch.Tensor:
     """The summed next-token loss of ``head(hidden)`` against ``labels`` (shifted here), as
     :func:`lmtune.model.loss.token_loss_sum` computes it from full logits, without them.
-    ``fp32_products``: a CPU bf16 run's products in fp32 (lmtune.model.products)."""
+    ``fp32_products``: a CPU bf16 run's products in fp32 (lmtune.model.products); ``bucketed``: the
+    rows of each chunk's products padded to a bucketed count (``token_bucket``), where the number
+    of targets would otherwise give the head's products a new shape at every step."""
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
     keep = targets != IGNORE_INDEX
     rows = hidden.reshape(-1, hidden.size(-1))[keep]
@@ -111,7 +130,14 @@ def linear_cross_entropy_sum(
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
     product_dtype = torch.float32 if fp32_products else dtype
     loss: torch.Tensor = _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
-        rows, head.weight, head.bias, targets[keep], chunk, dtype, product_dtype
+        rows,
+        head.weight,
+        head.bias,
+        targets[keep],
+        chunk,
+        dtype,
+        product_dtype,
+        token_bucket if bucketed else None,
     )
     return loss
 

@@ -3,6 +3,7 @@ normalise by a global count), and the loss module base that objectives extend.""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.model.chunked_loss import linear_cross_entropy_sum, split_head
+from lmtune.model.products import token_bucket
 
 if TYPE_CHECKING:
     from lmtune.model.attention import Segments
@@ -58,11 +60,19 @@ class LossModule(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, varlen: bool = False, loss_chunk: int = 0, fp32_products: bool = False
+        self,
+        model: nn.Module,
+        varlen: bool = False,
+        loss_chunk: int = 0,
+        fp32_products: bool = False,
+        bucket_tokens: bool = False,
     ):
         super().__init__()
         self.model = model
         self.fp32_products = fp32_products  # the chunked loss's products (lmtune.model.products)
+        # A CPU bf16 run on oneDNN's bf16 kernels: every product sees a bucketed token count
+        # (lmtune.model.products.token_bucket), the extra positions without targets.
+        self.bucket_tokens = bucket_tokens
         # Tokens per chunk of the chunked linear cross-entropy (lmtune.model.chunked_loss); 0: the model
         # computes full logits. The decoder and head are looked up per call, not stored: DataParallel
         # replicates this module's children, and a stored reference would point at GPU 0's.
@@ -94,8 +104,15 @@ class LossModule(nn.Module):
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             last: torch.Tensor = hidden.logits[:, -1]
             return last
-        if self.varlen and (segment_ids is not None or _padding(attention_mask) > VARLEN_ABOVE_PADDING):
+        flat = (
+            segment_ids is not None or self.bucket_tokens or _padding(attention_mask) > VARLEN_ABOVE_PADDING
+        )
+        if self.varlen and flat:
             return self._flat_forward(input_ids, attention_mask, labels, position_ids, segment_ids)
+        if self.bucket_tokens:  # rows as they are (masked attention): their length bucketed
+            input_ids, attention_mask, labels, position_ids, segment_ids = _bucketed_rows(
+                input_ids, attention_mask, labels, position_ids, segment_ids
+            )
         if segment_ids is not None:
             # Packed rows: a block-diagonal causal mask keeps every example to itself.
             from lmtune.model.masks import block_causal_mask, sliding_window
@@ -112,7 +129,9 @@ class LossModule(nn.Module):
         if split is None:
             return token_loss_sum(self.model(**inputs, use_cache=False).logits, labels)[0]
         hidden = split.decoder(**inputs, use_cache=False).last_hidden_state
-        return linear_cross_entropy_sum(hidden, split.head, labels, self.loss_chunk, self.fp32_products)
+        return linear_cross_entropy_sum(
+            hidden, split.head, labels, self.loss_chunk, self.fp32_products, self.bucket_tokens
+        )
 
     def _flat_forward(
         self,
@@ -123,10 +142,12 @@ class LossModule(nn.Module):
         segment_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         """The rows' real tokens as one sequence, attention per example (lmtune.model.attention)."""
-        from lmtune.model.attention import SEGMENTS, flatten
+        from lmtune.model.attention import SEGMENTS, flatten, round_up
 
-        on_cpu = input_ids.device.type == "cpu"
-        flat = flatten(input_ids, attention_mask, labels, position_ids, segment_ids, round_length=on_cpu)
+        round_to = (
+            token_bucket if self.bucket_tokens else round_up if input_ids.device.type == "cpu" else None
+        )
+        flat = flatten(input_ids, attention_mask, labels, position_ids, segment_ids, round_to=round_to)
         # An all-ones mask rather than None: given None, transformers looks for packing in the
         # positions and builds an L x L mask that per-example attention has no use for.
         inputs = {
@@ -136,3 +157,30 @@ class LossModule(nn.Module):
             SEGMENTS: flat.segments,
         }
         return self.loss_output(flat.labels, flat.segments, inputs)
+
+
+def _bucketed_rows(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Rows right-padded to a bucketed length: masked out, no targets, and in packed rows a segment
+    of their own, so no real token sees them (causal attention puts them after every real one).
+    Their positions start again from 0, so they never pass the model's last position."""
+    rows, length = input_ids.shape
+    extra = token_bucket(length) - length
+    if not extra:
+        return input_ids, attention_mask, labels, position_ids, segment_ids
+
+    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+        return F.pad(t, (0, extra), value=value)
+
+    arange = partial(torch.arange, device=input_ids.device)
+    if position_ids is None:  # the model's own for right-padded rows: 0..length-1 on every row
+        position_ids = arange(length).expand(rows, length)
+    position_ids = torch.cat([position_ids, arange(extra).expand(rows, extra)], dim=1)
+    if segment_ids is not None:
+        segment_ids = pad(segment_ids, int(segment_ids.max()) + 1)
+    return pad(input_ids, 0), pad(attention_mask, 0), pad(labels, IGNORE_INDEX), position_ids, segment_ids

@@ -1,5 +1,5 @@
-"""Matrix products of a CPU bf16 run: PyTorch's bf16 kernels, or fp32 products of bf16 operands
-where those measure faster.
+"""Matrix products of a CPU bf16 run: PyTorch's bf16 kernels on bucketed shapes, or fp32 products
+of bf16 operands (which, lmtune.model.paths decides).
 
 On a CPU without bf16 matrix instructions (no AVX-512 BF16, no AMX) PyTorch multiplies bf16
 tensors in reference loops: 1-19 GFLOP/s depending on the operands' layout, against 120-170 in
@@ -11,7 +11,6 @@ a bf16 result), so the run keeps bf16's numerics and memory and gets fp32's spee
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -22,58 +21,64 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lmtune.errors import UserError
-
-PRODUCTS_ENV = "LMTUNE_CPU_PRODUCTS"  # auto | fp32 | bf16: overrides the measured choice
+PRODUCTS_ENV = "LMTUNE_CPU_PRODUCTS"  # auto | fp32 | bf16: overrides the decided path
 
 
 @dataclass(frozen=True)
 class Products:
-    """How a run multiplies matrices (run.json's ``resolved.products``)."""
+    """How a run multiplies matrices (run.json's ``resolved.products``; how that was decided is in
+    ``resolved.paths``, see lmtune.model.paths)."""
 
     fp32: bool  # bf16 operands multiplied in fp32 (see the module docstring)
     description: str
+    # The token dimension of the products is bucketed (token_bucket): a CPU bf16 run on oneDNN's bf16
+    # kernels, which keep a compiled kernel per matrix shape.
+    bucketed: bool = False
 
 
-def choose_products(precision: str, device: torch.device, compiled: bool = False) -> Products:
-    """fp32 products for a CPU bf16 run where PyTorch's bf16 products are slower on this CPU;
-    the precision's own kernels everywhere else (GPUs, fp32 and fp16, ``--compile`` runs, whose
-    graphs are traced without this interception)."""
-    if device.type != "cpu" or precision != "bf16" or compiled:
-        return Products(False, precision)
-    forced = os.environ.get(PRODUCTS_ENV, "auto")
-    if forced not in ("auto", "fp32", "bf16"):
-        raise UserError(f"{PRODUCTS_ENV}={forced!r}: expected auto, fp32 or bf16")
-    if forced != "auto":
-        return _products(forced == "fp32", f"set by {PRODUCTS_ENV}")
-    if not _bf16_matrix_instructions():  # PyTorch's bf16 products then take its reference kernels
-        return _products(True, "this CPU has no bf16 matrix instructions")
-    bf16, fp32 = (_linear_seconds(upcast) for upcast in (False, True))
-    return _products(fp32 < bf16, f"measured: bf16 {bf16 * 1e3:.1f} ms, fp32 {fp32 * 1e3:.1f} ms")
+def native_products(precision: str) -> Products:
+    """The precision's own kernels: GPUs, fp32 and fp16, ``--compile`` runs."""
+    return Products(fp32=False, description=precision)
 
 
-def _bf16_matrix_instructions() -> bool:
+def cpu_bf16_products(fp32: bool, bucketed: bool) -> Products:
+    """A CPU bf16 run's products: fp32 of bf16-rounded operands, or PyTorch's bf16 kernels; on
+    bucketed token counts (:func:`token_bucket`) where those kernels keep one per shape."""
+    what = "fp32 products of bf16-rounded operands" if fp32 else "bf16"
+    if bucketed:
+        what += ", token counts bucketed"
+    return Products(fp32=fp32, description=what, bucketed=bucketed)
+
+
+def onednn_bf16() -> bool:
     """Whether PyTorch's oneDNN runs bf16 products on this CPU (else they run in reference loops)."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _products(fp32: bool, why: str) -> Products:
-    what = "fp32 products of bf16-rounded operands" if fp32 else "bf16"
-    return Products(fp32, f"{what} ({why})")
+def token_bucket(tokens: int) -> int:
+    """The token count a CPU bf16 run's products see for ``tokens``: a multiple of 32 up to 512, then
+    a sixteenth of the power of two it falls in (at most 6.25% more).
+
+    oneDNN compiles a kernel for every matrix shape it meets and keeps it: ~0.27 MB in its primitive
+    cache and as much in ideep's (1,024 entries each), ~12 shapes per token count in a decoder's step.
+    A new token count at every step grew a bf16 run by ~5 MB a step until both caches filled, and the
+    churn after that fragmented the heap further. Bucketed, a run meets a few dozen counts and stays
+    flat once it has met them.
+    """
+    step = max(32, 1 << max(tokens.bit_length() - 5, 0))
+    return -(-tokens // step) * step
 
 
-def _linear_seconds(upcast: bool, size: int = 512) -> float:
-    """A linear layer's forward and backward under bf16 autocast: the best of three, after one."""
-    x = torch.randn(size, size, requires_grad=True)
-    w = torch.randn(size, size, requires_grad=True)
-    times = []
-    for _ in range(4):
-        start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16), Fp32Products() if upcast else nullcontext():
-            out = F.linear(x, w)
-        out.float().sum().backward()  # type: ignore[no-untyped-call]
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+def linear_seconds(x: torch.Tensor, weight: torch.Tensor, fp32: bool) -> float:
+    """One linear layer's forward and backward under CPU bf16 autocast, with the products in fp32
+    of bf16 operands (``fp32``) or in PyTorch's bf16 kernels."""
+    x = x.detach().requires_grad_()
+    weight = weight.detach().requires_grad_()
+    start = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16), Fp32Products() if fp32 else nullcontext():
+        out = F.linear(x, weight)
+    out.float().sum().backward()  # type: ignore[no-untyped-call]
+    return time.perf_counter() - start
 
 
 class _Product(torch.autograd.Function):

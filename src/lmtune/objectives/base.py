@@ -31,6 +31,7 @@ class LossSetup:
     varlen: bool = False  # per-example attention on flattened rows (lmtune.model.attention)
     loss_chunk: int = 0  # tokens per chunk of the output layer; 0: full logits
     fp32_products: bool = False  # a CPU bf16 run's products in fp32 (lmtune.model.products)
+    bucket_tokens: bool = False  # token counts bucketed for oneDNN's bf16 kernels (same module)
 
 
 class Objective(Protocol):

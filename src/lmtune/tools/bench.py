@@ -157,7 +157,7 @@ def measure_peaks(precisions: list[str], nproc: int, device_name: str) -> list[s
     import torch
 
     from lmtune.data.prepare import cache_root
-    from lmtune.model.products import choose_products
+    from lmtune.model.products import onednn_bf16
     from lmtune.parallel.distributed import available_cores, read_dist_env
     from lmtune.training.perf import PEAKS_FILE, Probe, measure_and_store_peak
 
@@ -168,14 +168,20 @@ def measure_peaks(precisions: list[str], nproc: int, device_name: str) -> list[s
     for precision in precisions:
         if precision == "fp16" and device.type != "cuda":
             continue
+        # A CPU bf16 run takes either products path (lmtune.model.paths): both peaks, where both can
+        # run (without oneDNN's bf16 kernels only fp32 products, bf16's are reference loops).
+        ways = [False]
+        if device.type == "cpu" and precision == "bf16":
+            ways = [False, True] if onednn_bf16() else [True]
         for threads in thread_counts:
             if device.type == "cpu":
                 torch.set_num_threads(threads)
-            probe = Probe(device, precision, threads, choose_products(precision, device).fp32)
-            flops = measure_and_store_peak(probe, cache_root() / PEAKS_FILE)
             where = f"{threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else str(device)
-            how = " (fp32 products of bf16 operands)" if probe.fp32_products else ""
-            lines.append(f"peak {precision:<5} {where:<10} {flops / 1e9:>10,.1f} GFLOP/s{how}")
+            for fp32_products in ways:
+                probe = Probe(device, precision, threads, fp32_products)
+                flops = measure_and_store_peak(probe, cache_root() / PEAKS_FILE)
+                how = " (fp32 products of bf16 operands)" if fp32_products else ""
+                lines.append(f"peak {precision:<5} {where:<10} {flops / 1e9:>10,.1f} GFLOP/s{how}")
     lines.append(f"stored in {cache_root() / PEAKS_FILE}")
     return lines
 

@@ -1,7 +1,8 @@
 """`lmtune doctor` (and `lmtune train --doctor`): check a machine or cluster before a run.
 
 Every rank takes part; rank 0 prints one table. Checks: versions and hosts (differences across
-ranks flagged), device and free memory, matmul peak (a device far below the others flagged),
+ranks flagged), device and free memory, matmul peak (a device far below the others flagged), the
+CPU's matrix units (AMX, AVX-512 BF16, AVX2) and the bf16 paths they choose,
 all-reduce correctness and speed, the output and cache folders (writable, and the same folder on
 every node: rank 0 writes a token the others must see), free disk against the checkpoint the
 model implies, the data readable on every rank, clock offsets.
@@ -125,6 +126,16 @@ def _matmul(env: DistEnv) -> Check:
             "matmul peak", WARN, f"{detail}; rank(s) {_ranks(slow)} under half the median (busy or slower)"
         )
     return Check("matmul peak", OK, detail)
+
+
+def _cpu_units(env: DistEnv) -> Check:
+    """The CPU's matrix units and the bf16 paths they choose (lmtune.model.paths), per rank: a
+    report from a user's machine then says which branch its runs take."""
+    from lmtune.model.paths import bf16_plan, cpu_units
+
+    units = cpu_units()
+    found = all_gather_object(f"{units.describe()}: {bf16_plan(units)}", env)
+    return Check("CPU matrix units", OK, _by_rank(found))
 
 
 def _all_reduce(env: DistEnv) -> list[Check]:
@@ -256,7 +267,10 @@ def _clocks(env: DistEnv) -> Check:
 
 
 def run_checks(env: DistEnv, settings: DoctorSettings) -> list[Check]:
-    checks = [*_environment(env), _matmul(env), *_all_reduce(env)]
+    checks = [*_environment(env), _matmul(env)]
+    if env.device.type == "cpu":
+        checks.append(_cpu_units(env))
+    checks += _all_reduce(env)
     if settings.output_dir:
         checks.append(_shared_folder(env, Path(settings.output_dir).expanduser(), "output folder"))
         checks.append(_disk(env, Path(settings.output_dir).expanduser(), settings.model))

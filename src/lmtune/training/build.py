@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +19,27 @@ from lmtune.config.groups import DataSettings
 from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps
 from lmtune.data.chat import end_of_turn_ids, use_chat_template
 from lmtune.data.dataset import TokenizedDataset, split_off
-from lmtune.data.prepare import default_cache_dir, prepare
+from lmtune.data.prepare import cache_root, default_cache_dir, prepare
 from lmtune.data.sampling import EvalSampler, TrainSampler
 from lmtune.data.tokenize import EncodeStats
 from lmtune.errors import UserError
-from lmtune.model.attention import use_varlen
+from lmtune.model.attention import supports_varlen, use_varlen
 from lmtune.model.chunked_loss import LossChoice
 from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.lora import add_lora
 from lmtune.model.modeling import LoadedModel, load_model
-from lmtune.model.precision import grad_scaler, low_precision_dtype
-from lmtune.model.products import Fp32Products
+from lmtune.model.paths import (
+    BF16,
+    PATHS_FILE,
+    Paths,
+    Question,
+    Workload,
+    decide_paths,
+    products_of,
+    sample_micro_batches,
+)
+from lmtune.model.precision import autocast_context, grad_scaler, low_precision_dtype
+from lmtune.model.products import Fp32Products, Products
 from lmtune.model.tokens import fit_embeddings, set_stop_tokens
 from lmtune.objectives import objective_for
 from lmtune.objectives.base import LossSetup, Objective
@@ -62,14 +73,21 @@ class Built:
     scaler: torch.amp.GradScaler | None
     fingerprint: Fingerprint  # what a checkpoint of this run must match to be continued
     objective: Objective  # what the loss module computes, and what it is normalised by
+    paths: Paths  # the CPU bf16 paths decided for this run (recorded in its checkpoints)
+    products: Products  # how matrices are multiplied (a CPU bf16 run's may be fp32)
+    # A fresh autocast context of --precision on this device (none under fp32), with the products'.
+    autocast: Callable[[], AbstractContextManager[object]]
 
     @property
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 
 
-def build(run: RunContext, objective: Objective | None = None) -> Built:
-    """Model, data, batch layout, the wrapped model with its loss, and the optimizer; the loss is
+def build(
+    run: RunContext, objective: Objective | None = None, recorded_paths: dict[str, Any] | None = None
+) -> Built:
+    """Model, data, batch layout, the CPU bf16 paths (``recorded_paths``: those of the checkpoint
+    the run resumes), the wrapped model with its loss, and the optimizer; the loss is
     ``objective``'s (default: the one ``--objective`` names)."""
     cfg, env, log = run.cfg, run.env, run.log
     run.heartbeat.beat("load")
@@ -88,7 +106,12 @@ def build(run: RunContext, objective: Objective | None = None) -> Built:
     default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora.enabled else loaded.default_lr
     lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr
     objective = objective or objective_for(cfg.objective)
-    model, parts, loss = build_model(run, loaded.model, objective)
+    batching = batching_of(cfg, data_info["train"]["formats"])
+    packed = cfg.examples.max_length if batching in ("pack", "auto") else None
+    shapes = sample_micro_batches(train_data.lengths().tolist(), layout.micro_batch_size, packed)
+    paths = choose_paths(run, loaded.model, shapes, recorded_paths)
+    products = products_of(paths, cfg.model.precision)
+    model, parts, loss = build_model(run, loaded.model, objective, paths)
     # After wrapping: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
     optimizer = optimizer_for(cfg.optim, parts.root, lr)
     run_fingerprint = fingerprint(
@@ -105,7 +128,7 @@ def build(run: RunContext, objective: Objective | None = None) -> Built:
         eval_data=eval_data,
         data_info=data_info,
         layout=layout,
-        batching=batching_of(cfg, data_info["train"]["formats"]),
+        batching=batching,
         lr=lr,
         model=model,
         parts=parts,
@@ -114,7 +137,26 @@ def build(run: RunContext, objective: Objective | None = None) -> Built:
         scaler=grad_scaler(cfg.model.precision),
         fingerprint=run_fingerprint,
         objective=objective,
+        paths=paths,
+        products=products,
+        autocast=partial(autocast_context, cfg.model.precision, env.device, products.fp32),
     )
+
+
+def choose_paths(
+    run: RunContext, model: torch.nn.Module, micro_batches: list[list[int]], recorded: dict[str, Any] | None
+) -> Paths:
+    """The run's CPU bf16 paths (lmtune.model.paths), timed where needed on its own micro-batches
+    (each as its examples' token counts)."""
+    cfg, env = run.cfg, run.env
+    question = Question(
+        cpu_bf16=env.device.type == "cpu" and cfg.model.precision == "bf16" and not cfg.model.compile,
+        attention=not cfg.model.compile and supports_varlen(model),
+        recorded=recorded,
+        cache=cache_root() / PATHS_FILE if env.is_main else None,
+        threads=run.threads,
+    )
+    return decide_paths(question, Workload(getattr(model, "config", None), micro_batches), env)
 
 
 def checkpoint_activations(model: torch.nn.Module, name: str, fp32_products: bool = False) -> None:
@@ -265,16 +307,17 @@ def loaders(run: RunContext, built: Built) -> tuple[FitData, DataLoader[Any] | N
 
 
 def build_model(
-    run: RunContext, base: torch.nn.Module, objective: Objective
+    run: RunContext, base: torch.nn.Module, objective: Objective, paths: Paths
 ) -> tuple[torch.nn.Module, ModelParts, LossChoice]:
     """Memory savers, LoRA, compile, the loss wrapper and the strategy's wrapper, in that order."""
     cfg, strategy, env, log = run.cfg, run.strategy, run.env, run.log
+    products = products_of(paths, cfg.model.precision)
     if cfg.model.activation_checkpointing:
-        checkpoint_activations(base, cfg.model.name, run.products.fp32)
+        checkpoint_activations(base, cfg.model.name, products.fp32)
     # Per-example attention computes nothing on padding or across packed examples. Its per-example
     # loop would make torch.compile recompile for every batch, so compiled runs keep the masks.
-    cpu_bf16 = env.device.type == "cpu" and cfg.model.precision == "bf16"
-    varlen = not cfg.model.compile and use_varlen(base, cpu_bf16)
+    bf16_attention = paths.attention is not None and paths.attention.choice == BF16
+    varlen = not cfg.model.compile and use_varlen(base, bucketed=bf16_attention)
     trained = base
     if cfg.lora.enabled:
         # The same adapter init on every rank: FSDP keeps each rank's own shard of it (DDP would
@@ -288,7 +331,8 @@ def build_model(
         log.info(f"--loss-chunk-size {cfg.model.loss_chunk_size}: not used; {loss.description}")
     if cfg.model.compile:
         compile_model(trained, log)
-    loss_module = objective.loss_module(trained, LossSetup(varlen, loss.chunk, run.products.fp32))
+    setup = LossSetup(varlen, loss.chunk, products.fp32, products.bucketed)
+    loss_module = objective.loss_module(trained, setup)
     model = wrap_model(loss_module, strategy, env, low_precision_dtype(cfg.model.precision))
     return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora.enabled), loss
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmtune.config.settings import TrainConfig
-from lmtune.model.precision import autocast_context
-from lmtune.model.products import Products
 from lmtune.outputs.runlog import RunLog
 from lmtune.parallel.distributed import DistEnv
 from lmtune.parallel.health import Heartbeat
@@ -26,12 +23,7 @@ class RunContext:
     log: RunLog
     stop: StopRequest
     heartbeat: Heartbeat
-    products: Products  # how matrices are multiplied (a CPU bf16 run's may be fp32)
 
     @property
     def output_dir(self) -> Path:
         return Path(self.cfg.checkpoint.output_dir)
-
-    def autocast(self) -> AbstractContextManager[object]:
-        """A fresh autocast context of --precision on this device (none under fp32)."""
-        return autocast_context(self.cfg.model.precision, self.env.device, self.products.fp32)

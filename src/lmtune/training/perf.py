@@ -18,6 +18,7 @@ from torch import nn
 
 from lmtune.config.files import read_json
 from lmtune.errors import UserError
+from lmtune.model.paths import cpu_name
 from lmtune.model.precision import DTYPES
 from lmtune.model.products import Fp32Products
 from lmtune.outputs.runlog import InfoLog
@@ -93,21 +94,10 @@ PEAKS_FILE = "peaks.json"
 
 def _peak_key(probe: Probe) -> str:
     """What a measured peak holds for: this machine, device model, precision, threads, torch."""
-    import platform
     import socket
 
     device = probe.device
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     # Threads matter on the CPU only.
     threads_part = "" if device.type == "cuda" else f" | {probe.threads} threads"
     precision = probe.precision + (" fp32 products" if probe.fp32_products else "")

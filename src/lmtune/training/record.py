@@ -74,7 +74,8 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
         "batching": built.batching,
         "attention": attention,
         "loss": built.loss.description,
-        "products": run.products.description,
+        "products": built.products.description,
+        "paths": built.paths.to_json(),  # the CPU bf16 paths and how each was decided (lmtune.model.paths)
         "lr": built.lr,
         "model_source": built.loaded.source,
         **asdict(layout),
@@ -83,14 +84,15 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
         "resumed_from": str(resume_from) if resume_from else None,
         "peak_flops_per_device": peak,
     }
+    units = f" ({built.paths.units.describe()})" if env.device.type == "cpu" else ""
     run.log.info(
         f"lmtune: {built.loaded.source}, {resolved['parameters']:,} parameters, {run.strategy} on "
-        f"{env.world_size} x {env.device.type}; global batch {_batch_line(layout)} "
+        f"{env.world_size} x {env.device.type}{units}; global batch {_batch_line(layout)} "
         f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} steps; "
         f"loss: {built.loss.description}"
     )
-    if run.products.fp32:
-        run.log.info(f"matrix products: {run.products.description}")
+    if built.paths.products is not None:  # a CPU bf16 run: which paths its CPU's units chose, and how
+        run.log.info(f"{built.paths.line()}; matrix products: {built.products.description}")
     return {
         "config": to_dict(cfg),
         "resolved": resolved,

@@ -243,7 +243,7 @@ def sample_generator(run: RunContext, built: Built) -> SampleGenerator:
         tokenizer=built.tokenizer,
         stop=stop_ids(built.loaded.model, built.tokenizer),
         lockstep=built.parts.sharded,
-        autocast=run.autocast,
+        autocast=built.autocast,
     )
     plan = SamplePlan(prompts=prompts, settings=cfg.samples, seed=cfg.seed)
     return SampleGenerator(plan, model, run.env, run.log, partial(run.heartbeat.beat, "sample"))

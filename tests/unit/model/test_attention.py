@@ -210,15 +210,14 @@ def test_bf16_autocast_trains_the_same_rows_and_keeps_attention_in_fp32() -> Non
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_bucketed_attention_equals_the_masked_rows(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bucketed_attention_equals_the_masked_rows(arch: str) -> None:
     """The CPU bf16 path's bucketing (lengths rounded up to 64, examples of one width together,
     their count rounded to a power of two) changes no result: checked in fp32, where it is exact."""
-    from lmtune.model.attention import CPU_ATTENTION_ENV, VARLEN_BUCKETED
+    from lmtune.model.attention import VARLEN_BUCKETED
 
-    monkeypatch.setenv(CPU_ATTENTION_ENV, "bf16")
     model, tok = _model(arch)
     masked = SummedLoss(copy.deepcopy(model))
-    assert use_varlen(model, cpu_bf16=True) and model.config._attn_implementation == VARLEN_BUCKETED
+    assert use_varlen(model, bucketed=True) and model.config._attn_implementation == VARLEN_BUCKETED
     bucketed = SummedLoss(model, varlen=True)
     data = _data(tok, "uneven")
     examples = [data[i] for i in range(len(data))]

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lmtune.errors import UserError
 from lmtune.model import products
+from lmtune.model.attention import use_varlen
 from lmtune.model.precision import autocast_context
-from lmtune.model.products import PRODUCTS_ENV, Fp32Products, choose_products
+from lmtune.model.products import Fp32Products, token_bucket
 from lmtune.objectives.sft import SummedLoss
 from lmtune.training.perf import Probe, _peak_key
 from tests.unit.model.test_chunked_loss import _batch, _close, _model
@@ -168,34 +168,74 @@ def test_the_context_is_reusable_like_autocast() -> None:
     assert not torch.is_autocast_enabled("cpu")
 
 
-def test_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(PRODUCTS_ENV, raising=False)
-    for precision, device, compiled in [
-        ("fp32", CPU, False),
-        ("bf16", torch.device("cuda"), False),
-        ("bf16", CPU, True),
-    ]:
-        assert not choose_products(precision, device, compiled).fp32
-    monkeypatch.setattr(products, "_bf16_matrix_instructions", lambda: False)
-    no_instructions = choose_products("bf16", CPU)
-    assert no_instructions.fp32 and "no bf16 matrix instructions" in no_instructions.description
-    # With bf16 instructions the faster of the two is timed: each way in turn.
-    monkeypatch.setattr(products, "_bf16_matrix_instructions", lambda: True)
-    for bf16_s, fp32_s in [(0.01, 0.02), (0.02, 0.01)]:
-        timed = {False: bf16_s, True: fp32_s}
-        monkeypatch.setattr(products, "_linear_seconds", timed.__getitem__)
-        assert choose_products("bf16", CPU).fp32 == (fp32_s < bf16_s)
-    for forced, fp32 in [("fp32", True), ("bf16", False)]:
-        monkeypatch.setenv(PRODUCTS_ENV, forced)
-        choice = choose_products("bf16", CPU)
-        assert choice.fp32 == fp32 and PRODUCTS_ENV in choice.description
-    monkeypatch.setenv(PRODUCTS_ENV, "fp64")
-    with pytest.raises(UserError, match=f"{PRODUCTS_ENV}='fp64': expected auto, fp32 or bf16"):
-        choose_products("bf16", CPU)
+def test_token_buckets_are_few_and_cost_little() -> None:
+    """Every count maps to a bucket at least as large and at most 31 tokens (to 512) or 6.25% (above)
+    larger; a bucket maps to itself; 1 to 16,384 tokens meet 96 buckets, not 16,384 shapes."""
+    buckets = {token_bucket(n) for n in range(1, 16385)}
+    assert len(buckets) == 96
+    for n in range(1, 16385):
+        b = token_bucket(n)
+        assert n <= b <= max(n + 31, n * 17 // 16 + 1) and token_bucket(b) == b
 
 
-def test_the_timed_probe_runs_both_ways() -> None:
-    assert products._linear_seconds(False, size=64) > 0 and products._linear_seconds(True, size=64) > 0
+def _bucketed_step(model: torch.nn.Module, batch: Any, bucket: bool, **kw: Any) -> tuple[Any, ...]:
+    """Loss, gradients and the shapes of every product of one step, in fp32 (where padding's
+    effect, if any, would show: bucketing must change nothing)."""
+    model.zero_grad(set_to_none=True)
+    seen = _ProductShapes()
+    with seen:
+        loss = SummedLoss(model, bucket_tokens=bucket, **kw)(*batch).sum()
+        loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, seen.rows
+
+
+class _ProductShapes(TorchDispatchMode):
+    """The first dimension of every product's operands, flattened to matrices: token counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: set[int] = set()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm"):
+            a, b = args[-2], args[-1]
+            self.rows |= {a.size(0), a.size(1), b.size(1)}  # the backward's grad_w puts tokens in K
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["llama-tied", "gpt2"])
+@pytest.mark.parametrize("layout", ["flat", "rows", "packed-rows"])
+@pytest.mark.parametrize("chunk", [0, 16], ids=["full-logits", "chunked"])
+def test_bucketing_changes_no_result_and_leaves_few_shapes(kind: str, layout: str, chunk: int) -> None:
+    """A CPU bf16 run on oneDNN's kernels pads the token dimension of its products to a bucket
+    (flattened rows end with a filler example, masked rows get more padding, the chunked loss zero
+    rows): the loss and gradients are those without it, to fp32 rounding, and the products see no
+    token count other than a bucket (or the model's own widths, or the loss's chunk)."""
+    model = _model(kind)
+    ids, mask, labels = _batch(pad_from=8)
+    batch: tuple[torch.Tensor | None, ...] = (ids, mask, labels)
+    if layout == "packed-rows":
+        segments = (torch.arange(ids.size(1)) >= 9).long().expand_as(ids).contiguous()
+        positions = torch.where(segments.bool(), torch.arange(ids.size(1)) - 9, torch.arange(ids.size(1)))
+        batch = (ids, torch.ones_like(mask), labels, positions.expand_as(ids).contiguous(), segments)
+    varlen = layout == "flat" and use_varlen(model)
+    ref_loss, ref, unbucketed = _bucketed_step(model, batch, False, varlen=varlen, loss_chunk=chunk)
+    loss, grads, rows = _bucketed_step(model, batch, True, varlen=varlen, loss_chunk=chunk)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    _close(grads, ref, 1e-5)
+    widths = {p.size(0) for p in model.parameters()} | {p.size(-1) for p in model.parameters()} | {chunk}
+    buckets = {token_bucket(n) for n in range(1, 4096)}
+    assert rows - widths <= buckets, rows - widths
+    assert unbucketed - widths - buckets  # the batch's own counts, which bucketing replaced
+
+
+def test_bf16_decisions_and_timings_are_in_lmtune_model_paths() -> None:
+    """The timed helper runs both ways (the choice itself is tested in test_paths)."""
+    x, w = torch.randn(32, 16), torch.randn(24, 16)
+    assert products.linear_seconds(x, w, fp32=False) > 0 and products.linear_seconds(x, w, fp32=True) > 0
 
 
 def test_mfu_divides_by_the_peak_of_the_products_the_run_uses() -> None:

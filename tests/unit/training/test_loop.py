@@ -25,7 +25,6 @@ from lmtune.config.settings import TrainConfig
 from lmtune.data.collate import StepCollator
 from lmtune.errors import TrainingStopped
 from lmtune.model.precision import autocast_context
-from lmtune.model.products import choose_products
 from lmtune.outputs.runlog import RunLog
 from lmtune.parallel.distributed import read_dist_env
 from lmtune.parallel.health import Heartbeat
@@ -67,7 +66,6 @@ def _built(tmp_path: Path, name: str, **settings: Any) -> Iterator[tuple[Run, Bu
             log=log,
             stop=stop,
             heartbeat=Heartbeat(None, 0),
-            products=choose_products(cfg.precision, ENV.device),
         )
         yield run, build(run)
 
