@@ -23,6 +23,7 @@ from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
 from lmtune.config.settings import TrainConfig, warmup_steps
 from lmtune.errors import UserError
+from lmtune.model.quantization import fingerprint_value
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 
@@ -73,6 +74,9 @@ def fingerprint(
             "--lora-dropout": cfg.lora.dropout,
             "--lora-target-modules": cfg.lora.target_modules,
         }
+    quantization = fingerprint_value(cfg.model)
+    if quantization is not None:  # recorded only when quantized: older checkpoints stay comparable
+        fixed["base quantization"] = quantization
     adjustable = {
         "--lr": lr,
         "--lr-schedule": cfg.schedule.name,
@@ -112,7 +116,9 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
     """
 
     def changes(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-        return [f"{k} {a.get(k)} -> {b[k]}" for k in b if a.get(k) != b[k]]
+        # Both sides' entries: one recorded only by the checkpoint (a quantized base) differs too.
+        keys = [*b, *(k for k in a if k not in b)]
+        return [f"{k} {a.get(k, 'none')} -> {b.get(k, 'none')}" for k in keys if a.get(k) != b.get(k)]
 
     refused = changes(saved.fixed, now.fixed)
     if refused:

@@ -31,6 +31,7 @@ from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import LoadedModel, load_model
 from lmtune.model.precision import autocast_context, grad_scaler, low_precision_dtype
 from lmtune.model.products import Fp32Products, Products
+from lmtune.model.quantization import base_summary, quantization_of
 from lmtune.model.tokens import fit_embeddings, set_stop_tokens
 from lmtune.outputs.runlog import InfoLog, RunLog
 from lmtune.parallel.distributed import DistEnv, all_gather_object
@@ -94,7 +95,12 @@ def build(run: Run) -> Built:
     """Model, data, batch layout, the wrapped model with its loss, and the optimizer."""
     cfg, env, log = run.cfg, run.env, run.log
     run.heartbeat.beat("load")
-    loaded = load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code)
+    quantization = quantization_of(cfg.model, run.strategy)
+    # A quantized base loads straight onto its device: bitsandbytes quantizes there.
+    device = env.device if quantization is not None else None
+    loaded = load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code, quantization, device)
+    if quantization is not None:
+        log.info(base_summary(loaded.model, quantization))
     tokenizer = loaded.tokenizer
     if cfg.examples.chat_template is not None:
         apply_chat_template_option(cfg, loaded.model, tokenizer, log)

@@ -10,6 +10,7 @@ from lmtune.checkpoint.store import load_checkpoint
 from lmtune.config.settings import SAMPLE_DATA
 from lmtune.model.lora import merged_model
 from lmtune.model.modeling import load_model
+from lmtune.model.quantization import DTYPE_NAMES, dequantized
 from lmtune.parallel.distributed import barrier
 from lmtune.training.best import BestTracker
 from lmtune.training.build import Built, Run
@@ -33,11 +34,32 @@ def finalize(run: Run, b: Built, result: FitResult, best: BestTracker | None, tr
     what = "LoRA adapter (PEFT format)" if cfg.lora.enabled else "model"
     log.info(f"saved the {what} to {final_dir} ({trained})")
     if cfg.lora.merge and env.is_main:
-        merged = merged_model(
-            load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code).model, final_dir
-        )
-        save_hf_folder(merged, b.tokenizer, final_dir / "merged")
-        log.info(f"saved the base model with the adapter merged to {final_dir / 'merged'}")
+        save_merged(run, b, final_dir)
     barrier(env)
     if env.is_main and cfg.data.train == SAMPLE_DATA:
         show_answers(final_model(cfg, final_dir) if b.parts.sharded else b.parts.model, b.tokenizer, log)
+
+
+def save_merged(run: Run, b: Built, final_dir: Path) -> None:
+    """final/merged: the base with the adapter in final/ merged in.
+
+    A quantized base is loaded quantized again (the same values training saw) and dequantized to
+    the compute dtype, one layer at a time onto the CPU; the adapter merges into that. Merging into
+    the 4-bit weights instead would round most of the update away.
+    """
+    cfg, log = run.cfg, run.log
+    q = b.loaded.quantization
+    loaded = load_model(
+        cfg.model.name, cfg.seed, cfg.model.trust_remote_code, q, run.env.device if q else None
+    )
+    base = dequantized(loaded.model, q.compute_dtype) if q is not None else loaded.model
+    save_hf_folder(merged_model(base, final_dir), b.tokenizer, final_dir / "merged")
+    what = (
+        "the base model"
+        if q is None
+        else (
+            f"the {q.bits}-bit base dequantized to {DTYPE_NAMES[q.compute_dtype]} (the weights the adapter "
+            "was trained on)"
+        )
+    )
+    log.info(f"saved {what} with the adapter merged to {final_dir / 'merged'}")

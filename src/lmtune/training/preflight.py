@@ -10,6 +10,7 @@ from lmtune.config.validate import check_settings
 from lmtune.data.chat import read_template
 from lmtune.data.sources import resolve_sources
 from lmtune.errors import UserError
+from lmtune.model.quantization import require_bitsandbytes
 from lmtune.outputs.reporters import check_installed, parse_report_to
 
 
@@ -28,3 +29,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if resume not in ("auto", "never") and not Path(resume).is_dir():
         raise UserError(f"--resume: no such checkpoint folder: {resume}")
     check_installed(parse_report_to(cfg.logging.report_to))
+    for option, on in (
+        ("--load-in-4bit", cfg.model.load_in_4bit),
+        ("--load-in-8bit", cfg.model.load_in_8bit),
+    ):
+        if on:
+            require_bitsandbytes(option)

@@ -17,6 +17,7 @@ from lmtune import __version__
 from lmtune.checkpoint.state import optimizer_state_bytes
 from lmtune.config.settings import to_dict
 from lmtune.model.attention import attention_description
+from lmtune.model.quantization import footprint, parameter_count
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.training.batch_layout import BatchLayout
 from lmtune.training.best import BestTracker
@@ -74,6 +75,7 @@ def result_record(
 def run_record(run: Run, b: Built, resume_from: Path | None, peak: float) -> dict[str, Any]:
     """run.json before training; the start line says the same in short."""
     cfg, env, layout = run.cfg, run.env, b.layout
+    quantization = b.loaded.quantization
     attention = attention_description(b.loaded.model) if b.parts.root.varlen else "masked"
     resolved = {
         "strategy": run.strategy,
@@ -84,13 +86,20 @@ def run_record(run: Run, b: Built, resume_from: Path | None, peak: float) -> dic
         "lr": b.lr,
         "model_source": b.loaded.source,
         **asdict(layout),
-        "parameters": count(b.loaded.model.parameters()),
+        "parameters": parameter_count(b.loaded.model),
+        "quantization": quantization.description if quantization else None,
+        # Bytes of the quantized layers and of the rest, when the base is quantized.
+        "base_bytes": dict(zip(("quantized", "full_precision"), footprint(b.loaded.model), strict=True))
+        if quantization
+        else None,
         "trainable_parameters": count(p for p in b.parts.root.parameters() if p.requires_grad),
         "resumed_from": str(resume_from) if resume_from else None,
         "peak_flops_per_device": peak,
     }
     run.log.info(
-        f"lmtune: {b.loaded.source}, {resolved['parameters']:,} parameters, {run.strategy} on "
+        f"lmtune: {b.loaded.source}, {resolved['parameters']:,} parameters"
+        + (f" (base in {quantization.bits} bits)" if quantization else "")
+        + f", {run.strategy} on "
         f"{env.world_size} x {env.device.type}; global batch {_batch_line(layout)} "
         f"({BATCHING_NAMES[b.batching]}, {attention} attention); {layout.total_steps} steps; "
         f"loss: {b.loss.description}"
