@@ -314,12 +314,7 @@ def footprint(model: nn.Module) -> tuple[int, int]:
             else:
                 other += p.numel() * p.element_size()
         state = getattr(module.weight, "quant_state", None) or getattr(module, "quant_state", None)
-        if state is not None and hasattr(state, "as_dict"):
-            quantized += sum(
-                v.numel() * v.element_size()
-                for v in state.as_dict(packed=True).values()
-                if isinstance(v, torch.Tensor)
-            )
+        quantized += _state_bytes(state)
         scales = getattr(module.weight, "SCB", None)  # 8-bit: one fp32 scale per output row
         if isinstance(scales, torch.Tensor):
             quantized += scales.numel() * scales.element_size()
@@ -327,6 +322,17 @@ def footprint(model: nn.Module) -> tuple[int, int]:
         if id(p) not in seen:
             other += p.numel() * p.element_size()
     return quantized, other
+
+
+def _state_bytes(state: Any) -> int:
+    """Bytes of a 4-bit weight's constants: absmax, code book, offset, and the nested ones."""
+    if state is None:
+        return 0
+    tensors = [getattr(state, k, None) for k in ("absmax", "code", "offset")]
+    nested = getattr(state, "state2", None)
+    if nested is not None:
+        tensors += [getattr(nested, "absmax", None), getattr(nested, "code", None)]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def quantized_bytes(bits: int, rows: int, cols: int) -> int:
