@@ -7,6 +7,11 @@ CUDA allocator peak on a GPU: run.json's), the median step time, the loss after 
 and `lmtune plan`'s prediction. Targets (CPU): QLoRA's peak at most 0.75x LoRA's, its loss within
 5% of LoRA's, plan within 15% of both peaks.
 
+On CPU a QLoRA run serves buffers of 1 MiB and more from their own memory maps (glibc's mmap
+threshold; see lmtune.model.quantization.return_freed_buffers), which plain LoRA runs do not do; a
+third run, plain LoRA with the same threshold (MALLOC_MMAP_THRESHOLD_), shows what of the saving is
+the 4-bit base alone.
+
     python benchmarks/qlora.py                                   # ~113M, CPU, fp32, 30 steps
     python benchmarks/qlora.py --steps 10 --no-plan
     python benchmarks/qlora.py --size 1b --device cuda --precision bf16 --steps 20   # a lent GPU
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -66,14 +72,22 @@ def write_data(path: Path, rows: int, words: int) -> None:
             f.write(json.dumps({"text": " ".join(rng.choice(vocab) for _ in range(words))}) + "\n")
 
 
-def lmtune(args: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "lmtune", *args], capture_output=True, text=True)
+def lmtune(args: list[str], env: dict[str, str] | None = None) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmtune", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     if proc.returncode != 0:
         raise SystemExit(f"lmtune {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def measure(common: list[str], extra: list[str], out: Path, steps: int, plan: bool) -> dict[str, float]:
-    lmtune(["train", *common, *extra, "--max-steps", str(steps), "--output-dir", str(out), "--no-progress"])
+def measure(
+    common: list[str], extra: list[str], out: Path, steps: int, plan: bool, env: dict[str, str] | None = None
+) -> dict[str, float]:
+    train_args = ["train", *common, *extra, "--max-steps", str(steps), "--output-dir", str(out)]
+    lmtune([*train_args, "--no-progress"], env)
     run = json.loads((out / "run.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
@@ -117,17 +131,20 @@ def main() -> None:
     results = {}
     for name, extra in (("lora", []), ("qlora", ["--load-in-4bit"])):
         results[name] = measure(common, extra, work / name, args.steps, not args.no_plan)
+    if args.device != "cuda":
+        mapped = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+        results["lora, mmap 1 MiB"] = measure(common, [], work / "lora-mmap", args.steps, False, mapped)
     print(
         f"Llama {params / 1e6:,.0f}M parameters, {batch} x {args.length} tokens per step, "
         f"{args.steps} steps, {args.precision}"
     )
-    print(f"{'':8}{'peak MiB':>10}{'plan MiB':>10}{'plan err':>10}{'step s':>9}{'loss':>10}")
+    print(f"{'':18}{'peak MiB':>10}{'plan MiB':>10}{'plan err':>10}{'step s':>9}{'loss':>10}")
     for name, r in results.items():
         planned = r.get("planned_bytes")
         err = f"{100 * (planned / r['peak_bytes'] - 1):>9.1f}%" if planned else f"{'-':>10}"
         plan_mib = f"{planned / 2**20:>10,.0f}" if planned else f"{'-':>10}"
         peak = r["peak_bytes"] / 2**20
-        print(f"{name:8}{peak:>10,.0f}{plan_mib}{err}{r['step_s']:>9.2f}{r['last_loss']:>10.4f}")
+        print(f"{name:18}{peak:>10,.0f}{plan_mib}{err}{r['step_s']:>9.2f}{r['last_loss']:>10.4f}")
     lora, qlora = results["lora"], results["qlora"]
     print(
         f"QLoRA: peak x{qlora['peak_bytes'] / lora['peak_bytes']:.2f} of LoRA's (target <= 0.75), "
@@ -135,6 +152,11 @@ def main() -> None:
         f"{lora['last_loss']:.4f} ({100 * (qlora['last_loss'] / lora['last_loss'] - 1):+.1f}%, "
         "target within 5%)"
     )
+    if "lora, mmap 1 MiB" in results:
+        mapped_peak = results["lora, mmap 1 MiB"]["peak_bytes"]
+        print(
+            f"QLoRA's peak x{qlora['peak_bytes'] / mapped_peak:.2f} of LoRA's with the same allocator setting"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -12,8 +12,10 @@ every weight of an lmtune run does, so nothing needs the upcast peft's
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import platform
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +114,28 @@ def require_bitsandbytes(option: str, device: torch.device | None = None) -> Any
             f"(it supports {', '.join(sorted(supported))}); pip install -U bitsandbytes"
         )
     return bitsandbytes
+
+
+def return_freed_buffers(device: torch.device) -> bool:
+    """On CPU (glibc), serve buffers of 1 MiB and more from their own memory maps, returned to the
+    system when freed; whether it was set.
+
+    bitsandbytes dequantizes a quantized layer's whole weight for every product (forward, and again
+    in backward), so a step allocates and frees weight-sized buffers by the hundred. glibc serves
+    those from its heap once one has been freed (its mmap threshold rises to the largest freed
+    block), and the heap, fragmented by the activations allocated between them, stays resident:
+    measured on a 113M model, about 120 MiB more peak memory than plain LoRA's activations alone.
+    A fixed threshold keeps every such buffer out of the heap (and the activations' large tensors
+    too).
+    """
+    if device.type != "cpu" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_mmap_threshold = -3  # malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 20))
 
 
 def bnb_config(q: Quantization) -> Any:

@@ -31,7 +31,7 @@ from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import LoadedModel, load_model
 from lmtune.model.precision import autocast_context, grad_scaler, low_precision_dtype
 from lmtune.model.products import Fp32Products, Products
-from lmtune.model.quantization import base_summary, quantization_of
+from lmtune.model.quantization import base_summary, quantization_of, return_freed_buffers
 from lmtune.model.tokens import fit_embeddings, set_stop_tokens
 from lmtune.outputs.runlog import InfoLog, RunLog
 from lmtune.parallel.distributed import DistEnv, all_gather_object
@@ -98,6 +98,8 @@ def build(run: Run) -> Built:
     quantization = quantization_of(cfg.model, run.strategy)
     # A quantized base loads straight onto its device: bitsandbytes quantizes there.
     device = env.device if quantization is not None else None
+    if quantization is not None:
+        return_freed_buffers(env.device)
     loaded = load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code, quantization, device)
     if quantization is not None:
         log.info(base_summary(loaded.model, quantization))
