@@ -214,6 +214,16 @@ def test_a_resume_with_another_quantization_is_refused() -> None:
             compare(saved, now, Path("c"))
 
 
+def test_the_model_config_hash_leaves_the_quantization_settings_out(folder: Path) -> None:
+    """Precision and strategy may change on resume; they change the quantized config's dtypes."""
+    from lmtune.checkpoint.resume import config_hash
+
+    plain = load_model(str(folder), 3).model.config
+    bf16 = Quantization(bits=4, quant_type="nf4", compute_dtype=torch.bfloat16, storage_dtype=torch.bfloat16)
+    hashes = {config_hash(load_model(str(folder), 3, quantization=q).model.config) for q in (NF4, bf16)}
+    assert hashes == {config_hash(plain)}
+
+
 def test_fsdp_refuses_packed_weights_it_would_cast() -> None:
     from lmtune.parallel.wrap import _check_packed_weights
 

@@ -27,8 +27,17 @@ from lmtune.model.quantization import fingerprint_value
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 
-# Config entries that describe how a model runs here, not what it is.
-_VOLATILE_CONFIG = ("transformers_version", "torch_dtype", "dtype", "use_cache", "architectures")
+# Config entries that describe how a model runs here, not what it is. (A quantized base's
+# quantization_config names its compute and storage dtypes, which follow --precision and the
+# strategy; what the quantization is, is the fingerprint's "base quantization".)
+_VOLATILE_CONFIG = (
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "architectures",
+    "quantization_config",
+)
 
 
 @dataclass(frozen=True)

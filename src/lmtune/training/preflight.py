@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from lmtune.config.settings import TrainConfig
 from lmtune.config.validate import check_settings
 from lmtune.data.chat import read_template
@@ -34,4 +36,11 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         ("--load-in-8bit", cfg.model.load_in_8bit),
     ):
         if on:
-            require_bitsandbytes(option)
+            require_bitsandbytes(option, _device(cfg.model.device))
+
+
+def _device(device: str) -> torch.device:
+    """The device type --device means here (bitsandbytes' backends are per type, not per index)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
