@@ -86,7 +86,17 @@ def lmtune(args: list[str], env: dict[str, str] | None = None) -> None:
 def measure(
     common: list[str], extra: list[str], out: Path, steps: int, plan: bool, env: dict[str, str] | None = None
 ) -> dict[str, float]:
-    train_args = ["train", *common, *extra, "--max-steps", str(steps), "--output-dir", str(out)]
+    train_args = [
+        "train",
+        *common,
+        *extra,
+        "--lr",
+        "1e-3",
+        "--max-steps",
+        str(steps),
+        "--output-dir",
+        str(out),
+    ]
     lmtune([*train_args, "--no-progress"], env)
     run = json.loads((out / "run.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -126,7 +136,6 @@ def main() -> None:
         *("--max-length", str(args.length), "--packing", "on", "--seed", "0"),
         *("--micro-batch-size", str(batch), "--global-batch-size", str(batch)),
         *("--precision", args.precision, "--device", args.device, "--cache-dir", str(work / "cache")),
-        *("--lr", "1e-3"),
     ]
     results = {}
     for name, extra in (("lora", []), ("qlora", ["--load-in-4bit"])):
