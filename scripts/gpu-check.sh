@@ -37,6 +37,13 @@ fi
 # The chunked loss on a Qwen2.5-0.5B-shaped model at 4 x 2048 tokens: allocator peak both ways, plan.
 step vocab-memory python3 benchmarks/vocab_memory.py --layers 24 --micro-batch-size 4 --length 2048 \
     --precision bf16 --device cuda --steps 4 --json "$OUT/vocab_memory.json"
+# QLoRA against LoRA on a ~1B model: peak memory, step time, loss and plan (bitsandbytes' CUDA kernels).
+if python3 -c "import bitsandbytes" > /dev/null 2>&1; then
+    step qlora python3 benchmarks/qlora.py --size 1b --device cuda --precision bf16 --steps 10 \
+        --micro-batch-size 4 --length 512 --json "$OUT/qlora.json"
+else
+    echo "=== qlora: skipped, bitsandbytes is not installed here (carry a bitsandbytes wheel to run it)"
+fi
 # Throughput and MFU against the measured bf16 peak.
 step bench python3 -m lmtune bench --model small --strategies single --precisions bf16 --steps 10 \
     --json "$OUT/bench.json"

@@ -32,6 +32,7 @@ from lmtune.parallel.distributed import (
 from lmtune.parallel.health import Heartbeat
 from lmtune.parallel.launch import report_stopped, warn
 from lmtune.parallel.wrap import resolve_strategy, unwrap
+from lmtune.testing.faults import requested as faults_requested
 from lmtune.tools.doctor import DoctorSettings, check_or_fail
 from lmtune.training import callbacks as cb
 from lmtune.training.best import BestTracker, best_tracker

@@ -61,6 +61,15 @@ def test_8bit_adamw_and_lora_train_on_gpu(tmp_path: Path) -> None:
     assert losses[-1] < losses[0]
 
 
+def test_qlora_trains_on_gpu_like_lora(tmp_path: Path) -> None:
+    """bitsandbytes' CUDA 4-bit kernels, bf16 compute: the loss tracks plain LoRA's."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed on this machine")
+    lora = _run(tmp_path, "lora", lora=True, precision="bf16", lr=3e-3)
+    qlora = _run(tmp_path, "qlora", lora=True, load_in_4bit=True, precision="bf16", lr=3e-3)
+    assert qlora[-1] < qlora[0]
+    assert qlora == pytest.approx(lora, rel=0.05)
+
+
 def test_plan_predicts_the_cuda_peak_within_15_percent(tmp_path: Path) -> None:
     """On a GPU the allocator counts exactly the tensors the plan counts."""
     import json
@@ -70,7 +79,14 @@ def test_plan_predicts_the_cuda_peak_within_15_percent(tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "long.jsonl", [" ".join(["token"] * 300)] * 64)
     common = ["--model", "small", "--data", str(data), "--max-length", "256", "--packing", "off"]
     common += ["--global-batch-size", "16", "--micro-batch-size", "8", "--cache-dir", str(tmp_path / "c")]
-    for extra in ([], ["--activation-checkpointing"], ["--lora"], ["--precision", "bf16"]):
+    setups = [[], ["--activation-checkpointing"], ["--lora"], ["--precision", "bf16"]]
+    try:
+        import bitsandbytes  # noqa: F401
+
+        setups.append(["--lora", "--load-in-4bit", "--precision", "bf16"])
+    except ImportError:
+        pass
+    for extra in setups:
         subprocess.run(
             [sys.executable, "-m", "lmtune", "plan", *common, *extra, "--json", str(tmp_path / "p.json")],
             check=True,

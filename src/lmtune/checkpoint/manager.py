@@ -37,7 +37,8 @@ class CheckpointRecord(Protocol):
     """Part of the run's state that its checkpoints carry beside the model, as a small JSON file,
     and that a resumed run restores (the best-model tracker, ...)."""
 
-    file_name: str
+    @property
+    def file_name(self) -> str: ...
 
     def to_json(self) -> dict[str, Any]: ...
 

@@ -25,11 +25,21 @@ from lmtune.config.files import read_json_object
 from lmtune.config.settings import TrainConfig, warmup_steps
 from lmtune.errors import UserError, one_line
 from lmtune.model.paths import PATHS_FILE
+from lmtune.model.quantization import fingerprint_value
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 
-# Config entries that describe how a model runs here, not what it is.
-_VOLATILE_CONFIG = ("transformers_version", "torch_dtype", "dtype", "use_cache", "architectures")
+# Config entries that describe how a model runs here, not what it is. (A quantized base's
+# quantization_config names its compute and storage dtypes, which follow --precision and the
+# strategy; what the quantization is, is the fingerprint's "base quantization".)
+_VOLATILE_CONFIG = (
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "architectures",
+    "quantization_config",
+)
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,9 @@ def fingerprint(
             "--lora-dropout": cfg.lora.dropout,
             "--lora-target-modules": cfg.lora.target_modules,
         }
+    quantization = fingerprint_value(cfg.model)
+    if quantization is not None:  # recorded only when quantized: older checkpoints stay comparable
+        fixed["base quantization"] = quantization
     adjustable = {
         "--lr": lr,
         "--lr-schedule": cfg.schedule.name,
@@ -116,7 +129,13 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
         def shown(value: Any) -> str:
             return one_line(str(value), 80)
 
-        return [f"{k} {shown(a.get(k))} -> {shown(b[k])}" for k in b if a.get(k) != b[k]]
+        # Both sides' entries: one recorded only by the checkpoint (a quantized base) differs too.
+        keys = [*b, *(k for k in a if k not in b)]
+        return [
+            f"{k} {shown(a.get(k, 'none'))} -> {shown(b.get(k, 'none'))}"
+            for k in keys
+            if a.get(k) != b.get(k)
+        ]
 
     refused = changes(saved.fixed, now.fixed)
     if refused:

@@ -61,6 +61,22 @@ class ModelSettings:
             "layer (a logit soft-cap) keep full logits."
         ),
     )
+    load_in_4bit: bool = setting(
+        False,
+        (
+            "QLoRA: load the frozen base with its linear layers in 4 bits (bitsandbytes; double "
+            "quantization, computed in --precision's dtype); embeddings, norms and the output head stay "
+            "fp32. Needs --lora."
+        ),
+    )
+    load_in_8bit: bool = setting(
+        False, "Load the frozen base with its linear layers in 8 bits (bitsandbytes LLM.int8). Needs --lora."
+    )
+    bnb_4bit_quant_type: str = setting(
+        "nf4",
+        "With --load-in-4bit: nf4 (4-bit NormalFloat, for normally distributed weights) | fp4.",
+        choices=("nf4", "fp4"),
+    )
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
     _check_optim(cfg.optim, need)
     _check_schedule(cfg.schedule, need)
     _check_lora(cfg.lora, need)
+    _check_quantization(cfg, need)
     _check_eval(cfg.eval, need)
     _check_samples(cfg.samples, need)
     _check_launch(cfg.launch, cfg.health, need)
@@ -87,6 +88,32 @@ def _check_lora(lora: LoraSettings, need: Need) -> None:
     need(0 <= lora.dropout < 1, "lora_dropout", "must be in [0, 1)")
     need(bool(lora.target_modules.strip(" ,")), "lora_target_modules", "must name modules or all-linear")
     need(lora.enabled or not lora.merge, "merge_lora", "needs --lora")
+
+
+def _check_quantization(cfg: TrainConfig, need: Need) -> None:
+    m, strategy = cfg.model, cfg.launch.strategy
+    need(not (m.load_in_4bit and m.load_in_8bit), "load_in_8bit", "is instead of --load-in-4bit: give one")
+    need(m.load_in_4bit or m.bnb_4bit_quant_type == "nf4", "bnb_4bit_quant_type", "needs --load-in-4bit")
+    for name, on in (("load_in_4bit", m.load_in_4bit), ("load_in_8bit", m.load_in_8bit)):
+        if not on:
+            continue
+        need(
+            cfg.lora.enabled,
+            name,
+            "needs --lora: a quantized base cannot be trained itself, only LoRA adapters on it (QLoRA)",
+        )
+        need(
+            strategy != "dp",
+            name,
+            "is not supported under --strategy dp (nn.DataParallel replicates parameters as plain "
+            "tensors, leaving their quantization constants on the first GPU); use --strategy ddp",
+        )
+    need(
+        not (m.load_in_8bit and strategy == "fsdp"),
+        "load_in_8bit",
+        "does not work with --strategy fsdp (FSDP2 gathers int8 weights without the scales "
+        "bitsandbytes keeps beside them); use --load-in-4bit, which FSDP2 shards, or --strategy ddp",
+    )
 
 
 def _check_eval(e: EvalSettings, need: Need) -> None:

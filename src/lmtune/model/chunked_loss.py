@@ -31,6 +31,17 @@ def default_chunk_size(vocab: int) -> int:
     return max(MIN_CHUNK, min(MAX_CHUNK, CHUNK_BYTES // (4 * vocab) // 128 * 128))
 
 
+@dataclass(frozen=True)
+class _HeadPlan:
+    """How the chunked head runs: tokens per chunk, the autocast dtype the products round to, the
+    dtype they run in (fp32: lmtune.model.products), and the rows' bucketing (None: as they are)."""
+
+    chunk: int
+    dtype: torch.dtype
+    product_dtype: torch.dtype
+    bucket: Callable[[int], int] | None
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -39,11 +50,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         targets: torch.Tensor,
-        chunk: int,
-        dtype: torch.dtype,
-        product_dtype: torch.dtype,
-        bucket: Callable[[int], int] | None,
+        plan: _HeadPlan,
     ) -> torch.Tensor:
+        chunk, dtype, product_dtype, bucket = plan.chunk, plan.dtype, plan.product_dtype, plan.bucket
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
@@ -99,9 +108,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None if grad_b is None else (grad_b * scale).to(w_dtype),
             None,
             None,
-            None,
-            None,
-            None,
         )
 
 
@@ -134,10 +140,7 @@ def linear_cross_entropy_sum(
         head.weight,
         head.bias,
         targets[keep],
-        chunk,
-        dtype,
-        product_dtype,
-        token_bucket if bucketed else None,
+        _HeadPlan(chunk, dtype, product_dtype, token_bucket if bucketed else None),
     )
     return loss
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from torch import nn
 from lmtune.config.files import read_json_object
 from lmtune.errors import UserError, brief
 from lmtune.model.configs import CONFIG_BYTES, check_config, check_folder
+from lmtune.model.quantization import Quantization, load_quantized, quantize_built
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 
@@ -51,6 +53,7 @@ class LoadedModel:
     tokenizer: Any
     default_lr: float
     source: str
+    quantization: Quantization | None = None  # the frozen base's (QLoRA), None in full precision
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -203,49 +206,115 @@ def _load_error(name: str, tried: str, e: Exception) -> UserError:
     )
 
 
-def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedModel:
+def load_model(
+    name: str,
+    seed: int,
+    trust_remote_code: bool = False,
+    quantization: Quantization | None = None,
+    device: torch.device | None = None,
+) -> LoadedModel:
     """Load a model and tokenizer by preset name, local folder or hub id.
 
     Weights load from safetensors when the folder has them; ``trust_remote_code`` stays off unless
-    the user turns it on. A missing folder or an unreachable hub id is a :class:`UserError` that
-    names what was tried.
+    the user turns it on. With ``quantization`` the linear layers load quantized, straight onto
+    ``device`` (default: the CPU). A missing folder or an unreachable hub id is a
+    :class:`UserError` that names what was tried.
     """
+    target = device or torch.device("cpu")
     if name in PRESETS:
-        return build_preset(name, seed)
+        built = build_preset(name, seed)
+        if quantization is not None:
+            built.model = quantize_built(built.model, quantization, target)
+            built.quantization = quantization
+        return built
     base = _adapter_base(name)
     if base is not None:
-        from lmtune.model.lora import merged_model
-
-        try:
-            loaded = load_model(base, seed, trust_remote_code)
-        except UserError as e:
-            raise UserError(f"--model {name}: its base model (adapter_config.json): {e}") from None
-        merged = merged_model(loaded.model, Path(name).expanduser())
-        return LoadedModel(
-            model=merged,
-            tokenizer=load_tokenizer(name, trust_remote_code),
-            default_lr=FINETUNE_LR,
-            source=f"{base} + adapter {name}",
-        )
-    config = load_config(name, trust_remote_code, fits_memory=True)
+        if quantization is not None:
+            raise UserError(
+                f"--model {name}: a LoRA adapter folder; {quantization.option} quantizes a full model, so "
+                "give the merged model folder (final/merged) instead"
+            )
+        return _merged_adapter(name, base, seed, trust_remote_code)
+    # A quantized base is checked against memory by plan's account of it, not as fp32 weights.
+    config = load_config(name, trust_remote_code, fits_memory=quantization is None)
     where = _source(name, need_config=True)
     tokenizer = load_tokenizer(name, trust_remote_code)
+    if quantization is not None:
+        _check_not_quantized(name, config, quantization)
+        model = _loaded(
+            name,
+            where,
+            lambda: load_quantized(
+                where.source,
+                config,
+                quantization,
+                target,
+                local_only=where.local_only,
+                trust_remote_code=trust_remote_code,
+            ),
+        )
+        return LoadedModel(
+            model=model,
+            tokenizer=tokenizer,
+            default_lr=FINETUNE_LR,
+            source=where.source,
+            quantization=quantization,
+        )
     from transformers import AutoModelForCausalLM
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
+    model = _loaded(
+        name,
+        where,
+        lambda: AutoModelForCausalLM.from_pretrained(
             where.source,
             config=config,
             trust_remote_code=trust_remote_code,
             dtype=torch.float32,
             use_safetensors=None,
             local_files_only=where.local_only,
-        )
+        ),
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, default_lr=FINETUNE_LR, source=where.source)
+
+
+def _merged_adapter(name: str, base: str, seed: int, trust_remote_code: bool) -> LoadedModel:
+    """The LoRA adapter folder ``name`` merged into ``base``, the model it names."""
+    from lmtune.model.lora import merged_model
+
+    try:
+        loaded = load_model(base, seed, trust_remote_code)
+    except UserError as e:
+        raise UserError(f"--model {name}: its base model (adapter_config.json): {e}") from None
+    merged = merged_model(loaded.model, Path(name).expanduser())
+    return LoadedModel(
+        model=merged,
+        tokenizer=load_tokenizer(name, trust_remote_code),
+        default_lr=FINETUNE_LR,
+        source=f"{base} + adapter {name}",
+    )
+
+
+def _loaded(name: str, where: _Where, load: Callable[[], nn.Module]) -> nn.Module:
+    """``load()``, its failure worded as a :class:`UserError` naming the model."""
+    try:
+        return load()
+    except UserError:
+        raise
     except Exception as e:  # a truncated weights file, weights that do not fit the config, ...
         if "mismatched" in str(e):  # transformers' own text points at a report it logged
             e = ValueError("its weights do not have the shapes its config.json describes")
         raise _load_error(name, where.tried, e) from None
-    return LoadedModel(model=model, tokenizer=tokenizer, default_lr=FINETUNE_LR, source=where.source)
+
+
+def _check_not_quantized(name: str, config: Any, quantization: Quantization) -> None:
+    """A model saved already quantized (GPTQ, AWQ, bitsandbytes ...) is not quantized again."""
+    existing = getattr(config, "quantization_config", None)
+    if existing is not None:
+        method = existing.get("quant_method") if isinstance(existing, dict) else existing.quant_method
+        raise UserError(
+            f"--model {name}: its weights are already quantized ({method}); {quantization.option} "
+            "quantizes a full-precision model, so give the original model"
+        )
 
 
 def _adapter_base(name: str) -> str | None:

@@ -91,6 +91,7 @@ def _fully_shard(module: nn.Module, low: torch.dtype | None) -> nn.Module:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    _check_packed_weights(module, low)
     blocks = decoder_blocks(module)
     if not blocks:
         raise UserError(
@@ -102,6 +103,22 @@ def _fully_shard(module: nn.Module, low: torch.dtype | None) -> nn.Module:
         fully_shard(block, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
     return module
+
+
+def _check_packed_weights(module: nn.Module, low: torch.dtype | None) -> None:
+    """Refuse packed quantized weights (bitsandbytes 4-bit: values packed into the bytes of another
+    dtype) that FSDP2 would cast when it gathers them: cast, the bytes are no longer the values,
+    and training goes on silently on garbage (loss 0 or NaN; accelerate #3983)."""
+    for name, p in module.named_parameters():
+        if (
+            getattr(p, "quant_state", None) is not None
+            and p.is_floating_point()
+            and low not in (None, p.dtype)
+        ):
+            raise UserError(
+                f"--strategy fsdp: {name} holds 4-bit values packed in {p.dtype}, which FSDP2 would cast "
+                f"to {low} when gathering it; pack them in {low} (lmtune does so under --load-in-4bit)"
+            )
 
 
 def is_sharded(model: nn.Module) -> bool:

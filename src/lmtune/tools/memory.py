@@ -24,6 +24,7 @@ from lmtune.config.groups import LoraSettings
 from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
 from lmtune.model.precision import low_precision_dtype
+from lmtune.model.quantization import quantized_bytes
 from lmtune.parallel.wrap import decoder_blocks
 
 MIB = 2**20
@@ -41,11 +42,13 @@ class Setup:
     world_size: int
     accumulation: int  # micro-steps per optimizer step
     loss_chunk: int = 0  # tokens per chunk of the chunked linear cross-entropy; 0: full logits
+    quantization: str = ""  # the frozen base's (--load-in-4bit: nf4 | fp4; --load-in-8bit: int8)
 
     def label(self) -> str:
         extras = (
             [self.optimizer]
             + (["lora"] if self.lora else [])
+            + ([self.quantization] if self.quantization else [])
             + (["ckpt"] if self.activation_checkpointing else [])
         )
         return f"{self.strategy} x{self.world_size} {self.precision} " + "+".join(extras)
@@ -71,7 +74,9 @@ class Estimate:
     optimizer: int
     activations: int  # saved for backward by the decoder blocks and embeddings
     logits: int  # vocab x length x batch: the saved log-softmax and its gradient
-    buffers: int  # FSDP all-gather and reduce-scatter buffers (DDP's buckets are the gradients)
+    # FSDP all-gather and reduce-scatter buffers (DDP's buckets are the gradients); a quantized
+    # base's layer dequantized for its product (forward, and again in backward)
+    buffers: int
     host: Host = Host()
     activation_scale: float = 1.0  # set by --calibrate
     offset: int = 0  # set by --calibrate
@@ -105,6 +110,7 @@ class ModelFacts:
     per_layer: int  # bytes saved for backward by one block, one row
     other: int  # bytes saved outside the blocks (embeddings, final norm), one row
     logits: int  # bytes of vocab-wide tensors saved for the loss, one row
+    quantizable: list[tuple[int, int]]  # [out, in] of each linear layer bitsandbytes would quantize
 
 
 @contextmanager
@@ -197,6 +203,7 @@ def model_facts(
         params = [(n, p.numel(), lora is None) for n, p in full.named_parameters()]
         block_elements = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
         targets = _lora_targets(full, lora) if lora is not None else []
+        quantizable = _quantizable(full)
     if lora is not None:
         if not targets:
             raise UserError(
@@ -217,7 +224,37 @@ def model_facts(
         per_layer=per_layer,
         other=one - per_layer - logits if lora is None else one - (two - one) - logits,
         logits=logits,
+        quantizable=quantizable,
     )
+
+
+def _quantizable(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """[out, in] of the layers transformers' bitsandbytes integration quantizes: every linear layer
+    (GPT-2's Conv1D too) but the output head."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    found = []
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if module is head or weight is None or type(module).__name__ not in ("Linear", "Conv1D"):
+            continue
+        rows, cols = weight.shape
+        found.append((int(cols), int(rows)) if type(module).__name__ == "Conv1D" else (int(rows), int(cols)))
+    return found
+
+
+def _weight_bytes(setup: Setup, facts: ModelFacts) -> tuple[int, int]:
+    """Bytes of the weights (fp32; a quantized base's linear layers packed, with their constants)
+    and of one quantized layer dequantized for its product (0 in full precision)."""
+    total = 4 * sum(n for _, n, _ in facts.params)
+    if not setup.quantization:
+        return total, 0
+    bits = 8 if setup.quantization == "int8" else 4
+    full = sum(4 * rows * cols for rows, cols in facts.quantizable)
+    packed = sum(quantized_bytes(bits, rows, cols) for rows, cols in facts.quantizable)
+    compute = 2 if low_precision_dtype(setup.precision) is not None or bits == 8 else 4
+    largest = max((rows * cols for rows, cols in facts.quantizable), default=0)
+    return total - full + packed, 2 * compute * largest
 
 
 def _optimizer_bytes(name: str, sizes: Sequence[int]) -> int:
@@ -242,13 +279,15 @@ def estimate(setup: Setup, facts: ModelFacts, host: Host, padded: bool) -> Estim
     total_elements = sum(n for _, n, _ in facts.params)
     trainable = [n for _, n, t in facts.params if t]
     gathered_bytes = 2 if setup.precision in ("bf16", "fp16") else 4  # FSDP casts what it gathers
-    weights = 4 * total_elements // shard
+    all_weights, buffers = _weight_bytes(setup, facts)
+    weights = all_weights // shard
     gradients = 4 * sum(trainable) // shard
-    buffers = 0
     if setup.strategy == "fsdp":
         root = total_elements - facts.block_elements * facts.layers
         gathered = (root + 2 * facts.block_elements) * gathered_bytes
-        buffers = gathered + 4 * facts.block_elements  # plus one block's unsharded gradients
+        if setup.quantization:  # a block gathers its packed weights: scale by the packed share
+            gathered = int(gathered * all_weights / (4 * total_elements))
+        buffers += gathered + 4 * facts.block_elements  # plus one block's unsharded gradients
         if setup.accumulation > 1:
             gradients = 4 * sum(trainable)  # without sync, FSDP2 keeps gradients unsharded
     optimizer = _optimizer_bytes(setup.optimizer, trainable) // shard

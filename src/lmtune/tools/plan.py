@@ -140,6 +140,7 @@ def measure_peak(cfg: TrainConfig, setup: Setup, workdir: Path, model: str | Non
         precision=setup.precision,
         optimizer=setup.optimizer,
         lora=setup.lora,
+        **quantization_settings(setup.quantization),
         activation_checkpointing=setup.activation_checkpointing,
         loss_chunk_size=setup.loss_chunk,
         nproc_per_node=setup.world_size,
@@ -153,6 +154,22 @@ def measure_peak(cfg: TrainConfig, setup: Setup, workdir: Path, model: str | Non
         raise UserError(f"--calibrate: the real run of {setup.label()} failed: " + " | ".join(tail))
     run = json.loads((out / "run.json").read_text())
     return int(max(run["result"]["peak_memory_per_rank"]))
+
+
+def quantization_settings(quantization: str) -> dict[str, Any]:
+    """The settings that load the base as ``Setup.quantization`` says."""
+    return {
+        "load_in_4bit": quantization in ("nf4", "fp4"),
+        "load_in_8bit": quantization == "int8",
+        "bnb_4bit_quant_type": quantization if quantization in ("nf4", "fp4") else "nf4",
+    }
+
+
+def quantization_of(cfg: TrainConfig) -> str:
+    """``Setup.quantization`` of these settings: nf4 | fp4 | int8 | "" (full precision)."""
+    if cfg.model.load_in_4bit:
+        return cfg.model.bnb_4bit_quant_type
+    return "int8" if cfg.model.load_in_8bit else ""
 
 
 def setup_from(cfg: TrainConfig, world_size: int, length: int, chunk: int = 0) -> Setup:
@@ -170,6 +187,7 @@ def setup_from(cfg: TrainConfig, world_size: int, length: int, chunk: int = 0) -
         world_size=world_size,
         accumulation=max(1, cfg.batch.global_batch_size // (micro * world_size)),
         loss_chunk=chunk,
+        quantization=quantization_of(cfg),
     )
 
 
@@ -188,14 +206,18 @@ def largest_micro_batch(setup: Setup, predict: Callable[[Setup], Estimate], memo
 
 
 def candidates(setup: Setup) -> list[Setup]:
-    """Alternatives to the requested setup: strategy x optimizer x checkpointing x LoRA."""
+    """Alternatives to the requested setup: strategy x optimizer x checkpointing x LoRA, and LoRA
+    on a 4-bit base (QLoRA; the requested quantization when there is one)."""
     strategies = ["ddp", "fsdp"] if setup.world_size > 1 else ["single"]
+    quantized = setup.quantization or "nf4"
     out = []
     for strategy in strategies:
         for optimizer in ("adamw", "adamw8bit"):
             if strategy == "fsdp" and optimizer == "adamw8bit":
                 continue  # bitsandbytes' 8-bit update does not take FSDP2's sharded parameters
-            for lora in (False, True):
+            for lora, quantization in ((False, ""), (True, ""), (True, quantized)):
+                if strategy == "fsdp" and quantization == "int8":
+                    continue  # FSDP2 gathers int8 weights without their scales
                 for ckpt in (False, True):
                     out.append(
                         replace(
@@ -203,6 +225,7 @@ def candidates(setup: Setup) -> list[Setup]:
                             strategy=strategy,
                             optimizer=optimizer,
                             lora=lora,
+                            quantization=quantization,
                             activation_checkpointing=ckpt,
                         )
                     )

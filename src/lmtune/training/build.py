@@ -40,6 +40,7 @@ from lmtune.model.paths import (
 )
 from lmtune.model.precision import autocast_context, grad_scaler, low_precision_dtype
 from lmtune.model.products import Fp32Products, Products
+from lmtune.model.quantization import base_summary, quantization_of, return_freed_buffers
 from lmtune.model.tokens import fit_embeddings, set_stop_tokens
 from lmtune.objectives import objective_for
 from lmtune.objectives.base import LossSetup, Objective
@@ -91,7 +92,14 @@ def build(
     ``objective``'s (default: the one ``--objective`` names)."""
     cfg, env, log = run.cfg, run.env, run.log
     run.heartbeat.beat("load")
-    loaded = load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code)
+    quantization = quantization_of(cfg.model, run.strategy)
+    # A quantized base loads straight onto its device: bitsandbytes quantizes there.
+    device = env.device if quantization is not None else None
+    if quantization is not None:
+        return_freed_buffers(env.device)
+    loaded = load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code, quantization, device)
+    if quantization is not None:
+        log.info(base_summary(loaded.model, quantization))
     tokenizer = loaded.tokenizer
     if cfg.examples.chat_template is not None:
         apply_chat_template_option(cfg, loaded.model, tokenizer, log)

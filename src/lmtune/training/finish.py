@@ -3,11 +3,14 @@ under --merge-lora, and the demo's answers."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from lmtune.checkpoint.export import save_hf_folder
 from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.config.settings import SAMPLE_DATA
 from lmtune.model.lora import merged_model
 from lmtune.model.modeling import load_model
+from lmtune.model.quantization import DTYPE_NAMES, dequantized
 from lmtune.parallel.distributed import barrier
 from lmtune.training.build import Built
 from lmtune.training.context import RunContext
@@ -33,10 +36,33 @@ def finish(
     what = "LoRA adapter (PEFT format)" if cfg.lora.enabled else "model"
     log.info(f"saved the {what} to {final_dir} ({trained})")
     if cfg.lora.merge and env.is_main:
-        base = load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code).model
-        save_hf_folder(merged_model(base, final_dir), built.tokenizer, final_dir / "merged")
-        log.info(f"saved the base model with the adapter merged to {final_dir / 'merged'}")
+        save_merged(run, built, final_dir)
     barrier(env)
     if env.is_main and cfg.data.train == SAMPLE_DATA:
         model = final_model(cfg, final_dir) if built.parts.sharded else built.parts.model
         show_answers(model, built.tokenizer, log)
+
+
+def save_merged(run: RunContext, built: Built, final_dir: Path) -> None:
+    """final/merged: the base with the adapter in final/ merged in.
+
+    A quantized base is loaded quantized again (the same values training saw) and dequantized to
+    the compute dtype, one layer at a time onto the CPU; the adapter merges into that. Merging into
+    the 4-bit weights instead would round most of the update away.
+    """
+    cfg, log = run.cfg, run.log
+    q = built.loaded.quantization
+    loaded = load_model(
+        cfg.model.name, cfg.seed, cfg.model.trust_remote_code, q, run.env.device if q else None
+    )
+    base = dequantized(loaded.model, q.compute_dtype) if q is not None else loaded.model
+    save_hf_folder(merged_model(base, final_dir), built.tokenizer, final_dir / "merged")
+    what = (
+        "the base model"
+        if q is None
+        else (
+            f"the {q.bits}-bit base dequantized to {DTYPE_NAMES[q.compute_dtype]} (the weights the adapter "
+            "was trained on)"
+        )
+    )
+    log.info(f"saved {what} with the adapter merged to {final_dir / 'merged'}")

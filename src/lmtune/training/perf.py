@@ -21,6 +21,7 @@ from lmtune.errors import UserError
 from lmtune.model.paths import cpu_name
 from lmtune.model.precision import DTYPES
 from lmtune.model.products import Fp32Products
+from lmtune.model.quantization import parameter_count
 from lmtune.outputs.runlog import InfoLog
 
 
@@ -42,7 +43,7 @@ def train_flops_per_token(model: nn.Module, seq_len: int) -> float:
     embeddings = get_embeddings() if callable(get_embeddings) else None
     skip = {id(p) for p in embeddings.parameters()} if isinstance(embeddings, nn.Module) else set()
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    weights = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    weights = parameter_count(model, skip)
     if tied and isinstance(embeddings, nn.Module):  # the tied output projection still multiplies
         weights += sum(p.numel() for p in embeddings.parameters())
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from lmtune.checkpoint.rundir import check_output_dir
 from lmtune.config.settings import TrainConfig
 from lmtune.config.validate import check_settings
 from lmtune.data.chat import read_template
 from lmtune.data.sources import resolve_sources
 from lmtune.errors import UserError, brief
+from lmtune.model.quantization import require_bitsandbytes
 from lmtune.outputs.reporters import check_installed, parse_report_to
 
 
@@ -37,3 +40,16 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         "--chat-template": cfg.examples.chat_template or "",
     }
     check_output_dir(Path(cfg.checkpoint.output_dir), inputs, cfg.checkpoint.overwrite)
+    for option, on in (
+        ("--load-in-4bit", cfg.model.load_in_4bit),
+        ("--load-in-8bit", cfg.model.load_in_8bit),
+    ):
+        if on:
+            require_bitsandbytes(option, _device(cfg.model.device))
+
+
+def _device(device: str) -> torch.device:
+    """The device type --device means here (bitsandbytes' backends are per type, not per index)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)

@@ -17,6 +17,7 @@ from lmtune import __version__
 from lmtune.checkpoint.state import optimizer_state_bytes
 from lmtune.config.settings import to_dict
 from lmtune.model.attention import attention_description
+from lmtune.model.quantization import footprint, parameter_count
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.training.batch_layout import BatchLayout
 from lmtune.training.build import BATCHING_NAMES, Built
@@ -67,6 +68,7 @@ def result_record(result: FitResult, optimizer: torch.optim.Optimizer, env: Dist
 def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: float) -> dict[str, Any]:
     """run.json before training; the start line says the same in short."""
     cfg, env, layout = run.cfg, run.env, built.layout
+    quantization = built.loaded.quantization
     attention = attention_description(built.loaded.model) if built.parts.root.varlen else "masked"
     resolved = {
         "objective": built.objective.name,
@@ -79,14 +81,21 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
         "lr": built.lr,
         "model_source": built.loaded.source,
         **asdict(layout),
-        "parameters": count(built.loaded.model.parameters()),
+        "parameters": parameter_count(built.loaded.model),
+        "quantization": quantization.description if quantization else None,
+        # Bytes of the quantized layers and of the rest, when the base is quantized.
+        "base_bytes": dict(zip(("quantized", "full_precision"), footprint(built.loaded.model), strict=True))
+        if quantization
+        else None,
         "trainable_parameters": count(p for p in built.parts.root.parameters() if p.requires_grad),
         "resumed_from": str(resume_from) if resume_from else None,
         "peak_flops_per_device": peak,
     }
     units = f" ({built.paths.units.describe()})" if env.device.type == "cpu" else ""
     run.log.info(
-        f"lmtune: {built.loaded.source}, {resolved['parameters']:,} parameters, {run.strategy} on "
+        f"lmtune: {built.loaded.source}, {resolved['parameters']:,} parameters"
+        + (f" (base in {quantization.bits} bits)" if quantization else "")
+        + f", {run.strategy} on "
         f"{env.world_size} x {env.device.type}{units}; global batch {_batch_line(layout)} "
         f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} steps; "
         f"loss: {built.loss.description}"
