@@ -65,8 +65,9 @@ def test_real_entry_point_prints_no_traceback(tmp_path: Path) -> None:
 
 
 def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--no-such-flag"]) == 2
     with pytest.raises(SystemExit) as exc:
-        main(["train", "--no-such-flag"])
+        main(["train", "--lr"])  # argparse's own: a missing value
     assert exc.value.code == 2
 
 

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
-from lmtune.cli.parser import build_parser
+from lmtune.cli.parser import build_parser, unknown_arguments
+from lmtune.config.verbosity import VERBOSE_ENV, verbose
 from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    _quiet_libraries()
+    # Options a command does not take are ours to explain (argparse would print the top-level usage).
+    args, extra = build_parser().parse_known_args(argv)
+    if getattr(args, "verbose", False):
+        os.environ[VERBOSE_ENV] = "1"  # this process, and every process it starts
+    if not verbose():
+        _quiet_libraries()
     try:
+        if extra:
+            raise UserError(unknown_arguments(args.parser, extra))
         code: int = args.run(args, argv)
         return code
     except UserError as e:
@@ -37,8 +45,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _quiet_libraries() -> None:
     """Hide transformers' per-load progress bars and advice; lmtune reports what matters."""
-    import os
-
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     try:

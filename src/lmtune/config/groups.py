@@ -28,7 +28,7 @@ class ModelSettings:
 
     name: str = setting(
         "tiny",
-        "Local Hugging Face model folder, hub id, or built-in preset (tiny, small) built offline.",
+        "Local Hugging Face model folder, hub id, or built-in preset (tiny, small, medium) built offline.",
         flag="model",
     )
     trust_remote_code: bool = setting(
@@ -116,13 +116,21 @@ class ExampleSettings:
         (
             "auto (from each record's fields) | text (train on all of it) | prompt_completion "
             "(prompt+completion or instruction/input/output; train on the completion) | messages "
-            "(chat; train "
-            "on assistant turns)."
+            "(chat: a list of role/content turns; train on assistant turns) | sharegpt (chat as "
+            "conversations of from/value turns, roles human/gpt/system)."
         ),
-        choices=("auto", "text", "prompt_completion", "messages"),
+        choices=("auto", "text", "prompt_completion", "messages", "sharegpt"),
         flag="data_format",
     )
     text_field: str = setting("text", "Name of the field holding plain text.")
+    field_map: str | None = setting(
+        None,
+        (
+            "The data set's names for lmtune's fields, as OURS=THEIRS pairs, comma-separated: fields "
+            "(messages=dialog,role=speaker,content=text; prompt=question,completion=answer; text=body) "
+            "and role values (assistant=bot,user=human). In YAML also a mapping."
+        ),
+    )
     train_on_prompt: bool = setting(
         False,
         (
@@ -363,6 +371,15 @@ class CheckpointSettings:
             "records are deleted first (without it, such a folder is refused)."
         ),
     )
+    push_to_hub: str | None = setting(
+        None,
+        (
+            "At the end, upload final/ (the merged model with --merge-lora) with its model card to this "
+            "Hugging Face hub repo (user/name), created if missing; the token is huggingface_hub's "
+            "(HF_TOKEN or `hf auth login`). A failed upload is a warning with the command to retry."
+        ),
+    )
+    hub_private: bool = setting(False, "With --push-to-hub: create the repo private.")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from lmtune.config.aliases import resolve_names
 from lmtune.config.settings import (
     GROUPS,
     Setting,
@@ -75,6 +76,10 @@ def _coerce(s: Setting, value: Any) -> Any:
         raise UserError(f"{option_name(name)}: expected true or false, got {value!r}")
     if kind is str and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value)  # a YAML list of data files
+    if kind is str and isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+        return ",".join(f"{k}={v}" for k, v in value.items())  # a YAML mapping (--field-map)
+    if isinstance(value, bool) and {"on", "off"} <= set(s.choices):
+        return "on" if value else "off"  # packing: true, as TRL writes it
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
     if (
@@ -97,17 +102,20 @@ def load_yaml(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--config: no such file: {path}")
+    text = p.read_text(encoding="utf-8")
     try:
-        loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        loaded = yaml.safe_load(text)
+        lines = _key_lines(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else path
-        raise UserError(f"--config: {where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        at = f"{path}:{mark.line + 1}" if mark is not None else path
+        raise UserError(f"--config: {at}: not valid YAML ({getattr(e, 'problem', e)})") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
         raise UserError(f"--config: {path}: expected a mapping of settings, got {type(loaded).__name__}")
     settings: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # flat name -> the key that gave it
     for key, value in loaded.items():
         name = str(key).replace("-", "_")
         group = GROUPS.get(name)
@@ -115,8 +123,22 @@ def load_yaml(path: str) -> dict[str, Any]:
         for flat, item in entries.items():
             if flat in settings:
                 raise UserError(f"--config: {path}: {option_name(flat)} is set twice (as {flat} and {key})")
-            settings[flat] = item
-    return settings
+            settings[flat], origin[flat] = item, str(key)
+
+    def where(flat: str) -> str:
+        line = lines.get(origin.get(flat, flat))
+        return f"--config {path}{f':{line}' if line else ''}: "
+
+    # Names of HF Trainer, TRL and Axolotl: an alias becomes lmtune's name, others are explained.
+    return resolve_names(settings, (s.name for s in config_fields()), where)
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """The line of each top-level key of a YAML mapping."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {str(k.value): k.start_mark.line + 1 for k, _ in node.value}
 
 
 def _group_entries(group: str, values: dict[Any, Any], path: str) -> dict[str, Any]:
@@ -137,14 +159,9 @@ def _group_entries(group: str, values: dict[Any, Any], path: str) -> dict[str, A
 
 def build_config(values: dict[str, Any], source: str = "") -> TrainConfig:
     """Make a config from a mapping of settings (YAML and flags already merged)."""
-    known = {s.name for s in config_fields()}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        where = f" in {source}" if source else ""
-        raise UserError(
-            f"unknown setting{'s' if len(unknown) > 1 else ''}{where}: "
-            + ", ".join(option_name(u) for u in unknown)
-        )
+    values = resolve_names(
+        values, (s.name for s in config_fields()), lambda _: f"{source}: " if source else ""
+    )
     kwargs = {k: _coerce(setting_named(k), v) for k, v in values.items()}
     return TrainConfig(**kwargs)
 

@@ -193,7 +193,10 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
             s = _BY_NAME[key]
             flat.setdefault(s.group or "", {})[s.field] = value
         else:
-            raise TypeError(f"TrainConfig: unknown setting {key!r}")
+            from lmtune.config.aliases import explain_unknown
+
+            known = [*_BY_NAME, *GROUPS]
+            raise TypeError(f"TrainConfig: {explain_unknown(key, known, repr, 'TrainConfig')}")
     for group, changes in flat.items():
         if group:
             values[group] = dataclasses.replace(values[group], **changes)
