@@ -126,8 +126,9 @@ DOCTOR_RDZV_ID = "lmtune-doctor"
 AUDIT_SETTINGS = (
     "model",
     "trust_remote_code",
-    *("data_format", "text_field", "train_on_prompt", "chat_template", "max_length", "truncation"),
-    *("txt_mode", "global_batch_size", "micro_batch_size", "seed", "nproc_per_node"),
+    *("data_format", "text_field", "field_map", "train_on_prompt", "chat_template", "max_length"),
+    *("truncation", "skip_bad_lines", "txt_mode", "global_batch_size", "micro_batch_size", "seed"),
+    "nproc_per_node",
 )
 
 

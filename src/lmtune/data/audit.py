@@ -10,7 +10,7 @@ import numpy as np
 
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import end_of_turn_ids
-from lmtune.data.formats import ensure_chat_template
+from lmtune.data.formats import CHAT_FORMATS, ensure_chat_template
 from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, rank_indices
 from lmtune.data.sources import BadLines, resolve_sources
@@ -113,7 +113,7 @@ def audit(
     if nproc_per_node > 1 and global_batch_size % (micro * nproc_per_node) == 0:
         imbalance = rank_imbalance(lengths, nproc_per_node, global_batch_size, micro, seed)
     stops = [tokenizer.eos_token_id]
-    if "messages" in stats.formats:
+    if set(CHAT_FORMATS) & set(stats.formats):
         stops += [t for t in end_of_turn_ids(tokenizer) if t not in stops]
     return AuditReport(
         spec=spec,

@@ -19,6 +19,7 @@ from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup
 from lmtune.data.chat import end_of_turn_ids, use_chat_template
 from lmtune.data.collate import Collator, StepCollator
 from lmtune.data.dataset import TokenizedDataset, split_off
+from lmtune.data.formats import CHAT_FORMATS
 from lmtune.data.prepare import default_cache_dir, prepare
 from lmtune.data.sampling import EvalSampler, TrainSampler
 from lmtune.data.tokenize import EncodeStats
@@ -101,7 +102,7 @@ def build(run: Run) -> Built:
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
     run.heartbeat.beat("load")
-    if "messages" in data_info["train"]["formats"]:
+    if set(CHAT_FORMATS) & set(data_info["train"]["formats"]):
         # The reply's end-of-turn token trains; saved models must also stop generating there.
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
         log.info(f"chat data: saved models stop at {tokenizer.convert_ids_to_tokens(stops)}")

@@ -8,6 +8,7 @@ from pathlib import Path
 from lmtune.config.settings import TrainConfig
 from lmtune.config.validate import check_settings
 from lmtune.data.chat import read_template
+from lmtune.data.formats import FieldMap
 from lmtune.data.sources import resolve_sources
 from lmtune.errors import UserError
 from lmtune.outputs.reporters import check_installed, parse_report_to
@@ -17,6 +18,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     """Reject settings that cannot work and inputs that are not there; ``world_size`` is the
     process count."""
     check_settings(cfg, world_size)
+    FieldMap.of(cfg.examples)  # a malformed --field-map fails here, not on the first record
     for spec, option in ((cfg.data.train, "--data"), (cfg.data.eval, "--eval-data")):
         if spec is not None:
             resolve_sources(spec, option)  # missing files and empty globs fail here
