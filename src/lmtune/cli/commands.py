@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
+from lmtune.errors import UserError
 
 
 def train_config(args: argparse.Namespace) -> Any:
@@ -222,7 +222,6 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from dataclasses import replace
     from pathlib import Path
 
     from lmtune.config.validate import check_settings
@@ -239,7 +238,7 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     report = audit(
         cfg.data.train,
         tokenizer,
-        replace(cfg.examples, skip_bad_lines=True),  # every line is read: a bad one is reported
+        cfg.examples,  # every line is read either way; a bad one is reported
         cfg.launch.nproc_per_node,
         cfg.batch.global_batch_size,
         cfg.batch.micro_batch_size,
@@ -249,4 +248,4 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.plot:
         plot_histogram(report, Path(args.plot))
         print(f"  histogram           {args.plot}")
-    return 0 if report.clean else USER_ERROR_EXIT_CODE
+    return report.exit_code

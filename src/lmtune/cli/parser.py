@@ -314,7 +314,9 @@ def _data_parser(sub: Any) -> None:
         "audit",
         help="report what training would make of a data set",
         description="Read every record and report formats, bad lines, token lengths, truncation, "
-        "untrainable examples, EOS labels and rank imbalance. Exit 0 when clean, 2 when errors were found.",
+        "untrainable examples, stop-token labels and rank imbalance. Exit 0 when clean; 1 when it would "
+        "train badly (an example loses its stop token's label, an example trains nothing, nothing to "
+        "train on); 2 when training would stop on it (bad lines).",
     )
     aud.add_argument("data", nargs="+", metavar="DATA", help="files, globs, folders or data set names")
     # Train's settings that decide what training makes of the data: the same names and defaults.
