@@ -189,6 +189,25 @@ def _load_error(name: str, tried: str, e: Exception) -> UserError:
     )
 
 
+# The files a tokenizer is saved as: tokenizers' own, or a slow tokenizer's vocabulary.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
+def _no_tokenizer(name: str, folder: Path) -> UserError:
+    return UserError(
+        f"--model {name}: the folder has no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, ...); "
+        f"save the tokenizer of the model it came from into it: "
+        f"AutoTokenizer.from_pretrained(BASE).save_pretrained('{folder}')"
+    )
+
+
 def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedModel:
     """Load a model and tokenizer by preset name, local folder or hub id.
 
@@ -248,6 +267,9 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     if name in PRESETS:
         return byte_tokenizer()
     where = _source(name, need_config=False)
+    folder = Path(where.source)
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise _no_tokenizer(name, folder)
     from transformers import AutoTokenizer
 
     try:
@@ -255,7 +277,14 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
             where.source, trust_remote_code=trust_remote_code, local_files_only=where.local_only
         )
     except (OSError, ValueError) as e:
-        raise _load_error(name, where.tried, e) from None
+        if not folder.is_dir():
+            raise _load_error(name, where.tried, e) from None
+        # transformers' text runs over lines and never says it was the tokenizer that failed.
+        said = " ".join(str(e).split()) or type(e).__name__
+        raise UserError(
+            f"--model {name}: could not load its tokenizer from {where.tried}: "
+            f"{said if len(said) <= 200 else said[:197] + '...'}"
+        ) from None
     ensure_pad_token(tokenizer)
     return tokenizer
 
