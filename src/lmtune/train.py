@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,7 @@ class TrainResult:
     steps: int
     last_loss: float
     eval: EvalResult | None
-    stopped_early: bool = False
+    stopped_by: str | None = None  # signal | early_stopping: ended before its last step
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -196,12 +196,13 @@ def _run(run: Run) -> TrainResult:
         steps=result.state.step,
         last_loss=result.last_loss,
         eval=evals[-1] if evals else None,
+        stopped_by=run_info["result"]["stopped_by"],
     )
     if result.stop == "signal":
         log.info(f"stopped at step {result.state.step}; run the same command again to resume")
         if env.is_main:
             report_stopped(result.state.step)
-        return replace(done, stopped_early=True)
+        return done
     finalize(run, b, result, best, trained_from=state.step)
     return done
 

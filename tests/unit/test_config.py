@@ -129,3 +129,11 @@ def test_nnodes_and_resume_options(tmp_path: Path) -> None:
         validate(build_config({"resume": str(tmp_path / "nope")}), world_size=1)
     with pytest.raises(UserError, match="--on-nan"):
         validate(build_config({"on_nan": "ignore"}), world_size=1)
+
+
+def test_model_help_names_every_preset() -> None:
+    from lmtune.config.settings import setting_named
+    from lmtune.model.modeling import PRESETS
+
+    shown = setting_named("model").help
+    assert all(name in shown for name in PRESETS), shown

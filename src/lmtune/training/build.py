@@ -209,8 +209,10 @@ def prepare_data(
             **{k: meta[k] for k in (*(f.name for f in fields(EncodeStats)), "bad_lines")},
         }
         how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
+        shown = {SAMPLE_DATA: "the built-in sample", SAMPLE_EVAL: "the built-in sample's held-out split"}
         log.info(
-            f"{name} data {spec}: {meta['examples']:,} examples, {meta['tokens']:,} tokens ({how}); "
+            f"{name} data {shown.get(spec, spec)}: {meta['examples']:,} examples, "
+            f"{meta['tokens']:,} tokens ({how}); "
             f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long, "
             f"{meta['dropped_no_targets']} dropped with no trainable tokens"
             + (f", {meta['bad_lines']} bad lines skipped" if meta["bad_lines"] else "")

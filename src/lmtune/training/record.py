@@ -64,8 +64,8 @@ def result_record(
         "steps": state.step,
         "last_loss": result.last_loss,
         "skipped_steps": state.skipped_steps,
-        "stopped_early": result.stop == "signal",
-        "early_stopped": result.stop == "early",
+        # Why it ended before its last step: a signal (it saved; run again to resume), early stopping.
+        "stopped_by": {"signal": "signal", "early": "early_stopping"}.get(result.stop or ""),
         "best": asdict(best.best) if best is not None and best.best is not None else None,
         "eval": asdict(evals[-1]) if evals else None,
     }
@@ -90,7 +90,7 @@ def run_record(run: Run, b: Built, resume_from: Path | None, peak: float) -> dic
         "peak_flops_per_device": peak,
     }
     run.log.info(
-        f"lmtune: {b.loaded.source}, {resolved['parameters']:,} parameters, {run.strategy} on "
+        f"lmtune: {b.loaded.source}, {_parameters(resolved, cfg.lora.enabled)}, {run.strategy} on "
         f"{env.world_size} x {env.device.type}; global batch {_batch_line(layout)} "
         f"({BATCHING_NAMES[b.batching]}, {attention} attention); {layout.total_steps} steps; "
         f"loss: {b.loss.description}"
@@ -103,6 +103,16 @@ def run_record(run: Run, b: Built, resume_from: Path | None, peak: float) -> dic
         "data": b.data_info,
         "environment": environment_info(env, run.threads),
     }
+
+
+def _parameters(resolved: dict[str, Any], lora: bool) -> str:
+    """``1,050,112 parameters (163,840 trainable: 15.6%, the LoRA adapters)``."""
+    total, trainable = resolved["parameters"], resolved["trainable_parameters"]
+    if trainable == total:
+        return f"{total:,} parameters, all trainable"
+    share = 100 * trainable / max(total, 1)
+    what = ", the LoRA adapters" if lora else ""
+    return f"{total:,} parameters ({trainable:,} trainable: {share:.{2 if share < 1 else 1}f}%{what})"
 
 
 def _batch_line(layout: BatchLayout) -> str:
