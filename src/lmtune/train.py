@@ -25,6 +25,7 @@ from lmtune.data.prepare import cache_root
 from lmtune.model.precision import check_device
 from lmtune.model.products import choose_products
 from lmtune.model.tokens import stop_ids
+from lmtune.outputs.hub import push_final
 from lmtune.outputs.reporters import open_reporters, parse_report_to
 from lmtune.outputs.runlog import RunLog, SampleLog, read_metrics
 from lmtune.parallel.distributed import (
@@ -204,6 +205,9 @@ def _run(run: Run) -> TrainResult:
             report_stopped(result.state.step)
         return done
     finalize(run, b, result, best, trained_from=state.step)
+    if cfg.checkpoint.push_to_hub is not None and env.is_main:
+        run.heartbeat.beat("upload")  # as long as the network takes: not watched as a hang
+        push_final(output_dir, cfg.checkpoint, cfg.lora.merge, log)
     return done
 
 

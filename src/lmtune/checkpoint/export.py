@@ -22,12 +22,17 @@ from lmtune.model.loss import WRAPPED_PREFIX
 from lmtune.parallel.distributed import DistEnv, barrier
 
 
-def save_hf_folder(model: nn.Module, tokenizer: Any, folder: Path) -> None:
-    """Write config, ``model.safetensors`` and the tokenizer so ``from_pretrained`` loads it back."""
+def save_hf_folder(
+    model: nn.Module, tokenizer: Any, folder: Path, card: Callable[[Path], None] | None = None
+) -> None:
+    """Write config, ``model.safetensors`` and the tokenizer so ``from_pretrained`` loads it back
+    (and, with ``card``, what it writes: the model card)."""
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
         tokenizer.save_pretrained(tmp)
+        if card is not None:
+            card(tmp)
 
     replace_folder(folder, write)
 
@@ -167,6 +172,7 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False) -> None
                 if name in listed:
                     shutil.copy2(checkpoint / name, tmp / name)
             tokenizer.save_pretrained(tmp)
+            _write_card(checkpoint, tmp)
 
         replace_folder(out, write)
         return
@@ -180,7 +186,19 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False) -> None
         load_model(model, str(checkpoint / MODEL_FILE))
     else:
         _load_sharded_model(model, checkpoint / SHARDED_DIR)
-    save_hf_folder(model, tokenizer, out)
+    save_hf_folder(model, tokenizer, out, card=lambda tmp: _write_card(checkpoint, tmp))
+
+
+def _write_card(checkpoint: Path, folder: Path) -> None:
+    """An exported folder's model card: its run's record (OUTPUT/run.json, when the checkpoint is
+    still in its run's folder), with the results of the checkpoint's own step."""
+    from lmtune.checkpoint.card import checkpoint_record, write_model_card
+    from lmtune.checkpoint.store import read_state
+
+    step = read_state(checkpoint).step
+    run = checkpoint_record(checkpoint.parent.parent, step)
+    note = f"Exported from the checkpoint of step {step} ({checkpoint.name})."
+    write_model_card(folder, run, note=note)
 
 
 def _load_sharded_model(model: nn.Module, folder: Path) -> None:

@@ -178,6 +178,32 @@ def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def push(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from lmtune.checkpoint.card import run_record_near, write_model_card
+    from lmtune.outputs.hub import check_push, push_folder
+
+    folder = Path(args.folder)
+    if not ((folder / "config.json").is_file() or (folder / "adapter_config.json").is_file()):
+        raise UserError(f"{folder}: not a model folder (no config.json or adapter_config.json)")
+    check_push(args.repo_id, option="lmtune push")
+    if not write_model_card(folder, run_record_near(folder), repo_id=args.repo_id):
+        print(f"{folder}/README.md was not written by lmtune: pushed as it is")
+    try:
+        url = push_folder(
+            folder,
+            args.repo_id,
+            private=args.private,
+            message=args.message or f"Upload {folder.name} (lmtune)",
+        )
+    except Exception as e:  # huggingface_hub's: credentials, network, quota
+        said = " ".join(str(e).split())[:300] or type(e).__name__
+        raise UserError(f"pushing {folder} to {args.repo_id} failed ({type(e).__name__}: {said})") from None
+    print(f"pushed {folder} to {url}")
+    return 0
+
+
 def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.config.settings import parse_nnodes
     from lmtune.config.validate import check_settings

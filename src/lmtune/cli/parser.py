@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_parser(sub)
     _plan_parser(sub)
     _export_parser(sub)
+    _push_parser(sub)
     _doctor_parser(sub)
     _report_parser(sub)
     _data_parser(sub)
@@ -244,6 +245,22 @@ def _export_parser(sub: Any) -> None:
     exp.add_argument("out", metavar="DIR", help="folder to write")
     exp.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
     exp.set_defaults(run=commands.export)
+
+
+def _push_parser(sub: Any) -> None:
+    push = _command(
+        sub,
+        "push",
+        help="upload a model folder with its model card to the Hugging Face hub",
+        description="Upload a saved model folder (OUTPUT/final, final/merged, an export) to a hub repo, "
+        "created when missing, with a model card (README.md) unless the folder has its own. The token "
+        "is huggingface_hub's: HF_TOKEN, or `hf auth login`.",
+    )
+    push.add_argument("folder", metavar="FOLDER", help="model or adapter folder, for example OUTPUT/final")
+    push.add_argument("repo_id", metavar="REPO_ID", help="hub repo, user/name or org/name")
+    push.add_argument("--private", "--hub-private", action="store_true", help="create the repo private")
+    push.add_argument("--message", default=None, help="commit message (default: Upload FOLDER (lmtune))")
+    push.set_defaults(run=commands.push)
 
 
 def _doctor_parser(sub: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lmtune.checkpoint.card import write_run_cards
 from lmtune.checkpoint.export import save_final, save_hf_folder
 from lmtune.checkpoint.store import load_checkpoint
 from lmtune.config.settings import SAMPLE_DATA
@@ -38,6 +39,8 @@ def finalize(run: Run, b: Built, result: FitResult, best: BestTracker | None, tr
         )
         save_hf_folder(merged, b.tokenizer, final_dir / "merged")
         log.info(f"saved the base model with the adapter merged to {final_dir / 'merged'}")
+    if env.is_main:
+        write_run_cards(run.output_dir)  # README.md: how it was trained, its results, how to load it
     barrier(env)
     if env.is_main and cfg.data.train == SAMPLE_DATA:
         show_answers(final_model(cfg, final_dir) if b.parts.sharded else b.parts.model, b.tokenizer, log)
