@@ -4,7 +4,9 @@ here they are put together, and the loop's components registered (one line each)
 from __future__ import annotations
 
 import os
+import sys
 import time
+import types
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -281,3 +283,15 @@ def _sampler(run: Run, b: Built) -> Sampler:
     return Sampler(
         settings, unwrap(b.model), b.tokenizer, stops, run.env, run.log, b.parts.sharded, run.autocast
     )
+
+
+class _CallableModule(types.ModuleType):
+    """``lmtune.train`` names this module and its :func:`train`: once the module is imported, Python
+    binds the name to the module, so calling it runs :func:`train` (``lmtune.train(cfg)`` works
+    whichever of the two the name holds)."""
+
+    def __call__(self, cfg: TrainConfig) -> TrainResult:
+        return train(cfg)
+
+
+sys.modules[__name__].__class__ = _CallableModule

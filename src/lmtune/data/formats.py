@@ -175,13 +175,16 @@ def render(
     return replace(rendered, spans=((0, len(rendered.text)),)) if train_on_prompt else rendered
 
 
-def _turns(record: Record, fmt: str, names: FieldMap) -> list[dict[str, str]]:
-    """A chat record's turns as ``{role, content}`` under lmtune's role names."""
-    plain = PLAIN_FIELDS.fields if fmt == "messages" else SHAREGPT_TURNS
-    field = "messages" if fmt == "messages" or "messages" in names.fields else "conversations"
+def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -> list[dict[str, str]]:
+    """The turns in a record's list field ``field`` (lmtune's name) as ``{role, content}`` under
+    lmtune's role names; their own role and content fields are named as ``names`` says (ShareGPT's
+    ``from`` and ``value`` by default in ``sharegpt`` records)."""
+    plain = PLAIN_FIELDS.fields if fmt != "sharegpt" else SHAREGPT_TURNS
+    if fmt == "sharegpt" and field == "messages" and "messages" not in names.fields:
+        field = SHAREGPT_TURNS["messages"]
     role_key = names.fields.get("role", plain.get("role", "role"))
     content_key = names.fields.get("content", plain.get("content", "content"))
-    shown = names.name("messages") if field == "messages" else field
+    shown = names.name(field)
     raw = record.fields.get(field)
     if not isinstance(raw, list) or not raw:
         raise UserError(
