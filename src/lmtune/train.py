@@ -27,7 +27,7 @@ from lmtune.data.prepare import cache_root
 from lmtune.model.precision import check_device
 from lmtune.model.products import choose_products
 from lmtune.model.tokens import stop_ids
-from lmtune.outputs.hub import push_final
+from lmtune.outputs.hub import check_push, push_final
 from lmtune.outputs.reporters import open_reporters, parse_report_to
 from lmtune.outputs.runlog import RunLog, SampleLog, read_metrics
 from lmtune.parallel.distributed import (
@@ -81,6 +81,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     """
     env = read_dist_env(cfg.model.device)
     validate(cfg, env.world_size)
+    if cfg.checkpoint.push_to_hub is not None and env.is_main:  # the rank that uploads, at the end
+        check_push(cfg.checkpoint.push_to_hub)  # a missing token is found now, not after training
     check_device(cfg.model.precision, env.device)
     strategy = resolve_strategy(cfg.launch.strategy, env)
     threads = cpu_threads_per_process(env, cfg.launch.threads_per_process)

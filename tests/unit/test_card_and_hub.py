@@ -190,3 +190,6 @@ def test_push_needs_a_token_a_repo_id_and_the_hub(tmp_path: Path, monkeypatch: p
         hub.check_push(REPO_ID)  # the tests run offline
     code = main(["train", "--push-to-hub", REPO_ID, "--output-dir", str(tmp_path / "o")])
     assert code == 2 and not (tmp_path / "o").exists()  # refused before anything ran
+    from lmtune.config.io import MEASURING_RUN
+
+    assert MEASURING_RUN["push_to_hub"] is None  # plan's and bench's own runs never upload

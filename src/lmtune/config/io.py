@@ -34,6 +34,7 @@ MEASURING_RUN: dict[str, Any] = {
     "save_every": 0,
     "report_to": "none",
     "sample_prompts": None,
+    "push_to_hub": None,
     "sample_every": 0,
     "record_samples": False,
     "doctor": False,

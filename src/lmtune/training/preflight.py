@@ -11,7 +11,6 @@ from lmtune.data.chat import read_template
 from lmtune.data.formats import FieldMap
 from lmtune.data.sources import resolve_sources
 from lmtune.errors import UserError
-from lmtune.outputs.hub import check_push
 from lmtune.outputs.reporters import check_installed, parse_report_to
 
 
@@ -31,5 +30,3 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if resume not in ("auto", "never") and not Path(resume).is_dir():
         raise UserError(f"--resume: no such checkpoint folder: {resume}")
     check_installed(parse_report_to(cfg.logging.report_to))
-    if cfg.checkpoint.push_to_hub is not None:
-        check_push(cfg.checkpoint.push_to_hub)  # a missing token is found now, not after training
