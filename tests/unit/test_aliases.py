@@ -141,3 +141,19 @@ def test_help_shows_lmtune_names_only(capsys: pytest.CaptureFixture[str]) -> Non
         main(["train", "--help"])
     shown = capsys.readouterr().out
     assert "--lr LR" in shown and "--learning-rate" not in shown and "--max_steps" not in shown
+
+
+def test_yes_no_options_take_true_and_false_as_hf_examples_write_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lmtune.cli.parser import spelled_out_flags
+
+    parser = build_parser()
+    argv = ["train", "--gradient_checkpointing", "True", "--lora", "false", "--load-best-at-end", "1"]
+    args, extra = parser.parse_known_args(argv)
+    assert extra == ["True", "false", "1"]
+    cfg = train_config(parser.parse_args(spelled_out_flags(args.parser, argv)))
+    assert cfg == TrainConfig(activation_checkpointing=True, lora=False, load_best_at_end=True)
+    assert main(["train", "--bf16", "True", "--lora-target-modules", "q_proj", "v_proj"]) == 2
+    err = capsys.readouterr().err
+    assert "--bf16: set the precision with --precision bf16" in err and "True" not in err

@@ -6,7 +6,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lmtune.cli.parser import build_parser, unknown_arguments
+from lmtune.cli.parser import build_parser, spelled_out_flags, unknown_arguments
 from lmtune.config.verbosity import VERBOSE_ENV, verbose
 from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
 
@@ -15,7 +15,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     # Options a command does not take are ours to explain (argparse would print the top-level usage).
-    args, extra = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and (spelled := spelled_out_flags(args.parser, argv)) != argv:
+        argv = spelled  # --gradient_checkpointing True, as HF Trainer's examples write it
+        args, extra = parser.parse_known_args(argv)
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"  # this process, and every process it starts
     if not verbose():

@@ -72,8 +72,33 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> str:
     problems = [explain_unknown(a, known, option_name, parser.prog) for a in options]
     stray = [a for a in extra if not a.startswith("-")]
     if stray and not options:
-        problems.append(f"unexpected argument{'s' if len(stray) > 1 else ''} {' '.join(stray)}")
+        problems.append(
+            f"unexpected argument{'s' if len(stray) > 1 else ''} {' '.join(stray)} (an option takes one "
+            "value; give a list comma-separated, as --lora-target-modules q_proj,v_proj)"
+        )
     return f"{parser.prog}: " + "; ".join(problems)
+
+
+YES, NO = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def spelled_out_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with ``--flag True`` / ``--flag False`` (how HF Trainer's examples write yes/no
+    options) as ``--flag`` / ``--no-flag``, for the yes/no options ``parser`` has."""
+    flags = {
+        o for o, a in parser._option_string_actions.items() if isinstance(a, argparse.BooleanOptionalAction)
+    }
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token, value = argv[i], argv[i + 1].lower() if i + 1 < len(argv) else ""
+        if token in flags and not token.startswith("--no-") and value in YES + NO:
+            out.append(token if value in YES else "--no-" + token[2:])
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
 
 
 def _is_number(text: str) -> bool:
