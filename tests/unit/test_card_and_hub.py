@@ -164,6 +164,7 @@ def test_full_model_card_export_card_and_lmtune_push(
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     step1 = next(r for r in rows if r["kind"] == "train" and r["step"] == 1)
     assert "Exported from the checkpoint of step 1" in card and f"{step1['loss']:.4f}" in card
+    assert card.count(f'from_pretrained("{exported}")') == 2 and "# step1\n" in card  # not its .tmp name
     # lmtune push: any saved folder, its card rewritten for the repo; a user's own README is kept.
     with fake_hub() as api:
         assert main(["push", str(final), REPO_ID]) == 0

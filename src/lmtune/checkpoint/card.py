@@ -41,15 +41,21 @@ def write_run_cards(output_dir: Path) -> None:
 
 
 def write_model_card(
-    folder: Path, run: dict[str, Any] | None, *, repo_id: str | None = None, note: str | None = None
+    folder: Path,
+    run: dict[str, Any] | None,
+    *,
+    repo_id: str | None = None,
+    note: str | None = None,
+    final: Path | None = None,
 ) -> bool:
-    """Write ``folder/README.md`` (the snippets load from ``repo_id``, else the folder); ``run`` is
-    the run's run.json (None: what the folder alone tells). False when a README.md that lmtune did
-    not write is there: it is kept."""
+    """Write ``folder/README.md`` (its code loads from ``repo_id``, else from the folder, or from
+    ``final``: where a folder being written will be); ``run`` is the run's run.json (None: what the
+    folder alone tells). False when a README.md that lmtune did not write is there: it is kept."""
     path = folder / CARD_FILE
     if path.is_file() and MARKER not in path.read_text(encoding="utf-8", errors="replace"):
         return False
-    path.write_text(model_card(folder, run, repo_id=repo_id, note=note), encoding="utf-8")
+    card = model_card(folder, run, repo_id=repo_id, note=note, final=final)
+    path.write_text(card, encoding="utf-8")
     return True
 
 
@@ -100,7 +106,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def model_card(
-    folder: Path, run: dict[str, Any] | None, *, repo_id: str | None = None, note: str | None = None
+    folder: Path,
+    run: dict[str, Any] | None,
+    *,
+    repo_id: str | None = None,
+    note: str | None = None,
+    final: Path | None = None,
 ) -> str:
     """The card's text: YAML front matter, then the body."""
     run = run or {}
@@ -118,13 +129,14 @@ def model_card(
     datasets = [d for d in (_hub_dataset(s) for s in _data_specs(config)) if d]
     if datasets:
         meta["datasets"] = datasets
-    where = repo_id or str(folder.resolve())
-    title = repo_id.split("/")[-1] if repo_id else _title(folder.resolve())
+    place = (final or folder).resolve()
+    where = repo_id or str(place)
+    title = repo_id.split("/")[-1] if repo_id else _title(place)
     body = [
         MARKER,
         f"# {title}",
         "",
-        _summary(config, base, adapter, folder.name == "merged"),
+        _summary(config, base, adapter, place.name == "merged"),
         *([f"\n{note}"] if note else []),
         "",
         "## Training",

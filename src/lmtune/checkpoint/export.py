@@ -172,7 +172,7 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False) -> None
                 if name in listed:
                     shutil.copy2(checkpoint / name, tmp / name)
             tokenizer.save_pretrained(tmp)
-            _write_card(checkpoint, tmp)
+            _write_card(checkpoint, tmp, out)
 
         replace_folder(out, write)
         return
@@ -186,10 +186,10 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False) -> None
         load_model(model, str(checkpoint / MODEL_FILE))
     else:
         _load_sharded_model(model, checkpoint / SHARDED_DIR)
-    save_hf_folder(model, tokenizer, out, card=lambda tmp: _write_card(checkpoint, tmp))
+    save_hf_folder(model, tokenizer, out, card=lambda tmp: _write_card(checkpoint, tmp, out))
 
 
-def _write_card(checkpoint: Path, folder: Path) -> None:
+def _write_card(checkpoint: Path, folder: Path, out: Path) -> None:
     """An exported folder's model card: its run's record (OUTPUT/run.json, when the checkpoint is
     still in its run's folder), with the results of the checkpoint's own step."""
     from lmtune.checkpoint.card import checkpoint_record, write_model_card
@@ -198,7 +198,7 @@ def _write_card(checkpoint: Path, folder: Path) -> None:
     step = read_state(checkpoint).step
     run = checkpoint_record(checkpoint.parent.parent, step)
     note = f"Exported from the checkpoint of step {step} ({checkpoint.name})."
-    write_model_card(folder, run, note=note)
+    write_model_card(folder, run, note=note, final=out)
 
 
 def _load_sharded_model(model: nn.Module, folder: Path) -> None:
