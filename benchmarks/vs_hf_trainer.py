@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from lmtune.config.settings import TrainConfig
-from lmtune.data.sample import addition_examples
+from lmtune.data.addition import addition_examples
 from lmtune.model.modeling import build_preset
 from lmtune.outputs.runlog import read_metrics, tokens_per_second
 from lmtune.train import train

@@ -20,14 +20,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Markers by folder: the quick subset (-m "not distributed and not e2e") leaves out the tests that
+# launch several processes and the long end-to-end runs; gpu tests skip without CUDA.
+FOLDER_MARKERS = {"distributed": "distributed", "e2e": "e2e", "gpu": "gpu"}
+
+
 def pytest_collection_modifyitems(items: list[Any]) -> None:
-    """Everything under tests/e2e/ is e2e: the quick subset (-m "not distributed and not e2e")
-    leaves the long end-to-end runs out."""
+    """tests/unit/ mirrors the packages (in process), tests/integration/ runs the CLI in process or
+    briefly in a subprocess, tests/distributed/, tests/e2e/ and tests/gpu/ carry their marker."""
     import pytest
 
     for item in items:
-        if "e2e" in Path(str(item.path)).relative_to(REPO).parts[:2]:
-            item.add_marker(pytest.mark.e2e)
+        folder = Path(str(item.path)).relative_to(REPO).parts[1]
+        if folder in FOLDER_MARKERS:
+            item.add_marker(getattr(pytest.mark, FOLDER_MARKERS[folder]))
 
 
 def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
@@ -127,3 +133,47 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port")
+
+
+def deadline(seconds: int) -> Any:
+    """A context that fails a test instead of letting it hang (a blocking read of a FIFO is
+    interrupted by SIGALRM)."""
+    import signal
+    from contextlib import contextmanager
+
+    @contextmanager
+    def limited() -> Any:
+        def expired(signum: int, frame: Any) -> None:
+            raise TimeoutError(f"still running after {seconds} s")
+
+        previous = signal.signal(signal.SIGALRM, expired)
+        signal.alarm(seconds)
+        try:
+            yield
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return limited()
+
+
+def one_line_error(argv: list[str], capsys: Any) -> str:
+    """Run the CLI in this process and expect a user error: exit code 2 and one line on stderr."""
+    from lmtune.cli import main
+
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error") and err.count("\n") == 1, err[:2000]
+    return str(err)
+
+
+def tiny_run_with_checkpoint(root: Path) -> Path:
+    """A 2-step run of the tiny preset with a checkpoint of step 2: ROOT/out."""
+    from lmtune.cli import main
+
+    data = write_jsonl(root / "d.jsonl", [f"text {i}" for i in range(16)])
+    out = root / "out"
+    argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "2", "--save-every", "2"]
+    assert main([*argv, "--global-batch-size", "8", "--no-progress"]) == 0
+    return out

@@ -28,3 +28,21 @@ class StoppedBySignal(Exception):
 class TrainingStopped(Exception):
     """Training cannot go on (a non-finite loss under --on-nan stop); the message says why.
     Exit code 1: the last checkpoint is intact."""
+
+
+def brief(value: object, limit: int = 60) -> str:
+    """``value`` as an error message may show it: a bounded repr (a YAML alias bomb or a 100 MB
+    string is never expanded), on one line, at most ``limit`` characters."""
+    import reprlib
+
+    shortened = reprlib.Repr()
+    shortened.maxstring = shortened.maxother = limit
+    shortened.maxlevel, shortened.maxdict, shortened.maxlist = 3, 4, 4
+    text = " ".join(shortened.repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """``text`` (a message part) on one line, at most ``limit`` characters."""
+    flat = " ".join(text[: limit * 4].split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."

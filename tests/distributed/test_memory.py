@@ -319,8 +319,8 @@ def test_a_planted_payload_in_a_sharded_checkpoint_runs_nothing(
     and on export, and its code never runs."""
     import pickle
 
-    from tests.unit.test_integrity import Payload
-    from tests.unit.test_resume_rules import _rewrite_manifest
+    from tests.integration.test_resume_rules import _rewrite_manifest
+    from tests.unit.checkpoint.test_integrity import Payload
 
     common = json.loads((runs["common_args"] / "common.json").read_text())
     out = _resume_copy(runs["fsdp"], 3, tmp_path / "o")

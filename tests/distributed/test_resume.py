@@ -350,3 +350,16 @@ def test_export_writes_a_loadable_model(base: dict[str, Path]) -> None:
     assert all(torch.equal(state[k], v) for k, v in saved.items())
     bad = run_lmtune(["export", str(base["root"] / "nope"), str(out)])
     assert bad.returncode == 2 and "no such checkpoint folder" in bad.stderr
+
+
+def test_a_finished_multi_process_run_run_again_touches_nothing(base: dict[str, Path]) -> None:
+    """The same command on a finished 2-rank run, with its checkpoints and without any: both say
+    so and exit 0, every file as it was."""
+    without = base["root"] / "finished-without-checkpoints"
+    shutil.copytree(base["two"], without, ignore=shutil.ignore_patterns("checkpoints"))
+    for out in (base["two"], without):
+        before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+        proc = run_lmtune(short(base["data"], out, *TWO))
+        assert proc.returncode == 0, proc.stderr
+        assert f"finished at step {SHORT}" in proc.stdout, proc.stdout
+        assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()} == before

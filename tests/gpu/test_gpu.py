@@ -104,8 +104,8 @@ def test_fused_varlen_attention_equals_the_masked_rows_on_gpu(arch: str) -> None
 
     from lmtune.data.collate import Collator
     from lmtune.model.attention import use_varlen
-    from lmtune.model.loss import SummedLoss
-    from tests.unit.test_attention import _data, _model
+    from lmtune.objectives.sft import SummedLoss
+    from tests.unit.model.test_attention import _data, _model
 
     model, tok = _model(arch)
     model = model.cuda()

@@ -72,3 +72,28 @@ def test_imports_run_one_way() -> None:
             if target not in rank or rank[target] < rank[package]:
                 upward.append(f"{path.relative_to(SRC)} imports lmtune.{target}")
     assert not upward, "imports against the declared order:\n" + "\n".join(upward)
+
+
+MAX_FUNCTION_LINES, MAX_PARAMETERS, MAX_MODULE_LINES, MAX_TRAIN_LINES = 80, 8, 500, 250
+
+
+def test_functions_and_modules_stay_small() -> None:
+    """No function over 80 lines or 8 parameters, no module over 500 lines, train.py one screenful
+    of composition (250 lines)."""
+    too_big = []
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        name = str(path.relative_to(SRC))
+        lines = len(text.splitlines())
+        if lines > (MAX_TRAIN_LINES if name == "train.py" else MAX_MODULE_LINES):
+            too_big.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            args = node.args
+            count = len(args.posonlyargs) + len(args.args) + len(args.kwonlyargs)
+            count -= bool(args.args) and args.args[0].arg in ("self", "cls")
+            if length > MAX_FUNCTION_LINES or count > MAX_PARAMETERS:
+                too_big.append(f"{name}:{node.lineno} {node.name}: {length} lines, {count} parameters")
+    assert not too_big, "\n".join(too_big)

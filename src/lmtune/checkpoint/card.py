@@ -125,7 +125,7 @@ def model_card(
         meta["base_model"] = base
     meta["library_name"] = "peft" if adapter else "transformers"
     meta["pipeline_tag"] = "text-generation"
-    meta["tags"] = ["lmtune", "sft", *(["lora"] if config.get("lora") else [])]
+    meta["tags"] = ["lmtune", config.get("objective") or "sft", *(["lora"] if config.get("lora") else [])]
     datasets = [d for d in (_hub_dataset(s) for s in _data_specs(config)) if d]
     if datasets:
         meta["datasets"] = datasets
@@ -217,6 +217,8 @@ def _table(rows: list[tuple[str, str]]) -> list[str]:
 
 
 def _objective(config: dict[str, Any], formats: dict[str, int]) -> str:
+    if config.get("objective", "sft") != "sft":
+        return f"`{config['objective']}` (lmtune's --objective)"
     every = bool(config.get("train_on_prompt")) or set(formats) <= {"text"}
     trained = (
         "every token"

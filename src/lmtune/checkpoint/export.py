@@ -4,8 +4,11 @@ adapter), the configs that make a folder loadable elsewhere (generation_config's
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
+import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,30 +19,34 @@ from torch import nn
 from lmtune.checkpoint import sharded
 from lmtune.checkpoint.layout import GENERATION_CONFIG, MANIFEST, MODEL_FILE, SHARDED_DIR, verify
 from lmtune.checkpoint.state import ModelParts
+from lmtune.config.files import read_json_object
 from lmtune.errors import UserError
 from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, save_adapter
 from lmtune.model.loss import WRAPPED_PREFIX
-from lmtune.parallel.distributed import DistEnv, barrier
+from lmtune.parallel.distributed import DistEnv, barrier, broadcast_object
 
 
-def save_hf_folder(
-    model: nn.Module, tokenizer: Any, folder: Path, card: Callable[[Path], None] | None = None
-) -> None:
-    """Write config, ``model.safetensors`` and the tokenizer so ``from_pretrained`` loads it back
-    (and, with ``card``, what it writes: the model card)."""
+def save_hf_folder(model: nn.Module, tokenizer: Any, folder: Path) -> None:
+    """Write config, ``model.safetensors`` and the tokenizer so ``from_pretrained`` loads it back."""
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
         tokenizer.save_pretrained(tmp)
-        if card is not None:
-            card(tmp)
 
     replace_folder(folder, write)
 
 
 def save_final(parts: ModelParts, tokenizer: Any, folder: Path, env: DistEnv) -> None:
     """``final/`` (collective): the whole model as a Hugging Face folder, or the LoRA adapter in
-    PEFT format. FSDP gathers one decoder block at a time, so no rank ever holds the whole model."""
+    PEFT format. FSDP gathers one decoder block at a time, so no rank ever holds the whole model.
+
+    Raises:
+        UserError: on every rank when the disk has too little room for it (checked before writing).
+    """
+    problem = _space_problem(parts, folder) if env.is_main else ""
+    problem = broadcast_object(problem, env)
+    if problem:
+        raise UserError(problem)
     if parts.lora:
         adapter = gathered_adapter(parts)
         if env.is_main:
@@ -57,14 +64,43 @@ def save_final(parts: ModelParts, tokenizer: Any, folder: Path, env: DistEnv) ->
     barrier(env)
 
 
+def _space_problem(parts: ModelParts, folder: Path) -> str:
+    """Why ``folder`` would not fit on its disk ("" when it fits with 5% to spare): the weights
+    it holds (the adapter alone under LoRA), as they are stored."""
+    needed = sum(
+        p.numel() * p.element_size() for p in parts.root.parameters() if p.requires_grad or not parts.lora
+    )
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder.parent).free
+    if free >= needed * 1.05 + (1 << 20):
+        return ""
+    return (
+        f"no space left on device for {folder}: about {needed / 2**20:,.0f} MB needed, "
+        f"{free / 2**20:,.0f} MB free (free some space; the same command resumes from the last checkpoint)"
+    )
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """A full disk, as the OS, safetensors (Rust) or torch report it."""
+    text = str(e)
+    return getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text or "StorageFull" in text
+
+
 def replace_folder(folder: Path, write: Callable[[Path], None]) -> None:
     """Write beside the final name and rename when complete, so a crash never leaves a half-written
-    folder where a finished one is expected."""
+    folder where a finished one is expected. Only for folders lmtune owns (``final/`` of a locked
+    output folder); a full disk is a :class:`UserError` that leaves ``folder`` as it was."""
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    write(tmp)
+    try:
+        write(tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _out_of_space(e):
+            raise UserError(f"no space left on device while writing {folder}; free some space") from None
+        raise
     if folder.exists():
         shutil.rmtree(folder)
     tmp.rename(folder)
@@ -152,9 +188,13 @@ def prefix_of(parts: ModelParts) -> str:
     raise ValueError("the model is not inside the wrapped module")
 
 
-def export(checkpoint: Path, out: Path, trust_remote_code: bool = False) -> None:
+EXPORT_MARKER = ".lmtune-export.json"  # what marks a folder as an earlier export, which --overwrite replaces
+
+
+def export(checkpoint: Path, out: Path, trust_remote_code: bool = False, overwrite: bool = False) -> None:
     """Write a Hugging Face model folder (config, safetensors, tokenizer) from a checkpoint; a LoRA
-    checkpoint gives a PEFT adapter folder."""
+    checkpoint gives a PEFT adapter folder. ``out`` is written beside its name and renamed into
+    place; it may be new, empty, or (with ``overwrite``) an earlier export, nothing else."""
     from safetensors.torch import load_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -163,18 +203,19 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False) -> None
     reason = verify(checkpoint)
     if reason is not None:
         raise UserError(f"{checkpoint}: not a valid checkpoint: {reason}")
-    listed = json.loads((checkpoint / MANIFEST).read_text())
+    check_destination(checkpoint, out, overwrite)
+    listed = read_json_object(checkpoint / MANIFEST)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     if ADAPTER_FILE in listed:
 
-        def write(tmp: Path) -> None:
+        def write_adapter(tmp: Path) -> None:
             for name in (ADAPTER_FILE, ADAPTER_CONFIG, GENERATION_CONFIG):
                 if name in listed:
                     shutil.copy2(checkpoint / name, tmp / name)
             tokenizer.save_pretrained(tmp)
             _write_card(checkpoint, tmp, out)
 
-        replace_folder(out, write)
+        _write_export(out, write_adapter, checkpoint)
         return
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
@@ -186,7 +227,13 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False) -> None
         load_model(model, str(checkpoint / MODEL_FILE))
     else:
         _load_sharded_model(model, checkpoint / SHARDED_DIR)
-    save_hf_folder(model, tokenizer, out, card=lambda tmp: _write_card(checkpoint, tmp, out))
+
+    def write_model(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _write_card(checkpoint, tmp, out)
+
+    _write_export(out, write_model, checkpoint)
 
 
 def _write_card(checkpoint: Path, folder: Path, out: Path) -> None:
@@ -199,6 +246,61 @@ def _write_card(checkpoint: Path, folder: Path, out: Path) -> None:
     run = checkpoint_record(checkpoint.parent.parent, step)
     note = f"Exported from the checkpoint of step {step} ({checkpoint.name})."
     write_model_card(folder, run, note=note, final=out)
+
+
+def check_destination(checkpoint: Path, out: Path, overwrite: bool) -> None:
+    """Refuse an export destination whose files are not the export's to replace: a run folder or
+    anything inside one (its checkpoints, final/, records), a folder holding the checkpoint, a
+    non-empty folder that is not an earlier export, and an earlier export without ``overwrite``."""
+    from lmtune.checkpoint.rundir import holds_a_run
+
+    where = f"lmtune export: {out}"
+    if out.is_symlink():
+        raise UserError(f"{where}: a symbolic link; lmtune does not write through links")
+    source, dest = checkpoint.resolve(), out.expanduser().resolve()
+    for folder in (dest, *dest.parents):
+        if folder.is_dir() and holds_a_run(folder):
+            raise UserError(
+                f"{where}: lies inside the run folder {folder}, whose files are that run's; "
+                "choose a folder outside it"
+            )
+    if dest == source or dest in source.parents or source in dest.parents:
+        raise UserError(f"{where}: holds or lies inside the checkpoint {checkpoint}; choose another folder")
+    if not dest.exists():
+        return
+    if not dest.is_dir():
+        raise UserError(f"{where}: exists and is not a folder")
+    if not any(dest.iterdir()):
+        return
+    if not (dest / EXPORT_MARKER).is_file():
+        raise UserError(f"{where}: not empty and not an earlier export; choose a new or empty folder")
+    if not overwrite:
+        raise UserError(f"{where}: holds an earlier export; --overwrite replaces it")
+
+
+def _write_export(out: Path, write: Callable[[Path], None], checkpoint: Path) -> None:
+    """Write into a temporary sibling, then swap it in; what was at ``out`` (empty, or an earlier
+    export) is removed only once the new folder is complete."""
+    out = out.expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    nonce = uuid.uuid4().hex[:8]
+    tmp, aside = out.with_name(f".{out.name}.tmp-{nonce}"), out.with_name(f".{out.name}.old-{nonce}")
+    tmp.mkdir()
+    try:
+        write(tmp)
+        marker = {"checkpoint": str(checkpoint.resolve()), "written": time.time()}
+        (tmp / EXPORT_MARKER).write_text(json.dumps(marker), encoding="utf-8")
+        if out.exists():
+            out.rename(aside)
+        tmp.rename(out)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if aside.exists() and not out.exists():
+            aside.rename(out)
+        if _out_of_space(e):
+            raise UserError(f"no space left on device while writing {out}; nothing there changed") from None
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _load_sharded_model(model: nn.Module, folder: Path) -> None:

@@ -10,6 +10,8 @@ import os
 import re
 from pathlib import Path
 
+from lmtune.config.files import read_json
+from lmtune.errors import UserError
 from lmtune.model.lora import ADAPTER_FILE
 
 CHECKPOINTS = "checkpoints"
@@ -21,6 +23,7 @@ _STEP_NAME = re.compile(r"step-(\d+)")
 SHARDED_DIR = "sharded"  # torch.distributed.checkpoint folder: one file per rank + .metadata
 SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "trainer.json"
+MANIFEST_BYTES = 16 << 20
 
 
 def sha256(path: Path) -> str:
@@ -66,9 +69,9 @@ def verify(folder: Path) -> str | None:
     if not manifest_path.is_file() or manifest_path.is_symlink():
         return "no manifest (the save did not finish)"
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return f"{MANIFEST} is unreadable"
+        manifest = read_json(manifest_path, limit=MANIFEST_BYTES)
+    except UserError as e:
+        return f"{MANIFEST} is unreadable ({str(e).removeprefix(f'{manifest_path}: ')})"
     if not isinstance(manifest, dict) or not all(isinstance(e, dict) for e in manifest.values()):
         return f"{MANIFEST} is not a manifest"
     if STATE_FILE not in manifest:
@@ -92,7 +95,7 @@ def verify(folder: Path) -> str | None:
         if root not in path.resolve().parents:
             return f"manifest entry {name!r} is not inside the checkpoint"
         size = path.stat().st_size
-        if size != entry.get("bytes"):
+        if type(entry.get("bytes")) is not int or size != entry["bytes"]:
             return f"{name} has {size} bytes, the manifest says {entry.get('bytes')}"
         if sha256(path) != entry.get("sha256"):
             return f"{name} does not match its checksum"

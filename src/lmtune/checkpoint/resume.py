@@ -21,8 +21,9 @@ import torch
 from lmtune.checkpoint.layout import CHECKPOINTS, FINGERPRINT_FILE, list_checkpoints, verify
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
+from lmtune.config.files import read_json_object
 from lmtune.config.settings import TrainConfig, warmup_steps
-from lmtune.errors import UserError
+from lmtune.errors import UserError, one_line
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 
@@ -97,11 +98,10 @@ def read_fingerprint(folder: Path) -> Fingerprint | None:
     path = folder / FINGERPRINT_FILE
     if not path.is_file():
         return None  # saved by an lmtune before fingerprints
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        return Fingerprint(dict(raw["fixed"]), dict(raw["adjustable"]))
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"{path}: unreadable (not written by lmtune)") from None
+    raw = read_json_object(path)
+    if not (isinstance(raw.get("fixed"), dict) and isinstance(raw.get("adjustable"), dict)):
+        raise UserError(f"{path}: unreadable (not written by lmtune)")
+    return Fingerprint(dict(raw["fixed"]), dict(raw["adjustable"]))
 
 
 def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
@@ -112,7 +112,10 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
     """
 
     def changes(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-        return [f"{k} {a.get(k)} -> {b[k]}" for k in b if a.get(k) != b[k]]
+        def shown(value: Any) -> str:
+            return one_line(str(value), 80)
+
+        return [f"{k} {shown(a.get(k))} -> {shown(b[k])}" for k in b if a.get(k) != b[k]]
 
     refused = changes(saved.fixed, now.fixed)
     if refused:
@@ -123,7 +126,7 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
     return changes(saved.adjustable, now.adjustable)
 
 
-def resume_point(cfg: TrainConfig, output_dir: Path, env: DistEnv) -> Path | None:
+def resume_point(resume: str, output_dir: Path, env: DistEnv) -> Path | None:
     """The checkpoint to continue from, decided by rank 0 (which checks the manifests) for all.
 
     A newest checkpoint that does not check out stops the run rather than falling back in silence:
@@ -132,19 +135,19 @@ def resume_point(cfg: TrainConfig, output_dir: Path, env: DistEnv) -> Path | Non
     chosen = ""
     if env.is_main:
         found = list_checkpoints(output_dir)
-        if cfg.checkpoint.resume == "never":
+        if resume == "never":
             if found:
                 raise UserError(
                     f"--resume never, but {output_dir / CHECKPOINTS} holds checkpoints of an earlier "
                     "run; remove them, choose another --output-dir, or --overwrite"
                 )
-        elif cfg.checkpoint.resume == "auto":
+        elif resume == "auto":
             if found:
                 _check_valid(found[-1], "the newest checkpoint in --output-dir", found[:-1])
                 chosen = str(found[-1])
         else:
-            _check_valid(Path(cfg.checkpoint.resume), "--resume", [])
-            chosen = cfg.checkpoint.resume
+            _check_valid(Path(resume), "--resume", [])
+            chosen = resume
     chosen = broadcast_object(chosen, env)
     return Path(chosen) if chosen else None
 
@@ -164,7 +167,6 @@ def continue_from(
     folder: Path,
     *,
     now: Fingerprint,
-    cfg: TrainConfig,
     parts: ModelParts,
     optimizer: torch.optim.Optimizer,
     env: DistEnv,
@@ -187,42 +189,9 @@ def continue_from(
     state = replace(saved, world_size=env.world_size)
     log.info(
         f"resuming from {folder}: step {state.step}, epoch {state.epoch + 1}, sample "
-        f"{state.samples_in_epoch} of its order (saved by {_ranks(saved.world_size)}, now {env.world_size})"
+        f"{state.samples_in_epoch} of its order (saved by {saved.world_size} rank"
+        f"{'' if saved.world_size == 1 else 's'}, now {env.world_size})"
     )
     if changes:
         log.info(f"changed since the checkpoint, applied from step {state.step}: " + "; ".join(changes))
     return state
-
-
-def _ranks(n: int) -> str:
-    return f"{n} rank{'' if n == 1 else 's'}"
-
-
-def starting_state(
-    cfg: TrainConfig,
-    env: DistEnv,
-    now: Fingerprint,
-    *,
-    examples: int,
-    parts: ModelParts,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None,
-    log: InfoLog,
-) -> tuple[TrainerState, Path | None]:
-    """Where this run starts: step 0, or the checkpoint it continues (loaded), and that folder."""
-    fresh = TrainerState(
-        step=0,
-        epoch=0,
-        step_in_epoch=0,
-        global_batch_size=cfg.batch.global_batch_size,
-        world_size=env.world_size,
-        seed=cfg.seed,
-        examples=examples,
-    )
-    folder = resume_point(cfg, Path(cfg.checkpoint.output_dir), env)
-    if folder is None:
-        return fresh, None
-    state = continue_from(
-        folder, now=now, cfg=cfg, parts=parts, optimizer=optimizer, env=env, scaler=scaler, log=log
-    )
-    return state, folder

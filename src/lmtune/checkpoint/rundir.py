@@ -10,28 +10,39 @@ folder itself, so nodes that share that folder see the same lock.
 
 from __future__ import annotations
 
+import fcntl
+import itertools
 import json
 import os
+import re
 import shutil
 import socket
+import stat
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from lmtune.config import environment
+from lmtune.config.files import KIB, is_int, read_json_object
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 from lmtune.parallel.launch import LOCK_TOKEN_ENV
 
 LOCK_FILE = ".lmtune.lock"
 # What an earlier run leaves; none of it is written through a symbolic link.
-RUN_FILES = (
-    *("final", "checkpoints", "metrics.jsonl", "run.json", "samples"),
-    *("tensorboard", "wandb", "mlruns", "reporting.json", "hang-report.txt", "comm-traces"),
-)
+RUN_FOLDERS = ("final", "checkpoints", "samples", "tensorboard", "wandb", "mlruns", "comm-traces")
+RUN_RECORDS = ("metrics.jsonl", "run.json", "reporting.json", "hang-report.txt")
+RUN_FILES = (*RUN_FOLDERS, *RUN_RECORDS)
+# Inside these folders lmtune removes only what it names so (a user's own files there are kept).
+_OWN_ENTRIES = {
+    "checkpoints": re.compile(r"\.?step-\d+(\.tmp|\.replaced-\d+)?"),
+    "samples": re.compile(r"rank-\d+\.jsonl"),
+}
 # torchrun's run id when none is given: shared by unrelated jobs, so it proves nothing.
 _ANONYMOUS_RUN_IDS = ("", "none")
 
@@ -69,15 +80,46 @@ def _alive(holder: LockHolder) -> bool:
 
 
 def _read(path: Path) -> LockHolder | None:
+    """The lock's holder (None: no lock). Read without following a link, a regular file of at most
+    64 KiB: a lock that is a link to /dev/zero or a FIFO is refused, not read until memory runs out."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        return LockHolder(**{k: raw[k] for k in LockHolder.__dataclass_fields__})
+        raw = read_json_object(path, limit=64 * KIB)
+        holder = LockHolder(**{k: raw[k] for k in LockHolder.__dataclass_fields__})
+        why = "" if _plausible(holder) else "values of the wrong kind"
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError):
-        raise UserError(
-            f"{path}: an unreadable lock file; if no run is using this folder, delete it"
-        ) from None
+    except UserError as e:
+        why = str(e).removeprefix(f"{path}: ")
+    except (KeyError, TypeError):
+        why = "not a lock file lmtune wrote"
+    if why:
+        raise UserError(f"{path}: an unreadable lock file ({why}); if no run is using this folder, delete it")
+    return holder
+
+
+def _plausible(h: LockHolder) -> bool:
+    strings = all(isinstance(v, str) for v in (h.host, h.run_id, h.token))
+    number = isinstance(h.started, (int, float)) and not isinstance(h.started, bool) and 0 <= h.started < 1e11
+    return strings and number and is_int(h.pid, 1, 2**22) and isinstance(h.pid_started, (str, type(None)))
+
+
+@contextmanager
+def _arbiter(folder: Path) -> Iterator[None]:
+    """Lock changes in ``folder`` one process at a time: an exclusive ``flock`` on the folder itself.
+    Two processes that both find a stale lock would otherwise each remove "the stale one" (the
+    other's new lock, for the later one) and both hold the folder. Where the file system has no
+    ``flock`` (some network ones), ``O_EXCL`` alone decides, as across hosts."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        with suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 class RunLock:
@@ -91,12 +133,13 @@ class RunLock:
     def release(self) -> None:
         if not self.owned:
             return
-        try:
-            current = _read(self.path)
-        except UserError:
-            return
-        if current is not None and current.token == self.holder.token:
-            self.path.unlink(missing_ok=True)
+        with _arbiter(self.path.parent):
+            try:
+                current = _read(self.path)
+            except UserError:
+                return
+            if current is not None and current.token == self.holder.token:
+                self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> RunLock:
         return self
@@ -115,7 +158,7 @@ def acquire(output_dir: Path, run_id: str, warn: Callable[[str], None]) -> RunLo
     """
     _check_folder(output_dir)
     path = output_dir / LOCK_FILE
-    inherited = os.environ.get(LOCK_TOKEN_ENV)
+    inherited = environment.token(LOCK_TOKEN_ENV)
     pid = os.getpid()
     me = LockHolder(
         host=socket.gethostname(),
@@ -125,30 +168,38 @@ def acquire(output_dir: Path, run_id: str, warn: Callable[[str], None]) -> RunLo
         run_id=run_id,
         token=uuid.uuid4().hex,
     )
-    for _ in range(3):  # a holder may release between our look and our create
-        current = _read(path)
-        if current is not None:
-            if inherited and current.token == inherited:
-                return RunLock(path, current, owned=False)
-            same_job = current.run_id == run_id and run_id not in _ANONYMOUS_RUN_IDS
-            if not same_job and (current.host != me.host or _alive(current)):
-                raise UserError(
-                    f"--output-dir {output_dir}: another run is using it ({current.describe()}); "
-                    f"wait for it, choose another --output-dir, or, if that run is gone, delete {path}"
-                )
-            if not same_job:
-                warn(f"taking over the lock of a run that is gone ({current.describe()})")
-            path.unlink(missing_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            continue
-        except OSError as e:
-            raise UserError(f"--output-dir {output_dir}: cannot write there ({e.strerror})") from None
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(asdict(me), f)
-        return RunLock(path, me, owned=True)
+    with _arbiter(output_dir):
+        for _ in range(3):  # another host's holder may release between our look and our create
+            current = _read(path)
+            if current is not None:
+                if inherited and current.token == inherited:
+                    return RunLock(path, current, owned=False)
+                _take_over(current, me, output_dir, warn)
+                path.unlink(missing_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise UserError(f"--output-dir {output_dir}: cannot write there ({e.strerror})") from None
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(asdict(me), f)
+            return RunLock(path, me, owned=True)
     raise UserError(f"--output-dir {output_dir}: its lock keeps changing hands; is another run starting?")
+
+
+def _take_over(current: LockHolder, me: LockHolder, output_dir: Path, warn: Callable[[str], None]) -> None:
+    """Refuse a lock held by a live run (or one on another host, which cannot be checked from
+    here); a restarted attempt of the same job takes its own lock over silently."""
+    same_job = current.run_id == me.run_id and me.run_id not in _ANONYMOUS_RUN_IDS
+    if same_job:
+        return
+    if current.host != me.host or _alive(current):
+        raise UserError(
+            f"--output-dir {output_dir}: another run is using it ({current.describe()}); wait for it, "
+            f"choose another --output-dir, or, if that run is gone, delete {output_dir / LOCK_FILE}"
+        )
+    warn(f"taking over the lock of a run that is gone ({current.describe()})")
 
 
 def _check_folder(output_dir: Path) -> None:
@@ -160,29 +211,57 @@ def _check_folder(output_dir: Path) -> None:
         raise UserError(f"--output-dir {output_dir}: cannot create it ({e.strerror})") from None
     if not os.access(output_dir, os.W_OK | os.X_OK):
         raise UserError(f"--output-dir {output_dir}: not writable")
-    for name in RUN_FILES:
-        if (output_dir / name).is_symlink():
+    for name in (*RUN_FILES, LOCK_FILE):
+        problem = _entry_problem(output_dir / name, folder=name in RUN_FOLDERS)
+        if problem:
             raise UserError(
-                f"--output-dir {output_dir}: {name} is a symbolic link; lmtune does not write through "
-                "links (remove it, or choose another --output-dir)"
+                f"--output-dir {output_dir}: {name} is {problem}; lmtune writes only its own files "
+                "(remove it, or choose another --output-dir)"
             )
+
+
+def _entry_problem(path: Path, folder: bool) -> str:
+    """Why lmtune may not write ``path`` ("" when it may): a link, or not what lmtune writes there."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return ""
+    if stat.S_ISLNK(mode):
+        return "a symbolic link; lmtune does not write through links"
+    if folder and not stat.S_ISDIR(mode):
+        return "not a folder"
+    if not folder and not stat.S_ISREG(mode):
+        return "not a regular file"
+    return ""
+
+
+def holds_a_run(folder: Path) -> bool:
+    """Whether ``folder`` holds what an lmtune run writes (its records, lock or checkpoints)."""
+    from lmtune.checkpoint.layout import list_checkpoints
+
+    records = any((folder / name).is_file() for name in ("run.json", "metrics.jsonl", LOCK_FILE))
+    return records or bool(list_checkpoints(folder))
 
 
 def check_earlier_run(output_dir: Path, continued: bool, overwrite: bool, config: dict[str, Any]) -> None:
     """Refuse to replace an earlier run's results that no checkpoint continues; ``--overwrite``
-    deletes them (and the checkpoints) instead. Call with the lock held.
+    deletes them (and the checkpoints) instead: lmtune's own entries only. Call with the lock held.
 
     The same run stopped before its first checkpoint (its run.json has this very ``config``, and it
     has no ``final/``) starts over: what it leaves is its own and is written again.
     """
     present = [n for n in RUN_FILES if (output_dir / n).exists()]
     if overwrite:
-        for name in present:
-            target = output_dir / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        if present and not holds_a_run(output_dir):
+            raise UserError(
+                f"--overwrite: {output_dir} holds {', '.join(present)} but no lmtune run (no run.json, "
+                "metrics.jsonl or checkpoint), so they are not lmtune's to delete; move them or choose "
+                "another --output-dir"
+            )
+        remove_own_entries(output_dir)
         return
-    if continued or not ({"final", "metrics.jsonl"} & set(present)):
-        return
+    if continued or not ({"final", "metrics.jsonl"} & set(present)) or _finished_record(output_dir):
+        return  # a finished run's record: the checkpoint manager judges it once the run is built
     if "final" not in present and _recorded_config(output_dir) == config:
         return
     results = [n for n in present if n in ("final", "metrics.jsonl")]
@@ -192,10 +271,85 @@ def check_earlier_run(output_dir: Path, continued: bool, overwrite: bool, config
     )
 
 
+def remove_own_entries(output_dir: Path) -> list[Path]:
+    """Delete what an earlier run wrote into ``output_dir``; returns what was kept (a user's files
+    inside checkpoints/ or samples/). Links are removed, never followed."""
+    kept = []
+    for name in (*RUN_FILES, "final.tmp"):
+        target = output_dir / name
+        if not (target.exists() or target.is_symlink()):
+            continue
+        pattern = _OWN_ENTRIES.get(name)
+        if pattern is not None and target.is_dir() and not target.is_symlink():
+            for entry in target.iterdir():
+                if pattern.fullmatch(entry.name):
+                    _remove(entry)
+                else:
+                    kept.append(entry)
+            if not any(target.iterdir()):
+                target.rmdir()
+        else:
+            _remove(target)
+    return kept
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) -> None:
+    """Refuse an output folder that would destroy or read back what the run reads, before anything
+    is written: ``/``; under ``--overwrite`` the home folder (or above it) and a folder holding an
+    input; a folder inside a data folder (the run would read its own files as data, e.g.
+    ``--data DIR --output-dir DIR``); an input inside an entry the run writes (``final/``, ...).
+
+    ``inputs``: option -> value (comma lists, globs, folders, files; hub ids are skipped).
+    """
+    out = output_dir.expanduser().resolve()
+    if out == Path(out.anchor):
+        raise UserError(f"--output-dir {output_dir}: the root folder; choose a folder of its own")
+    home = Path.home().resolve()
+    if overwrite and (out == home or out in home.parents):
+        raise UserError(f"--overwrite --output-dir {output_dir}: refused for the home folder or above it")
+    for option, spec in inputs.items():
+        for path, read_whole in _input_paths(spec):
+            if read_whole and (out == path or path in out.parents):
+                raise UserError(
+                    f"--output-dir {output_dir} lies inside {option} {path}: the run would read its own "
+                    "files as data; choose an --output-dir outside it"
+                )
+            if out not in path.parents and out != path:
+                continue
+            inside = path.relative_to(out).parts
+            if overwrite or not inside or inside[0] in (*RUN_FILES, LOCK_FILE):
+                what = "holds" if overwrite else "writes where it holds"
+                raise UserError(
+                    f"--output-dir {output_dir}: this run {what} {option} {path}; lmtune does not delete "
+                    "or replace its inputs (move the input, or choose another --output-dir)"
+                )
+
+
+def _input_paths(spec: str) -> Iterator[tuple[Path, bool]]:
+    """(resolved path, whether the run reads the whole folder) of each local path in ``spec``."""
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        path = Path(item).expanduser()
+        if any(ch in item for ch in "*?["):  # a glob reads what lies under its fixed part
+            fixed = list(itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), path.parts))
+            root = Path(*fixed) if fixed else Path(".")
+            yield root.resolve(), True
+        elif path.exists():
+            yield path.resolve(), path.is_dir()
+
+
 def _recorded_config(output_dir: Path) -> Any:
     try:
-        return json.loads((output_dir / "run.json").read_text(encoding="utf-8")).get("config")
-    except (OSError, ValueError, AttributeError):
+        return read_json_object(output_dir / "run.json").get("config")
+    except (OSError, UserError):
         return None
 
 
@@ -234,3 +388,72 @@ def prepare_output(
     problem = broadcast_object(problem, env)
     if problem:
         raise UserError(problem)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """run.json's record of a run that completed (its final/ saved, or stopped early)."""
+
+    step: int  # the last step it took
+    total_steps: int  # the steps it was asked for (more than ``step`` when it stopped early)
+    same_run: bool  # the run now starting has the same fingerprint (what defines a run)
+
+
+FINISHED_KEY = "finished"  # under run.json's "result"
+RUN_RECORD_BYTES = 64 << 20
+
+
+def fingerprint_hash(fixed: dict[str, Any]) -> str:
+    import hashlib
+
+    return hashlib.blake2b(
+        json.dumps(fixed, sort_keys=True, default=str).encode(), digest_size=12
+    ).hexdigest()
+
+
+def finished_record(step: int, total_steps: int, fixed: dict[str, Any]) -> dict[str, Any]:
+    """What run.json records once a run is finished, under ``result.finished``."""
+    return {"step": step, "total_steps": total_steps, "fingerprint": fingerprint_hash(fixed)}
+
+
+def _finished_record(output_dir: Path) -> dict[str, Any] | None:
+    try:
+        record = read_json_object(output_dir / "run.json", limit=RUN_RECORD_BYTES)["result"][FINISHED_KEY]
+    except (UserError, OSError, KeyError, TypeError):
+        return None  # no run.json, or not one lmtune wrote: no finished run is recorded
+    if not isinstance(record, dict):
+        return None
+    numbers = all(type(record.get(k)) is int and record[k] >= 0 for k in ("step", "total_steps"))
+    return (
+        record
+        if isinstance(record, dict) and numbers and isinstance(record.get("fingerprint"), str)
+        else None
+    )
+
+
+def read_finished(output_dir: Path, fixed: dict[str, Any], env: DistEnv) -> Finished | None:
+    """The finished run recorded in ``output_dir``, judged against this run's fingerprint (rank 0
+    reads it for all ranks), or None.
+
+    Raises:
+        UserError: when the folder holds another run, finished, and no checkpoint of it.
+    """
+    from lmtune.checkpoint.layout import list_checkpoints
+
+    found: Finished | None = None
+    problem = ""
+    if env.is_main:
+        record = _finished_record(output_dir)
+        if record is not None:
+            same = record["fingerprint"] == fingerprint_hash(fixed)
+            found = Finished(step=record["step"], total_steps=record["total_steps"], same_run=same)
+            if not same and not list_checkpoints(output_dir):
+                problem = (
+                    f"--output-dir {output_dir} holds an earlier run (final, finished at step "
+                    f"{found.step}) that differs from this one; choose another --output-dir, or "
+                    "--overwrite to replace it"
+                )
+    found, problem = broadcast_object((found, problem), env)
+    if problem:
+        raise UserError(problem)
+    return found

@@ -26,6 +26,19 @@ class TrainerState:
     examples: int  # size of the training set: the sample order is only meaningful for the same data
     skipped_steps: int = 0  # updates dropped by --on-nan skip
 
+    @classmethod
+    def fresh(cls, global_batch_size: int, world_size: int, seed: int, examples: int) -> TrainerState:
+        """The state of a run that has not taken a step."""
+        return cls(
+            step=0,
+            epoch=0,
+            step_in_epoch=0,
+            global_batch_size=global_batch_size,
+            world_size=world_size,
+            seed=seed,
+            examples=examples,
+        )
+
     @property
     def samples_in_epoch(self) -> int:
         return self.step_in_epoch * self.global_batch_size

@@ -32,6 +32,7 @@ from lmtune.checkpoint.export import gathered_adapter, save_configs
 from lmtune.checkpoint.layout import (
     CHECKPOINTS,
     MANIFEST,
+    MANIFEST_BYTES,
     MODEL_FILE,
     OPTIMIZER_FILE,
     SCALER_FILE,
@@ -45,7 +46,8 @@ from lmtune.checkpoint.layout import (
     write_manifest,
 )
 from lmtune.checkpoint.state import ModelParts, TrainerState, rng_state, set_rng_state
-from lmtune.errors import UserError
+from lmtune.config.files import is_int, read_json_object
+from lmtune.errors import UserError, one_line
 from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
 from lmtune.parallel.distributed import DistEnv, barrier, broadcast_object
 
@@ -196,23 +198,35 @@ def _sharded_state(parts: ModelParts, optimizer: torch.optim.Optimizer) -> dict[
     return {"model": model_state, "optimizer": optimizer_state}
 
 
+MAX_STEPS = 2**40  # far past any run; a larger count is an edited file
+
+
 def read_state(folder: Path) -> TrainerState:
-    """The trainer state of a verified checkpoint, checked field by field."""
+    """The trainer state of a verified checkpoint, checked field by field: whole numbers in the
+    ranges a run produces (an edited file with huge or negative counts is refused, not trained on)."""
     path = folder / STATE_FILE
+    raw = read_json_object(path)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
         kwargs = {f: raw[f] for f in TrainerState.__dataclass_fields__ if f in raw}
         state = TrainerState(**kwargs)
-    except (ValueError, TypeError, KeyError) as e:
+    except TypeError as e:
         raise UserError(f"{path}: not a trainer state lmtune wrote ({e})") from None
-    if not all(type(getattr(state, f)) is int and getattr(state, f) >= 0 for f in kwargs):
-        raise UserError(f"{path}: not a trainer state lmtune wrote (fields must be counts)")
+    counts = all(is_int(getattr(state, f), 0, MAX_STEPS) for f in kwargs)
+    sane = counts and (
+        state.global_batch_size >= 1
+        and state.world_size >= 1
+        and state.examples >= 1
+        and max(state.epoch, state.step_in_epoch, state.skipped_steps) <= state.step
+        and state.samples_in_epoch <= state.examples
+    )
+    if not sane:
+        raise UserError(f"{path}: not a trainer state lmtune wrote (counts out of range)")
     return state
 
 
 def check_layout(folder: Path, parts: ModelParts) -> dict[str, Any]:
     """The manifest of ``folder``, when this run's model (LoRA or not, sharded or not) can load it."""
-    listed: dict[str, Any] = json.loads((folder / MANIFEST).read_text())
+    listed: dict[str, Any] = read_json_object(folder / MANIFEST, limit=MANIFEST_BYTES)
     saved_lora, saved_sharded = ADAPTER_FILE in listed, SHARDED_METADATA in listed
     if saved_lora != parts.lora or (parts.sharded and not saved_sharded):
         raise UserError(
@@ -272,9 +286,14 @@ def load_checkpoint(
     rng = folder / f"rng-rank-{env.rank}.json"
     if state.world_size == env.world_size and rng.name in listed:
         try:
-            set_rng_state(json.loads(rng.read_text(encoding="utf-8")))
-        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, RecursionError) as e:
-            raise UserError(f"{rng}: not the RNG state lmtune wrote ({type(e).__name__}: {e})") from None
+            set_rng_state(read_json_object(rng))
+        except UserError as e:
+            raise UserError(
+                f"{rng}: not the RNG state lmtune wrote ({str(e).removeprefix(f'{rng}: ')})"
+            ) from None
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, OverflowError, MemoryError) as e:
+            why = one_line(str(e), 100)
+            raise UserError(f"{rng}: not the RNG state lmtune wrote ({type(e).__name__}: {why})") from None
     return state
 
 
@@ -294,15 +313,20 @@ _SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "
 
 def _scaler_state(path: Path) -> dict[str, float]:
     """The gradient scaler's saved numbers, checked: a crafted file is an error, not a traceback."""
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise UserError(f"{path}: unreadable ({e})") from None
-    numbers = isinstance(state, dict) and all(
-        type(state.get(k)) in (int, float) and math.isfinite(state[k]) for k in _SCALER_KEYS
+    state = read_json_object(path)
+    numbers = all(
+        type(state.get(k)) in (int, float) and math.isfinite(state[k]) and 0 <= state[k] <= 2.0**64
+        for k in _SCALER_KEYS
     )
-    if not numbers:
+    if (
+        not numbers
+        or state["scale"] <= 0
+        or state["growth_factor"] < 1
+        or not 0 < state["backoff_factor"] <= 1
+    ):
         raise UserError(f"{path}: not a gradient scaler state lmtune wrote (needs {', '.join(_SCALER_KEYS)})")
+    if not (is_int(state["growth_interval"], 1) and is_int(state["_growth_tracker"])):
+        raise UserError(f"{path}: not a gradient scaler state lmtune wrote (whole-number counts)")
     return {k: state[k] for k in _SCALER_KEYS}
 
 

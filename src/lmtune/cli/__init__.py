@@ -7,7 +7,6 @@ import sys
 from collections.abc import Sequence
 
 from lmtune.cli.parser import build_parser, spelled_out_flags, unknown_arguments
-from lmtune.config.verbosity import VERBOSE_ENV, verbose
 from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
 
 
@@ -20,11 +19,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and (spelled := spelled_out_flags(args.parser, argv)) != argv:
         argv = spelled  # --gradient_checkpointing True, as HF Trainer's examples write it
         args, extra = parser.parse_known_args(argv)
-    if getattr(args, "verbose", False):
-        os.environ[VERBOSE_ENV] = "1"  # this process, and every process it starts
-    if not verbose():
-        _quiet_libraries()
     try:
+        from lmtune.config.environment import VERBOSE, check_environment
+
+        if getattr(args, "verbose", False):
+            os.environ[VERBOSE] = "1"  # this process, and every process it starts
+        check_environment()
+        from lmtune.config.verbosity import verbose
+
+        if not verbose():
+            _quiet_libraries()
         if extra:
             raise UserError(unknown_arguments(args.parser, extra))
         code: int = args.run(args, argv)

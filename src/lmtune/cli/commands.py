@@ -32,9 +32,9 @@ def train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if launched_world_size() == 1:
         from lmtune.parallel.launch import needs_launcher, world_size_bounds
 
-        if needs_launcher(cfg):
+        if needs_launcher(cfg.launch):
             # Check in the launcher first: a bad option is then reported once, before N processes start.
-            for world_size in sorted(set(world_size_bounds(cfg))):
+            for world_size in sorted(set(world_size_bounds(cfg.launch))):
                 validate(cfg, world_size)
             return _launch_job(list(argv), cfg)
     from lmtune.train import train
@@ -52,7 +52,7 @@ def _launch_job(argv: list[str], cfg: Any) -> int:
     from lmtune.checkpoint.rundir import acquire
     from lmtune.parallel.launch import job_of, relaunch, warn
 
-    job = job_of(cfg)
+    job = job_of(cfg.launch)
     lock = acquire(Path(cfg.checkpoint.output_dir), job.run_id, warn) if job.hosts else nullcontext()
     with lock as held:
         return relaunch(argv, cfg, job, held.holder.token if held is not None else None)
@@ -173,7 +173,7 @@ def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from lmtune.checkpoint.export import export
 
-    export(Path(args.checkpoint), Path(args.out), args.trust_remote_code)
+    export(Path(args.checkpoint), Path(args.out), args.trust_remote_code, args.overwrite)
     print(f"wrote {args.out}")
     return 0
 

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from lmtune.cli import commands
-from lmtune.config.verbosity import VERBOSE_ENV
+from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 
 
 def _add_train_options(
@@ -269,6 +269,11 @@ def _export_parser(sub: Any) -> None:
     exp.add_argument("checkpoint", help="checkpoint folder, for example OUTPUT/checkpoints/step-000100")
     exp.add_argument("out", metavar="DIR", help="folder to write")
     exp.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
+    exp.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DIR when it holds an earlier export (any other non-empty folder is refused)",
+    )
     exp.set_defaults(run=commands.export)
 
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from lmtune.errors import UserError
+from lmtune.errors import UserError, one_line
 
 # Foreign name -> the lmtune setting of the same meaning.
 ALIASES: dict[str, str] = {
@@ -123,8 +123,9 @@ def _styled(text: str, style: Callable[[str], str]) -> str:
 
 
 def canonical(name: str) -> str:
-    """A flag or key as a setting-style name: ``--Learning-Rate`` -> ``learning_rate``."""
-    return name.lstrip("-").split("=", 1)[0].replace("-", "_").lower()
+    """A flag or key as a setting-style name: ``--Learning-Rate`` -> ``learning_rate`` (at most 80
+    characters of it: a message shows it, and a hostile file may hold a key of any length)."""
+    return " ".join(name[:200].lstrip("-").split("=", 1)[0].replace("-", "_").lower().split())[:80]
 
 
 def aliases_of(setting: str) -> list[str]:
@@ -178,6 +179,7 @@ def resolve_names(
         if name not in accepted:
             raise UserError(where(key) + explain_unknown(key, accepted, style, "lmtune train"))
         if name in out:
-            raise UserError(f"{where(key)}{style(name)} is set twice (as {given_as[name]} and {key})")
+            both = f"as {one_line(given_as[name], 60)} and {one_line(key, 60)}"
+            raise UserError(f"{where(key)}{style(name)} is set twice ({both})")
         out[name], given_as[name] = value, key
     return out

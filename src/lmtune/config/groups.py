@@ -167,6 +167,19 @@ class ExampleSettings:
 
 
 @dataclass(frozen=True)
+class ObjectiveSettings:
+    """What training optimises (lmtune.objectives)."""
+
+    name: str = setting(
+        "sft",
+        "sft: supervised fine-tuning, next-token loss on the trained tokens, normalised by the "
+        "global number of target tokens.",
+        choices=("sft",),
+        flag="objective",
+    )
+
+
+@dataclass(frozen=True)
 class BatchSettings:
     """How examples form a step: the global batch (the invariant), micro-batches, packing."""
 
@@ -349,12 +362,10 @@ class CheckpointSettings:
 
     output_dir: str = setting("lmtune-output", "Folder for final/, metrics.jsonl and run.json.")
     save_every: int = setting(
-        0,
-        (
-            "Save a resumable checkpoint every N optimizer steps and at the end; 0 saves only when "
-            "stopped by "
-            "SIGTERM/SIGINT."
-        ),
+        500,
+        "Save a resumable checkpoint every N optimizer steps and at the end of the run, so that a "
+        "stopped run resumes and a finished one can be continued with more steps; 0 saves only "
+        "when stopped by SIGTERM/SIGINT or early stopping.",
     )
     keep_last: int = setting(3, "Keep the newest K checkpoints; 0 keeps all.")
     resume: str = setting(

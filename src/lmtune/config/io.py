@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from lmtune.config.aliases import resolve_names
+from lmtune.config.files import SETTINGS_BYTES, read_text
 from lmtune.config.settings import (
     GROUPS,
     Setting,
@@ -22,7 +23,7 @@ from lmtune.config.settings import (
     to_dict,
     value_of,
 )
-from lmtune.errors import UserError
+from lmtune.errors import UserError, brief, one_line
 
 # How a run that lmtune starts to measure something (plan --calibrate, bench) differs from the
 # user's settings: alone on this machine, and nothing reported, sampled, saved, resumed or restarted.
@@ -74,7 +75,7 @@ def _coerce(s: Setting, value: Any) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
             return value.lower() in ("true", "yes", "1")
-        raise UserError(f"{option_name(name)}: expected true or false, got {value!r}")
+        raise UserError(f"{option_name(name)}: expected true or false, got {brief(value)}")
     if kind is str and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value)  # a YAML list of data files
     if kind is str and isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
@@ -88,29 +89,65 @@ def _coerce(s: Setting, value: Any) -> Any:
         or (kind is int and isinstance(value, float))
         or isinstance(value, (list, dict))
     ):
-        raise UserError(f"{option_name(name)}: expected {kind.__name__}, got {value!r}")
+        raise UserError(f"{option_name(name)}: expected {kind.__name__}, got {brief(value)}")
     try:
         converted = kind(value)
     except (TypeError, ValueError, OverflowError):
-        raise UserError(f"{option_name(name)}: expected {kind.__name__}, got {value!r}") from None
+        raise UserError(f"{option_name(name)}: expected {kind.__name__}, got {brief(value)}") from None
     if kind is float and not math.isfinite(converted):
-        raise UserError(f"{option_name(name)}: must be a finite number (got {value!r})")
+        raise UserError(f"{option_name(name)}: must be a finite number (got {brief(value)})")
     return converted
+
+
+# A settings file has tens of values; aliases and merge keys that expand past this are a bomb.
+MAX_YAML_VALUES = 100_000
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values ``node`` stands for with every alias and merge key expanded, counted on the
+    node graph (each shared node once), so a billion laughs costs as little as it is long."""
+    known = sizes.get(id(node))
+    if known is not None:
+        return known
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(child, sizes) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, sizes) + _expanded_size(v, sizes) for k, v in node.value)
+    sizes[id(node)] = min(size, MAX_YAML_VALUES + 1)
+    return sizes[id(node)]
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """Safe YAML (plain values only) with its expansion bounded; errors name ``where`` and a line."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None and _expanded_size(node, {}) > MAX_YAML_VALUES:
+            raise UserError(
+                f"{where}: expands to over {MAX_YAML_VALUES:,} values (YAML aliases); not settings"
+            )
+        return loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f"{where}:{mark.line + 1}" if mark is not None else where
+        problem = " ".join(str(getattr(e, "problem", None) or "").split())[:100] or "unreadable"
+        raise UserError(f"{at}: not valid YAML ({problem})") from None
+    except RecursionError:
+        raise UserError(f"{where}: not valid YAML (nested too deeply)") from None
+    finally:
+        loader.dispose()
 
 
 def load_yaml(path: str) -> dict[str, Any]:
     """Read a YAML mapping of settings; keys may use dashes or underscores."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--config: no such file: {path}")
-    text = p.read_text(encoding="utf-8")
     try:
-        loaded = yaml.safe_load(text)
-        lines = _key_lines(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f"{path}:{mark.line + 1}" if mark is not None else path
-        raise UserError(f"--config: {at}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        text = read_text(Path(path).expanduser(), limit=SETTINGS_BYTES)
+    except FileNotFoundError:
+        raise UserError(f"--config: no such file: {path}") from None
+    except UserError as e:
+        raise UserError(f"--config: {e}") from None
+    loaded = parse_yaml(text, f"--config: {path}")
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -123,8 +160,10 @@ def load_yaml(path: str) -> dict[str, Any]:
         entries = _group_entries(name, value, path) if group and isinstance(value, dict) else {name: value}
         for flat, item in entries.items():
             if flat in settings:
-                raise UserError(f"--config: {path}: {option_name(flat)} is set twice (as {flat} and {key})")
+                both = f"as {flat} and {one_line(str(key), 60)}"
+                raise UserError(f"--config: {path}: {option_name(flat)} is set twice ({both})")
             settings[flat], origin[flat] = item, str(key)
+    lines = _key_lines(text)
 
     def where(flat: str) -> str:
         line = lines.get(origin.get(flat, flat))
@@ -135,7 +174,7 @@ def load_yaml(path: str) -> dict[str, Any]:
 
 
 def _key_lines(text: str) -> dict[str, int]:
-    """The line of each top-level key of a YAML mapping."""
+    """The line of each top-level key of a YAML mapping (the node graph: nothing is expanded)."""
     node = yaml.compose(text, Loader=yaml.SafeLoader)
     if not isinstance(node, yaml.MappingNode):
         return {}
@@ -152,7 +191,7 @@ def _group_entries(group: str, values: dict[Any, Any], path: str) -> dict[str, A
         name = str(key).replace("-", "_")
         if name not in fields and name not in flat_names:
             raise UserError(
-                f"--config: {path}: {group}: unknown setting {key!r} (its settings: {', '.join(fields)})"
+                f"--config: {path}: {group}: unknown setting {brief(key)} (its settings: {', '.join(fields)})"
             )
         entries[fields.get(name, name)] = value
     return entries

@@ -7,7 +7,7 @@ takes the group it needs (:mod:`lmtune.config.groups`). To users settings are fl
 instead (``TrainConfig(lora=LoraSettings(rank=8))``), and flat names read as attributes too
 (``cfg.lr``), for scripts written against the flat config.
 
-Three groups share their name with a setting (``model``, ``data``, ``lora``): given a group
+Four groups share their name with a setting (``model``, ``data``, ``objective``, ``lora``): given a group
 object (or, in YAML, a mapping) the name means the group, given a plain value the setting
 (``--model``, ``--data``, ``--lora``); ``cfg.model`` is the group and ``cfg.model.name`` the model.
 """
@@ -34,12 +34,13 @@ from lmtune.config.groups import (
     LoggingSettings,
     LoraSettings,
     ModelSettings,
+    ObjectiveSettings,
     OptimSettings,
     SampleSettings,
     ScheduleSettings,
     setting,
 )
-from lmtune.errors import UserError
+from lmtune.errors import UserError, brief
 
 __all__ = [
     "DEFAULT_EPOCHS",
@@ -68,6 +69,7 @@ GROUPS: dict[str, type] = {
     "model": ModelSettings,
     "data": DataSettings,
     "examples": ExampleSettings,
+    "objective": ObjectiveSettings,
     "batch": BatchSettings,
     "optim": OptimSettings,
     "schedule": ScheduleSettings,
@@ -137,6 +139,7 @@ class TrainConfig:
     model: ModelSettings
     data: DataSettings
     examples: ExampleSettings
+    objective: ObjectiveSettings
     batch: BatchSettings
     optim: OptimSettings
     schedule: ScheduleSettings
@@ -262,9 +265,9 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     try:
         low, high = int(lo), int(hi or lo)
     except ValueError:
-        raise UserError(f"--nnodes: expected N or MIN:MAX, got {value!r}") from None
+        raise UserError(f"--nnodes: expected N or MIN:MAX, got {brief(value)}") from None
     if not 1 <= low <= high:
-        raise UserError(f"--nnodes: expected 1 <= MIN <= MAX, got {value!r}")
+        raise UserError(f"--nnodes: expected 1 <= MIN <= MAX, got {brief(value)}")
     return low, high
 
 

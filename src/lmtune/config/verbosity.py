@@ -11,19 +11,20 @@ too).
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-VERBOSE_ENV = "LMTUNE_VERBOSE"
+from lmtune.config.environment import VERBOSE as VERBOSE_ENV
+from lmtune.config.environment import switch
+
 # Warning categories other packages use for their own plans (deprecations, renamed properties).
 _FOREIGN_CATEGORIES = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
 
 
 def verbose() -> bool:
-    """Whether other packages' warnings are shown (``LMTUNE_VERBOSE`` set to anything but 0)."""
-    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+    """Whether other packages' warnings are shown (``LMTUNE_VERBOSE=1``)."""
+    return switch(VERBOSE_ENV)
 
 
 @contextmanager

@@ -3,12 +3,16 @@ markers given to a tokenizer, and the end-of-turn token a template trains after 
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmtune.errors import UserError
+from lmtune.config.files import TooLarge, read_text
+from lmtune.errors import UserError, brief, one_line
 
 _PROBE = "lmtune-end-of-turn-probe"
 
@@ -21,7 +25,7 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
     ``<end_of_turn>``, or EOS in lmtune's built-in template).
     """
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
-    text = str(tokenizer.apply_chat_template(messages, tokenize=False))
+    text = render_chat(tokenizer, messages, generation_prompt=False)
     after = text[text.rfind(_PROBE) + len(_PROBE) :]
     special = set(tokenizer.all_special_ids) | {
         i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
@@ -69,31 +73,181 @@ _MARKER = re.compile(r"<\|[A-Za-z0-9_.-]{1,64}\|>|<[a-z]+(?:_[a-z]+)+>")
 
 
 def read_template(choice: str) -> ChatTemplate:
-    """A built-in template by name, or a ``.jinja`` file (which transformers renders sandboxed)."""
+    """A built-in template by name, or a ``.jinja`` file (which transformers renders sandboxed),
+    parsed and rendered once on a sample conversation within bounds (:func:`trial_render`)."""
     if choice in TEMPLATES:
         return TEMPLATES[choice]
     option = f"--chat-template {choice}"
     path = Path(choice).expanduser()
     if path.suffix != ".jinja":
         raise UserError(f"{option}: must be one of {', '.join(TEMPLATES)} or a .jinja file")
-    if not path.is_file():
-        raise UserError(f"{option}: no such file")
-    if path.stat().st_size > MAX_TEMPLATE_BYTES:
-        raise UserError(f"{option}: over {MAX_TEMPLATE_BYTES // 1024} KiB, not a chat template")
     try:
-        source = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{option}: not UTF-8 text (byte {e.start})") from None
+        source = read_text(path, limit=MAX_TEMPLATE_BYTES)
+    except FileNotFoundError:
+        raise UserError(f"{option}: no such file") from None
+    except TooLarge:
+        raise UserError(f"{option}: over {MAX_TEMPLATE_BYTES // 1024} KiB, not a chat template") from None
+    except UserError as e:
+        raise UserError(f"{option}: {str(e).removeprefix(f'{path}: ')}") from None
+    if "messages" not in source:
+        raise UserError(f"{option}: the template never reads 'messages', so it renders no conversation")
+    trial_render(source, option)
+    return ChatTemplate(source, tuple(dict.fromkeys(_MARKER.findall(source))))
+
+
+# A sample conversation renders in a few hundred characters; these bounds are far above any real
+# template and far below what hurts a machine.
+TRIAL_MEMORY_BYTES = 1 << 30
+TRIAL_SECONDS = 5
+TRIAL_WALL_SECONDS = 30  # CPU seconds run slower than wall seconds on a busy machine
+TRIAL_OUTPUT_CHARS = 1 << 20
+_TRIAL_CONVERSATION = [
+    {"role": "system", "content": "You are brief."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "6"},
+]
+
+
+def trial_render(source: str, origin: str) -> None:
+    """Parse a chat template and render a sample conversation with it in a child process limited to
+    1 GiB of memory, 10 s of CPU and 1 MiB of output, so a template that multiplies a string by
+    four billion, loops without end or nests loops to the same effect is refused with one line
+    here instead of exhausting the machine at the first example. A template that raises an error
+    of its own for the sample is accepted: the data decides."""
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
-        ImmutableSandboxedEnvironment().parse(source)
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
     except TemplateSyntaxError as e:
-        raise UserError(f"{option}: line {e.lineno}: {e.message}") from None
-    if "messages" not in source:
-        raise UserError(f"{option}: the template never reads 'messages', so it renders no conversation")
-    return ChatTemplate(source, tuple(dict.fromkeys(_MARKER.findall(source))))
+        if "generation" not in (e.message or ""):  # transformers' {% generation %} tag parses there
+            raise UserError(f"{origin}: line {e.lineno}: {brief(e.message or '', 160)}") from None
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    limits = f"{TRIAL_MEMORY_BYTES}, {TRIAL_SECONDS}, {TRIAL_OUTPUT_CHARS}"
+    command = [sys.executable, "-c", f"from lmtune.data.chat import trial_child; trial_child({limits})"]
+    try:
+        done = subprocess.run(
+            command, input=source, capture_output=True, text=True, env=env, timeout=TRIAL_WALL_SECONDS
+        )
+    except subprocess.TimeoutExpired:
+        raise UserError(
+            f"{origin}: rendering a sample conversation took over {TRIAL_WALL_SECONDS} s"
+        ) from None
+    if done.returncode == 0:
+        return
+    said = done.stdout.strip().splitlines()[-1:] or done.stderr.strip().splitlines()[-1:] or [""]
+    problem = said[0]
+    if done.returncode < 0:  # ended by the kernel: past its CPU limit
+        problem = f"it did not finish within {TRIAL_SECONDS} s of CPU"
+    raise UserError(f"{origin}: rendering a sample conversation: {one_line(problem) or 'it failed'}")
+
+
+def trial_child(memory_bytes: int, cpu_seconds: int, output_chars: int) -> None:
+    """The child of :func:`trial_render`: limits first, then the render, as transformers sets up
+    its sandbox (trim_blocks, loop controls, raise_exception, tojson, namespace)."""
+    import json
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it so)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller: Any) -> Any:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+    )
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
+    env.globals.update(raise_exception=raise_exception, namespace=jinja2.utils.Namespace, dict=dict)
+    env.globals["strftime_now"] = lambda f: "2024-01-01"
+    try:
+        template = env.from_string(sys.stdin.read())
+        for messages, prompt in ((_TRIAL_CONVERSATION, False), (_TRIAL_CONVERSATION[:4], True)):
+            written = 0
+            context = {
+                "messages": messages,
+                "add_generation_prompt": prompt,
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+            }
+            for piece in template.generate(**context):
+                written += len(piece)
+                if written > output_chars:
+                    print(f"it writes over {output_chars:,} characters for five short messages")
+                    sys.exit(3)
+    except MemoryError:
+        print(f"it needs over {memory_bytes >> 20:,} MiB of memory")
+        sys.exit(3)
+    except jinja2.TemplateSyntaxError as e:
+        print(f"line {e.lineno}: {e.message}")
+        sys.exit(3)
+    except Exception:
+        pass  # the template's own complaint about the sample (roles, a missing field)
+
+
+def render_error(origin: str, e: Exception) -> UserError:
+    """A chat template's failure while rendering, as one line naming the template."""
+    lineno = getattr(e, "lineno", None)
+    at = f" (line {lineno})" if lineno else ""
+    return UserError(
+        f"{origin}: the chat template failed{at}: {type(e).__name__}: {brief(str(e), 160).strip(chr(39))}"
+    )
+
+
+_CHECKED, _ORIGIN = "_lmtune_checked_template", "_lmtune_template_origin"
+
+
+def template_origin(tokenizer: Any) -> str:
+    """Where a tokenizer's chat template came from, as an error names it."""
+    origin = getattr(tokenizer, _ORIGIN, None)
+    name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+    return str(origin) if origin else f"the chat template of {name}"
+
+
+def check_chat_template(tokenizer: Any, known: tuple[str, ...] = ()) -> None:
+    """Trial-render the tokenizer's own template (once per template; lmtune's ``known`` ones are
+    trusted), so a model folder's template is bounded like a --chat-template file."""
+    source = getattr(tokenizer, "chat_template", None)
+    sources = list(source.values()) if isinstance(source, dict) else [source]
+    if getattr(tokenizer, _CHECKED, None) == source:
+        return
+    trusted = {*known, *(t.source for t in TEMPLATES.values())}
+    for one in sources:
+        if not isinstance(one, str):
+            raise UserError(f"{template_origin(tokenizer)}: not a Jinja template (got {brief(one)})")
+        if len(one) > MAX_TEMPLATE_BYTES * 4:
+            raise UserError(f"{template_origin(tokenizer)}: over {MAX_TEMPLATE_BYTES * 4 // 1024} KiB")
+        if one not in trusted:
+            trial_render(one, template_origin(tokenizer))
+    setattr(tokenizer, _CHECKED, source)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    """The conversation rendered by the tokenizer's (checked) template; its errors are one line."""
+    try:
+        return str(
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        )
+    except UserError:
+        raise
+    except Exception as e:  # jinja2's UndefinedError, SecurityError, TemplateError from raise_exception
+        raise render_error(template_origin(tokenizer), e) from None
 
 
 def use_chat_template(tokenizer: Any, choice: str) -> list[str]:
@@ -109,4 +263,6 @@ def use_chat_template(tokenizer: Any, choice: str) -> list[str]:
         [AddedToken(m, special=True, normalized=False) for m in template.markers], special_tokens=True
     )
     tokenizer.chat_template = template.source
+    setattr(tokenizer, _ORIGIN, f"--chat-template {choice}")
+    setattr(tokenizer, _CHECKED, template.source)  # read_template rendered it on a sample
     return new

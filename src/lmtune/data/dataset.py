@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from lmtune.config.files import is_int, read_json_object
 from lmtune.data.tokenize import IGNORE_INDEX, Encoded
+from lmtune.errors import UserError
 
 IDS_FILE, MASK_FILE, OFFSETS_FILE, META_FILE = "input_ids.bin", "trainable.bin", "offsets.npy", "meta.json"
 
@@ -57,15 +60,98 @@ class TokenizedDataset:
         return cls(ids.astype(np.int32), mask.astype(bool), offsets, meta)
 
     @classmethod
-    def open(cls, folder: Path) -> TokenizedDataset:
-        meta = json.loads((folder / META_FILE).read_text())
-        offsets = np.load(folder / OFFSETS_FILE)
+    def open(cls, folder: Path, vocab_size: int | None = None) -> TokenizedDataset:
+        """A cache entry, checked first (:func:`check_entry`); a damaged one is a :class:`UserError`
+        naming the folder."""
+        meta, offsets = check_entry(folder, vocab_size)
         total = int(offsets[-1])
         if total == 0:
             return cls(np.zeros(0, np.int32), np.zeros(0, bool), offsets, meta)
         ids = np.memmap(folder / IDS_FILE, dtype=np.int32, mode="r", shape=(total,))
         mask = np.memmap(folder / MASK_FILE, dtype=np.bool_, mode="r", shape=(total,))
         return cls(ids, mask, offsets, meta)
+
+
+# What every cache entry's meta.json records (read by the run log and run.json).
+META_COUNTS = (
+    *("examples", "tokens", "target_tokens", "truncated", "dropped_too_long", "dropped_no_targets"),
+    *("eos_trained", "bad_lines"),
+)
+_SCAN = 1 << 24  # tokens checked per slice: bounded memory whatever the entry's size
+
+
+def check_entry(folder: Path, vocab_size: int | None) -> tuple[dict[str, Any], np.ndarray]:
+    """(meta, offsets) of a cache entry whose structure checks out: regular files (no links) of the
+    sizes the offsets imply, offsets from 0 rising with every example, token ids inside the
+    vocabulary, and every example with a trainable token. It reads the entry once (a few seconds
+    for a billion tokens), so a truncated file, an edited id or mask never trains silently.
+
+    Raises:
+        UserError: naming the folder and what is wrong.
+    """
+    try:
+        meta = read_json_object(folder / META_FILE, limit=64 << 20)
+        seconds = meta.get("build_seconds")
+        if not (all(is_int(meta.get(k)) for k in META_COUNTS) and isinstance(meta.get("formats"), dict)):
+            raise UserError(f"{folder / META_FILE}: counts missing or not whole numbers")
+        if not isinstance(seconds, (int, float)) or not 0 <= seconds < 1e9:
+            raise UserError(f"{folder / META_FILE}: build_seconds is not a duration")
+        offsets = read_offsets(folder / OFFSETS_FILE)
+        total = int(offsets[-1])
+        for name, width in ((IDS_FILE, 4), (MASK_FILE, 1)):
+            path = folder / name
+            if path.is_symlink() or not path.is_file() or path.stat().st_size != total * width:
+                raise UserError(f"{path}: not the {total * width:,} bytes its offsets imply (cut short?)")
+        if meta["examples"] != len(offsets) - 1 or meta["tokens"] != total:
+            raise UserError(f"{folder / META_FILE}: its counts do not match the arrays")
+        if total:
+            _check_arrays(folder, offsets, vocab_size)
+    except FileNotFoundError as e:
+        raise UserError(
+            f"damaged data cache entry {folder}: {Path(str(e.filename)).name} is missing"
+        ) from None
+    except (UserError, OSError, ValueError) as e:
+        raise UserError(f"damaged data cache entry {folder}: {e}") from None
+    return meta, offsets
+
+
+def read_offsets(path: Path) -> np.ndarray:
+    """An entry's offsets, checked: a regular file (no link) of int64 from 0, rising."""
+    if path.is_symlink() or not path.is_file():
+        raise UserError(f"{path}: not a regular file")
+    # Mapped first: a header claiming more than the file holds fails here, before any allocation.
+    offsets = np.array(np.load(path, allow_pickle=False, mmap_mode="r"))
+    if offsets.dtype != np.int64 or offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0:
+        raise UserError(f"{path}: not the offsets lmtune writes (int64 from 0)")
+    if len(offsets) > 1 and not bool((np.diff(offsets) > 0).all()):
+        raise UserError(f"{path}: offsets do not rise with every example")
+    return offsets
+
+
+def _check_arrays(folder: Path, offsets: np.ndarray, vocab_size: int | None) -> None:
+    total = int(offsets[-1])
+    ids = np.memmap(folder / IDS_FILE, dtype=np.int32, mode="r", shape=(total,))
+    mask = np.memmap(folder / MASK_FILE, dtype=np.uint8, mode="r", shape=(total,))
+    high = vocab_size if vocab_size is not None else np.iinfo(np.int32).max
+    counts = np.zeros(len(offsets) - 1, dtype=np.int64)
+    starts = offsets[:-1]
+    for lo in range(0, total, _SCAN):
+        hi = min(lo + _SCAN, total)
+        chunk = ids[lo:hi]
+        if int(chunk.min()) < 0 or int(chunk.max()) >= high:
+            bad = int(chunk.min()) if int(chunk.min()) < 0 else int(chunk.max())
+            raise UserError(f"{folder / IDS_FILE}: token id {bad} is outside the vocabulary (0..{high - 1})")
+        flags = mask[lo:hi]
+        if int(flags.max(initial=0)) > 1:
+            raise UserError(f"{folder / MASK_FILE}: not a mask of 0s and 1s")
+        # Trainable tokens per example, summed slice by slice.
+        first = np.searchsorted(starts, lo, side="right") - 1
+        last = np.searchsorted(starts, hi, side="left")
+        edges = np.clip(starts[first:last], lo, hi) - lo
+        counts[first:last] += np.add.reduceat(flags.astype(np.int64), edges) if len(edges) else 0
+    empty = np.flatnonzero(counts == 0)
+    if len(empty):
+        raise UserError(f"{folder / MASK_FILE}: example {int(empty[0])} has no trainable token")
 
 
 class DatasetWriter:
@@ -88,13 +174,22 @@ class DatasetWriter:
         self._mask.flush()
 
     def close(self, meta: dict[str, Any]) -> None:
-        """Finish the folder; ``meta.json`` is written last and marks it complete."""
-        self._ids.close()
-        self._mask.close()
+        """Finish the folder; ``meta.json`` is written last and marks it complete. Every file is
+        on disk (fsync) before it: a crash leaves an entry without meta.json, never a short one."""
+        for f in (self._ids, self._mask):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
         offsets = np.zeros(len(self._lengths) + 1, dtype=np.int64)
         np.cumsum(np.asarray(self._lengths, dtype=np.int64), out=offsets[1:])
-        np.save(self.folder / OFFSETS_FILE, offsets)
-        (self.folder / META_FILE).write_text(json.dumps(meta, indent=2))
+        with (self.folder / OFFSETS_FILE).open("wb") as f:
+            np.save(f, offsets)
+            f.flush()
+            os.fsync(f.fileno())
+        with (self.folder / META_FILE).open("w", encoding="utf-8") as text:
+            text.write(json.dumps(meta, indent=2))
+            text.flush()
+            os.fsync(text.fileno())
 
 
 class SplitView(TokenizedDataset):

@@ -12,8 +12,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lmtune.config.groups import ExampleSettings
+from lmtune.data.chat import check_chat_template, render_chat
 from lmtune.data.sources import Record
-from lmtune.errors import UserError
+from lmtune.errors import UserError, brief, one_line
 
 ROLES = ("system", "user", "assistant", "tool")
 # The chat formats: rendered with the chat template, trained on the assistant turns.
@@ -201,18 +202,16 @@ def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -
         role = roles.get(m[role_key]) if isinstance(m[role_key], str) else None
         if role is None:
             raise UserError(
-                f"{record.where}: message {i + 1} has unknown role {m[role_key]!r} (roles: "
+                f"{record.where}: message {i + 1} has unknown role {brief(m[role_key])} (roles: "
                 f"{', '.join(ROLES)}; ShareGPT's {', '.join(SHAREGPT_ROLES)}; name others with "
-                f"--field-map ROLE=VALUE, such as assistant={m[role_key]})"
+                f"--field-map ROLE=VALUE, such as assistant={one_line(str(m[role_key]), 40)})"
             )
         turns.append({"role": role, "content": m[content_key]})
     return turns
 
 
 def _chat(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-    return str(
-        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    )
+    return render_chat(tokenizer, messages, generation_prompt)
 
 
 def _render_messages(record: Record, tokenizer: Any, messages: list[dict[str, str]], fmt: str) -> Rendered:
@@ -221,27 +220,37 @@ def _render_messages(record: Record, tokenizer: Any, messages: list[dict[str, st
     A turn's span is what rendering up to and including it adds to the rendering of the
     conversation before it with the generation prompt: the reply and its end-of-turn marker.
     """
-    text = _chat(tokenizer, messages, generation_prompt=False)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = _chat(tokenizer, messages[:i], generation_prompt=True) if i else _empty_prompt(tokenizer)
-        upto = _chat(tokenizer, messages[: i + 1], generation_prompt=False)
-        if not (upto.startswith(before) and text.startswith(upto)):
-            raise UserError(
-                f"{record.where}: the chat template does not render the conversation turn by turn, so "
-                "the assistant replies cannot be located; use a template that appends turns"
-            )
-        spans.append((len(before), len(upto)))
+    try:
+        text = _chat(tokenizer, messages, generation_prompt=False)
+        spans = [
+            _reply_span(tokenizer, messages, i, text)
+            for i, m in enumerate(messages)
+            if m["role"] == "assistant"
+        ]
+    except UserError as e:
+        raise UserError(f"{record.where}: {e}") from None
     return Rendered(text=text, spans=tuple(spans), add_special_tokens=False, append_eos=False, format=fmt)
+
+
+def _reply_span(tokenizer: Any, messages: list[dict[str, str]], i: int, text: str) -> tuple[int, int]:
+    before = _chat(tokenizer, messages[:i], generation_prompt=True) if i else _empty_prompt(tokenizer)
+    upto = _chat(tokenizer, messages[: i + 1], generation_prompt=False)
+    if not (upto.startswith(before) and text.startswith(upto)):
+        raise UserError(
+            "the chat template does not render the conversation turn by turn, so "
+            "the assistant replies cannot be located; use a template that appends turns"
+        )
+    return len(before), len(upto)
 
 
 def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:
     """A conversation's last turn, and the conversation rendered up to the assistant's reply."""
     ensure_chat_template(tokenizer)
     messages = _turns(record, "messages", PLAIN_FIELDS)
-    return messages[-1]["content"], _chat(tokenizer, messages, generation_prompt=True)
+    try:
+        return messages[-1]["content"], _chat(tokenizer, messages, generation_prompt=True)
+    except UserError as e:
+        raise UserError(f"{record.where}: {e}") from None
 
 
 def _empty_prompt(tokenizer: Any) -> str:
@@ -256,3 +265,4 @@ def ensure_chat_template(tokenizer: Any) -> None:
     """Give a tokenizer without a chat template the built-in one (saved with the model)."""
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE
+    check_chat_template(tokenizer, known=(BUILTIN_CHAT_TEMPLATE,))

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from lmtune.config import environment
+from lmtune.config.files import read_text
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
 from lmtune.data.formats import FieldMap, ensure_chat_template
@@ -27,12 +29,13 @@ from lmtune.data.sources import BadLines, Record, Source, iter_records, resolve_
 from lmtune.data.tokenize import Encoded, EncodeStats, chunks, encode_chunk
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, available_cores, broadcast_object
+from lmtune.parallel.launch import warn
 
 CACHE_VERSION = 1
 LARGE_INPUT_BYTES = 16 << 20
-CACHE_ENV = "LMTUNE_CACHE_DIR"
+CACHE_ENV = environment.CACHE_DIR
 # A waiting rank gives up when the builder has written nothing for this long (it died, or hangs).
-CACHE_WAIT_TIMEOUT_ENV = "LMTUNE_CACHE_WAIT_TIMEOUT"
+CACHE_WAIT_TIMEOUT_ENV = environment.CACHE_WAIT_TIMEOUT
 CACHE_WAIT_TIMEOUT_S = 600.0
 
 
@@ -50,10 +53,10 @@ class Sink(Protocol):
 
 def cache_root() -> Path:
     """lmtune's cache: $LMTUNE_CACHE_DIR, else ~/.cache/lmtune."""
-    root = os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lmtune"
-    )
-    return Path(root)
+    chosen = environment.folder(CACHE_ENV, must_exist=False)
+    if chosen is not None:
+        return chosen
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lmtune")
 
 
 def default_cache_dir() -> Path:
@@ -230,15 +233,23 @@ def _last_write(cache_dir: Path, pattern: str) -> float:
 
 
 def _wait_for(
-    folder: Path, error_file: Path, building: str, check_stop: Callable[[], None], poll_s: float = 0.1
+    folder: Path,
+    error_file: Path,
+    building: str,
+    check_stop: Callable[[], None],
+    ready: Callable[[], bool] | None = None,
 ) -> None:
-    """Wait for another rank to build ``folder``: until it is there, the builder reports an error,
-    this run is asked to stop, or the builder has written nothing for the timeout."""
-    limit = float(os.environ.get(CACHE_WAIT_TIMEOUT_ENV) or CACHE_WAIT_TIMEOUT_S)
+    """Wait for another rank to build ``folder``: until it is there (``ready``), the builder reports
+    an error, this run is asked to stop, or the builder has written nothing for the timeout."""
+    limit = environment.seconds(CACHE_WAIT_TIMEOUT_ENV, CACHE_WAIT_TIMEOUT_S)
     last_progress = time.time()
-    while not (folder / META_FILE).is_file():
+    while not (ready() if ready is not None else (folder / META_FILE).is_file()):
         if error_file.is_file():
-            raise UserError(error_file.read_text(encoding="utf-8"))
+            try:
+                message = read_text(error_file, limit=64 << 10, follow_links=False)
+            except (OSError, UserError):
+                message = f"the rank that tokenizes into {folder.parent} failed (see its output)"
+            raise UserError(message.strip().splitlines()[0] if message.strip() else "tokenizing failed")
         check_stop()
         last_progress = max(last_progress, _last_write(folder.parent, building))
         if time.time() - last_progress > limit:
@@ -247,7 +258,7 @@ def _wait_for(
                 f"nothing in that time; it died or hangs (see its output), or --cache-dir is not shared "
                 "between the nodes (then use --cache-per-node)"
             )
-        time.sleep(poll_s)
+        time.sleep(0.1)
 
 
 def prepare(
@@ -260,32 +271,115 @@ def prepare(
     option: str = "--data",
     check_stop: Callable[[], None] = lambda: None,
 ) -> Prepared:
-    """Return the tokenized data set for ``spec``, building the cache entry once if it is missing."""
+    """Return the tokenized data set for ``spec``, building the cache entry once if it is missing
+    or damaged (an entry is checked by its builder before any other rank opens it)."""
     ensure_chat_template(tokenizer)
     sources = resolve_sources(spec, option)
-    # Rank 0 hashes the inputs once; a nonce per run keeps error markers of runs apart.
-    mine = (cache_key(sources, tokenizer, settings), uuid.uuid4().hex[:8]) if env.is_main else ("", "")
-    key, nonce = broadcast_object(mine, env)
-    folder = cache_dir / key
-    error_file = cache_dir / f"{key}.error-{nonce}"
+    vocab = len(tokenizer)
     builder = env.is_main or (per_node and env.local_rank == 0)
-    built = False
-    if builder and not (folder / META_FILE).is_file():
-        tmp = cache_dir / f"{key}.tmp-{nonce}-{env.rank}"
-        try:
-            _build(sources, tokenizer, settings, tmp, spec, option, check_stop)
-        except UserError as e:
-            error_file.parent.mkdir(parents=True, exist_ok=True)
-            error_file.write_text(str(e), encoding="utf-8")
-            raise
-        finally:
-            if not (tmp / META_FILE).is_file():
-                shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            tmp.rename(folder)
-        except OSError:  # another node's builder finished first on a shared disk
+    key, nonce, dataset = "", "", None
+    if env.is_main:  # hashes the inputs once; a nonce per run keeps error markers of runs apart
+        key, nonce = cache_key(sources, tokenizer, settings), uuid.uuid4().hex[:8]
+        dataset = _reuse(cache_dir, key, vocab, nonce)
+    key, nonce = broadcast_object((key, nonce), env)  # the others wait for rank 0's verdict here
+    folder, error_file = cache_dir / key, cache_dir / f"{key}.error-{nonce}"
+    if builder and not env.is_main:  # a node's own builder (--cache-per-node)
+        dataset = _reuse(cache_dir, key, vocab, nonce)
+    if not builder:
+        dataset = _open_built(folder, vocab, error_file, f"{key}.tmp-{nonce}-*", check_stop)
+        return Prepared(dataset=dataset, built=False, key=key, folder=folder)
+    if dataset is not None:
+        return Prepared(dataset=dataset, built=False, key=key, folder=folder)
+    tmp = cache_dir / f"{key}.tmp-{nonce}-{env.rank}"
+    try:
+        _build(sources, tokenizer, settings, tmp, spec, option, check_stop)
+    except UserError as e:
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        error_file.write_text(str(e), encoding="utf-8")
+        raise
+    finally:
+        if not (tmp / META_FILE).is_file():
             shutil.rmtree(tmp, ignore_errors=True)
-        built = True
+    try:
+        tmp.rename(folder)
+        _fsync_folder(cache_dir)
+    except OSError:  # another node's builder finished first on a shared disk
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Prepared(dataset=TokenizedDataset.open(folder, vocab), built=True, key=key, folder=folder)
+
+
+def _open_built(
+    folder: Path, vocab: int, error_file: Path, building: str, check_stop: Callable[[], None]
+) -> TokenizedDataset:
+    """A waiting rank's entry, once its builder has it. A node's own builder (--cache-per-node)
+    judges its entry after this rank may have looked: an entry that fails here is waited on until
+    that builder has put a new one in its place."""
+    _wait_for(folder, error_file, building, check_stop)
+    try:
+        return TokenizedDataset.open(folder, vocab)
+    except UserError:
+        seen = _identity(folder)
+    _wait_for(folder, error_file, building, check_stop, ready=lambda: _identity(folder) not in (None, seen))
+    return TokenizedDataset.open(folder, vocab)
+
+
+def _identity(folder: Path) -> int | None:
+    try:
+        return (folder / META_FILE).stat().st_ino
+    except OSError:
+        return None
+
+
+def _reuse(cache_dir: Path, key: str, vocab: int, nonce: str) -> TokenizedDataset | None:
+    """The cached entry when it checks out (None: build it). A damaged one is set aside (and
+    removed) with a warning naming it; stale leftovers of killed builders are removed first."""
+    remove_stale(cache_dir)
+    folder = cache_dir / key
+    if not (folder.exists() or folder.is_symlink()):
+        return None
+    try:
+        return TokenizedDataset.open(folder, vocab)
+    except UserError as e:
+        warn(f"{e}; tokenizing the data again")
+    aside = folder.with_name(f"{folder.name}.bad-{nonce}")
+    try:
+        folder.rename(aside)
+    except OSError as e:
+        raise UserError(
+            f"damaged data cache entry {folder} cannot be set aside ({e.strerror}); delete it"
+        ) from None
+    _remove(aside)
+    return None
+
+
+def _fsync_folder(folder: Path) -> None:
+    """The rename of a finished entry, on disk."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale(cache_dir: Path) -> list[Path]:
+    """Temporary folders and error markers that builders left when they were killed: those written
+    to longer ago than the wait timeout, after which no waiting rank trusts them either."""
+    limit = environment.seconds(CACHE_WAIT_TIMEOUT_ENV, CACHE_WAIT_TIMEOUT_S)
+    removed = []
+    for path in [*cache_dir.glob("*.tmp-*"), *cache_dir.glob("*.error-*"), *cache_dir.glob("*.bad-*")]:
+        try:
+            inside = list(path.iterdir()) if path.is_dir() and not path.is_symlink() else []
+            newest = max(p.lstat().st_mtime for p in [path, *inside])
+        except OSError:
+            continue
+        if time.time() - newest > limit:
+            _remove(path)
+            removed.append(path)
+    return removed
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
     else:
-        _wait_for(folder, error_file, f"{key}.tmp-{nonce}-*", check_stop)
-    return Prepared(dataset=TokenizedDataset.open(folder), built=built, key=key, folder=folder)
+        path.unlink(missing_ok=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 from lmtune.config.settings import SAMPLE_DATA as SAMPLE
 from lmtune.config.settings import SAMPLE_EVAL
-from lmtune.data.sample import SAMPLE_SEED, addition_examples
+from lmtune.data.addition import SAMPLE_SEED, addition_examples
 from lmtune.errors import UserError
 
 EXTENSIONS = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".txt")

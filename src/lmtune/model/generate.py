@@ -48,5 +48,7 @@ def complete(
 def chat_reply(model: nn.Module, tokenizer: Any, messages: list[dict[str, str]], **options: Any) -> str:
     """The assistant's next reply to ``messages``, rendered with the tokenizer's chat template (which
     writes its own special tokens) and ended by the end-of-turn token the model was trained with."""
-    prompt = str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    from lmtune.data.chat import render_chat
+
+    prompt = render_chat(tokenizer, messages, generation_prompt=True)
     return complete(model, tokenizer, prompt, add_special_tokens=False, **options).rstrip()

@@ -1,8 +1,9 @@
-"""Cross-entropy summed over target tokens, so callers can normalise by a global token count."""
+"""The model run on a micro-batch for a loss: token cross-entropy summed over target tokens (so callers
+normalise by a global count), and the loss module base that objectives extend."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +11,9 @@ from torch import nn
 
 from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.model.chunked_loss import linear_cross_entropy_sum, split_head
+
+if TYPE_CHECKING:
+    from lmtune.model.attention import Segments
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,11 +47,14 @@ def _padding(attention_mask: torch.Tensor) -> float:
     return 1.0 - float(attention_mask.sum()) / max(attention_mask.numel(), 1)
 
 
-class SummedLoss(nn.Module):
-    """Wraps a causal LM so that its forward returns the summed loss, shape ``[1]``.
+class LossModule(nn.Module):
+    """Runs a causal LM on a micro-batch and returns its objective's loss vector, shape ``[1 + K]``
+    (``lmtune.objectives.base``): subclasses implement :meth:`loss_output`.
 
-    Computing the loss inside the wrapped module lets ``nn.DataParallel`` gather one number per GPU
-    instead of every replica's logits, and gives DDP/DP one module to wrap.
+    Computing the loss inside the wrapped module lets ``nn.DataParallel`` gather a few numbers per
+    GPU instead of every replica's logits, and gives DP/DDP/FSDP2 one module to wrap. The rows
+    reach the model flattened to their real tokens with per-example attention (``varlen``), or
+    packed under a block-diagonal mask, or as they are.
     """
 
     def __init__(
@@ -65,6 +72,14 @@ class SummedLoss(nn.Module):
         # operations (on 11-token examples the flattened path was ~20% slower).
         self.varlen = varlen
 
+    def loss_output(
+        self, labels: torch.Tensor, segments: torch.Tensor | Segments | None, inputs: dict[str, Any]
+    ) -> torch.Tensor:
+        """The loss vector of rows given to the model as ``inputs``; ``labels`` align with the rows.
+        ``segments`` tells the examples of a row apart: None (one example per row), packed rows'
+        segment ids, or the flattened rows' :class:`~lmtune.model.attention.Segments`."""
+        raise NotImplementedError
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -73,7 +88,7 @@ class SummedLoss(nn.Module):
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The summed loss; without ``labels``, each row's next-token logits (for generation,
+        """The loss vector; without ``labels``, each row's next-token logits (for generation,
         which must also pass through this module: under FSDP2 its call gathers the parameters)."""
         if labels is None:
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -88,12 +103,11 @@ class SummedLoss(nn.Module):
             attention_mask = block_causal_mask(
                 segment_ids, sliding_window(getattr(self.model, "config", None))
             )
-        loss_sum = self._loss_sum(
-            labels, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-        )
-        return torch.stack([loss_sum])  # not a view: FSDP2 hooks the output for its backward
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        return self.loss_output(labels, segment_ids, inputs)
 
-    def _loss_sum(self, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
+    def token_loss_sum(self, labels: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """The summed next-token loss of the rows, through the chunked head where it is set."""
         split = split_head(self.model) if self.loss_chunk else None
         if split is None:
             return token_loss_sum(self.model(**inputs, use_cache=False).logits, labels)[0]
@@ -115,11 +129,10 @@ class SummedLoss(nn.Module):
         flat = flatten(input_ids, attention_mask, labels, position_ids, segment_ids, round_length=on_cpu)
         # An all-ones mask rather than None: given None, transformers looks for packing in the
         # positions and builds an L x L mask that per-example attention has no use for.
-        loss_sum = self._loss_sum(
-            flat.labels,
-            input_ids=flat.input_ids,
-            attention_mask=torch.ones_like(flat.input_ids),
-            position_ids=flat.position_ids,
-            **{SEGMENTS: flat.segments},
-        )
-        return torch.stack([loss_sum])
+        inputs = {
+            "input_ids": flat.input_ids,
+            "attention_mask": torch.ones_like(flat.input_ids),
+            "position_ids": flat.position_ids,
+            SEGMENTS: flat.segments,
+        }
+        return self.loss_output(flat.labels, flat.segments, inputs)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmtune.errors import UserError
+from lmtune.config.files import read_json_object
+from lmtune.errors import UserError, brief
+from lmtune.model.configs import CONFIG_BYTES, check_config, check_folder
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 
@@ -123,19 +124,22 @@ def preset_config(name: str, tok: Any) -> Any:
     )
 
 
-def load_config(name: str, trust_remote_code: bool = False) -> Any:
-    """Only the model's config (no weights): for planning memory before anything is loaded."""
+def load_config(name: str, trust_remote_code: bool = False, *, fits_memory: bool = False) -> Any:
+    """Only the model's config (no weights): for planning memory before anything is loaded. Its
+    sizes are checked (and, with ``fits_memory``, that the model fits this machine's memory)."""
     if name in PRESETS:
         return preset_config(name, byte_tokenizer())
     where = _source(name, need_config=True)
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(
+        config = AutoConfig.from_pretrained(
             where.source, trust_remote_code=trust_remote_code, local_files_only=where.local_only
         )
-    except (OSError, ValueError) as e:
+    except Exception as e:  # transformers checks types with errors of its own kinds
         raise _load_error(name, where.tried, e) from None
+    check_config(config.to_dict(), f"--model {name}: config.json", fits_memory=fits_memory)
+    return config
 
 
 def _looks_like_path(name: str) -> bool:
@@ -153,9 +157,17 @@ def _source(name: str, need_config: bool) -> _Where:
     """Where ``name`` loads from, and how to describe that in an error."""
     path = Path(name).expanduser()
     if path.exists():
+        if not path.is_dir():
+            raise UserError(f"--model {name}: not a folder (a model is a folder with config.json)")
         if need_config and not (path / "config.json").is_file():
             raise UserError(f"--model {name}: folder has no config.json, so it is not a model folder")
-        return _Where(str(path), f"local folder {path}", local_only=True)
+        check_folder(path, f"--model {name}")
+        if (path / "config.json").is_file():  # before transformers reads it: a clear message
+            raw = read_json_object(path / "config.json", limit=CONFIG_BYTES, follow_links=True)
+            check_config(raw, f"--model {name}: config.json", fits_memory=False)
+        # Absolute: transformers records it as the model's name, which a LoRA adapter keeps as
+        # its base, so the adapter loads from any directory.
+        return _Where(str(path.resolve()), f"local folder {path}", local_only=True)
     if _looks_like_path(name):
         raise UserError(f"--model {name}: no such folder (presets: {', '.join(PRESETS)})")
     if _hub_reachable():
@@ -181,11 +193,16 @@ def _hub_reachable(timeout_s: float = 5.0) -> bool:
         return False
 
 
+def _reason(e: Exception) -> str:
+    # transformers' first line may only say which field; the second says what is wrong with it.
+    lines = [" ".join(line.split()) for line in str(e).strip().splitlines()[:2]]
+    return brief(": ".join(line for line in lines if line), 200).strip("'\"") or type(e).__name__
+
+
 def _load_error(name: str, tried: str, e: Exception) -> UserError:
-    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return UserError(
         f"--model {name}: could not load it as a preset ({', '.join(PRESETS)}), a local folder, "
-        f"or {tried}: {first_line}"
+        f"or {tried}: {_reason(e)}"
     )
 
 
@@ -221,7 +238,10 @@ def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedM
     if base is not None:
         from lmtune.model.lora import merged_model
 
-        loaded = load_model(base, seed, trust_remote_code)
+        try:
+            loaded = load_model(base, seed, trust_remote_code)
+        except UserError as e:
+            raise UserError(f"--model {name}: its base model (adapter_config.json): {e}") from None
         merged = merged_model(loaded.model, Path(name).expanduser())
         return LoadedModel(
             model=merged,
@@ -229,6 +249,7 @@ def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedM
             default_lr=FINETUNE_LR,
             source=f"{base} + adapter {name}",
         )
+    config = load_config(name, trust_remote_code, fits_memory=True)
     where = _source(name, need_config=True)
     tokenizer = load_tokenizer(name, trust_remote_code)
     from transformers import AutoModelForCausalLM
@@ -236,6 +257,7 @@ def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedM
     try:
         model = AutoModelForCausalLM.from_pretrained(
             where.source,
+            config=config,
             trust_remote_code=trust_remote_code,
             dtype=torch.float32,
             use_safetensors=None,
@@ -249,17 +271,34 @@ def load_model(name: str, seed: int, trust_remote_code: bool = False) -> LoadedM
 
 
 def _adapter_base(name: str) -> str | None:
-    """The base model of a LoRA adapter folder (PEFT format, as lmtune's final/), or None."""
+    """The base model of a LoRA adapter folder (PEFT format, as lmtune's final/), or None.
+
+    The base must be there and must not be an adapter itself (an adapter naming itself, or a chain
+    of adapters, would recurse)."""
     path = Path(name).expanduser()
     if not (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
         return None
-    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    check_folder(path, f"--model {name}")
+    base = read_json_object(path / "adapter_config.json", follow_links=True).get("base_model_name_or_path")
     if not base:
         raise UserError(
             f"--model {name}: a LoRA adapter folder that names no base model (trained on a preset); "
             "use the merged model instead (train with --merge-lora: final/merged)"
         )
-    return str(base)
+    if not isinstance(base, str) or "\0" in base:
+        raise UserError(f"--model {name}: adapter_config.json's base_model_name_or_path is {brief(base)}")
+    base_path = Path(base).expanduser()
+    if base_path.exists() and (base_path / "adapter_config.json").is_file():
+        raise UserError(
+            f"--model {name}: the adapter's base model {base} is an adapter folder itself; "
+            "name a full model as the base (adapter_config.json's base_model_name_or_path)"
+        )
+    if not base_path.exists() and base not in PRESETS and _looks_like_path(base):
+        raise UserError(
+            f"--model {name}: the adapter's base model {base} (adapter_config.json's "
+            "base_model_name_or_path) is not there; put the base model there or edit that entry"
+        )
+    return base
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
@@ -276,14 +315,12 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(
             where.source, trust_remote_code=trust_remote_code, local_files_only=where.local_only
         )
-    except (OSError, ValueError) as e:
+    except Exception as e:  # transformers checks types with errors of its own kinds
         if not folder.is_dir():
             raise _load_error(name, where.tried, e) from None
-        # transformers' text runs over lines and never says it was the tokenizer that failed.
-        said = " ".join(str(e).split()) or type(e).__name__
+        # transformers' text never says that it was the tokenizer that failed.
         raise UserError(
-            f"--model {name}: could not load its tokenizer from {where.tried}: "
-            f"{said if len(said) <= 200 else said[:197] + '...'}"
+            f"--model {name}: could not load its tokenizer from {where.tried}: {_reason(e)}"
         ) from None
     ensure_pad_token(tokenizer)
     return tokenizer

@@ -16,7 +16,9 @@ def stop_ids(model: nn.Module, tokenizer: Any) -> list[int]:
     """Every token that ends generation for ``model``: its generation config's and the EOS."""
     config = getattr(model, "generation_config", None)
     listed = getattr(config, "eos_token_id", None)
-    ids = [listed] if isinstance(listed, int) else list(listed or [])
+    ids = listed if isinstance(listed, list) else [listed]
+    # Token ids only: a generation config is a file from disk and may hold anything.
+    ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
     return list(dict.fromkeys([*ids, tokenizer.eos_token_id]))
 
 

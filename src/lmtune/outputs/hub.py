@@ -1,5 +1,6 @@
 """Uploading a model folder to the Hugging Face hub: `--push-to-hub` at the end of a run and
-`lmtune push` for any saved folder.
+`lmtune push` for any saved folder. The token, the repo id and the hub's reachability are checked
+before a run starts (in every process: the nodes of a job share their environment).
 
 The token is huggingface_hub's own (``HF_TOKEN``, or the one ``hf auth login`` saved): it is never
 an option, so it stays out of run.json and the process list. The repo is created when missing.

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from lmtune.config.files import read_json
 from lmtune.errors import UserError
 
 # --report-to name -> (module imported, pip extra)
@@ -108,8 +109,8 @@ class TensorBoard:
 
 def _run_ids(output_dir: Path) -> dict[str, str]:
     try:
-        state = json.loads((output_dir / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        state = read_json(output_dir / STATE_FILE, limit=1 << 20)
+    except (OSError, UserError):
         return {}
     return {k: v for k, v in state.items() if isinstance(v, str)} if isinstance(state, dict) else {}
 
@@ -120,16 +121,33 @@ def _remember_run_id(output_dir: Path, tool: str, run_id: str) -> None:
     (output_dir / STATE_FILE).write_text(json.dumps(state), encoding="utf-8")
 
 
+def _drop_offline_attempts(output_dir: Path, run_id: str) -> None:
+    """Earlier attempts' offline folders of this W&B run: a killed attempt may have written part of
+    its history there, and the resumed attempt writes the whole history again into its own, so
+    keeping both would give `wandb sync` every step twice. Only lmtune's own run folders (named by
+    the run id it recorded) are removed."""
+    import shutil
+
+    if not run_id.isalnum():  # W&B's ids are; anything else in reporting.json was not written by us
+        return
+    for folder in (output_dir / "wandb").glob(f"offline-run-*-{run_id}"):
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 class WandB:
     def __init__(self, output_dir: Path, config: dict[str, Any], resume_step: int):
         import wandb
 
         # Offline (a run folder under OUTPUT/wandb, `wandb sync` uploads it) unless an account is set.
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        run_id = _run_ids(output_dir).get("wandb") if resume_step else None
+        if run_id and mode == "offline":
+            _drop_offline_attempts(output_dir, run_id)
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "lmtune"),
             name=output_dir.resolve().name,
-            id=_run_ids(output_dir).get("wandb") if resume_step else None,
+            id=run_id,
             resume="allow",
             dir=str(output_dir),
             config=config,

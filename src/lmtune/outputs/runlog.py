@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
 from tqdm import tqdm
 
+from lmtune.config.files import read_bytes
 from lmtune.outputs.reporters import Reporter
 from lmtune.parallel.distributed import DistEnv
+
+METRICS_BYTES = 1 << 30  # a million steps of rows
 
 
 class InfoLog(Protocol):
@@ -32,12 +36,12 @@ def open_jsonl(path: Path, keep_through_step: int) -> Any:
     """
     kept: list[str] = []
     if keep_through_step > 0 and path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= keep_through_step:
-                    kept.append(line)
-            except json.JSONDecodeError:
+        for row, line in _rows(path):
+            if row is None:
                 break  # a line cut off by the crash ends what can be kept
+            step = row.get("step", 0)
+            if isinstance(step, int) and step <= keep_through_step:
+                kept.append(line)
     path.parent.mkdir(parents=True, exist_ok=True)
     f = path.open("w", encoding="utf-8")
     f.writelines(line + "\n" for line in kept)
@@ -45,7 +49,7 @@ def open_jsonl(path: Path, keep_through_step: int) -> Any:
     return f
 
 
-class SampleLog:
+class ExampleOrderLog:
     """samples/rank-R.jsonl: the example ids each optimizer step consumed on this rank."""
 
     def __init__(self, output_dir: Path, rank: int, resume_step: int):
@@ -142,8 +146,20 @@ class RunLog:
 
 def read_metrics(output_dir: Path, kind: str | None = "train") -> list[dict[str, Any]]:
     """The rows of one kind ("train", "eval", "sample"; None: all) of a run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if kind is None or r["kind"] == kind]
+    rows = [row for row, _ in _rows(output_dir / "metrics.jsonl") if row is not None]
+    return [r for r in rows if isinstance(r.get("kind"), str) and (kind is None or r["kind"] == kind)]
+
+
+def _rows(path: Path) -> Iterator[tuple[dict[str, Any] | None, str]]:
+    """(row, line) of a JSONL file lmtune wrote (a regular file, not a link); row None where a line
+    is not a JSON object (cut off by a crash, or edited)."""
+    text = read_bytes(path, limit=METRICS_BYTES, follow_links=False).decode("utf-8", "replace")
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            row = None
+        yield (row if isinstance(row, dict) else None), line
 
 
 def tokens_per_second(train_rows: list[dict[str, Any]], warmup: int = 0) -> float:

@@ -19,10 +19,11 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed import DistError
 
+from lmtune.config import environment
 from lmtune.errors import UserError
 
 T = TypeVar("T")
-JOIN_TIMEOUT_ENV = "LMTUNE_JOIN_TIMEOUT"
+JOIN_TIMEOUT_ENV = environment.JOIN_TIMEOUT
 JOIN_TIMEOUT_S = 300.0
 
 
@@ -191,7 +192,7 @@ def process_group(env: DistEnv, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
     assert env.backend is not None
     timeout = timedelta(seconds=timeout_s)
     # Joining has a bound of its own: a process that was never started should not cost 30 minutes.
-    join = timedelta(seconds=float(os.environ.get(JOIN_TIMEOUT_ENV) or JOIN_TIMEOUT_S))
+    join = timedelta(seconds=environment.seconds(JOIN_TIMEOUT_ENV, JOIN_TIMEOUT_S))
     address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '29500')}"
     try:
         store = _attempt_store(env, join)

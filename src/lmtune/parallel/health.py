@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-HEALTH_DIR_ENV = "LMTUNE_HEALTH_DIR"
+from lmtune.config import environment
+
+HEALTH_DIR_ENV = environment.HEALTH_DIR
 HANG_EXIT_CODE = 3
 PHASES = (
     "start",
@@ -73,8 +75,7 @@ class Heartbeat:
 
     @classmethod
     def from_env(cls, rank: int) -> Heartbeat:
-        folder = os.environ.get(HEALTH_DIR_ENV)
-        return cls(Path(folder) if folder and Path(folder).is_dir() else None, rank)
+        return cls(environment.folder(HEALTH_DIR_ENV, must_exist=True), rank)
 
     def beat(self, phase: str, step: int | None = None) -> None:
         if step is not None:

@@ -19,13 +19,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from lmtune.config import environment
+from lmtune.config.groups import LaunchSettings
 from lmtune.config.settings import TrainConfig, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE
 from lmtune.parallel.health import HANG_EXIT_CODE, HEALTH_DIR_ENV, Watchdog, read_beats
 
 # Workers started by `relaunch` leave their error messages here instead of printing them, so the
 # launcher prints each distinct message once rather than once per rank.
-ERROR_DIR_ENV = "LMTUNE_ERROR_DIR"
+ERROR_DIR_ENV = environment.ERROR_DIR
 
 
 def report_error(message: str, exit_code: int) -> None:
@@ -75,20 +77,18 @@ def die_with_launcher() -> None:
         threading.Thread(target=watch, name="lmtune-parent-watch", daemon=True).start()
 
 
-def needs_launcher(cfg: TrainConfig) -> bool:
+def needs_launcher(launch: LaunchSettings) -> bool:
     """Whether this command must start the job through torch.distributed.run."""
-    return (
-        cfg.launch.nproc_per_node > 1 or parse_nnodes(cfg.launch.nnodes)[1] > 1 or cfg.launch.max_restarts > 0
-    )
+    return launch.nproc_per_node > 1 or parse_nnodes(launch.nnodes)[1] > 1 or launch.max_restarts > 0
 
 
-def world_size_bounds(cfg: TrainConfig) -> tuple[int, int]:
-    low, high = parse_nnodes(cfg.launch.nnodes)
-    return low * cfg.launch.nproc_per_node, high * cfg.launch.nproc_per_node
+def world_size_bounds(launch: LaunchSettings) -> tuple[int, int]:
+    low, high = parse_nnodes(launch.nnodes)
+    return low * launch.nproc_per_node, high * launch.nproc_per_node
 
 
 # The output folder's lock token, handed by a launcher that holds the lock to the workers it starts.
-LOCK_TOKEN_ENV = "LMTUNE_LOCK_TOKEN"
+LOCK_TOKEN_ENV = environment.LOCK_TOKEN
 
 
 @dataclass(frozen=True)
@@ -101,17 +101,17 @@ class Job:
     hosts: bool
 
 
-def job_of(cfg: TrainConfig) -> Job:
-    single_node = parse_nnodes(cfg.launch.nnodes)[1] == 1 and cfg.launch.rdzv_endpoint is None
+def job_of(launch: LaunchSettings) -> Job:
+    single_node = parse_nnodes(launch.nnodes)[1] == 1 and launch.rdzv_endpoint is None
     return Job(
-        run_id=str(uuid.uuid4()) if single_node else cfg.launch.rdzv_id,
+        run_id=str(uuid.uuid4()) if single_node else launch.rdzv_id,
         single_node=single_node,
-        hosts=single_node or cfg.launch.node_rank == 0,
+        hosts=single_node or launch.node_rank == 0,
     )
 
 
 def relaunch(argv: list[str], cfg: TrainConfig, job: Job, lock_token: str | None) -> int:
-    """Run ``lmtune <argv>`` as ``cfg.launch.nproc_per_node`` local workers of the job; return the exit code.
+    """Run ``lmtune <argv>`` as ``--nproc-per-node`` local workers of the job; return the exit code.
 
     One machine: the rendezvous endpoint is ``localhost:0`` so the OS picks a free port, and two
     runs never collide. Several machines: c10d rendezvous at ``--rdzv-endpoint``, hosted by node 0.
@@ -130,7 +130,7 @@ def relaunch(argv: list[str], cfg: TrainConfig, job: Job, lock_token: str | None
 
 def relaunch_unlocked(argv: list[str], cfg: TrainConfig) -> int:
     """`relaunch` without taking the output folder: for commands that only look (lmtune doctor)."""
-    job = job_of(cfg)
+    job = job_of(cfg.launch)
     return _launch(argv, cfg, job.run_id, job.single_node)
 
 
@@ -146,7 +146,7 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
 
     error_dir = tempfile.mkdtemp(prefix="lmtune-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir
-    config = _launch_config(cfg, run_id, single_node)
+    config = _launch_config(cfg.launch, run_id, single_node)
     # The agent logs every stop of a worker; we report failures ourselves, once, below.
     # (The agent's own module logger has a level of its own, so it is quieted by name too.)
     elastic_logs = [logging.getLogger(n) for n in (_ELASTIC_LOG, f"{_ELASTIC_LOG}.agent.server.api")]
@@ -200,24 +200,24 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
         shutil.rmtree(error_dir, ignore_errors=True)
 
 
-def _launch_config(cfg: TrainConfig, run_id: str, single_node: bool) -> Any:
+def _launch_config(launch: LaunchSettings, run_id: str, single_node: bool) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
-    min_nodes, max_nodes = parse_nnodes(cfg.launch.nnodes)
+    min_nodes, max_nodes = parse_nnodes(launch.nnodes)
     rdzv_configs: dict[str, object] = {}
-    if cfg.launch.node_rank is not None:
+    if launch.node_rank is not None:
         # Every node may resolve the endpoint's host as its own (loopback tests, one-host setups):
         # say which one hosts the store instead of leaving it to a race.
-        rdzv_configs["is_host"] = cfg.launch.node_rank == 0
+        rdzv_configs["is_host"] = launch.node_rank == 0
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        nproc_per_node=cfg.launch.nproc_per_node,
+        nproc_per_node=launch.nproc_per_node,
         run_id=run_id,
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0" if single_node else str(cfg.launch.rdzv_endpoint),
+        rdzv_endpoint="localhost:0" if single_node else str(launch.rdzv_endpoint),
         rdzv_configs=rdzv_configs,
-        max_restarts=cfg.launch.max_restarts,
+        max_restarts=launch.max_restarts,
         monitor_interval=0.1,
     )
 

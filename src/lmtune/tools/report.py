@@ -10,19 +10,22 @@ import base64
 import html
 import io
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmtune.errors import UserError
+from lmtune.config.files import decode_json, read_bytes, read_json
+from lmtune.errors import UserError, brief
 from lmtune.outputs.reporters import is_number
+from lmtune.parallel.launch import warn
 
 SMOOTHING = 0.9  # exponential moving average of the training loss (as TensorBoard's slider)
 
 
 @dataclass
-class Run:
+class RecordedRun:
     name: str
     folder: Path
     rows: list[dict[str, Any]]
@@ -37,27 +40,82 @@ class Run:
         return [float(s) for s, _ in points], [float(v) for _, v in points]
 
 
-def load_run(folder: Path) -> Run:
+METRICS_BYTES = 1 << 30
+MAX_MAGNITUDE = 1e18  # a measurement past this is an edited row (and would overflow a plot's scale)
+
+
+def load_run(folder: Path) -> RecordedRun:
+    """A run folder's rows and run.json, read as hostile data: only regular files, with size caps;
+    a row that is not what lmtune writes is skipped with a warning, never a traceback."""
     metrics = folder / "metrics.jsonl"
     if not metrics.is_file():
         raise UserError(f"{folder}: no metrics.jsonl, so not an lmtune output folder (or not started)")
-    rows = []
-    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the line being written as the file was read
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    info: dict[str, Any] = {}
     try:
-        loaded = json.loads((folder / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        loaded = {}
-    if isinstance(loaded, dict):  # each section as the report reads it, or left out
-        info = {k: v for k, v in loaded.items() if isinstance(v, dict)}
-        info["data"] = {k: v for k, v in info.get("data", {}).items() if isinstance(v, dict)}
-    return Run(name=folder.resolve().name, folder=folder, rows=rows, info=info)
+        text = read_bytes(metrics, limit=METRICS_BYTES, follow_links=False).decode("utf-8", "replace")
+    except FileNotFoundError:
+        raise UserError(f"{metrics}: disappeared while being read") from None
+    rows, skipped = [], []
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            row = decode_json(line, f"{metrics}:{number}")
+        except UserError as e:
+            if number < len(lines):  # the last line may be the one being written as the file was read
+                skipped.append(str(e))
+            continue
+        problem = row_problem(row)
+        if problem:
+            skipped.append(f"{metrics}:{number}: {problem}")
+        else:
+            rows.append(row)
+    if skipped:
+        warn(f"skipped {len(skipped)} rows that are not what lmtune writes (first: {brief(skipped[0], 200)})")
+    return RecordedRun(name=folder.resolve().name, folder=folder, rows=rows, info=_run_info(folder))
+
+
+def row_problem(row: Any) -> str:
+    """Why a metrics row cannot be drawn ("" when it can): a step count, a known kind, and numbers
+    (or null) wherever lmtune writes a measurement."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    step = row.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= 2**53:
+        return f"step {brief(step)} is not a step count"
+    if row.get("kind") not in ("train", "eval", "sample"):
+        return f"unknown kind {brief(row.get('kind'))}"
+    for key, value in row.items():
+        if key in ("kind", "step", "prompt", "completion", "stopped") or value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        too_large = number and math.isfinite(value) and abs(value) > MAX_MAGNITUDE
+        if too_large or (not number and key in _MEASURED):
+            return f"{key} {brief(value)} is not a measurement"
+    return ""
+
+
+# What the plots and tables read from rows: numbers when present.
+_MEASURED = {
+    *("loss", "lr", "grad_norm", "tokens", "target_tokens", "tokens_per_s", "mfu", "peak_memory_bytes"),
+    *("eval_loss", "eval_perplexity", "eval_tokens", "eval_examples", "elapsed_s", "epoch"),
+    *("step_time_min_s", "step_time_max_s", "data_wait_max_s"),
+}
+
+
+def _run_info(folder: Path) -> dict[str, Any]:
+    """run.json's sections as the report reads them ({} when absent or unreadable, with a warning)."""
+    path = folder / "run.json"
+    try:
+        loaded: Any = read_json(path, limit=64 << 20)
+    except FileNotFoundError:
+        return {}
+    except UserError as e:
+        warn(f"{e}; reporting without it")
+        return {}
+    if not isinstance(loaded, dict):
+        return {}
+    info = {k: v for k, v in loaded.items() if isinstance(v, dict)}
+    info["data"] = {k: v for k, v in info.get("data", {}).items() if isinstance(v, dict)}
+    return info
 
 
 def _smooth(values: list[float]) -> list[float]:
@@ -68,22 +126,26 @@ def _smooth(values: list[float]) -> list[float]:
     return out
 
 
-def _lengths(run: Run) -> list[int]:
+def _lengths(run: RecordedRun) -> list[int]:
     """Token lengths of the training examples, from the data cache the run names (if still there)."""
     import numpy as np
 
+    from lmtune.data.dataset import OFFSETS_FILE, read_offsets
+
     cache = run.info.get("data", {}).get("train", {}).get("cache")
+    if not isinstance(cache, str) or "\0" in cache:
+        return []
     try:
-        offsets = np.load(Path(cache) / "offsets.npy", allow_pickle=False)
-    except (OSError, TypeError, ValueError):
+        offsets = read_offsets(Path(cache) / OFFSETS_FILE)
+    except (OSError, UserError, ValueError):
         return []
     return [int(n) for n in np.diff(offsets)]
 
 
-Plot = Callable[[Any, list[Run]], bool]  # draws on an Axes; False when there was nothing to draw
+Plot = Callable[[Any, list[RecordedRun]], bool]  # draws on an Axes; False when there was nothing to draw
 
 
-def _plot_loss(ax: Any, runs: list[Run]) -> bool:
+def _plot_loss(ax: Any, runs: list[RecordedRun]) -> bool:
     drawn = False
     for i, run in enumerate(runs):
         color = f"C{i}"
@@ -101,7 +163,7 @@ def _plot_loss(ax: Any, runs: list[Run]) -> bool:
     return drawn
 
 
-def _plot_loss_tokens(ax: Any, runs: list[Run]) -> bool:
+def _plot_loss_tokens(ax: Any, runs: list[RecordedRun]) -> bool:
     drawn = False
     for i, run in enumerate(runs):
         rows = [r for r in run.kind("train") if is_number(r.get("loss")) and is_number(r.get("tokens"))]
@@ -118,7 +180,7 @@ def _plot_loss_tokens(ax: Any, runs: list[Run]) -> bool:
 
 
 def _series_plot(key: str, label: str, scale: float = 1.0) -> Plot:
-    def draw(ax: Any, runs: list[Run]) -> bool:
+    def draw(ax: Any, runs: list[RecordedRun]) -> bool:
         drawn = False
         for i, run in enumerate(runs):
             steps, values = run.series(key)
@@ -132,7 +194,7 @@ def _series_plot(key: str, label: str, scale: float = 1.0) -> Plot:
     return draw
 
 
-def _plot_memory_per_rank(ax: Any, runs: list[Run]) -> bool:
+def _plot_memory_per_rank(ax: Any, runs: list[RecordedRun]) -> bool:
     bars = [(run.name, rank, b) for run in runs for rank, b in enumerate(_peaks(run))]
     for i, (name, _, b) in enumerate(bars):
         ax.bar(i, b / 2**20, color=f"C{[r.name for r in runs].index(name)}")
@@ -141,12 +203,12 @@ def _plot_memory_per_rank(ax: Any, runs: list[Run]) -> bool:
     return bool(bars)
 
 
-def _peaks(run: Run) -> list[int]:
+def _peaks(run: RecordedRun) -> list[int]:
     peaks = (run.info.get("result") or {}).get("peak_memory_per_rank") or []
     return [int(p) for p in peaks if is_number(p)]
 
 
-def _plot_phases(ax: Any, runs: list[Run]) -> bool:
+def _plot_phases(ax: Any, runs: list[RecordedRun]) -> bool:
     drawn = False
     for i, run in enumerate(runs):
         for key, style in (("step_time_max_s", "-"), ("step_time_min_s", ":")):
@@ -166,7 +228,7 @@ def _plot_phases(ax: Any, runs: list[Run]) -> bool:
     return drawn
 
 
-def _plot_lengths(ax: Any, runs: list[Run]) -> bool:
+def _plot_lengths(ax: Any, runs: list[RecordedRun]) -> bool:
     drawn = False
     for i, run in enumerate(runs):
         lengths = _lengths(run)
@@ -192,7 +254,7 @@ PLOTS: dict[str, tuple[str, Plot]] = {
 }
 
 
-def render_plots(runs: list[Run]) -> dict[str, bytes | None]:
+def render_plots(runs: list[RecordedRun]) -> dict[str, bytes | None]:
     """PNG bytes per plot name; None where the runs hold nothing to draw."""
     try:
         import matplotlib
@@ -202,24 +264,31 @@ def render_plots(runs: list[Run]) -> dict[str, bytes | None]:
     import matplotlib.pyplot as plt
 
     out: dict[str, bytes | None] = {}
-    for name, (title, draw) in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=100)
-        if draw(ax, runs):
-            ax.set_title(title, fontsize=10)
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-            fig.tight_layout()
-            buffer = io.BytesIO()
-            fig.savefig(buffer, format="png")
-            out[name] = buffer.getvalue()
-        else:
-            out[name] = None
-        plt.close(fig)
+    with matplotlib.rc_context({"text.parse_math": False}):  # a "$" in a run's name is text, not TeX
+        for name, (title, draw) in PLOTS.items():
+            out[name] = _render_one(plt, title, draw, runs)
     return out
 
 
-def _summary(run: Run) -> dict[str, str]:
+def _render_one(plt: Any, title: str, draw: Plot, runs: list[RecordedRun]) -> bytes | None:
+    """One plot as PNG bytes (None: nothing to draw)."""
+    fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=100)
+    try:
+        if not draw(ax, runs):
+            return None
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        return buffer.getvalue()
+    finally:
+        plt.close(fig)
+
+
+def _summary(run: RecordedRun) -> dict[str, str]:
     resolved, result = run.info.get("resolved") or {}, run.info.get("result") or {}
     env = run.info.get("environment") or {}
     train = run.kind("train")
@@ -233,7 +302,9 @@ def _summary(run: Run) -> dict[str, str]:
         f"x {env.get('device', '?')}",
         "steps": f"{last.get('step', 0)} of {resolved.get('total_steps', '?')}",
         "last train loss": f"{last['loss']:.4f}" if is_number(last.get("loss")) else "-",
-        "last eval loss": f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})" if evals else "-",
+        "last eval loss": f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})"
+        if evals and is_number(evals[-1].get("eval_loss"))
+        else "-",
         "best": json.dumps(result["best"]) if result.get("best") else "-",
         "peak memory per rank": ", ".join(f"{p / 2**20:,.0f} MiB" for p in _peaks(run)) or "-",
         "wall time": f"{result['wall_time_s']:,.0f} s" if is_number(result.get("wall_time_s")) else "-",
@@ -242,7 +313,7 @@ def _summary(run: Run) -> dict[str, str]:
     }
 
 
-def _data_summary(run: Run) -> dict[str, str]:
+def _data_summary(run: RecordedRun) -> dict[str, str]:
     out = {}
     for split, d in (run.info.get("data") or {}).items():
         if isinstance(d, dict):
@@ -253,7 +324,7 @@ def _data_summary(run: Run) -> dict[str, str]:
     return out
 
 
-def differing_settings(runs: list[Run]) -> dict[str, list[str]]:
+def differing_settings(runs: list[RecordedRun]) -> dict[str, list[str]]:
     configs = [run.info.get("config") or {} for run in runs]
     # output_dir always differs, and the runs are named by it.
     keys = sorted({k for c in configs for k in c} - {"output_dir"})
@@ -279,7 +350,7 @@ STYLE = (
 )
 
 
-def build_html(runs: list[Run], pngs: dict[str, bytes | None]) -> str:
+def build_html(runs: list[RecordedRun], pngs: dict[str, bytes | None]) -> str:
     names = [run.name for run in runs]
     summaries = [_summary(run) for run in runs]
     parts = [

@@ -7,14 +7,15 @@ it (saved at that step), which pruning never removes. Each checkpoint carries th
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from lmtune.checkpoint.layout import step_folder
-from lmtune.config.settings import TrainConfig
+from lmtune.config.files import is_int
+from lmtune.config.groups import EvalSettings
+from lmtune.errors import UserError
 
 BEST_FILE = "best.json"
 
@@ -24,37 +25,46 @@ class Best:
     step: int
     metric: str
     value: float
-    checkpoint: str
+    checkpoint: str  # relative to the output folder (checkpoints/step-NNNNNN): a moved run still finds it
 
 
 @dataclass
 class BestTracker:
+    """The best evaluation so far and the patience count, as Hugging Face Trainer keeps them: the
+    best is decided by the metric alone (any improvement is the new best model); the threshold
+    only decides whether an improvement is large enough to reset the patience count. Checkpoints
+    carry it (``best.json``, through the checkpoint manager)."""
+
+    file_name = BEST_FILE  # its record in every checkpoint (lmtune.checkpoint.manager)
     metric: str  # an eval metric as metrics.jsonl names it: eval_loss, eval_perplexity, ...
     greater_is_better: bool
-    patience: int  # evaluations without improvement before stopping; 0: never stop early
-    threshold: float  # how much better a value must be to count as an improvement
+    patience: int  # evaluations without a large enough improvement before stopping; 0: never
+    threshold: float  # how much better a value must be to reset the patience count
     best: Best | None = None
     without_improvement: int = 0
 
-    def observe(self, step: int, value: float, output_dir: Path) -> bool:
+    def observe(self, step: int, value: float) -> bool:
         """Take an evaluation of ``step``; True when it is the new best (save a checkpoint of it)."""
-        better = (
-            self.best is None
-            or (self.greater_is_better and value > self.best.value + self.threshold)
-            or (not self.greater_is_better and value < self.best.value - self.threshold)
+        previous = self.best.value if self.best is not None else None
+        better = math.isfinite(value) and (
+            previous is None or (value > previous if self.greater_is_better else value < previous)
         )
-        if better and math.isfinite(value):
-            self.best = Best(
-                step=step, metric=self.metric, value=value, checkpoint=str(step_folder(output_dir, step))
-            )
+        if better and (previous is None or abs(value - previous) > self.threshold):
             self.without_improvement = 0
-            return True
-        self.without_improvement += 1
-        return False
+        else:
+            self.without_improvement += 1
+        if better:
+            relative = step_folder(Path(), step).as_posix()
+            self.best = Best(step=step, metric=self.metric, value=value, checkpoint=relative)
+        return better
 
     @property
     def should_stop(self) -> bool:
         return 0 < self.patience <= self.without_improvement
+
+    def folder(self, output_dir: Path) -> Path | None:
+        """The checkpoint holding the best model, inside ``output_dir`` (None: no best yet)."""
+        return step_folder(output_dir, self.best.step) if self.best is not None else None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -62,27 +72,42 @@ class BestTracker:
             "without_improvement": self.without_improvement,
         }
 
-    def restore(self, checkpoint: Path) -> None:
-        """Continue counting from the record saved with the checkpoint a run resumes from."""
-        try:
-            record = json.loads((checkpoint / BEST_FILE).read_text(encoding="utf-8"))
-            best = Best(**record["best"]) if record["best"] else None
-            count = int(record["without_improvement"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # none (saved without --metric-for-best): start counting afresh
-        if best is None or best.metric == self.metric:
-            self.best, self.without_improvement = best, count
+    def restore(self, record: dict[str, Any]) -> None:
+        """Continue counting from the record saved with the checkpoint a run resumes from. The best
+        checkpoint's path is derived from its step, never taken from the record: inside this output
+        folder whatever the record says, and found after the folder was moved or renamed."""
+        saved, count = record.get("best"), record.get("without_improvement")
+        value = saved.get("value") if isinstance(saved, dict) else None
+        valid = is_int(count) and (
+            saved is None
+            or (
+                isinstance(saved, dict)
+                and is_int(saved.get("step"))
+                and isinstance(saved.get("metric"), str)
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
+        )
+        if not valid:
+            raise UserError(f"{BEST_FILE}: not a best-model record lmtune wrote (counts and a finite value)")
+        assert isinstance(count, int)
+        if saved is None:
+            self.best, self.without_improvement = None, count
+        elif saved["metric"] == self.metric:
+            step = saved["step"]
+            relative = step_folder(Path(), step).as_posix()
+            self.best = Best(step=step, metric=self.metric, value=float(saved["value"]), checkpoint=relative)
+            self.without_improvement = count
 
 
-def best_tracker(cfg: TrainConfig, resume_from: Path | None) -> BestTracker | None:
-    if cfg.eval.metric_for_best is None:
+def best_tracker(settings: EvalSettings) -> BestTracker | None:
+    """The tracker of ``--metric-for-best`` (None without one)."""
+    if settings.metric_for_best is None:
         return None
-    best = BestTracker(
-        metric=cfg.eval.metric_for_best,
-        greater_is_better=cfg.eval.greater_is_better,
-        patience=cfg.eval.early_stopping_patience,
-        threshold=cfg.eval.early_stopping_threshold,
+    return BestTracker(
+        metric=settings.metric_for_best,
+        greater_is_better=settings.greater_is_better,
+        patience=settings.early_stopping_patience,
+        threshold=settings.early_stopping_threshold,
     )
-    if resume_from is not None:
-        best.restore(resume_from)
-    return best

@@ -17,7 +17,6 @@ from lmtune.checkpoint.state import ModelParts
 from lmtune.config.groups import DataSettings
 from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps
 from lmtune.data.chat import end_of_turn_ids, use_chat_template
-from lmtune.data.collate import Collator, StepCollator
 from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.formats import CHAT_FORMATS
 from lmtune.data.prepare import default_cache_dir, prepare
@@ -28,44 +27,22 @@ from lmtune.model.attention import use_varlen
 from lmtune.model.chunked_loss import LossChoice
 from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.lora import add_lora
-from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import LoadedModel, load_model
-from lmtune.model.precision import autocast_context, grad_scaler, low_precision_dtype
-from lmtune.model.products import Fp32Products, Products
+from lmtune.model.precision import grad_scaler, low_precision_dtype
+from lmtune.model.products import Fp32Products
 from lmtune.model.tokens import fit_embeddings, set_stop_tokens
+from lmtune.objectives import objective_for
+from lmtune.objectives.base import LossSetup, Objective
 from lmtune.outputs.runlog import InfoLog, RunLog
 from lmtune.parallel.distributed import DistEnv, all_gather_object
-from lmtune.parallel.health import Heartbeat
 from lmtune.parallel.wrap import wrap_model
 from lmtune.training.batch_layout import BatchLayout, batch_layout
+from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, optimizer_for
-from lmtune.training.signals import StopRequest
 
 # Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
 LORA_MIN_DEFAULT_LR = 2e-4
-
-
-@dataclass(frozen=True)
-class Run:
-    """One process's run: its settings and the services every part of it shares."""
-
-    cfg: TrainConfig
-    env: DistEnv
-    strategy: str  # resolved: single | dp | ddp | fsdp
-    threads: int  # CPU threads of this process
-    log: RunLog
-    stop: StopRequest
-    heartbeat: Heartbeat
-    products: Products  # how matrices are multiplied (a CPU bf16 run's may be fp32)
-
-    @property
-    def output_dir(self) -> Path:
-        return Path(self.cfg.checkpoint.output_dir)
-
-    def autocast(self) -> AbstractContextManager[object]:
-        """A fresh autocast context of --precision on this device (none under fp32)."""
-        return autocast_context(self.cfg.model.precision, self.env.device, self.products.fp32)
 
 
 @dataclass(frozen=True)
@@ -85,14 +62,16 @@ class Built:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
     fingerprint: Fingerprint  # what a checkpoint of this run must match to be continued
+    objective: Objective  # what the loss module computes, and what it is normalised by
 
     @property
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 
 
-def build(run: Run) -> Built:
-    """Model, data, batch layout, the wrapped model with its loss, and the optimizer."""
+def build(run: RunContext, objective: Objective | None = None) -> Built:
+    """Model, data, batch layout, the wrapped model with its loss, and the optimizer; the loss is
+    ``objective``'s (default: the one ``--objective`` names)."""
     cfg, env, log = run.cfg, run.env, run.log
     run.heartbeat.beat("load")
     loaded = load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code)
@@ -109,7 +88,8 @@ def build(run: Run) -> Built:
     layout = batch_layout(cfg, env.world_size, len(train_data))
     default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora.enabled else loaded.default_lr
     lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr
-    model, parts, loss = build_model(run, loaded.model)
+    objective = objective or objective_for(cfg.objective)
+    model, parts, loss = build_model(run, loaded.model, objective)
     # After wrapping: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
     optimizer = optimizer_for(cfg.optim, parts.root, lr)
     run_fingerprint = fingerprint(
@@ -134,6 +114,7 @@ def build(run: Run) -> Built:
         optimizer=optimizer,
         scaler=grad_scaler(cfg.model.precision),
         fingerprint=run_fingerprint,
+        objective=objective,
     )
 
 
@@ -266,30 +247,29 @@ def make_loader(
     )
 
 
-def loaders(run: Run, b: Built) -> tuple[FitData, DataLoader[Any] | None]:
+def loaders(run: RunContext, built: Built) -> tuple[FitData, DataLoader[Any] | None]:
     """The training data as fit walks it, and the evaluation loader (None without eval data)."""
-    cfg, env, layout = run.cfg, run.env, b.layout
-    step_collate = StepCollator(
-        pad_token_id=b.tokenizer.pad_token_id,
-        micro_batch_size=layout.micro_batch_size,
-        mode=b.batching,
-        max_length=cfg.examples.max_length,
+    cfg, env, layout, pad = run.cfg, run.env, built.layout, built.tokenizer.pad_token_id
+    step_collate = built.objective.step_collator(
+        pad, layout.micro_batch_size, built.batching, cfg.examples.max_length
     )
-    lengths = b.train_data.lengths().tolist()
+    lengths = built.train_data.lengths().tolist()
     sampler = TrainSampler(
-        len(b.train_data), cfg.batch.global_batch_size, env.rank, env.world_size, cfg.seed, lengths
+        len(built.train_data), cfg.batch.global_batch_size, env.rank, env.world_size, cfg.seed, lengths
     )
     # One loader item is one rank's share of one optimizer step, already cut into micro-batches.
-    loader = make_loader(b.train_data, sampler, layout.per_rank, step_collate, env, cfg.data.num_workers)
+    loader = make_loader(built.train_data, sampler, layout.per_rank, step_collate, env, cfg.data.num_workers)
     eval_loader = None
-    if b.eval_data is not None:
-        eval_sampler = EvalSampler(len(b.eval_data), env.rank, env.world_size)
-        collate = Collator(b.tokenizer.pad_token_id)
-        eval_loader = make_loader(b.eval_data, eval_sampler, layout.micro_batch_size, collate, env, 0)
+    if built.eval_data is not None:
+        eval_sampler = EvalSampler(len(built.eval_data), env.rank, env.world_size)
+        collate = built.objective.eval_collator(pad)
+        eval_loader = make_loader(built.eval_data, eval_sampler, layout.micro_batch_size, collate, env, 0)
     return FitData(loader, sampler, layout), eval_loader
 
 
-def build_model(run: Run, base: torch.nn.Module) -> tuple[torch.nn.Module, ModelParts, LossChoice]:
+def build_model(
+    run: RunContext, base: torch.nn.Module, objective: Objective
+) -> tuple[torch.nn.Module, ModelParts, LossChoice]:
     """Memory savers, LoRA, compile, the loss wrapper and the strategy's wrapper, in that order."""
     cfg, strategy, env, log = run.cfg, run.strategy, run.env, run.log
     if cfg.model.activation_checkpointing:
@@ -311,7 +291,7 @@ def build_model(run: Run, base: torch.nn.Module) -> tuple[torch.nn.Module, Model
         log.info(f"--loss-chunk-size {cfg.model.loss_chunk_size}: not used; {loss.description}")
     if cfg.model.compile:
         compile_model(trained, log)
-    loss_module = SummedLoss(trained, varlen, loss.chunk, run.products.fp32)
+    loss_module = objective.loss_module(trained, LossSetup(varlen, loss.chunk, run.products.fp32))
     model = wrap_model(loss_module, strategy, env, low_precision_dtype(cfg.model.precision))
     return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora.enabled), loss
 
@@ -334,15 +314,15 @@ def apply_chat_template_option(cfg: TrainConfig, model: torch.nn.Module, tokeniz
     )
 
 
-def schedule(cfg: TrainConfig, b: Built, start_step: int) -> torch.optim.lr_scheduler.LRScheduler:
-    total = b.layout.total_steps
+def schedule(cfg: TrainConfig, built: Built, start_step: int) -> torch.optim.lr_scheduler.LRScheduler:
+    total = built.layout.total_steps
     return build_schedule(
-        b.optimizer,
+        built.optimizer,
         name=cfg.schedule.name,
         total_steps=total,
         warmup_steps=warmup_steps(cfg.schedule, total),
         min_ratio=cfg.schedule.min_lr_ratio,
         decay_ratio=cfg.schedule.decay_ratio,
-        lr=b.lr,
+        lr=built.lr,
         start_step=start_step,
     )

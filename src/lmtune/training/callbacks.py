@@ -1,14 +1,17 @@
-"""The loop's extension points: the Callback protocol, and the components every run registers.
+"""The loop's extension points: the Callback protocol, the components every run registers, and the
+evaluator.
 
-:func:`lmtune.training.loop.fit` runs optimizer steps; everything else a run does around them is a
-component with its own cadence: metrics rows and the progress bar, the NaN policy, evaluation and
-the best model, checkpoints, stopping on a signal, the example-order record, stragglers, and (in
-their own files) sample generations and the collective timeout. A new one subclasses
-:class:`Callback`, overrides what it needs, and is registered in one line of ``train.py``.
+:func:`lmtune.training.loop.fit` runs optimizer steps; what a run does around them is a component
+with its own cadence: the heartbeat, metrics rows and the progress bar, the NaN policy, stopping
+on a signal, the example-order record, stragglers, the collective timeout, and (in its own file)
+sample generations. A new one subclasses :class:`Callback`, overrides what it needs, and is
+registered in one line of ``train.py``. After every step the components run in registration
+order, then the :class:`Evaluator`, then the checkpoint manager saves, then the loop stops if
+asked: that order is fit's, not a list's.
 
-Components run in registration order. They steer the loop only through :class:`Control`: ask for
-a checkpoint of this step, or to stop after it (every rank must decide alike: decide from values
-all ranks share, such as the step's all-reduced results or an evaluation).
+Components steer the loop only through :class:`Control`: ask for a checkpoint of this step, or to
+stop after it (every rank must decide alike: decide from values all ranks share, such as the
+step's all-reduced results or an evaluation).
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import torch
 
 from lmtune.checkpoint.state import TrainerState
 from lmtune.errors import TrainingStopped
-from lmtune.outputs.runlog import RunLog, SampleLog
+from lmtune.outputs.runlog import ExampleOrderLog, RunLog
 from lmtune.parallel.distributed import CollectiveTimeouts
-from lmtune.parallel.health import StragglerWatch
+from lmtune.parallel.health import Heartbeat, StragglerWatch
 from lmtune.training.batch_layout import BatchLayout
 from lmtune.training.best import BestTracker
 from lmtune.training.evaluate import EvalResult
@@ -53,13 +56,15 @@ class Control:
 
 
 class Callback:
-    """A component of the loop; every method is optional. ``phase`` names the heartbeat phase its
-    work runs in (the launcher's hang watchdog allows save, eval and sample more time)."""
-
-    phase: str | None = None
+    """A component of the loop; every method is optional. A component whose work takes long beats
+    the heartbeat's phase for it (the launcher's hang watchdog allows eval, save and sample more
+    time)."""
 
     def on_train_begin(self, state: TrainerState, layout: BatchLayout) -> None:
         """Before the first step of this attempt (``state``: where it starts)."""
+
+    def on_step_begin(self, step: int) -> None:
+        """Before optimizer step ``step`` (from 1) reads its data."""
 
     def on_step_end(self, step: StepEnd, control: Control) -> None:
         """After every optimizer step."""
@@ -173,46 +178,45 @@ class NanPolicy(Callback):
         )
 
 
-class Evaluator(Callback):
+class Evaluator:
     """Evaluation every ``every`` steps and at the end; with a best-model tracker, a checkpoint of
-    each new best and early stopping."""
-
-    phase = "eval"
+    each new best is asked for, and the run stops early when the metric stops improving. The loop
+    runs it after the components and before saving, and keeps what it returns."""
 
     def __init__(self, run_eval: Callable[[], EvalResult], log: RunLog, every: int, best: BestTracker | None):
         self.run_eval, self.log, self.every, self.best = run_eval, log, every, best
-        self.evals: list[EvalResult] = []
 
-    def on_step_end(self, step: StepEnd, control: Control) -> None:
+    def after_step(self, step: StepEnd, control: Control) -> EvalResult | None:
         if self.every and step.state.step % self.every == 0 and not step.finished:
-            self._evaluate(step.state, control)
+            return self._evaluate(step.state, control)
+        return None
 
-    def on_train_end(self, state: TrainerState, control: Control) -> None:
-        if control.stop is None:
-            self._evaluate(state, control)
+    def at_end(self, state: TrainerState, control: Control) -> EvalResult | None:
+        return self._evaluate(state, control) if control.stop is None else None
 
-    def _evaluate(self, state: TrainerState, control: Control) -> None:
+    def _evaluate(self, state: TrainerState, control: Control) -> EvalResult:
         ev = self.run_eval()
-        self.evals.append(ev)
         self.log.record(
             {
                 "kind": "eval",
                 "step": state.step,
                 "epoch": state.epochs_done,
-                "eval_loss": ev.loss,
-                "eval_perplexity": ev.perplexity,
+                **ev.metrics,
                 "eval_tokens": ev.target_tokens,
                 "eval_examples": ev.examples,
             }
         )
-        self.log.info(
-            f"step {state.step}: eval loss {ev.loss:.4f}, perplexity {ev.perplexity:.3f} "
-            f"({ev.examples} examples, {ev.target_tokens} tokens)"
+        more = "".join(
+            f", {name.removeprefix('eval_')} {value:.3f}"
+            for name, value in ev.metrics.items()
+            if name != "eval_loss"
         )
+        counts = f"{ev.examples} examples, {ev.target_tokens} tokens"
+        self.log.info(f"step {state.step}: eval loss {ev.loss:.4f}{more} ({counts})")
         best = self.best
         if best is None:
-            return
-        control.save |= best.observe(state.step, metric_value(ev, best.metric), self.log.output_dir)
+            return ev
+        control.save |= best.observe(state.step, ev.value(best.metric))
         if best.should_stop and control.stop is None:  # all ranks evaluated alike: all stop here
             assert best.best is not None
             control.stop = "early"
@@ -221,11 +225,7 @@ class Evaluator(Callback):
                 f"{best.without_improvement} evaluations "
                 f"(best {best.best.value:.4f} at step {best.best.step})"
             )
-
-
-def metric_value(ev: EvalResult, metric: str) -> float:
-    """An evaluation's value of ``metric`` (as metrics.jsonl names it)."""
-    return {"eval_loss": ev.loss, "eval_perplexity": ev.perplexity}[metric]
+        return ev
 
 
 class SignalStop(Callback):
@@ -240,39 +240,10 @@ class SignalStop(Callback):
             self.log.info(f"stopping at step {step.state.step} as asked (signal): saving a checkpoint")
 
 
-class Checkpointer(Callback):
-    """Saves when asked (a best model, a stop), every ``every`` steps, and at the end of a run
-    that saves periodically; one checkpoint per step at most. Runs after the components that ask."""
-
-    phase = "save"
-
-    def __init__(self, save: Callable[[TrainerState], None], every: int):
-        self.save, self.every = save, every
-        self.saved_step = -1
-        self.start_step = 0
-
-    def on_train_begin(self, state: TrainerState, layout: BatchLayout) -> None:
-        self.start_step = state.step
-
-    def on_step_end(self, step: StepEnd, control: Control) -> None:
-        scheduled = self.every and step.state.step % self.every == 0 and not step.finished
-        if control.save or control.stop or scheduled:
-            self._save(step.state)
-
-    def on_train_end(self, state: TrainerState, control: Control) -> None:
-        if control.stop is None and (control.save or (self.every and state.step > self.start_step)):
-            self._save(state)
-
-    def _save(self, state: TrainerState) -> None:
-        if self.saved_step != state.step:
-            self.save(state)
-            self.saved_step = state.step
-
-
 class ExampleOrder(Callback):
     """--record-samples: the example ids of every step, per rank (to audit the data order)."""
 
-    def __init__(self, samples: SampleLog):
+    def __init__(self, samples: ExampleOrderLog):
         self.samples = samples
 
     def on_step_end(self, step: StepEnd, control: Control) -> None:
@@ -310,3 +281,14 @@ class CollectiveTimeoutSwitch(Callback):
 
     def on_train_end(self, state: TrainerState, control: Control) -> None:
         self.timeouts.end()
+
+
+class HeartbeatStep(Callback):
+    """The step in progress, for the launcher's hang watchdog (its phases are beaten by the step's
+    phase timer and by the components that take long)."""
+
+    def __init__(self, heartbeat: Heartbeat):
+        self.heartbeat = heartbeat
+
+    def on_step_begin(self, step: int) -> None:
+        self.heartbeat.step = step

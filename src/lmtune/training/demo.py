@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from lmtune.config.settings import TrainConfig
-from lmtune.data.sample import addition_examples, split_prompt
+from lmtune.data.addition import addition_examples, split_prompt
 from lmtune.model.generate import complete
 from lmtune.model.lora import merged_model
 from lmtune.model.modeling import load_model

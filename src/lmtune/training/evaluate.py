@@ -1,27 +1,39 @@
-"""Token-exact evaluation loss and perplexity across ranks."""
+"""Evaluation across ranks: the objective's loss per unit over the whole eval set, each example
+counted once, and the metrics the objective reports (perplexity for supervised fine-tuning)."""
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lmtune.data.batch import Batch, idle_batch
+from lmtune.objectives.base import Objective, split_output
+from lmtune.objectives.sft import SupervisedObjective
 from lmtune.parallel.distributed import DistEnv, all_reduce_max, all_reduce_sum
 
 
 @dataclass(frozen=True)
 class EvalResult:
-    loss: float
-    perplexity: float
+    loss: float  # per unit of the objective (per target token for sft)
     target_tokens: int
     examples: int
+    count: int = 0  # the objective's units (target tokens, pairs)
+    metrics: dict[str, float] = field(default_factory=dict)  # the eval row's: eval_loss, eval_perplexity...
+
+    def value(self, metric: str) -> float:
+        """The value of ``metric`` as metrics.jsonl names it (``eval_loss``, ...)."""
+        return self.metrics[metric]
+
+    def record(self) -> dict[str, float | int]:
+        """run.json's ``result.eval``: the metrics without their ``eval_`` prefix, and the counts."""
+        named = {k.removeprefix("eval_"): v for k, v in self.metrics.items()}
+        return named | {"target_tokens": self.target_tokens, "examples": self.examples}
 
 
 @torch.no_grad()
@@ -32,16 +44,20 @@ def evaluate(
     autocast: AbstractContextManager[object],
     lockstep: bool = False,
     on_batch: Callable[[], None] = lambda: None,
+    objective: Objective | None = None,
 ) -> EvalResult:
-    """Mean loss over every target token of the eval set, each example counted once.
+    """The objective's loss over every unit of the eval set, each example counted once.
 
     ``loss_module`` is the unwrapped module: a DDP forward may run collectives, and ranks may hold
     different numbers of eval batches. Under FSDP (``lockstep``) every forward gathers parameters
     from all ranks, so ranks with fewer batches run extra forwards that count for nothing.
     """
+    objective = objective or SupervisedObjective()
+    names = objective.metric_names
     was_training = loss_module.training
     loss_module.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=env.device)
+    # The loss and metric sums, then the objective's units, target tokens and examples.
+    sums = torch.zeros(4 + len(names), dtype=torch.float64, device=env.device)
     rounds = len(batches)
     if lockstep:
         rounds = int(all_reduce_max(torch.tensor([rounds], device=env.device), env).item())
@@ -50,14 +66,23 @@ def evaluate(
         on_batch()  # progress, for the hang watchdog: an evaluation may take long, a batch does not
         batch = (item or idle_batch()).to(env.device)
         with autocast:
-            loss_sum = loss_module(*batch.model_inputs()).sum()
+            loss_sum, metric_sums = split_output(loss_module(*batch.model_inputs()), len(names))
         if item is not None:
             sums[0] += loss_sum.double()
-            sums[1] += batch.target_tokens()
-            sums[2] += batch.input_ids.size(0)
+            sums[1 : 1 + len(names)] += metric_sums.double()
+            counts = (objective.count(batch), batch.target_tokens(), batch.input_ids.size(0))
+            sums[1 + len(names) :] += torch.tensor(counts, dtype=torch.float64, device=env.device)
     loss_module.train(was_training)
-    total_loss, tokens, examples = all_reduce_sum(sums, env).tolist()
-    loss = total_loss / max(tokens, 1.0)
+    totals = all_reduce_sum(sums, env).tolist()
+    count, tokens, examples = (int(x) for x in totals[1 + len(names) :])
+    loss = totals[0] / max(count, 1)
+    means = {
+        name: value / max(count, 1) for name, value in zip(names, totals[1 : 1 + len(names)], strict=True)
+    }
     return EvalResult(
-        loss=loss, perplexity=math.exp(min(loss, 700.0)), target_tokens=int(tokens), examples=int(examples)
+        loss=loss,
+        target_tokens=tokens,
+        examples=examples,
+        count=count,
+        metrics=objective.report(loss, means, count, prefix="eval_"),
     )

@@ -1,10 +1,17 @@
-"""fit: the training loop over optimizer steps; what happens around the steps is in callbacks."""
+"""fit: the training loop over optimizer steps.
+
+After every step, in this order: the components (logging, policies, samples, ...), the evaluation
+(which may find a new best, or stop the run early), the checkpoint (asked for, or due), then the
+stop. fit returns where training stands, the evaluations and the best one.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
 
 from torch.utils.data import DataLoader
 
@@ -12,9 +19,10 @@ from lmtune.checkpoint.state import TrainerState
 from lmtune.data.batch import Batch
 from lmtune.data.sampling import TrainSampler
 from lmtune.parallel.distributed import DistEnv
-from lmtune.parallel.health import Heartbeat
 from lmtune.training.batch_layout import BatchLayout
-from lmtune.training.callbacks import Callback, Control, StepEnd
+from lmtune.training.best import Best
+from lmtune.training.callbacks import Callback, Control, Evaluator, StepEnd
+from lmtune.training.evaluate import EvalResult
 from lmtune.training.perf import phase
 from lmtune.training.step import StepInput, StepOptions, StepResult, Trainee, train_step
 
@@ -29,12 +37,38 @@ class FitData:
     layout: BatchLayout
 
 
+class Saver(Protocol):
+    """What fit asks of the checkpoints (:class:`lmtune.checkpoint.manager.CheckpointManager`)."""
+
+    def after_step(self, state: TrainerState, *, asked: bool, last: bool) -> Path | None: ...
+
+    def at_end(self, state: TrainerState, *, asked: bool) -> Path | None: ...
+
+
+class NoSaves:
+    """A loop that keeps no checkpoints (tests, measurements)."""
+
+    def after_step(self, state: TrainerState, *, asked: bool, last: bool) -> Path | None:
+        return None
+
+    def at_end(self, state: TrainerState, *, asked: bool) -> Path | None:
+        return None
+
+
+@dataclass(frozen=True)
+class LoopParts:
+    """What runs around the steps, in fit's order: components, evaluation, checkpoints."""
+
+    callbacks: Sequence[Callback] = ()
+    evaluator: Evaluator | None = None
+    saver: Saver = field(default_factory=NoSaves)
+
+
 @dataclass(frozen=True)
 class FitSettings:
     env: DistEnv
     step: StepOptions
     stop_requested: Callable[[], bool] = lambda: False  # this rank got SIGTERM/SIGINT
-    heartbeat: Heartbeat | None = None  # step and phase for the launcher's hang watchdog
 
 
 @dataclass(frozen=True)
@@ -42,20 +76,22 @@ class FitResult:
     state: TrainerState  # where training stands at the end
     last_loss: float
     stop: str | None = None  # "signal": saved, the same command resumes; "early": finished
+    evals: list[EvalResult] = field(default_factory=list)  # this attempt's, in order
+    best: Best | None = None  # the best evaluation (of the whole run, a resumed one included)
 
 
 def fit(
     trainee: Trainee,
     data: FitData,
     start: TrainerState,
-    callbacks: Sequence[Callback],
+    parts: LoopParts,
     settings: FitSettings,
 ) -> FitResult:
-    """Train from ``start`` to ``data.layout.total_steps``; ``callbacks`` do the rest, in order."""
-    env, layout, beat = settings.env, data.layout, _beater(settings.heartbeat)
+    """Train from ``start`` to ``data.layout.total_steps``; ``parts`` do the rest, in fit's order."""
+    env, layout, callbacks = settings.env, data.layout, parts.callbacks
     for c in callbacks:
         c.on_train_begin(start, layout)
-    control = Control()
+    control, evals = Control(), []
     state, last_loss = start, float("nan")
     trainee.model.train()
     started = last = time.perf_counter()
@@ -64,24 +100,21 @@ def fit(
         batches = iter(data.loader)
         epoch_done = finished = False
         while not (epoch_done or finished or control.stop):
-            if settings.heartbeat is not None:
-                settings.heartbeat.step = state.step + 1
+            for c in callbacks:
+                c.on_step_begin(state.step + 1)
             # Timed from the end of the last step: waiting for data counts against tokens/s.
             data_started = time.perf_counter()
             with phase(settings.step.timer, "data"):
                 micro = [b.to(env.device) for b in next(batches)]
             lr = float(trainee.scheduler.get_last_lr()[0])
             step_input = StepInput(
-                micro,
-                stop_requested=settings.stop_requested(),
-                data_s=time.perf_counter() - data_started,
+                micro, stop_requested=settings.stop_requested(), data_s=time.perf_counter() - data_started
             )
             r = train_step(trainee, step_input, env, settings.step)
             state = _advance(state, r, layout)
             now = time.perf_counter()
             finished = state.step == layout.total_steps
             epoch_done = state.step_in_epoch == 0
-            ids = [i for b in micro for i in b.example_ids]
             end = StepEnd(
                 state=state,
                 result=r,
@@ -90,18 +123,24 @@ def fit(
                 elapsed=now - started,
                 finished=finished,
                 epoch_done=epoch_done,
-                example_ids=ids,
+                example_ids=[i for b in micro for i in b.example_ids],
             )
             last, last_loss = now, r.loss
             control.save = False
             for c in callbacks:
-                beat(c.phase)
                 c.on_step_end(end, control)
+            if parts.evaluator is not None and (ev := parts.evaluator.after_step(end, control)) is not None:
+                evals.append(ev)
+            parts.saver.after_step(state, asked=control.save or control.stop is not None, last=finished)
     control.save = False
     for c in callbacks:
-        beat(c.phase)
         c.on_train_end(state, control)
-    return FitResult(state, last_loss, control.stop)
+    if parts.evaluator is not None and (ev := parts.evaluator.at_end(state, control)) is not None:
+        evals.append(ev)
+    if control.stop is None:
+        parts.saver.at_end(state, asked=control.save)
+    best = parts.evaluator.best if parts.evaluator is not None else None
+    return FitResult(state, last_loss, control.stop, evals, best.best if best is not None else None)
 
 
 def _advance(state: TrainerState, r: StepResult, layout: BatchLayout) -> TrainerState:
@@ -112,11 +151,3 @@ def _advance(state: TrainerState, r: StepResult, layout: BatchLayout) -> Trainer
     if state.step_in_epoch == layout.steps_per_epoch:
         state = replace(state, epoch=state.epoch + 1, step_in_epoch=0)
     return state
-
-
-def _beater(heartbeat: Heartbeat | None) -> Callable[[str | None], None]:
-    def beat(phase_name: str | None) -> None:
-        if heartbeat is not None and phase_name is not None:
-            heartbeat.beat(phase_name)
-
-    return beat

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmtune.config.files import read_json
+from lmtune.errors import UserError
 from lmtune.model.precision import DTYPES
 from lmtune.model.products import Fp32Products
 from lmtune.outputs.runlog import InfoLog
@@ -114,8 +116,8 @@ def _peak_key(probe: Probe) -> str:
 
 def _read_peaks(path: Path) -> dict[str, float]:
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        raw = read_json(path, limit=1 << 20)
+    except (OSError, UserError):
         return {}
     if not isinstance(raw, dict):
         return {}

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lmtune.checkpoint.rundir import check_output_dir
 from lmtune.config.settings import TrainConfig
 from lmtune.config.validate import check_settings
 from lmtune.data.chat import read_template
 from lmtune.data.formats import FieldMap
 from lmtune.data.sources import resolve_sources
-from lmtune.errors import UserError
+from lmtune.errors import UserError, brief
+from lmtune.outputs.hub import check_push
 from lmtune.outputs.reporters import check_installed, parse_report_to
 
 
@@ -25,8 +27,18 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if cfg.examples.chat_template is not None:
         read_template(cfg.examples.chat_template)
     if cfg.samples.prompts is not None and not Path(cfg.samples.prompts).expanduser().is_file():
-        raise UserError(f"--sample-prompts: no such file (got {cfg.samples.prompts!r})")
+        raise UserError(f"--sample-prompts: no such file (got {brief(cfg.samples.prompts)})")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not Path(resume).is_dir():
         raise UserError(f"--resume: no such checkpoint folder: {resume}")
     check_installed(parse_report_to(cfg.logging.report_to))
+    if cfg.checkpoint.push_to_hub is not None:
+        check_push(cfg.checkpoint.push_to_hub)  # a missing token is found now, not after training
+    inputs = {
+        "--data": cfg.data.train,
+        "--eval-data": cfg.data.eval or "",
+        "--model": cfg.model.name,
+        "--sample-prompts": cfg.samples.prompts or "",
+        "--chat-template": cfg.examples.chat_template or "",
+    }
+    check_output_dir(Path(cfg.checkpoint.output_dir), inputs, cfg.checkpoint.overwrite)

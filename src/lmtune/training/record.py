@@ -19,9 +19,8 @@ from lmtune.config.settings import to_dict
 from lmtune.model.attention import attention_description
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.training.batch_layout import BatchLayout
-from lmtune.training.best import BestTracker
-from lmtune.training.build import BATCHING_NAMES, Built, Run
-from lmtune.training.evaluate import EvalResult
+from lmtune.training.build import BATCHING_NAMES, Built
+from lmtune.training.context import RunContext
 from lmtune.training.loop import FitResult
 from lmtune.training.perf import peak_memory_bytes
 
@@ -49,13 +48,7 @@ def count(params: Iterable[torch.nn.Parameter]) -> int:
     return sum(p.numel() for p in params)
 
 
-def result_record(
-    result: FitResult,
-    evals: list[EvalResult],
-    best: BestTracker | None,
-    optimizer: torch.optim.Optimizer,
-    env: DistEnv,
-) -> dict[str, Any]:
+def result_record(result: FitResult, optimizer: torch.optim.Optimizer, env: DistEnv) -> dict[str, Any]:
     """run.json's ``result`` (collective: every rank's peak memory and optimizer state)."""
     state = result.state
     return {
@@ -66,41 +59,42 @@ def result_record(
         "skipped_steps": state.skipped_steps,
         # Why it ended before its last step: a signal (it saved; run again to resume), early stopping.
         "stopped_by": {"signal": "signal", "early": "early_stopping"}.get(result.stop or ""),
-        "best": asdict(best.best) if best is not None and best.best is not None else None,
-        "eval": asdict(evals[-1]) if evals else None,
+        "best": asdict(result.best) if result.best is not None else None,
+        "eval": result.evals[-1].record() if result.evals else None,
     }
 
 
-def run_record(run: Run, b: Built, resume_from: Path | None, peak: float) -> dict[str, Any]:
+def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: float) -> dict[str, Any]:
     """run.json before training; the start line says the same in short."""
-    cfg, env, layout = run.cfg, run.env, b.layout
-    attention = attention_description(b.loaded.model) if b.parts.root.varlen else "masked"
+    cfg, env, layout = run.cfg, run.env, built.layout
+    attention = attention_description(built.loaded.model) if built.parts.root.varlen else "masked"
     resolved = {
+        "objective": built.objective.name,
         "strategy": run.strategy,
-        "batching": b.batching,
+        "batching": built.batching,
         "attention": attention,
-        "loss": b.loss.description,
+        "loss": built.loss.description,
         "products": run.products.description,
-        "lr": b.lr,
-        "model_source": b.loaded.source,
+        "lr": built.lr,
+        "model_source": built.loaded.source,
         **asdict(layout),
-        "parameters": count(b.loaded.model.parameters()),
-        "trainable_parameters": count(p for p in b.parts.root.parameters() if p.requires_grad),
+        "parameters": count(built.loaded.model.parameters()),
+        "trainable_parameters": count(p for p in built.parts.root.parameters() if p.requires_grad),
         "resumed_from": str(resume_from) if resume_from else None,
         "peak_flops_per_device": peak,
     }
     run.log.info(
-        f"lmtune: {b.loaded.source}, {_parameters(resolved, cfg.lora.enabled)}, {run.strategy} on "
+        f"lmtune: {built.loaded.source}, {_parameters(resolved, cfg.lora.enabled)}, {run.strategy} on "
         f"{env.world_size} x {env.device.type}; global batch {_batch_line(layout)} "
-        f"({BATCHING_NAMES[b.batching]}, {attention} attention); {layout.total_steps} steps; "
-        f"loss: {b.loss.description}"
+        f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} steps; "
+        f"loss: {built.loss.description}"
     )
     if run.products.fp32:
         run.log.info(f"matrix products: {run.products.description}")
     return {
         "config": to_dict(cfg),
         "resolved": resolved,
-        "data": b.data_info,
+        "data": built.data_info,
         "environment": environment_info(env, run.threads),
     }
 

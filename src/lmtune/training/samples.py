@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -23,11 +24,16 @@ if TYPE_CHECKING:
 import torch
 from torch import nn
 
+from lmtune.config.files import TooLarge, read_text
 from lmtune.config.groups import SampleSettings
 from lmtune.errors import UserError
+from lmtune.model.tokens import stop_ids
 from lmtune.outputs.runlog import RunLog
 from lmtune.parallel.distributed import DistEnv, broadcast
+from lmtune.parallel.wrap import unwrap
+from lmtune.training.build import Built
 from lmtune.training.callbacks import Callback, Control, StepEnd
+from lmtune.training.context import RunContext
 
 MAX_PROMPTS_BYTES = 1 << 20
 MAX_PROMPTS = 64
@@ -66,14 +72,14 @@ def read_prompts(path: Path, tokenizer: Any, max_tokens: int | None = None) -> l
     ``max_tokens``: the longest prompt plus generation the run allows (found now, not at the
     sampling step hours into training)."""
     option = f"--sample-prompts {path}"
-    if not path.is_file():
-        raise UserError(f"{option}: no such file")
-    if path.stat().st_size > MAX_PROMPTS_BYTES:
-        raise UserError(f"{option}: over {MAX_PROMPTS_BYTES >> 20} MiB; a few prompts are enough")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise UserError(f"{option}: not UTF-8 text (byte {e.start})") from None
+        lines = read_text(path, limit=MAX_PROMPTS_BYTES).splitlines()
+    except FileNotFoundError:
+        raise UserError(f"{option}: no such file") from None
+    except TooLarge:
+        raise UserError(f"{option}: over {MAX_PROMPTS_BYTES >> 20} MiB; a few prompts are enough") from None
+    except UserError as e:
+        raise UserError(f"{option}: {str(e).removeprefix(f'{path}: ')}") from None
     prompts = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -161,38 +167,40 @@ class SamplePlan:
     seed: int
 
 
-class Sampler(Callback):
+@dataclass(frozen=True)
+class SampleModel:
+    """The model generations run on: under FSDP every rank decodes in lockstep (``lockstep``)."""
+
+    root: nn.Module  # the loss module (its call gathers FSDP2's parameters)
+    tokenizer: Any
+    stop: list[int]  # token ids that end a generation
+    lockstep: bool
+    autocast: Callable[[], AbstractContextManager[object]]
+
+
+class SampleGenerator(Callback):
     """Generates from the prompts every ``plan.settings.every`` steps and at the end."""
 
-    phase = "sample"
-
     def __init__(
-        self,
-        plan: SamplePlan,
-        root: nn.Module,
-        tokenizer: Any,
-        stop: list[int],
-        env: DistEnv,
-        log: RunLog,
-        lockstep: bool,
-        autocast: Callable[[], AbstractContextManager[object]],
+        self, plan: SamplePlan, model: SampleModel, env: DistEnv, log: RunLog, beat: Callable[[], None]
     ):
-        self.plan, self.root, self.tokenizer, self.env, self.log = plan, root, tokenizer, env, log
-        self.stop, self.lockstep, self.autocast = set(stop), lockstep, autocast
+        self.plan, self.model, self.env, self.log, self.beat = plan, model, env, log, beat
 
     def on_step_end(self, end: StepEnd, control: Control) -> None:
         state = end.state
         step, every = state.step, self.plan.settings.every
         if not (end.finished or (every and step % every == 0)):
             return
-        if not (self.lockstep or self.env.is_main):
+        if not (self.model.lockstep or self.env.is_main):
             return  # DDP: rank 0 alone; the others go on to the next step's collective
-        was_training = self.root.training
-        self.root.eval()
+        self.beat()
+        root = self.model.root
+        was_training = root.training
+        root.eval()
         try:
             generations = self._generate()
         finally:
-            self.root.train(was_training)
+            root.train(was_training)
         for g in generations:
             self.log.record({"kind": "sample", "step": step, "epoch": state.epochs_done, **asdict(g)})
         shown = [f"  {g.prompt!r} -> {g.completion!r}{'' if g.stopped else ' ...'}" for g in generations]
@@ -203,21 +211,39 @@ class Sampler(Callback):
         deadline = time.monotonic() + TIME_BUDGET_S
         out = []
         for i, prompt in enumerate(plan.prompts):
+            m = self.model
             new, stopped, late = decode(
-                self.root,
+                m.root,
                 prompt.ids,
-                stop=self.stop,
+                stop=set(m.stop),
                 max_new_tokens=s.max_new_tokens,
                 temperature=s.temperature,
                 seed=plan.seed + i,
                 env=self.env,
-                lockstep=self.lockstep,
-                autocast=self.autocast,
+                lockstep=m.lockstep,
+                autocast=m.autocast,
                 deadline=deadline,
             )
-            text = str(self.tokenizer.decode(new, skip_special_tokens=True))
+            text = str(m.tokenizer.decode(new, skip_special_tokens=True))
             out.append(Generation(prompt=prompt.shown, completion=text, tokens=len(new), stopped=stopped))
             if late:
                 self.log.info(f"samples: the {TIME_BUDGET_S:.0f} s budget ran out after {i + 1} prompts")
                 break
         return out
+
+
+def sample_generator(run: RunContext, built: Built) -> SampleGenerator:
+    """The component that generates from --sample-prompts during a run."""
+    cfg = run.cfg
+    assert cfg.samples.prompts is not None
+    room = cfg.examples.max_length - cfg.samples.max_new_tokens
+    prompts = read_prompts(Path(cfg.samples.prompts).expanduser(), built.tokenizer, room)
+    model = SampleModel(
+        root=unwrap(built.model),
+        tokenizer=built.tokenizer,
+        stop=stop_ids(built.loaded.model, built.tokenizer),
+        lockstep=built.parts.sharded,
+        autocast=run.autocast,
+    )
+    plan = SamplePlan(prompts=prompts, settings=cfg.samples, seed=cfg.seed)
+    return SampleGenerator(plan, model, run.env, run.log, partial(run.heartbeat.beat, "sample"))

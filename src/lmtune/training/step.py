@@ -13,20 +13,26 @@ import torch
 from torch import nn
 
 from lmtune.data.batch import Batch, idle_batch
+from lmtune.objectives.base import Objective, split_output
+from lmtune.objectives.sft import SupervisedObjective
 from lmtune.parallel.distributed import DistEnv, all_reduce_max, all_reduce_sum
 from lmtune.parallel.wrap import is_sharded, no_sync
 from lmtune.training.perf import PhaseTimer, phase
 
+SUPERVISED = SupervisedObjective()
+
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float  # global token-weighted mean loss of the step
+    loss: float  # the step's loss per unit of its objective (per target token for sft), all ranks
     grad_norm: float
-    target_tokens: int  # after the causal shift, all ranks and micro-steps
+    target_tokens: int  # trained positions after the causal shift, all ranks and micro-steps
     tokens: int  # non-padding input tokens, all ranks and micro-steps
     examples: int  # all ranks and micro-steps
     nonfinite: bool  # some rank saw a non-finite loss or gradient norm; the update was not applied
     stop: bool  # some rank was asked to stop (SIGTERM/SIGINT)
+    count: int = 0  # the objective's units (target tokens for sft, pairs for dpo), all ranks
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's per unit, by name
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase, when timed
     # Per rank: this step's data wait plus forward time (the work before its first collective
     # under DDP, where a slow rank shows), and the data wait alone.
@@ -51,6 +57,7 @@ class StepOptions:
     max_grad_norm: float  # 0: no clipping
     autocast: Callable[[], AbstractContextManager[object]]
     timer: PhaseTimer | None = None  # per-phase times (--profile) and heartbeat phases
+    objective: Objective = SUPERVISED  # what the loss module returns, and what it is normalised by
 
 
 @dataclass(frozen=True)
@@ -65,25 +72,28 @@ class StepInput:
 def train_step(trainee: Trainee, step: StepInput, env: DistEnv, options: StepOptions) -> StepResult:
     """Forward/backward every micro-batch, then clip and step.
 
-    Every micro-step's summed loss is divided by the number of target tokens of the whole
-    optimizer step, counted over all micro-steps and ranks before the first forward. The gradient
-    is then exactly that of one process on the whole global batch, whatever the world size or the
-    padding; a mean of per-batch means would weight tokens differently with N ranks than with one.
+    Every micro-step's summed loss is divided by the number of the objective's units (target
+    tokens, pairs) in the whole optimizer step, counted over all micro-steps and ranks before the
+    first forward. The gradient is then exactly that of one process on the whole global batch,
+    whatever the world size or the padding; a mean of per-batch means would weight units
+    differently with N ranks than with one.
 
     Whether to apply the update is agreed by all ranks in one collective before the optimizer
     runs: one rank skipping alone would leave the replicas apart.
     """
     micro_batches, timer, model = step.micro_batches, options.timer, trainee.model
+    objective, metrics = options.objective, len(options.objective.metric_names)
     local = [
+        sum(objective.count(b) for b in micro_batches),
         sum(b.target_tokens() for b in micro_batches),
         sum(int(b.attention_mask.sum()) for b in micro_batches),
         sum(len(b.example_ids) for b in micro_batches),
     ]
     counts = torch.tensor(local, dtype=torch.int64, device=env.device)
-    target_tokens, tokens, examples = (int(x) for x in all_reduce_sum(counts, env).tolist())
+    count, target_tokens, tokens, examples = (int(x) for x in all_reduce_sum(counts, env).tolist())
     # DDP averages gradients over ranks; multiplying by world_size turns that average into the sum.
-    scale = env.world_size / max(target_tokens, 1)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    scale = env.world_size / max(count, 1)
+    sums = torch.zeros(1 + metrics, dtype=torch.float64, device=env.device)
     if is_sharded(model):
         micro_batches = _lockstep(micro_batches, env)
     last = len(micro_batches) - 1
@@ -92,20 +102,24 @@ def train_step(trainee: Trainee, step: StepInput, env: DistEnv, options: StepOpt
         with no_sync(model, sync=i == last):
             started = time.perf_counter()
             with phase(timer, "forward"), options.autocast():
-                micro_loss = model(*batch.model_inputs()).sum()
+                micro_loss, metric_sums = split_output(
+                    model(*batch.model_inputs()), len(objective.metric_names)
+                )
             work_s += time.perf_counter() - started
             scaled = micro_loss * scale
             with phase(timer, "backward"):
-                (trainee.scaler.scale(scaled) if trainee.scaler is not None else scaled).backward()
-        loss_sum += micro_loss.detach().double()
+                backward = trainee.scaler.scale(scaled) if trainee.scaler is not None else scaled
+                backward.backward()  # type: ignore[no-untyped-call]
+        sums[0] += micro_loss.detach().double()
+        sums[1:] += metric_sums.detach().double()
     with phase(timer, "optimizer"):
         tally = _Tally(
-            loss_sum=loss_sum,
+            sums=sums,
             stop_requested=step.stop_requested,
-            counts=(target_tokens, tokens, examples),
+            counts=(count, target_tokens, tokens, examples),
             times=(work_s, step.data_s),
         )
-        result = _update(trainee, env, options.max_grad_norm, tally)
+        result = _update(trainee, env, options, tally)
     return replace(result, phases=timer.take()) if timer is not None else result
 
 
@@ -120,34 +134,36 @@ def _lockstep(micro_batches: list[Batch], env: DistEnv) -> list[Batch]:
 class _Tally:
     """This rank's part of a step, agreed across ranks in one all-reduce."""
 
-    loss_sum: torch.Tensor
+    sums: torch.Tensor  # this rank's summed loss, then its metric sums
     stop_requested: bool
-    counts: tuple[int, int, int]  # target tokens, tokens, examples: already summed over ranks
+    counts: tuple[int, int, int, int]  # units, target tokens, tokens, examples: summed over ranks
     times: tuple[float, float]  # this rank's work and data wait
 
 
-def _update(trainee: Trainee, env: DistEnv, max_grad_norm: float, tally: _Tally) -> StepResult:
+def _update(trainee: Trainee, env: DistEnv, options: StepOptions, tally: _Tally) -> StepResult:
     """Clip, agree across ranks whether to apply the update, then apply it (or not). The same
-    all-reduce carries every rank's step times (each rank fills its own slots), for stragglers."""
-    optimizer, scaler, loss_sum = trainee.optimizer, trainee.scaler, tally.loss_sum
-    target_tokens, tokens, examples = tally.counts
+    all-reduce carries the loss and metric sums and every rank's step times (each rank fills its
+    own slots), for stragglers."""
+    optimizer, scaler, sums = trainee.optimizer, trainee.scaler, tally.sums
+    count, target_tokens, tokens, examples = tally.counts
     if scaler is not None:
         scaler.unscale_(optimizer)  # clip and judge the true gradients
     params = [p for p in trainee.model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+    max_norm = options.max_grad_norm
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, already reduced over the shards
         grad_norm = grad_norm.full_tensor()
     # Under fp16 an infinite gradient is the scaler's business (it skips the step and lowers the
     # scale); only a non-finite loss is the model's.
-    local_bad = not torch.isfinite(loss_sum) or (scaler is None and not torch.isfinite(grad_norm))
+    local_bad = not torch.isfinite(sums[0]) or (scaler is None and not torch.isfinite(grad_norm))
     per_rank = torch.zeros(2 * env.world_size, dtype=torch.float64, device=env.device)
     per_rank[env.rank], per_rank[env.world_size + env.rank] = tally.times
     flags = torch.tensor(
         [float(local_bad), float(tally.stop_requested)], dtype=torch.float64, device=env.device
     )
-    agreed = torch.cat([loss_sum.reshape(1), flags, per_rank])
-    summed = all_reduce_sum(agreed, env).tolist()
-    total_loss, bad_ranks, stopping = summed[:3]
+    summed = all_reduce_sum(torch.cat([sums, flags, per_rank]), env).tolist()
+    n = len(sums)
+    total_loss, metric_sums, (bad_ranks, stopping) = summed[0], summed[1:n], summed[n : n + 2]
     nonfinite = bad_ranks > 0
     if scaler is not None:
         if not nonfinite:
@@ -157,16 +173,19 @@ def _update(trainee: Trainee, env: DistEnv, max_grad_norm: float, tally: _Tally)
         optimizer.step()
     _advance(trainee.scheduler)
     optimizer.zero_grad(set_to_none=True)
+    names = options.objective.metric_names
     return StepResult(
-        loss=total_loss / max(target_tokens, 1),
+        loss=total_loss / max(count, 1),
         grad_norm=float(grad_norm),
         target_tokens=target_tokens,
         tokens=tokens,
         examples=examples,
         nonfinite=nonfinite,
         stop=stopping > 0,
-        rank_work_s=summed[3 : 3 + env.world_size],
-        rank_data_s=summed[3 + env.world_size :],
+        count=count,
+        metrics={name: value / max(count, 1) for name, value in zip(names, metric_sums, strict=True)},
+        rank_work_s=summed[n + 2 : n + 2 + env.world_size],
+        rank_data_s=summed[n + 2 + env.world_size :],
     )
 
 

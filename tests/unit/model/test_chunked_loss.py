@@ -10,8 +10,8 @@ import torch
 
 from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.model.chunked_loss import default_chunk_size, head_is_exact, split_head
-from lmtune.model.loss import SummedLoss
 from lmtune.model.products import Fp32Products
+from lmtune.objectives.sft import SummedLoss
 
 VOCAB = 301
 

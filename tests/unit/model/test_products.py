@@ -12,11 +12,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmtune.errors import UserError
 from lmtune.model import products
-from lmtune.model.loss import SummedLoss
 from lmtune.model.precision import autocast_context
 from lmtune.model.products import PRODUCTS_ENV, Fp32Products, choose_products
+from lmtune.objectives.sft import SummedLoss
 from lmtune.training.perf import Probe, _peak_key
-from tests.unit.test_chunked_loss import _batch, _close, _model
+from tests.unit.model.test_chunked_loss import _batch, _close, _model
 
 CPU = torch.device("cpu")
 BF16_ULP = 2**-7  # bf16's relative spacing: one rounding of a result apart

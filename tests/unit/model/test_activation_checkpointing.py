@@ -44,7 +44,7 @@ def test_fp32_products_recompute_as_their_forward_did() -> None:
     multiplies as the forward did (it raised CheckpointError), every product in fp32, and the
     gradients are those without checkpointing."""
     from lmtune.model.precision import autocast_context
-    from tests.unit.test_products import _ProductDtypes
+    from tests.unit.model.test_products import _ProductDtypes
 
     def grads(checkpointed: bool) -> tuple[torch.Tensor, set[torch.dtype]]:
         model = build_preset("tiny", seed=0).model.train()

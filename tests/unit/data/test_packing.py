@@ -8,8 +8,8 @@ import torch
 
 from lmtune.data.collate import Collator
 from lmtune.data.packing import PackedCollator, pack_bins
-from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import build_preset
+from lmtune.objectives.sft import SummedLoss
 from tests.conftest import tokenized, uneven_texts
 
 

@@ -18,7 +18,7 @@ import torch
 from lmtune.cli import main
 from lmtune.training.optim import warmup_cosine
 from tests.conftest import train_rows, uneven_texts, write_jsonl
-from tests.unit.test_integrity import Payload
+from tests.unit.checkpoint.test_integrity import Payload
 
 STEPS, SAVE = 6, 3
 
@@ -79,8 +79,74 @@ def test_a_finished_run_says_so_and_changes_nothing(
     before = {p: p.read_bytes() for p in base["out"].rglob("*") if p.is_file()}
     capsys.readouterr()
     assert main(_args(base["data"], base["out"])) == 0
-    assert "holds a finished run (step 6 of 6" in capsys.readouterr().out
+    assert "holds this run, finished at step 6" in capsys.readouterr().out
     assert {p: p.read_bytes() for p in base["out"].rglob("*") if p.is_file()} == before
+
+
+def _finished_copy(base: dict[str, Path], name: str, checkpoints: tuple[int, ...]) -> Path:
+    """The finished run's records and final/, with only these of its checkpoints."""
+    out = base["root"] / name
+    shutil.copytree(base["out"] / "final", out / "final")
+    for record in ("run.json", "metrics.jsonl"):
+        shutil.copy(base["out"] / record, out / record)
+    for step in checkpoints:
+        ckpt = f"checkpoints/step-{step:06d}"
+        shutil.copytree(base["out"] / ckpt, out / ckpt)
+    return out
+
+
+@pytest.mark.parametrize("checkpoints", [(), (SAVE,)], ids=["no checkpoint", "an older one"])
+def test_a_finished_run_is_finished_whatever_checkpoints_it_holds(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str], checkpoints: tuple[int, ...]
+) -> None:
+    """Without a checkpoint (a multi-process run without --save-every was once refused), or with an
+    older one (a run stopped once by Ctrl+C resumed from it and trained again): both finished."""
+    out = _finished_copy(base, f"finished-{len(checkpoints)}", checkpoints)
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(_args(base["data"], out, "--save-every", "0")) == 0
+    assert "holds this run, finished at step 6" in capsys.readouterr().out
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()} == before
+    # More steps continue from the final state only: here there is none, and the message says so.
+    _fails(_args(base["data"], out, "--max-steps", "9"), capsys, "finished at step 6", "--overwrite")
+    # Another run into the folder is refused, naming the way out (by the checkpoint's fingerprint
+    # when there is one to compare, else as an earlier run).
+    needles = ("differs in what defines it",) if checkpoints else ("holds an earlier run",)
+    _fails(_args(base["other"], out, "--save-every", "0"), capsys, *needles, "--overwrite")
+
+
+def test_more_steps_continue_a_finished_run_from_its_final_state(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _finished_copy(base, "continued", (SAVE, STEPS))
+    capsys.readouterr()
+    assert main(_args(base["data"], out, "--max-steps", "9")) == 0
+    assert "resuming from" in capsys.readouterr().out
+    assert [r["step"] for r in train_rows(out)] == list(range(1, 10))
+    finished = json.loads((out / "run.json").read_text())["result"]["finished"]
+    assert (finished["step"], finished["total_steps"]) == (9, 9)
+    assert main(_args(base["data"], out, "--max-steps", "9")) == 0  # and now that run is finished
+    assert "finished at step 9" in capsys.readouterr().out
+
+
+def test_an_early_stopped_run_is_finished(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = write_jsonl(tmp_path / "a.jsonl", uneven_texts(60, seed=4))
+    argv = _args(data, tmp_path / "early", "--eval-split", "12", "--eval-every", "1")
+    # No later evaluation beats the first by 10 nats: the patience of 1 stops the run at step 2.
+    argv += [
+        "--metric-for-best",
+        "eval_loss",
+        "--early-stopping-patience",
+        "1",
+        "--early-stopping-threshold",
+        "10",
+    ]
+    assert main(argv) == 0
+    assert "stopping early at step 2" in capsys.readouterr().out
+    before = {p: p.read_bytes() for p in (tmp_path / "early").rglob("*") if p.is_file()}
+    assert main(argv) == 0
+    assert "finished at step 2" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in (tmp_path / "early").rglob("*") if p.is_file()} == before
 
 
 def test_what_defines_the_run_must_match(base: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:

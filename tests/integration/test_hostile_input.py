@@ -17,15 +17,8 @@ from lmtune.data.prepare import encode_in_memory
 from lmtune.data.sources import BadLines, Record, Source, iter_records
 from lmtune.data.tokenize import CHARS_PER_TOKEN
 from lmtune.model.modeling import byte_tokenizer
+from tests.conftest import one_line_error as _error
 from tests.conftest import write_jsonl
-
-
-def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.startswith("error") and err.count("\n") == 1, err
-    return err
 
 
 @pytest.mark.parametrize(

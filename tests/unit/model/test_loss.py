@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from lmtune.data.collate import Collator
-from lmtune.model.loss import SummedLoss, token_loss_sum
+from lmtune.model.loss import token_loss_sum
 from lmtune.model.modeling import build_preset
+from lmtune.objectives.sft import SummedLoss
 from tests.conftest import tokenized, uneven_texts
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from lmtune.config.groups import ExampleSettings
+from lmtune.data.addition import addition_examples, split_prompt
 from lmtune.data.collate import Collator
 from lmtune.data.formats import PLAIN_FIELDS, render
 from lmtune.data.prepare import encode_in_memory, records
-from lmtune.data.sample import addition_examples, split_prompt
 from lmtune.data.sources import BadLines, Record, resolve_sources
 from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.errors import UserError

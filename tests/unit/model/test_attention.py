@@ -15,8 +15,8 @@ from lmtune.data.collate import Batch, Collator
 from lmtune.data.packing import PackedCollator, pack_bins
 from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.model.attention import VARLEN, _pad_together, flatten, use_varlen
-from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import build_preset
+from lmtune.objectives.sft import SummedLoss
 from tests.conftest import tokenized, uneven_texts
 
 

@@ -13,7 +13,7 @@ from lmtune.errors import UserError
 from lmtune.training.batch_layout import epochs, micro_batch_size
 from lmtune.training.preflight import validate
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def parse(argv: list[str]) -> TrainConfig:

@@ -18,6 +18,7 @@ import torch
 
 from lmtune.checkpoint.export import export
 from lmtune.checkpoint.layout import list_checkpoints, step_folder, verify
+from lmtune.checkpoint.manager import CheckpointManager, Trainable
 from lmtune.checkpoint.state import TrainerState
 from lmtune.checkpoint.store import load_checkpoint, prune, save_checkpoint
 from lmtune.config.settings import TrainConfig
@@ -31,18 +32,19 @@ from lmtune.parallel.health import Heartbeat
 from lmtune.testing.faults import install as install_faults
 from lmtune.training.batch_layout import BatchLayout
 from lmtune.training.best import BestTracker
-from lmtune.training.build import Built, Run, build, loaders, schedule
+from lmtune.training.build import Built, build, loaders, schedule
 from lmtune.training.callbacks import (
     Callback,
-    Checkpointer,
     Control,
     Evaluator,
+    HeartbeatStep,
     NanPolicy,
     SignalStop,
     StepEnd,
 )
+from lmtune.training.context import RunContext as Run
 from lmtune.training.evaluate import EvalResult
-from lmtune.training.loop import FitResult, FitSettings, fit
+from lmtune.training.loop import FitResult, FitSettings, LoopParts, NoSaves, Saver, fit
 from lmtune.training.signals import StopRequest
 from lmtune.training.step import StepInput, StepOptions, StepResult, Trainee, train_step
 from tests.conftest import uneven_texts, write_jsonl
@@ -70,6 +72,17 @@ def _built(tmp_path: Path, name: str, **settings: Any) -> Iterator[tuple[Run, Bu
         yield run, build(run)
 
 
+def _manager(run: Run, b: Built) -> CheckpointManager:
+    return CheckpointManager(
+        output_dir=run.output_dir,
+        settings=run.cfg.checkpoint,
+        env=ENV,
+        trainable=Trainable(b.parts, b.optimizer, b.tokenizer, b.scaler),
+        fingerprint=b.fingerprint,
+        log=run.log,
+    )
+
+
 def _fresh_state(b: Built) -> TrainerState:
     return TrainerState(
         step=0,
@@ -82,11 +95,20 @@ def _fresh_state(b: Built) -> TrainerState:
     )
 
 
-def _fit(run: Run, b: Built, start: TrainerState, callbacks: list[Callback], **kw: Any) -> FitResult:
+def _fit(
+    run: Run,
+    b: Built,
+    start: TrainerState,
+    callbacks: list[Callback],
+    saver: Saver | None = None,
+    evaluator: Evaluator | None = None,
+    **kw: Any,
+) -> FitResult:
     trainee = Trainee(b.model, b.optimizer, schedule(run.cfg, b, start.step), b.scaler)
     data, _ = loaders(run, b)
     options = StepOptions(run.cfg.max_grad_norm, lambda: autocast_context("fp32", ENV.device))
-    return fit(trainee, data, start, callbacks, FitSettings(env=ENV, step=options, **kw))
+    parts = LoopParts(callbacks=callbacks, evaluator=evaluator, saver=saver or NoSaves())
+    return fit(trainee, data, start, parts, FitSettings(env=ENV, step=options, **kw))
 
 
 def _weights(b: Built) -> dict[str, torch.Tensor]:
@@ -157,21 +179,16 @@ def test_resume_from_a_checkpoint_in_process_is_bit_identical(tmp_path: Path) ->
         _fit(run, b, _fresh_state(b), [])
         straight, straight_opt = _weights(b), b.optimizer.state_dict()
     with _built(tmp_path, "resumed") as (run, b):
-        saved: list[int] = []
-
-        def save(at: TrainerState) -> None:
-            save_checkpoint(
-                run.output_dir, at, b.parts, b.tokenizer, b.optimizer, ENV, keep_last=0, records={}
-            )
-            saved.append(at.step)
-
-        result = _fit(run, b, _fresh_state(b), [Recorder(stop_at=4), Checkpointer(save, every=0)])
-        assert saved == [4] and result.stop == "early"
+        manager = _manager(run, b)
+        result = _fit(run, b, _fresh_state(b), [Recorder(stop_at=4)], saver=manager)
+        assert [p.name for p in list_checkpoints(run.output_dir)] == [
+            "step-000004"
+        ] and result.stop == "early"
     folder = step_folder(tmp_path / "resumed", 4)
     assert verify(folder) is None
     torch.manual_seed(1234)  # disturbed: the checkpoint's RNG state must be what counts
     with _built(tmp_path, "resumed") as (run, b):
-        start = load_checkpoint(folder, b.parts, b.optimizer, ENV)
+        start = _manager(run, b).resume(_fresh_state(b), STEPS)
         assert (start.step, start.epoch, start.step_in_epoch) == (4, 1, 1)
         _fit(run, b, start, [])
         assert _same(straight, _weights(b))
@@ -199,11 +216,12 @@ def test_gradient_accumulation_is_one_step_over_the_whole_batch(tmp_path: Path) 
         torch.testing.assert_close(weights[1][k], weights[0][k], rtol=1e-5, atol=1e-6)
 
 
-def _poison_step_2(run: Run, b: Built, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Fault injection as the tests' subprocesses get it: step 2's loss becomes NaN."""
+def _poison_step_2(run: Run, b: Built, monkeypatch: pytest.MonkeyPatch) -> HeartbeatStep:
+    """Fault injection as the tests' subprocesses get it: step 2's loss becomes NaN (the fault
+    reads the step in progress from the heartbeat, which its component keeps)."""
     monkeypatch.setenv("LMTUNE_FAULT_NAN_AT_STEP", "2")
     install_faults(b.parts.root, 0, lambda: run.heartbeat.step)
-    return {"heartbeat": run.heartbeat}
+    return HeartbeatStep(run.heartbeat)
 
 
 def test_a_poisoned_step_is_not_applied_and_the_policy_decides(
@@ -211,21 +229,23 @@ def test_a_poisoned_step_is_not_applied_and_the_policy_decides(
 ) -> None:
     with _built(tmp_path, "skip", on_nan="skip") as (run, b):
         recorder = Recorder()
-        poisoned = _poison_step_2(run, b, monkeypatch)
-        result = _fit(run, b, _fresh_state(b), [NanPolicy("skip", run.log), recorder], **poisoned)
+        beat = _poison_step_2(run, b, monkeypatch)
+        result = _fit(run, b, _fresh_state(b), [beat, NanPolicy("skip", run.log), recorder])
         assert result.state.step == STEPS and result.state.skipped_steps == 1
         assert [s.result.nonfinite for s in recorder.steps][:3] == [False, True, False]
     with _built(tmp_path, "stop") as (run, b), pytest.raises(TrainingStopped, match="step 2"):
-        _fit(run, b, _fresh_state(b), [NanPolicy("stop", run.log)], **_poison_step_2(run, b, monkeypatch))
+        _fit(run, b, _fresh_state(b), [_poison_step_2(run, b, monkeypatch), NanPolicy("stop", run.log)])
 
 
 def test_a_signal_saves_the_step_and_stops(tmp_path: Path) -> None:
-    saved: list[int] = []
     with _built(tmp_path, "signal") as (run, b):
         asked = iter([False, False, True] + [False] * 10)
-        callbacks = [SignalStop(run.log), Checkpointer(lambda at: saved.append(at.step), every=0)]
-        result = _fit(run, b, _fresh_state(b), callbacks, stop_requested=lambda: next(asked))
-    assert (result.state.step, result.stop, saved) == (3, "signal", [3])
+        saver = SaveRecorder()
+        result = _fit(
+            run, b, _fresh_state(b), [SignalStop(run.log)], saver, stop_requested=lambda: next(asked)
+        )
+    assert (result.state.step, result.stop) == (3, "signal")
+    assert saver.calls[-1] == ("after_step", 3, True) and "at_end" not in [c[0] for c in saver.calls]
 
 
 def _end(step: int, finished: bool = False) -> StepEnd:
@@ -247,44 +267,87 @@ def _end(step: int, finished: bool = False) -> StepEnd:
     )
 
 
-def test_checkpointer_saves_on_schedule_when_asked_and_once_per_step() -> None:
-    saved: list[int] = []
-    checkpointer = Checkpointer(lambda at: saved.append(at.step), every=3)
-    checkpointer.on_train_begin(_end(0).state, layout=None)  # type: ignore[arg-type]
-    for step in range(1, 8):
-        control = Control(save=step == 5)
-        checkpointer.on_step_end(_end(step, finished=step == 7), control)
-        if step == 5:  # a second request in the same step
-            checkpointer.on_step_end(_end(step), control)
-    checkpointer.on_train_end(_end(7).state, Control())
-    assert saved == [3, 5, 6, 7]
-    stopped: list[int] = []
-    signal = Checkpointer(lambda at: stopped.append(at.step), every=0)
-    signal.on_train_begin(_end(0).state, layout=None)  # type: ignore[arg-type]
-    signal.on_train_end(_end(4).state, Control(stop="signal"))  # saved at its step, not again
-    assert stopped == []
+def test_the_manager_saves_on_schedule_when_asked_and_once_per_step(tmp_path: Path) -> None:
+    with _built(tmp_path, "cadence", save_every=3, keep_last=0) as (run, b):
+        manager = _manager(run, b)
+        manager.resume(_fresh_state(b), STEPS)
+        for step in range(1, 8):
+            manager.after_step(_end(step).state, asked=step == 5, last=step == 7)
+            if step == 5:  # a second request in the same step
+                manager.after_step(_end(step).state, asked=True, last=False)
+        manager.at_end(_end(7).state, asked=False)
+        assert [p.name for p in list_checkpoints(run.output_dir)] == [f"step-00000{n}" for n in (3, 5, 6, 7)]
+    with _built(tmp_path, "no-cadence", save_every=0) as (run, b):
+        manager = _manager(run, b)
+        manager.resume(_fresh_state(b), STEPS)
+        manager.at_end(_end(4).state, asked=False)  # without --save-every nothing is due at the end
+        assert list_checkpoints(run.output_dir) == []
 
 
-def test_evaluator_saves_each_best_and_stops_after_the_patience(tmp_path: Path) -> None:
+def test_evaluator_asks_to_save_each_best_and_stops_after_the_patience(tmp_path: Path) -> None:
     losses = iter([3.0, 2.0, 2.5, 2.6, 1.0])
+
+    def run_eval() -> EvalResult:
+        loss = next(losses)
+        return EvalResult(loss=loss, target_tokens=10, examples=2, count=10, metrics={"eval_loss": loss})
+
     with RunLog(ENV, tmp_path, progress=False) as log:
         log.open_metrics(0)
         best = BestTracker(metric="eval_loss", greater_is_better=False, patience=2, threshold=0.0)
-        evaluator = Evaluator(
-            lambda: EvalResult(loss=next(losses), perplexity=1.0, target_tokens=10, examples=2),
-            log,
-            every=2,
-            best=best,
-        )
-        decisions = []
+        evaluator = Evaluator(run_eval, log, every=2, best=best)
+        decisions, evals = [], []
         for step in range(1, 9):
             control = Control()
-            evaluator.on_step_end(_end(step), control)
+            if (ev := evaluator.after_step(_end(step), control)) is not None:
+                evals.append(ev)
             decisions.append((control.save, control.stop))
     evaluated = [d for i, d in enumerate(decisions) if (i + 1) % 2 == 0]
     assert evaluated == [(True, None), (True, None), (False, None), (False, "early")]
-    assert [e.loss for e in evaluator.evals] == [3.0, 2.0, 2.5, 2.6]
+    assert [e.loss for e in evals] == [3.0, 2.0, 2.5, 2.6]
     assert best.best is not None and best.best.step == 4
+
+
+@dataclass
+class SaveRecorder:
+    """A saver that records what fit asks of it, and when."""
+
+    calls: list[tuple[str, int, bool]] = field(default_factory=list)
+    log: list[str] | None = None
+
+    def after_step(self, state: TrainerState, *, asked: bool, last: bool) -> Path | None:
+        self.calls.append(("after_step", state.step, asked))
+        if self.log is not None:
+            self.log.append(f"save {state.step}")
+        return None
+
+    def at_end(self, state: TrainerState, *, asked: bool) -> Path | None:
+        self.calls.append(("at_end", state.step, asked))
+        return None
+
+
+def test_after_each_step_components_then_evaluation_then_the_save_then_the_stop(tmp_path: Path) -> None:
+    order: list[str] = []
+
+    class Component(Callback):
+        def on_step_end(self, step: StepEnd, control: Control) -> None:
+            order.append(f"component {step.state.step}")
+
+    def run_eval() -> EvalResult:
+        order.append("eval")
+        return EvalResult(loss=1.0, target_tokens=1, examples=1, count=1, metrics={"eval_loss": 1.0})
+
+    with _built(tmp_path, "order") as (run, b):
+        best = BestTracker(metric="eval_loss", greater_is_better=False, patience=1, threshold=0.0)
+        evaluator = Evaluator(run_eval, run.log, every=2, best=best)
+        result = _fit(run, b, _fresh_state(b), [Component()], SaveRecorder(log=order), evaluator)
+    # Step 2's evaluation is the first best: saved after it. Step 4's does not improve, so the
+    # patience of 1 stops the run: the save of step 4 comes after that evaluation, then fit stops.
+    assert order == [
+        *("component 1", "save 1", "component 2", "eval", "save 2"),
+        *("component 3", "save 3", "component 4", "eval", "save 4"),
+    ]
+    assert result.stop == "early" and [e.loss for e in result.evals] == [1.0, 1.0]
+    assert result.best is not None and result.best.step == 2
 
 
 def test_store_prunes_to_keep_last_but_keeps_the_protected_and_export_loads(tmp_path: Path) -> None:

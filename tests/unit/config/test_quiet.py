@@ -8,7 +8,8 @@ import warnings
 
 import pytest
 
-from lmtune.config.verbosity import VERBOSE_ENV, quiet_calls
+from lmtune.config.environment import VERBOSE as VERBOSE_ENV
+from lmtune.config.verbosity import quiet_calls
 
 
 def test_quiet_calls_hide_only_inside_and_restore(monkeypatch: pytest.MonkeyPatch) -> None:

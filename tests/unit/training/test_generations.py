@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lmtune.errors import UserError
-from lmtune.model.loss import SummedLoss
 from lmtune.model.modeling import load_model
 from lmtune.model.tokens import stop_ids
+from lmtune.objectives.sft import SummedLoss
 from lmtune.parallel.distributed import read_dist_env
 from lmtune.training.samples import decode, read_prompts
 

@@ -40,8 +40,8 @@ def test_no_weight_decay_on_biases_and_norms() -> None:
 
 def _train(name: str, steps: int) -> tuple[list[float], torch.optim.Optimizer]:
     """A few steps of the tiny preset on one fixed batch: the loss must fall."""
-    from lmtune.model.loss import SummedLoss
     from lmtune.model.modeling import load_model
+    from lmtune.objectives.sft import SummedLoss
 
     model = SummedLoss(load_model("tiny", 0).model)
     opt = build_optimizer(name, model, lr=3e-3, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)

@@ -65,7 +65,7 @@ def test_parameters_match_the_real_model_with_and_without_lora() -> None:
 
 def test_optimizer_bytes_match_the_real_optimizers() -> None:
     from lmtune.checkpoint.state import optimizer_state_bytes
-    from lmtune.model.loss import SummedLoss
+    from lmtune.objectives.sft import SummedLoss
     from lmtune.training.optim import build_optimizer
 
     model = SummedLoss(load_model("tiny", 0).model)

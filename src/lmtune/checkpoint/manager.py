@@ -1,0 +1,188 @@
+"""CheckpointManager: the one owner of a run's checkpoints.
+
+It decides where a run starts (a fresh state, the checkpoint it continues, loaded and checked
+against the run's fingerprint, or nothing to do: the folder holds this run, finished), when it
+saves (every ``--save-every`` steps, when a component asks, and at the end of a run that saves
+periodically; at most once per step), what a checkpoint carries
+besides the model (the fingerprint, the fp16 scaler, and the records of the run's components, such
+as the best-model tracker), which checkpoints pruning keeps (the newest ``--keep-last`` and the
+protected one, the best), loading a saved step back (the best model at the end), and the final
+save (``final/``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from lmtune.checkpoint.export import save_final
+from lmtune.checkpoint.layout import FINGERPRINT_FILE, SCALER_FILE, step_folder
+from lmtune.checkpoint.resume import Fingerprint, continue_from, resume_point
+from lmtune.checkpoint.rundir import Finished, read_finished
+from lmtune.checkpoint.state import ModelParts, TrainerState
+from lmtune.checkpoint.store import load_checkpoint, prune, read_state, save_checkpoint
+from lmtune.config.files import read_json_object
+from lmtune.config.groups import CheckpointSettings
+from lmtune.errors import UserError
+from lmtune.outputs.runlog import InfoLog
+from lmtune.parallel.distributed import DistEnv
+
+
+class CheckpointRecord(Protocol):
+    """Part of the run's state that its checkpoints carry beside the model, as a small JSON file,
+    and that a resumed run restores (the best-model tracker, ...)."""
+
+    file_name: str
+
+    def to_json(self) -> dict[str, Any]: ...
+
+    def restore(self, record: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Trainable:
+    """What a checkpoint saves and loads: the model's parts, its optimizer and fp16 scaler, and the
+    tokenizer (so that a checkpoint is a self-contained model folder)."""
+
+    parts: ModelParts
+    optimizer: torch.optim.Optimizer
+    tokenizer: Any
+    scaler: torch.amp.GradScaler | None = None
+
+
+@dataclass(kw_only=True)
+class CheckpointManager:
+    output_dir: Path
+    settings: CheckpointSettings  # save_every, keep_last, resume
+    env: DistEnv
+    trainable: Trainable
+    fingerprint: Fingerprint  # what a checkpoint of this run must match to be continued
+    log: InfoLog
+    records: list[CheckpointRecord] = field(default_factory=list)
+    protected_step: Callable[[], int | None] = lambda: None  # pruning keeps this step's checkpoint
+    patient: Callable[[], AbstractContextManager[object]] = nullcontext  # long collective timeouts
+    beat: Callable[[str], None] = lambda phase: None  # the heartbeat's phase while saving
+    resumed_from: Path | None = None  # the checkpoint this run continues (after resume())
+    finished: Finished | None = None  # this run, finished earlier, with nothing left to do
+    _saved_step: int = -1
+    _start_step: int = 0
+
+    def resume(self, fresh: TrainerState, total_steps: int) -> TrainerState:
+        """Where this run starts: ``fresh``, or the checkpoint it continues, loaded (the model, the
+        optimizer, the scaler, this rank's RNG streams and every record).
+
+        A folder whose run.json says this very run finished (the same fingerprint) is judged one
+        way, whatever checkpoints it holds: with no more steps asked for, there is nothing to do
+        (``self.finished`` is set and nothing is loaded); with more, the run continues from a
+        checkpoint of its final state, and without one the user is told what to do.
+        """
+        earlier = read_finished(self.output_dir, self.fingerprint.fixed, self.env)
+        if earlier is not None and not earlier.same_run:
+            earlier = None  # another run: its checkpoints' fingerprints refuse it, naming why
+        if earlier is not None and total_steps <= earlier.total_steps:
+            self.finished = earlier
+            return replace(fresh, step=earlier.step)
+        folder = resume_point(self.settings.resume, self.output_dir, self.env)
+        if earlier is not None:
+            folder = self._final_state_of(earlier, folder)
+        self.resumed_from = folder
+        if folder is None:
+            self._start_step = fresh.step
+            return fresh
+        t = self.trainable
+        state = continue_from(
+            folder,
+            now=self.fingerprint,
+            parts=t.parts,
+            optimizer=t.optimizer,
+            env=self.env,
+            scaler=t.scaler,
+            log=self.log,
+        )
+        for record in self.records:
+            saved = _read_record(folder / record.file_name)
+            if saved is not None:
+                record.restore(saved)
+        self._start_step = self._saved_step = state.step
+        return state
+
+    def _final_state_of(self, earlier: Finished, newest: Path | None) -> Path:
+        """The checkpoint of a finished run's last step, which a longer run continues from."""
+        if newest is not None and read_state(newest).step == earlier.step:
+            return newest
+        raise UserError(
+            f"--output-dir {self.output_dir} holds this run, finished at step {earlier.step}, and no "
+            f"checkpoint of that step to train on from (--save-every {self.settings.save_every}); "
+            "start afresh with --overwrite, or in another --output-dir"
+        )
+
+    def after_step(self, state: TrainerState, *, asked: bool, last: bool) -> Path | None:
+        """Save when asked (a new best, a stop), or every ``--save-every`` steps; not at the run's
+        last step, whose checkpoint :meth:`at_end` writes after the final evaluation."""
+        every = self.settings.save_every
+        due = bool(every) and state.step % every == 0 and not last
+        return self._save(state) if asked or due else None
+
+    def at_end(self, state: TrainerState, *, asked: bool) -> Path | None:
+        """The end of a run: saved when asked, or when the run saves periodically and trained."""
+        trained = bool(self.settings.save_every) and state.step > self._start_step
+        return self._save(state) if asked or trained else None
+
+    def _save(self, state: TrainerState) -> Path | None:
+        if state.step == self._saved_step:
+            return None
+        self.beat("save")
+        t = self.trainable
+        records: dict[str, Any] = {FINGERPRINT_FILE: self.fingerprint.to_json()}
+        records |= {r.file_name: r.to_json() for r in self.records}
+        if t.scaler is not None:
+            records[SCALER_FILE] = t.scaler.state_dict()
+        with self.patient():
+            path = save_checkpoint(
+                self.output_dir,
+                state,
+                t.parts,
+                t.tokenizer,
+                t.optimizer,
+                self.env,
+                keep_last=0,
+                records=records,
+            )
+        if self.env.is_main:
+            protected = self.protected_step()
+            keep = step_folder(self.output_dir, protected) if protected is not None else None
+            prune(self.output_dir, self.settings.keep_last, keep)
+        self._saved_step = state.step
+        self.log.info(f"step {state.step}: saved checkpoint {path}")
+        return path
+
+    def load(self, step: int) -> TrainerState:
+        """Load the checkpoint of ``step`` (saved by this run) into the model and optimizer."""
+        t = self.trainable
+        with self.patient():
+            return load_checkpoint(
+                step_folder(self.output_dir, step), t.parts, t.optimizer, self.env, t.scaler
+            )
+
+    def save_final(self) -> Path:
+        """``final/``: the model as a Hugging Face folder, or the LoRA adapter (collective)."""
+        final = self.output_dir / "final"
+        self.beat("save")
+        with self.patient():
+            save_final(self.trainable.parts, self.trainable.tokenizer, final, self.env)
+        return final
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """A record saved in a verified checkpoint (its manifest checked its size and hash), read as
+    hostile data all the same (bounded, a JSON object), or None when the checkpoint carries none
+    (saved without that component)."""
+    try:
+        return read_json_object(path)
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,88 @@
+"""lmtune's own environment variables, read strictly: a value that is set (not empty) and not valid
+is a one-line error naming the variable, never a silent default. (The ``LMTUNE_FAULT_*`` variables
+of the test-only fault injection and the two CPU kernel overrides are read where they are used.)"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from lmtune.errors import UserError, brief
+
+CACHE_DIR = "LMTUNE_CACHE_DIR"
+CACHE_WAIT_TIMEOUT = "LMTUNE_CACHE_WAIT_TIMEOUT"
+JOIN_TIMEOUT = "LMTUNE_JOIN_TIMEOUT"
+LOCK_TOKEN = "LMTUNE_LOCK_TOKEN"
+ERROR_DIR = "LMTUNE_ERROR_DIR"
+HEALTH_DIR = "LMTUNE_HEALTH_DIR"
+VERBOSE = "LMTUNE_VERBOSE"  # show other packages' warnings (lmtune.config.verbosity)
+_TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None  # empty is unset, as shells and XDG variables have it
+
+
+def _bad(name: str, value: str, expected: str) -> UserError:
+    return UserError(f"environment variable {name}={brief(value)}: expected {expected}")
+
+
+def seconds(name: str, default: float) -> float:
+    """A positive, finite number of seconds, or ``default`` when unset."""
+    raw = _raw(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise _bad(name, raw, "a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise _bad(name, raw, "a positive, finite number of seconds")
+    return value
+
+
+def folder(name: str, must_exist: bool) -> Path | None:
+    """A folder path (created later when ``must_exist`` is False), or None when unset."""
+    raw = _raw(name)
+    if raw is None:
+        return None
+    if "\0" in raw:
+        raise _bad(name, raw, "a folder path")
+    path = Path(raw).expanduser()
+    if path.exists() and not path.is_dir():
+        raise _bad(name, raw, "a folder (it names something that is not one)")
+    if must_exist and not path.is_dir():
+        raise _bad(name, raw, "an existing folder")
+    return path
+
+
+def token(name: str) -> str | None:
+    """A token lmtune's launcher made (32 hex digits), or None when unset."""
+    raw = _raw(name)
+    if raw is not None and not _TOKEN.fullmatch(raw):
+        raise _bad(name, raw, "the 32 hex digits lmtune's launcher sets (unset it)")
+    return raw
+
+
+def switch(name: str) -> bool:
+    """A yes/no variable: 1, true or yes; 0, false or no; unset is no."""
+    raw = _raw(name)
+    if raw is None:
+        return False
+    if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise _bad(name, raw, "1 or 0 (true or false)")
+    return raw.lower() in ("1", "true", "yes")
+
+
+def check_environment() -> None:
+    """Every LMTUNE_* variable checked at once, before a command does anything."""
+    seconds(CACHE_WAIT_TIMEOUT, 1.0)
+    seconds(JOIN_TIMEOUT, 1.0)
+    folder(CACHE_DIR, must_exist=False)
+    folder(ERROR_DIR, must_exist=True)
+    folder(HEALTH_DIR, must_exist=True)
+    token(LOCK_TOKEN)
+    switch(VERBOSE)

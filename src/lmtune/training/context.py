@@ -1,0 +1,49 @@
+"""RunContext: one process's run, its settings and the services every part of it shares; and the
+module type that lets ``lmtune.train(cfg)`` call the run's entry point."""
+
+from __future__ import annotations
+
+import types
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmtune.config.settings import TrainConfig
+from lmtune.model.precision import autocast_context
+from lmtune.model.products import Products
+from lmtune.outputs.runlog import RunLog
+from lmtune.parallel.distributed import DistEnv
+from lmtune.parallel.health import Heartbeat
+from lmtune.training.signals import StopRequest
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """One process's run: its settings and the services every part of it shares."""
+
+    cfg: TrainConfig
+    env: DistEnv
+    strategy: str  # resolved: single | dp | ddp | fsdp
+    threads: int  # CPU threads of this process
+    log: RunLog
+    stop: StopRequest
+    heartbeat: Heartbeat
+    products: Products  # how matrices are multiplied (a CPU bf16 run's may be fp32)
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.cfg.checkpoint.output_dir)
+
+    def autocast(self) -> AbstractContextManager[object]:
+        """A fresh autocast context of --precision on this device (none under fp32)."""
+        return autocast_context(self.cfg.model.precision, self.env.device, self.products.fp32)
+
+
+class CallableModule(types.ModuleType):
+    """``lmtune.train`` names the module lmtune/train.py and its function ``train``; once the module
+    is imported Python binds the name to the module, so the module calls its function:
+    ``lmtune.train(cfg)`` works whichever of the two the name holds."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.train(*args, **kwargs)

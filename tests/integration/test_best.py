@@ -1,0 +1,119 @@
+"""The best checkpoint by an eval metric is kept and can become final/; early stopping stops at the
+evaluation the rule names. In this process (world size 1), on a run whose eval loss rises."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from lmtune.cli import main
+from lmtune.config.files import read_json_object
+from lmtune.errors import UserError
+from lmtune.training.best import BEST_FILE, BestTracker
+from tests.conftest import train_rows, uneven_texts, write_jsonl
+
+
+def _first_stop(losses: list[float], patience: int) -> int:
+    """The index of the evaluation at which the patience rule stops (lower is better)."""
+    best, without = float("inf"), 0
+    for i, value in enumerate(losses):
+        if value < best:
+            best, without = value, 0
+        else:
+            without += 1
+            if without >= patience:
+                return i
+    return len(losses) - 1
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("best")
+    data = write_jsonl(root / "d.jsonl", uneven_texts(200, seed=4))
+    out = root / "out"
+    argv = ["train", "--data", str(data), "--eval-split", "40", "--output-dir", str(out), "--no-progress"]
+    argv += ["--metric-for-best", "eval_loss", "--eval-every", "2", "--early-stopping-patience", "2"]
+    argv += ["--load-best-at-end", "--keep-last", "1", "--save-every", "4", "--global-batch-size", "8"]
+    # A learning rate far too high: the eval loss soon rises, so the patience rule must fire.
+    assert main([*argv, "--lr", "3e-2", "--max-steps", "60", "--seed", "2"]) == 0
+    return out
+
+
+def test_early_stopping_stops_at_the_evaluation_the_rule_names(run: Path) -> None:
+    evals = train_rows(run, kind="eval")
+    losses = [r["eval_loss"] for r in evals]
+    stop = _first_stop(losses, patience=2)
+    assert train_rows(run)[-1]["step"] < 60  # it stopped before the end
+    assert evals[-1]["step"] == evals[stop]["step"] == train_rows(run)[-1]["step"]
+    result = json.loads((run / "run.json").read_text())["result"]
+    assert result["stopped_by"] == "early_stopping"
+    best_step = evals[losses.index(min(losses[: stop + 1]))]["step"]
+    assert result["best"]["step"] == best_step and result["best"]["metric"] == "eval_loss"
+    assert result["best"]["value"] == min(losses)
+
+
+def test_the_best_checkpoint_is_kept_and_becomes_final(run: Path) -> None:
+    best = json.loads((run / "run.json").read_text())["result"]["best"]
+    assert best["checkpoint"] == f"checkpoints/step-{best['step']:06d}"  # relative to the output folder
+    folder = run / best["checkpoint"]
+    assert folder.is_dir(), "pruned by --keep-last 1"
+    last = sorted(p.name for p in (run / "checkpoints").iterdir())[-1]
+    assert last != folder.name  # --keep-last kept the newest too
+    final = load_file(run / "final" / "model.safetensors")
+    saved = load_file(folder / "model.safetensors")
+    shared = final.keys() & saved.keys()  # a tied head is stored once, under either name
+    assert len(shared) >= len(final) - 1 and all((final[k] == saved[k]).all() for k in shared)
+
+
+def test_the_best_is_decided_by_the_metric_alone_and_the_threshold_counts_patience() -> None:
+    """As Hugging Face Trainer: an improvement smaller than the threshold is still the new best
+    model; it only does not reset the patience count."""
+    tracker = BestTracker(metric="eval_loss", greater_is_better=False, patience=3, threshold=1.0)
+    assert tracker.observe(15, 3.0059)
+    assert tracker.observe(21, 2.5082)  # better by less than the threshold: the best all the same
+    assert tracker.best is not None and tracker.best.step == 21 and tracker.best.value == 2.5082
+    assert tracker.without_improvement == 1  # ... but it does not count as progress for patience
+    assert not tracker.observe(24, float("nan")) and tracker.without_improvement == 2
+    assert tracker.observe(27, 1.0) and tracker.without_improvement == 0  # better by over 1.0
+    higher = BestTracker(metric="eval_accuracy", greater_is_better=True, patience=0, threshold=0.5)
+    assert higher.observe(1, 0.2) and higher.observe(2, 0.3) and not higher.observe(3, 0.1)
+    assert higher.best is not None and higher.best.step == 2
+
+
+def test_best_json_is_read_as_data_and_its_path_follows_the_folder(tmp_path: Path) -> None:
+    """The record names its checkpoint by step; a moved run finds it in its new folder, whatever
+    path an older record holds, and an edited record is one line, not a traceback."""
+    moved = tmp_path / "moved"
+    checkpoint = moved / "checkpoints" / "step-000015"
+    checkpoint.mkdir(parents=True)
+    record = {"best": {"step": 15, "metric": "eval_loss", "value": 2.5, "checkpoint": "/old/name/x"}}
+    (checkpoint / BEST_FILE).write_text(json.dumps({**record, "without_improvement": 1}))
+    tracker = BestTracker(metric="eval_loss", greater_is_better=False, patience=2, threshold=0.0)
+
+    def restore() -> None:  # as the checkpoint manager reads a record: bounded, a JSON object
+        tracker.restore(read_json_object(checkpoint / BEST_FILE))
+
+    restore()
+    assert tracker.best is not None and tracker.best.checkpoint == "checkpoints/step-000015"
+    assert tracker.folder(moved) == checkpoint and tracker.without_improvement == 1
+    for bad in (
+        {
+            "best": {"step": -1, "metric": "eval_loss", "value": 1.0, "checkpoint": ""},
+            "without_improvement": 0,
+        },
+        {
+            "best": {"step": 2, "metric": "eval_loss", "value": "NaN", "checkpoint": ""},
+            "without_improvement": 0,
+        },
+        {"best": None, "without_improvement": 10**30},
+        [1, 2],
+    ):
+        (checkpoint / BEST_FILE).write_text(json.dumps(bad))
+        with pytest.raises(UserError, match=r"best\.json: "):
+            restore()
+    (checkpoint / BEST_FILE).write_text("[" * 100_000)
+    with pytest.raises(UserError, match="nested too deeply"):
+        restore()

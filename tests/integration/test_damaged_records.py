@@ -1,0 +1,267 @@
+"""Records and caches read back are data that may have been edited or damaged: a checkpoint's JSON
+with huge or negative counts (its manifest recomputed, so it passes the checksums), a data cache
+entry cut short or with ids past the vocabulary, a metrics.jsonl of crafted rows, a FIFO where
+run.json belongs. Each is one line with exit code 2, a rebuilt cache entry with a warning naming
+it, or a skipped row with a warning; never a traceback, a hang, or a silent loss of 0.0000."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lmtune.checkpoint import export as export_module
+from lmtune.checkpoint.export import save_final
+from lmtune.checkpoint.layout import write_manifest
+from lmtune.checkpoint.resume import read_fingerprint
+from lmtune.checkpoint.state import ModelParts
+from lmtune.checkpoint.store import _scaler_state, load_checkpoint, read_state
+from lmtune.cli import main
+from lmtune.config.groups import ExampleSettings
+from lmtune.data.dataset import IDS_FILE, MASK_FILE, OFFSETS_FILE, TokenizedDataset
+from lmtune.data.prepare import prepare, remove_stale
+from lmtune.errors import UserError
+from lmtune.model.modeling import byte_tokenizer, load_model
+from lmtune.outputs.runlog import read_metrics
+from lmtune.parallel.distributed import read_dist_env
+from lmtune.training.optim import param_groups
+from tests.conftest import deadline, tiny_run_with_checkpoint, write_jsonl
+
+ONE = read_dist_env("cpu")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_run_with_checkpoint(tmp_path_factory.mktemp("records"))
+
+
+def _copy(ckpt: Path, target: Path) -> Path:
+    target.mkdir(parents=True)
+    for f in ckpt.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    return target
+
+
+def _edit(folder: Path, name: str, value: Any) -> None:
+    """Change a record and recompute the manifest, as someone who knows the format would."""
+    (folder / name).write_text(value if isinstance(value, str) else json.dumps(value))
+    (folder / "manifest.json").unlink()
+    write_manifest(folder)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"step": 10**30},
+        {"step": -2},
+        {"global_batch_size": 0},
+        {"examples": 0},
+        {"epoch": 3},  # more epochs than steps
+        {"step_in_epoch": 2**39},  # more samples into the epoch than the data has
+        {"world_size": True},
+    ],
+)
+def test_an_edited_trainer_state_is_refused(run: Path, tmp_path: Path, changes: dict[str, Any]) -> None:
+    folder = _copy(run / "checkpoints" / "step-000002", tmp_path / "c")
+    state = json.loads((folder / "trainer.json").read_text())
+    _edit(folder, "trainer.json", {**state, **changes})
+    with pytest.raises(UserError, match=r"trainer\.json: not a trainer state lmtune wrote") as caught:
+        read_state(folder)
+    assert "\n" not in str(caught.value)
+
+
+def test_edited_records_fail_with_one_line(run: Path, tmp_path: Path) -> None:
+    folder = _copy(run / "checkpoints" / "step-000002", tmp_path / "c")
+    _edit(folder, "fingerprint.json", "[" * 100_000)
+    with pytest.raises(UserError, match=r"fingerprint\.json: not valid JSON \(nested too deeply\)"):
+        read_fingerprint(folder)
+    _edit(folder, "fingerprint.json", {"fixed": [1], "adjustable": {}})
+    with pytest.raises(UserError, match=r"fingerprint\.json: unreadable"):
+        read_fingerprint(folder)
+    for scaler in (
+        {
+            "scale": -1.0,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 10,
+            "_growth_tracker": 0,
+        },
+        {
+            "scale": 1e400,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 10,
+            "_growth_tracker": 0,
+        },
+        {
+            "scale": 1.0,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": -3,
+            "_growth_tracker": 0,
+        },
+    ):
+        (tmp_path / "scaler.json").write_text(json.dumps(scaler))
+        with pytest.raises(UserError, match=r"scaler\.json: not a gradient scaler state"):
+            _scaler_state(tmp_path / "scaler.json")
+    loaded = load_model("tiny", 0)
+    parts = ModelParts(loaded.model, loaded.model, sharded=False, lora=False)
+    optimizer = torch.optim.AdamW(param_groups(loaded.model, 0.01))
+    rng = json.loads((folder / "rng-rank-0.json").read_text())
+    for damaged in (
+        {**rng, "python": [3, [10**40] * 625, None]},
+        {**rng, "numpy": ["MT19937", [1], 0, 0, 0.0]},
+    ):
+        _edit(folder, "rng-rank-0.json", damaged)
+        with pytest.raises(UserError, match=r"rng-rank-0\.json: not the RNG state lmtune wrote") as caught:
+            load_checkpoint(folder, parts, optimizer, ONE)
+        assert "\n" not in str(caught.value)
+
+
+def test_a_huge_step_is_one_line_through_the_cli(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = run / "checkpoints" / "step-000002"
+    state = json.loads((ckpt / "trainer.json").read_text())
+    folder = _copy(ckpt, tmp_path / "c")
+    _edit(folder, "trainer.json", {**state, "step": 10**30})
+    data = write_jsonl(tmp_path / "d.jsonl", [f"text {i}" for i in range(16)])
+    argv = ["train", "--data", str(data), "--output-dir", str(tmp_path / "o"), "--resume", str(folder)]
+    assert main([*argv, "--max-steps", "4", "--global-batch-size", "8", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trainer.json: not a trainer state lmtune wrote" in err
+
+
+def test_final_that_does_not_fit_is_refused_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = load_model("tiny", 0)
+    parts = ModelParts(loaded.model, loaded.model, sharded=False, lora=False)
+    real = export_module.shutil.disk_usage
+    monkeypatch.setattr(export_module.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    with pytest.raises(
+        UserError, match=r"no space left on device for .*final: about \d+ MB needed, 1 MB free"
+    ):
+        save_final(parts, loaded.tokenizer, tmp_path / "final", ONE)
+    assert not (tmp_path / "final").exists()
+    monkeypatch.setattr(export_module.shutil, "disk_usage", real)
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loaded.tokenizer, "save_pretrained", full)
+    with pytest.raises(UserError, match=r"no space left on device while writing .*final; free some space"):
+        save_final(parts, loaded.tokenizer, tmp_path / "final", ONE)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the temporary folder is gone too
+
+
+def _damage_ids(folder: Path, value: int) -> None:
+    ids = np.fromfile(folder / IDS_FILE, dtype=np.int32)
+    ids[3] = value
+    ids.tofile(folder / IDS_FILE)
+
+
+def _damage_offsets(folder: Path) -> None:
+    offsets = np.load(folder / OFFSETS_FILE)
+    offsets[1], offsets[2] = offsets[2], offsets[1]
+    np.save(folder / OFFSETS_FILE, offsets)
+
+
+DAMAGES = {
+    "cut short": (lambda f: os.truncate(f / IDS_FILE, 40), "not the .* bytes its offsets imply"),
+    "id past the vocabulary": (lambda f: _damage_ids(f, 10**6), "token id 1000000 is outside the vocabulary"),
+    "negative id": (lambda f: _damage_ids(f, -7), "token id -7 is outside the vocabulary"),
+    "offsets out of order": (_damage_offsets, "offsets do not rise with every example"),
+    "nothing to train": (
+        lambda f: np.zeros(os.path.getsize(f / MASK_FILE), np.uint8).tofile(f / MASK_FILE),
+        "example 0 has no trainable token",
+    ),
+    "meta missing": (lambda f: (f / "meta.json").unlink(), "meta.json is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_cache_entry_is_named_and_rebuilt(
+    damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [f"some text {i}" for i in range(20)])
+    tok, cache = byte_tokenizer(), tmp_path / "cache"
+    first = prepare(str(data), tok, ExampleSettings(), ONE, cache)
+    expected = [first.dataset[i].input_ids.tolist() for i in range(len(first.dataset))]
+    apply, needle = DAMAGES[damage]
+    apply(first.folder)
+    with pytest.raises(UserError, match=f"damaged data cache entry {first.folder}: .*{needle}"):
+        TokenizedDataset.open(first.folder, len(tok))
+    capsys.readouterr()
+    again = prepare(str(data), tok, ExampleSettings(), ONE, cache)
+    assert again.built and f"damaged data cache entry {first.folder}" in capsys.readouterr().err
+    assert [again.dataset[i].input_ids.tolist() for i in range(len(again.dataset))] == expected
+    assert sorted(p.name for p in cache.iterdir()) == [first.key]  # nothing set aside is left
+
+
+def test_stale_temporary_entries_are_removed(tmp_path: Path) -> None:
+    old, fresh = tmp_path / "k.tmp-abc-0", tmp_path / "k.tmp-def-0"
+    for folder in (old, fresh):
+        folder.mkdir()
+        (folder / IDS_FILE).write_bytes(b"1234")
+    hours_ago = time.time() - 7200
+    for path in (old, old / IDS_FILE):
+        os.utime(path, (hours_ago, hours_ago))
+    (tmp_path / "k.error-abc").write_text("x")
+    os.utime(tmp_path / "k.error-abc", (hours_ago, hours_ago))
+    assert sorted(p.name for p in remove_stale(tmp_path)) == ["k.error-abc", "k.tmp-abc-0"]
+    assert fresh.is_dir()  # another builder may be writing it
+
+
+def _rows_folder(folder: Path, extra: list[str]) -> Path:
+    folder.mkdir(parents=True)
+    good = [{"kind": "train", "step": s, "loss": 2.0 / s, "lr": 1e-3, "tokens": 100} for s in range(1, 6)]
+    lines = [json.dumps(r) for r in good] + extra
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+CRAFTED = [
+    '{"kind": "eval", "step": 3}',
+    '{"kind": "train", "step": "x", "loss": 1}',
+    '{"kind": "train", "step": 6, "loss": "high"}',
+    '{"kind": "train", "step": 7, "loss": 1e300}',
+    '{"kind": "train", "step": 8, "tokens": 1e308}',
+    '{"kind": "train", "step": 10000000000000000000000, "loss": 1}',
+    '{"kind": "sample", "step": 5, "prompt": {"a": 1}, "completion": null}',
+    "[1, 2, 3]",
+    "[" * 50_000,
+    '{"kind": "train", "step": 9, "loss": 1.0}',
+]
+
+
+def test_report_skips_crafted_rows_and_draws_names_with_dollars(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    folder = _rows_folder(tmp_path / "run $x^2$ and $", CRAFTED)
+    page = tmp_path / "r.html"
+    assert main(["report", str(folder), "--out", str(page)]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 7 rows that are not what lmtune writes" in err and err.count("\n") == 1
+    assert "run $x^2$ and $" in page.read_text()
+    # read back for dashboards on resume: rows that are not objects are left out, not a traceback
+    assert [r["step"] for r in read_metrics(folder)][-1] == 9
+
+
+def test_report_never_blocks_on_a_fifo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _rows_folder(tmp_path / "run", [])
+    os.mkfifo(folder / "run.json")
+    with deadline(120):
+        assert main(["report", str(folder), "--out", str(tmp_path / "r.html")]) == 0
+        assert "run.json: not a regular file" in capsys.readouterr().err
+        (folder / "metrics.jsonl").unlink()
+        os.mkfifo(folder / "metrics.jsonl")
+        assert main(["report", str(folder), "--out", str(tmp_path / "r.html")]) == 2

@@ -1,0 +1,149 @@
+"""lmtune writes, replaces and deletes only what it wrote: `lmtune export` never replaces a user's
+folder or a run's files, `--overwrite` removes only lmtune's own entries, and an output folder that
+would destroy or read back the run's inputs is refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from lmtune.checkpoint.export import EXPORT_MARKER
+from lmtune.checkpoint.layout import verify
+from lmtune.checkpoint.rundir import LOCK_FILE, check_earlier_run, check_output_dir
+from lmtune.cli import main
+from lmtune.errors import UserError
+from tests.conftest import one_line_error as _error
+from tests.conftest import tiny_run_with_checkpoint, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_run_with_checkpoint(tmp_path_factory.mktemp("own"))
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_export_never_replaces_what_it_did_not_write(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = run / "checkpoints" / "step-000002"
+    before = _files(run)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "ideas.txt").write_text("mine")
+    assert "not empty and not an earlier export" in _error(["export", str(ckpt), str(notes)], capsys)
+    assert "not empty and not an earlier export" in _error(
+        ["export", str(ckpt), str(notes), "--overwrite"], capsys
+    )
+    assert (notes / "ideas.txt").read_text() == "mine"
+    for inside in (run, run / "checkpoints", run / "final", run / "final" / "sub", run / "new"):
+        assert "lies inside the run folder" in _error(
+            ["export", str(ckpt), str(inside), "--overwrite"], capsys
+        )
+    assert _files(run) == before and verify(ckpt) is None  # the run's files are untouched
+    # A copy of the checkpoint outside any run: neither its folder nor one inside it is a destination.
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    copy = holder / "ckpt"
+    copy.mkdir()
+    for f in ckpt.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    for dest in (holder, copy, copy / "x"):
+        assert "the checkpoint" in _error(["export", str(copy), str(dest)], capsys)
+
+
+def test_export_writes_beside_and_replaces_only_an_earlier_export(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = run / "checkpoints" / "step-000002"
+    dest = tmp_path / "exported"
+    dest.mkdir()  # an empty folder is a destination
+    assert main(["export", str(ckpt), str(dest)]) == 0
+    assert (dest / "model.safetensors").is_file() and (dest / EXPORT_MARKER).is_file()
+    assert json.loads((dest / EXPORT_MARKER).read_text())["checkpoint"] == str(ckpt.resolve())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]  # no temporary sibling left
+    capsys.readouterr()
+    assert "holds an earlier export; --overwrite replaces it" in _error(
+        ["export", str(ckpt), str(dest)], capsys
+    )
+    (dest / "stale.txt").write_text("from the earlier export")
+    assert main(["export", str(ckpt), str(dest), "--overwrite"]) == 0
+    assert not (dest / "stale.txt").exists() and (dest / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
+
+
+def _earlier_run(folder: Path) -> None:
+    (folder / "checkpoints" / "step-000002").mkdir(parents=True)
+    (folder / "checkpoints" / "my-notes.txt").write_text("mine")
+    (folder / "samples").mkdir()
+    (folder / "samples" / "rank-0.jsonl").write_text("{}\n")
+    (folder / "samples" / "list.txt").write_text("mine")
+    (folder / "final").mkdir()
+    (folder / "metrics.jsonl").write_text("{}\n")
+    (folder / "run.json").write_text("{}")
+    (folder / "notes.txt").write_text("mine")
+
+
+def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
+    _earlier_run(tmp_path)
+    check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == ["checkpoints", "checkpoints/my-notes.txt", "notes.txt", "samples", "samples/list.txt"]
+    # Folders named as lmtune names its entries, in a folder that holds no lmtune run, are not its.
+    other = tmp_path / "other"
+    (other / "wandb").mkdir(parents=True)
+    (other / "final").mkdir()
+    with pytest.raises(UserError, match="not lmtune's to delete"):
+        check_earlier_run(other, continued=False, overwrite=True, config={})
+    assert (other / "wandb").is_dir() and (other / "final").is_dir()
+
+
+def test_output_folders_that_would_lose_or_reread_inputs_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "d.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(UserError, match="the root folder"):
+        check_output_dir(Path("/"), {}, overwrite=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    check_output_dir(tmp_path / "home", {}, overwrite=False)
+    for home in (tmp_path / "home", tmp_path):
+        with pytest.raises(UserError, match="home folder or above it"):
+            check_output_dir(home, {}, overwrite=True)
+    refused = {
+        (data, str(data), False): "lies inside --data",  # --data DIR --output-dir DIR
+        (data / "run", str(data), False): "lies inside --data",
+        (data / "run", f"{data}/*.jsonl", False): "lies inside --data",
+        (data, str(data / "d.jsonl"), True): "holds --data",  # --overwrite and the data inside
+        (tmp_path / "out", str(tmp_path / "out" / "final" / "d.jsonl"), False): "writes where it holds",
+    }
+    (tmp_path / "out" / "final").mkdir(parents=True)
+    (tmp_path / "out" / "final" / "d.jsonl").write_text("{}")
+    for (out, spec, overwrite), needle in refused.items():
+        with pytest.raises(UserError, match=needle):
+            check_output_dir(out, {"--data": spec}, overwrite)
+    check_output_dir(tmp_path / "elsewhere", {"--data": str(data)}, overwrite=True)
+    check_output_dir(data, {"--data": "some/hub-dataset"}, overwrite=True)  # not a local path
+
+
+def test_train_refuses_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "d.jsonl", ["a text"] * 8)
+    assert "lies inside --data" in _error(["train", "--data", str(data), "--output-dir", str(data)], capsys)
+    assert sorted(p.name for p in data.iterdir()) == ["d.jsonl"]  # not even a lock
+    assert "the root folder" in _error(["train", "--output-dir", "/", "--overwrite"], capsys)
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "metrics.jsonl")
+    assert "metrics.jsonl is not a regular file" in _error(
+        ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "1"], capsys
+    )
+    assert not (out / LOCK_FILE).exists()
