@@ -4,6 +4,7 @@ here they are put together, and the loop's components registered (one line each)
 from __future__ import annotations
 
 import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -37,7 +38,7 @@ from lmtune.tools.doctor import DoctorSettings, check_or_fail
 from lmtune.training import callbacks as cb
 from lmtune.training.best import BestTracker, best_tracker
 from lmtune.training.build import Built, build, data_cache_dir, loaders, schedule
-from lmtune.training.context import RunContext
+from lmtune.training.context import CallableModule, RunContext
 from lmtune.training.evaluate import EvalResult, evaluate
 from lmtune.training.finish import finish
 from lmtune.training.loop import FitSettings, LoopParts, fit
@@ -63,7 +64,7 @@ class TrainResult:
     steps: int
     last_loss: float
     eval: EvalResult | None
-    stopped_early: bool = False
+    stopped_by: str | None = None  # signal | early_stopping: ended before its last step
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -177,12 +178,12 @@ def _run(run: RunContext) -> TrainResult:
         log.info(f"stopped at step {result.state.step}; run the same command again to resume")
         if env.is_main:
             report_stopped(result.state.step)
-        return replace(done, stopped_early=True)
+        return replace(done, stopped_by="signal")
     finish(run, built, result, checkpoints, trained_from=state.step)
     fixed = built.fingerprint.fixed
     run_info["result"]["finished"] = finished_record(result.state.step, built.layout.total_steps, fixed)
     log.write_json("run.json", run_info)
-    return done
+    return replace(done, stopped_by=run_info["result"]["stopped_by"])
 
 
 def _checkpoints(
@@ -240,3 +241,6 @@ def _evaluator(
             return evaluate(root, eval_loader, run.env, built.autocast(), sharded, beat, built.objective)
 
     return cb.Evaluator(run_eval, run.log, run.cfg.eval.every, best)
+
+
+sys.modules[__name__].__class__ = CallableModule  # lmtune.train(cfg) runs train(cfg)

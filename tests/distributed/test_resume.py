@@ -311,7 +311,9 @@ def test_sigterm_saves_and_the_rerun_finishes_the_same(base: dict[str, Path]) ->
     assert code == 0, output
     assert "SIGTERM received" in output and "run the same command again to resume" in output
     stopped = json.loads((out / "run.json").read_text())["result"]
-    assert stopped["stopped_early"] and (out / "checkpoints" / f"step-{stopped['steps']:06d}").is_dir()
+    assert (
+        stopped["stopped_by"] == "signal" and (out / "checkpoints" / f"step-{stopped['steps']:06d}").is_dir()
+    )
     assert not (out / "final").exists()
     proc2 = run_lmtune(args(base["data"], out))
     assert proc2.returncode == 0, proc2.stderr

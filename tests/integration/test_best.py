@@ -49,7 +49,7 @@ def test_early_stopping_stops_at_the_evaluation_the_rule_names(run: Path) -> Non
     assert train_rows(run)[-1]["step"] < 60  # it stopped before the end
     assert evals[-1]["step"] == evals[stop]["step"] == train_rows(run)[-1]["step"]
     result = json.loads((run / "run.json").read_text())["result"]
-    assert result["early_stopped"] and not result["stopped_early"]
+    assert result["stopped_by"] == "early_stopping"
     best_step = evals[losses.index(min(losses[: stop + 1]))]["step"]
     assert result["best"]["step"] == best_step and result["best"]["metric"] == "eval_loss"
     assert result["best"]["value"] == min(losses)

@@ -105,6 +105,7 @@ def test_a_hostile_lock_file_is_one_line(kind: str, tmp_path: Path) -> None:
         ("LMTUNE_ERROR_DIR", "/nonexistent/errors"),
         ("LMTUNE_HEALTH_DIR", "/dev/null"),
         ("LMTUNE_CACHE_DIR", "/dev/null"),
+        ("LMTUNE_VERBOSE", "loud"),
     ],
 )
 def test_every_lmtune_variable_is_strict(
@@ -167,7 +168,7 @@ def test_template_bombs_are_refused(template: str, needle: str, tmp_path: Path, 
     ],
 )
 def test_template_errors_are_one_line_naming_the_record_and_template(template: str, error: str) -> None:
-    from lmtune.data.formats import render
+    from lmtune.data.formats import PLAIN_FIELDS, render
     from lmtune.data.sources import Record
 
     tok = byte_tokenizer()
@@ -176,7 +177,7 @@ def test_template_errors_are_one_line_naming_the_record_and_template(template: s
     with pytest.raises(
         UserError, match=f"chat.jsonl:7: the chat template of .* failed.*: {error}: "
     ) as caught:
-        render(record, "messages", "text", tok)
+        render(record, "messages", PLAIN_FIELDS, tok)
     assert "\n" not in str(caught.value)
 
 

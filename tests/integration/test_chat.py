@@ -210,7 +210,7 @@ def test_chat_template_option_adds_its_markers_and_the_model_stops(
 
 def test_gemma_template_renders_turn_by_turn_and_ends_turns_with_its_marker() -> None:
     from lmtune.data.chat import use_chat_template
-    from lmtune.data.formats import render
+    from lmtune.data.formats import PLAIN_FIELDS, render
     from lmtune.data.sources import Record
 
     tok = byte_tokenizer()
@@ -222,7 +222,7 @@ def test_gemma_template_renders_turn_by_turn_and_ends_turns_with_its_marker() ->
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello"},
     ]
-    r = render(Record("mem", 1, {"messages": conversation}), "messages", "text", tok)
+    r = render(Record("mem", 1, {"messages": conversation}), "messages", PLAIN_FIELDS, tok)
     assert r.text.startswith("<|bos|><start_of_turn>system\nbe brief<end_of_turn>\n")
     assert [r.text[a:b] for a, b in r.spans] == ["hello<end_of_turn>\n"]
     assert "<start_of_turn>model\n" in r.text

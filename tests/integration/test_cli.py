@@ -65,8 +65,9 @@ def test_real_entry_point_prints_no_traceback(tmp_path: Path) -> None:
 
 
 def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--no-such-flag"]) == 2
     with pytest.raises(SystemExit) as exc:
-        main(["train", "--no-such-flag"])
+        main(["train", "--lr"])  # argparse's own: a missing value
     assert exc.value.code == 2
 
 
@@ -99,3 +100,25 @@ def test_train_doctor_checks_before_training(tmp_path: Path, capsys: pytest.Capt
     assert printed.index("lmtune doctor") < printed.index("lmtune: preset tiny")
     assert main(["doctor", "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "FAIL  data" in capsys.readouterr().out
+
+
+def test_model_folder_without_tokenizer_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lmtune.model.modeling import build_preset
+
+    folder = tmp_path / "weights-only"
+    build_preset("tiny", seed=0).model.save_pretrained(folder)  # config + weights, no tokenizer
+    for argv in (
+        ["generate", "--model", str(folder), "--prompt", "hi"],
+        ["data", "audit", "sample", "--model", str(folder)],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert f"--model {folder}: the folder has no tokenizer" in err
+        assert f".save_pretrained('{folder}')" in err
+    (folder / "tokenizer_config.json").write_text("{}")  # there, but unusable
+    assert main(["generate", "--model", str(folder), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"could not load its tokenizer from local folder {folder}: " in err and err.count("\n") == 1

@@ -213,6 +213,7 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False, overwri
                 if name in listed:
                     shutil.copy2(checkpoint / name, tmp / name)
             tokenizer.save_pretrained(tmp)
+            _write_card(checkpoint, tmp, out)
 
         _write_export(out, write_adapter, checkpoint)
         return
@@ -230,8 +231,21 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False, overwri
     def write_model(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        _write_card(checkpoint, tmp, out)
 
     _write_export(out, write_model, checkpoint)
+
+
+def _write_card(checkpoint: Path, folder: Path, out: Path) -> None:
+    """An exported folder's model card: its run's record (OUTPUT/run.json, when the checkpoint is
+    still in its run's folder), with the results of the checkpoint's own step."""
+    from lmtune.checkpoint.card import checkpoint_record, write_model_card
+    from lmtune.checkpoint.store import read_state
+
+    step = read_state(checkpoint).step
+    run = checkpoint_record(checkpoint.parent.parent, step)
+    note = f"Exported from the checkpoint of step {step} ({checkpoint.name})."
+    write_model_card(folder, run, note=note, final=out)
 
 
 def check_destination(checkpoint: Path, out: Path, overwrite: bool) -> None:

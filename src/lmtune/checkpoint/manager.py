@@ -27,7 +27,7 @@ from lmtune.checkpoint.rundir import Finished, read_finished
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import load_checkpoint, prune, read_state, save_checkpoint
 from lmtune.config.files import read_json_object
-from lmtune.config.groups import CheckpointSettings
+from lmtune.config.run_groups import CheckpointSettings
 from lmtune.errors import UserError
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv

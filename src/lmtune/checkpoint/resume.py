@@ -209,7 +209,8 @@ def continue_from(
     state = replace(saved, world_size=env.world_size)
     log.info(
         f"resuming from {folder}: step {state.step}, epoch {state.epoch + 1}, sample "
-        f"{state.samples_in_epoch} of its order (saved by {saved.world_size} ranks, now {env.world_size})"
+        f"{state.samples_in_epoch} of its order (saved by {saved.world_size} rank"
+        f"{'' if saved.world_size == 1 else 's'}, now {env.world_size})"
     )
     if changes:
         log.info(f"changed since the checkpoint, applied from step {state.step}: " + "; ".join(changes))

@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
-from lmtune.cli.parser import build_parser
+from lmtune.cli.parser import build_parser, spelled_out_flags, unknown_arguments
 from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    _quiet_libraries()
+    # Options a command does not take are ours to explain (argparse would print the top-level usage).
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and (spelled := spelled_out_flags(args.parser, argv)) != argv:
+        argv = spelled  # --gradient_checkpointing True, as HF Trainer's examples write it
+        args, extra = parser.parse_known_args(argv)
     try:
-        from lmtune.config.environment import check_environment
+        from lmtune.config.environment import VERBOSE, check_environment
 
+        if getattr(args, "verbose", False):
+            os.environ[VERBOSE] = "1"  # this process, and every process it starts
         check_environment()
+        from lmtune.config.verbosity import verbose
+
+        if not verbose():
+            _quiet_libraries()
+        if extra:
+            raise UserError(unknown_arguments(args.parser, extra))
         code: int = args.run(args, argv)
         return code
     except UserError as e:
@@ -40,8 +53,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _quiet_libraries() -> None:
     """Hide transformers' per-load progress bars and advice; lmtune reports what matters."""
-    import os
-
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     try:

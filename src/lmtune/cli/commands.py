@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
+from lmtune.errors import UserError
 
 
 def train_config(args: argparse.Namespace) -> Any:
@@ -178,6 +178,32 @@ def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def push(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from lmtune.checkpoint.card import run_record_near, write_model_card
+    from lmtune.outputs.hub import check_push, push_folder
+
+    folder = Path(args.folder)
+    if not ((folder / "config.json").is_file() or (folder / "adapter_config.json").is_file()):
+        raise UserError(f"{folder}: not a model folder (no config.json or adapter_config.json)")
+    check_push(args.repo_id, option="lmtune push")
+    if not write_model_card(folder, run_record_near(folder), repo_id=args.repo_id):
+        print(f"{folder}/README.md was not written by lmtune: pushed as it is")
+    try:
+        url = push_folder(
+            folder,
+            args.repo_id,
+            private=args.private,
+            message=args.message or f"Upload {folder.name} (lmtune)",
+        )
+    except Exception as e:  # huggingface_hub's: credentials, network, quota
+        said = " ".join(str(e).split())[:300] or type(e).__name__
+        raise UserError(f"pushing {folder} to {args.repo_id} failed ({type(e).__name__}: {said})") from None
+    print(f"pushed {folder} to {url}")
+    return 0
+
+
 def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.config.settings import parse_nnodes
     from lmtune.config.validate import check_settings
@@ -222,7 +248,6 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from dataclasses import replace
     from pathlib import Path
 
     from lmtune.config.validate import check_settings
@@ -239,7 +264,7 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     report = audit(
         cfg.data.train,
         tokenizer,
-        replace(cfg.examples, skip_bad_lines=True),  # every line is read: a bad one is reported
+        cfg.examples,  # every line is read either way; a bad one is reported
         cfg.launch.nproc_per_node,
         cfg.batch.global_batch_size,
         cfg.batch.micro_batch_size,
@@ -249,4 +274,4 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.plot:
         plot_histogram(report, Path(args.plot))
         print(f"  histogram           {args.plot}")
-    return 0 if report.clean else USER_ERROR_EXIT_CODE
+    return report.exit_code

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from lmtune.cli import commands
+from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 
 
 def _add_train_options(
@@ -37,19 +38,90 @@ def _add_train_options(
             sections[s.group] = parser.add_argument_group(f"{s.group or 'run'} settings", doc)
         default = (defaults or {}).get(s.name, s.default)
         text = f"{s.help} (default: {default})".replace("%", "%%")  # argparse formats %
-        if s.type is bool:
-            sections[s.group].add_argument(
-                option_name(s.name),
-                dest=s.name,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=text,
-            )
-            continue
-        metavar = "{" + ",".join(s.choices) + "}" if s.choices else s.name.upper()
-        sections[s.group].add_argument(
-            option_name(s.name), dest=s.name, metavar=metavar, default=argparse.SUPPRESS, help=text
+        kind: dict[str, Any] = (
+            {"action": argparse.BooleanOptionalAction}
+            if s.type is bool
+            else {"metavar": "{" + ",".join(s.choices) + "}" if s.choices else s.name.upper()}
         )
+        sections[s.group].add_argument(
+            option_name(s.name), dest=s.name, default=argparse.SUPPRESS, help=text, **kind
+        )
+        # Hidden: the same setting under the names of HF Trainer, TRL and Axolotl, and spelled with
+        # underscores as their command lines do (--learning_rate).
+        for alias in _hidden_names(s.name):
+            parser.add_argument(alias, dest=s.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kind)
+
+
+def _hidden_names(name: str) -> list[str]:
+    from lmtune.config.aliases import aliases_of
+
+    names = [f"--{name}"] if "_" in name else []
+    for alias in aliases_of(name):
+        names += [f"--{alias.replace('_', '-')}", f"--{alias}"]
+    return list(dict.fromkeys(names))
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """One line on what ``parser`` (a subcommand's) did not take: for each unknown option the
+    lmtune name of a peer's option, a hint, or the closest names; then stray arguments."""
+    from lmtune.config.aliases import canonical, explain_unknown
+    from lmtune.config.settings import option_name
+
+    known = {canonical(o) for o in parser._option_string_actions if o.startswith("--")}
+    options = [a for a in extra if a.startswith("--") or (a.startswith("-") and not _is_number(a))]
+    problems = [explain_unknown(a, known, option_name, parser.prog) for a in options]
+    stray = [a for a in extra if not a.startswith("-")]
+    if stray and not options:
+        problems.append(
+            f"unexpected argument{'s' if len(stray) > 1 else ''} {' '.join(stray)} (an option takes one "
+            "value; give a list comma-separated, as --lora-target-modules q_proj,v_proj)"
+        )
+    return f"{parser.prog}: " + "; ".join(problems)
+
+
+YES, NO = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def spelled_out_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with ``--flag True`` / ``--flag False`` (how HF Trainer's examples write yes/no
+    options) as ``--flag`` / ``--no-flag``, for the yes/no options ``parser`` has."""
+    flags = {
+        o for o, a in parser._option_string_actions.items() if isinstance(a, argparse.BooleanOptionalAction)
+    }
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token, value = argv[i], argv[i + 1].lower() if i + 1 < len(argv) else ""
+        if token in flags and not token.startswith("--no-") and value in YES + NO:
+            out.append(token if value in YES else "--no-" + token[2:])
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _command(sub: Any, name: str, **options: Any) -> argparse.ArgumentParser:
+    """A subcommand's parser: no abbreviated options, -v, and itself as ``args.parser`` (for the
+    message about options it does not take)."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, allow_abbrev=False, **options)
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help=f"also show other packages' warnings (as {VERBOSE_ENV}=1 does)",
+    )
+    parser.set_defaults(parser=parser)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_parser(sub)
     _plan_parser(sub)
     _export_parser(sub)
+    _push_parser(sub)
     _doctor_parser(sub)
     _report_parser(sub)
     _data_parser(sub)
@@ -79,15 +152,16 @@ DOCTOR_RDZV_ID = "lmtune-doctor"
 AUDIT_SETTINGS = (
     "model",
     "trust_remote_code",
-    *("data_format", "text_field", "train_on_prompt", "chat_template", "max_length", "truncation"),
-    *("txt_mode", "global_batch_size", "micro_batch_size", "seed", "nproc_per_node"),
+    *("data_format", "text_field", "field_map", "train_on_prompt", "chat_template", "max_length"),
+    *("truncation", "skip_bad_lines", "txt_mode", "global_batch_size", "micro_batch_size", "seed"),
+    "nproc_per_node",
 )
 
 
 def _train_parser(sub: Any) -> None:
-    train = sub.add_parser(
+    train = _command(
+        sub,
         "train",
-        allow_abbrev=False,
         help="fine-tune a model",
         usage="lmtune train [-h] [--config YAML] [--SETTING VALUE ...]",
         description="Fine-tune a causal LM. Every setting can also come from --config run.yaml.",
@@ -97,7 +171,7 @@ def _train_parser(sub: Any) -> None:
 
 
 def _generate_parser(sub: Any) -> None:
-    gen = sub.add_parser("generate", allow_abbrev=False, help="complete a prompt with a trained model")
+    gen = _command(sub, "generate", help="complete a prompt with a trained model")
     gen.add_argument(
         "--model", required=True, help="model folder (for example OUTPUT/final), hub id or preset"
     )
@@ -123,9 +197,9 @@ def _generate_parser(sub: Any) -> None:
 
 
 def _bench_parser(sub: Any) -> None:
-    bench = sub.add_parser(
+    bench = _command(
+        sub,
         "bench",
-        allow_abbrev=False,
         help="measure throughput, MFU and memory per strategy and precision",
         description="Train --steps steps after --warmup for every strategy x precision on your model and "
         "data (and any other train setting from --config) and print one table (tokens/s, MFU against "
@@ -157,9 +231,9 @@ def _bench_parser(sub: Any) -> None:
 
 
 def _plan_parser(sub: Any) -> None:
-    pl = sub.add_parser(
+    pl = _command(
+        sub,
         "plan",
-        allow_abbrev=False,
         help="predict peak memory per device before training",
         description="Build the model from its config on a fake device (no weights loaded) and predict "
         "the peak memory per device of the setup the train options describe: weights, gradients, "
@@ -186,9 +260,9 @@ def _plan_parser(sub: Any) -> None:
 
 
 def _export_parser(sub: Any) -> None:
-    exp = sub.add_parser(
+    exp = _command(
+        sub,
         "export",
-        allow_abbrev=False,
         help="write a Hugging Face model folder from a checkpoint",
         description="Write config, model.safetensors and the tokenizer of a training checkpoint to DIR.",
     )
@@ -203,10 +277,26 @@ def _export_parser(sub: Any) -> None:
     exp.set_defaults(run=commands.export)
 
 
+def _push_parser(sub: Any) -> None:
+    push = _command(
+        sub,
+        "push",
+        help="upload a model folder with its model card to the Hugging Face hub",
+        description="Upload a saved model folder (OUTPUT/final, final/merged, an export) to a hub repo, "
+        "created when missing, with a model card (README.md) unless the folder has its own. The token "
+        "is huggingface_hub's: HF_TOKEN, or `hf auth login`.",
+    )
+    push.add_argument("folder", metavar="FOLDER", help="model or adapter folder, for example OUTPUT/final")
+    push.add_argument("repo_id", metavar="REPO_ID", help="hub repo, user/name or org/name")
+    push.add_argument("--private", "--hub-private", action="store_true", help="create the repo private")
+    push.add_argument("--message", default=None, help="commit message (default: Upload FOLDER (lmtune))")
+    push.set_defaults(run=commands.push)
+
+
 def _doctor_parser(sub: Any) -> None:
-    doc = sub.add_parser(
+    doc = _command(
+        sub,
         "doctor",
-        allow_abbrev=False,
         help="check a machine or cluster before a run",
         description="Start the job's processes as train would and check: versions and hosts, devices and "
         "free memory, the matmul peak of every rank, all-reduce correctness and speed, the output and "
@@ -247,9 +337,9 @@ def _doctor_parser(sub: Any) -> None:
 
 
 def _report_parser(sub: Any) -> None:
-    rep = sub.add_parser(
+    rep = _command(
+        sub,
         "report",
-        allow_abbrev=False,
         help="one HTML page with the plots of one run or several overlaid",
         description="Read OUTPUT folders (finished or still running) and write one self-contained HTML "
         "file: loss and eval loss against steps and tokens, learning rate, gradient norm, tokens/s, MFU, "
@@ -266,12 +356,14 @@ def _data_parser(sub: Any) -> None:
     data = sub.add_parser("data", allow_abbrev=False, help="inspect training data").add_subparsers(
         dest="data_command", required=True, metavar="COMMAND"
     )
-    aud = data.add_parser(
+    aud = _command(
+        data,
         "audit",
-        allow_abbrev=False,
         help="report what training would make of a data set",
         description="Read every record and report formats, bad lines, token lengths, truncation, "
-        "untrainable examples, EOS labels and rank imbalance. Exit 0 when clean, 2 when errors were found.",
+        "untrainable examples, stop-token labels and rank imbalance. Exit 0 when clean; 1 when it would "
+        "train badly (an example loses its stop token's label, an example trains nothing, nothing to "
+        "train on); 2 when training would stop on it (bad lines).",
     )
     aud.add_argument("data", nargs="+", metavar="DATA", help="files, globs, folders or data set names")
     # Train's settings that decide what training makes of the data: the same names and defaults.

@@ -17,6 +17,7 @@ JOIN_TIMEOUT = "LMTUNE_JOIN_TIMEOUT"
 LOCK_TOKEN = "LMTUNE_LOCK_TOKEN"
 ERROR_DIR = "LMTUNE_ERROR_DIR"
 HEALTH_DIR = "LMTUNE_HEALTH_DIR"
+VERBOSE = "LMTUNE_VERBOSE"  # show other packages' warnings (lmtune.config.verbosity)
 _TOKEN = re.compile(r"[0-9a-f]{32}")
 
 
@@ -66,6 +67,16 @@ def token(name: str) -> str | None:
     return raw
 
 
+def switch(name: str) -> bool:
+    """A yes/no variable: 1, true or yes; 0, false or no; unset is no."""
+    raw = _raw(name)
+    if raw is None:
+        return False
+    if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise _bad(name, raw, "1 or 0 (true or false)")
+    return raw.lower() in ("1", "true", "yes")
+
+
 def check_environment() -> None:
     """Every LMTUNE_* variable checked at once, before a command does anything."""
     seconds(CACHE_WAIT_TIMEOUT, 1.0)
@@ -74,3 +85,4 @@ def check_environment() -> None:
     folder(ERROR_DIR, must_exist=True)
     folder(HEALTH_DIR, must_exist=True)
     token(LOCK_TOKEN)
+    switch(VERBOSE)

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from lmtune.config.aliases import resolve_names
 from lmtune.config.files import SETTINGS_BYTES, read_text
 from lmtune.config.settings import (
     GROUPS,
@@ -34,6 +35,7 @@ MEASURING_RUN: dict[str, Any] = {
     "save_every": 0,
     "report_to": "none",
     "sample_prompts": None,
+    "push_to_hub": None,
     "sample_every": 0,
     "record_samples": False,
     "doctor": False,
@@ -76,6 +78,10 @@ def _coerce(s: Setting, value: Any) -> Any:
         raise UserError(f"{option_name(name)}: expected true or false, got {brief(value)}")
     if kind is str and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value)  # a YAML list of data files
+    if kind is str and isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+        return ",".join(f"{k}={v}" for k, v in value.items())  # a YAML mapping (--field-map)
+    if isinstance(value, bool) and {"on", "off"} <= set(s.choices):
+        return "on" if value else "off"  # packing: true, as TRL writes it
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
     if (
@@ -147,6 +153,7 @@ def load_yaml(path: str) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise UserError(f"--config: {path}: expected a mapping of settings, got {type(loaded).__name__}")
     settings: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # flat name -> the key that gave it
     for key, value in loaded.items():
         name = str(key).replace("-", "_")
         group = GROUPS.get(name)
@@ -155,8 +162,23 @@ def load_yaml(path: str) -> dict[str, Any]:
             if flat in settings:
                 both = f"as {flat} and {one_line(str(key), 60)}"
                 raise UserError(f"--config: {path}: {option_name(flat)} is set twice ({both})")
-            settings[flat] = item
-    return settings
+            settings[flat], origin[flat] = item, str(key)
+    lines = _key_lines(text)
+
+    def where(flat: str) -> str:
+        line = lines.get(origin.get(flat, flat))
+        return f"--config {path}{f':{line}' if line else ''}: "
+
+    # Names of HF Trainer, TRL and Axolotl: an alias becomes lmtune's name, others are explained.
+    return resolve_names(settings, (s.name for s in config_fields()), where)
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """The line of each top-level key of a YAML mapping (the node graph: nothing is expanded)."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {str(k.value): k.start_mark.line + 1 for k, _ in node.value}
 
 
 def _group_entries(group: str, values: dict[Any, Any], path: str) -> dict[str, Any]:
@@ -177,14 +199,9 @@ def _group_entries(group: str, values: dict[Any, Any], path: str) -> dict[str, A
 
 def build_config(values: dict[str, Any], source: str = "") -> TrainConfig:
     """Make a config from a mapping of settings (YAML and flags already merged)."""
-    known = {s.name for s in config_fields()}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        where = f" in {source}" if source else ""
-        raise UserError(
-            f"unknown setting{'s' if len(unknown) > 1 else ''}{where}: "
-            + one_line(", ".join(option_name(u[:100]) for u in unknown[:10]))
-        )
+    values = resolve_names(
+        values, (s.name for s in config_fields()), lambda _: f"{source}: " if source else ""
+    )
     kwargs = {k: _coerce(setting_named(k), v) for k, v in values.items()}
     return TrainConfig(**kwargs)
 

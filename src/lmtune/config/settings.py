@@ -25,20 +25,22 @@ from lmtune.config.groups import (
     DEFAULT_EPOCHS,
     SAMPLE_EPOCHS,
     BatchSettings,
-    CheckpointSettings,
     DataSettings,
-    EvalSettings,
     ExampleSettings,
-    HealthSettings,
-    LaunchSettings,
-    LoggingSettings,
     LoraSettings,
     ModelSettings,
     ObjectiveSettings,
     OptimSettings,
-    SampleSettings,
     ScheduleSettings,
     setting,
+)
+from lmtune.config.run_groups import (
+    CheckpointSettings,
+    EvalSettings,
+    HealthSettings,
+    LaunchSettings,
+    LoggingSettings,
+    SampleSettings,
 )
 from lmtune.errors import UserError, brief
 
@@ -196,7 +198,10 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
             s = _BY_NAME[key]
             flat.setdefault(s.group or "", {})[s.field] = value
         else:
-            raise TypeError(f"TrainConfig: unknown setting {key!r}")
+            from lmtune.config.aliases import explain_unknown
+
+            known = [*_BY_NAME, *GROUPS]
+            raise TypeError(f"TrainConfig: {explain_unknown(key, known, repr, 'TrainConfig')}")
     for group, changes in flat.items():
         if group:
             values[group] = dataclasses.replace(values[group], **changes)
@@ -221,7 +226,7 @@ for _s in SETTINGS:
 
 # The settings `lmtune plan` reads (the model, the data's shape, the setup): its --help lists these.
 _PLAN = (
-    "model data data_format text_field train_on_prompt chat_template packing truncation "
+    "model data data_format text_field field_map train_on_prompt chat_template packing truncation "
     "skip_bad_lines txt_mode cache_dir max_length global_batch_size micro_batch_size seed strategy "
     "precision optimizer activation_checkpointing lora lora_rank lora_alpha lora_dropout "
     "lora_target_modules load_in_4bit load_in_8bit bnb_4bit_quant_type loss_chunk_size compile device "

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lmtune.config.groups import (
-    BatchSettings,
+from lmtune.config.groups import BatchSettings, LoraSettings, OptimSettings, ScheduleSettings
+from lmtune.config.run_groups import (
     CheckpointSettings,
     EvalSettings,
     HealthSettings,
     LaunchSettings,
-    LoraSettings,
-    OptimSettings,
     SampleSettings,
-    ScheduleSettings,
 )
 from lmtune.config.settings import (
     SAMPLE_DATA,

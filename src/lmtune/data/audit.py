@@ -10,7 +10,7 @@ import numpy as np
 
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import end_of_turn_ids
-from lmtune.data.formats import ensure_chat_template
+from lmtune.data.formats import CHAT_FORMATS, ensure_chat_template
 from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, rank_indices
 from lmtune.data.sources import BadLines, resolve_sources
@@ -39,16 +39,49 @@ class AuditReport:
     pad_is_eos: bool
     imbalance: Imbalance | None
     stops: list[str]  # the tokens that end an example: EOS, and in chat data the end of turn
+    skip_bad_lines: bool = False  # training would skip bad lines (else it stops at the first)
 
     @property
-    def eos_ok(self) -> bool:
-        """Every example trains a stop token, except those whose end truncation cut off."""
-        missing = self.stats.examples - self.stats.eos_trained
-        return missing <= (self.stats.truncated if self.truncation == "right" else 0)
+    def stops_lost(self) -> int:
+        """Kept examples that train no stop token (the model would not learn to end them)."""
+        return self.stats.examples - self.stats.eos_trained
+
+    @property
+    def unusable(self) -> list[str]:
+        """What would stop a training run on this data as it is (exit code 2)."""
+        if self.bad.count and not self.skip_bad_lines:
+            return [f"{_count(self.bad.count, 'bad line')} would stop training (--skip-bad-lines skips them)"]
+        return []
+
+    @property
+    def problems(self) -> list[str]:
+        """What would train, but badly (exit code 1)."""
+        s = self.stats
+        found = []
+        if s.examples == 0:
+            found.append("no example to train on")
+        if self.stops_lost:
+            found.append(
+                f"{self.stops_lost:,} of {_count(s.examples, 'example')} lose their stop token's label"
+            )
+        if s.dropped_no_targets:
+            found.append(f"{_count(s.dropped_no_targets, 'example')} with nothing to train")
+        if self.bad.count and self.skip_bad_lines:
+            found.append(f"{_count(self.bad.count, 'bad line')} skipped")
+        return found
+
+    @property
+    def exit_code(self) -> int:
+        """0 clean, 1 it would train badly, 2 it cannot train as it is."""
+        return 2 if self.unusable else 1 if self.problems else 0
 
     @property
     def clean(self) -> bool:
-        return self.bad.count == 0 and self.stats.examples > 0
+        return self.exit_code == 0
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n:,} {thing}{'' if n == 1 else 's'}"
 
 
 def rank_imbalance(
@@ -113,7 +146,7 @@ def audit(
     if nproc_per_node > 1 and global_batch_size % (micro * nproc_per_node) == 0:
         imbalance = rank_imbalance(lengths, nproc_per_node, global_batch_size, micro, seed)
     stops = [tokenizer.eos_token_id]
-    if "messages" in stats.formats:
+    if set(CHAT_FORMATS) & set(stats.formats):
         stops += [t for t in end_of_turn_ids(tokenizer) if t not in stops]
     return AuditReport(
         spec=spec,
@@ -125,6 +158,7 @@ def audit(
         pad_is_eos=tokenizer.pad_token_id == tokenizer.eos_token_id,
         imbalance=imbalance,
         stops=tokenizer.convert_ids_to_tokens(stops),
+        skip_bad_lines=settings.skip_bad_lines,
     )
 
 
@@ -165,11 +199,7 @@ def format_report(report: AuditReport) -> str:
         f"(--max-length {report.max_length}; dropped: too long, or left with nothing to train, as a "
         "prompt that fills it)",
         f"  no trainable tokens {s.dropped_no_targets:,} (dropped: they would train on nothing)",
-        f"  {'EOS' if len(report.stops) == 1 else 'stop'} keeps its label "
-        f"{'yes' if report.eos_ok else 'NO'}: {s.eos_trained:,} of {s.examples:,} "
-        f"kept examples train a stop token ({' or '.join(report.stops)})"
-        + (" (the rest were cut by truncation)" if report.eos_ok and s.eos_trained < s.examples else "")
-        + f"; pad == eos: {'yes' if report.pad_is_eos else 'no'}",
+        _stop_line(report),
         f"  tokens              {s.tokens:,} ({s.target_tokens:,} trained)",
     ]
     if len(report.lengths):
@@ -186,8 +216,34 @@ def format_report(report: AuditReport) -> str:
             f"  rank imbalance      {im.world_size} ranks: busiest rank has {im.mean:.2f}x the mean tokens "
             f"per step (worst step {im.worst:.2f}x); padding adds {100 * (im.padding - 1):.0f}%"
         )
-    lines.append("  result              " + ("clean" if report.clean else "errors found (exit code 2)"))
+    lines.append("  result              " + _verdict(report))
     return "\n".join(lines)
+
+
+def _stop_line(report: AuditReport) -> str:
+    s = report.stats
+    label = f"  {'EOS' if len(report.stops) == 1 else 'stop'} keeps its label "
+    if s.examples == 0:
+        return label + "-: no example to check"
+    pad_is_eos = "yes" if report.pad_is_eos else "no"
+    line = (
+        f"{'yes' if not report.stops_lost else 'NO'}: {s.eos_trained:,} of {s.examples:,} kept examples "
+        f"train a stop token ({' or '.join(report.stops)}); pad == eos: {pad_is_eos}"
+    )
+    if report.stops_lost and s.truncated and report.truncation == "right":
+        line += (
+            f"; {s.truncated:,} lost their end to --max-length {report.max_length} (raise it, or use "
+            "--truncation left or drop)"
+        )
+    return label + line
+
+
+def _verdict(report: AuditReport) -> str:
+    if report.unusable:
+        return f"unusable as it is (exit code 2): {'; '.join(report.unusable + report.problems)}"
+    if report.problems:
+        return f"will train badly (exit code 1): {'; '.join(report.problems)}"
+    return "clean"
 
 
 def plot_histogram(report: AuditReport, path: Path) -> None:

@@ -11,11 +11,72 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import check_chat_template, render_chat
 from lmtune.data.sources import Record
-from lmtune.errors import UserError
+from lmtune.errors import UserError, brief, one_line
 
 ROLES = ("system", "user", "assistant", "tool")
+# The chat formats: rendered with the chat template, trained on the assistant turns.
+CHAT_FORMATS = ("messages", "sharegpt")
+# lmtune's names for a record's fields, which --field-map may call otherwise in a data set.
+FIELDS = ("text", "prompt", "completion", "instruction", "input", "output", "messages", "role", "content")
+# The fields inside each turn of a chat (the others are the record's own).
+TURN_FIELDS = ("role", "content")
+# ShareGPT: the turns are "conversations" of {"from", "value"}, with roles human, gpt and system.
+SHAREGPT_TURNS = {"messages": "conversations", "role": "from", "content": "value"}
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+
+
+@dataclass(frozen=True)
+class FieldMap:
+    """A data set's names for lmtune's fields and roles (``--field-map``, ``--text-field``)."""
+
+    fields: Mapping[str, str]  # lmtune's name -> the data set's: {"messages": "dialog"}
+    roles: Mapping[str, str]  # the data set's role -> lmtune's: {"bot": "assistant"}
+
+    @staticmethod
+    def of(settings: ExampleSettings) -> FieldMap:
+        """The mapping the settings give.
+
+        Raises:
+            UserError: naming --field-map, for a pair that is not OURS=THEIRS or names no field or role.
+        """
+        fields = {"text": settings.text_field} if settings.text_field != "text" else {}
+        roles: dict[str, str] = {}
+        for pair in (settings.field_map or "").split(","):
+            if not pair.strip():
+                continue
+            ours, sep, theirs = (part.strip() for part in pair.partition("="))
+            if not sep or not ours or not theirs:
+                raise UserError(f"--field-map: expected OURS=THEIRS pairs, got {pair.strip()!r}")
+            if ours in ROLES:
+                roles[theirs] = ours
+            elif ours not in FIELDS:
+                raise UserError(
+                    f"--field-map: {ours!r} is none of lmtune's fields ({', '.join(FIELDS)}) or roles "
+                    f"({', '.join(ROLES)})"
+                )
+            elif ours == "text" and fields.get("text", theirs) != theirs:
+                raise UserError(f"--field-map text={theirs} and --text-field {settings.text_field} differ")
+            else:
+                fields[ours] = theirs
+        return FieldMap(fields=fields, roles=roles)
+
+    def name(self, ours: str) -> str:
+        """The data set's name for lmtune's field ``ours``."""
+        return self.fields.get(ours, ours)
+
+    def apply(self, found: Mapping[str, Any]) -> dict[str, Any]:
+        """A record's fields under lmtune's names (a renamed field leaves its old name)."""
+        top = {ours: theirs for ours, theirs in self.fields.items() if ours not in TURN_FIELDS}
+        renamed = {k: v for k, v in found.items() if k not in top.values()}
+        renamed.update({ours: found[theirs] for ours, theirs in top.items() if theirs in found})
+        return renamed
+
+
+PLAIN_FIELDS = FieldMap(fields={}, roles={})
+
 
 # The template for tokenizers that have none (and for the presets). Assistant turns end with EOS so
 # the model learns to stop; the newline comes before a turn, so nothing trainable follows the EOS.
@@ -40,58 +101,68 @@ class Rendered:
     format: str
 
 
-def detect_format(fields: Mapping[str, Any], text_field: str) -> str | None:
-    """The format a record's fields say it has, or None."""
+def detect_format(fields: Mapping[str, Any]) -> str | None:
+    """The format a record's fields (under lmtune's names) say it has, or None."""
     if "messages" in fields:
         return "messages"
+    if "conversations" in fields:
+        return "sharegpt"
     if ("prompt" in fields and "completion" in fields) or ("instruction" in fields and "output" in fields):
         return "prompt_completion"
-    if text_field in fields:
+    if "text" in fields:
         return "text"
     return None
 
 
-def _expected(text_field: str) -> str:
+def _expected(names: FieldMap) -> str:
     return (
-        f"'{text_field}' (text), 'prompt' + 'completion', 'instruction' + 'output' (+ 'input'), or 'messages'"
+        f"'{names.name('text')}' (text), '{names.name('prompt')}' + '{names.name('completion')}', "
+        f"'instruction' + 'output' (+ 'input'), '{names.name('messages')}' (chat) or 'conversations' "
+        "(ShareGPT)"
     )
 
 
-def _string(record: Record, name: str, allow_missing: bool = False) -> str:
+def _string(record: Record, name: str, names: FieldMap, allow_missing: bool = False) -> str:
     value = record.fields.get(name)
     if value is None and allow_missing:
         return ""
     if not isinstance(value, str):
         found = ", ".join(repr(k) for k in record.fields) or "none"
         problem = "no" if value is None else f"a non-string ({type(value).__name__})"
-        raise UserError(f"{record.where}: record has {problem} '{name}' field (fields found: {found})")
+        called = f" (--field-map {name}={names.fields[name]})" if name in names.fields else ""
+        raise UserError(
+            f"{record.where}: record has {problem} '{name}' field{called} (fields found: {found})"
+        )
     return value
 
 
 def render(
-    record: Record, fmt: str, text_field: str, tokenizer: Any, *, train_on_prompt: bool = False
+    record: Record, fmt: str, names: FieldMap, tokenizer: Any, *, train_on_prompt: bool = False
 ) -> Rendered:
-    """Render one record in format ``fmt`` (``auto`` detects it from the fields); with
-    ``train_on_prompt`` all of it trains (the prompt, and chat's system and user turns too)."""
-    chosen = detect_format(record.fields, text_field) if fmt == "auto" else fmt
+    """Render one record in format ``fmt`` (``auto`` detects it from the fields, under the names
+    ``names`` maps them to); with ``train_on_prompt`` all of it trains (the prompt, and chat's
+    system and user turns too)."""
+    record = Record(record.source, record.line, names.apply(record.fields))
+    chosen = detect_format(record.fields) if fmt == "auto" else fmt
     if chosen is None:
         found = ", ".join(repr(k) for k in record.fields) or "none"
         raise UserError(
             f"{record.where}: cannot tell the format (fields found: {found}; expected: "
-            f"{_expected(text_field)}; set another text field with --text-field)"
+            f"{_expected(names)}; name other fields with --field-map OURS=THEIRS)"
         )
     if chosen == "text":
-        text = _string(record, text_field)
+        text = _string(record, "text", names)
         return Rendered(
             text=text, spans=((0, len(text)),), add_special_tokens=True, append_eos=True, format="text"
         )
     if chosen == "prompt_completion":
         if "prompt" in record.fields or "instruction" not in record.fields:
-            prompt, completion = _string(record, "prompt"), _string(record, "completion")
+            prompt, completion = _string(record, "prompt", names), _string(record, "completion", names)
         else:
-            instruction, extra = _string(record, "instruction"), _string(record, "input", allow_missing=True)
+            instruction = _string(record, "instruction", names)
+            extra = _string(record, "input", names, allow_missing=True)
             prompt = instruction + (f"\n\n{extra}" if extra else "") + "\n\n"
-            completion = _string(record, "output")
+            completion = _string(record, "output", names)
         text = prompt + completion
         start = 0 if train_on_prompt else len(prompt)
         return Rendered(
@@ -101,39 +172,54 @@ def render(
             append_eos=True,
             format="prompt_completion",
         )
-    rendered = _render_messages(record, tokenizer)
+    rendered = _render_messages(record, tokenizer, _turns(record, chosen, names), chosen)
     return replace(rendered, spans=((0, len(rendered.text)),)) if train_on_prompt else rendered
 
 
-def _messages(record: Record) -> list[dict[str, str]]:
-    raw = record.fields.get("messages")
+def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -> list[dict[str, str]]:
+    """The turns in a record's list field ``field`` (lmtune's name) as ``{role, content}`` under
+    lmtune's role names; their own role and content fields are named as ``names`` says (ShareGPT's
+    ``from`` and ``value`` by default in ``sharegpt`` records)."""
+    plain = PLAIN_FIELDS.fields if fmt != "sharegpt" else SHAREGPT_TURNS
+    if fmt == "sharegpt" and field == "messages" and "messages" not in names.fields:
+        field = SHAREGPT_TURNS["messages"]
+    role_key = names.fields.get("role", plain.get("role", "role"))
+    content_key = names.fields.get("content", plain.get("content", "content"))
+    shown = names.name(field)
+    raw = record.fields.get(field)
     if not isinstance(raw, list) or not raw:
-        raise UserError(f"{record.where}: 'messages' must be a non-empty list of {{role, content}} objects")
-    out = []
+        raise UserError(
+            f"{record.where}: '{shown}' must be a non-empty list of {{{role_key}, {content_key}}} objects"
+        )
+    roles = {**SHAREGPT_ROLES, **{r: r for r in ROLES}, **names.roles}
+    turns = []
     for i, m in enumerate(raw):
-        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str) or "role" not in m:
+        if not isinstance(m, Mapping) or not isinstance(m.get(content_key), str) or role_key not in m:
             raise UserError(
-                f"{record.where}: message {i + 1} must be an object with a 'role' and a string 'content'"
+                f"{record.where}: message {i + 1} must be an object with a '{role_key}' and a string "
+                f"'{content_key}'"
             )
-        if m["role"] not in ROLES:
+        role = roles.get(m[role_key]) if isinstance(m[role_key], str) else None
+        if role is None:
             raise UserError(
-                f"{record.where}: message {i + 1} has unknown role {m['role']!r} (roles: {', '.join(ROLES)})"
+                f"{record.where}: message {i + 1} has unknown role {brief(m[role_key])} (roles: "
+                f"{', '.join(ROLES)}; ShareGPT's {', '.join(SHAREGPT_ROLES)}; name others with "
+                f"--field-map ROLE=VALUE, such as assistant={one_line(str(m[role_key]), 40)})"
             )
-        out.append({"role": str(m["role"]), "content": str(m["content"])})
-    return out
+        turns.append({"role": role, "content": m[content_key]})
+    return turns
 
 
 def _chat(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
     return render_chat(tokenizer, messages, generation_prompt)
 
 
-def _render_messages(record: Record, tokenizer: Any) -> Rendered:
+def _render_messages(record: Record, tokenizer: Any, messages: list[dict[str, str]], fmt: str) -> Rendered:
     """Render with the tokenizer's chat template; each assistant turn's own text is trainable.
 
     A turn's span is what rendering up to and including it adds to the rendering of the
     conversation before it with the generation prompt: the reply and its end-of-turn marker.
     """
-    messages = _messages(record)
     try:
         text = _chat(tokenizer, messages, generation_prompt=False)
         spans = [
@@ -143,9 +229,7 @@ def _render_messages(record: Record, tokenizer: Any) -> Rendered:
         ]
     except UserError as e:
         raise UserError(f"{record.where}: {e}") from None
-    return Rendered(
-        text=text, spans=tuple(spans), add_special_tokens=False, append_eos=False, format="messages"
-    )
+    return Rendered(text=text, spans=tuple(spans), add_special_tokens=False, append_eos=False, format=fmt)
 
 
 def _reply_span(tokenizer: Any, messages: list[dict[str, str]], i: int, text: str) -> tuple[int, int]:
@@ -162,7 +246,7 @@ def _reply_span(tokenizer: Any, messages: list[dict[str, str]], i: int, text: st
 def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:
     """A conversation's last turn, and the conversation rendered up to the assistant's reply."""
     ensure_chat_template(tokenizer)
-    messages = _messages(record)
+    messages = _turns(record, "messages", PLAIN_FIELDS)
     try:
         return messages[-1]["content"], _chat(tokenizer, messages, generation_prompt=True)
     except UserError as e:

@@ -24,7 +24,7 @@ from lmtune.config import environment
 from lmtune.config.files import read_text
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
-from lmtune.data.formats import ensure_chat_template
+from lmtune.data.formats import FieldMap, ensure_chat_template
 from lmtune.data.sources import BadLines, Record, Source, iter_records, resolve_sources
 from lmtune.data.tokenize import Encoded, EncodeStats, chunks, encode_chunk
 from lmtune.errors import UserError
@@ -98,7 +98,7 @@ def _encode(
         chunk,
         tokenizer,
         settings.format,
-        settings.text_field,
+        FieldMap.of(settings),
         settings.max_length,
         settings.truncation,
         bad,

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from lmtune.data.chat import end_of_turn_ids
-from lmtune.data.formats import Rendered, render
+from lmtune.data.formats import CHAT_FORMATS, FieldMap, Rendered, render
 from lmtune.data.sources import BadLines, Record
 from lmtune.errors import UserError
 
@@ -129,7 +129,7 @@ def encode_chunk(
     chunk: list[Record],
     tokenizer: Any,
     fmt: str,
-    text_field: str,
+    names: FieldMap,
     max_length: int,
     truncation: str,
     bad: BadLines,
@@ -147,7 +147,7 @@ def encode_chunk(
     cut: list[bool] = []
     for record in chunk:
         try:
-            full = render(record, fmt, text_field, tokenizer, train_on_prompt=train_on_prompt)
+            full = render(record, fmt, names, tokenizer, train_on_prompt=train_on_prompt)
         except UserError as e:
             bad.report(str(e))
             continue
@@ -157,7 +157,7 @@ def encode_chunk(
         cut.append(short is not full)
     eos = tokenizer.eos_token_id
     # A trained stop: EOS, or in chat data the template's end-of-turn token (which may be EOS).
-    chat = any(r.format == "messages" for r in rendered)
+    chat = any(r.format in CHAT_FORMATS for r in rendered)
     stops = np.asarray([eos, *(end_of_turn_ids(tokenizer) if chat else [])], dtype=np.int32)
     out: list[Encoded] = []
     for r in rendered:
@@ -167,7 +167,7 @@ def encode_chunk(
     for i, (rec, r) in enumerate(zip(records, rendered, strict=True)):
         enc = encoded[i]
         if cut[i] and len(enc.ids) <= max_length + CUT_MARGIN_TOKENS:  # tokens longer than assumed
-            r = render(rec, fmt, text_field, tokenizer, train_on_prompt=train_on_prompt)
+            r = render(rec, fmt, names, tokenizer, train_on_prompt=train_on_prompt)
             enc = backend.encode(r.text, add_special_tokens=r.add_special_tokens)
         ids = np.asarray(enc.ids, dtype=np.int32)
         trainable = trainable_mask(enc, r.spans, len(r.text))

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from lmtune.config.groups import LoraSettings
+from lmtune.config.verbosity import quiet_calls
 from lmtune.errors import UserError
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -15,11 +16,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _peft() -> Any:
-    from lmtune.model.quantization import quiet_bitsandbytes
-
-    quiet_bitsandbytes()  # peft imports bitsandbytes when installed
     try:
-        import peft
+        with quiet_calls("bitsandbytes"):  # peft imports bitsandbytes when installed
+            import peft
     except ImportError as e:
         raise UserError(
             f"--lora needs peft, which is not installed here ({e}); pip install 'lmtune[memory]' (or peft)"
@@ -47,7 +46,9 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     try:
-        wrapped: nn.Module = peft.get_peft_model(model, config)
+        # peft reads transformers' is_gradient_checkpointing, which warns of its own deprecation.
+        with quiet_calls():
+            wrapped: nn.Module = peft.get_peft_model(model, config)
     except ValueError as e:  # peft's message names the modules it could not find
         raise UserError(f"--lora-target-modules {names}: {e}") from None
     return wrapped
@@ -82,8 +83,9 @@ def save_adapter(model: nn.Module, folder: Path, state: dict[str, Any]) -> None:
 def merged_model(base: nn.Module, adapter_folder: Path) -> nn.Module:
     """``base`` with the adapter saved in ``adapter_folder`` merged into its weights."""
     peft = _peft()
-    model = peft.PeftModel.from_pretrained(base, str(adapter_folder))
-    merged: nn.Module = model.merge_and_unload()
+    with quiet_calls():
+        model = peft.PeftModel.from_pretrained(base, str(adapter_folder))
+        merged: nn.Module = model.merge_and_unload()
     if (adapter_folder / "generation_config.json").is_file():  # stop tokens set by training
         from transformers import GenerationConfig
 

@@ -196,13 +196,35 @@ def _hub_reachable(timeout_s: float = 5.0) -> bool:
         return False
 
 
-def _load_error(name: str, tried: str, e: Exception) -> UserError:
+def _reason(e: Exception) -> str:
     # transformers' first line may only say which field; the second says what is wrong with it.
     lines = [" ".join(line.split()) for line in str(e).strip().splitlines()[:2]]
-    reason = brief(": ".join(line for line in lines if line), 200).strip("'\"") or type(e).__name__
+    return brief(": ".join(line for line in lines if line), 200).strip("'\"") or type(e).__name__
+
+
+def _load_error(name: str, tried: str, e: Exception) -> UserError:
     return UserError(
         f"--model {name}: could not load it as a preset ({', '.join(PRESETS)}), a local folder, "
-        f"or {tried}: {reason}"
+        f"or {tried}: {_reason(e)}"
+    )
+
+
+# The files a tokenizer is saved as: tokenizers' own, or a slow tokenizer's vocabulary.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
+def _no_tokenizer(name: str, folder: Path) -> UserError:
+    return UserError(
+        f"--model {name}: the folder has no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, ...); "
+        f"save the tokenizer of the model it came from into it: "
+        f"AutoTokenizer.from_pretrained(BASE).save_pretrained('{folder}')"
     )
 
 
@@ -353,6 +375,9 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     if name in PRESETS:
         return byte_tokenizer()
     where = _source(name, need_config=False)
+    folder = Path(where.source)
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise _no_tokenizer(name, folder)
     from transformers import AutoTokenizer
 
     try:
@@ -360,7 +385,12 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
             where.source, trust_remote_code=trust_remote_code, local_files_only=where.local_only
         )
     except Exception as e:  # transformers checks types with errors of its own kinds
-        raise _load_error(name, where.tried, e) from None
+        if not folder.is_dir():
+            raise _load_error(name, where.tried, e) from None
+        # transformers' text never says that it was the tokenizer that failed.
+        raise UserError(
+            f"--model {name}: could not load its tokenizer from {where.tried}: {_reason(e)}"
+        ) from None
     ensure_pad_token(tokenizer)
     return tokenizer
 

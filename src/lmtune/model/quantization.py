@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lmtune.config.groups import ModelSettings
+from lmtune.config.verbosity import verbose
 from lmtune.errors import UserError
 from lmtune.model.precision import low_precision_dtype
 
@@ -42,7 +43,10 @@ PIP = "pip install 'lmtune[memory]' (or bitsandbytes)"
 def quiet_bitsandbytes() -> None:
     """bitsandbytes warns on CPU that optional 4-bit matmul kernels are missing (a faster kernel
     package), and at every int8 product that its inputs are cast to fp16 (its design); neither is
-    something a user can act on."""
+    something a user can act on. The int8 notice comes at every product of the run, so it is
+    filtered for the process (by its text), unless -v/LMTUNE_VERBOSE=1 asks for everything."""
+    if verbose():
+        return
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
 

@@ -40,9 +40,11 @@ PHASES = (
     "save",
     "sample",
     "done",
+    "upload",
 )
-# Not watched: how long loading a model or tokenizing takes is not a hang (each has its own bound).
-UNWATCHED = {"start", "load", "data-prep", "done"}
+# Not watched: how long loading a model, tokenizing or uploading to the hub takes is not a hang
+# (each has its own bound: huggingface_hub times out and retries on its own).
+UNWATCHED = {"start", "load", "data-prep", "done", "upload"}
 # Watched with a longer bound: the first step (compilation, warm-up) and saving (a large checkpoint
 # is one long write); generating samples is bounded by its own budget (lmtune.training.samples).
 # Evaluation beats at every batch, so it is watched like a step.

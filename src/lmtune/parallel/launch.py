@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtune.config import environment
-from lmtune.config.groups import LaunchSettings
+from lmtune.config.run_groups import LaunchSettings
 from lmtune.config.settings import TrainConfig, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE
 from lmtune.parallel.health import HANG_EXIT_CODE, HEALTH_DIR_ENV, Watchdog, read_beats

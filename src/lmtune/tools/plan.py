@@ -80,7 +80,14 @@ def measure_host(
         points.append(
             (
                 predict_cut(cut_layers(config, n), setup).tensors,
-                measure_peak(cfg, setup, workdir, str(folder)),
+                measure_peak(
+                    cfg,
+                    setup,
+                    workdir,
+                    str(folder),
+                    run=f"plan measures this machine's memory use by training two steps of "
+                    f"{setup.label()} on the model cut to {n} decoder block{'s' if n > 1 else ''}",
+                ),
             )
         )
     (t1, m1), (t2, m2) = points
@@ -127,8 +134,14 @@ CALIBRATION_RUN: dict[str, Any] = {
 }
 
 
-def measure_peak(cfg: TrainConfig, setup: Setup, workdir: Path, model: str | None = None) -> int:
-    """Train two real steps with ``setup`` and return the largest peak of any rank."""
+def measure_peak(
+    cfg: TrainConfig, setup: Setup, workdir: Path, model: str | None = None, run: str = ""
+) -> int:
+    """Train two real steps with ``setup`` and return the largest peak of any rank.
+
+    Raises:
+        UserError: when that run fails, naming ``run`` (what it was for) and its own error.
+    """
     out = workdir / f"run-{setup.micro_batch_size}-{Path(model).name if model else 'model'}"
     # The user's settings, with the setup's choices, two steps long, alone on this machine, and
     # without side effects (no reporting, samples, checkpoints).
@@ -150,10 +163,19 @@ def measure_peak(cfg: TrainConfig, setup: Setup, workdir: Path, model: str | Non
     args = ["train", *to_argv(real)]
     proc = subprocess.run([sys.executable, "-m", "lmtune", *args], capture_output=True, text=True)
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise UserError(f"--calibrate: the real run of {setup.label()} failed: " + " | ".join(tail))
-    run = json.loads((out / "run.json").read_text())
-    return int(max(run["result"]["peak_memory_per_rank"]))
+        size = setup.micro_batch_size
+        what = run or f"--calibrate trains two steps of {setup.label()} at micro-batch {size}"
+        raise UserError(f"{what}; that run failed (exit code {proc.returncode}): {_failure(proc, workdir)}")
+    record = json.loads((out / "run.json").read_text())
+    return int(max(record["result"]["peak_memory_per_rank"]))
+
+
+def _failure(proc: subprocess.CompletedProcess[str], workdir: Path) -> str:
+    """A failed run's own error lines (else the end of its output), without plan's scratch paths."""
+    lines = [line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
+    errors = [line.split(": ", 1)[-1] for line in lines if line.startswith("error")]
+    text = " | ".join(errors or lines[-3:]) or "no output"
+    return text.replace(str(workdir) + "/", "").replace(str(workdir), "(plan's scratch folder)")
 
 
 def quantization_settings(quantization: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from lmtune.checkpoint.layout import step_folder
 from lmtune.config.files import is_int
-from lmtune.config.groups import EvalSettings
+from lmtune.config.run_groups import EvalSettings
 from lmtune.errors import UserError
 
 BEST_FILE = "best.json"

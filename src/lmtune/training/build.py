@@ -19,6 +19,7 @@ from lmtune.config.groups import DataSettings
 from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps
 from lmtune.data.chat import end_of_turn_ids, use_chat_template
 from lmtune.data.dataset import TokenizedDataset, split_off
+from lmtune.data.formats import CHAT_FORMATS
 from lmtune.data.prepare import cache_root, default_cache_dir, prepare
 from lmtune.data.sampling import EvalSampler, TrainSampler
 from lmtune.data.tokenize import EncodeStats
@@ -106,7 +107,7 @@ def build(
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
     run.heartbeat.beat("load")
-    if "messages" in data_info["train"]["formats"]:
+    if set(CHAT_FORMATS) & set(data_info["train"]["formats"]):
         # The reply's end-of-turn token trains; saved models must also stop generating there.
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
         log.info(f"chat data: saved models stop at {tokenizer.convert_ids_to_tokens(stops)}")
@@ -239,8 +240,10 @@ def prepare_data(
             **{k: meta[k] for k in (*(f.name for f in fields(EncodeStats)), "bad_lines")},
         }
         how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
+        shown = {SAMPLE_DATA: "the built-in sample", SAMPLE_EVAL: "the built-in sample's held-out split"}
         log.info(
-            f"{name} data {spec}: {meta['examples']:,} examples, {meta['tokens']:,} tokens ({how}); "
+            f"{name} data {shown.get(spec, spec)}: {meta['examples']:,} examples, "
+            f"{meta['tokens']:,} tokens ({how}); "
             f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long, "
             f"{meta['dropped_no_targets']} dropped with no trainable tokens"
             + (f", {meta['bad_lines']} bad lines skipped" if meta["bad_lines"] else "")

@@ -1,9 +1,12 @@
-"""RunContext: one process's run, its settings and the services every part of it shares."""
+"""RunContext: one process's run, its settings and the services every part of it shares; and the
+module type that lets ``lmtune.train(cfg)`` call the run's entry point."""
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lmtune.config.settings import TrainConfig
 from lmtune.outputs.runlog import RunLog
@@ -27,3 +30,12 @@ class RunContext:
     @property
     def output_dir(self) -> Path:
         return Path(self.cfg.checkpoint.output_dir)
+
+
+class CallableModule(types.ModuleType):
+    """``lmtune.train`` names the module lmtune/train.py and its function ``train``; once the module
+    is imported Python binds the name to the module, so the module calls its function:
+    ``lmtune.train(cfg)`` works whichever of the two the name holds."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.train(*args, **kwargs)

@@ -1,16 +1,18 @@
 """The end of a finished run: final/ (the best model under --load-best-at-end), the merged model
-under --merge-lora, and the demo's answers."""
+under --merge-lora, their model cards, the demo's answers, and the upload under --push-to-hub."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from lmtune.checkpoint.card import write_run_cards
 from lmtune.checkpoint.export import save_hf_folder
 from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.config.settings import SAMPLE_DATA
 from lmtune.model.lora import merged_model
 from lmtune.model.modeling import load_model
 from lmtune.model.quantization import DTYPE_NAMES, dequantized
+from lmtune.outputs.hub import push_final
 from lmtune.parallel.distributed import barrier
 from lmtune.training.build import Built
 from lmtune.training.context import RunContext
@@ -37,10 +39,15 @@ def finish(
     log.info(f"saved the {what} to {final_dir} ({trained})")
     if cfg.lora.merge and env.is_main:
         save_merged(run, built, final_dir)
+    if env.is_main:
+        write_run_cards(run.output_dir)  # README.md: how it was trained, its results, how to load it
     barrier(env)
     if env.is_main and cfg.data.train == SAMPLE_DATA:
         model = final_model(cfg, final_dir) if built.parts.sharded else built.parts.model
         show_answers(model, built.tokenizer, log)
+    if cfg.checkpoint.push_to_hub is not None and env.is_main:
+        run.heartbeat.beat("upload")  # as long as the network takes: not watched as a hang
+        push_final(run.output_dir, cfg.checkpoint, cfg.lora.merge, log)
 
 
 def save_merged(run: RunContext, built: Built, final_dir: Path) -> None:

@@ -10,8 +10,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from lmtune.config.groups import OptimSettings
+from lmtune.config.verbosity import quiet_calls
 from lmtune.errors import UserError
-from lmtune.model.quantization import quiet_bitsandbytes
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
@@ -63,9 +63,10 @@ def build_optimizer(
 
 
 def _bitsandbytes_optim(name: str) -> Any:
-    quiet_bitsandbytes()
     try:
-        import bitsandbytes.optim as bnb_optim
+        # On CPU it logs that optional 4-bit kernels are missing; the 8-bit optimizer never uses them.
+        with quiet_calls("bitsandbytes"):
+            import bitsandbytes.optim as bnb_optim
     except ImportError as e:
         raise UserError(
             f"--optimizer {name} needs bitsandbytes, which is not installed here ({e}); "
@@ -102,8 +103,6 @@ def build_schedule(
     rebuilds it from its own settings (a changed ``--lr`` or run length applies from the resume
     step) and gets the same learning rate as an uninterrupted run when nothing changed.
     """
-    from transformers import optimization as hf
-
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = lr
     last = start_step - 1
@@ -111,6 +110,10 @@ def build_schedule(
         return LambdaLR(
             optimizer, lambda s: warmup_cosine(s, total_steps, warmup_steps, min_ratio), last_epoch=last
         )
+    # transformers.optimization imports its trainer's helpers, and with them peft and bitsandbytes
+    # where installed: only the schedules that need it pay for that (and are kept quiet).
+    with quiet_calls("bitsandbytes"):
+        from transformers import optimization as hf
     made: Any
     if name == "linear":
         made = hf.get_linear_schedule_with_warmup(  # type: ignore[no-untyped-call]

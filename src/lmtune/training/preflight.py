@@ -11,9 +11,11 @@ from lmtune.checkpoint.rundir import check_output_dir
 from lmtune.config.settings import TrainConfig
 from lmtune.config.validate import check_settings
 from lmtune.data.chat import read_template
+from lmtune.data.formats import FieldMap
 from lmtune.data.sources import resolve_sources
 from lmtune.errors import UserError, brief
 from lmtune.model.quantization import require_bitsandbytes
+from lmtune.outputs.hub import check_push
 from lmtune.outputs.reporters import check_installed, parse_report_to
 
 
@@ -21,6 +23,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     """Reject settings that cannot work and inputs that are not there; ``world_size`` is the
     process count."""
     check_settings(cfg, world_size)
+    FieldMap.of(cfg.examples)  # a malformed --field-map fails here, not on the first record
     for spec, option in ((cfg.data.train, "--data"), (cfg.data.eval, "--eval-data")):
         if spec is not None:
             resolve_sources(spec, option)  # missing files and empty globs fail here
@@ -32,6 +35,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if resume not in ("auto", "never") and not Path(resume).is_dir():
         raise UserError(f"--resume: no such checkpoint folder: {resume}")
     check_installed(parse_report_to(cfg.logging.report_to))
+    if cfg.checkpoint.push_to_hub is not None:
+        check_push(cfg.checkpoint.push_to_hub)  # a missing token is found now, not after training
     inputs = {
         "--data": cfg.data.train,
         "--eval-data": cfg.data.eval or "",

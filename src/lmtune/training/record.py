@@ -58,8 +58,8 @@ def result_record(result: FitResult, optimizer: torch.optim.Optimizer, env: Dist
         "steps": state.step,
         "last_loss": result.last_loss,
         "skipped_steps": state.skipped_steps,
-        "stopped_early": result.stop == "signal",
-        "early_stopped": result.stop == "early",
+        # Why it ended before its last step: a signal (it saved; run again to resume), early stopping.
+        "stopped_by": {"signal": "signal", "early": "early_stopping"}.get(result.stop or ""),
         "best": asdict(result.best) if result.best is not None else None,
         "eval": result.evals[-1].record() if result.evals else None,
     }
@@ -93,7 +93,7 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
     }
     units = f" ({built.paths.units.describe()})" if env.device.type == "cpu" else ""
     run.log.info(
-        f"lmtune: {built.loaded.source}, {resolved['parameters']:,} parameters"
+        f"lmtune: {built.loaded.source}, {_parameters(resolved, cfg.lora.enabled)}"
         + (f" (base in {quantization.bits} bits)" if quantization else "")
         + f", {run.strategy} on "
         f"{env.world_size} x {env.device.type}{units}; global batch {_batch_line(layout)} "
@@ -108,6 +108,16 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
         "data": built.data_info,
         "environment": environment_info(env, run.threads),
     }
+
+
+def _parameters(resolved: dict[str, Any], lora: bool) -> str:
+    """``1,050,112 parameters (163,840 trainable: 15.6%, the LoRA adapters)``."""
+    total, trainable = resolved["parameters"], resolved["trainable_parameters"]
+    if trainable == total:
+        return f"{total:,} parameters, all trainable"
+    share = 100 * trainable / max(total, 1)
+    what = ", the LoRA adapters" if lora else ""
+    return f"{total:,} parameters ({trainable:,} trainable: {share:.{2 if share < 1 else 1}f}%{what})"
 
 
 def _batch_line(layout: BatchLayout) -> str:

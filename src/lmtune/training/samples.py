@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lmtune.config.files import TooLarge, read_text
-from lmtune.config.groups import SampleSettings
+from lmtune.config.run_groups import SampleSettings
 from lmtune.errors import UserError
 from lmtune.model.tokens import stop_ids
 from lmtune.outputs.runlog import RunLog

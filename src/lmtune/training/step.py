@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
@@ -170,8 +171,7 @@ def _update(trainee: Trainee, env: DistEnv, options: StepOptions, tally: _Tally)
         scaler.update()
     elif not nonfinite:
         optimizer.step()
-    # The schedule follows the step count, so a skipped update does not shift later learning rates.
-    trainee.scheduler.step()
+    _advance(trainee.scheduler)
     optimizer.zero_grad(set_to_none=True)
     names = options.objective.metric_names
     return StepResult(
@@ -187,3 +187,12 @@ def _update(trainee: Trainee, env: DistEnv, options: StepOptions, tally: _Tally)
         rank_work_s=summed[n + 2 : n + 2 + env.world_size],
         rank_data_s=summed[n + 2 + env.world_size :],
     )
+
+
+def _advance(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """The schedule follows the step count, so a skipped update does not shift later learning
+    rates. When the first update was skipped (non-finite, or fp16's scaler) torch warns that the
+    schedule stepped first: that order is deliberate here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        scheduler.step()

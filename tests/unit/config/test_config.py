@@ -89,8 +89,9 @@ def test_bad_types_and_unknown_keys() -> None:
         build_config({"epochs": "many"})
     with pytest.raises(UserError, match="--epochs: expected int"):
         build_config({"epochs": 1.5})
-    with pytest.raises(UserError, match=r"unknown setting in run\.yaml: --learning-rate"):
-        build_config({"learning_rate": 1}, "run.yaml")
+    with pytest.raises(UserError, match=r"run\.yaml: unknown setting eval_splt; did you mean eval_split\?"):
+        build_config({"eval_splt": 1}, "run.yaml")
+    assert build_config({"learning_rate": 1e-4}).optim.lr == 1e-4  # HF Trainer's name, same meaning
     assert build_config({"lr": "1e-4", "progress": "false"}).progress is False
 
 
@@ -128,3 +129,11 @@ def test_nnodes_and_resume_options(tmp_path: Path) -> None:
         validate(build_config({"resume": str(tmp_path / "nope")}), world_size=1)
     with pytest.raises(UserError, match="--on-nan"):
         validate(build_config({"on_nan": "ignore"}), world_size=1)
+
+
+def test_model_help_names_every_preset() -> None:
+    from lmtune.config.settings import setting_named
+    from lmtune.model.modeling import PRESETS
+
+    shown = setting_named("model").help
+    assert all(name in shown for name in PRESETS), shown

@@ -44,7 +44,9 @@ def test_audit_reports_everything_and_fails_on_bad_lines(
     assert f"{f}:6: not valid JSON" in out
     assert "1 truncated, 0 dropped" in out
     assert "no trainable tokens 1" in out
-    assert "EOS keeps its label yes" in out
+    assert "EOS keeps its label NO: 3 of 4 kept examples" in out  # the long text lost its EOS
+    assert "1 lost their end to --max-length 64" in out
+    assert "unusable as it is (exit code 2): 1 bad line would stop training" in out
     assert "rank imbalance      2 ranks" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -54,6 +56,57 @@ def test_clean_data_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     f.write_text('{"text": "a"}\n{"text": "bb"}\n')
     assert main(["data", "audit", str(f)]) == 0
     assert "result              clean" in capsys.readouterr().out
+
+
+def _chat(i: int, words: int) -> dict[str, object]:
+    reply = " ".join(["word"] * words)
+    return {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": reply}]}
+
+
+@pytest.mark.parametrize(
+    ("rows", "extra", "code", "needle"),
+    [
+        # 3 of 10 chat examples lose their end of turn to --max-length: trains, but never learns to stop.
+        (
+            [_chat(i, 40 if i < 3 else 2) for i in range(10)],
+            ["--max-length", "64"],
+            1,
+            "3 of 10 examples lose",
+        ),
+        ([], [], 1, "no example to train on"),
+        (
+            [{"messages": [{"role": "user", "content": "only a question"}]}, {"text": "t"}],
+            [],
+            1,
+            "nothing to train",
+        ),
+        ([{"text": "ok"}, "{broken"], ["--skip-bad-lines"], 1, "1 bad line skipped"),
+        ([{"text": "ok"}, "{broken"], [], 2, "1 bad line would stop training"),
+        (
+            [{"text": "ok"}, {"text": "x" * 80}],
+            ["--max-length", "64", "--truncation", "error"],
+            2,
+            "would stop",
+        ),
+        ([_chat(i, 40) for i in range(4)], ["--max-length", "64", "--truncation", "left"], 0, "clean"),
+    ],
+)
+def test_exit_code_says_clean_trains_badly_or_unusable(
+    rows: list[object],
+    extra: list[str],
+    code: int,
+    needle: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    assert main(["data", "audit", str(f), *extra]) == code
+    out = capsys.readouterr().out
+    result = next(line for line in out.splitlines() if line.startswith("  result"))
+    assert needle in result and (code == 0 or f"(exit code {code})" in result)
+    if not rows:
+        assert "no example to check" in out and "0 of 0" not in out
 
 
 def test_rank_imbalance_of_equal_lengths_is_one() -> None:

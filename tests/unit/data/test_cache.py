@@ -30,6 +30,7 @@ def test_key_is_stable_and_changes_with_every_input(tmp_path: Path) -> None:
         "truncation": key(str(f), truncation="left"),
         "format": key(str(f), format="text"),
         "field": key(str(f), text_field="body"),
+        "field map": key(str(f), field_map="prompt=question"),
         "template": key(str(f), templated),
     }
     assert base not in changed.values() and len(set(changed.values())) == len(changed)

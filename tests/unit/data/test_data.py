@@ -12,7 +12,7 @@ import pytest
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.addition import addition_examples, split_prompt
 from lmtune.data.collate import Collator
-from lmtune.data.formats import render
+from lmtune.data.formats import PLAIN_FIELDS, render
 from lmtune.data.prepare import encode_in_memory, records
 from lmtune.data.sources import BadLines, Record, resolve_sources
 from lmtune.data.tokenize import IGNORE_INDEX
@@ -180,7 +180,7 @@ def test_messages_under_a_real_chat_template() -> None:
     conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     data, _, _ = encode([{"messages": conv}], tokenizer=tok)
     assert trained_text(data, 0, tok) == "hello<|im_end|>\n"
-    rendered = render(Record("m", 1, {"messages": conv}), "auto", "text", tok)
+    rendered = render(Record("m", 1, {"messages": conv}), "auto", PLAIN_FIELDS, tok)
     assert rendered.text.startswith("<|im_start|>user\nhi<|im_end|>")
 
 

@@ -153,3 +153,37 @@ def test_calibrate_fits_two_real_runs(tmp_path: Path) -> None:
     # The corrected prediction passes through what the real run at the requested size measured.
     assert plan["requested"]["total"] == pytest.approx(points[0][2], rel=0.01)
     assert plan["requested"]["host"]["runtime"] > 0 and plan["requested"]["host"]["allocator"] >= 1.0
+
+
+def test_a_failed_measuring_run_is_named_for_what_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plan's own runs (on CPU it measures this machine with two) are not blamed on --calibrate, and
+    the message shows the run's error, not plan's scratch paths."""
+    import subprocess
+
+    from lmtune.config.settings import TrainConfig
+    from lmtune.tools import plan as plan_module
+
+    stderr = f"some library noise\nerror: {tmp_path}/cut-1/x.json: broken\n"
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 2, "", stderr))
+    setup = Setup(
+        strategy="single",
+        optimizer="adamw",
+        lora=False,
+        activation_checkpointing=False,
+        precision="fp32",
+        micro_batch_size=2,
+        length=64,
+        world_size=1,
+        accumulation=1,
+        loss_chunk=0,
+    )
+    with pytest.raises(UserError) as failed:
+        plan_module.measure_peak(TrainConfig(), setup, tmp_path, "m", run="plan measures this machine")
+    message = str(failed.value)
+    assert message == "plan measures this machine; that run failed (exit code 2): cut-1/x.json: broken"
+    with pytest.raises(
+        UserError, match=r"^--calibrate trains two steps of .* at micro-batch 2; that run failed"
+    ):
+        plan_module.measure_peak(TrainConfig(), setup, tmp_path)

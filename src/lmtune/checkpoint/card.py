@@ -1,0 +1,447 @@
+"""The model card: README.md in every model folder lmtune writes (final/, final/merged/, export).
+
+Its YAML front matter is what the Hugging Face hub reads (base model, library, tags, data sets);
+its body says how the model was trained (objective, data, hyperparameters, hardware, time), what it
+reached (final and best evaluation), its chat template and stop tokens, and how to load it. Every
+fact comes from the run's run.json and the folder's own files; a README.md that lmtune did not
+write is never replaced.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lmtune.checkpoint.layout import GENERATION_CONFIG
+from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS
+from lmtune.data.sources import EXTENSIONS
+from lmtune.model.lora import ADAPTER_CONFIG
+from lmtune.model.modeling import PRESETS
+
+CARD_FILE = "README.md"
+RUN_FILE = "run.json"
+# The first line of the body: what marks a card as lmtune's own (to be rewritten, never a user's).
+MARKER = "<!-- model card written by lmtune; it is rewritten when lmtune writes this folder again -->"
+TEMPLATE_SHOWN_CHARS = 2000
+
+
+def write_run_cards(output_dir: Path) -> None:
+    """The cards of a finished run's final/ and final/merged/, from its run.json."""
+    run = _read_json(output_dir / RUN_FILE) or {}
+    config = run.get("config", {})
+    final = output_dir / "final"
+    # The folder --push-to-hub uploads loads from the repo; the other one from where it lies.
+    pushed = final / "merged" if config.get("merge_lora") else final
+    for folder in (final, final / "merged"):
+        if folder.is_dir():
+            write_model_card(folder, run, repo_id=config.get("push_to_hub") if folder == pushed else None)
+
+
+def write_model_card(
+    folder: Path,
+    run: dict[str, Any] | None,
+    *,
+    repo_id: str | None = None,
+    note: str | None = None,
+    final: Path | None = None,
+) -> bool:
+    """Write ``folder/README.md`` (its code loads from ``repo_id``, else from the folder, or from
+    ``final``: where a folder being written will be); ``run`` is the run's run.json (None: what the
+    folder alone tells). False when a README.md that lmtune did not write is there: it is kept."""
+    path = folder / CARD_FILE
+    if path.is_file() and MARKER not in path.read_text(encoding="utf-8", errors="replace"):
+        return False
+    card = model_card(folder, run, repo_id=repo_id, note=note, final=final)
+    path.write_text(card, encoding="utf-8")
+    return True
+
+
+def run_record_near(folder: Path) -> dict[str, Any] | None:
+    """run.json of the run whose output folder holds ``folder`` (OUTPUT/final, OUTPUT/final/merged)."""
+    for parent in (folder.parent, folder.parent.parent):
+        run = _read_json(parent / RUN_FILE)
+        if run is not None and isinstance(run.get("config"), dict):
+            return run
+    return None
+
+
+def checkpoint_record(output_dir: Path, step: int) -> dict[str, Any] | None:
+    """A run's run.json with the results of step ``step`` (a checkpoint's) in place of the end's,
+    read from its metrics.jsonl; None when ``output_dir`` holds no run."""
+    run = _read_json(output_dir / RUN_FILE)
+    if run is None:
+        return None
+    rows = []
+    try:
+        for line in (output_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                rows.append(row)
+    except (OSError, ValueError):
+        pass  # a run still being written, or cut short: what was read counts
+    trained = [r for r in rows if r.get("kind") == "train" and r["step"] == step]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    result: dict[str, Any] = {"steps": step}
+    if trained:
+        result["last_loss"] = trained[-1].get("loss")
+    if evals:
+        last = evals[-1]
+        result["eval"] = {
+            "loss": last.get("eval_loss"),
+            "perplexity": last.get("eval_perplexity"),
+            "examples": last.get("eval_examples", 0),
+        }
+    return {**run, "result": result}
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def model_card(
+    folder: Path,
+    run: dict[str, Any] | None,
+    *,
+    repo_id: str | None = None,
+    note: str | None = None,
+    final: Path | None = None,
+) -> str:
+    """The card's text: YAML front matter, then the body."""
+    run = run or {}
+    config = run.get("config", {})
+    adapter = (folder / ADAPTER_CONFIG).is_file()
+    base = _hub_model(config.get("model"))
+    if adapter and base is None:
+        base = _hub_model((_read_json(folder / ADAPTER_CONFIG) or {}).get("base_model_name_or_path"))
+    meta: dict[str, Any] = {}
+    if base:
+        meta["base_model"] = base
+    meta["library_name"] = "peft" if adapter else "transformers"
+    meta["pipeline_tag"] = "text-generation"
+    meta["tags"] = ["lmtune", config.get("objective") or "sft", *(["lora"] if config.get("lora") else [])]
+    datasets = [d for d in (_hub_dataset(s) for s in _data_specs(config)) if d]
+    if datasets:
+        meta["datasets"] = datasets
+    place = (final or folder).resolve()
+    where = repo_id or str(place)
+    title = repo_id.split("/")[-1] if repo_id else _title(place)
+    body = [
+        MARKER,
+        f"# {title}",
+        "",
+        _summary(config, base, adapter, place.name == "merged"),
+        *([f"\n{note}"] if note else []),
+        "",
+        "## Training",
+        "",
+        *_table(_training_rows(run)),
+        "",
+        "## Results",
+        "",
+        *(_table(_result_rows(run)) or ["No results were recorded (the folder has no run.json nearby)."]),
+        *_chat_section(folder),
+        "",
+        "## How to use",
+        "",
+        *_usage(where, adapter, base, config, chat=_template_of(folder) is not None),
+    ]
+    front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
+    return f"---\n{front}---\n\n" + "\n".join(body) + "\n"
+
+
+def _title(folder: Path) -> str:
+    """A run's folder names its model: OUTPUT/final -> OUTPUT, OUTPUT/final/merged -> OUTPUT-merged."""
+    if folder.name == "merged" and folder.parent.name == "final":
+        return f"{folder.parent.parent.name}-merged"
+    return folder.parent.name if folder.name == "final" else folder.name
+
+
+def _plural(n: Any, thing: str, many: str = "") -> str:
+    if not isinstance(n, int):
+        return f"{n} {many or thing + 's'}"
+    return f"{n:,} {thing if n == 1 else many or thing + 's'}"
+
+
+def _hub_model(name: Any) -> str | None:
+    """``name`` when it is a hub id (not a preset, not a local folder)."""
+    if not isinstance(name, str) or name in PRESETS or name.startswith((".", "/", "~")):
+        return None
+    if Path(name).expanduser().exists() or name.count("/") > 1:
+        return None
+    return name
+
+
+def _data_specs(config: dict[str, Any]) -> list[str]:
+    specs = [config.get("data"), config.get("eval_data")]
+    return [item.strip() for s in specs if isinstance(s, str) for item in s.split(",") if item.strip()]
+
+
+def _hub_dataset(spec: str) -> str | None:
+    """The hub data set a --data item names (``org/name[:split]``), or None for files and the sample."""
+    name = spec.split(":", 1)[0]
+    if spec.startswith("sample") or any(c in spec for c in "*?[") or name.startswith((".", "/", "~")):
+        return None
+    if Path(name).suffix.lower() in EXTENSIONS or Path(name).expanduser().exists():
+        return None
+    return name
+
+
+def _summary(config: dict[str, Any], base: str | None, adapter: bool, merged: bool) -> str:
+    model = config.get("model", "an unrecorded model")
+    origin = (
+        f"[{base}](https://huggingface.co/{base})"
+        if base
+        else (f"lmtune's built-in preset `{model}`" if model in PRESETS else f"`{model}`")
+    )
+    what = (
+        "A LoRA adapter"
+        if adapter
+        else "The base model with its LoRA adapter merged in"
+        if merged
+        else "A causal language model"
+    )
+    return f"{what}, fine-tuned from {origin} with lmtune."
+
+
+def _table(rows: list[tuple[str, str]]) -> list[str]:
+    if not rows:
+        return []
+    return ["| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)]
+
+
+def _objective(config: dict[str, Any], formats: dict[str, int]) -> str:
+    if config.get("objective", "sft") != "sft":
+        return f"`{config['objective']}` (lmtune's --objective)"
+    every = bool(config.get("train_on_prompt")) or set(formats) <= {"text"}
+    trained = (
+        "every token"
+        if every
+        else "the completions"
+        + (" and assistant turns" if set(formats) & set(CHAT_FORMATS) else "")
+        + " (prompts and other turns masked)"
+    )
+    return (
+        f"supervised fine-tuning: next-token cross-entropy on {trained}, normalised by the number of "
+        "trained tokens over all processes"
+    )
+
+
+def _data_line(info: dict[str, Any], max_length: Any) -> str:
+    counts = info.get("formats", {})
+    examples = info.get("examples", 0)
+    line = f"`{info.get('spec')}`: {_plural(examples, 'example')}"
+    if counts:
+        dropped = sum(counts.values()) - examples
+        more = f"; {dropped:,} more dropped: too long, or nothing to train" if dropped > 0 else ""
+        line += f" ({', '.join(sorted(counts))}{more})"
+    if "tokens" in info:
+        line += f", {info['tokens']:,} tokens, {info.get('target_tokens', 0):,} of them trained"
+    if info.get("truncated"):
+        line += f"; {info['truncated']:,} truncated to {max_length} tokens"
+    return line
+
+
+def _training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
+    config, resolved, data = run.get("config", {}), run.get("resolved", {}), run.get("data", {})
+    if not config:
+        return [("run", "not recorded (no run.json)")]
+    train = data.get("train", {})
+    rows = [("objective", _objective(config, train.get("formats", {})))]
+    rows += [("training data", _data_line(train, config.get("max_length")))] if train else []
+    if "eval" in data:
+        rows.append(("evaluation data", _data_line(data["eval"], config.get("max_length"))))
+    if resolved:
+        rows.append(
+            (
+                "steps",
+                f"{run.get('result', {}).get('steps', resolved.get('total_steps'))} of "
+                f"{resolved.get('total_steps')} ({_plural(resolved.get('epochs'), 'epoch')} planned)",
+            )
+        )
+        rows.append(
+            (
+                "global batch",
+                f"{resolved.get('global_batch_size')} examples = {resolved.get('micro_batch_size')} per "
+                f"micro-batch x {_plural(resolved.get('world_size'), 'process', 'processes')} x "
+                f"{resolved.get('accumulation')} "
+                "accumulation",
+            )
+        )
+    warmup = config.get("warmup_steps")
+    warmup_text = (
+        f"{warmup} warmup steps"
+        if warmup is not None
+        else f"warmup over {100 * float(config.get('warmup_ratio') or 0):g}% of the steps"
+    )
+    lr = resolved.get("lr", config.get("lr"))
+    rows += [
+        ("learning rate", f"{lr}, {config.get('lr_schedule')} schedule, {warmup_text}"),
+        (
+            "optimizer",
+            f"{config.get('optimizer')} (weight decay {config.get('weight_decay')}, betas "
+            f"{config.get('adam_beta1')}/{config.get('adam_beta2')}, eps {config.get('adam_eps')}), "
+            f"gradient norm clipped at {config.get('max_grad_norm')}",
+        ),
+        ("precision", f"{config.get('precision')} (fp32 weights and optimizer state)"),
+        ("max length", f"{config.get('max_length')} tokens (truncation: {config.get('truncation')})"),
+    ]
+    if config.get("lora"):
+        rows.append(("LoRA", _lora_line(config, resolved)))
+    rows += _environment_rows(run)
+    rows.append(("seed", str(config.get("seed"))))
+    return rows
+
+
+def _lora_line(config: dict[str, Any], resolved: dict[str, Any]) -> str:
+    line = (
+        f"rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, dropout "
+        f"{config.get('lora_dropout')}, targets {config.get('lora_target_modules')}"
+    )
+    total, trainable = resolved.get("parameters"), resolved.get("trainable_parameters")
+    if total and trainable:
+        line += f"; {trainable:,} of {total:,} parameters trained ({100 * trainable / total:.2f}%)"
+    return line
+
+
+def _environment_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
+    env, resolved, result = run.get("environment", {}), run.get("resolved", {}), run.get("result", {})
+    if not env:
+        return []
+    world = env.get("world_size", 1)
+    devices = env.get("cuda_devices") or []
+    on_gpu = str(env.get("device", "")).startswith("cuda") and devices
+    where = f"{world} x {devices[0]}" if on_gpu else f"{world} CPU process{'es' if world > 1 else ''}"
+    rows = [("hardware", f"{where}, strategy {resolved.get('strategy', '?')}")]
+    seconds = result.get("wall_time_s")
+    if isinstance(seconds, (int, float)):
+        rows.append(("training time", _duration(float(seconds))))
+    rows.append(
+        (
+            "software",
+            f"lmtune {env.get('lmtune')}, torch {env.get('torch')}, transformers {env.get('transformers')}",
+        )
+    )
+    return rows
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def _result_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
+    result = run.get("result") or {}
+    rows = []
+    if isinstance(result.get("last_loss"), (int, float)):
+        rows.append((f"train loss at step {result.get('steps')}", f"{result['last_loss']:.4f}"))
+    evaluated = result.get("eval") or {}
+    if isinstance(evaluated.get("loss"), (int, float)) and isinstance(
+        evaluated.get("perplexity"), (int, float)
+    ):
+        rows.append(
+            (
+                "evaluation",
+                f"loss {evaluated['loss']:.4f}, perplexity {evaluated['perplexity']:.3f} "
+                f"({evaluated.get('examples', 0):,} examples)",
+            )
+        )
+    best = result.get("best")
+    if best:
+        kept = " (this is that model)" if run.get("config", {}).get("load_best_at_end") else ""
+        value = f"{best['metric']} {best['value']:.4f} at step {best['step']}{kept}"
+        rows.append(("best evaluation", value))
+    if result.get("stopped_by"):
+        rows.append(("stopped early", str(result["stopped_by"]).replace("_", " ")))
+    return rows
+
+
+def _template_of(folder: Path) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = (_read_json(folder / "tokenizer_config.json") or {}).get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def _token_names(folder: Path, ids: list[int]) -> list[str]:
+    """Token strings of ``ids``, from the folder's tokenizer.json (no tokenizer is loaded)."""
+    tokenizer = _read_json(folder / "tokenizer.json") or {}
+    names = {t.get("id"): t.get("content") for t in tokenizer.get("added_tokens", []) if isinstance(t, dict)}
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        names.update({v: k for k, v in vocab.items() if v in ids and v not in names})
+    return [str(names.get(i, f"id {i}")) for i in ids]
+
+
+def _chat_section(folder: Path) -> list[str]:
+    template = _template_of(folder)
+    generation = _read_json(folder / GENERATION_CONFIG) or {}
+    stops = generation.get("eos_token_id")
+    stop_ids = [stops] if isinstance(stops, int) else [s for s in stops or [] if isinstance(s, int)]
+    if template is None and not stop_ids:
+        return []
+    lines = ["", "## Chat template and stop tokens", ""]
+    if stop_ids:
+        shown = ", ".join(f"`{t}`" for t in _token_names(folder, stop_ids))
+        lines.append(
+            f"Generation stops at {shown} (`eos_token_id` {stop_ids} in generation_config.json, which "
+            "transformers' `generate` reads)."
+        )
+    if template is not None:
+        origin = (
+            "lmtune's built-in template (the tokenizer had none)"
+            if template == BUILTIN_CHAT_TEMPLATE
+            else "the template saved with the tokenizer"
+        )
+        lines += ["", f"Conversations are rendered with {origin}:", "", "```jinja"]
+        cut = "\n..." if len(template) > TEMPLATE_SHOWN_CHARS else ""
+        lines += [template[:TEMPLATE_SHOWN_CHARS] + cut, "```"]
+    return lines
+
+
+def _usage(where: str, adapter: bool, base: str | None, config: dict[str, Any], chat: bool) -> list[str]:
+    if adapter and base is None:
+        return [
+            f"The adapter's base is lmtune's built-in preset `{config.get('model')}`, which only lmtune "
+            "builds: load the merged model (`--merge-lora` writes it to final/merged/)."
+        ]
+    load = (
+        [
+            "from peft import AutoPeftModelForCausalLM",
+            "from transformers import AutoTokenizer",
+            "",
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{where}")  # the base, then this adapter',
+        ]
+        if adapter
+        else [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{where}")',
+        ]
+    )
+    load.append(f'tokenizer = AutoTokenizer.from_pretrained("{where}")')
+    if chat:
+        load += [
+            'messages = [{"role": "user", "content": "Hello!"}]',
+            "inputs = tokenizer.apply_chat_template(",
+            '    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True',
+            ").input_ids",
+            "# generate stops at the end of the assistant's turn (generation_config.json)",
+            "reply = model.generate(inputs, max_new_tokens=128)[0][inputs.shape[1] :]",
+        ]
+    else:
+        load += [
+            'inputs = tokenizer("Once upon a time", return_tensors="pt").input_ids',
+            "reply = model.generate(inputs, max_new_tokens=64)[0][inputs.shape[1] :]",
+        ]
+    load.append("print(tokenizer.decode(reply, skip_special_tokens=True))")
+    command = f'lmtune generate --model {where}{" --chat" if chat else ""} --prompt "Hello!"'
+    return ["```python", *load, "```", "", "or with lmtune:", "", "```bash", command, "```"]

@@ -1,0 +1,185 @@
+"""The names users bring from Hugging Face Trainer, TRL and Axolotl, and what lmtune makes of them.
+
+A name with the same meaning as an lmtune setting is an accepted alias (``--learning-rate``,
+``learning_rate:``): it sets that setting, which run.json records under lmtune's name. A name whose
+meaning differs, or that lmtune derives instead of taking, is refused with a hint that says what to
+do (exit 2). Any other unknown name gets the closest names as suggestions. Flags and YAML keys go
+through the same table.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from lmtune.errors import UserError, one_line
+
+# Foreign name -> the lmtune setting of the same meaning.
+ALIASES: dict[str, str] = {
+    "learning_rate": "lr",  # HF Trainer, TRL, Axolotl
+    "num_train_epochs": "epochs",  # HF Trainer, TRL
+    "num_epochs": "epochs",  # Axolotl
+    "per_device_train_batch_size": "micro_batch_size",  # HF Trainer, TRL
+    "max_seq_length": "max_length",  # TRL (before 0.20)
+    "sequence_len": "max_length",  # Axolotl
+    "save_steps": "save_every",  # HF Trainer
+    "eval_steps": "eval_every",  # HF Trainer
+    "logging_steps": "log_every",  # HF Trainer
+    "save_total_limit": "keep_last",  # HF Trainer
+    "load_best_model_at_end": "load_best_at_end",  # HF Trainer
+    "metric_for_best_model": "metric_for_best",  # HF Trainer
+    "overwrite_output_dir": "overwrite",  # HF Trainer
+    "dataloader_num_workers": "num_workers",  # HF Trainer
+    "adam_epsilon": "adam_eps",  # HF Trainer
+    "gradient_checkpointing": "activation_checkpointing",  # HF Trainer, Axolotl
+    "torch_compile": "compile",  # HF Trainer, Axolotl
+    "model_name_or_path": "model",  # HF examples, TRL
+    "base_model": "model",  # Axolotl
+    "train_file": "data",  # HF examples
+    "validation_file": "eval_data",  # HF examples
+    "dataset_name": "data",  # TRL: a hub data set, which --data takes
+    "dataset_text_field": "text_field",  # TRL
+    "train_on_inputs": "train_on_prompt",  # Axolotl
+    "val_set_size": "eval_split",  # Axolotl
+    "lora_r": "lora_rank",  # TRL, Axolotl
+    "use_peft": "lora",  # TRL
+    "hub_model_id": "push_to_hub",  # HF Trainer: the repo that push_to_hub uploads to
+    "hub_private_repo": "hub_private",  # HF Trainer
+}
+
+# Foreign name -> what to do instead. ``{name}`` becomes a setting's name in the style of the place
+# it was written: ``--global-batch-size`` on the command line, ``global_batch_size`` in YAML.
+HINTS: dict[str, str] = {
+    "gradient_accumulation_steps": (
+        "lmtune derives gradient accumulation from {global_batch_size} (examples per optimizer step "
+        "over all processes) = {micro_batch_size} x processes x accumulation; for 8 per device x 4 "
+        "accumulation on one device give {global_batch_size} 32 {micro_batch_size} 8, and the same "
+        "numbers train the same on any number of processes"
+    ),
+    "per_device_eval_batch_size": "evaluation runs micro-batches of {micro_batch_size}",
+    "bf16": "set the precision with {precision} bf16",
+    "fp16": "set the precision with {precision} fp16",
+    "optim": "lmtune's optimizers: {optimizer} adamw | adamw8bit | paged_adamw8bit | sgd",
+    "lr_scheduler_type": (
+        "lmtune's schedules: {lr_schedule} cosine | linear | constant | wsd (its cosine decays to lr x "
+        "{min_lr_ratio}, 0.1 by default; transformers' cosine decays to 0: add {min_lr_ratio} 0)"
+    ),
+    "lr_scheduler": "lmtune's schedules: {lr_schedule} cosine | linear | constant | wsd",
+    "eval_strategy": "{eval_every} N evaluates every N optimizer steps (0: at the end only)",
+    "evaluation_strategy": "{eval_every} N evaluates every N optimizer steps (0: at the end only)",
+    "save_strategy": "{save_every} N saves a checkpoint every N optimizer steps",
+    "logging_strategy": "{log_every} N writes a metrics line every N optimizer steps",
+    "resume_from_checkpoint": (
+        "{resume} auto (the default: continue from the newest checkpoint in {output_dir}) | never | PATH"
+    ),
+    "completion_only_loss": (
+        "lmtune trains only completions and assistant turns by default; {train_on_prompt} trains every token"
+    ),
+    "assistant_only_loss": (
+        "lmtune trains only assistant turns of chat data by default; {train_on_prompt} trains every token"
+    ),
+    "hub_token": (
+        "lmtune reads the Hugging Face token as huggingface_hub does (HF_TOKEN, or `hf auth login`), "
+        "never from an option, so it stays out of run.json and the process list"
+    ),
+    "deepspeed": "lmtune shards parameters, gradients and optimizer state with {strategy} fsdp (FSDP2)",
+    "fsdp": "use {strategy} fsdp (FSDP2)",
+    "local_rank": (
+        "lmtune reads the rank from the launcher's environment: start the processes with "
+        "{nproc_per_node} N, or under torchrun"
+    ),
+    "adapter": (
+        "LoRA is {lora} (with {lora_rank}, {lora_alpha}, {lora_target_modules}); QLoRA adds {load_in_4bit}"
+    ),
+    "sample_packing": "packing is {packing} on | off | auto",
+    "datasets": (
+        "give the files with {data} (comma-separated; each record's format is detected from its "
+        "fields) and rename fields with {field_map}"
+    ),
+    "dataset": "give the files with {data}",
+    "field_messages": "map field names with {field_map} messages=FIELD,role=FIELD,content=FIELD",
+    "message_property_mappings": "map field names with {field_map} messages=FIELD,role=FIELD,content=FIELD",
+    "formatting_func": "map field names with {field_map} (for example prompt=question,completion=answer)",
+    "wandb_project": "set WANDB_PROJECT in the environment and give {report_to} wandb",
+    "logging_dir": ("metrics go to OUTPUT/metrics.jsonl; {report_to} tensorboard writes OUTPUT/tensorboard"),
+    "attn_implementation": (
+        "lmtune chooses attention itself (per-example flash attention where the model allows); "
+        "run.json's resolved.attention says which"
+    ),
+    "flash_attention": (
+        "lmtune chooses attention itself (per-example flash attention where the model allows); "
+        "run.json's resolved.attention says which"
+    ),
+    "num_processes": "start processes with {nproc_per_node} N",
+}
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+def _styled(text: str, style: Callable[[str], str]) -> str:
+    return _PLACEHOLDER.sub(lambda m: style(m.group(1)), text)
+
+
+def canonical(name: str) -> str:
+    """A flag or key as a setting-style name: ``--Learning-Rate`` -> ``learning_rate`` (at most 80
+    characters of it: a message shows it, and a hostile file may hold a key of any length)."""
+    return " ".join(name[:200].lstrip("-").split("=", 1)[0].replace("-", "_").lower().split())[:80]
+
+
+def aliases_of(setting: str) -> list[str]:
+    """The foreign names accepted for ``setting``."""
+    return [foreign for foreign, ours in ALIASES.items() if ours == setting]
+
+
+def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str], where: str) -> str:
+    """Why ``name`` is not accepted ``where`` (a command, or a YAML file), in one line.
+
+    ``known``: the setting-style names accepted there; ``style`` writes a name as it is written
+    there (``--lr`` on the command line, ``lr`` in YAML).
+    """
+    key, accepted = canonical(name), set(known)
+    shown = style(key)
+    kind = "option" if shown.startswith("-") else "setting"
+    if key in ALIASES and ALIASES[key] not in accepted:
+        return f"{shown} is {style(ALIASES[key])} in lmtune, which {where} does not take"
+    # The closest names: this place's own, and the foreign names of the table (a typo of one).
+    candidates = sorted(accepted | set(ALIASES) | set(HINTS))
+    # An abbreviation (refused: a later option could make it ambiguous) names what it abbreviates.
+    prefixed = [c for c in candidates if len(key) >= 3 and c.startswith(key) and not c.startswith("no_")]
+    close = [key] if key in HINTS else difflib.get_close_matches(key, candidates, n=3, cutoff=0.75)
+    close = list(dict.fromkeys([*close, *prefixed[:3]]))
+    if close and close[0] in HINTS:
+        return f"{shown}: {_styled(HINTS[close[0]], style)}"
+    suggestions = [ALIASES.get(c, c) for c in close if c not in HINTS]
+    suggestions = [s for s in dict.fromkeys(suggestions) if s in accepted]
+    if not suggestions:
+        return f"unknown {kind} {shown}" + (f" (`{where} --help` lists them)" if kind == "option" else "")
+    return f"unknown {kind} {shown}; did you mean {' or '.join(style(s) for s in suggestions)}?"
+
+
+def resolve_names(
+    values: dict[str, Any],
+    known: Iterable[str],
+    where: Callable[[str], str],
+    style: Callable[[str], str] = lambda name: name,
+) -> dict[str, Any]:
+    """``values`` under lmtune's names: aliases renamed, anything else unknown refused.
+
+    Raises:
+        UserError: starting with ``where(key)`` (the file and line), for a name that has a hint or
+            is unknown, or a setting given twice (under its name and an alias).
+    """
+    accepted = set(known)
+    out: dict[str, Any] = {}
+    given_as: dict[str, str] = {}
+    for key, value in values.items():
+        name = key if key in accepted else ALIASES.get(canonical(key), key)
+        if name not in accepted:
+            raise UserError(where(key) + explain_unknown(key, accepted, style, "lmtune train"))
+        if name in out:
+            both = f"as {one_line(given_as[name], 60)} and {one_line(key, 60)}"
+            raise UserError(f"{where(key)}{style(name)} is set twice ({both})")
+        out[name], given_as[name] = value, key
+    return out

@@ -1,0 +1,47 @@
+"""Other packages' warnings that say nothing to lmtune's user, hidden where lmtune calls them.
+
+bitsandbytes logs on import that optional 4-bit CPU kernels are missing, peft touches a deprecated
+transformers property and transformers announces its own deprecations: none of it is about the
+user's run. :func:`quiet_calls` hides those around one call into such a package (no process-wide
+filter, so a warning raised anywhere else still shows), and shows everything when
+``LMTUNE_VERBOSE=1`` is set (``-v``/``--verbose`` on any command sets it, for the job's processes
+too).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from lmtune.config.environment import VERBOSE as VERBOSE_ENV
+from lmtune.config.environment import switch
+
+# Warning categories other packages use for their own plans (deprecations, renamed properties).
+_FOREIGN_CATEGORIES = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
+
+
+def verbose() -> bool:
+    """Whether other packages' warnings are shown (``LMTUNE_VERBOSE=1``)."""
+    return switch(VERBOSE_ENV)
+
+
+@contextmanager
+def quiet_calls(*loggers: str) -> Iterator[None]:
+    """Around a call into another package: its deprecation warnings, and warnings the named
+    ``loggers`` log, are not shown (unless verbose). Levels and filters are restored after."""
+    if verbose():
+        yield
+        return
+    saved = [(logging.getLogger(name), logging.getLogger(name).level) for name in loggers]
+    with warnings.catch_warnings():
+        for category in _FOREIGN_CATEGORIES:
+            warnings.filterwarnings("ignore", category=category)
+        for logger, _ in saved:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in saved:
+                logger.setLevel(level)

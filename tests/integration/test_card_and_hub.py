@@ -1,0 +1,196 @@
+"""What a finished run hands over: the count of what trained, a model card the hub reads (and
+whose code runs), and the upload to the hub (huggingface_hub's HfApi mocked: nothing leaves here)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import huggingface_hub
+import pytest
+from huggingface_hub import ModelCard
+
+from lmtune.cli import main
+from lmtune.config.run_groups import CheckpointSettings
+from lmtune.errors import UserError
+from lmtune.outputs import hub
+
+REPO_ID = "someone/tiny-chat"
+CHAT = [{"role": "user", "content": f"what is {i}+1?"} for i in range(6)]
+
+
+def _write_chat(path: Path) -> Path:
+    rows = [{"messages": [m, {"role": "assistant", "content": f"{i + 1}."}]} for i, m in enumerate(CHAT)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@contextlib.contextmanager
+def fake_hub(fail: Exception | None = None) -> Iterator[Any]:
+    """HfApi with the real one's signatures (autospec), a token, and the hub not offline."""
+    api = mock.create_autospec(huggingface_hub.HfApi, instance=True, spec_set=True)
+    api.create_repo.side_effect = fail or (lambda repo_id, **kw: f"https://huggingface.co/{repo_id}")
+
+    class FakeApi:  # a class, as modules that annotate with HfApi need
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            return api
+
+    with (
+        mock.patch.object(huggingface_hub, "HfApi", FakeApi),
+        mock.patch.object(huggingface_hub, "get_token", lambda: "hf_fake"),
+        mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", False),
+    ):
+        yield api
+
+
+def _train(argv: list[str], api_fail: Exception | None = None) -> tuple[int, str, Any]:
+    out = io.StringIO()
+    with fake_hub(api_fail) as api, contextlib.redirect_stdout(out):
+        code = main(["train", "--no-progress", *argv])
+    return code, out.getvalue(), api
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, Any]:
+    tmp = tmp_path_factory.mktemp("lora")
+    data = str(_write_chat(tmp / "chat.jsonl"))
+    out = tmp / "out"
+    argv = ["--lora", "--merge-lora", "--data", data, "--eval-data", data, "--max-steps", "2"]
+    argv += ["--global-batch-size", "3", "--output-dir", str(out), "--push-to-hub", REPO_ID, "--hub-private"]
+    code, stdout, api = _train(argv)
+    assert code == 0, stdout
+    return out, stdout, api
+
+
+def _lora_parameters(model: str) -> int:
+    """LoRA's parameters, counted from the preset's shapes: r x (in + out) per adapted linear layer."""
+    from lmtune.model.modeling import PRESETS
+
+    p, r = PRESETS[model], 16
+    per_block = 4 * r * (p.hidden_size + p.hidden_size) + 3 * r * (p.hidden_size + p.intermediate_size)
+    return p.num_layers * per_block
+
+
+def test_the_start_line_and_run_json_count_what_trains(lora_run: tuple[Path, str, Any]) -> None:
+    out, stdout, _ = lora_run
+    resolved = json.loads((out / "run.json").read_text())["resolved"]
+    trainable = _lora_parameters("tiny")
+    assert resolved["trainable_parameters"] == trainable == 163_840
+    total = resolved["parameters"]
+    share = 100 * trainable / total
+    assert f"{total:,} parameters ({trainable:,} trainable: {share:.1f}%, the LoRA adapters)" in stdout
+    assert "sample:eval" not in stdout
+
+
+def _front_matter(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = ModelCard.load(path).data.to_dict()  # as the hub reads it
+    return data
+
+
+def test_cards_say_how_it_was_trained_and_load(lora_run: tuple[Path, str, Any]) -> None:
+    out, _, _ = lora_run
+    run = json.loads((out / "run.json").read_text())
+    adapter, merged = out / "final" / "README.md", out / "final" / "merged" / "README.md"
+    meta = _front_matter(adapter)
+    assert meta["library_name"] == "peft" and {"lmtune", "lora"} <= set(meta["tags"])
+    assert "base_model" not in meta  # a preset has no hub id to name
+    assert _front_matter(merged)["library_name"] == "transformers"
+    text = adapter.read_text()
+    for needed in ("## Training", "## Results", "## Chat template and stop tokens", "## How to use"):
+        assert needed in text
+    assert f"{run['result']['eval']['loss']:.4f}" in text  # the final evaluation
+    assert "rank 16, alpha 32.0" in text and "163,840 of" in text
+    assert "`<|eos|>`" in text  # the stop token, by name
+    assert "only lmtune builds" in text  # an adapter of a preset: load the merged model
+    merged_text = merged.read_text()
+    assert f'from_pretrained("{REPO_ID}")' in merged_text  # the pushed folder loads from the repo
+    assert f'from_pretrained("{out / "final"}")' not in merged_text
+
+
+def test_the_cards_code_runs(lora_run: tuple[Path, str, Any]) -> None:
+    out, _, _ = lora_run
+    folder = out / "final" / "merged"
+    code = re.search(r"```python\n(.*?)```", (folder / "README.md").read_text(), re.S)
+    assert code is not None
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(code.group(1).replace(REPO_ID, str(folder)), {})  # the same code, on the local copy
+    assert printed.getvalue().endswith("\n")  # it printed the reply (the untrained model's, maybe empty)
+
+
+def test_push_to_hub_uploads_the_merged_model_at_the_end(lora_run: tuple[Path, str, Any]) -> None:
+    out, stdout, api = lora_run
+    api.create_repo.assert_called_once_with(REPO_ID, repo_type="model", private=True, exist_ok=True)
+    (call,) = api.upload_folder.call_args_list
+    assert call.kwargs["repo_id"] == REPO_ID and Path(call.kwargs["folder_path"]) == out / "final" / "merged"
+    assert f"pushed {out / 'final' / 'merged'} to https://huggingface.co/{REPO_ID}" in stdout
+
+
+def test_a_failed_push_is_a_warning_with_the_command_to_retry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "final").mkdir()
+    settings = CheckpointSettings(push_to_hub=REPO_ID, hub_private=True)
+    with fake_hub(fail=OSError("connection reset\nby peer")):
+        assert not hub.push_final(tmp_path, settings, merged=False, log=mock.Mock())
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "OSError: connection reset by peer" in err
+    assert f"to retry: lmtune push {tmp_path / 'final'} {REPO_ID} --private" in err
+
+
+def test_full_model_card_export_card_and_lmtune_push(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = str(_write_chat(tmp_path / "chat.jsonl"))
+    out = tmp_path / "out"
+    argv = ["--data", data, "--eval-data", data, "--max-steps", "2", "--global-batch-size", "3"]
+    code, _, _ = _train([*argv, "--save-every", "1", "--keep-last", "0", "--output-dir", str(out)])
+    assert code == 0
+    final = out / "final"
+    assert _front_matter(final / "README.md")["library_name"] == "transformers"
+    snippet = re.search(r"```python\n(.*?)```", (final / "README.md").read_text(), re.S)
+    assert snippet is not None and f'from_pretrained("{final}")' in snippet.group(1)
+    exec(snippet.group(1), {})
+    # lmtune export: the card of the checkpoint, with the results of its own step.
+    exported = tmp_path / "step1"
+    assert main(["export", str(out / "checkpoints" / "step-000001"), str(exported)]) == 0
+    card = (exported / "README.md").read_text()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step1 = next(r for r in rows if r["kind"] == "train" and r["step"] == 1)
+    assert "Exported from the checkpoint of step 1" in card and f"{step1['loss']:.4f}" in card
+    assert card.count(f'from_pretrained("{exported}")') == 2 and "# step1\n" in card  # not its .tmp name
+    # lmtune push: any saved folder, its card rewritten for the repo; a user's own README is kept.
+    with fake_hub() as api:
+        assert main(["push", str(final), REPO_ID]) == 0
+    assert api.upload_folder.call_args.kwargs["folder_path"] == final
+    assert f'from_pretrained("{REPO_ID}")' in (final / "README.md").read_text()
+    (exported / "README.md").write_text("# mine\n")
+    with fake_hub():
+        assert main(["push", str(exported), REPO_ID, "--private"]) == 0
+    assert (exported / "README.md").read_text() == "# mine\n"
+    assert "was not written by lmtune" in capsys.readouterr().out
+
+
+def test_push_needs_a_token_a_repo_id_and_the_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with fake_hub():
+        hub.check_push(REPO_ID)
+        with pytest.raises(UserError, match="--push-to-hub no/such/repo: not a hub repo id"):
+            hub.check_push("no/such/repo")
+        with (
+            mock.patch.object(huggingface_hub, "get_token", lambda: None),
+            pytest.raises(UserError, match="--push-to-hub: no Hugging Face token; set HF_TOKEN or log in"),
+        ):
+            hub.check_push(REPO_ID)
+    with pytest.raises(UserError, match="HF_HUB_OFFLINE is set"):
+        hub.check_push(REPO_ID)  # the tests run offline
+    code = main(["train", "--push-to-hub", REPO_ID, "--output-dir", str(tmp_path / "o")])
+    assert code == 2 and not (tmp_path / "o").exists()  # refused before anything ran
+    from lmtune.config.io import MEASURING_RUN
+
+    assert MEASURING_RUN["push_to_hub"] is None  # plan's and bench's own runs never upload

@@ -1,0 +1,159 @@
+"""The names users bring from HF Trainer, TRL and Axolotl: accepted where they mean the same, else a
+hint that names what to do (exit 2); typos get the closest names. Flags and YAML alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmtune.cli import main
+from lmtune.cli.commands import train_config
+from lmtune.cli.parser import build_parser
+from lmtune.config.aliases import ALIASES, HINTS
+from lmtune.config.io import build_config, load_yaml
+from lmtune.config.settings import TrainConfig, config_fields, setting_named, to_dict
+from lmtune.errors import UserError
+
+SETTINGS = {s.name for s in config_fields()}
+
+
+def _value(name: str) -> Any:
+    """A value of setting ``name`` other than its default."""
+    s = setting_named(name)
+    if s.choices:
+        return next(c for c in s.choices if c != s.default)
+    if s.type is bool:
+        return not s.default
+    if s.type is int:
+        return 3
+    if s.type is float:
+        return 0.25
+    return "other/value"
+
+
+def _flag_args(flag: str, name: str) -> list[str]:
+    value = _value(name)
+    if isinstance(value, bool):
+        return [flag] if value else ["--no-" + flag[2:]]
+    return [flag, str(value)]
+
+
+def test_the_table_names_real_settings_and_nothing_twice() -> None:
+    assert set(ALIASES.values()) <= SETTINGS
+    assert not (set(ALIASES) | set(HINTS)) & SETTINGS  # a setting's own name is no foreign name
+    assert not set(ALIASES) & set(HINTS)
+    for peer in ("learning_rate", "num_train_epochs", "per_device_train_batch_size", "max_seq_length"):
+        assert peer in ALIASES
+    for peer in ("gradient_accumulation_steps", "bf16", "lr_scheduler_type"):
+        assert peer in HINTS
+
+
+@pytest.mark.parametrize(("foreign", "ours"), sorted(ALIASES.items()))
+def test_an_alias_sets_the_same_setting_by_flag_and_yaml(foreign: str, ours: str, tmp_path: Path) -> None:
+    expected = TrainConfig(**{ours: _value(ours)})
+    for flag in (f"--{foreign.replace('_', '-')}", f"--{foreign}"):
+        cfg = train_config(build_parser().parse_args(["train", *_flag_args(flag, ours)]))
+        assert cfg == expected, flag
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(json.dumps({foreign: _value(ours)}))
+    cfg = build_config(load_yaml(str(yaml_file)))
+    assert cfg == expected
+    assert foreign not in to_dict(cfg) and to_dict(cfg)[ours] == _value(ours)  # run.json: lmtune's name
+
+
+@pytest.mark.parametrize("foreign", sorted(HINTS))
+def test_a_name_with_another_meaning_is_refused_with_a_hint(
+    foreign: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flag = f"--{foreign.replace('_', '-')}"
+    assert main(["train", flag, "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: lmtune train: {flag}: ") and err.count("\n") == 1
+    assert "{" not in err  # every placeholder filled with a flag
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(f"seed: 1\n{foreign}: 1\n")
+    with pytest.raises(UserError, match=rf"--config {yaml_file}:2: {foreign}: ") as refused:
+        load_yaml(str(yaml_file))
+    assert "--" not in str(refused.value).split(f"{foreign}: ", 1)[1]  # YAML names in a YAML hint
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["train", "--eval-splt", "0.1"], "unknown option --eval-splt; did you mean --eval-split?"),
+        (["train", "--learning-rat", "1"], "did you mean --lr?"),
+        (["train", "--gradient-accumulation-step", "4"], "derives gradient accumulation from --global-batch"),
+        (["plan", "--per-device-train-batch-size", "4", "--bf16"], "--bf16: set the precision with"),
+        (["bench", "--learning-rate", "1e-4"], "--learning-rate is --lr in lmtune, which lmtune bench"),
+        (["data", "audit", "x.jsonl", "--num-train-epochs", "2"], "is --epochs in lmtune, which lmtune data"),
+        (["data", "audit", "x.jsonl", "--max-seq-lenght", "8"], "did you mean --max-length?"),
+        (["train", "--zzz-top"], "unknown option --zzz-top (`lmtune train --help` lists them)"),
+        (["train", "stray.jsonl"], "unexpected argument stray.jsonl"),
+    ],
+)
+def test_unknown_options_are_explained_in_one_line(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.startswith("error: lmtune ") and err.count("\n") == 1
+    assert "usage:" not in err
+
+
+def test_peers_first_options_train_as_lmtunes() -> None:
+    peer = ["--learning-rate", "1e-4", "--num-train-epochs", "2", "--per-device-train-batch-size", "4"]
+    peer += ["--max_seq_length", "256", "--lora_r", "8", "--use-peft", "--output_dir", "out"]
+    ours = ["--lr", "1e-4", "--epochs", "2", "--micro-batch-size", "4", "--max-length", "256"]
+    ours += ["--lora-rank", "8", "--lora", "--output-dir", "out"]
+    parse = build_parser().parse_args
+    assert train_config(parse(["train", *peer])) == train_config(parse(["train", *ours]))
+
+
+def test_yaml_names_twice_and_typos(tmp_path: Path) -> None:
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("lr: 1.0e-4\nlearning_rate: 2.0e-4\n")
+    with pytest.raises(UserError, match=r"twice.yaml:2: lr is set twice \(as lr and learning_rate\)"):
+        load_yaml(str(twice))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("model: tiny\n\nwarmup_step: 3\n")
+    with pytest.raises(
+        UserError, match=r"typo.yaml:3: unknown setting warmup_step; did you mean warmup_steps"
+    ):
+        load_yaml(str(typo))
+    mapped = tmp_path / "mapped.yaml"
+    mapped.write_text("field_map: {messages: dialog, role: speaker}\npacking: true\n")
+    cfg = build_config(load_yaml(str(mapped)))
+    assert cfg.examples.field_map == "messages=dialog,role=speaker" and cfg.batch.packing == "on"
+
+
+def test_python_config_names_the_setting_it_meant() -> None:
+    with pytest.raises(TypeError, match="did you mean 'lr'"):
+        TrainConfig(learning_rate=1e-4)
+    with pytest.raises(TypeError, match="derives gradient accumulation"):
+        TrainConfig(gradient_accumulation_steps=4)
+
+
+def test_help_shows_lmtune_names_only(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    shown = capsys.readouterr().out
+    assert "--lr LR" in shown and "--learning-rate" not in shown and "--max_steps" not in shown
+
+
+def test_yes_no_options_take_true_and_false_as_hf_examples_write_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lmtune.cli.parser import spelled_out_flags
+
+    parser = build_parser()
+    argv = ["train", "--gradient_checkpointing", "True", "--lora", "false", "--load-best-at-end", "1"]
+    args, extra = parser.parse_known_args(argv)
+    assert extra == ["True", "false", "1"]
+    cfg = train_config(parser.parse_args(spelled_out_flags(args.parser, argv)))
+    assert cfg == TrainConfig(activation_checkpointing=True, lora=False, load_best_at_end=True)
+    assert main(["train", "--bf16", "True", "--lora-target-modules", "q_proj", "v_proj"]) == 2
+    err = capsys.readouterr().err
+    assert "--bf16: set the precision with --precision bf16" in err and "True" not in err

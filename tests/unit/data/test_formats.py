@@ -1,0 +1,139 @@
+"""ShareGPT records and --field-map: a data set with other names trains exactly as lmtune's own
+format would, with no conversion script."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lmtune.cli import main
+from lmtune.config.groups import ExampleSettings
+from lmtune.data.formats import FieldMap, render
+from lmtune.data.prepare import encode_in_memory
+from lmtune.data.sources import Record
+from lmtune.errors import UserError
+from lmtune.model.modeling import byte_tokenizer
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "6."},
+]
+SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def _sharegpt(turns: list[dict[str, str]]) -> dict[str, Any]:
+    return {"conversations": [{"from": SHAREGPT_ROLE[t["role"]], "value": t["content"]} for t in turns]}
+
+
+def _encoded(rows: list[dict[str, Any]], **settings: Any) -> tuple[list[Any], dict[str, int]]:
+    recs = [Record("d.jsonl", i + 1, r) for i, r in enumerate(rows)]
+    data, stats = encode_in_memory(recs, byte_tokenizer(), ExampleSettings(**settings))
+    return [tuple(np.asarray(x).tolist() for x in data[i][:2]) for i in range(len(data))], stats.formats
+
+
+def test_sharegpt_trains_exactly_as_the_same_messages() -> None:
+    ours, ours_formats = _encoded([{"messages": CHAT}])
+    theirs, formats = _encoded([_sharegpt(CHAT)])
+    assert theirs == ours  # the same token ids and the same trained positions
+    assert formats == {"sharegpt": 1} and ours_formats == {"messages": 1}
+    forced, _ = _encoded([_sharegpt(CHAT)], format="sharegpt")
+    assert forced == ours
+
+
+def test_sharegpt_unknown_role_names_file_line_and_the_way_out() -> None:
+    row = {"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "x"}]}
+    with pytest.raises(
+        UserError,
+        match=r"d\.jsonl:1: message 2 has unknown role 'function_call'.*"
+        r"--field-map ROLE=VALUE, such as assistant=function_call",
+    ):
+        render(Record("d.jsonl", 1, row), "auto", FieldMap.of(ExampleSettings()), byte_tokenizer())
+    mapped, _ = _encoded([row], field_map="tool=function_call")
+    assert len(mapped) == 0  # readable now; a conversation whose only reply is a tool turn trains nothing
+
+
+@pytest.mark.parametrize(
+    ("theirs", "field_map", "ours"),
+    [
+        (
+            {"dialog": [{"speaker": "user", "text": "hi"}, {"speaker": "bot", "text": "hello"}]},
+            "messages=dialog,role=speaker,content=text,assistant=bot",
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        ),
+        (
+            {"question": "2+2=", "answer": "4"},
+            "prompt=question,completion=answer",
+            {"prompt": "2+2=", "completion": "4"},
+        ),
+        ({"body": "plain text", "id": 3}, "text=body", {"text": "plain text"}),
+        # The mapped field wins over a field of the data set that happens to carry lmtune's name.
+        ({"text": "not me", "prompt": "Q", "completion": "A"}, "text=prompt", {"text": "Q"}),
+    ],
+)
+def test_field_map_trains_as_lmtunes_own_names(
+    theirs: dict[str, Any], field_map: str, ours: dict[str, Any]
+) -> None:
+    assert _encoded([theirs], field_map=field_map) == _encoded([ours])
+
+
+def test_text_field_is_the_field_map_of_text() -> None:
+    assert _encoded([{"body": "x y"}], text_field="body") == _encoded(
+        [{"body": "x y"}], field_map="text=body"
+    )
+    with pytest.raises(UserError, match="--field-map text=other and --text-field body differ"):
+        FieldMap.of(ExampleSettings(text_field="body", field_map="text=other"))
+
+
+@pytest.mark.parametrize(
+    ("field_map", "message"),
+    [
+        ("prompt", "expected OURS=THEIRS pairs, got 'prompt'"),
+        ("answer=completion", "'answer' is none of lmtune's fields"),
+        ("prompt=", "expected OURS=THEIRS"),
+    ],
+)
+def test_bad_field_maps_name_the_option(field_map: str, message: str) -> None:
+    with pytest.raises(UserError, match=f"--field-map: {message}"):
+        FieldMap.of(ExampleSettings(field_map=field_map))
+
+
+def test_a_missing_mapped_field_names_both_names() -> None:
+    with pytest.raises(UserError, match=r"no 'completion' field \(--field-map completion=answer\)"):
+        render(
+            Record("d.jsonl", 4, {"prompt": "q", "other": 1}),
+            "prompt_completion",
+            FieldMap.of(ExampleSettings(field_map="completion=answer")),
+            byte_tokenizer(),
+        )
+
+
+def test_audit_reads_with_the_field_map(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "qa.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(5))
+    )
+    assert main(["data", "audit", str(data)]) == 2  # unreadable as it is
+    capsys.readouterr()
+    assert main(["data", "audit", str(data), "--field-map", "prompt=question,completion=answer"]) == 0
+    assert "prompt_completion 5" in capsys.readouterr().out
+
+
+def test_training_on_sharegpt_records(tmp_path: Path) -> None:
+    """The CLI trains on ShareGPT records as chat: the end of turn trains and saved models stop there."""
+    rows = [_sharegpt(CHAT[:3]) for _ in range(8)]
+    data = tmp_path / "sharegpt.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "2"]
+    assert main([*argv, "--global-batch-size", "4", "--no-progress"]) == 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["data"]["train"]["formats"] == {"sharegpt": 8}
+    assert run["data"]["train"]["eos_trained"] == 8
+    assert (out / "final" / "config.json").is_file()
