@@ -117,9 +117,10 @@ class ExampleSettings:
             "auto (from each record's fields) | text (train on all of it) | prompt_completion "
             "(prompt+completion or instruction/input/output; train on the completion) | messages "
             "(chat; train "
-            "on assistant turns)."
+            "on assistant turns) | preference (prompt + chosen + rejected, as strings or as messages, "
+            "for the preference objectives)."
         ),
-        choices=("auto", "text", "prompt_completion", "messages"),
+        choices=("auto", "text", "prompt_completion", "messages", "preference"),
         flag="data_format",
     )
     text_field: str = setting("text", "Name of the field holding plain text.")
@@ -144,6 +145,8 @@ class ExampleSettings:
         "right",
         (
             "Examples longer than --max-length: right (cut the end) | left (cut the start) | drop | error. "
+            "A preference pair longer than it (prompt and its longer answer) is cut by right and left alike: "
+            "the prompt from the left, the answers from the right. "
             "Counts go to the log and run.json."
         ),
         choices=("right", "left", "drop", "error"),
@@ -164,10 +167,41 @@ class ObjectiveSettings:
 
     name: str = setting(
         "sft",
-        "sft: supervised fine-tuning, next-token loss on the trained tokens, normalised by the "
-        "global number of target tokens.",
-        choices=("sft",),
+        (
+            "sft: supervised fine-tuning, next-token loss on the trained tokens, normalised by the global "
+            "number of target tokens | dpo | ipo | simpo | orpo: preference tuning on {prompt, chosen, "
+            "rejected} pairs, normalised by the global number of pairs (losses as TRL names them)."
+        ),
+        choices=("sft", "dpo", "ipo", "simpo", "orpo"),
         flag="objective",
+    )
+    beta: float = setting(
+        0.1,
+        (
+            "Preference objectives: the strength of the implicit reward (DPO's beta; IPO's tau; SimPO's "
+            "beta; the reward scale logged for ORPO). Higher keeps the policy closer to the reference."
+        ),
+    )
+    label_smoothing: float = setting(
+        0.0,
+        "--objective dpo: the assumed share of flipped preference labels (conservative DPO), in [0, 0.5).",
+    )
+    simpo_gamma: float = setting(0.5, "--objective simpo: the target reward margin gamma.")
+    orpo_lambda: float = setting(
+        0.1, "--objective orpo: the weight lambda of the odds-ratio term against the chosen answer's NLL."
+    )
+    reference: str = setting(
+        "logprobs",
+        (
+            "dpo and ipo: logprobs (the reference's log-probs of every pair computed once before training, "
+            "cached next to the token cache) | live (a frozen reference runs in every step; with --lora "
+            "the base with the adapter disabled, without a second copy)."
+        ),
+        choices=("logprobs", "live"),
+    )
+    reference_model: str | None = setting(
+        None,
+        "dpo and ipo: the reference model (a folder, hub id or preset); default: the starting model.",
     )
 
 
@@ -302,13 +336,15 @@ class EvalSettings:
     metric_for_best: str | None = setting(
         None,
         (
-            "Keep the best checkpoint by this eval metric (eval_loss | eval_perplexity; lower is "
-            "better unless"
-            " --greater-is-better): it is saved when it improves and never pruned."
+            "Keep the best checkpoint by this eval metric (eval_loss | eval_perplexity, lower is better; "
+            "preference objectives: eval_rewards/accuracies | eval_rewards/margins, higher is better): it is "
+            "saved when it improves and never pruned."
         ),
-        choices=("eval_loss", "eval_perplexity"),
+        choices=("eval_loss", "eval_perplexity", "eval_rewards/accuracies", "eval_rewards/margins"),
     )
-    greater_is_better: bool = setting(False, "With --metric-for-best: higher is better.")
+    greater_is_better: bool = setting(
+        False, "With --metric-for-best eval_loss or eval_perplexity: higher is better."
+    )
     load_best_at_end: bool = setting(
         False, "With --metric-for-best: final/ is the best model, not the last one."
     )

@@ -9,8 +9,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lmtune.data.tokenize import IGNORE_INDEX, Encoded
+from lmtune.errors import UserError
 
 IDS_FILE, MASK_FILE, OFFSETS_FILE, META_FILE = "input_ids.bin", "trainable.bin", "offsets.npy", "meta.json"
+PARTS_FILE = "pairs.npy"  # preference pairs: each pair's prompt and chosen lengths
 
 
 class Example(NamedTuple):
@@ -19,11 +21,40 @@ class Example(NamedTuple):
     example_id: int  # position in the data set, to record which samples a step consumed
 
 
+class PairExample(Example):
+    """A preference pair (lmtune.data.pairs), still an :class:`Example` of three fields:
+    ``input_ids`` are its prompt, chosen and rejected tokens back to back, ``parts`` the prompt's
+    and the chosen answer's lengths, ``reference`` the reference model's log-probs of the chosen
+    and the rejected answer when they were precomputed."""
+
+    parts: tuple[int, int]
+    reference: tuple[float, float] | None
+
+    def __new__(
+        cls,
+        input_ids: np.ndarray,
+        labels: np.ndarray,
+        example_id: int,
+        parts: tuple[int, int],
+        reference: tuple[float, float] | None = None,
+    ) -> PairExample:
+        pair = super().__new__(cls, input_ids, labels, example_id)
+        pair.parts, pair.reference = parts, reference
+        return pair
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PairExample, (*self, self.parts, self.reference))
+
+
 class TokenizedDataset:
     """Example ``i`` is ``input_ids[offsets[i]:offsets[i + 1]]``; ``trainable`` marks the targets.
 
     The arrays may be ``np.memmap`` views of a cache folder, so every rank shares one copy in the
     page cache and a corpus larger than memory still trains.
+
+    A data set of preference pairs also has ``parts`` (per pair: the prompt's and the chosen
+    answer's lengths) and, once computed, ``reference`` (per pair: the reference model's log-probs
+    of both answers, set by :meth:`set_reference`).
     """
 
     def __init__(
@@ -32,9 +63,13 @@ class TokenizedDataset:
         trainable: np.ndarray,
         offsets: np.ndarray,
         meta: dict[str, Any] | None = None,
+        parts: np.ndarray | None = None,
     ):
         self.input_ids, self.trainable, self.offsets = input_ids, trainable, offsets
         self.meta = meta or {}
+        self.parts = parts
+        # Shared with the views of this data set (SplitView), so a reference set once reaches them.
+        self.extras: dict[str, np.ndarray] = {}
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -42,10 +77,34 @@ class TokenizedDataset:
     def __getitem__(self, i: int) -> Example:
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         ids = self.input_ids[lo:hi].astype(np.int64)
-        return Example(ids, np.where(self.trainable[lo:hi], ids, IGNORE_INDEX), i)
+        labels = np.where(self.trainable[lo:hi], ids, IGNORE_INDEX)
+        if self.parts is None:
+            return Example(ids, labels, i)
+        parts = (int(self.parts[i, 0]), int(self.parts[i, 1]))
+        reference = self.extras.get("reference")
+        refs = None if reference is None else (float(reference[i, 0]), float(reference[i, 1]))
+        return PairExample(ids, labels, i, parts, refs)
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    @property
+    def is_pairs(self) -> bool:
+        return self.parts is not None
+
+    def costs(self) -> np.ndarray:
+        """Tokens a forward pass runs per example: a pair's prompt runs once with each answer."""
+        lengths = self.lengths()
+        return lengths if self.parts is None else lengths + self.parts[:, 0]
+
+    def set_reference(self, logps: np.ndarray) -> None:
+        """The reference log-probs of every pair (``[len, 2]``: chosen, rejected), by position."""
+        assert self.parts is not None and logps.shape == (len(self.parts), 2)
+        self.extras["reference"] = logps
+
+    def base(self) -> TokenizedDataset:
+        """The whole data set this one is (a view's is the set it views)."""
+        return self
 
     @classmethod
     def from_encoded(cls, examples: list[Encoded], meta: dict[str, Any] | None = None) -> TokenizedDataset:
@@ -54,18 +113,30 @@ class TokenizedDataset:
         np.cumsum(lengths, out=offsets[1:])
         ids = np.concatenate([e.ids for e in examples]) if examples else np.zeros(0, np.int32)
         mask = np.concatenate([e.trainable for e in examples]) if examples else np.zeros(0, bool)
-        return cls(ids.astype(np.int32), mask.astype(bool), offsets, meta)
+        return cls(ids.astype(np.int32), mask.astype(bool), offsets, meta, _parts_of(examples))
 
     @classmethod
     def open(cls, folder: Path) -> TokenizedDataset:
         meta = json.loads((folder / META_FILE).read_text())
         offsets = np.load(folder / OFFSETS_FILE)
+        parts_file = folder / PARTS_FILE
+        parts = np.load(parts_file) if parts_file.is_file() else None
         total = int(offsets[-1])
         if total == 0:
-            return cls(np.zeros(0, np.int32), np.zeros(0, bool), offsets, meta)
+            return cls(np.zeros(0, np.int32), np.zeros(0, bool), offsets, meta, parts)
         ids = np.memmap(folder / IDS_FILE, dtype=np.int32, mode="r", shape=(total,))
         mask = np.memmap(folder / MASK_FILE, dtype=np.bool_, mode="r", shape=(total,))
-        return cls(ids, mask, offsets, meta)
+        return cls(ids, mask, offsets, meta, parts)
+
+
+def _parts_of(examples: list[Encoded]) -> np.ndarray | None:
+    """The pairs' parts as one array, or None for single examples; a data set holds one kind."""
+    kinds = {e.parts is None for e in examples}
+    if len(kinds) > 1:
+        raise UserError("the data mixes preference pairs with single examples; a data set holds one kind")
+    if not examples or examples[0].parts is None:
+        return None
+    return np.asarray([e.parts for e in examples], dtype=np.int64).reshape(-1, 2)
 
 
 class DatasetWriter:
@@ -77,12 +148,18 @@ class DatasetWriter:
         self._ids = (folder / IDS_FILE).open("wb")
         self._mask = (folder / MASK_FILE).open("wb")
         self._lengths: list[int] = []
+        self._parts: list[tuple[int, int] | None] = []
 
     def write(self, examples: list[Encoded]) -> None:
         for e in examples:
+            if self._parts and (self._parts[0] is None) != (e.parts is None):
+                raise UserError(
+                    "the data mixes preference pairs with single examples; a data set holds one kind"
+                )
             self._ids.write(e.ids.astype(np.int32).tobytes())
             self._mask.write(e.trainable.astype(np.bool_).tobytes())
             self._lengths.append(len(e.ids))
+            self._parts.append(e.parts)
         # Ranks waiting for this folder take a changing file time as the builder's sign of life.
         self._ids.flush()
         self._mask.flush()
@@ -94,6 +171,8 @@ class DatasetWriter:
         offsets = np.zeros(len(self._lengths) + 1, dtype=np.int64)
         np.cumsum(np.asarray(self._lengths, dtype=np.int64), out=offsets[1:])
         np.save(self.folder / OFFSETS_FILE, offsets)
+        if self._parts and self._parts[0] is not None:
+            np.save(self.folder / PARTS_FILE, np.asarray(self._parts, dtype=np.int64).reshape(-1, 2))
         (self.folder / META_FILE).write_text(json.dumps(meta, indent=2))
 
 
@@ -102,8 +181,10 @@ class SplitView(TokenizedDataset):
     the whole set, so records of what trained name the same examples as the data file does."""
 
     def __init__(self, base: TokenizedDataset, indices: np.ndarray):
-        super().__init__(base.input_ids, base.trainable, base.offsets, base.meta)
+        super().__init__(base.input_ids, base.trainable, base.offsets, base.meta, base.parts)
+        self.extras = base.extras
         self.indices = indices
+        self._base = base
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -114,6 +195,13 @@ class SplitView(TokenizedDataset):
     def lengths(self) -> np.ndarray:
         kept: np.ndarray = super().lengths()[self.indices]
         return kept
+
+    def costs(self) -> np.ndarray:
+        kept: np.ndarray = self._base.costs()[self.indices]
+        return kept
+
+    def base(self) -> TokenizedDataset:
+        return self._base
 
 
 def split_off(data: TokenizedDataset, share: float, seed: int) -> tuple[SplitView, SplitView]:

@@ -41,6 +41,8 @@ class Rendered:
 
 def detect_format(fields: Mapping[str, Any], text_field: str) -> str | None:
     """The format a record's fields say it has, or None."""
+    if "chosen" in fields and "rejected" in fields:
+        return "preference"
     if "messages" in fields:
         return "messages"
     if ("prompt" in fields and "completion" in fields) or ("instruction" in fields and "output" in fields):
@@ -52,7 +54,8 @@ def detect_format(fields: Mapping[str, Any], text_field: str) -> str | None:
 
 def _expected(text_field: str) -> str:
     return (
-        f"'{text_field}' (text), 'prompt' + 'completion', 'instruction' + 'output' (+ 'input'), or 'messages'"
+        f"'{text_field}' (text), 'prompt' + 'completion', 'instruction' + 'output' (+ 'input'), 'messages', "
+        "or 'prompt' + 'chosen' + 'rejected'"
     )
 
 
@@ -79,6 +82,11 @@ def render(
             f"{record.where}: cannot tell the format (fields found: {found}; expected: "
             f"{_expected(text_field)}; set another text field with --text-field)"
         )
+    if chosen == "preference":
+        raise UserError(
+            f"{record.where}: a preference pair (prompt, chosen, rejected) is not a single example; "
+            "tune on pairs with --objective dpo, ipo, simpo or orpo"
+        )
     if chosen == "text":
         text = _string(record, text_field)
         return Rendered(
@@ -104,25 +112,28 @@ def render(
     return replace(rendered, spans=((0, len(rendered.text)),)) if train_on_prompt else rendered
 
 
-def _messages(record: Record) -> list[dict[str, str]]:
-    raw = record.fields.get("messages")
+def messages_field(record: Record, name: str = "messages") -> list[dict[str, str]]:
+    """The record's list of ``{role, content}`` messages in field ``name``, checked."""
+    raw = record.fields.get(name)
     if not isinstance(raw, list) or not raw:
-        raise UserError(f"{record.where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise UserError(f"{record.where}: '{name}' must be a non-empty list of {{role, content}} objects")
     out = []
+    label = "message" if name == "messages" else f"'{name}' message"
     for i, m in enumerate(raw):
         if not isinstance(m, Mapping) or not isinstance(m.get("content"), str) or "role" not in m:
             raise UserError(
-                f"{record.where}: message {i + 1} must be an object with a 'role' and a string 'content'"
+                f"{record.where}: {label} {i + 1} must be an object with a 'role' and a string 'content'"
             )
         if m["role"] not in ROLES:
             raise UserError(
-                f"{record.where}: message {i + 1} has unknown role {m['role']!r} (roles: {', '.join(ROLES)})"
+                f"{record.where}: {label} {i + 1} has unknown role {m['role']!r} (roles: {', '.join(ROLES)})"
             )
         out.append({"role": str(m["role"]), "content": str(m["content"])})
     return out
 
 
-def _chat(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+def chat_text(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    """The messages rendered by the tokenizer's chat template."""
     return str(
         tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     )
@@ -134,14 +145,14 @@ def _render_messages(record: Record, tokenizer: Any) -> Rendered:
     A turn's span is what rendering up to and including it adds to the rendering of the
     conversation before it with the generation prompt: the reply and its end-of-turn marker.
     """
-    messages = _messages(record)
-    text = _chat(tokenizer, messages, generation_prompt=False)
+    messages = messages_field(record)
+    text = chat_text(tokenizer, messages, generation_prompt=False)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _chat(tokenizer, messages[:i], generation_prompt=True) if i else _empty_prompt(tokenizer)
-        upto = _chat(tokenizer, messages[: i + 1], generation_prompt=False)
+        before = chat_text(tokenizer, messages[:i], generation_prompt=True) if i else _empty_prompt(tokenizer)
+        upto = chat_text(tokenizer, messages[: i + 1], generation_prompt=False)
         if not (upto.startswith(before) and text.startswith(upto)):
             raise UserError(
                 f"{record.where}: the chat template does not render the conversation turn by turn, so "
@@ -156,14 +167,14 @@ def _render_messages(record: Record, tokenizer: Any) -> Rendered:
 def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:
     """A conversation's last turn, and the conversation rendered up to the assistant's reply."""
     ensure_chat_template(tokenizer)
-    messages = _messages(record)
-    return messages[-1]["content"], _chat(tokenizer, messages, generation_prompt=True)
+    messages = messages_field(record)
+    return messages[-1]["content"], chat_text(tokenizer, messages, generation_prompt=True)
 
 
 def _empty_prompt(tokenizer: Any) -> str:
     """What precedes a reply that opens the conversation."""
     try:
-        return _chat(tokenizer, [], generation_prompt=True)
+        return chat_text(tokenizer, [], generation_prompt=True)
     except Exception:  # many templates index messages[0]; then nothing precedes it
         return ""
 
