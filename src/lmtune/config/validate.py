@@ -127,9 +127,7 @@ def _check_objective(cfg: TrainConfig, need: Need) -> None:
         "reference_model",
         f"applies to --objective {' and '.join(WITH_REFERENCE)} only (the others need no reference)",
     )
-    need(
-        o.reference_model is None or bool(o.reference_model.strip()), "reference_model", "must name a model"
-    )
+    need(o.reference_model is None or bool(o.reference_model.strip()), "reference_model", "must name a model")
     metric = cfg.eval.metric_for_best or ""
     need(
         preference or not metric.startswith("eval_rewards/"),

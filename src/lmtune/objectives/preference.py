@@ -35,8 +35,9 @@ class Reference:
     ``adapter`` (the LoRA policy with its adapter disabled) or ``model`` (a frozen model)."""
 
     kind: str = "batch"
-    model: nn.Module | None = None  # kind "model": frozen, on the device (sharded under FSDP2)
-    chunk: int = 0  # kind "model": its chunked head's tokens per chunk; 0: full logits
+    # kind "model": a PreferenceLoss in reference_mode around the frozen model, on the device and
+    # sharded under FSDP2; called whole, so FSDP2 gathers its parameters.
+    module: nn.Module | None = None
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -67,6 +68,12 @@ class PreferenceLoss(LossModule):
         self._reference = (reference or Reference(),)
         self.logps_only = False
 
+    def reference_mode(self) -> PreferenceLoss:
+        """This module as a frozen reference: every forward returns log-probs."""
+        self.logps_only = True
+        self.requires_grad_(False)
+        return self.eval()
+
     @property
     def reference(self) -> Reference:
         return self._reference[0]
@@ -75,11 +82,11 @@ class PreferenceLoss(LossModule):
     def reference_pass(self) -> Iterator[None]:
         """Forward passes return the reference's log-probs of the pairs (the policy's own, with a
         LoRA adapter disabled: at the start of training it is the reference)."""
-        self.logps_only = True
+        before, self.logps_only = self.logps_only, True
         try:
             yield
         finally:
-            self.logps_only = False
+            self.logps_only = before
 
     def forward(  # type: ignore[override]
         self,
@@ -92,15 +99,21 @@ class PreferenceLoss(LossModule):
     ) -> torch.Tensor:
         if labels is None:
             return self.next_token_logits(input_ids, attention_mask)
+        batch = (input_ids, attention_mask, labels, position_ids, segment_ids, reference)
         labels, segments, inputs = self.route(input_ids, attention_mask, labels, position_ids, segment_ids)
         # A batch without pairs is an idle one (FSDP2's lockstep): it runs the model all the same.
         pairs = 0 if reference is None else int(reference.size(0))
         answers = Answers.of(labels, segments, pairs)
         if self.logps_only:
             with self._adapter_disabled():
-                return self._logps(self.model, answers, inputs, self.loss_chunk)
-        ref = self._live_reference(answers, inputs)
-        if ref is None:
+                return self._logps(answers, inputs)
+        if self.reference.kind == "model":
+            assert self.reference.module is not None
+            ref = self.reference.module(*batch)
+        elif self.reference.kind == "adapter":
+            with self._adapter_disabled():
+                ref = self._logps(answers, inputs)
+        else:
             ref = torch.zeros(pairs, 2, dtype=torch.float64, device=input_ids.device)
             ref = reference.double() if reference is not None else ref
         loss_sum, logps = self._policy(answers, inputs, ref)
@@ -121,23 +134,13 @@ class PreferenceLoss(LossModule):
         )
 
     @torch.no_grad()
-    def _live_reference(self, answers: Answers, inputs: dict[str, Any]) -> torch.Tensor | None:
-        ref = self.reference
-        if ref.kind == "adapter":
-            with self._adapter_disabled():
-                return self._logps(self.model, answers, inputs, self.loss_chunk)
-        if ref.kind == "model":
-            assert ref.model is not None
-            return self._logps(ref.model, answers, inputs, ref.chunk)
-        return None
-
-    @torch.no_grad()
-    def _logps(self, model: nn.Module, answers: Answers, inputs: dict[str, Any], chunk: int) -> torch.Tensor:
-        split = split_head(model) if chunk else None
+    def _logps(self, answers: Answers, inputs: dict[str, Any]) -> torch.Tensor:
+        """The model's summed answer log-probs, in the chunks the policy's loss takes."""
+        split = split_head(self.model) if self.loss_chunk else None
         if split is None:
-            return logps_from_logits(model(**inputs, use_cache=False).logits, answers)
+            return logps_from_logits(self.model(**inputs, use_cache=False).logits, answers)
         hidden = split.decoder(**inputs, use_cache=False).last_hidden_state
-        return pair_logps_chunked(hidden, split.head, answers, chunk, self.fp32_products)
+        return pair_logps_chunked(hidden, split.head, answers, self.loss_chunk, self.fp32_products)
 
     def _adapter_disabled(self) -> Any:
         disable = getattr(self.model, "disable_adapter", None)

@@ -33,12 +33,19 @@ from lmtune.model.tokens import fit_embeddings, set_stop_tokens
 from lmtune.objectives import objective_for
 from lmtune.objectives.base import LossSetup, Objective
 from lmtune.outputs.runlog import InfoLog, RunLog
-from lmtune.parallel.distributed import DistEnv, all_gather_object
+from lmtune.parallel.distributed import DistEnv, all_gather_object, broadcast_object
 from lmtune.parallel.wrap import wrap_model
 from lmtune.training.batch_layout import BatchLayout, batch_layout
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, optimizer_for
+from lmtune.training.reference import (
+    PolicyParts,
+    model_digest,
+    precompute_references,
+    precomputes,
+    with_live_reference,
+)
 
 # Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
 LORA_MIN_DEFAULT_LR = 2e-4
@@ -80,15 +87,28 @@ def build(run: RunContext, objective: Objective | None = None) -> Built:
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
     run.heartbeat.beat("load")
-    if "messages" in data_info["train"]["formats"]:
+    objective = objective or objective_for(cfg.objective)
+    check_data_kind(objective, train_data, eval_data)
+    if {"messages", "preference_messages"} & set(data_info["train"]["formats"]):
         # The reply's end-of-turn token trains; saved models must also stop generating there.
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
         log.info(f"chat data: saved models stop at {tokenizer.convert_ids_to_tokens(stops)}")
     layout = batch_layout(cfg, env.world_size, len(train_data))
     default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora.enabled else loaded.default_lr
     lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr
-    objective = objective or objective_for(cfg.objective)
+    # Hashed before wrapping: FSDP2 leaves each rank a shard, LoRA adds adapters.
+    digest = (
+        broadcast_object(model_digest(loaded.model) if env.is_main else None, env)
+        if (precomputes(run, objective) and cfg.objective.reference_model is None)
+        else None
+    )
     model, parts, loss = build_model(run, loaded.model, objective)
+    if precomputes(run, objective):
+        policy = PolicyParts(model, digest, loss.chunk, bool(parts.root.varlen), parts.sharded)
+        datasets = _distinct(train_data, eval_data, data_info)
+        data_info["reference"] = precompute_references(
+            run, policy, datasets, tokenizer.pad_token_id, data_cache_dir(cfg.data)
+        )
     # After wrapping: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
     optimizer = optimizer_for(cfg.optim, parts.root, lr)
     run_fingerprint = fingerprint(
@@ -115,6 +135,36 @@ def build(run: RunContext, objective: Objective | None = None) -> Built:
         fingerprint=run_fingerprint,
         objective=objective,
     )
+
+
+def check_data_kind(
+    objective: Objective, train_data: TokenizedDataset, eval_data: TokenizedDataset | None
+) -> None:
+    """Preference objectives train on pairs, the others on single examples."""
+    pairs = objective.unit == "pairs"
+    for data, option in ((train_data, "--data"), (eval_data, "--eval-data")):
+        if data is None or data.is_pairs == pairs:
+            continue
+        if pairs:
+            raise UserError(
+                f"{option}: --objective {objective.name} tunes on preference pairs, records of "
+                "'prompt', 'chosen' and 'rejected' (strings, or lists of messages); these are single examples"
+            )
+        raise UserError(
+            f"{option}: holds preference pairs (prompt, chosen, rejected); tune on them with --objective "
+            "dpo, ipo, simpo or orpo (--objective sft trains on single examples)"
+        )
+
+
+def _distinct(
+    train: TokenizedDataset, held_out: TokenizedDataset | None, info: dict[str, Any]
+) -> list[tuple[TokenizedDataset, str]]:
+    """The data sets whose pairs need reference log-probs, with their cache keys: one for the
+    training data and an --eval-split of it, two with --eval-data."""
+    found = [(train.base(), info["train"]["key"])]
+    if held_out is not None and held_out.base() is not train.base():
+        found.append((held_out.base(), info["eval"]["key"]))
+    return found
 
 
 def checkpoint_activations(model: torch.nn.Module, name: str, fp32_products: bool = False) -> None:
@@ -250,7 +300,7 @@ def loaders(run: RunContext, built: Built) -> tuple[FitData, DataLoader[Any] | N
     step_collate = built.objective.step_collator(
         pad, layout.micro_batch_size, built.batching, cfg.examples.max_length
     )
-    lengths = built.train_data.lengths().tolist()
+    lengths = built.train_data.costs().tolist()
     sampler = TrainSampler(
         len(built.train_data), cfg.batch.global_batch_size, env.rank, env.world_size, cfg.seed, lengths
     )
@@ -288,6 +338,7 @@ def build_model(
         log.info(f"--loss-chunk-size {cfg.model.loss_chunk_size}: not used; {loss.description}")
     if cfg.model.compile:
         compile_model(trained, log)
+    objective = with_live_reference(run, base, objective, varlen)  # a copy of the unwrapped start
     loss_module = objective.loss_module(trained, LossSetup(varlen, loss.chunk, run.products.fp32))
     model = wrap_model(loss_module, strategy, env, low_precision_dtype(cfg.model.precision))
     return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora.enabled), loss
