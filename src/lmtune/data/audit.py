@@ -11,6 +11,7 @@ import numpy as np
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import end_of_turn_ids
 from lmtune.data.formats import ensure_chat_template
+from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
 from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, rank_indices
 from lmtune.data.sources import BadLines, resolve_sources
@@ -39,11 +40,15 @@ class AuditReport:
     pad_is_eos: bool
     imbalance: Imbalance | None
     stops: list[str]  # the tokens that end an example: EOS, and in chat data the end of turn
+    pairs: PairAudit | None = None  # preference data
 
     @property
     def eos_ok(self) -> bool:
-        """Every example trains a stop token, except those whose end truncation cut off."""
+        """Every example trains a stop token, except those whose end truncation cut off (a pair's
+        answers are cut at their end by either truncation)."""
         missing = self.stats.examples - self.stats.eos_trained
+        if self.pairs is not None:
+            return missing <= self.stats.answers_truncated
         return missing <= (self.stats.truncated if self.truncation == "right" else 0)
 
     @property
@@ -113,8 +118,11 @@ def audit(
     if nproc_per_node > 1 and global_batch_size % (micro * nproc_per_node) == 0:
         imbalance = rank_imbalance(lengths, nproc_per_node, global_batch_size, micro, seed)
     stops = [tokenizer.eos_token_id]
-    if "messages" in stats.formats:
+    if {"messages", "preference_messages"} & set(stats.formats):
         stops += [t for t in end_of_turn_ids(tokenizer) if t not in stops]
+    pairs = None
+    if {"preference", "preference_messages"} & set(stats.formats):
+        pairs = audit_pairs(records(sources, counting, BadLines(skip=True)), tokenizer, settings.max_length)
     return AuditReport(
         spec=spec,
         stats=stats,
@@ -125,6 +133,7 @@ def audit(
         pad_is_eos=tokenizer.pad_token_id == tokenizer.eos_token_id,
         imbalance=imbalance,
         stops=tokenizer.convert_ids_to_tokens(stops),
+        pairs=pairs,
     )
 
 
@@ -180,6 +189,8 @@ def format_report(report: AuditReport) -> str:
         for lo, hi, count in hist:
             bar = "#" * max(1 if count else 0, round(40 * count / widest))
             lines.append(f"    {lo:>6}-{hi:<6} {count:>9,} {bar}")
+    if report.pairs is not None:
+        lines += pair_lines(report.pairs)
     if report.imbalance is not None:
         im = report.imbalance
         lines.append(

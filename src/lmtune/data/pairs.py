@@ -55,7 +55,7 @@ class PairTokens:
     rejected: np.ndarray
 
 
-def _is_messages(value: Any) -> bool:
+def is_messages(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, Mapping) for m in value)
 
 
@@ -77,7 +77,7 @@ def _answer_messages(record: Record, name: str) -> list[dict[str, str]]:
     return messages_field(record, name)
 
 
-def _conversation(record: Record) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
+def conversation(record: Record) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
     """(prompt, chosen, rejected) messages; without a prompt, the messages both answers start with."""
     chosen, rejected = _answer_messages(record, "chosen"), _answer_messages(record, "rejected")
     if "prompt" in record.fields:
@@ -98,10 +98,10 @@ def render_pair(record: Record, tokenizer: Any) -> PairTexts:
     for name in ("chosen", "rejected"):
         if name not in record.fields:
             raise UserError(f"{record.where}: preference record has no '{name}' field")
-    if _is_messages(record.fields.get("prompt")) or (
-        "prompt" not in record.fields and _is_messages(record.fields["chosen"])
+    if is_messages(record.fields.get("prompt")) or (
+        "prompt" not in record.fields and is_messages(record.fields["chosen"])
     ):
-        turns, chosen, rejected = _conversation(record)
+        turns, chosen, rejected = conversation(record)
         return PairTexts(
             prompt=chat_text(tokenizer, turns, generation_prompt=True),
             chosen=chat_text(tokenizer, turns + chosen, generation_prompt=False),
@@ -110,7 +110,7 @@ def render_pair(record: Record, tokenizer: Any) -> PairTexts:
             append_eos=False,
             format="preference_messages",
         )
-    if _is_messages(record.fields["chosen"]) or _is_messages(record.fields["rejected"]):
+    if is_messages(record.fields["chosen"]) or is_messages(record.fields["rejected"]):
         raise UserError(f"{record.where}: 'prompt' must be a list of messages when the answers are messages")
     prompt = _text(record, "prompt")
     return PairTexts(

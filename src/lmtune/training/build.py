@@ -236,7 +236,8 @@ def prepare_data(
             "cache": str(p.folder),
             "key": p.key,
             "built_by_ranks": builders,
-            **{k: meta[k] for k in (*(f.name for f in fields(EncodeStats)), "bad_lines")},
+            # .get: a cache built before a count existed lacks it
+            **{k: meta.get(k, 0) for k in (*(f.name for f in fields(EncodeStats)), "bad_lines")},
         }
         how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
         log.info(
@@ -244,6 +245,7 @@ def prepare_data(
             f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long, "
             f"{meta['dropped_no_targets']} dropped with no trainable tokens"
             + (f", {meta['bad_lines']} bad lines skipped" if meta["bad_lines"] else "")
+            + _pair_counts(meta)
         )
         for message in meta["bad_line_examples"][:5] if builders else []:
             log.info(f"  skipped: {message}")
@@ -256,6 +258,16 @@ def prepare_data(
         info["eval"] = {"spec": f"--eval-split {cfg.data.eval_split}", "examples": len(prepared["eval"])}
         log.info(f"eval data: {len(prepared['eval']):,} examples of --data held out (--eval-split)")
     return prepared["train"], prepared.get("eval"), info
+
+
+def _pair_counts(meta: dict[str, Any]) -> str:
+    """What truncation did to preference pairs, for the data line of the log."""
+    if not meta.get("truncated") or not {"preference", "preference_messages"} & set(meta["formats"]):
+        return ""
+    return (
+        f" (pairs: {meta.get('prompts_truncated', 0)} prompts cut from the left, "
+        f"{meta.get('answers_truncated', 0)} with answers cut from the right)"
+    )
 
 
 BATCHING_NAMES = {
