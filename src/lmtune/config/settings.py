@@ -224,7 +224,8 @@ _PLAN = (
     "model data data_format text_field train_on_prompt chat_template packing truncation "
     "skip_bad_lines txt_mode cache_dir max_length global_batch_size micro_batch_size seed strategy "
     "precision optimizer activation_checkpointing lora lora_rank lora_alpha lora_dropout "
-    "lora_target_modules loss_chunk_size compile device nproc_per_node nnodes trust_remote_code"
+    "lora_target_modules loss_chunk_size compile device nproc_per_node nnodes trust_remote_code "
+    "objective reference"
 )
 PLAN_SETTINGS = tuple(_PLAN.split())
 

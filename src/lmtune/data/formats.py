@@ -41,7 +41,7 @@ class Rendered:
 
 def detect_format(fields: Mapping[str, Any], text_field: str) -> str | None:
     """The format a record's fields say it has, or None."""
-    if "chosen" in fields and "rejected" in fields:
+    if "chosen" in fields or "rejected" in fields:  # one without the other: a broken pair
         return "preference"
     if "messages" in fields:
         return "messages"
