@@ -92,11 +92,6 @@ class TokenizedDataset:
     def is_pairs(self) -> bool:
         return self.parts is not None
 
-    def costs(self) -> np.ndarray:
-        """Tokens a forward pass runs per example: a pair's prompt runs once with each answer."""
-        lengths = self.lengths()
-        return lengths if self.parts is None else lengths + self.parts[:, 0]
-
     def set_reference(self, logps: np.ndarray) -> None:
         """The reference log-probs of every pair (``[len, 2]``: chosen, rejected), by position."""
         assert self.parts is not None and logps.shape == (len(self.parts), 2)
@@ -194,10 +189,6 @@ class SplitView(TokenizedDataset):
 
     def lengths(self) -> np.ndarray:
         kept: np.ndarray = super().lengths()[self.indices]
-        return kept
-
-    def costs(self) -> np.ndarray:
-        kept: np.ndarray = self._base.costs()[self.indices]
         return kept
 
     def base(self) -> TokenizedDataset:

@@ -271,7 +271,7 @@ def encode_pairs(
         stats.truncated += cut is not None
         stats.prompts_truncated += bool(cut and cut.prompt_cut)
         stats.answers_truncated += bool(cut and cut.answers_cut)
-        stats.tokens += 2 * len(pair.prompt) + len(pair.chosen) + len(pair.rejected)
+        stats.tokens += len(pair.prompt) + len(pair.chosen) + len(pair.rejected)  # as the model runs it
         stats.target_tokens += sum(targets)
         stats.eos_trained += bool(
             np.isin(pair.chosen[-1:], stops).all() and np.isin(pair.rejected[-1:], stops).all()

@@ -15,54 +15,47 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.model.chunked_loss import ChunkGrads, Products, chunk_logits, operand, scaled_grads
-
-if TYPE_CHECKING:
-    from lmtune.model.attention import Segments
 
 # (summed log-probs [pairs, 2], answer tokens [pairs, 2], reference log-probs [pairs, 2]), float64,
 # chosen then rejected -> each pair's loss [pairs].
 PairLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def sequence_ids(labels: torch.Tensor, segments: torch.Tensor | Segments | None) -> torch.Tensor:
-    """The sequence (in row order) of every position of ``labels``' rows: one per row, the real
-    segments of packed rows (padding has segment id -1), or the segments of a flattened row."""
-    rows, length = labels.shape
-    device = labels.device
-    if segments is None:
-        return torch.arange(rows, device=device)[:, None].expand(rows, length)
-    if isinstance(segments, torch.Tensor):
-        starts = torch.ones_like(segments, dtype=torch.bool)
-        starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-        starts &= segments >= 0
-        return (starts.reshape(-1).cumsum(0) - 1).reshape(rows, length)
-    lengths = torch.tensor(segments.lengths(), device=device)
-    return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)[None]
-
-
 @dataclass(frozen=True)
 class Answers:
-    """The answer tokens of a micro-batch of pairs, in row order: each pair's targets are
-    consecutive, chosen before rejected (lmtune.data.pair_collate)."""
+    """The answer tokens of a micro-batch of pairs (lmtune.data.pair_collate), in position order:
+    each pair's targets are consecutive, chosen before rejected."""
 
-    keep: torch.Tensor  # flat bool over the rows' positions: those with a target
-    targets: torch.Tensor  # their target tokens
-    seq: torch.Tensor  # their sequences: 2 * pair for the chosen answer, 2 * pair + 1 the rejected
+    source: torch.Tensor  # per target, the position whose hidden state predicts it
+    targets: torch.Tensor  # the target tokens
+    seq: torch.Tensor  # their answers: 2 * pair for the chosen one, 2 * pair + 1 the rejected one
     pairs: int
 
     @classmethod
-    def of(cls, labels: torch.Tensor, segments: torch.Tensor | Segments | None, pairs: int) -> Answers:
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-        keep = targets != IGNORE_INDEX
-        return cls(keep, targets[keep], sequence_ids(labels, segments).reshape(-1)[keep], pairs)
+    def of(cls, labels: torch.Tensor, part: torch.Tensor, pair: torch.Tensor, pairs: int) -> Answers:
+        """From the positions as the model runs them (flattened): their labels (an answer token's
+        own id, else IGNORE_INDEX), part (0 prompt, 1 chosen, 2 rejected, -1 none) and pair.
+
+        A token is predicted by the position before it, but for a rejected answer's first token,
+        which the prompt's last position predicts (the chosen answer lies between them)."""
+        labels, part, pair = labels.reshape(-1), part.reshape(-1), pair.reshape(-1)
+        index = torch.arange(labels.numel(), device=labels.device)
+        before = torch.roll(index, 1)
+        first_rejected = (part == 2) & ((part[before] != 2) | (pair[before] != pair) | (index == 0))
+        prompt_end = torch.full((max(pairs, 1),), -1, dtype=torch.long, device=labels.device)
+        in_prompt = part == 0
+        prompt_end = prompt_end.scatter_reduce(0, pair[in_prompt], index[in_prompt], reduce="amax")
+        source = torch.where(first_rejected, prompt_end[pair.clamp(min=0)], index - 1)
+        keep = labels != IGNORE_INDEX
+        seq = 2 * pair + (part == 2).long()
+        return cls(source[keep], labels[keep], seq[keep], pairs)
 
     def counts(self) -> torch.Tensor:
         """Target tokens per answer, ``[pairs, 2]`` float64."""
@@ -70,8 +63,8 @@ class Answers:
         return torch.bincount(self.seq, minlength=n)[:n].reshape(self.pairs, 2).double()
 
     def rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The hidden states (or logits) of the positions with a target."""
-        return hidden.reshape(-1, hidden.size(-1))[self.keep]
+        """The hidden states (or logits) that predict the targets."""
+        return hidden.reshape(-1, hidden.size(-1))[self.source]
 
 
 def logps_from_logits(logits: torch.Tensor, answers: Answers) -> torch.Tensor:

@@ -27,6 +27,7 @@ from lmtune.model.loss import LossModule
 from lmtune.model.pair_head import Answers, logps_from_logits, pair_logps_chunked, pair_loss_chunked
 from lmtune.objectives.base import LossSetup
 from lmtune.objectives.pair_losses import PairLoss
+from lmtune.objectives.pair_routing import route_pairs
 
 
 @dataclass(frozen=True)
@@ -100,10 +101,10 @@ class PreferenceLoss(LossModule):
         if labels is None:
             return self.next_token_logits(input_ids, attention_mask)
         batch = (input_ids, attention_mask, labels, position_ids, segment_ids, reference)
-        labels, segments, inputs = self.route(input_ids, attention_mask, labels, position_ids, segment_ids)
         # A batch without pairs is an idle one (FSDP2's lockstep): it runs the model all the same.
         pairs = 0 if reference is None else int(reference.size(0))
-        answers = Answers.of(labels, segments, pairs)
+        routed = route_pairs(self, input_ids, attention_mask, labels, position_ids, segment_ids)
+        answers, inputs = Answers.of(routed.labels, routed.part, routed.pair, pairs), routed.inputs
         if self.logps_only:
             with self._adapter_disabled():
                 return self._logps(answers, inputs)

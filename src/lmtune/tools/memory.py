@@ -41,13 +41,13 @@ class Setup:
     world_size: int
     accumulation: int  # micro-steps per optimizer step
     loss_chunk: int = 0  # tokens per chunk of the chunked linear cross-entropy; 0: full logits
-    objective: str = "sft"  # a preference objective runs two sequences (chosen, rejected) per example
+    # A preference objective's example is a pair: its prompt and both answers in one row (length).
+    objective: str = "sft"
     live_reference: bool = False  # a frozen copy of the model runs beside it (without LoRA)
 
     @property
     def rows(self) -> int:
-        """Sequences per micro-batch: a pair's prompt runs with each answer."""
-        return self.micro_batch_size * (1 if self.objective == "sft" else 2)
+        return self.micro_batch_size
 
     @property
     def reference_copy(self) -> bool:

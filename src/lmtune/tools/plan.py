@@ -256,7 +256,7 @@ def row_length(cfg: TrainConfig) -> tuple[int, bool, str]:
 
         use_chat_template(tokenizer, cfg.examples.chat_template)
     train, _, info = prepare_data(cfg.replace(eval_data=None), tokenizer, env, quiet)
-    lengths = sequence_lengths(train)
+    lengths = train.lengths()
     longest = int(lengths.max())
     if (
         cfg.batch.packing == "auto"
@@ -266,17 +266,6 @@ def row_length(cfg: TrainConfig) -> tuple[int, bool, str]:
         return cfg.examples.max_length, True, "text data may be packed into rows of --max-length"
     padded = int(lengths.min()) < longest
     return longest, padded, f"longest example of --data: {longest} tokens"
-
-
-def sequence_lengths(data: Any) -> Any:
-    """Tokens per sequence the model runs: an example's, or a pair's prompt and its longer answer."""
-    lengths = data.lengths()
-    if data.parts is None:
-        return lengths
-    prompt, chosen = data.parts[:, 0], data.parts[:, 1]
-    rejected = data.base().lengths() - prompt - chosen
-    longer = prompt + chosen.clip(min=rejected)
-    return longer if data.base() is data else longer[data.indices]
 
 
 class _QuietLog:

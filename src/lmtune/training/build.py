@@ -312,7 +312,7 @@ def loaders(run: RunContext, built: Built) -> tuple[FitData, DataLoader[Any] | N
     step_collate = built.objective.step_collator(
         pad, layout.micro_batch_size, built.batching, cfg.examples.max_length
     )
-    lengths = built.train_data.costs().tolist()
+    lengths = built.train_data.lengths().tolist()
     sampler = TrainSampler(
         len(built.train_data), cfg.batch.global_batch_size, env.rank, env.world_size, cfg.seed, lengths
     )

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.audit import audit, format_report
@@ -54,8 +55,7 @@ def test_string_pairs_share_the_prompt_and_train_only_the_answers_with_eos() -> 
     chosen, rejected = sequences(pair)
     assert trained(chosen, tok) == " 4<|eos|>" and trained(rejected, tok) == " 5, I think<|eos|>"
     assert stats.target_tokens == 3 + 12
-    assert stats.tokens == 2 * 8 + 3 + 12  # the prompt runs with each answer
-    assert data.costs()[0] == stats.tokens
+    assert stats.tokens == 8 + 3 + 12 == data.lengths()[0]  # the prompt runs once for both answers
 
 
 def test_a_conversational_pair_renders_with_the_template_and_trains_only_the_answer() -> None:
@@ -141,7 +141,7 @@ def test_a_data_set_holds_one_kind_of_record() -> None:
         encode([rows[0]], format="prompt_completion")
 
 
-def test_pairs_collate_chosen_then_rejected_with_their_reference() -> None:
+def test_a_pair_runs_as_one_sequence_that_shares_its_prompt() -> None:
     rows = [
         {"prompt": "q" * (i + 1), "chosen": "a" * (2 * i + 1), "rejected": "b" * (5 - i)} for i in range(5)
     ]
@@ -150,23 +150,32 @@ def test_pairs_collate_chosen_then_rejected_with_their_reference() -> None:
     batch = PairCollator(tok.pad_token_id)([data[i] for i in (3, 1)])
     assert batch.example_ids == [3, 1] and batch.pairs == 2
     assert batch.reference.tolist() == [[6.0, 7.0], [2.0, 3.0]]
-    decoded = [
-        tok.decode(row[mask.bool()]) for row, mask in zip(batch.input_ids, batch.attention_mask, strict=True)
-    ]
-    assert decoded == [
-        "<|bos|>qqqq" + "a" * 7 + "<|eos|>",
-        "<|bos|>qqqq" + "b" * 2 + "<|eos|>",
-        "<|bos|>qq" + "aaa<|eos|>",
-        "<|bos|>qq" + "bbbb<|eos|>",
-    ]
+    row = batch.attention_mask[0].bool()
+    assert tok.decode(batch.input_ids[0][row]) == "<|bos|>qqqq" + "a" * 7 + "<|eos|>" + "bb<|eos|>"
+    # positions restart after the prompt for the rejected answer; segments tell the parts apart
+    assert batch.position_ids[0][row].tolist() == [*range(5 + 8), *range(5, 5 + 3)]
+    assert batch.segment_ids[0][row].tolist() == [0] * 5 + [1] * 8 + [2] * 3
+    assert (batch.segment_ids[1][batch.attention_mask[1] == 0] == -1).all()
     for mode in ("pad", "group", "pack", "auto"):
         micro = PairStepCollator(tok.pad_token_id, 2, mode, 32)([data[i] for i in range(5)])
         assert sorted(i for b in micro for i in b.example_ids) == list(range(5)), mode
-        assert sum(b.target_tokens() for b in micro) == sum(len(x) for x in (data.input_ids,)) - sum(
-            int(data.parts[i, 0]) for i in range(5)
-        ), mode
+        answers = sum(len(data[i].input_ids) - data[i].parts[0] for i in range(5))
+        assert sum(b.target_tokens() for b in micro) == answers, mode  # every answer token trains
         for b in micro:
             assert b.reference.tolist() == [[2.0 * i, 2.0 * i + 1] for i in b.example_ids], mode
+
+
+def test_the_pair_mask_keeps_the_answers_apart() -> None:
+    from lmtune.model.masks import pair_causal_mask
+
+    segments = torch.tensor([[0, 0, 1, 1, 2, 2, 3, 4, 5, -1]])
+    positions = torch.tensor([[0, 1, 2, 3, 2, 3, 0, 1, 1, 0]])
+    mask = pair_causal_mask(segments, positions)[0, 0]
+    assert mask[4].tolist() == [True, True, False, False, True, False, False, False, False, False]
+    assert mask[3].tolist() == [True, True, True, True, False, False, False, False, False, False]
+    assert mask[8].tolist() == [False] * 6 + [True, False, True, False]  # the second pair's rejected
+    windowed = pair_causal_mask(segments, positions, window=2)[0, 0]
+    assert windowed[5].tolist() == [False] * 4 + [True, True] + [False] * 4  # positions 2 and 3
 
 
 def test_audit_reports_pair_problems(tmp_path: Path) -> None:
