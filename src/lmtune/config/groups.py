@@ -145,8 +145,7 @@ class ExampleSettings:
         "right",
         (
             "Examples longer than --max-length: right (cut the end) | left (cut the start) | drop | error. "
-            "A preference pair longer than it (prompt and its longer answer) is cut by right and left alike: "
-            "the prompt from the left, the answers from the right. "
+            "Pairs (prompt + longer answer): right and left both cut the prompt left, the answers right. "
             "Counts go to the log and run.json."
         ),
         choices=("right", "left", "drop", "error"),
@@ -167,41 +166,31 @@ class ObjectiveSettings:
 
     name: str = setting(
         "sft",
-        (
-            "sft: supervised fine-tuning, next-token loss on the trained tokens, normalised by the global "
-            "number of target tokens | dpo | ipo | simpo | orpo: preference tuning on {prompt, chosen, "
-            "rejected} pairs, normalised by the global number of pairs (losses as TRL names them)."
-        ),
+        "sft: supervised fine-tuning, next-token loss on the trained tokens, normalised by the global number "
+        "of target tokens | dpo | ipo | simpo | orpo: preference tuning on {prompt, chosen, rejected} "
+        "pairs, normalised by the global number of pairs (losses as TRL names them).",
         choices=("sft", "dpo", "ipo", "simpo", "orpo"),
         flag="objective",
     )
     beta: float = setting(
         0.1,
-        (
-            "Preference objectives: the strength of the implicit reward (DPO's beta; IPO's tau; SimPO's "
-            "beta; the reward scale logged for ORPO). Higher keeps the policy closer to the reference."
-        ),
+        "Preference objectives: the implicit reward's scale (DPO's beta, IPO's tau, SimPO's beta, the "
+        "reward ORPO logs). Higher keeps the policy closer to the reference.",
     )
     label_smoothing: float = setting(
-        0.0,
-        "--objective dpo: the assumed share of flipped preference labels (conservative DPO), in [0, 0.5).",
+        0.0, "dpo and simpo: the assumed share of flipped preference labels (conservative DPO), in [0, 0.5)."
     )
     simpo_gamma: float = setting(0.5, "--objective simpo: the target reward margin gamma.")
-    orpo_lambda: float = setting(
-        0.1, "--objective orpo: the weight lambda of the odds-ratio term against the chosen answer's NLL."
-    )
+    orpo_lambda: float = setting(0.1, "--objective orpo: the weight lambda of the odds-ratio term.")
     reference: str = setting(
         "logprobs",
-        (
-            "dpo and ipo: logprobs (the reference's log-probs of every pair computed once before training, "
-            "cached next to the token cache) | live (a frozen reference runs in every step; with --lora "
-            "the base with the adapter disabled, without a second copy)."
-        ),
+        "dpo and ipo: logprobs (the reference's log-probs of every pair computed once before training, "
+        "cached beside the token cache) | live (a reference runs in every step: with --lora the base with "
+        "the adapter disabled, no second copy; else a frozen copy).",
         choices=("logprobs", "live"),
     )
     reference_model: str | None = setting(
-        None,
-        "dpo and ipo: the reference model (a folder, hub id or preset); default: the starting model.",
+        None, "dpo and ipo: the reference model (folder, hub id or preset); default: the starting model."
     )
 
 

@@ -28,16 +28,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# The metrics every preference objective reports (TRL's names), and ORPO's extra ones.
-METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
-ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+from lmtune.outputs.reporters import PREFERENCE_METRICS
+
+# The metrics every preference objective reports (TRL's names), and ORPO's extra ones; the
+# reporters send them under these names (lmtune.outputs.reporters).
+METRICS, ORPO_METRICS = PREFERENCE_METRICS[:6], PREFERENCE_METRICS[6:]
 WITH_REFERENCE = ("dpo", "ipo")
 LENGTH_AVERAGED = ("simpo", "orpo")
 
