@@ -26,7 +26,16 @@ from tests.support.pairs import write_pairs
 
 pytestmark = pytest.mark.distributed
 
-NAMES = ["dpo", "dpo-live", "dpo-lora-live", "dpo-fsdp", "ipo-packed", "simpo", "orpo-full-logits"]
+NAMES = [
+    "dpo",
+    "dpo-live",
+    "dpo-lora-live",
+    "dpo-fsdp",
+    "dpo-fsdp-live",
+    "ipo-packed",
+    "simpo",
+    "orpo-full-logits",
+]
 ONE_PROCESS = [n for n in NAMES if "fsdp" not in n]  # fsdp in one process is the single run
 
 
@@ -65,7 +74,7 @@ def _result(root: Path, name: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_two_ranks_train_as_one_process(runs: Path, name: str) -> None:
-    single = name.replace("-fsdp", "")
+    single = name.replace("-fsdp", "")  # FSDP2 over 2 ranks against the single process
     one, two = _result(runs / "one", single), _result(runs / "two", name)
     assert len(one["steps"]) == len(two["steps"]) == 6
     for a, b in zip(one["steps"], two["steps"], strict=True):

@@ -132,3 +132,24 @@ def test_user_errors_name_what_to_fix(
     )
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_reference_model_precomputed_or_live_gives_the_same_losses(tmp_path: Path) -> None:
+    from lmtune.model.modeling import build_preset
+
+    other = build_preset("tiny", seed=99)  # not the policy: the first loss is not ln 2
+    folder = tmp_path / "reference"
+    other.model.save_pretrained(folder)
+    other.tokenizer.save_pretrained(folder)
+    data = write_pairs(tmp_path / "pairs.jsonl", 16, seed=5)
+    losses = {}
+    for mode in ("logprobs", "live"):
+        out = tmp_path / mode
+        args = ["train", "--objective", "dpo", "--data", str(data), "--reference-model", str(folder)]
+        args += ["--reference", mode, "--max-steps", "2", "--global-batch-size", "8", "--no-progress"]
+        assert main([*args, "--output-dir", str(out)]) == 0
+        losses[mode] = [r["loss"] for r in train_rows(out)]
+        run = json.loads((out / "run.json").read_text())
+        assert str(folder) in run["resolved"]["reference"]
+    assert abs(losses["logprobs"][0] - 0.6931471805599453) > 1e-3
+    assert losses["live"] == pytest.approx(losses["logprobs"], abs=1e-6)

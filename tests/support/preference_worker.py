@@ -36,7 +36,7 @@ STEPS = 6
 SETTINGS: dict[str, dict[str, Any]] = {
     "dpo": {"objective": "dpo"},
     "dpo-live": {"objective": "dpo", "reference": "live"},
-    "dpo-lora-live": {"objective": "dpo", "lora": True, "lora_dropout": 0.0, "reference": "live", "lr": 5e-3},
+    "dpo-lora-live": {"objective": "dpo", "lora": True, "lora_dropout": 0.0, "reference": "live"},
     "dpo-fsdp": {"objective": "dpo", "strategy": "fsdp"},
     "dpo-fsdp-live": {"objective": "dpo", "strategy": "fsdp", "reference": "live"},
     "ipo-packed": {"objective": "ipo", "packing": "on", "beta": 0.5},

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lmtune.data.tokenize import IGNORE_INDEX
+from lmtune.errors import UserError
 
 VARLEN = "lmtune_varlen"
 # The same on the CPU under bf16 autocast, with attention in bf16 over bucketed shapes.
@@ -366,8 +367,6 @@ def _pairs(
     chosen answer as one causal sequence, the rejected answer's queries over the prompt's keys and
     its own (causal among them). ``[1, heads, T, dim]`` in, ``[1, T, heads, dim]`` out."""
     if bias is not None:
-        from lmtune.errors import UserError
-
         raise UserError(
             "preference objectives: this model's attention takes a position bias, which pairs do not"
         )

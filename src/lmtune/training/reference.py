@@ -97,8 +97,8 @@ def reference_model(run: RunContext, policy: nn.Module) -> nn.Module:
         cpu_bf16 = run.env.device.type == "cpu" and cfg.model.precision == "bf16"
         if _per_example_attention(policy) and not use_varlen(model, cpu_bf16):
             raise UserError(
-                f"--reference-model {name}: it cannot run per-example attention as the policy does "
-                "(its attention is not transformers' sdpa); use --compile, which keeps masks for both"
+                f"--reference-model {name}: it cannot run per-example attention as the policy does (its "
+                "attention is not transformers' sdpa); choose a reference of an architecture that can"
             )
     model.requires_grad_(False)
     model.eval()
@@ -256,7 +256,8 @@ def precompute_references(
     files = []
     for data, key in datasets:
         base = data.base()
-        path = data_cache / REFERENCE_DIR / f"{cache_key(source.digest(), key, run, source.chunk, micro)}.npy"
+        digest = source.digest()  # loads --reference-model, which decides its chunk
+        path = data_cache / REFERENCE_DIR / f"{cache_key(digest, key, run, source.chunk, micro)}.npy"
         values, info = cached_reference(
             run,
             base,
