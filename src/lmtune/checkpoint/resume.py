@@ -76,6 +76,9 @@ def fingerprint(
         "--optimizer": cfg.optim.name,
         "--lora": cfg.lora.enabled,
     }
+    if cfg.objective.name != "sft":  # (a checkpoint of an sft run names no objective)
+        o = cfg.objective
+        fixed |= {"--objective": o.name, "--reference": o.reference, "--reference-model": o.reference_model}
     if cfg.lora.enabled:
         # The frozen base is rebuilt from --model on resume, so it must be the same one.
         fixed |= {
@@ -105,6 +108,14 @@ def fingerprint(
         "--save-every": cfg.checkpoint.save_every,
         "--precision": cfg.model.precision,
     }
+    if cfg.objective.name != "sft":
+        o = cfg.objective
+        adjustable |= {
+            "--beta": o.beta,
+            "--label-smoothing": o.label_smoothing,
+            "--simpo-gamma": o.simpo_gamma,
+            "--orpo-lambda": o.orpo_lambda,
+        }
     return Fingerprint(fixed, adjustable)
 
 

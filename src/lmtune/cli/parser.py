@@ -215,7 +215,8 @@ def _bench_parser(sub: Any) -> None:
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
     # The run itself: a train --config file, and the few settings most often varied, as in train.
     _add_train_options(
-        bench, only=("model", "data", "global_batch_size", "micro_batch_size", "max_length", "packing")
+        bench,
+        only=("model", "data", "global_batch_size", "micro_batch_size", "max_length", "packing", "objective"),
     )
     bench.add_argument(
         "--json", metavar="PATH", default="bench.json", help="table as JSON (default: bench.json)"

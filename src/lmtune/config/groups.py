@@ -133,9 +133,10 @@ class ExampleSettings:
             "auto (from each record's fields) | text (train on all of it) | prompt_completion "
             "(prompt+completion or instruction/input/output; train on the completion) | messages "
             "(chat: a list of role/content turns; train on assistant turns) | sharegpt (chat as "
-            "conversations of from/value turns, roles human/gpt/system)."
+            "conversations of from/value turns, roles human/gpt/system) | preference (prompt + chosen + "
+            "rejected, as strings or as messages, for the preference objectives)."
         ),
-        choices=("auto", "text", "prompt_completion", "messages", "sharegpt"),
+        choices=("auto", "text", "prompt_completion", "messages", "sharegpt", "preference"),
         flag="data_format",
     )
     text_field: str = setting("text", "Name of the field holding plain text.")
@@ -168,6 +169,7 @@ class ExampleSettings:
         "right",
         (
             "Examples longer than --max-length: right (cut the end) | left (cut the start) | drop | error. "
+            "Pairs (prompt + longer answer): right and left both cut the prompt left, the answers right. "
             "Counts go to the log and run.json."
         ),
         choices=("right", "left", "drop", "error"),
@@ -188,10 +190,31 @@ class ObjectiveSettings:
 
     name: str = setting(
         "sft",
-        "sft: supervised fine-tuning, next-token loss on the trained tokens, normalised by the "
-        "global number of target tokens.",
-        choices=("sft",),
+        "sft: supervised fine-tuning, next-token loss on the trained tokens, normalised by the global number "
+        "of target tokens | dpo | ipo | simpo | orpo: preference tuning on {prompt, chosen, rejected} "
+        "pairs, normalised by the global number of pairs (losses as TRL names them).",
+        choices=("sft", "dpo", "ipo", "simpo", "orpo"),
         flag="objective",
+    )
+    beta: float = setting(
+        0.1,
+        "Preference objectives: the implicit reward's scale (DPO's beta, IPO's tau, SimPO's beta, the "
+        "reward ORPO logs). Higher keeps the policy closer to the reference.",
+    )
+    label_smoothing: float = setting(
+        0.0, "dpo and simpo: the assumed share of flipped preference labels (conservative DPO), in [0, 0.5)."
+    )
+    simpo_gamma: float = setting(0.5, "--objective simpo: the target reward margin gamma.")
+    orpo_lambda: float = setting(0.1, "--objective orpo: the weight lambda of the odds-ratio term.")
+    reference: str = setting(
+        "logprobs",
+        "dpo and ipo: logprobs (the reference's log-probs of every pair computed once before training, "
+        "cached beside the token cache) | live (a reference runs in every step: with --lora the base with "
+        "the adapter disabled, no second copy; else a frozen copy).",
+        choices=("logprobs", "live"),
+    )
+    reference_model: str | None = setting(
+        None, "dpo and ipo: the reference model (folder, hub id or preset); default: the starting model."
     )
 
 

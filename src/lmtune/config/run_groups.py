@@ -18,13 +18,15 @@ class EvalSettings:
     metric_for_best: str | None = setting(
         None,
         (
-            "Keep the best checkpoint by this eval metric (eval_loss | eval_perplexity; lower is "
-            "better unless"
-            " --greater-is-better): it is saved when it improves and never pruned."
+            "Keep the best checkpoint by this eval metric (eval_loss | eval_perplexity, lower is better; "
+            "preference objectives: eval_rewards/accuracies | eval_rewards/margins, higher is better): it is "
+            "saved when it improves and never pruned."
         ),
-        choices=("eval_loss", "eval_perplexity"),
+        choices=("eval_loss", "eval_perplexity", "eval_rewards/accuracies", "eval_rewards/margins"),
     )
-    greater_is_better: bool = setting(False, "With --metric-for-best: higher is better.")
+    greater_is_better: bool = setting(
+        False, "With --metric-for-best eval_loss or eval_perplexity: higher is better."
+    )
     load_best_at_end: bool = setting(
         False, "With --metric-for-best: final/ is the best model, not the last one."
     )

@@ -230,7 +230,7 @@ _PLAN = (
     "skip_bad_lines txt_mode cache_dir max_length global_batch_size micro_batch_size seed strategy "
     "precision optimizer activation_checkpointing lora lora_rank lora_alpha lora_dropout "
     "lora_target_modules load_in_4bit load_in_8bit bnb_4bit_quant_type loss_chunk_size compile device "
-    "nproc_per_node nnodes trust_remote_code"
+    "nproc_per_node nnodes trust_remote_code objective reference"
 )
 PLAN_SETTINGS = tuple(_PLAN.split())
 

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lmtune.config.groups import BatchSettings, LoraSettings, OptimSettings, ScheduleSettings
+from lmtune.config.groups import (
+    BatchSettings,
+    LoraSettings,
+    ObjectiveSettings,
+    OptimSettings,
+    ScheduleSettings,
+)
 from lmtune.config.run_groups import (
     CheckpointSettings,
     EvalSettings,
@@ -52,6 +58,7 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
     _check_lora(cfg.lora, need)
     _check_quantization(cfg, need)
     _check_eval(cfg.eval, need)
+    _check_objective(cfg, need)
     _check_samples(cfg.samples, need)
     _check_launch(cfg.launch, cfg.health, need)
     _check_outputs(cfg.checkpoint, cfg.logging.log_every, need)
@@ -125,6 +132,47 @@ def _check_eval(e: EvalSettings, need: Need) -> None:
         "needs --metric-for-best and --eval-every",
     )
     need(e.early_stopping_threshold >= 0, "early_stopping_threshold", "must be >= 0")
+
+
+# The objectives that tune on preference pairs, and those of them that compare with a reference.
+PREFERENCE = ("dpo", "ipo", "simpo", "orpo")
+WITH_REFERENCE = ("dpo", "ipo")
+
+
+def _check_objective(cfg: TrainConfig, need: Need) -> None:
+    o: ObjectiveSettings = cfg.objective
+    preference = o.name in PREFERENCE
+    need(o.beta > 0, "beta", "must be > 0")
+    need(0 <= o.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
+    need(
+        not o.label_smoothing or o.name in ("dpo", "simpo"),
+        "label_smoothing",
+        "applies to --objective dpo and simpo only",
+    )
+    need(o.simpo_gamma >= 0, "simpo_gamma", "must be >= 0")
+    need(o.orpo_lambda >= 0, "orpo_lambda", "must be >= 0")
+    need(
+        o.reference_model is None or o.name in WITH_REFERENCE,
+        "reference_model",
+        f"applies to --objective {' and '.join(WITH_REFERENCE)} only (the others need no reference)",
+    )
+    need(o.reference_model is None or bool(o.reference_model.strip()), "reference_model", "must name a model")
+    metric = cfg.eval.metric_for_best or ""
+    need(
+        preference or not metric.startswith("eval_rewards/"),
+        "metric_for_best",
+        "reward metrics need a preference objective (--objective dpo, ipo, simpo or orpo)",
+    )
+    need(
+        not preference or metric != "eval_perplexity",
+        "metric_for_best",
+        f"--objective {o.name} reports no perplexity; use eval_loss or eval_rewards/accuracies",
+    )
+    need(
+        not preference or cfg.launch.strategy != "dp",
+        "strategy",
+        f"--objective {o.name} keeps both answers of a pair in one replica; use ddp or fsdp",
+    )
 
 
 def _check_samples(s: SampleSettings, need: Need) -> None:

@@ -10,10 +10,11 @@ import numpy as np
 
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import end_of_turn_ids
-from lmtune.data.formats import CHAT_FORMATS, ensure_chat_template
+from lmtune.data.formats import CHAT_FORMATS, FieldMap, ensure_chat_template
+from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
 from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, rank_indices
-from lmtune.data.sources import BadLines, resolve_sources
+from lmtune.data.sources import BadLines, Record, resolve_sources
 from lmtune.data.tokenize import Encoded, EncodeStats
 from lmtune.errors import UserError
 
@@ -40,6 +41,7 @@ class AuditReport:
     imbalance: Imbalance | None
     stops: list[str]  # the tokens that end an example: EOS, and in chat data the end of turn
     skip_bad_lines: bool = False  # training would skip bad lines (else it stops at the first)
+    pairs: PairAudit | None = None  # preference data
 
     @property
     def stops_lost(self) -> int:
@@ -68,6 +70,9 @@ class AuditReport:
             found.append(f"{_count(s.dropped_no_targets, 'example')} with nothing to train")
         if self.bad.count and self.skip_bad_lines:
             found.append(f"{_count(self.bad.count, 'bad line')} skipped")
+        p = self.pairs
+        if p is not None and p.identical + p.empty:
+            found.append(f"{_count(p.identical + p.empty, 'pair')} with identical or empty answers")
         return found
 
     @property
@@ -148,6 +153,14 @@ def audit(
     stops = [tokenizer.eos_token_id]
     if set(CHAT_FORMATS) & set(stats.formats):
         stops += [t for t in end_of_turn_ids(tokenizer) if t not in stops]
+    pairs = None
+    if {"preference", "preference_messages"} & set(stats.formats):
+        names = FieldMap.of(settings)
+        mapped = (
+            Record(r.source, r.line, names.apply(r.fields))
+            for r in records(sources, counting, BadLines(skip=True))
+        )
+        pairs = audit_pairs(mapped, tokenizer, settings.max_length)
     return AuditReport(
         spec=spec,
         stats=stats,
@@ -159,6 +172,7 @@ def audit(
         imbalance=imbalance,
         stops=tokenizer.convert_ids_to_tokens(stops),
         skip_bad_lines=settings.skip_bad_lines,
+        pairs=pairs,
     )
 
 
@@ -210,6 +224,8 @@ def format_report(report: AuditReport) -> str:
         for lo, hi, count in hist:
             bar = "#" * max(1 if count else 0, round(40 * count / widest))
             lines.append(f"    {lo:>6}-{hi:<6} {count:>9,} {bar}")
+    if report.pairs is not None:
+        lines += pair_lines(report.pairs)
     if report.imbalance is not None:
         im = report.imbalance
         lines.append(

@@ -19,6 +19,10 @@ class Batch:
     # Packed rows only: positions restart at every example; segments tell the examples apart.
     position_ids: torch.Tensor | None = None
     segment_ids: torch.Tensor | None = None
+    # Preference pairs (lmtune.data.pair_collate): the rows' sequences, in row order, are each
+    # pair's chosen then rejected answer after its prompt; ``[pairs, 2]`` reference log-probs of
+    # them (zeros where the objective needs none, or computes them in the step).
+    reference: torch.Tensor | None = None
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         def opt(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -31,6 +35,7 @@ class Batch:
             example_ids=self.example_ids,
             position_ids=opt(self.position_ids),
             segment_ids=opt(self.segment_ids),
+            reference=opt(self.reference),
         )
 
     def to(self, device: torch.device) -> Batch:
@@ -39,12 +44,26 @@ class Batch:
     def pin_memory(self) -> Batch:
         return self._map(lambda t: t.pin_memory())
 
-    def model_inputs(self) -> tuple[torch.Tensor, ...]:
+    def model_inputs(self) -> tuple[torch.Tensor | None, ...]:
         """Positional arguments of the loss module (DataParallel scatters each along dim 0)."""
+        if self.reference is not None:  # position and segment ids may be None
+            return (
+                self.input_ids,
+                self.attention_mask,
+                self.labels,
+                self.position_ids,
+                self.segment_ids,
+                self.reference,
+            )
         if self.segment_ids is None:
             return self.input_ids, self.attention_mask, self.labels
         assert self.position_ids is not None
         return self.input_ids, self.attention_mask, self.labels, self.position_ids, self.segment_ids
+
+    @property
+    def pairs(self) -> int:
+        """Preference pairs in the batch (0 for single examples)."""
+        return 0 if self.reference is None else int(self.reference.size(0))
 
     def target_tokens(self) -> int:
         """Positions that contribute to the loss after the causal shift."""

@@ -42,21 +42,21 @@ class StepCollator:
         mode = self.mode
         if mode == "auto":
             lengths = sorted((len(e.input_ids) for e in examples), reverse=True)
-            padded = sum(chunk[0] * len(chunk) for chunk in _chunks(lengths, self.micro_batch_size))
+            padded = sum(chunk[0] * len(chunk) for chunk in chunks(lengths, self.micro_batch_size))
             mode = "pack" if padded > (1 + PACK_ABOVE_PADDING) * sum(lengths) else "group"
         if mode == "pack":
             rows = pack_bins([len(e.input_ids) for e in examples], self.max_length)
             packed = [[examples[i] for i in row] for row in rows]
             collate_rows = PackedCollator(self.pad_token_id)
-            return [collate_rows(chunk) for chunk in _chunks(packed, self.micro_batch_size)]
+            return [collate_rows(chunk) for chunk in chunks(packed, self.micro_batch_size)]
         ordered = list(examples)
         if mode == "group":
             ordered.sort(key=lambda e: -len(e.input_ids))
         collate = Collator(self.pad_token_id)
-        return [collate(chunk) for chunk in _chunks(ordered, self.micro_batch_size)]
+        return [collate(chunk) for chunk in chunks(ordered, self.micro_batch_size)]
 
 
-def _chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
+def chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
     """Consecutive slices of ``size`` items (the last may be shorter)."""
     return [items[i : i + size] for i in range(0, len(items), size)]
 

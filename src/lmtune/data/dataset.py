@@ -14,6 +14,7 @@ from lmtune.data.tokenize import IGNORE_INDEX, Encoded
 from lmtune.errors import UserError
 
 IDS_FILE, MASK_FILE, OFFSETS_FILE, META_FILE = "input_ids.bin", "trainable.bin", "offsets.npy", "meta.json"
+PARTS_FILE = "pairs.npy"  # preference pairs: each pair's prompt and chosen lengths
 
 
 class Example(NamedTuple):
@@ -22,11 +23,40 @@ class Example(NamedTuple):
     example_id: int  # position in the data set, to record which samples a step consumed
 
 
+class PairExample(Example):
+    """A preference pair (lmtune.data.pairs), still an :class:`Example` of three fields:
+    ``input_ids`` are its prompt, chosen and rejected tokens back to back, ``parts`` the prompt's
+    and the chosen answer's lengths, ``reference`` the reference model's log-probs of the chosen
+    and the rejected answer when they were precomputed."""
+
+    parts: tuple[int, int]
+    reference: tuple[float, float] | None
+
+    def __new__(
+        cls,
+        input_ids: np.ndarray,
+        labels: np.ndarray,
+        example_id: int,
+        parts: tuple[int, int],
+        reference: tuple[float, float] | None = None,
+    ) -> PairExample:
+        pair = super().__new__(cls, input_ids, labels, example_id)
+        pair.parts, pair.reference = parts, reference
+        return pair
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PairExample, (*self, self.parts, self.reference))
+
+
 class TokenizedDataset:
     """Example ``i`` is ``input_ids[offsets[i]:offsets[i + 1]]``; ``trainable`` marks the targets.
 
     The arrays may be ``np.memmap`` views of a cache folder, so every rank shares one copy in the
     page cache and a corpus larger than memory still trains.
+
+    A data set of preference pairs also has ``parts`` (per pair: the prompt's and the chosen
+    answer's lengths) and, once computed, ``reference`` (per pair: the reference model's log-probs
+    of both answers, set by :meth:`set_reference`).
     """
 
     def __init__(
@@ -35,9 +65,13 @@ class TokenizedDataset:
         trainable: np.ndarray,
         offsets: np.ndarray,
         meta: dict[str, Any] | None = None,
+        parts: np.ndarray | None = None,
     ):
         self.input_ids, self.trainable, self.offsets = input_ids, trainable, offsets
         self.meta = meta or {}
+        self.parts = parts
+        # Shared with the views of this data set (SplitView), so a reference set once reaches them.
+        self.extras: dict[str, np.ndarray] = {}
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -45,10 +79,29 @@ class TokenizedDataset:
     def __getitem__(self, i: int) -> Example:
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         ids = self.input_ids[lo:hi].astype(np.int64)
-        return Example(ids, np.where(self.trainable[lo:hi], ids, IGNORE_INDEX), i)
+        labels = np.where(self.trainable[lo:hi], ids, IGNORE_INDEX)
+        if self.parts is None:
+            return Example(ids, labels, i)
+        parts = (int(self.parts[i, 0]), int(self.parts[i, 1]))
+        reference = self.extras.get("reference")
+        refs = None if reference is None else (float(reference[i, 0]), float(reference[i, 1]))
+        return PairExample(ids, labels, i, parts, refs)
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    @property
+    def is_pairs(self) -> bool:
+        return self.parts is not None
+
+    def set_reference(self, logps: np.ndarray) -> None:
+        """The reference log-probs of every pair (``[len, 2]``: chosen, rejected), by position."""
+        assert self.parts is not None and logps.shape == (len(self.parts), 2)
+        self.extras["reference"] = logps
+
+    def base(self) -> TokenizedDataset:
+        """The whole data set this one is (a view's is the set it views)."""
+        return self
 
     @classmethod
     def from_encoded(cls, examples: list[Encoded], meta: dict[str, Any] | None = None) -> TokenizedDataset:
@@ -57,19 +110,30 @@ class TokenizedDataset:
         np.cumsum(lengths, out=offsets[1:])
         ids = np.concatenate([e.ids for e in examples]) if examples else np.zeros(0, np.int32)
         mask = np.concatenate([e.trainable for e in examples]) if examples else np.zeros(0, bool)
-        return cls(ids.astype(np.int32), mask.astype(bool), offsets, meta)
+        return cls(ids.astype(np.int32), mask.astype(bool), offsets, meta, _parts_of(examples))
 
     @classmethod
     def open(cls, folder: Path, vocab_size: int | None = None) -> TokenizedDataset:
         """A cache entry, checked first (:func:`check_entry`); a damaged one is a :class:`UserError`
         naming the folder."""
         meta, offsets = check_entry(folder, vocab_size)
+        parts = read_parts(folder / PARTS_FILE, offsets)
         total = int(offsets[-1])
         if total == 0:
-            return cls(np.zeros(0, np.int32), np.zeros(0, bool), offsets, meta)
+            return cls(np.zeros(0, np.int32), np.zeros(0, bool), offsets, meta, parts)
         ids = np.memmap(folder / IDS_FILE, dtype=np.int32, mode="r", shape=(total,))
         mask = np.memmap(folder / MASK_FILE, dtype=np.bool_, mode="r", shape=(total,))
-        return cls(ids, mask, offsets, meta)
+        return cls(ids, mask, offsets, meta, parts)
+
+
+def _parts_of(examples: list[Encoded]) -> np.ndarray | None:
+    """The pairs' parts as one array, or None for single examples; a data set holds one kind."""
+    kinds = {e.parts is None for e in examples}
+    if len(kinds) > 1:
+        raise UserError("the data mixes preference pairs with single examples; a data set holds one kind")
+    if not examples or examples[0].parts is None:
+        return None
+    return np.asarray([e.parts for e in examples], dtype=np.int64).reshape(-1, 2)
 
 
 # What every cache entry's meta.json records (read by the run log and run.json).
@@ -128,6 +192,24 @@ def read_offsets(path: Path) -> np.ndarray:
     return offsets
 
 
+def read_parts(path: Path, offsets: np.ndarray) -> np.ndarray | None:
+    """A pair entry's parts (per pair: the prompt's and the chosen answer's lengths), checked
+    against its offsets: both answers of every pair have tokens; None for an entry of single
+    examples (no file)."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    if path.is_symlink() or not path.is_file():
+        raise UserError(f"{path}: not a regular file")
+    parts = np.array(np.load(path, allow_pickle=False, mmap_mode="r"))
+    lengths = np.diff(offsets)
+    if parts.dtype != np.int64 or parts.shape != (len(lengths), 2):
+        raise UserError(f"{path}: not the pair lengths lmtune writes ({len(lengths)} x 2 int64)")
+    fits = (parts[:, 0] >= 0) & (parts[:, 1] > 0) & (parts.sum(axis=1) < lengths)
+    if not bool(fits.all()):
+        raise UserError(f"{path}: pair lengths that do not fit their examples")
+    return parts
+
+
 def _check_arrays(folder: Path, offsets: np.ndarray, vocab_size: int | None) -> None:
     total = int(offsets[-1])
     ids = np.memmap(folder / IDS_FILE, dtype=np.int32, mode="r", shape=(total,))
@@ -163,12 +245,18 @@ class DatasetWriter:
         self._ids = (folder / IDS_FILE).open("wb")
         self._mask = (folder / MASK_FILE).open("wb")
         self._lengths: list[int] = []
+        self._parts: list[tuple[int, int] | None] = []
 
     def write(self, examples: list[Encoded]) -> None:
         for e in examples:
+            if self._parts and (self._parts[0] is None) != (e.parts is None):
+                raise UserError(
+                    "the data mixes preference pairs with single examples; a data set holds one kind"
+                )
             self._ids.write(e.ids.astype(np.int32).tobytes())
             self._mask.write(e.trainable.astype(np.bool_).tobytes())
             self._lengths.append(len(e.ids))
+            self._parts.append(e.parts)
         # Ranks waiting for this folder take a changing file time as the builder's sign of life.
         self._ids.flush()
         self._mask.flush()
@@ -186,6 +274,11 @@ class DatasetWriter:
             np.save(f, offsets)
             f.flush()
             os.fsync(f.fileno())
+        if self._parts and self._parts[0] is not None:
+            with (self.folder / PARTS_FILE).open("wb") as f:
+                np.save(f, np.asarray(self._parts, dtype=np.int64).reshape(-1, 2))
+                f.flush()
+                os.fsync(f.fileno())
         with (self.folder / META_FILE).open("w", encoding="utf-8") as text:
             text.write(json.dumps(meta, indent=2))
             text.flush()
@@ -197,8 +290,10 @@ class SplitView(TokenizedDataset):
     the whole set, so records of what trained name the same examples as the data file does."""
 
     def __init__(self, base: TokenizedDataset, indices: np.ndarray):
-        super().__init__(base.input_ids, base.trainable, base.offsets, base.meta)
+        super().__init__(base.input_ids, base.trainable, base.offsets, base.meta, base.parts)
+        self.extras = base.extras
         self.indices = indices
+        self._base = base
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -209,6 +304,9 @@ class SplitView(TokenizedDataset):
     def lengths(self) -> np.ndarray:
         kept: np.ndarray = super().lengths()[self.indices]
         return kept
+
+    def base(self) -> TokenizedDataset:
+        return self._base
 
 
 def split_off(data: TokenizedDataset, share: float, seed: int) -> tuple[SplitView, SplitView]:

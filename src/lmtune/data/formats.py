@@ -18,9 +18,21 @@ from lmtune.errors import UserError, brief, one_line
 
 ROLES = ("system", "user", "assistant", "tool")
 # The chat formats: rendered with the chat template, trained on the assistant turns.
-CHAT_FORMATS = ("messages", "sharegpt")
+CHAT_FORMATS = ("messages", "sharegpt", "preference_messages")
 # lmtune's names for a record's fields, which --field-map may call otherwise in a data set.
-FIELDS = ("text", "prompt", "completion", "instruction", "input", "output", "messages", "role", "content")
+FIELDS = (
+    "text",
+    "prompt",
+    "completion",
+    "instruction",
+    "input",
+    "output",
+    "messages",
+    "chosen",
+    "rejected",
+    "role",
+    "content",
+)
 # The fields inside each turn of a chat (the others are the record's own).
 TURN_FIELDS = ("role", "content")
 # ShareGPT: the turns are "conversations" of {"from", "value"}, with roles human, gpt and system.
@@ -103,6 +115,8 @@ class Rendered:
 
 def detect_format(fields: Mapping[str, Any]) -> str | None:
     """The format a record's fields (under lmtune's names) say it has, or None."""
+    if "chosen" in fields or "rejected" in fields:  # one without the other: a broken pair
+        return "preference"
     if "messages" in fields:
         return "messages"
     if "conversations" in fields:
@@ -117,8 +131,8 @@ def detect_format(fields: Mapping[str, Any]) -> str | None:
 def _expected(names: FieldMap) -> str:
     return (
         f"'{names.name('text')}' (text), '{names.name('prompt')}' + '{names.name('completion')}', "
-        f"'instruction' + 'output' (+ 'input'), '{names.name('messages')}' (chat) or 'conversations' "
-        "(ShareGPT)"
+        f"'instruction' + 'output' (+ 'input'), '{names.name('messages')}' (chat), 'conversations' "
+        "(ShareGPT) or 'prompt' + 'chosen' + 'rejected' (preference)"
     )
 
 
@@ -149,6 +163,16 @@ def render(
         raise UserError(
             f"{record.where}: cannot tell the format (fields found: {found}; expected: "
             f"{_expected(names)}; name other fields with --field-map OURS=THEIRS)"
+        )
+    if chosen == "preference":
+        raise UserError(
+            f"{record.where}: a preference pair (prompt, chosen, rejected) is not a single example; "
+            "tune on pairs with --objective dpo, ipo, simpo or orpo"
+        )
+    if chosen == "preference":
+        raise UserError(
+            f"{record.where}: a preference pair (prompt, chosen, rejected) is not a single example; "
+            "tune on pairs with --objective dpo, ipo, simpo or orpo"
         )
     if chosen == "text":
         text = _string(record, "text", names)
@@ -192,17 +216,18 @@ def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -
             f"{record.where}: '{shown}' must be a non-empty list of {{{role_key}, {content_key}}} objects"
         )
     roles = {**SHAREGPT_ROLES, **{r: r for r in ROLES}, **names.roles}
+    label = "message" if field in ("messages", SHAREGPT_TURNS["messages"]) else f"'{shown}' message"
     turns = []
     for i, m in enumerate(raw):
         if not isinstance(m, Mapping) or not isinstance(m.get(content_key), str) or role_key not in m:
             raise UserError(
-                f"{record.where}: message {i + 1} must be an object with a '{role_key}' and a string "
+                f"{record.where}: {label} {i + 1} must be an object with a '{role_key}' and a string "
                 f"'{content_key}'"
             )
         role = roles.get(m[role_key]) if isinstance(m[role_key], str) else None
         if role is None:
             raise UserError(
-                f"{record.where}: message {i + 1} has unknown role {brief(m[role_key])} (roles: "
+                f"{record.where}: {label} {i + 1} has unknown role {brief(m[role_key])} (roles: "
                 f"{', '.join(ROLES)}; ShareGPT's {', '.join(SHAREGPT_ROLES)}; name others with "
                 f"--field-map ROLE=VALUE, such as assistant={one_line(str(m[role_key]), 40)})"
             )
@@ -210,7 +235,13 @@ def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -
     return turns
 
 
-def _chat(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+def messages_field(record: Record, name: str = "messages") -> list[dict[str, str]]:
+    """The record's list of ``{role, content}`` messages in field ``name``, checked."""
+    return _turns(record, "messages", PLAIN_FIELDS, name)
+
+
+def chat_text(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    """The messages rendered by the tokenizer's chat template."""
     return render_chat(tokenizer, messages, generation_prompt)
 
 
@@ -221,7 +252,7 @@ def _render_messages(record: Record, tokenizer: Any, messages: list[dict[str, st
     conversation before it with the generation prompt: the reply and its end-of-turn marker.
     """
     try:
-        text = _chat(tokenizer, messages, generation_prompt=False)
+        text = chat_text(tokenizer, messages, generation_prompt=False)
         spans = [
             _reply_span(tokenizer, messages, i, text)
             for i, m in enumerate(messages)
@@ -233,8 +264,8 @@ def _render_messages(record: Record, tokenizer: Any, messages: list[dict[str, st
 
 
 def _reply_span(tokenizer: Any, messages: list[dict[str, str]], i: int, text: str) -> tuple[int, int]:
-    before = _chat(tokenizer, messages[:i], generation_prompt=True) if i else _empty_prompt(tokenizer)
-    upto = _chat(tokenizer, messages[: i + 1], generation_prompt=False)
+    before = chat_text(tokenizer, messages[:i], generation_prompt=True) if i else _empty_prompt(tokenizer)
+    upto = chat_text(tokenizer, messages[: i + 1], generation_prompt=False)
     if not (upto.startswith(before) and text.startswith(upto)):
         raise UserError(
             "the chat template does not render the conversation turn by turn, so "
@@ -248,7 +279,7 @@ def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:
     ensure_chat_template(tokenizer)
     messages = _turns(record, "messages", PLAIN_FIELDS)
     try:
-        return messages[-1]["content"], _chat(tokenizer, messages, generation_prompt=True)
+        return messages[-1]["content"], chat_text(tokenizer, messages, generation_prompt=True)
     except UserError as e:
         raise UserError(f"{record.where}: {e}") from None
 
@@ -256,7 +287,7 @@ def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:
 def _empty_prompt(tokenizer: Any) -> str:
     """What precedes a reply that opens the conversation."""
     try:
-        return _chat(tokenizer, [], generation_prompt=True)
+        return chat_text(tokenizer, [], generation_prompt=True)
     except Exception:  # many templates index messages[0]; then nothing precedes it
         return ""
 

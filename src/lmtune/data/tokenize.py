@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from lmtune.data.chat import end_of_turn_ids
-from lmtune.data.formats import CHAT_FORMATS, FieldMap, Rendered, render
+from lmtune.data.formats import CHAT_FORMATS, FieldMap, Rendered, detect_format, render
+from lmtune.data.pairs import PairTokens, answer_targets, fit_pair, rendered_pairs, tokenize_pairs
 from lmtune.data.sources import BadLines, Record
 from lmtune.errors import UserError
 
@@ -35,6 +36,9 @@ class EncodeStats:
     dropped_no_targets: int = 0
     eos_trained: int = 0  # kept examples that train a stop: EOS, or in chat data the end of turn
     formats: dict[str, int] = field(default_factory=dict)
+    # Preference pairs: truncation cut their prompts from the left, their answers from the right.
+    prompts_truncated: int = 0
+    answers_truncated: int = 0
 
     def merge(self, other: EncodeStats) -> None:
         for f in fields(self):
@@ -48,6 +52,9 @@ class EncodeStats:
 class Encoded:
     ids: np.ndarray  # int32
     trainable: np.ndarray  # bool, same length
+    # A preference pair (lmtune.data.pairs): ids are its prompt, chosen and rejected tokens back to
+    # back; these are the prompt's and the chosen answer's lengths.
+    parts: tuple[int, int] | None = None
 
 
 def _first_char_token(enc: Any, chars: range) -> int | None:
@@ -139,8 +146,13 @@ def encode_chunk(
     """Render and tokenize a list of records; returns the kept examples and the counts.
 
     A record that cannot be rendered (missing field, unknown role, ...) goes to ``bad``, which
-    raises unless bad lines are being skipped.
+    raises unless bad lines are being skipped. Preference pairs are encoded by
+    :func:`encode_pairs`; a chunk is all pairs or all single examples, as its first record is.
     """
+    chunk = _one_kind(chunk, fmt, names, bad)
+    if chunk and _is_pair(chunk[0], fmt, names):
+        pairs = [Record(r.source, r.line, names.apply(r.fields)) for r in chunk]
+        return encode_pairs(pairs, tokenizer, max_length, truncation, bad)
     stats = EncodeStats()
     records: list[Record] = []
     rendered: list[Rendered] = []
@@ -199,6 +211,82 @@ def encode_chunk(
         stats.eos_trained += bool((trainable & np.isin(ids, stops)).any())
         out.append(Encoded(ids, trainable))
     return out, stats
+
+
+def _is_pair(record: Record, fmt: str, names: FieldMap) -> bool:
+    return fmt == "preference" or (
+        fmt == "auto" and detect_format(names.apply(record.fields)) == "preference"
+    )
+
+
+def _one_kind(chunk: list[Record], fmt: str, names: FieldMap, bad: BadLines) -> list[Record]:
+    """The records of the first one's kind (preference pair or single example); the others go to
+    ``bad``: a data set trains one objective."""
+    if not chunk or fmt != "auto":
+        return chunk
+    pair = _is_pair(chunk[0], fmt, names)
+    kept = []
+    for record in chunk:
+        if _is_pair(record, fmt, names) == pair:
+            kept.append(record)
+            continue
+        fields = ", ".join(repr(k) for k in record.fields)
+        what = (
+            "a single example among preference pairs" if pair else "a preference pair among single examples"
+        )
+        bad.report(f"{record.where}: {what} (fields found: {fields}); a data set holds one kind")
+    return kept
+
+
+def encode_pairs(
+    chunk: list[Record], tokenizer: Any, max_length: int, truncation: str, bad: BadLines
+) -> tuple[list[Encoded], EncodeStats]:
+    """Render and tokenize preference records (lmtune.data.pairs): the kept pairs and the counts."""
+    stats = EncodeStats()
+    records, texts = rendered_pairs(chunk, tokenizer, bad)
+    chat = any(t.format == "preference_messages" for t in texts)
+    stops = np.asarray(
+        [tokenizer.eos_token_id, *(end_of_turn_ids(tokenizer) if chat else [])], dtype=np.int32
+    )
+    out: list[Encoded] = []
+    for record, text, pair in zip(records, texts, tokenize_pairs(texts, tokenizer), strict=True):
+        stats.formats[text.format] = stats.formats.get(text.format, 0) + 1
+        p, longer = len(pair.prompt), max(len(pair.chosen), len(pair.rejected))
+        cut = None
+        if p + longer > max_length:
+            if truncation == "drop":
+                stats.dropped_too_long += 1
+                continue
+            if truncation == "error":
+                bad.report(
+                    f"{record.where}: prompt and answer of {p} + {longer} tokens, more than --max-length "
+                    f"{max_length} (--truncation error); raise --max-length or choose --truncation right, "
+                    "left or drop"
+                )
+                continue
+            cut = fit_pair(pair, max_length)
+            pair = cut.pair
+        targets = answer_targets(pair)
+        if min(targets) == 0:  # an answer with nothing to train: no pair to compare
+            stats.dropped_no_targets += 1
+            continue
+        stats.examples += 1
+        stats.truncated += cut is not None
+        stats.prompts_truncated += bool(cut and cut.prompt_cut)
+        stats.answers_truncated += bool(cut and cut.answers_cut)
+        stats.tokens += len(pair.prompt) + len(pair.chosen) + len(pair.rejected)  # as the model runs it
+        stats.target_tokens += sum(targets)
+        stats.eos_trained += bool(
+            np.isin(pair.chosen[-1:], stops).all() and np.isin(pair.rejected[-1:], stops).all()
+        )
+        out.append(_encoded_pair(pair))
+    return out, stats
+
+
+def _encoded_pair(pair: PairTokens) -> Encoded:
+    ids = np.concatenate([pair.prompt, pair.chosen, pair.rejected]).astype(np.int32)
+    trainable = np.arange(len(ids)) >= len(pair.prompt)
+    return Encoded(ids, trainable, parts=(len(pair.prompt), len(pair.chosen)))
 
 
 def chunks(records: Iterable[Record], size: int = CHUNK) -> Iterator[list[Record]]:

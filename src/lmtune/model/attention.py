@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lmtune.data.tokenize import IGNORE_INDEX
+from lmtune.errors import UserError
 
 VARLEN = "lmtune_varlen"
 # The same on the CPU under bf16 autocast, with attention in bf16 over bucketed shapes.
@@ -36,6 +37,10 @@ class Segments:
 
     offsets: tuple[int, ...]
     cumulative: torch.Tensor  # the same offsets, int32 on the device, for fused varlen kernels
+    # Preference pairs (lmtune.data.pair_collate): per example, its prompt's and chosen answer's
+    # lengths; the rest of it is the rejected answer, which sees the prompt and itself only. None:
+    # every example is one causal sequence.
+    pairs: tuple[tuple[int, int], ...] | None = None
 
     def lengths(self) -> list[int]:
         return [end - start for start, end in zip(self.offsets[:-1], self.offsets[1:], strict=True)]
@@ -172,7 +177,7 @@ def varlen_attention(
         )
     window = kwargs.get("sliding_window")
     bias = kwargs.get("position_bias")
-    if _fused_available(query, dropout, bias):
+    if segments.pairs is None and _fused_available(query, dropout, bias):
         return _fused(module, query, key, value, segments, scaling, window), None
     dtype = query.dtype
     # On the CPU attention runs in fp32, outside autocast (which would cast it back to bf16):
@@ -184,7 +189,9 @@ def varlen_attention(
     lengths = segments.lengths()
     attend = _Attend(module=module, dropout=dropout, scaling=scaling, window=window)
     with torch.autocast("cpu", enabled=False) if on_cpu else nullcontext():
-        if bias is None and _pad_together(lengths):
+        if segments.pairs is not None:
+            out = _pairs(attend, query, key, value, segments, bias)
+        elif bias is None and _pad_together(lengths):
             out = _padded(attend, query, key, value, segments)
         else:
             out = _one_by_one(attend, query, key, value, segments, bias)
@@ -207,7 +214,8 @@ def bucketed_attention(
     kernels keep memory for every shape they meet, so unbounded shapes would grow the process
     without end; bounded ones level off."""
     segments: Segments | None = kwargs.get(SEGMENTS)
-    if segments is None or kwargs.get("position_bias") is not None or query.device.type != "cpu":
+    plain = segments is not None and segments.pairs is None  # pairs keep their own attention
+    if segments is None or not plain or kwargs.get("position_bias") is not None or query.device.type != "cpu":
         return varlen_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     attend = _Attend(module=module, dropout=dropout, scaling=scaling, window=kwargs.get("sliding_window"))
     return _bucketed(attend, query, key, value, segments), None
@@ -249,12 +257,22 @@ class _Attend:
     window: int | None
 
     def __call__(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[examples, heads, length, dim]`` in, ``[examples, length, heads, dim]`` out."""
+        """``[examples, heads, length, dim]`` in, ``[examples, length, heads, dim]`` out; causal,
+        or as ``mask`` (``[queries, keys]`` bool) says."""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        mask = _window_mask(query.size(2), self.window, query.device)
+        if mask is None:
+            mask = _window_mask(query.size(2), self.window, query.device)
+            causal = mask is None
+        else:
+            mask, causal = mask[None, None], False
         return sdpa_attention_forward(
             self.module,
             query,
@@ -263,7 +281,7 @@ class _Attend:
             mask,
             dropout=self.dropout,
             scaling=self.scaling,
-            is_causal=mask is None,
+            is_causal=causal,
             position_bias=bias,
         )[0]
 
@@ -314,6 +332,49 @@ def _one_by_one(
         block = None if bias is None else bias[..., part, part]
         outputs.append(attend(queries[i], keys[i], values[i], block))
     return torch.cat(outputs, dim=1)
+
+
+def _pairs(
+    attend: _Attend,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Segments,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Preference pairs, each one example of prompt, chosen and rejected tokens: the prompt and the
+    chosen answer as one causal sequence, the rejected answer's queries over the prompt's keys and
+    its own (causal among them). ``[1, heads, T, dim]`` in, ``[1, T, heads, dim]`` out."""
+    if bias is not None:
+        raise UserError(
+            "preference objectives: this model's attention takes a position bias, which pairs do not"
+        )
+    assert segments.pairs is not None
+    lengths = segments.lengths()
+    queries, keys, values = (torch.split_with_sizes(t, lengths, dim=2) for t in (query, key, value))
+    outputs = []
+    for i, (p, c) in enumerate(segments.pairs):
+        q, k, v = queries[i], keys[i], values[i]
+        outputs.append(attend(q[:, :, : p + c], k[:, :, : p + c], v[:, :, : p + c]))
+        r = lengths[i] - p - c
+        if r:
+            seen = (
+                torch.cat([k[:, :, :p], k[:, :, p + c :]], dim=2),
+                torch.cat([v[:, :, :p], v[:, :, p + c :]], dim=2),
+            )
+            outputs.append(attend(q[:, :, p + c :], *seen, mask=_after_prompt(p, r, attend.window, q.device)))
+    return torch.cat(outputs, dim=1)
+
+
+def _after_prompt(prompt: int, length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """``[length, prompt + length]``: query i (at position prompt + i) sees the prompt and the
+    answer up to itself (within the sliding window, where the model has one)."""
+    q = prompt + torch.arange(length, device=device)[:, None]
+    k = torch.cat([torch.arange(prompt, device=device), prompt + torch.arange(length, device=device)])[
+        None, :
+    ]
+    seen = k <= q
+    return seen & (k > q - window) if window is not None else seen
 
 
 def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:

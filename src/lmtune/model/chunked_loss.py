@@ -42,6 +42,88 @@ class _HeadPlan:
     bucket: Callable[[int], int] | None
 
 
+@dataclass
+class ChunkGrads:
+    """The gradients a chunked head computes in its forward, for the hidden states, the head's
+    weight and its bias (None where no gradient is wanted); the weight's summed in fp32."""
+
+    h: torch.Tensor | None
+    w: torch.Tensor | None
+    b: torch.Tensor | None
+
+    @classmethod
+    def wanted(
+        cls, ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> ChunkGrads:
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        return cls(
+            h=torch.empty_like(hidden) if want_h else None,
+            w=torch.zeros_like(weight, dtype=torch.float32) if want_w else None,
+            b=torch.zeros_like(bias, dtype=torch.float32) if want_b and bias is not None else None,
+        )
+
+    @property
+    def any(self) -> bool:
+        return self.h is not None or self.w is not None or self.b is not None
+
+    def add(self, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, start: int, dtypes: Products) -> None:
+        """Add a chunk's part: ``g`` is d(loss)/d(logits) of the rows from ``start`` (fp32), ``h``
+        and ``w`` the operands as the products took them."""
+        dtype, product_dtype = dtypes
+        if self.b is not None:
+            self.b += g.sum(0)
+        g = g.to(dtype).to(product_dtype)
+        if self.h is not None:
+            # A bucketed last chunk has zero rows past the hidden states' end: not written back.
+            rows = min(g.size(0), self.h.size(0) - start)
+            self.h[start : start + rows] = (g @ w)[:rows].to(dtype)
+        if self.w is None:
+            return
+        if product_dtype == torch.float32:
+            self.w.addmm_(g.t(), h)  # summed in fp32 over the chunks, in place
+        else:
+            self.w += (g.t() @ h).float()
+
+    def finish(self, dtypes: Products) -> None:
+        dtype, product_dtype = dtypes
+        if self.w is not None and product_dtype != dtype:
+            # Rounded once, as the full-logits path's one product over all rows is: per chunk,
+            # the rounding also cost three passes over a weight-sized tensor each time.
+            self.w = self.w.to(dtype).float()
+
+    def save(self, ctx: Any, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+        ctx.save_for_backward(self.h, self.w, self.b)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+
+
+# (autocast dtype, product dtype): the products take operands rounded to the autocast dtype and
+# give results rounded to it, as the full-logits path's would; product dtype fp32: see
+# lmtune.model.products.
+Products = tuple[torch.dtype, torch.dtype]
+
+
+def operand(t: torch.Tensor | None, dtypes: Products) -> torch.Tensor | None:
+    """A product's operand as the full-logits path would take it."""
+    return None if t is None else t.to(dtypes[0]).to(dtypes[1])
+
+
+def chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtypes: Products) -> torch.Tensor:
+    """A chunk's logits in fp32, rounded as the autocast products would give them."""
+    return F.linear(h, w, b).to(dtypes[0]).float()
+
+
+def scaled_grads(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """A chunked head's backward: the forward's gradients times the incoming one."""
+    grad_h, grad_w, grad_b = ctx.saved_tensors
+    h_dtype, w_dtype = ctx.dtypes
+    scale = grad_out.float()
+    return (
+        None if grad_h is None else (grad_h * scale).to(h_dtype),
+        None if grad_w is None else (grad_w * scale).to(w_dtype),
+        None if grad_b is None else (grad_b * scale).to(w_dtype),
+    )
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -52,63 +134,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,
         plan: _HeadPlan,
     ) -> torch.Tensor:
-        chunk, dtype, product_dtype, bucket = plan.chunk, plan.dtype, plan.product_dtype, plan.bucket
-        want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b and bias is not None else None
+        chunk, bucket, dtypes = plan.chunk, plan.bucket, (plan.dtype, plan.product_dtype)
+        grads = ChunkGrads.wanted(ctx, hidden, weight, bias)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        # The products take operands rounded to the autocast dtype and give results rounded to it,
-        # as the full-logits path's would; softmax and log-sum-exp in fp32. Autocast is off inside
-        # so each cast is the one written here. ``product_dtype`` fp32: see lmtune.model.products.
+        # Softmax and log-sum-exp in fp32. Autocast is off inside so each cast is the one written here.
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype).to(product_dtype)
-            b = bias.to(dtype).to(product_dtype) if bias is not None else None
+            w, b = operand(weight, dtypes), operand(bias, dtypes)
+            assert w is not None
             for start in range(0, hidden.size(0), chunk):
                 t = targets[start : start + chunk]
                 real = t.numel()
-                h = _rows(hidden[start : start + chunk], min(bucket(real), chunk) if bucket else real)
-                h = h.to(dtype).to(product_dtype)
-                logits = F.linear(h, w, b).to(dtype).float()
+                rows = min(bucket(real), chunk) if bucket else real
+                h = operand(_rows(hidden[start : start + chunk], rows), dtypes)
+                assert h is not None
+                logits = chunk_logits(h, w, b, dtypes)
                 lse = torch.logsumexp(logits, dim=-1)
                 total += (lse[:real] - logits[:real].gather(1, t[:, None]).squeeze(1)).sum()
-                if grad_h is None and grad_w is None and grad_b is None:
+                if not grads.any:
                     continue
                 # d(loss)/d(logits) = softmax - one_hot(target), computed in place in the logits.
                 g = logits.sub_(lse[:, None]).exp_()
                 g[torch.arange(real, device=t.device), t] -= 1.0
                 g[real:] = 0.0  # bucketing's zero rows: no loss, no gradient
-                if grad_b is not None:
-                    grad_b += g.sum(0)
-                g = g.to(dtype).to(product_dtype)
-                if grad_h is not None:
-                    grad_h[start : start + chunk] = (g @ w)[:real].to(dtype)
-                if grad_w is None:
-                    continue
-                if product_dtype == torch.float32:
-                    grad_w.addmm_(g.t(), h)  # summed in fp32 over the chunks, in place
-                else:
-                    grad_w += (g.t() @ h).float()
-            if grad_w is not None and product_dtype != dtype:
-                # Rounded once, as the full-logits path's one product over all rows is: per chunk,
-                # the rounding also cost three passes over a weight-sized tensor each time.
-                grad_w = grad_w.to(dtype).float()
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
+                grads.add(g, h, w, start, dtypes)
+            grads.finish(dtypes)
+        grads.save(ctx, hidden, weight)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
-        scale = grad_out.float()
-        return (
-            None if grad_h is None else (grad_h * scale).to(h_dtype),
-            None if grad_w is None else (grad_w * scale).to(w_dtype),
-            None if grad_b is None else (grad_b * scale).to(w_dtype),
-            None,
-            None,
-        )
+        return (*scaled_grads(ctx, grad_out), None, None)  # targets, plan
 
 
 def _rows(t: torch.Tensor, rows: int) -> torch.Tensor:

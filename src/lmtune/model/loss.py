@@ -101,14 +101,29 @@ class LossModule(nn.Module):
         """The loss vector; without ``labels``, each row's next-token logits (for generation,
         which must also pass through this module: under FSDP2 its call gathers the parameters)."""
         if labels is None:
-            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            last: torch.Tensor = hidden.logits[:, -1]
-            return last
+            return self.next_token_logits(input_ids, attention_mask)
+        return self.loss_output(*self.route(input_ids, attention_mask, labels, position_ids, segment_ids))
+
+    def next_token_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        last: torch.Tensor = hidden.logits[:, -1]
+        return last
+
+    def route(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | Segments | None, dict[str, Any]]:
+        """(labels, segments, model inputs) of the rows as the model runs them: flattened with
+        per-example attention, packed under a block-diagonal mask, or as they are."""
         flat = (
             segment_ids is not None or self.bucket_tokens or _padding(attention_mask) > VARLEN_ABOVE_PADDING
         )
         if self.varlen and flat:
-            return self._flat_forward(input_ids, attention_mask, labels, position_ids, segment_ids)
+            return self._flat(input_ids, attention_mask, labels, position_ids, segment_ids)
         if self.bucket_tokens:  # rows as they are (masked attention): their length bucketed
             input_ids, attention_mask, labels, position_ids, segment_ids = _bucketed_rows(
                 input_ids, attention_mask, labels, position_ids, segment_ids
@@ -121,7 +136,7 @@ class LossModule(nn.Module):
                 segment_ids, sliding_window(getattr(self.model, "config", None))
             )
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        return self.loss_output(labels, segment_ids, inputs)
+        return labels, segment_ids, inputs
 
     def token_loss_sum(self, labels: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
         """The summed next-token loss of the rows, through the chunked head where it is set."""
@@ -133,14 +148,14 @@ class LossModule(nn.Module):
             hidden, split.head, labels, self.loss_chunk, self.fp32_products, self.bucket_tokens
         )
 
-    def _flat_forward(
+    def _flat(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         labels: torch.Tensor,
         position_ids: torch.Tensor | None,
         segment_ids: torch.Tensor | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, Segments, dict[str, Any]]:
         """The rows' real tokens as one sequence, attention per example (lmtune.model.attention)."""
         from lmtune.model.attention import SEGMENTS, flatten, round_up
 
@@ -156,7 +171,7 @@ class LossModule(nn.Module):
             "position_ids": flat.position_ids,
             SEGMENTS: flat.segments,
         }
-        return self.loss_output(flat.labels, flat.segments, inputs)
+        return flat.labels, flat.segments, inputs
 
 
 def _bucketed_rows(

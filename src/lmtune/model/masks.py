@@ -35,3 +35,21 @@ def sliding_window(config: object) -> int | None:
         "--packing: this model mixes sliding-window and full attention layers, so packed rows need "
         "per-example attention, which --compile turns off; use --packing off with --compile"
     )
+
+
+def pair_causal_mask(
+    segment_ids: torch.Tensor, position_ids: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
+    """``[batch, 1, L, L]`` bool for rows of preference pairs (lmtune.data.pair_collate): a token
+    sees the earlier tokens of its own pair, except that a rejected token never sees a chosen one
+    (segment ids ``3 k`` prompt, ``3 k + 1`` chosen, ``3 k + 2`` rejected; -1 padding). A sliding
+    window counts positions, which restart after the prompt for the rejected answer."""
+    length = segment_ids.size(1)
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    pair, part = torch.div(segment_ids, 3, rounding_mode="floor"), segment_ids % 3
+    same = pair[:, :, None] == pair[:, None, :]
+    apart = (part[:, :, None] == 2) & (part[:, None, :] == 1) & (segment_ids[:, :, None] >= 0)
+    mask = same & causal & ~apart
+    if window is not None:
+        mask &= (position_ids[:, :, None] - position_ids[:, None, :]) < window
+    return mask[:, None]

@@ -23,6 +23,19 @@ from lmtune.errors import UserError
 # --report-to name -> (module imported, pip extra)
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 STATE_FILE = "reporting.json"  # each tool's run id, continued on resume
+# The preference objectives' metrics, as TRL names them: all of them report the first six, ORPO
+# the rest too (lmtune.objectives.pair_losses).
+PREFERENCE_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "nll_loss",
+    "log_odds_ratio",
+    "log_odds_chosen",
+)
 SCALARS = {
     "train": {
         "loss": "train/loss",
@@ -32,8 +45,13 @@ SCALARS = {
         "mfu": "train/mfu",
         "peak_memory_bytes": "train/peak_memory_bytes",
         "epoch": "train/epoch",
+        **{name: f"train/{name}" for name in PREFERENCE_METRICS},
     },
-    "eval": {"eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity"},
+    "eval": {
+        "eval_loss": "eval/loss",
+        "eval_perplexity": "eval/perplexity",
+        **{f"eval_{name}": f"eval/{name}" for name in PREFERENCE_METRICS},
+    },
 }
 
 

@@ -43,6 +43,18 @@ class Setup:
     accumulation: int  # micro-steps per optimizer step
     loss_chunk: int = 0  # tokens per chunk of the chunked linear cross-entropy; 0: full logits
     quantization: str = ""  # the frozen base's (--load-in-4bit: nf4 | fp4; --load-in-8bit: int8)
+    # A preference objective's example is a pair: its prompt and both answers in one row (length).
+    objective: str = "sft"
+    live_reference: bool = False  # a frozen copy of the model runs beside it (without LoRA)
+
+    @property
+    def rows(self) -> int:
+        return self.micro_batch_size
+
+    @property
+    def reference_copy(self) -> bool:
+        """A live reference without LoRA is a second copy of the weights (LoRA's is its base)."""
+        return self.live_reference and not self.lora
 
     def label(self) -> str:
         extras = (
@@ -50,6 +62,7 @@ class Setup:
             + (["lora"] if self.lora else [])
             + ([self.quantization] if self.quantization else [])
             + (["ckpt"] if self.activation_checkpointing else [])
+            + ([self.objective] if self.objective != "sft" else [])
         )
         return f"{self.strategy} x{self.world_size} {self.precision} " + "+".join(extras)
 
@@ -270,7 +283,7 @@ def _optimizer_bytes(name: str, sizes: Sequence[int]) -> int:
 
 def _mask_bytes(setup: Setup, padded: bool) -> int:
     """A padded or packed micro-batch carries a boolean [B, 1, L, L] attention mask."""
-    return setup.micro_batch_size * setup.length * setup.length if padded else 0
+    return setup.rows * setup.length * setup.length if padded else 0
 
 
 def estimate(setup: Setup, facts: ModelFacts, host: Host, padded: bool) -> Estimate:
@@ -280,7 +293,7 @@ def estimate(setup: Setup, facts: ModelFacts, host: Host, padded: bool) -> Estim
     trainable = [n for _, n, t in facts.params if t]
     gathered_bytes = 2 if setup.precision in ("bf16", "fp16") else 4  # FSDP casts what it gathers
     all_weights, buffers = _weight_bytes(setup, facts)
-    weights = all_weights // shard
+    weights = all_weights // shard * (2 if setup.reference_copy else 1)
     gradients = 4 * sum(trainable) // shard
     if setup.strategy == "fsdp":
         root = total_elements - facts.block_elements * facts.layers
@@ -291,7 +304,7 @@ def estimate(setup: Setup, facts: ModelFacts, host: Host, padded: bool) -> Estim
         if setup.accumulation > 1:
             gradients = 4 * sum(trainable)  # without sync, FSDP2 keeps gradients unsharded
     optimizer = _optimizer_bytes(setup.optimizer, trainable) // shard
-    rows = setup.micro_batch_size
+    rows = setup.rows
     if setup.activation_checkpointing:
         # Kept: each block's input; recomputed during its backward: one block's activations.
         # (The residual stream between blocks stays fp32 under autocast.)
@@ -314,10 +327,10 @@ def estimate(setup: Setup, facts: ModelFacts, host: Host, padded: bool) -> Estim
 
 def _loss_bytes(setup: Setup, facts: ModelFacts) -> int:
     """Bytes the loss holds at its peak."""
-    tokens = setup.micro_batch_size * setup.length
+    tokens = setup.rows * setup.length
     if not setup.loss_chunk:
         # The saved log-softmax plus, during the backward, the logits' gradient (fp32).
-        return setup.micro_batch_size * facts.logits + 4 * tokens * facts.vocab
+        return setup.rows * facts.logits + 4 * tokens * facts.vocab
     # One chunk's logits in the compute dtype, their fp32 copy (the softmax and its gradient are
     # made in place) and the gradient cast back; kept from forward to backward: the gradients
     # of the hidden states and, unless LoRA freezes it, of the output layer's weight (fp32).

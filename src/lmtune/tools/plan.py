@@ -210,6 +210,8 @@ def setup_from(cfg: TrainConfig, world_size: int, length: int, chunk: int = 0) -
         accumulation=max(1, cfg.batch.global_batch_size // (micro * world_size)),
         loss_chunk=chunk,
         quantization=quantization_of(cfg),
+        objective=cfg.objective.name,
+        live_reference=cfg.objective.name in ("dpo", "ipo") and cfg.objective.reference == "live",
     )
 
 

@@ -163,6 +163,28 @@ def _plot_loss(ax: Any, runs: list[RecordedRun]) -> bool:
     return drawn
 
 
+def _train_and_eval(key: str, label: str) -> Plot:
+    """A train metric (raw and smoothed) with its eval counterpart (``eval_`` + key) as points."""
+
+    def draw(ax: Any, runs: list[RecordedRun]) -> bool:
+        drawn = False
+        for i, run in enumerate(runs):
+            steps, values = run.series(key)
+            if steps:
+                ax.plot(steps, values, color=f"C{i}", alpha=0.25, linewidth=0.8)
+                ax.plot(steps, _smooth(values), color=f"C{i}", label=f"{run.name} train (smoothed)")
+                drawn = True
+            steps, values = run.series(f"eval_{key}", "eval")
+            if steps:
+                ax.plot(steps, values, "o--", color=f"C{i}", label=f"{run.name} eval")
+                drawn = True
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        return drawn
+
+    return draw
+
+
 def _plot_loss_tokens(ax: Any, runs: list[RecordedRun]) -> bool:
     drawn = False
     for i, run in enumerate(runs):
@@ -243,6 +265,14 @@ def _plot_lengths(ax: Any, runs: list[RecordedRun]) -> bool:
 PLOTS: dict[str, tuple[str, Plot]] = {
     "loss": ("Loss against steps (train raw and smoothed; eval)", _plot_loss),
     "loss_tokens": ("Train loss against tokens", _plot_loss_tokens),
+    "reward_margins": (
+        "Reward margin, chosen minus rejected (preference objectives)",
+        _train_and_eval("rewards/margins", "reward margin"),
+    ),
+    "reward_accuracies": (
+        "Pairs whose chosen answer earns the higher reward",
+        _train_and_eval("rewards/accuracies", "reward accuracy"),
+    ),
     "lr": ("Learning rate", _series_plot("lr", "learning rate")),
     "grad_norm": ("Gradient norm (before clipping)", _series_plot("grad_norm", "grad norm")),
     "tokens_per_s": ("Throughput", _series_plot("tokens_per_s", "tokens/s")),
@@ -302,8 +332,13 @@ def _summary(run: RecordedRun) -> dict[str, str]:
         f"x {env.get('device', '?')}",
         "steps": f"{last.get('step', 0)} of {resolved.get('total_steps', '?')}",
         "last train loss": f"{last['loss']:.4f}" if is_number(last.get("loss")) else "-",
+        "objective": str(resolved.get("objective", "sft"))
+        + (f" (reference: {resolved['reference']})" if resolved.get("reference") else ""),
         "last eval loss": f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})"
         if evals and is_number(evals[-1].get("eval_loss"))
+        else "-",
+        "last eval reward accuracy": f"{evals[-1]['eval_rewards/accuracies']:.3f}"
+        if evals and is_number(evals[-1].get("eval_rewards/accuracies"))
         else "-",
         "best": json.dumps(result["best"]) if result.get("best") else "-",
         "peak memory per rank": ", ".join(f"{p / 2**20:,.0f} MiB" for p in _peaks(run)) or "-",

@@ -18,6 +18,8 @@ from lmtune.config.run_groups import EvalSettings
 from lmtune.errors import UserError
 
 BEST_FILE = "best.json"
+# Metrics that improve upwards whatever --greater-is-better says (reward accuracy and margin).
+GREATER_IS_BETTER = ("eval_rewards/accuracies", "eval_rewards/margins")
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def best_tracker(settings: EvalSettings) -> BestTracker | None:
         return None
     return BestTracker(
         metric=settings.metric_for_best,
-        greater_is_better=settings.greater_is_better,
+        greater_is_better=settings.greater_is_better or settings.metric_for_best in GREATER_IS_BETTER,
         patience=settings.early_stopping_patience,
         threshold=settings.early_stopping_threshold,
     )

@@ -46,12 +46,19 @@ from lmtune.model.tokens import fit_embeddings, set_stop_tokens
 from lmtune.objectives import objective_for
 from lmtune.objectives.base import LossSetup, Objective
 from lmtune.outputs.runlog import InfoLog, RunLog
-from lmtune.parallel.distributed import DistEnv, all_gather_object
+from lmtune.parallel.distributed import DistEnv, all_gather_object, broadcast_object
 from lmtune.parallel.wrap import wrap_model
 from lmtune.training.batch_layout import BatchLayout, batch_layout
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, optimizer_for
+from lmtune.training.reference import (
+    PolicyParts,
+    model_digest,
+    precompute_references,
+    precomputes,
+    with_live_reference,
+)
 
 # Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
 LORA_MIN_DEFAULT_LR = 2e-4
@@ -92,21 +99,13 @@ def build(
     the run resumes), the wrapped model with its loss, and the optimizer; the loss is
     ``objective``'s (default: the one ``--objective`` names)."""
     cfg, env, log = run.cfg, run.env, run.log
-    run.heartbeat.beat("load")
-    quantization = quantization_of(cfg.model, run.strategy)
-    # A quantized base loads straight onto its device: bitsandbytes quantizes there.
-    device = env.device if quantization is not None else None
-    if quantization is not None:
-        return_freed_buffers(env.device)
-    loaded = load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code, quantization, device)
-    if quantization is not None:
-        log.info(base_summary(loaded.model, quantization))
+    loaded = _load(run)
     tokenizer = loaded.tokenizer
-    if cfg.examples.chat_template is not None:
-        apply_chat_template_option(cfg, loaded.model, tokenizer, log)
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
     run.heartbeat.beat("load")
+    objective = objective or objective_for(cfg.objective)
+    check_data_kind(objective, train_data, eval_data)
     if set(CHAT_FORMATS) & set(data_info["train"]["formats"]):
         # The reply's end-of-turn token trains; saved models must also stop generating there.
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
@@ -114,13 +113,20 @@ def build(
     layout = batch_layout(cfg, env.world_size, len(train_data))
     default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora.enabled else loaded.default_lr
     lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr
-    objective = objective or objective_for(cfg.objective)
     batching = batching_of(cfg, data_info["train"]["formats"])
-    packed = cfg.examples.max_length if batching in ("pack", "auto") else None
-    shapes = sample_micro_batches(train_data.lengths().tolist(), layout.micro_batch_size, packed)
-    paths = choose_paths(run, loaded.model, shapes, recorded_paths)
+    paths = choose_paths(run, loaded.model, _shapes(cfg, train_data, layout, batching), recorded_paths)
     products = products_of(paths, cfg.model.precision)
+    autocast = partial(autocast_context, cfg.model.precision, env.device, products.fp32)
+    digest = _starting_digest(run, loaded.model, objective)  # before wrapping: FSDP2 shards it
     model, parts, loss = build_model(run, loaded.model, objective, paths)
+    if precomputes(run, objective):
+        policy = PolicyParts(
+            model, digest, loss.chunk, bool(parts.root.varlen), parts.sharded, products, autocast
+        )
+        datasets = _distinct(train_data, eval_data, data_info)
+        data_info["reference"] = precompute_references(
+            run, policy, datasets, tokenizer.pad_token_id, data_cache_dir(cfg.data)
+        )
     # After wrapping: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
     optimizer = optimizer_for(cfg.optim, parts.root, lr)
     run_fingerprint = fingerprint(
@@ -148,8 +154,40 @@ def build(
         objective=objective,
         paths=paths,
         products=products,
-        autocast=partial(autocast_context, cfg.model.precision, env.device, products.fp32),
+        autocast=autocast,
     )
+
+
+def _load(run: RunContext) -> LoadedModel:
+    """The model and tokenizer; a quantized base straight onto its device (bitsandbytes quantizes
+    there); the --chat-template applied."""
+    cfg, env, log = run.cfg, run.env, run.log
+    run.heartbeat.beat("load")
+    quantization = quantization_of(cfg.model, run.strategy)
+    device = env.device if quantization is not None else None
+    if quantization is not None:
+        return_freed_buffers(env.device)
+    loaded = load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code, quantization, device)
+    if quantization is not None:
+        log.info(base_summary(loaded.model, quantization))
+    if cfg.examples.chat_template is not None:
+        apply_chat_template_option(cfg, loaded.model, loaded.tokenizer, log)
+    return loaded
+
+
+def _starting_digest(run: RunContext, model: torch.nn.Module, objective: Objective) -> str | None:
+    """The starting weights' hash (rank 0's, on every rank), where reference log-probs are
+    precomputed from them: it keys their cache. Before wrapping: FSDP2 leaves each rank a shard,
+    LoRA adds adapters."""
+    if not precomputes(run, objective) or run.cfg.objective.reference_model is not None:
+        return None
+    return broadcast_object(model_digest(model) if run.env.is_main else None, run.env)
+
+
+def _shapes(cfg: TrainConfig, data: TokenizedDataset, layout: BatchLayout, batching: str) -> list[list[int]]:
+    """A few of the run's micro-batches, as their examples' token counts (for a paths timing)."""
+    packed = cfg.examples.max_length if batching in ("pack", "auto") else None
+    return sample_micro_batches(data.lengths().tolist(), layout.micro_batch_size, packed)
 
 
 def choose_paths(
@@ -166,6 +204,36 @@ def choose_paths(
         threads=run.threads,
     )
     return decide_paths(question, Workload(getattr(model, "config", None), micro_batches), env)
+
+
+def check_data_kind(
+    objective: Objective, train_data: TokenizedDataset, eval_data: TokenizedDataset | None
+) -> None:
+    """Preference objectives train on pairs, the others on single examples."""
+    pairs = objective.unit == "pairs"
+    for data, option in ((train_data, "--data"), (eval_data, "--eval-data")):
+        if data is None or data.is_pairs == pairs:
+            continue
+        if pairs:
+            raise UserError(
+                f"{option}: --objective {objective.name} tunes on preference pairs, records of "
+                "'prompt', 'chosen' and 'rejected' (strings, or lists of messages); these are single examples"
+            )
+        raise UserError(
+            f"{option}: holds preference pairs (prompt, chosen, rejected); tune on them with --objective "
+            "dpo, ipo, simpo or orpo (--objective sft trains on single examples)"
+        )
+
+
+def _distinct(
+    train: TokenizedDataset, held_out: TokenizedDataset | None, info: dict[str, Any]
+) -> list[tuple[TokenizedDataset, str]]:
+    """The data sets whose pairs need reference log-probs, with their cache keys: one for the
+    training data and an --eval-split of it, two with --eval-data."""
+    found = [(train.base(), info["train"]["key"])]
+    if held_out is not None and held_out.base() is not train.base():
+        found.append((held_out.base(), info["eval"]["key"]))
+    return found
 
 
 def checkpoint_activations(model: torch.nn.Module, name: str, fp32_products: bool = False) -> None:
@@ -237,7 +305,8 @@ def prepare_data(
             "cache": str(p.folder),
             "key": p.key,
             "built_by_ranks": builders,
-            **{k: meta[k] for k in (*(f.name for f in fields(EncodeStats)), "bad_lines")},
+            # .get: a cache built before a count existed lacks it
+            **{k: meta.get(k, 0) for k in (*(f.name for f in fields(EncodeStats)), "bad_lines")},
         }
         how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
         shown = {SAMPLE_DATA: "the built-in sample", SAMPLE_EVAL: "the built-in sample's held-out split"}
@@ -247,6 +316,7 @@ def prepare_data(
             f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long, "
             f"{meta['dropped_no_targets']} dropped with no trainable tokens"
             + (f", {meta['bad_lines']} bad lines skipped" if meta["bad_lines"] else "")
+            + _pair_counts(meta)
         )
         for message in meta["bad_line_examples"][:5] if builders else []:
             log.info(f"  skipped: {message}")
@@ -259,6 +329,16 @@ def prepare_data(
         info["eval"] = {"spec": f"--eval-split {cfg.data.eval_split}", "examples": len(prepared["eval"])}
         log.info(f"eval data: {len(prepared['eval']):,} examples of --data held out (--eval-split)")
     return prepared["train"], prepared.get("eval"), info
+
+
+def _pair_counts(meta: dict[str, Any]) -> str:
+    """What truncation did to preference pairs, for the data line of the log."""
+    if not meta.get("truncated") or not {"preference", "preference_messages"} & set(meta["formats"]):
+        return ""
+    return (
+        f" (pairs: {meta.get('prompts_truncated', 0)} prompts cut from the left, "
+        f"{meta.get('answers_truncated', 0)} with answers cut from the right)"
+    )
 
 
 BATCHING_NAMES = {
@@ -342,6 +422,7 @@ def build_model(
         log.info(f"--loss-chunk-size {cfg.model.loss_chunk_size}: not used; {loss.description}")
     if cfg.model.compile:
         compile_model(trained, log)
+    objective = with_live_reference(run, base, objective, varlen, products)  # a copy of the unwrapped start
     setup = LossSetup(varlen, loss.chunk, products.fp32, products.bucketed)
     loss_module = objective.loss_module(trained, setup)
     model = wrap_model(loss_module, strategy, env, low_precision_dtype(cfg.model.precision))

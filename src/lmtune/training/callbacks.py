@@ -100,7 +100,7 @@ class StepLogger(Callback):
 
 
 class EpochSummary(Callback):
-    """The log line closing each epoch: its token-weighted mean train loss."""
+    """The log line closing each epoch: its mean train loss (per target token, per pair...)."""
 
     def __init__(self, log: RunLog):
         self.log = log
@@ -111,9 +111,9 @@ class EpochSummary(Callback):
 
     def on_step_end(self, step: StepEnd, control: Control) -> None:
         r = step.result
-        if not r.nonfinite:
-            self.loss_sum += r.loss * r.target_tokens
-            self.loss_tokens += r.target_tokens
+        if not r.nonfinite:  # weighted by the objective's units: target tokens, pairs
+            self.loss_sum += r.loss * r.count
+            self.loss_tokens += r.count
         if step.epoch_done:
             mean = self.loss_sum / max(self.loss_tokens, 1)
             self.log.info(f"epoch {step.state.epoch}/{self.epochs}: train loss {mean:.4f}")
@@ -128,6 +128,7 @@ def step_row(step: StepEnd, mfu: float | None, memory: int) -> dict[str, object]
         "step": step.state.step,
         "epoch": step.state.epochs_done,
         "loss": r.loss,
+        **r.metrics,  # the objective's (rewards/margins, ... for preference tuning)
         "lr": step.lr,
         "grad_norm": r.grad_norm,
         "tokens": r.tokens,

@@ -70,7 +70,7 @@ def evaluate(
         if item is not None:
             sums[0] += loss_sum.double()
             sums[1 : 1 + len(names)] += metric_sums.double()
-            counts = (objective.count(batch), batch.target_tokens(), batch.input_ids.size(0))
+            counts = (objective.count(batch), batch.target_tokens(), len(batch.example_ids))
             sums[1 + len(names) :] += torch.tensor(counts, dtype=torch.float64, device=env.device)
     loss_module.train(was_training)
     totals = all_reduce_sum(sums, env).tolist()

@@ -15,15 +15,17 @@ import torch
 
 from lmtune import __version__
 from lmtune.checkpoint.state import optimizer_state_bytes
-from lmtune.config.settings import to_dict
+from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.model.attention import attention_description
 from lmtune.model.quantization import footprint, parameter_count
+from lmtune.objectives.base import Objective
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.training.batch_layout import BatchLayout
 from lmtune.training.build import BATCHING_NAMES, Built
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitResult
 from lmtune.training.perf import peak_memory_bytes
+from lmtune.training.reference import needs_reference
 
 
 def environment_info(env: DistEnv, threads: int) -> dict[str, Any]:
@@ -72,6 +74,7 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
     attention = attention_description(built.loaded.model) if built.parts.root.varlen else "masked"
     resolved = {
         "objective": built.objective.name,
+        "reference": reference_description(cfg, built.objective),
         "strategy": run.strategy,
         "batching": built.batching,
         "attention": attention,
@@ -102,6 +105,15 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
     )
     if built.paths.products is not None:  # a CPU bf16 run: which paths its CPU's units chose, and how
         run.log.info(f"{built.paths.line()}; matrix products: {built.products.description}")
+    if built.objective.unit == "pairs":
+        o = cfg.objective
+        knobs = {"dpo": f"label smoothing {o.label_smoothing}", "simpo": f"gamma {o.simpo_gamma}"}
+        knobs["orpo"] = f"lambda {o.orpo_lambda}"
+        extra = f", {knobs[o.name]}" if o.name in knobs else ""
+        reference = resolved["reference"]
+        run.log.info(
+            f"objective {o.name}: beta {o.beta}{extra}" + (f"; reference: {reference}" if reference else "")
+        )
     return {
         "config": to_dict(cfg),
         "resolved": resolved,
@@ -118,6 +130,18 @@ def _parameters(resolved: dict[str, Any], lora: bool) -> str:
     share = 100 * trainable / max(total, 1)
     what = ", the LoRA adapters" if lora else ""
     return f"{total:,} parameters ({trainable:,} trainable: {share:.{2 if share < 1 else 1}f}%{what})"
+
+
+def reference_description(cfg: TrainConfig, objective: Objective) -> str | None:
+    """What a preference objective compares the policy with (None: no reference)."""
+    if not needs_reference(objective):
+        return None
+    model = cfg.objective.reference_model or "the starting model"
+    if cfg.objective.reference == "logprobs":
+        return f"{model}, log-probs precomputed"
+    if cfg.lora.enabled and cfg.objective.reference_model is None:
+        return "the base model with the LoRA adapter disabled, in every step"
+    return f"{model}, frozen, in every step"
 
 
 def _batch_line(layout: BatchLayout) -> str:

@@ -1,0 +1,77 @@
+"""What ``lmtune data audit`` says of preference pairs: pairs that teach nothing (identical answers,
+an empty answer), prompts that alone fill ``--max-length``, and the lengths of chosen against
+rejected answers (DPO learns a preference for length where chosen answers are longer: a known bias)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmtune.data.pairs import conversation, is_messages, rendered_pairs, tokenize_pairs
+from lmtune.data.sources import BadLines, Record
+from lmtune.data.tokenize import chunks
+
+
+@dataclass
+class PairAudit:
+    pairs: int = 0
+    identical: int = 0  # chosen and rejected the same answer
+    empty: int = 0  # an answer with no text
+    prompt_fills: int = 0  # the prompt alone reaches --max-length: truncation cuts it
+    chosen_longer: int = 0  # pairs whose chosen answer has more tokens than the rejected one
+    chosen_tokens: int = 0
+    rejected_tokens: int = 0
+    examples: list[str] = field(default_factory=list)  # where the first problems are
+
+    def line(self, where: str, what: str) -> None:
+        if len(self.examples) < 5:
+            self.examples.append(f"{where}: {what}")
+
+
+def _answers(record: Record) -> tuple[str, str]:
+    """The answers' own text (of messages: their contents), to compare them."""
+    fields = record.fields
+    if is_messages(fields.get("prompt")) or ("prompt" not in fields and is_messages(fields.get("chosen"))):
+        _, chosen, rejected = conversation(record)
+        return "\n".join(m["content"] for m in chosen), "\n".join(m["content"] for m in rejected)
+    return str(fields.get("chosen", "")), str(fields.get("rejected", ""))
+
+
+def audit_pairs(recs: Iterable[Record], tokenizer: Any, max_length: int) -> PairAudit:
+    """Read every pair (unreadable ones are the main audit's business) and count the problems."""
+    report = PairAudit()
+    for chunk in chunks(recs):
+        records, texts = rendered_pairs(chunk, tokenizer, BadLines(skip=True))
+        for record, pair in zip(records, tokenize_pairs(texts, tokenizer), strict=True):
+            chosen, rejected = _answers(record)
+            report.pairs += 1
+            if chosen == rejected:
+                report.identical += 1
+                report.line(record.where, "chosen and rejected are the same answer")
+            if not chosen.strip() or not rejected.strip():
+                report.empty += 1
+                report.line(record.where, "an empty answer")
+            if len(pair.prompt) >= max_length:
+                report.prompt_fills += 1
+                report.line(
+                    record.where,
+                    f"the prompt alone has {len(pair.prompt)} tokens (--max-length {max_length})",
+                )
+            report.chosen_longer += len(pair.chosen) > len(pair.rejected)
+            report.chosen_tokens += len(pair.chosen)
+            report.rejected_tokens += len(pair.rejected)
+    return report
+
+
+def pair_lines(report: PairAudit) -> list[str]:
+    """The audit's lines about pairs."""
+    n = max(report.pairs, 1)
+    lines = [
+        f"  preference pairs    {report.pairs:,}: identical chosen and rejected  {report.identical:,}, "
+        f"an empty answer  {report.empty:,}, prompt alone over --max-length  {report.prompt_fills:,}",
+        f"  answer lengths      chosen {report.chosen_tokens / n:.1f} tokens on average, rejected "
+        f"{report.rejected_tokens / n:.1f}; chosen longer than rejected in "
+        f"{100 * report.chosen_longer / n:.0f}% of pairs (far from 50%: DPO learns that length too)",
+    ]
+    return lines + [f"    {m}" for m in report.examples]

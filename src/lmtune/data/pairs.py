@@ -1,0 +1,200 @@
+"""Preference pairs: a prompt and two answers to it, chosen and rejected, as tokens that share the
+prompt.
+
+A record holds ``prompt``, ``chosen`` and ``rejected`` as strings, or as lists of messages (TRL's
+conversational form: the prompt's messages, then each answer's assistant turn or turns; without a
+``prompt`` the messages both answers start with are the prompt). Strings are tokenized as
+prompt_completion examples are, with the tokenizer's special tokens and an EOS after each answer;
+messages are rendered with the chat template, the prompt with its generation prompt, so each answer
+ends with the template's end of turn.
+
+Prompt and answer are tokenized together, as TRL does, and the answer starts where the tokens of the
+prompt alone and of the prompt with that answer first differ: a token that merges across the
+boundary belongs to the answer, and both answers see the same prompt tokens. Only answer tokens
+train. A pair is stored as its prompt, chosen and rejected tokens back to back, with the prompt's
+and the chosen answer's lengths (:class:`lmtune.data.dataset.TokenizedDataset`).
+
+Truncation (``right`` and ``left`` alike): a pair fits when its prompt and its longer answer fit
+``max_length``; otherwise the prompt is cut from the left to at most what leaves the longer answer
+room, but never below half of ``max_length``, and the answers are cut from the right to the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lmtune.data.formats import chat_text, messages_field
+from lmtune.data.sources import BadLines, Record
+from lmtune.errors import UserError
+
+PAIR_FIELDS = ("prompt", "chosen", "rejected")
+
+
+@dataclass(frozen=True)
+class PairTexts:
+    """A pair as three texts: the prompt alone, and the prompt followed by each answer."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+    add_special_tokens: bool  # the tokenizer's BOS and the like (chat templates write their own)
+    append_eos: bool  # an EOS ends each answer (chat templates end their own turns)
+    format: str  # preference | preference_messages
+
+
+@dataclass(frozen=True)
+class PairTokens:
+    """A tokenized pair; the prompt's tokens are shared by both answers."""
+
+    prompt: np.ndarray
+    chosen: np.ndarray
+    rejected: np.ndarray
+
+
+def is_messages(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, Mapping) for m in value)
+
+
+def _text(record: Record, name: str) -> str:
+    value = record.fields.get(name)
+    if not isinstance(value, str):
+        found = ", ".join(repr(k) for k in record.fields)
+        problem = "no" if value is None else f"a non-string ({type(value).__name__})"
+        raise UserError(
+            f"{record.where}: preference record has {problem} '{name}' field (fields found: {found})"
+        )
+    return value
+
+
+def _answer_messages(record: Record, name: str) -> list[dict[str, str]]:
+    """An answer given as messages, or as a string (one assistant turn)."""
+    if isinstance(record.fields.get(name), str):
+        return [{"role": "assistant", "content": record.fields[name]}]
+    return messages_field(record, name)
+
+
+def conversation(record: Record) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
+    """(prompt, chosen, rejected) messages; without a prompt, the messages both answers start with."""
+    chosen, rejected = _answer_messages(record, "chosen"), _answer_messages(record, "rejected")
+    if "prompt" in record.fields:
+        return messages_field(record, "prompt"), chosen, rejected
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == 0:
+        raise UserError(
+            f"{record.where}: preference record has no 'prompt', and its chosen and rejected messages "
+            "share no leading turn to take as one"
+        )
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+def render_pair(record: Record, tokenizer: Any) -> PairTexts:
+    """A preference record as three texts (see the module docstring)."""
+    for name in ("chosen", "rejected"):
+        if name not in record.fields:
+            raise UserError(f"{record.where}: preference record has no '{name}' field")
+    if is_messages(record.fields.get("prompt")) or (
+        "prompt" not in record.fields and is_messages(record.fields["chosen"])
+    ):
+        turns, chosen, rejected = conversation(record)
+        return PairTexts(
+            prompt=chat_text(tokenizer, turns, generation_prompt=True),
+            chosen=chat_text(tokenizer, turns + chosen, generation_prompt=False),
+            rejected=chat_text(tokenizer, turns + rejected, generation_prompt=False),
+            add_special_tokens=False,
+            append_eos=False,
+            format="preference_messages",
+        )
+    if is_messages(record.fields["chosen"]) or is_messages(record.fields["rejected"]):
+        raise UserError(f"{record.where}: 'prompt' must be a list of messages when the answers are messages")
+    prompt = _text(record, "prompt")
+    return PairTexts(
+        prompt=prompt,
+        chosen=prompt + _text(record, "chosen"),
+        rejected=prompt + _text(record, "rejected"),
+        add_special_tokens=True,
+        append_eos=True,
+        format="preference",
+    )
+
+
+def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def split_pair(prompt: np.ndarray, chosen: np.ndarray, rejected: np.ndarray) -> PairTokens:
+    """The pair's tokens from the tokens of its three texts: the prompt is where both full texts
+    still agree with the prompt alone."""
+    shared = min(_shared_prefix(prompt, chosen), _shared_prefix(prompt, rejected))
+    return PairTokens(chosen[:shared], chosen[shared:], rejected[shared:])
+
+
+@dataclass(frozen=True)
+class Cut:
+    """What truncation did to a pair (None: it is dropped)."""
+
+    pair: PairTokens
+    prompt_cut: bool
+    answers_cut: bool
+
+
+def fit_pair(pair: PairTokens, max_length: int) -> Cut:
+    """The pair cut to ``max_length`` per sequence: the prompt from the left (keeping at least half
+    of ``max_length`` when it is that long), the answers from the right."""
+    p, longer = len(pair.prompt), max(len(pair.chosen), len(pair.rejected))
+    keep = min(p, max(max_length - longer, max_length // 2))
+    room = max_length - keep
+    cut = PairTokens(pair.prompt[p - keep :], pair.chosen[:room], pair.rejected[:room])
+    return Cut(cut, prompt_cut=keep < p, answers_cut=longer > room)
+
+
+def answer_targets(pair: PairTokens) -> tuple[int, int]:
+    """Each answer's trained positions after the causal shift: all its tokens, but for the first
+    when no prompt token precedes it."""
+    first = 0 if len(pair.prompt) else 1
+    return max(len(pair.chosen) - first, 0), max(len(pair.rejected) - first, 0)
+
+
+def tokenize_pairs(texts: list[PairTexts], tokenizer: Any) -> list[PairTokens]:
+    """Tokenize every pair's three texts (the Rust tokenizer, a batch per kind of texts)."""
+    backend = tokenizer.backend_tokenizer
+    eos = tokenizer.eos_token_id
+    out: list[PairTokens | None] = [None] * len(texts)
+    for special in (True, False):
+        idx = [i for i, t in enumerate(texts) if t.add_special_tokens == special]
+        if not idx:
+            continue
+        flat = [s for i in idx for s in (texts[i].prompt, texts[i].chosen, texts[i].rejected)]
+        encoded = backend.encode_batch(flat, add_special_tokens=special)
+        for k, i in enumerate(idx):
+            prompt, chosen, rejected = (np.asarray(e.ids, dtype=np.int32) for e in encoded[3 * k : 3 * k + 3])
+            if texts[i].append_eos:
+                chosen, rejected = (_with_eos(a, eos) for a in (chosen, rejected))
+            out[i] = split_pair(prompt, chosen, rejected)
+    return [p for p in out if p is not None]
+
+
+def _with_eos(ids: np.ndarray, eos: int) -> np.ndarray:
+    return ids if len(ids) and ids[-1] == eos else np.append(ids, np.int32(eos))
+
+
+def rendered_pairs(
+    chunk: list[Record], tokenizer: Any, bad: BadLines
+) -> tuple[list[Record], list[PairTexts]]:
+    """The records of ``chunk`` that render as pairs, and their texts; the others go to ``bad``."""
+    records, texts = [], []
+    for record in chunk:
+        try:
+            texts.append(render_pair(record, tokenizer))
+        except UserError as e:
+            bad.report(str(e))
+            continue
+        records.append(record)
+    return records, texts

@@ -1,0 +1,75 @@
+"""How a micro-batch of preference pairs reaches the model: flattened to its real tokens with
+per-example attention that keeps each pair's answers apart (lmtune.model.attention), or as rows
+under a pair mask (lmtune.model.masks); and where each position's pair and part are, for the loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from lmtune.model.loss import LossModule
+from lmtune.model.masks import pair_causal_mask, sliding_window
+
+
+@dataclass(frozen=True)
+class Routed:
+    labels: torch.Tensor  # the positions' labels, as the model runs them
+    part: torch.Tensor  # 0 prompt, 1 chosen, 2 rejected; -1 padding and filler
+    pair: torch.Tensor  # the pair of the micro-batch (in row order); -1 padding and filler
+    inputs: dict[str, Any]  # the model's keyword arguments
+
+
+def _parts(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(part, pair) of every position of rows whose segment ids are ``3 k + part`` for the row's
+    ``k``-th pair (lmtune.data.pair_collate), -1 for padding."""
+    real = segment_ids >= 0
+    part = torch.where(real, segment_ids % 3, -1)
+    local = torch.div(segment_ids, 3, rounding_mode="floor")
+    per_row = torch.where(real, local, -1).amax(dim=1) + 1
+    first = torch.cumsum(per_row, 0) - per_row
+    return part, torch.where(real, first[:, None] + local, -1)
+
+
+def route_pairs(
+    module: LossModule,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+) -> Routed:
+    """The micro-batch as ``module`` runs it (see the module docstring)."""
+    if segment_ids is None or position_ids is None:  # an idle batch: one token, nothing to train
+        labels, _, inputs = module.route(input_ids, attention_mask, labels, position_ids, None)
+        none = torch.full_like(labels, -1)
+        return Routed(labels, none, none, inputs)
+    part, pair = _parts(segment_ids)
+    if not module.varlen:
+        window = sliding_window(getattr(module.model, "config", None))
+        mask = pair_causal_mask(segment_ids, position_ids, window)
+        inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
+        return Routed(labels, part, pair, inputs)
+    from lmtune.model.attention import SEGMENTS, flatten, round_up
+    from lmtune.model.products import token_bucket
+
+    on_cpu = input_ids.device.type == "cpu"
+    round_to = token_bucket if module.bucket_tokens else round_up if on_cpu else None
+    local = torch.where(segment_ids >= 0, torch.div(segment_ids, 3, rounding_mode="floor"), -1)
+    flat = flatten(input_ids, attention_mask, labels, position_ids, local, round_to=round_to)
+    keep = attention_mask.bool()
+    filler = flat.input_ids.size(1) - int(keep.sum())
+    part, pair = (torch.cat([t[keep], t.new_full((filler,), -1)]) for t in (part, pair))
+    pairs = int(pair.max()) + 1 if pair.numel() else 0
+    prompts = torch.bincount(pair[part == 0], minlength=pairs).tolist()
+    chosen = torch.bincount(pair[part == 1], minlength=pairs).tolist()
+    layout = list(zip(prompts, chosen, strict=True)) + ([(filler, 0)] if filler else [])
+    segments = replace(flat.segments, pairs=tuple(layout))
+    inputs = {
+        "input_ids": flat.input_ids,
+        "attention_mask": torch.ones_like(flat.input_ids),
+        "position_ids": flat.position_ids,
+        SEGMENTS: segments,
+    }
+    return Routed(flat.labels, part, pair, inputs)

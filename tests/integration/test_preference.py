@@ -1,0 +1,155 @@
+"""`lmtune train --objective dpo | ipo | simpo | orpo` through the CLI, in process: TRL's metric names
+in metrics.jsonl, run.json and TensorBoard; the best checkpoint by reward accuracy; samples; the
+report's reward plots; conversational pairs with LoRA; and the user errors, each naming what to fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lmtune.cli import main
+from tests.conftest import train_rows, write_jsonl
+from tests.support.pairs import write_pairs
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen")
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("dpo")
+    data = write_pairs(root / "pairs.jsonl", 48, seed=11)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "12 + 30 = ?"}) + "\n")
+    out = root / "out"
+    args = ["train", "--objective", "dpo", "--data", str(data), "--eval-split", "8", "--max-steps", "4"]
+    args += ["--global-batch-size", "8", "--micro-batch-size", "4", "--max-length", "96", "--lr", "3e-3"]
+    args += ["--eval-every", "2", "--metric-for-best", "eval_rewards/accuracies", "--load-best-at-end"]
+    args += ["--sample-prompts", str(prompts), "--sample-max-new-tokens", "4", "--report-to", "tensorboard"]
+    assert main([*args, "--output-dir", str(out), "--no-progress"]) == 0
+    return out
+
+
+def test_metrics_rows_and_run_json_carry_the_preference_metrics(dpo_run: Path) -> None:
+    train = train_rows(dpo_run)
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(all(k in r for k in METRICS) for r in train)
+    evals = train_rows(dpo_run, "eval")
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(f"eval_{k}" in r for r in evals for k in METRICS) and all(
+        r["eval_examples"] == 8 for r in evals
+    )
+    run = json.loads((dpo_run / "run.json").read_text())
+    result = run["result"]["eval"]
+    assert result["loss"] == evals[-1]["eval_loss"] and result["examples"] == 8
+    assert result["rewards/accuracies"] == evals[-1]["eval_rewards/accuracies"]
+    assert result["rewards/margins"] == evals[-1]["eval_rewards/margins"]
+    assert run["resolved"]["objective"] == "dpo"
+    assert run["resolved"]["reference"] == "the starting model, log-probs precomputed"
+    assert run["data"]["reference"]["files"][0]["pairs"] == 48  # training and held-out pairs at once
+    best = run["result"]["best"]
+    assert best["metric"] == "eval_rewards/accuracies"
+    assert best["value"] == max(r["eval_rewards/accuracies"] for r in evals)  # higher is better
+    samples = [
+        r
+        for r in map(json.loads, (dpo_run / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == "sample"
+    ]
+    assert samples and samples[0]["prompt"] == "12 + 30 = ?" and samples[0]["tokens"] > 0
+
+
+def test_tensorboard_and_report_show_the_rewards(dpo_run: Path, tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(dpo_run / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/rewards/margins", "eval/rewards/accuracies", "eval/loss"} <= tags
+    page = tmp_path / "report.html"
+    assert main(["report", str(dpo_run), "--out", str(page)]) == 0
+    text = page.read_text()
+    for name in ("reward_margins", "reward_accuracies"):
+        assert f"<figure id='plot-{name}'><img" in text
+
+
+@pytest.mark.parametrize(
+    ("objective", "extra"),
+    [("ipo", ["--lora"]), ("simpo", ["--chat-template", "chatml"]), ("orpo", ["--lora"])],
+)
+def test_conversational_pairs_train(objective: str, extra: list[str], tmp_path: Path) -> None:
+    data = write_pairs(tmp_path / "chat.jsonl", 16, seed=2, chat=True)
+    out = tmp_path / "out"
+    args = ["train", "--objective", objective, "--data", str(data), *extra, "--max-steps", "2"]
+    args += ["--global-batch-size", "8", "--no-progress", "--output-dir", str(out)]
+    assert main(args) == 0
+    saved = "adapter_model.safetensors" if "--lora" in extra else "model.safetensors"
+    assert (out / "final" / saved).is_file()
+    config = json.loads((out / "final" / "generation_config.json").read_text())
+    assert config["eos_token_id"]  # chat data: the saved model stops at the end of turn
+    rows = train_rows(out)
+    assert len(rows) == 2 and all("rewards/accuracies" in r for r in rows)
+    if objective == "orpo":
+        assert all("nll_loss" in r and "log_odds_ratio" in r for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--objective", "sft"],
+            "holds preference pairs (prompt, chosen, rejected); tune on them with --objective",
+        ),
+        (["--objective", "dpo", "--data", "TEXT"], "--objective dpo tunes on preference pairs"),
+        (["--objective", "dpo", "--data", "BAD"], "bad.jsonl:2: preference record has no 'rejected' field"),
+        (["--objective", "dpo", "--strategy", "dp"], "--strategy: --objective dpo keeps both answers"),
+        (["--objective", "sft", "--metric-for-best", "eval_rewards/accuracies"], "reward metrics need"),
+        (
+            ["--objective", "simpo", "--reference-model", "tiny"],
+            "--reference-model: applies to --objective dpo",
+        ),
+        (["--objective", "ipo", "--label-smoothing", "0.1"], "--label-smoothing: applies to --objective dpo"),
+        (["--objective", "dpo", "--beta", "0"], "--beta: must be > 0"),
+    ],
+)
+def test_user_errors_name_what_to_fix(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 8)
+    text = write_jsonl(tmp_path / "text.jsonl", ["plain text"] * 8)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"})
+        + "\n"
+        + json.dumps({"prompt": "a", "chosen": "b"})
+        + "\n"
+    )
+    files = {"TEXT": str(text), "BAD": str(bad)}
+    args = [files.get(a, a) for a in args]
+    data = [] if "--data" in args else ["--data", str(pairs)]
+    code = main(
+        ["train", *data, *args, "--max-steps", "1", "--output-dir", str(tmp_path / "o"), "--no-progress"]
+    )
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_reference_model_precomputed_or_live_gives_the_same_losses(tmp_path: Path) -> None:
+    from lmtune.model.modeling import build_preset
+
+    other = build_preset("tiny", seed=99)  # not the policy: the first loss is not ln 2
+    folder = tmp_path / "reference"
+    other.model.save_pretrained(folder)
+    other.tokenizer.save_pretrained(folder)
+    data = write_pairs(tmp_path / "pairs.jsonl", 16, seed=5)
+    losses = {}
+    for mode in ("logprobs", "live"):
+        out = tmp_path / mode
+        args = ["train", "--objective", "dpo", "--data", str(data), "--reference-model", str(folder)]
+        args += ["--reference", mode, "--max-steps", "2", "--global-batch-size", "8", "--no-progress"]
+        assert main([*args, "--output-dir", str(out)]) == 0
+        losses[mode] = [r["loss"] for r in train_rows(out)]
+        run = json.loads((out / "run.json").read_text())
+        assert str(folder) in run["resolved"]["reference"]
+    assert abs(losses["logprobs"][0] - 0.6931471805599453) > 1e-3
+    assert losses["live"] == pytest.approx(losses["logprobs"], abs=1e-6)

@@ -1,0 +1,196 @@
+"""Preference pairs: detection, rendering (strings and messages), the shared prompt, what trains,
+truncation, bad records, collation, and the data audit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lmtune.config.groups import ExampleSettings
+from lmtune.data.audit import audit, format_report
+from lmtune.data.dataset import PairExample
+from lmtune.data.pair_collate import PairCollator, PairStepCollator, sequences
+from lmtune.data.prepare import encode_in_memory
+from lmtune.data.sources import BadLines, Record
+from lmtune.data.tokenize import IGNORE_INDEX
+from lmtune.errors import UserError
+from lmtune.model.modeling import byte_tokenizer
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def encode(rows: list[dict[str, Any]], tok: Any = None, **kw: Any) -> tuple[Any, Any, Any]:
+    tok = tok or byte_tokenizer()
+    recs = [Record("pairs.jsonl", i + 1, r) for i, r in enumerate(rows)]
+    data, stats = encode_in_memory(recs, tok, ExampleSettings(**kw))
+    return data, stats, tok
+
+
+def parts(pair: PairExample, tok: Any) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) as text, special tokens shown."""
+    p, c = pair.parts
+    ids = [int(t) for t in pair.input_ids]
+    return tuple(tok.decode(x) for x in (ids[:p], ids[p : p + c], ids[p + c :]))  # type: ignore[return-value]
+
+
+def trained(seq: Any, tok: Any) -> str:
+    ids, labels, _ = seq
+    return str(tok.decode([int(t) for t in ids[1:][labels[1:] != IGNORE_INDEX]]))
+
+
+def test_string_pairs_share_the_prompt_and_train_only_the_answers_with_eos() -> None:
+    data, stats, tok = encode([{"prompt": "2 + 2 =", "chosen": " 4", "rejected": " 5, I think"}])
+    assert stats.formats == {"preference": 1} and stats.eos_trained == 1
+    pair = data[0]
+    assert isinstance(pair, PairExample)
+    assert parts(pair, tok) == ("<|bos|>2 + 2 =", " 4<|eos|>", " 5, I think<|eos|>")
+    chosen, rejected = sequences(pair)
+    assert trained(chosen, tok) == " 4<|eos|>" and trained(rejected, tok) == " 5, I think<|eos|>"
+    assert stats.target_tokens == 3 + 12
+    assert stats.tokens == 8 + 3 + 12 == data.lengths()[0]  # the prompt runs once for both answers
+
+
+def test_a_conversational_pair_renders_with_the_template_and_trains_only_the_answer() -> None:
+    tok = byte_tokenizer()
+    tok.chat_template = CHATML
+    row = {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}],
+        "chosen": [{"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "assistant", "content": "5"}],
+    }
+    data, stats, _ = encode([row], tok)
+    assert stats.formats == {"preference_messages": 1}
+    prompt, chosen, rejected = parts(data[0], tok)
+    system, user = "<|im_start|>system\nBe brief.<|im_end|>\n", "<|im_start|>user\n2 + 2?<|im_end|>\n"
+    assert prompt == system + user + "<|im_start|>assistant\n"
+    assert (chosen, rejected) == ("4<|im_end|>\n", "5<|im_end|>\n")  # the template ends the turn
+    seq_c, seq_r = sequences(data[0])
+    assert trained(seq_c, tok) == "4<|im_end|>\n" and trained(seq_r, tok) == "5<|im_end|>\n"
+    assert tok.decode(seq_c.input_ids) == tok.apply_chat_template(
+        row["prompt"] + row["chosen"], tokenize=False
+    )
+
+
+def test_a_prompt_of_messages_with_string_answers_and_an_implicit_prompt() -> None:
+    tok = byte_tokenizer()
+    tok.chat_template = CHATML
+    user = {"role": "user", "content": "hi"}
+    explicit = {"prompt": [user], "chosen": "hello", "rejected": "go away"}
+    implicit = {
+        "chosen": [user, {"role": "assistant", "content": "hello"}],
+        "rejected": [user, {"role": "assistant", "content": "go away"}],
+    }
+    data, _, _ = encode([explicit, implicit], tok)
+    assert parts(data[0], tok) == parts(data[1], tok)
+    assert parts(data[0], tok)[1] == "hello<|im_end|>\n"
+
+
+def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
+    row = {"prompt": "p" * 40, "chosen": "c" * 10, "rejected": "r" * 30}  # + BOS and EOS
+    data, stats, tok = encode([row], max_length=32)
+    prompt, chosen, rejected = parts(data[0], tok)
+    assert prompt == "p" * 16  # half of --max-length kept for a prompt longer than that: its end
+    assert chosen == "c" * 10 + "<|eos|>" and rejected == "r" * 16
+    assert (stats.truncated, stats.prompts_truncated, stats.answers_truncated) == (1, 1, 1)
+    short_answers = {"prompt": "p" * 40, "chosen": "c", "rejected": "r"}
+    data, stats, tok = encode([short_answers], max_length=32)
+    assert parts(data[0], tok) == ("p" * 30, "c<|eos|>", "r<|eos|>")  # the answers keep their room
+    assert (stats.prompts_truncated, stats.answers_truncated) == (1, 0)
+    for mode in ("left", "right"):
+        assert encode([row], max_length=32, truncation=mode)[1].truncated == 1
+    assert encode([row], max_length=32, truncation="drop")[1].dropped_too_long == 1
+    with pytest.raises(UserError, match=r"pairs.jsonl:1: prompt and answer of 41 \+ 31 tokens"):
+        encode([row], max_length=32, truncation="error")
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"chosen": "a", "rejected": "b"}, "pairs.jsonl:1: preference record has no 'prompt' field"),
+        ({"prompt": "q", "chosen": 3, "rejected": "b"}, "a non-string \\(int\\) 'chosen'"),
+        (
+            {"prompt": "q", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"},
+            "must be a list",
+        ),
+        (
+            {"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"},
+            "'prompt' message 1 must be an object",
+        ),
+    ],
+)
+def test_bad_pairs_name_file_and_line(row: dict[str, Any], message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        encode([row])
+
+
+def test_a_data_set_holds_one_kind_of_record() -> None:
+    rows = [{"prompt": "q", "chosen": "a", "rejected": "b"}, {"text": "plain"}]
+    with pytest.raises(UserError, match=r"pairs\.jsonl:2: a single example among preference pairs"):
+        encode(rows)
+    data, _, _ = encode(rows, skip_bad_lines=True)
+    assert len(data) == 1 and data.is_pairs
+    with pytest.raises(UserError, match=r"pairs\.jsonl:1: record has no 'completion' field"):
+        encode([rows[0]], format="prompt_completion")
+
+
+def test_a_pair_runs_as_one_sequence_that_shares_its_prompt() -> None:
+    rows = [
+        {"prompt": "q" * (i + 1), "chosen": "a" * (2 * i + 1), "rejected": "b" * (5 - i)} for i in range(5)
+    ]
+    data, _, tok = encode(rows)
+    data.set_reference(np.arange(10, dtype=np.float64).reshape(5, 2))
+    batch = PairCollator(tok.pad_token_id)([data[i] for i in (3, 1)])
+    assert batch.example_ids == [3, 1] and batch.pairs == 2
+    assert batch.reference.tolist() == [[6.0, 7.0], [2.0, 3.0]]
+    row = batch.attention_mask[0].bool()
+    assert tok.decode(batch.input_ids[0][row]) == "<|bos|>qqqq" + "a" * 7 + "<|eos|>" + "bb<|eos|>"
+    # positions restart after the prompt for the rejected answer; segments tell the parts apart
+    assert batch.position_ids[0][row].tolist() == [*range(5 + 8), *range(5, 5 + 3)]
+    assert batch.segment_ids[0][row].tolist() == [0] * 5 + [1] * 8 + [2] * 3
+    assert (batch.segment_ids[1][batch.attention_mask[1] == 0] == -1).all()
+    for mode in ("pad", "group", "pack", "auto"):
+        micro = PairStepCollator(tok.pad_token_id, 2, mode, 32)([data[i] for i in range(5)])
+        assert sorted(i for b in micro for i in b.example_ids) == list(range(5)), mode
+        answers = sum(len(data[i].input_ids) - data[i].parts[0] for i in range(5))
+        assert sum(b.target_tokens() for b in micro) == answers, mode  # every answer token trains
+        for b in micro:
+            assert b.reference.tolist() == [[2.0 * i, 2.0 * i + 1] for i in b.example_ids], mode
+
+
+def test_the_pair_mask_keeps_the_answers_apart() -> None:
+    from lmtune.model.masks import pair_causal_mask
+
+    segments = torch.tensor([[0, 0, 1, 1, 2, 2, 3, 4, 5, -1]])
+    positions = torch.tensor([[0, 1, 2, 3, 2, 3, 0, 1, 1, 0]])
+    mask = pair_causal_mask(segments, positions)[0, 0]
+    assert mask[4].tolist() == [True, True, False, False, True, False, False, False, False, False]
+    assert mask[3].tolist() == [True, True, True, True, False, False, False, False, False, False]
+    assert mask[8].tolist() == [False] * 6 + [True, False, True, False]  # the second pair's rejected
+    windowed = pair_causal_mask(segments, positions, window=2)[0, 0]
+    assert windowed[5].tolist() == [False] * 4 + [True, True] + [False] * 4  # positions 2 and 3
+
+
+def test_audit_reports_pair_problems(tmp_path: Path) -> None:
+    rows = [
+        {"prompt": "q1", "chosen": "same", "rejected": "same"},
+        {"prompt": "q2", "chosen": "", "rejected": "no"},
+        {"prompt": "q3" * 40, "chosen": "a long answer", "rejected": "b"},
+        {"prompt": "q4", "chosen": "longer chosen answer", "rejected": "short"},
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = audit(str(path), byte_tokenizer(), ExampleSettings(max_length=64))
+    assert report.pairs is not None
+    assert report.pairs.identical == 1 and report.pairs.empty == 1 and report.pairs.prompt_fills == 1
+    assert report.pairs.chosen_longer == 2  # of 4 pairs
+    text = format_report(report)
+    assert "identical chosen and rejected  1" in text and "chosen longer than rejected" in text
+    assert BadLines(skip=True).count == 0
