@@ -333,7 +333,9 @@ def footprint(model: nn.Module) -> tuple[int, int]:
     quantized = other = 0
     seen: set[int] = set()
     for module in model.modules():
-        if type(module).__name__ not in QUANTIZED_LAYERS:
+        # peft's LoRA wrapper of a quantized layer has its class name too, and its weight is its
+        # base layer's: counted once, where the weight is a parameter.
+        if type(module).__name__ not in QUANTIZED_LAYERS or "weight" not in module._parameters:
             continue
         for p in module.parameters(recurse=False):
             seen.add(id(p))
