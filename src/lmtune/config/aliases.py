@@ -84,6 +84,17 @@ HINTS: dict[str, str] = {
         "lmtune reads the Hugging Face token as huggingface_hub does (HF_TOKEN, or `hf auth login`), "
         "never from an option, so it stays out of run.json and the process list"
     ),
+    "rl": "preference tuning is {objective} dpo | ipo | simpo | orpo",  # Axolotl
+    "stage": "supervised is {objective} sft; preference tuning {objective} dpo | ipo | simpo | orpo",
+    "loss_type": (  # TRL's DPOConfig
+        "the preference loss is {objective}: TRL's sigmoid is dpo, ipo is ipo (SimPO and ORPO are "
+        "{objective} simpo | orpo)"
+    ),
+    "precompute_ref_log_probs": (
+        "{reference} logprobs (the default) precomputes the reference's log-probs once, {reference} live "
+        "runs it in every step"
+    ),
+    "ref_model": "name the reference with {reference_model} (default: the starting model)",
     "deepspeed": "lmtune shards parameters, gradients and optimizer state with {strategy} fsdp (FSDP2)",
     "fsdp": "use {strategy} fsdp (FSDP2)",
     "local_rank": (
