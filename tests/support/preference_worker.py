@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig
-from lmtune.model.products import choose_products
 from lmtune.outputs.runlog import RunLog
 from lmtune.parallel.distributed import DistEnv, process_group, read_dist_env
 from lmtune.parallel.health import Heartbeat
@@ -87,7 +86,6 @@ def train_one(env: DistEnv, out: Path, data: str, name: str) -> None:
             log=log,
             stop=stop,
             heartbeat=Heartbeat(None, env.rank),
-            products=choose_products("fp32", env.device),
         )
         built = build(run)
         start = TrainerState.fresh(8, env.world_size, 7, len(built.train_data))
@@ -95,13 +93,13 @@ def train_one(env: DistEnv, out: Path, data: str, name: str) -> None:
         data_loader, eval_loader = loaders(run, built)
         assert eval_loader is not None
         steps = Steps()
-        options = StepOptions(cfg.optim.max_grad_norm, run.autocast, None, built.objective)
+        options = StepOptions(cfg.optim.max_grad_norm, built.autocast, None, built.objective)
         fit(trainee, data_loader, start, LoopParts(callbacks=[steps]), FitSettings(env=env, step=options))
         ev = evaluate(
             unwrap(built.model),
             eval_loader,
             env,
-            run.autocast(),
+            built.autocast(),
             built.parts.sharded,
             objective=built.objective,
         )
