@@ -17,6 +17,7 @@ from lmtune.config.groups import (
     OptimSettings,
     ScheduleSettings,
 )
+from lmtune.config.mixture import named_items, parse_weights, source_names
 from lmtune.config.run_groups import (
     CheckpointSettings,
     EvalSettings,
@@ -209,6 +210,8 @@ def _check_data(cfg: TrainConfig, need: Need) -> None:
         cfg.model.loss_chunk_size is None or cfg.model.loss_chunk_size >= 0, "loss_chunk_size", "must be >= 0"
     )
     need(bool(cfg.data.train.strip()), "data", "must name data")
+    if cfg.data.weights is not None:
+        parse_weights(cfg.data.weights, len(source_names(cfg.data.train, "--data")))
     need(cfg.examples.max_length >= 2, "max_length", "must be >= 2")
     need(bool(cfg.examples.text_field), "text_field", "must not be empty")
     need(cfg.data.num_workers >= 0, "num_workers", "must be >= 0")
@@ -227,6 +230,8 @@ def _check_evaluation_data(cfg: TrainConfig, need: Need) -> None:
         "eval_split",
         "must be a fraction in (0, 1) or a whole number of examples",
     )
+    if eval_data is not None and len(named_items(eval_data)) > 1:
+        source_names(eval_data, "--eval-data")
     evaluates = eval_data is not None or split is not None or cfg.data.train == SAMPLE_DATA
     need(
         cfg.eval.metric_for_best is None or evaluates, "metric_for_best", "needs --eval-data or --eval-split"
