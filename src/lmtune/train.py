@@ -212,7 +212,7 @@ def _components(
         cb.HeartbeatStep(run.heartbeat),
         cb.NanPolicy(cfg.health.on_nan, log),
         cb.StepLogger(log, cfg.logging.log_every, mfu, env.device),
-        cb.ExampleOrder(ExampleOrderLog(run.output_dir, env.rank, start.step))
+        cb.ExampleOrder(ExampleOrderLog(run.output_dir, env.rank, start.step, built.train_data.sources))
         if cfg.logging.record_samples
         else None,
         cb.StragglerReport(log) if env.world_size > 1 else None,

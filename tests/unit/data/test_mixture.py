@@ -3,6 +3,7 @@ same order whatever the ranks and across a resume, and every bad --data-weights 
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -10,16 +11,26 @@ from pathlib import Path
 import pytest
 
 from lmtune.checkpoint.resume import mixture_fingerprint
+from lmtune.cli import main
 from lmtune.config.groups import ExampleSettings
 from lmtune.config.io import load_yaml
 from lmtune.config.settings import TrainConfig
 from lmtune.config.validate import check_settings
 from lmtune.data.dataset import split_off
-from lmtune.data.mixture import COMPONENTS_META, Mixture, mixture_of, mixture_order, shares, source_index
+from lmtune.data.mixture import (
+    COMPONENTS_META,
+    Mixture,
+    SourceIndex,
+    mixture_of,
+    mixture_order,
+    shares,
+    source_index,
+)
 from lmtune.data.prepare import Wanted, prepare
 from lmtune.data.sampling import TrainSampler
 from lmtune.errors import UserError
 from lmtune.model.modeling import byte_tokenizer
+from lmtune.outputs.runlog import ExampleOrderLog
 from lmtune.parallel.distributed import read_dist_env
 from tests.conftest import write_jsonl
 
@@ -190,3 +201,26 @@ def test_other_weights_are_another_run_to_resume() -> None:
     spec = "a=x.jsonl,b=y.jsonl"
     assert mixture_fingerprint(spec, "1,1") == mixture_fingerprint(spec, "2,2") == "a=0.5,b=0.5"
     assert mixture_fingerprint(spec, "1,3") == "a=0.25,b=0.75"
+
+
+def test_the_audit_shows_the_mixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = write_jsonl(tmp_path / "chat.jsonl", [f"chat {i}" for i in range(4)])
+    b = write_jsonl(tmp_path / "b.jsonl", [f"code line {i}" for i in range(12)])
+    assert main(["data", "audit", str(a), f"code={b}", "--data-weights", "3,1", "--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "mixture             an epoch of 16 examples (--data-weights)" in out
+    rows = [" ".join(line.split()) for line in out.splitlines() if "per epoch" in line]
+    # Per source: examples, tokens (text + BOS + EOS), draws per epoch, share, repetitions.
+    assert rows[0] == "chat 4 examples 32 tokens -> 12 per epoch ( 75.0%), x3.00 each"
+    assert rows[1] == "code 12 examples 158 tokens -> 4 per epoch ( 25.0%), x0.33 each"
+    assert main(["data", "audit", str(a), str(b), "--data-weights", "1", "--model", "tiny"]) == 2
+    assert "--data-weights: 1 weight for 2 --data sources" in capsys.readouterr().err
+
+
+def test_recorded_samples_name_their_sources(tmp_path: Path) -> None:
+    index = SourceIndex(("chat", "code"), (0, 3, 10))
+    log = ExampleOrderLog(tmp_path, rank=0, resume_step=0, sources=index)
+    log(1, [0, 2, 3, 9])
+    log.close()
+    row = json.loads((tmp_path / "samples" / "rank-0.jsonl").read_text())
+    assert row == {"step": 1, "ids": [0, 2, 3, 9], "sources": ["chat", "chat", "code", "code"]}
