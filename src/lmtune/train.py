@@ -238,7 +238,10 @@ def _evaluator(
         with timeouts.patient():
             beat = partial(run.heartbeat.beat, "eval")
             root, sharded = unwrap(built.model), built.parts.sharded
-            return evaluate(root, eval_loader, run.env, built.autocast(), sharded, beat, built.objective)
+            sources = built.eval_data.sources if built.eval_data is not None else None
+            return evaluate(
+                root, eval_loader, run.env, built.autocast(), sharded, beat, built.objective, sources
+            )
 
     return cb.Evaluator(run_eval, run.log, run.cfg.eval.every, best)
 

@@ -101,7 +101,7 @@ def rank_imbalance(
     mixture: Mixture | None = None,
 ) -> Imbalance | None:
     """Tokens per rank per optimizer step in the first epoch, as the training sampler deals them."""
-    order = mixture_order(mixture, seed, 0) if mixture else epoch_order(len(lengths), seed, epoch=0)
+    order = mixture_order(mixture, seed, 0) if mixture is not None else epoch_order(len(lengths), seed, 0)
     steps = len(order) // global_batch_size
     if steps == 0:
         return None

@@ -133,3 +133,28 @@ class EvalSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+def eval_batches(sizes: Sequence[int], rank: int, world_size: int, batch_size: int) -> list[list[int]]:
+    """``rank``'s evaluation batches of a set kept per source (each source's examples contiguous,
+    ``sizes`` of them): every example exactly once across ranks, and no batch mixes sources."""
+    batches: list[list[int]] = []
+    start = 0
+    for size in sizes:
+        mine = list(range(start + rank, start + size, world_size))
+        batches += [mine[k : k + batch_size] for k in range(0, len(mine), batch_size)]
+        start += size
+    return batches
+
+
+class EvalBatches(Sampler[list[int]]):
+    """A DataLoader's ``batch_sampler`` of :func:`eval_batches`."""
+
+    def __init__(self, sizes: Sequence[int], rank: int, world_size: int, batch_size: int):
+        self.batches = eval_batches(sizes, rank, world_size, batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)

@@ -22,7 +22,7 @@ from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.formats import CHAT_FORMATS
 from lmtune.data.mixture import mixture_line, per_source, source_index, training_mixture
 from lmtune.data.prepare import Wanted, cache_root, default_cache_dir, prepare
-from lmtune.data.sampling import EvalSampler, TrainSampler
+from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
 from lmtune.data.tokenize import EncodeStats
 from lmtune.errors import UserError
 from lmtune.model.attention import supports_varlen, use_varlen
@@ -374,15 +374,19 @@ def batching_of(cfg: TrainConfig, formats: dict[str, int]) -> str:
 def make_loader(
     data: TokenizedDataset,
     sampler: Any,
-    batch_size: int,
+    batch_size: int | None,
     collate: Callable[[Any], Any],
     env: DistEnv,
     workers: int,
 ) -> DataLoader[Any]:
+    """A loader of ``sampler``'s examples in batches of ``batch_size`` (None: ``sampler`` yields
+    the batches)."""
+    batching: dict[str, Any] = {"batch_size": batch_size, "sampler": sampler}
+    if batch_size is None:
+        batching = {"batch_sampler": sampler}
     return DataLoader(
         data,  # type: ignore[arg-type]
-        batch_size=batch_size,
-        sampler=sampler,
+        **batching,
         collate_fn=collate,
         num_workers=workers,
         pin_memory=env.device.type == "cuda",
@@ -410,9 +414,14 @@ def loaders(run: RunContext, built: Built) -> tuple[FitData, DataLoader[Any] | N
     loader = make_loader(built.train_data, sampler, layout.per_rank, step_collate, env, cfg.data.num_workers)
     eval_loader = None
     if built.eval_data is not None:
-        eval_sampler = EvalSampler(len(built.eval_data), env.rank, env.world_size)
         collate = built.objective.eval_collator(pad)
-        eval_loader = make_loader(built.eval_data, eval_sampler, layout.micro_batch_size, collate, env, 0)
+        if built.eval_data.sources is not None:  # evaluated per source: a batch holds one source's
+            sizes = built.eval_data.source_sizes()
+            batches = EvalBatches(sizes, env.rank, env.world_size, layout.micro_batch_size)
+            eval_loader = make_loader(built.eval_data, batches, None, collate, env, 0)
+        else:
+            eval_sampler = EvalSampler(len(built.eval_data), env.rank, env.world_size)
+            eval_loader = make_loader(built.eval_data, eval_sampler, layout.micro_batch_size, collate, env, 0)
     return FitData(loader, sampler, layout), eval_loader
 
 
