@@ -212,7 +212,7 @@ def _components(
         cb.HeartbeatStep(run.heartbeat),
         cb.NanPolicy(cfg.health.on_nan, log),
         cb.StepLogger(log, cfg.logging.log_every, mfu, env.device),
-        cb.ExampleOrder(ExampleOrderLog(run.output_dir, env.rank, start.step))
+        cb.ExampleOrder(ExampleOrderLog(run.output_dir, env.rank, start.step, built.train_data.sources))
         if cfg.logging.record_samples
         else None,
         cb.StragglerReport(log) if env.world_size > 1 else None,
@@ -238,7 +238,10 @@ def _evaluator(
         with timeouts.patient():
             beat = partial(run.heartbeat.beat, "eval")
             root, sharded = unwrap(built.model), built.parts.sharded
-            return evaluate(root, eval_loader, run.env, built.autocast(), sharded, beat, built.objective)
+            sources = built.eval_data.sources if built.eval_data is not None else None
+            return evaluate(
+                root, eval_loader, run.env, built.autocast(), sharded, beat, built.objective, sources
+            )
 
     return cb.Evaluator(run_eval, run.log, run.cfg.eval.every, best)
 

@@ -128,7 +128,9 @@ def test_report_draws_every_plot_and_the_settings_that_differ(resumed: Path, tmp
     assert main(["report", str(resumed), str(other), "--out", str(page), "--png", str(tmp_path / "png")]) == 0
     text = page.read_text()
     for name in PLOTS:  # every plot has data: the runs record everything each draws
-        if name.startswith("reward_"):  # preference objectives only (tests/integration/test_preference.py)
+        # Preference objectives only (tests/integration/test_preference.py); sources evaluated apart
+        # only (tests/unit/training/test_eval_sources.py).
+        if name.startswith("reward_") or name == "eval_per_source":
             assert f"<figure id='plot-{name}'><img" not in text, name
             continue
         assert f"<figure id='plot-{name}'><img" in text, name

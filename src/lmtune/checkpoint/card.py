@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from lmtune.checkpoint.layout import GENERATION_CONFIG
+from lmtune.config.mixture import named_items
 from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS
 from lmtune.data.sources import EXTENSIONS
 from lmtune.model.lora import ADAPTER_CONFIG
@@ -180,7 +181,7 @@ def _hub_model(name: Any) -> str | None:
 
 def _data_specs(config: dict[str, Any]) -> list[str]:
     specs = [config.get("data"), config.get("eval_data")]
-    return [item.strip() for s in specs if isinstance(s, str) for item in s.split(",") if item.strip()]
+    return [item for s in specs if isinstance(s, str) for _, item in named_items(s)]
 
 
 def _hub_dataset(spec: str) -> str | None:

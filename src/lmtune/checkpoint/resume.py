@@ -22,6 +22,7 @@ from lmtune.checkpoint.layout import CHECKPOINTS, FINGERPRINT_FILE, list_checkpo
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
 from lmtune.config.files import read_json_object
+from lmtune.config.mixture import named_items, parse_weights
 from lmtune.config.settings import TrainConfig, warmup_steps
 from lmtune.errors import UserError, one_line
 from lmtune.model.paths import PATHS_FILE
@@ -88,6 +89,9 @@ def fingerprint(
             "--lora-dropout": cfg.lora.dropout,
             "--lora-target-modules": cfg.lora.target_modules,
         }
+    if cfg.data.weights is not None:  # recorded only for a mixture: older checkpoints stay comparable
+        # Other weights make another order of the examples: the run could not continue exactly.
+        fixed["--data-weights (mixture)"] = mixture_fingerprint(cfg.data.train, cfg.data.weights)
     quantization = fingerprint_value(cfg.model)
     if quantization is not None:  # recorded only when quantized: older checkpoints stay comparable
         fixed["base quantization"] = quantization
@@ -117,6 +121,13 @@ def fingerprint(
             "--orpo-lambda": o.orpo_lambda,
         }
     return Fingerprint(fixed, adjustable)
+
+
+def mixture_fingerprint(spec: str, weights: str) -> str:
+    """``NAME=SHARE,...``: the sources and their normalised weights (2,2 is 1,1)."""
+    names = [name for name, _ in named_items(spec)]
+    values = parse_weights(weights, len(names))
+    return ",".join(f"{n}={w / sum(values):.12g}" for n, w in zip(names, values, strict=True))
 
 
 def read_fingerprint(folder: Path) -> Fingerprint | None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
+from lmtune.config.mixture import named_items
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 from lmtune.parallel.launch import LOCK_TOKEN_ENV
@@ -334,9 +335,7 @@ def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) 
 
 def _input_paths(spec: str) -> Iterator[tuple[Path, bool]]:
     """(resolved path, whether the run reads the whole folder) of each local path in ``spec``."""
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
+    for _, item in named_items(spec):
         path = Path(item).expanduser()
         if any(ch in item for ch in "*?["):  # a glob reads what lies under its fixed part
             fixed = list(itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), path.parts))

@@ -269,6 +269,7 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
         cfg.batch.global_batch_size,
         cfg.batch.micro_batch_size,
         cfg.seed,
+        cfg.data.weights,
     )
     print(format_report(report))
     if args.plot:

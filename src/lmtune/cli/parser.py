@@ -154,7 +154,7 @@ AUDIT_SETTINGS = (
     "trust_remote_code",
     *("data_format", "text_field", "field_map", "train_on_prompt", "chat_template", "max_length"),
     *("truncation", "skip_bad_lines", "txt_mode", "global_batch_size", "micro_batch_size", "seed"),
-    "nproc_per_node",
+    *("nproc_per_node", "data_weights"),
 )
 
 

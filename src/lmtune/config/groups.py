@@ -92,11 +92,22 @@ class DataSettings:
         ),
         flag="data",
     )
+    weights: str | None = setting(
+        None,
+        (
+            "A mixture: one positive weight per --data source (comma-separated, normalised). An epoch keeps "
+            "as many examples as the sources hold together, each source its weight's share: a source is "
+            "repeated evenly or walked across epochs without repeats (README: Data mixtures). Name a source "
+            "NAME=PATH in --data (default: its file stem)."
+        ),
+        flag="data_weights",
+    )
     eval: str | None = setting(
         None,
         (
             "Evaluation data, given like --data. With --data sample it defaults to the sample's held-out "
-            "split; otherwise no evaluation unless given."
+            "split; otherwise no evaluation unless given. Several sources (NAME=PATH,...) are also "
+            "evaluated one by one (eval_loss/NAME)."
         ),
         flag="eval_data",
     )

@@ -13,6 +13,7 @@ import yaml
 
 from lmtune.config.aliases import resolve_names
 from lmtune.config.files import SETTINGS_BYTES, read_text
+from lmtune.config.mixture import yaml_sources
 from lmtune.config.settings import (
     GROUPS,
     Setting,
@@ -168,6 +169,17 @@ def load_yaml(path: str) -> dict[str, Any]:
     def where(flat: str) -> str:
         line = lines.get(origin.get(flat, flat))
         return f"--config {path}{f':{line}' if line else ''}: "
+
+    for flat, option in (("data", "--data"), ("eval_data", "--eval-data")):
+        value = settings.get(flat)
+        if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+            settings[flat], weights = yaml_sources(value, option, where(flat))
+            if weights is not None and flat == "eval_data":
+                raise UserError(f"{where(flat)}--eval-data: evaluation sources take no weight")
+            if weights is not None:
+                if "data_weights" in settings:
+                    raise UserError(f"{where(flat)}--data-weights is set twice (in data: and data_weights:)")
+                settings["data_weights"], origin["data_weights"] = weights, origin[flat]
 
     # Names of HF Trainer, TRL and Axolotl: an alias becomes lmtune's name, others are explained.
     return resolve_names(settings, (s.name for s in config_fields()), where)

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from lmtune.config.groups import setting
 
+# --metric-for-best: these, or one of them of a source evaluated apart (eval_loss/NAME).
+BEST_METRICS = ("eval_loss", "eval_perplexity", "eval_rewards/accuracies", "eval_rewards/margins")
+
 
 @dataclass(frozen=True)
 class EvalSettings:
@@ -19,10 +22,10 @@ class EvalSettings:
         None,
         (
             "Keep the best checkpoint by this eval metric (eval_loss | eval_perplexity, lower is better; "
-            "preference objectives: eval_rewards/accuracies | eval_rewards/margins, higher is better): it is "
-            "saved when it improves and never pruned."
+            "preference objectives: eval_rewards/accuracies | eval_rewards/margins, higher is better), or "
+            "one source's (eval_loss/NAME) when evaluating per source: it is saved when it improves and "
+            "never pruned."
         ),
-        choices=("eval_loss", "eval_perplexity", "eval_rewards/accuracies", "eval_rewards/margins"),
     )
     greater_is_better: bool = setting(
         False, "With --metric-for-best eval_loss or eval_perplexity: higher is better."

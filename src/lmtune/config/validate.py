@@ -17,7 +17,9 @@ from lmtune.config.groups import (
     OptimSettings,
     ScheduleSettings,
 )
+from lmtune.config.mixture import named_items, parse_weights, source_names
 from lmtune.config.run_groups import (
+    BEST_METRICS,
     CheckpointSettings,
     EvalSettings,
     HealthSettings,
@@ -164,7 +166,7 @@ def _check_objective(cfg: TrainConfig, need: Need) -> None:
         "reward metrics need a preference objective (--objective dpo, ipo, simpo or orpo)",
     )
     need(
-        not preference or metric != "eval_perplexity",
+        not preference or not metric.startswith("eval_perplexity"),
         "metric_for_best",
         f"--objective {o.name} reports no perplexity; use eval_loss or eval_rewards/accuracies",
     )
@@ -209,6 +211,8 @@ def _check_data(cfg: TrainConfig, need: Need) -> None:
         cfg.model.loss_chunk_size is None or cfg.model.loss_chunk_size >= 0, "loss_chunk_size", "must be >= 0"
     )
     need(bool(cfg.data.train.strip()), "data", "must name data")
+    if cfg.data.weights is not None:
+        parse_weights(cfg.data.weights, len(source_names(cfg.data.train, "--data")))
     need(cfg.examples.max_length >= 2, "max_length", "must be >= 2")
     need(bool(cfg.examples.text_field), "text_field", "must not be empty")
     need(cfg.data.num_workers >= 0, "num_workers", "must be >= 0")
@@ -227,10 +231,29 @@ def _check_evaluation_data(cfg: TrainConfig, need: Need) -> None:
         "eval_split",
         "must be a fraction in (0, 1) or a whole number of examples",
     )
+    names = eval_source_names(cfg)
+    metric = cfg.eval.metric_for_best
+    if metric is not None and metric not in BEST_METRICS:
+        base, _, name = metric.rpartition("/")
+        per_source = f", or one of them of a source: METRIC/{'|'.join(names)}" if names else ""
+        need(
+            base in BEST_METRICS and name in names,
+            "metric_for_best",
+            f"must be {' | '.join(BEST_METRICS)}{per_source}",
+        )
     evaluates = eval_data is not None or split is not None or cfg.data.train == SAMPLE_DATA
     need(
         cfg.eval.metric_for_best is None or evaluates, "metric_for_best", "needs --eval-data or --eval-split"
     )
+
+
+def eval_source_names(cfg: TrainConfig) -> list[str]:
+    """The sources evaluated apart: several --eval-data sources, or --eval-split of a mixture."""
+    if cfg.data.eval is not None and len(named_items(cfg.data.eval)) > 1:
+        return source_names(cfg.data.eval, "--eval-data")
+    if cfg.data.eval_split is not None and cfg.data.weights is not None:
+        return source_names(cfg.data.train, "--data")
+    return []
 
 
 def _check_batch(batch: BatchSettings, world_size: int, need: Need) -> None:

@@ -9,12 +9,14 @@ from typing import Any
 import numpy as np
 
 from lmtune.config.groups import ExampleSettings
+from lmtune.config.mixture import parse_weights, source_names
 from lmtune.data.chat import end_of_turn_ids
 from lmtune.data.formats import CHAT_FORMATS, FieldMap, ensure_chat_template
+from lmtune.data.mixture import Mixture, mixture_of, mixture_order
 from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
 from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, rank_indices
-from lmtune.data.sources import BadLines, Record, resolve_sources
+from lmtune.data.sources import BadLines, Record, resolve_components
 from lmtune.data.tokenize import Encoded, EncodeStats
 from lmtune.errors import UserError
 
@@ -42,6 +44,7 @@ class AuditReport:
     stops: list[str]  # the tokens that end an example: EOS, and in chat data the end of turn
     skip_bad_lines: bool = False  # training would skip bad lines (else it stops at the first)
     pairs: PairAudit | None = None  # preference data
+    mixture: Mixture | None = None  # --data-weights: the sources, each of lengths[starts:+sizes]
 
     @property
     def stops_lost(self) -> int:
@@ -90,10 +93,15 @@ def _count(n: int, thing: str) -> str:
 
 
 def rank_imbalance(
-    lengths: np.ndarray, world_size: int, global_batch_size: int, micro_batch_size: int, seed: int
+    lengths: np.ndarray,
+    world_size: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    seed: int,
+    mixture: Mixture | None = None,
 ) -> Imbalance | None:
     """Tokens per rank per optimizer step in the first epoch, as the training sampler deals them."""
-    order = epoch_order(len(lengths), seed, epoch=0)
+    order = mixture_order(mixture, seed, 0) if mixture is not None else epoch_order(len(lengths), seed, 0)
     steps = len(order) // global_batch_size
     if steps == 0:
         return None
@@ -129,16 +137,28 @@ def audit(
     global_batch_size: int = 32,
     micro_batch_size: int | None = None,
     seed: int = 42,
+    weights: str | None = None,
 ) -> AuditReport:
-    """Read every record, collect every bad line, and measure what training would see."""
+    """Read every record, collect every bad line, and measure what training would see; with
+    ``weights`` (--data-weights) also the mixture of the sources."""
     bad = BadLines(skip=True, keep=50)
-    sources = resolve_sources(spec, "audit")
+    components = [part for _, part in resolve_components(spec, "audit")]
+    sources = [s for part in components for s in part]
+    if not sources:
+        raise UserError("audit: no data given")
     # Over-long examples are counted as truncation would treat them, not raised as errors.
     mode = "drop" if settings.truncation == "error" else settings.truncation
     counting = replace(settings, truncation=mode, skip_bad_lines=True)
     ensure_chat_template(tokenizer)
     sink = _Lengths()
-    stats = encode_into(records(sources, counting, bad), tokenizer, counting, sink, bad)
+    stats, sizes = EncodeStats(), list[int]()
+    for part in components if weights is not None else [sources]:
+        stats.merge(encode_into(records(part, counting, bad), tokenizer, counting, sink, bad))
+        sizes.append(len(sink.lengths) - sum(sizes))
+    mixture = None
+    if weights is not None:
+        named = source_names(spec, "--data")
+        mixture = mixture_of(named, sizes, parse_weights(weights, len(named)))
     if settings.truncation == "error" and stats.dropped_too_long:
         bad.count += stats.dropped_too_long
         bad.messages.append(
@@ -149,7 +169,7 @@ def audit(
     micro = micro_batch_size or max(1, global_batch_size // nproc_per_node)
     imbalance = None
     if nproc_per_node > 1 and global_batch_size % (micro * nproc_per_node) == 0:
-        imbalance = rank_imbalance(lengths, nproc_per_node, global_batch_size, micro, seed)
+        imbalance = rank_imbalance(lengths, nproc_per_node, global_batch_size, micro, seed, mixture)
     stops = [tokenizer.eos_token_id]
     if set(CHAT_FORMATS) & set(stats.formats):
         stops += [t for t in end_of_turn_ids(tokenizer) if t not in stops]
@@ -173,6 +193,7 @@ def audit(
         stops=tokenizer.convert_ids_to_tokens(stops),
         skip_bad_lines=settings.skip_bad_lines,
         pairs=pairs,
+        mixture=mixture,
     )
 
 
@@ -226,6 +247,8 @@ def format_report(report: AuditReport) -> str:
             lines.append(f"    {lo:>6}-{hi:<6} {count:>9,} {bar}")
     if report.pairs is not None:
         lines += pair_lines(report.pairs)
+    if report.mixture is not None:
+        lines += mixture_lines(report.mixture, report.lengths)
     if report.imbalance is not None:
         im = report.imbalance
         lines.append(
@@ -234,6 +257,18 @@ def format_report(report: AuditReport) -> str:
         )
     lines.append("  result              " + _verdict(report))
     return "\n".join(lines)
+
+
+def mixture_lines(mixture: Mixture, lengths: np.ndarray) -> list[str]:
+    """Per source: its examples and tokens, its draws per epoch, their share and repetitions."""
+    lines = [f"  mixture             an epoch of {mixture.epoch_size:,} examples (--data-weights)"]
+    for d, start in zip(mixture.describe(), mixture.starts, strict=True):
+        tokens = int(lengths[start : start + d["examples"]].sum())
+        lines.append(
+            f"    {d['name']:<16} {d['examples']:>9,} examples {tokens:>12,} tokens -> "
+            f"{d['per_epoch']:>9,} per epoch ({d['share']:6.1%}), x{d['repeats']:.2f} each"
+        )
+    return lines
 
 
 def _stop_line(report: AuditReport) -> str:

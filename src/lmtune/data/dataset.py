@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lmtune.config.files import is_int, read_json_object
+from lmtune.data.mixture import SourceIndex
 from lmtune.data.tokenize import IGNORE_INDEX, Encoded
 from lmtune.errors import UserError
 
@@ -72,6 +73,12 @@ class TokenizedDataset:
         self.parts = parts
         # Shared with the views of this data set (SplitView), so a reference set once reaches them.
         self.extras: dict[str, np.ndarray] = {}
+        self.sources: SourceIndex | None = None  # kept per source (a mixture): which id is whose
+
+    def source_sizes(self) -> list[int]:
+        """How many of this set's examples each source holds (with :attr:`sources`)."""
+        assert self.sources is not None
+        return [int(n) for n in np.diff(self.sources.bounds)]
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -247,6 +254,11 @@ class DatasetWriter:
         self._lengths: list[int] = []
         self._parts: list[tuple[int, int] | None] = []
 
+    @property
+    def examples(self) -> int:
+        """Examples written so far."""
+        return len(self._lengths)
+
     def write(self, examples: list[Encoded]) -> None:
         for e in examples:
             if self._parts and (self._parts[0] is None) != (e.parts is None):
@@ -292,11 +304,16 @@ class SplitView(TokenizedDataset):
     def __init__(self, base: TokenizedDataset, indices: np.ndarray):
         super().__init__(base.input_ids, base.trainable, base.offsets, base.meta, base.parts)
         self.extras = base.extras
+        self.sources = base.sources
         self.indices = indices
         self._base = base
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def source_sizes(self) -> list[int]:
+        assert self.sources is not None
+        return self.sources.sizes_in(self.indices)  # indices are sorted: each source's are contiguous
 
     def __getitem__(self, i: int) -> Example:
         return super().__getitem__(int(self.indices[i]))
@@ -316,9 +333,25 @@ def split_off(data: TokenizedDataset, share: float, seed: int) -> tuple[SplitVie
     number of processes, and again on resume.
     """
     n = len(data)
-    count = round(share * n) if share < 1 else int(share)
-    if not 1 <= count < n:
-        raise ValueError(f"holds out {count} of {n} examples")
-    held = np.sort(np.random.default_rng(seed).permutation(n)[:count])
+    if data.sources is not None:
+        held = _held_per_source(data.sources, share, seed)
+    else:
+        count = round(share * n) if share < 1 else int(share)
+        if not 1 <= count < n:
+            raise ValueError(f"holds out {count} of {n} examples")
+        held = np.sort(np.random.default_rng(seed).permutation(n)[:count])
     kept = np.setdiff1d(np.arange(n), held, assume_unique=True)
     return SplitView(data, kept), SplitView(data, held)
+
+
+def _held_per_source(sources: SourceIndex, share: float, seed: int) -> np.ndarray:
+    """A data set kept per source holds out ``share`` of each source (a fraction of it, or a count
+    from each), chosen within the source by the seed and its place."""
+    held = []
+    for i, (name, lo, hi) in enumerate(zip(sources.names, sources.bounds, sources.bounds[1:], strict=False)):
+        n = hi - lo
+        count = round(share * n) if share < 1 else int(share)
+        if not 1 <= count < n:
+            raise ValueError(f"holds out {count} of the {n} examples of source {name!r}")
+        held.append(lo + np.sort(np.random.default_rng([seed, i]).permutation(n)[:count]))
+    return np.concatenate(held)

@@ -25,7 +25,8 @@ from lmtune.config.files import read_text
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
 from lmtune.data.formats import FieldMap, ensure_chat_template
-from lmtune.data.sources import BadLines, Record, Source, iter_records, resolve_sources
+from lmtune.data.mixture import COMPONENTS_META
+from lmtune.data.sources import BadLines, Record, Source, iter_records, resolve_components
 from lmtune.data.tokenize import Encoded, EncodeStats, chunks, encode_chunk
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, available_cores, broadcast_object
@@ -45,6 +46,17 @@ class Prepared:
     built: bool  # this process tokenized it (False: it read the cache)
     key: str
     folder: Path
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What :func:`prepare` tokenizes: a --data or --eval-data value, the option that gave it, and
+    whether its sources are kept apart (a mixture, per-source evaluation): then each is tokenized
+    in turn and the entry's meta counts the examples of each (``component_examples``)."""
+
+    spec: str
+    option: str = "--data"
+    per_source: bool = False
 
 
 class Sink(Protocol):
@@ -75,14 +87,20 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return digest.hexdigest()
 
 
-def cache_key(sources: list[Source], tokenizer: Any, settings: ExampleSettings) -> str:
-    """Changes when the data's content, the tokenizer, its template or any setting changes."""
-    parts = {
+def cache_key(
+    sources: list[Source], tokenizer: Any, settings: ExampleSettings, components: list[int] | None = None
+) -> str:
+    """Changes when the data's content, the tokenizer, its template or any setting changes; an
+    entry kept per source (``components``: the files of each) is another entry than the whole.
+    (A mixture's weights are not part of it: they do not change the tokens.)"""
+    parts: dict[str, Any] = {
         "version": CACHE_VERSION,
         "sources": [s.fingerprint() for s in sources],
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "settings": dataclasses.asdict(settings),
     }
+    if components is not None:  # absent otherwise: the keys of entries built before stay valid
+        parts["components"] = components
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
@@ -193,24 +211,29 @@ def encode_in_memory(
 
 
 def _build(
-    sources: list[Source],
+    components: list[list[Source]],
     tokenizer: Any,
     settings: ExampleSettings,
     folder: Path,
-    spec: str,
-    option: str,
+    wanted: Wanted,
     check_stop: Callable[[], None],
 ) -> None:
+    """Tokenize ``components`` (one list of every source, or one per source of a mixture) into ``folder``."""
     started = time.perf_counter()
     bad = BadLines(skip=settings.skip_bad_lines)
     writer = DatasetWriter(folder)
+    sources = [s for part in components for s in part]
     workers = build_workers(sources)
-    recs = records(sources, settings, bad)
-    stats = encode_into(recs, tokenizer, settings, writer, bad, workers, check_stop)
+    stats, counts = EncodeStats(), list[int]()
+    for part in components:
+        recs = records(part, settings, bad)
+        stats.merge(encode_into(recs, tokenizer, settings, writer, bad, workers, check_stop))
+        counts.append(writer.examples - sum(counts))
     if stats.examples == 0:
         raise UserError(
-            f"{option} {spec}: no examples left ({stats.dropped_too_long} longer than --max-length, "
-            f"{stats.dropped_no_targets} with no trainable tokens, {bad.count} bad lines skipped)"
+            f"{wanted.option} {wanted.spec}: no examples left ({stats.dropped_too_long} longer than "
+            f"--max-length, {stats.dropped_no_targets} with no trainable tokens, "
+            f"{bad.count} bad lines skipped)"
         )
     writer.close(
         {
@@ -218,6 +241,7 @@ def _build(
             "bad_lines": bad.count,
             "bad_line_examples": bad.messages,
             "sources": [s.name for s in sources],
+            **({COMPONENTS_META: counts} if wanted.per_source else {}),
             "settings": dataclasses.asdict(settings),
             "build_seconds": time.perf_counter() - started,
             "build_workers": workers,
@@ -262,7 +286,7 @@ def _wait_for(
 
 
 def prepare(
-    spec: str,
+    spec: str | Wanted,
     tokenizer: Any,
     settings: ExampleSettings,
     env: DistEnv,
@@ -271,15 +295,23 @@ def prepare(
     option: str = "--data",
     check_stop: Callable[[], None] = lambda: None,
 ) -> Prepared:
-    """Return the tokenized data set for ``spec``, building the cache entry once if it is missing
-    or damaged (an entry is checked by its builder before any other rank opens it)."""
+    """Return the tokenized data set for ``spec`` (given by ``option``, unless a :class:`Wanted`
+    says both), building the cache entry once if it is missing or damaged (an entry is checked by
+    its builder before any other rank opens it)."""
     ensure_chat_template(tokenizer)
-    sources = resolve_sources(spec, option)
+    wanted = spec if isinstance(spec, Wanted) else Wanted(spec, option)
+    components = [part for _, part in resolve_components(wanted.spec, wanted.option)]
+    if not wanted.per_source:
+        components = [[s for part in components for s in part]]
+    sources = [s for part in components for s in part]
+    if not sources:
+        raise UserError(f"{wanted.option}: no data given")
     vocab = len(tokenizer)
     builder = env.is_main or (per_node and env.local_rank == 0)
     key, nonce, dataset = "", "", None
     if env.is_main:  # hashes the inputs once; a nonce per run keeps error markers of runs apart
-        key, nonce = cache_key(sources, tokenizer, settings), uuid.uuid4().hex[:8]
+        split = [len(part) for part in components] if wanted.per_source else None
+        key, nonce = cache_key(sources, tokenizer, settings, split), uuid.uuid4().hex[:8]
         dataset = _reuse(cache_dir, key, vocab, nonce)
     key, nonce = broadcast_object((key, nonce), env)  # the others wait for rank 0's verdict here
     folder, error_file = cache_dir / key, cache_dir / f"{key}.error-{nonce}"
@@ -292,7 +324,7 @@ def prepare(
         return Prepared(dataset=dataset, built=False, key=key, folder=folder)
     tmp = cache_dir / f"{key}.tmp-{nonce}-{env.rank}"
     try:
-        _build(sources, tokenizer, settings, tmp, spec, option, check_stop)
+        _build(components, tokenizer, settings, tmp, wanted, check_stop)
     except UserError as e:
         error_file.parent.mkdir(parents=True, exist_ok=True)
         error_file.write_text(str(e), encoding="utf-8")

@@ -9,6 +9,9 @@ Within a step, the examples are dealt so that every rank gets ``G / W`` of them 
 number of tokens (given the lengths): a step lasts as long as its busiest rank, and the strided
 split ``r, r + W, ...`` of ``DistributedSampler`` left one rank ~10% more tokens than the other on
 data of uneven lengths. Without lengths, the strided split.
+
+A mixture of weighted sources (lmtune.data.mixture) has its own epoch order, of the same length,
+dealt out the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
+
+from lmtune.data.mixture import Mixture, mixture_order
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
@@ -56,15 +61,15 @@ def balanced_share(step: list[int], lengths: Sequence[int], rank: int, world_siz
     among those with room left (ties to the lower rank), so every rank gets as many examples and
     the token counts differ by at most about one example. Kept in the step's order."""
     per_rank = len(step) // world_size
-    shares: list[list[int]] = [[] for _ in range(world_size)]
+    shares: list[list[int]] = [[] for _ in range(world_size)]  # positions in the step
     room = [(0, r) for r in range(world_size)]  # (tokens so far, rank) of the ranks with room left
-    position = {index: k for k, index in enumerate(step)}
-    for index in sorted(step, key=lambda i: (-int(lengths[i]), position[i])):
+    # By position: a mixture's step may hold an example twice.
+    for k in sorted(range(len(step)), key=lambda k: (-int(lengths[step[k]]), k)):
         load, to = heapq.heappop(room)
-        shares[to].append(index)
+        shares[to].append(k)
         if len(shares[to]) < per_rank:
-            heapq.heappush(room, (load + int(lengths[index]), to))
-    return sorted(shares[rank], key=position.__getitem__)
+            heapq.heappush(room, (load + int(lengths[step[k]]), to))
+    return [step[k] for k in sorted(shares[rank])]
 
 
 def eval_indices(n: int, rank: int, world_size: int) -> list[int]:
@@ -83,10 +88,12 @@ class TrainSampler(Sampler[int]):
         world_size: int,
         seed: int,
         lengths: Sequence[int] | None = None,
+        mixture: Mixture | None = None,
     ):
         self.n, self.global_batch_size = n, global_batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.lengths = lengths  # tokens per example: balance the ranks' shares of each step
+        self.mixture = mixture  # weighted sources (lmtune.data.mixture); None: each example once
         self.epoch = 0
         self.start_step = 0
 
@@ -101,8 +108,14 @@ class TrainSampler(Sampler[int]):
     def _per_rank_step(self) -> int:
         return self.global_batch_size // self.world_size
 
+    def order(self) -> list[int]:
+        """The global order of the current epoch, the same on every rank."""
+        if self.mixture is not None:
+            return mixture_order(self.mixture, self.seed, self.epoch)
+        return epoch_order(self.n, self.seed, self.epoch)
+
     def __iter__(self) -> Iterator[int]:
-        order = epoch_order(self.n, self.seed, self.epoch)
+        order = self.order()
         mine = rank_indices(order, self.rank, self.world_size, self.global_batch_size, self.lengths)
         return iter(mine[self.start_step * self._per_rank_step() :])
 
@@ -120,3 +133,28 @@ class EvalSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+def eval_batches(sizes: Sequence[int], rank: int, world_size: int, batch_size: int) -> list[list[int]]:
+    """``rank``'s evaluation batches of a set kept per source (each source's examples contiguous,
+    ``sizes`` of them): every example exactly once across ranks, and no batch mixes sources."""
+    batches: list[list[int]] = []
+    start = 0
+    for size in sizes:
+        mine = list(range(start + rank, start + size, world_size))
+        batches += [mine[k : k + batch_size] for k in range(0, len(mine), batch_size)]
+        start += size
+    return batches
+
+
+class EvalBatches(Sampler[list[int]]):
+    """A DataLoader's ``batch_sampler`` of :func:`eval_batches`."""
+
+    def __init__(self, sizes: Sequence[int], rank: int, world_size: int, batch_size: int):
+        self.batches = eval_batches(sizes, rank, world_size, batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmtune.config.mixture import named_items
 from lmtune.config.settings import SAMPLE_DATA as SAMPLE
 from lmtune.config.settings import SAMPLE_EVAL
 from lmtune.data.addition import SAMPLE_SEED, addition_examples
@@ -102,38 +103,41 @@ def resolve_sources(spec: str, option: str = "--data") -> list[Source]:
 
     A folder is a saved Hugging Face data set when it has one, else every supported file in it.
     A name that is no path is a hub data set, ``NAME`` or ``NAME:SPLIT`` (split ``train`` by default).
+    An item may be named, ``NAME=ITEM`` (a mixture's source).
     """
-    sources: list[Source] = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        if item in (SAMPLE, SAMPLE_EVAL):
-            sources.append(Source("sample", SAMPLE, "eval" if item == SAMPLE_EVAL else "train"))
-            continue
-        path = Path(item).expanduser()
-        if any(ch in item for ch in "*?["):
-            matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-            if not matches:
-                raise UserError(f"{option} {item}: no file matches")
-            sources += [_file_source(p, option) for p in matches]
-        elif path.is_dir():
-            if _is_saved_dataset(path):
-                sources.append(Source("hf_disk", str(path)))
-                continue
-            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in EXTENSIONS)
-            if not files:
-                raise UserError(f"{option} {item}: folder has no {', '.join(EXTENSIONS)} files")
-            sources += [_file_source(p, option) for p in files]
-        elif path.is_file():
-            sources.append(_file_source(path, option))
-        elif item.startswith((".", "/", "~")) or path.suffix.lower() in EXTENSIONS:
-            raise UserError(f"{option}: no such file or folder: {item}")
-        else:
-            name, _, split = item.partition(":")
-            sources.append(Source("hf_hub", name, split or "train"))
+    sources = [s for _, part in resolve_components(spec, option) for s in part]
     if not sources:
         raise UserError(f"{option}: no data given")
     return sources
+
+
+def resolve_components(spec: str, option: str = "--data") -> list[tuple[str, list[Source]]]:
+    """Each named item of ``spec`` (lmtune.config.mixture.named_items) with its sources."""
+    return [(name, _item_sources(item, option)) for name, item in named_items(spec)]
+
+
+def _item_sources(item: str, option: str) -> list[Source]:
+    if item in (SAMPLE, SAMPLE_EVAL):
+        return [Source("sample", SAMPLE, "eval" if item == SAMPLE_EVAL else "train")]
+    path = Path(item).expanduser()
+    if any(ch in item for ch in "*?["):
+        matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        if not matches:
+            raise UserError(f"{option} {item}: no file matches")
+        return [_file_source(p, option) for p in matches]
+    if path.is_dir():
+        if _is_saved_dataset(path):
+            return [Source("hf_disk", str(path))]
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in EXTENSIONS)
+        if not files:
+            raise UserError(f"{option} {item}: folder has no {', '.join(EXTENSIONS)} files")
+        return [_file_source(p, option) for p in files]
+    if path.is_file():
+        return [_file_source(path, option)]
+    if item.startswith((".", "/", "~")) or path.suffix.lower() in EXTENSIONS:
+        raise UserError(f"{option}: no such file or folder: {item}")
+    name, _, split = item.partition(":")
+    return [Source("hf_hub", name, split or "train")]
 
 
 def iter_records(source: Source, text_field: str, bad: BadLines, txt_mode: str = "line") -> Iterator[Record]:

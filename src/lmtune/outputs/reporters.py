@@ -85,7 +85,14 @@ def is_number(value: Any) -> bool:
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """A metrics.jsonl row's values under the reporting names (numbers only)."""
     names = SCALARS.get(row.get("kind", ""), {})
-    return {name: float(row[key]) for key, name in names.items() if is_number(row.get(key))}
+    out = {name: float(row[key]) for key, name in names.items() if is_number(row.get(key))}
+    if row.get("kind") == "eval":  # a source evaluated apart: eval_loss/NAME -> eval/loss/NAME
+        per_source = {**names, "eval_tokens": "eval/tokens"}
+        for key, value in row.items():
+            of_all, _, source = key.rpartition("/")
+            if source and of_all in per_source and is_number(value):
+                out[f"{per_source[of_all]}/{source}"] = float(value)
+    return out
 
 
 class Reporter(Protocol):

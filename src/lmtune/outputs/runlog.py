@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from tqdm import tqdm
 
 from lmtune.config.files import read_bytes
+from lmtune.data.mixture import SourceIndex
 from lmtune.outputs.reporters import Reporter
 from lmtune.parallel.distributed import DistEnv
 
@@ -50,13 +51,18 @@ def open_jsonl(path: Path, keep_through_step: int) -> Any:
 
 
 class ExampleOrderLog:
-    """samples/rank-R.jsonl: the example ids each optimizer step consumed on this rank."""
+    """samples/rank-R.jsonl: the example ids each optimizer step consumed on this rank, and with a
+    mixture (``sources``) the source each came from."""
 
-    def __init__(self, output_dir: Path, rank: int, resume_step: int):
+    def __init__(self, output_dir: Path, rank: int, resume_step: int, sources: SourceIndex | None = None):
         self._file = open_jsonl(output_dir / "samples" / f"rank-{rank}.jsonl", resume_step)
+        self._sources = sources
 
     def __call__(self, step: int, example_ids: list[int]) -> None:
-        self._file.write(json.dumps({"step": step, "ids": example_ids}) + "\n")
+        row: dict[str, Any] = {"step": step, "ids": example_ids}
+        if self._sources is not None:
+            row["sources"] = [self._sources.name(i) for i in example_ids]
+        self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -163,6 +163,27 @@ def _plot_loss(ax: Any, runs: list[RecordedRun]) -> bool:
     return drawn
 
 
+def _per_source(rows: list[dict[str, Any]]) -> list[str]:
+    """The sources evaluated apart in eval rows (their eval_loss/NAME), in order of appearance."""
+    return list(
+        dict.fromkeys(k.removeprefix("eval_loss/") for r in rows for k in r if k.startswith("eval_loss/"))
+    )
+
+
+def _plot_eval_per_source(ax: Any, runs: list[RecordedRun]) -> bool:
+    drawn = False
+    for i, run in enumerate(runs):
+        for k, source in enumerate(_per_source(run.kind("eval"))):
+            steps, loss = run.series(f"eval_loss/{source}", "eval")
+            if steps:
+                marker = "osd^v<>px*"[k % 10]
+                ax.plot(steps, loss, f"{marker}--", color=f"C{i}", label=f"{run.name} {source}")
+                drawn = True
+    ax.set_xlabel("step")
+    ax.set_ylabel("eval loss")
+    return drawn
+
+
 def _train_and_eval(key: str, label: str) -> Plot:
     """A train metric (raw and smoothed) with its eval counterpart (``eval_`` + key) as points."""
 
@@ -264,6 +285,7 @@ def _plot_lengths(ax: Any, runs: list[RecordedRun]) -> bool:
 
 PLOTS: dict[str, tuple[str, Plot]] = {
     "loss": ("Loss against steps (train raw and smoothed; eval)", _plot_loss),
+    "eval_per_source": ("Eval loss per source (--eval-data NAME=PATH,...)", _plot_eval_per_source),
     "loss_tokens": ("Train loss against tokens", _plot_loss_tokens),
     "reward_margins": (
         "Reward margin, chosen minus rejected (preference objectives)",
@@ -337,6 +359,12 @@ def _summary(run: RecordedRun) -> dict[str, str]:
         "last eval loss": f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})"
         if evals and is_number(evals[-1].get("eval_loss"))
         else "-",
+        "last eval loss per source": ", ".join(
+            f"{name} {evals[-1][f'eval_loss/{name}']:.4f}"
+            for name in _per_source(evals[-1:])
+            if is_number(evals[-1][f"eval_loss/{name}"])
+        )
+        or "-",
         "last eval reward accuracy": f"{evals[-1]['eval_rewards/accuracies']:.3f}"
         if evals and is_number(evals[-1].get("eval_rewards/accuracies"))
         else "-",

@@ -14,7 +14,7 @@ from typing import Any
 
 from lmtune.checkpoint.layout import step_folder
 from lmtune.config.files import is_int
-from lmtune.config.run_groups import EvalSettings
+from lmtune.config.run_groups import BEST_METRICS, EvalSettings
 from lmtune.errors import UserError
 
 BEST_FILE = "best.json"
@@ -109,7 +109,13 @@ def best_tracker(settings: EvalSettings) -> BestTracker | None:
         return None
     return BestTracker(
         metric=settings.metric_for_best,
-        greater_is_better=settings.greater_is_better or settings.metric_for_best in GREATER_IS_BETTER,
+        greater_is_better=settings.greater_is_better
+        or _of_all(settings.metric_for_best) in GREATER_IS_BETTER,
         patience=settings.early_stopping_patience,
         threshold=settings.early_stopping_threshold,
     )
+
+
+def _of_all(metric: str) -> str:
+    """The metric of the whole eval set a source's is (eval_loss of eval_loss/NAME)."""
+    return metric if metric in BEST_METRICS else metric.rpartition("/")[0]

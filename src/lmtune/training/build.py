@@ -20,8 +20,9 @@ from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup
 from lmtune.data.chat import end_of_turn_ids, use_chat_template
 from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.formats import CHAT_FORMATS
-from lmtune.data.prepare import cache_root, default_cache_dir, prepare
-from lmtune.data.sampling import EvalSampler, TrainSampler
+from lmtune.data.mixture import mixture_line, per_source, source_index, training_mixture
+from lmtune.data.prepare import Wanted, cache_root, default_cache_dir, prepare
+from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
 from lmtune.data.tokenize import EncodeStats
 from lmtune.errors import UserError
 from lmtune.model.attention import supports_varlen, use_varlen
@@ -297,7 +298,12 @@ def prepare_data(
     for name, spec, option in (("train", cfg.data.train, "--data"), ("eval", _eval_spec(cfg), "--eval-data")):
         if spec is None:
             continue
-        p = prepare(spec, tokenizer, settings, env, cache_dir, cfg.data.cache_per_node, option, check_stop)
+        wanted = Wanted(spec, option, per_source=per_source(cfg.data, spec, option))
+        p = prepare(
+            wanted, tokenizer, settings, env, cache_dir, cfg.data.cache_per_node, check_stop=check_stop
+        )
+        if wanted.per_source:
+            p.dataset.sources = source_index(spec, p.dataset.meta, option)
         builders = [r for r, built in enumerate(all_gather_object(p.built, env)) if built]
         meta = p.dataset.meta
         info[name] = {
@@ -328,6 +334,13 @@ def prepare_data(
             raise UserError(f"--eval-split {cfg.data.eval_split}: {e}") from None
         info["eval"] = {"spec": f"--eval-split {cfg.data.eval_split}", "examples": len(prepared["eval"])}
         log.info(f"eval data: {len(prepared['eval']):,} examples of --data held out (--eval-split)")
+    for name, data in prepared.items():
+        if data.sources is not None:
+            info[name]["source_examples"] = dict(zip(data.sources.names, data.source_sizes(), strict=True))
+    mixture = training_mixture(cfg.data, prepared["train"])
+    if mixture is not None:
+        info["train"]["mixture"] = mixture.describe()
+        log.info(f"mixture (an epoch of {mixture.epoch_size:,}): {mixture_line(mixture)}")
     return prepared["train"], prepared.get("eval"), info
 
 
@@ -361,15 +374,19 @@ def batching_of(cfg: TrainConfig, formats: dict[str, int]) -> str:
 def make_loader(
     data: TokenizedDataset,
     sampler: Any,
-    batch_size: int,
+    batch_size: int | None,
     collate: Callable[[Any], Any],
     env: DistEnv,
     workers: int,
 ) -> DataLoader[Any]:
+    """A loader of ``sampler``'s examples in batches of ``batch_size`` (None: ``sampler`` yields
+    the batches)."""
+    batching: dict[str, Any] = {"batch_size": batch_size, "sampler": sampler}
+    if batch_size is None:
+        batching = {"batch_sampler": sampler}
     return DataLoader(
         data,  # type: ignore[arg-type]
-        batch_size=batch_size,
-        sampler=sampler,
+        **batching,
         collate_fn=collate,
         num_workers=workers,
         pin_memory=env.device.type == "cuda",
@@ -385,15 +402,26 @@ def loaders(run: RunContext, built: Built) -> tuple[FitData, DataLoader[Any] | N
     )
     lengths = built.train_data.lengths().tolist()
     sampler = TrainSampler(
-        len(built.train_data), cfg.batch.global_batch_size, env.rank, env.world_size, cfg.seed, lengths
+        len(built.train_data),
+        cfg.batch.global_batch_size,
+        env.rank,
+        env.world_size,
+        cfg.seed,
+        lengths,
+        training_mixture(cfg.data, built.train_data),
     )
     # One loader item is one rank's share of one optimizer step, already cut into micro-batches.
     loader = make_loader(built.train_data, sampler, layout.per_rank, step_collate, env, cfg.data.num_workers)
     eval_loader = None
     if built.eval_data is not None:
-        eval_sampler = EvalSampler(len(built.eval_data), env.rank, env.world_size)
         collate = built.objective.eval_collator(pad)
-        eval_loader = make_loader(built.eval_data, eval_sampler, layout.micro_batch_size, collate, env, 0)
+        if built.eval_data.sources is not None:  # evaluated per source: a batch holds one source's
+            sizes = built.eval_data.source_sizes()
+            batches = EvalBatches(sizes, env.rank, env.world_size, layout.micro_batch_size)
+            eval_loader = make_loader(built.eval_data, batches, None, collate, env, 0)
+        else:
+            eval_sampler = EvalSampler(len(built.eval_data), env.rank, env.world_size)
+            eval_loader = make_loader(built.eval_data, eval_sampler, layout.micro_batch_size, collate, env, 0)
     return FitData(loader, sampler, layout), eval_loader
 
 

@@ -207,12 +207,15 @@ class Evaluator:
                 "eval_examples": ev.examples,
             }
         )
+        suffixes = tuple(f"/{name}" for name in ev.sources)
         more = "".join(
             f", {name.removeprefix('eval_')} {value:.3f}"
             for name, value in ev.metrics.items()
-            if name != "eval_loss"
+            if name != "eval_loss" and not (suffixes and name.endswith(suffixes))
         )
         counts = f"{ev.examples} examples, {ev.target_tokens} tokens"
+        per_source = ", ".join(f"{name} {ev.metrics[f'eval_loss/{name}']:.4f}" for name in ev.sources)
+        more += f"; per source: {per_source}" if per_source else ""
         self.log.info(f"step {state.step}: eval loss {ev.loss:.4f}{more} ({counts})")
         best = self.best
         if best is None:

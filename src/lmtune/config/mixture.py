@@ -1,0 +1,96 @@
+"""The sources of a data mixture as the settings name them: ``--data NAME=PATH,...`` and
+``--data-weights W,...``. Pure string checks (nothing is read from disk); lmtune.data.mixture
+turns them into the order of the examples."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import PurePath
+
+from lmtune.errors import UserError, brief
+
+# NAME=PATH: a name is letters, digits, '_', '.', '-' (so a path like ./a=b.jsonl stays a path).
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_NAMED = re.compile(rf"({_NAME.pattern})=(.+)")
+
+
+def named_items(spec: str) -> list[tuple[str, str]]:
+    """The comma-separated items of a --data or --eval-data value, as (name, item): an item's name
+    is given as ``NAME=ITEM``, else it is the item's file stem (``chat`` for ``data/chat.jsonl``)."""
+    items: list[tuple[str, str]] = []
+    for raw in (s.strip() for s in spec.split(",")):
+        if not raw:
+            continue
+        named = _NAMED.fullmatch(raw)
+        if named:
+            items.append((named.group(1), named.group(2).strip()))
+        else:
+            items.append((PurePath(raw.rstrip("/")).stem or raw, raw))
+    return items
+
+
+def source_names(spec: str, option: str) -> list[str]:
+    """The names of ``spec``'s sources, each unique.
+
+    Raises:
+        UserError: naming ``option`` and the name given twice.
+    """
+    names = [name for name, _ in named_items(spec)]
+    for name in names:
+        if names.count(name) > 1:
+            raise UserError(
+                f"{option}: two sources are named {name!r}; name them apart as NAME=PATH (e.g. {name}_a=PATH)"
+            )
+    return names
+
+
+def parse_weights(text: str, sources: int) -> list[float]:
+    """``--data-weights``: one positive finite number per --data source.
+
+    Raises:
+        UserError: naming --data-weights, for a count that does not match, a non-number, zero or less.
+    """
+    parts = [p.strip() for p in text.split(",")]
+    weights = []
+    for part in parts:
+        try:
+            weight = float(part)
+        except ValueError:
+            raise UserError(f"--data-weights: {brief(part)} is not a number") from None
+        if not math.isfinite(weight) or weight <= 0:
+            raise UserError(f"--data-weights: every weight must be a positive number (got {brief(part)})")
+        weights.append(weight)
+    if len(weights) != sources:
+        raise UserError(
+            f"--data-weights: {len(weights)} weight{'s' if len(weights) != 1 else ''} for {sources} "
+            f"--data source{'s' if sources != 1 else ''}; give one per source, in order"
+        )
+    return weights
+
+
+def yaml_sources(entries: list[object], option: str, where: str) -> tuple[str, str | None]:
+    """A YAML list of sources (``- {path: P, weight: W, name: N}``) as the flat values (--data,
+    --data-weights): weights all given or none.
+
+    Raises:
+        UserError: naming ``where`` and the entry that is not such a mapping.
+    """
+    items, weights = [], []
+    for k, entry in enumerate(entries, start=1):
+        if isinstance(entry, str):
+            entry = {"path": entry}
+        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)):
+            raise UserError(f"{where}{option}: entry {k} is not a path or a mapping with a path")
+        unknown = set(entry) - {"path", "weight", "name"}
+        if unknown:
+            raise UserError(f"{where}{option}: entry {k}: unknown key {brief(sorted(unknown)[0])}")
+        name = entry.get("name")
+        if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name)):
+            raise UserError(f"{where}{option}: entry {k}: name {brief(name)} is not letters, digits, _ . -")
+        items.append(f"{name}={entry['path']}" if name is not None else entry["path"])
+        if "weight" in entry:
+            weights.append(str(entry["weight"]))
+    if weights and len(weights) != len(items):
+        raise UserError(f"{where}--data-weights: {len(weights)} of {len(items)} sources have a weight")
+    return ",".join(items), ",".join(weights) if weights else None
