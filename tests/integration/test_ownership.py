@@ -131,6 +131,13 @@ def test_output_folders_that_would_lose_or_reread_inputs_are_refused(
             check_output_dir(out, {"--data": spec}, overwrite)
     check_output_dir(tmp_path / "elsewhere", {"--data": str(data)}, overwrite=True)
     check_output_dir(data, {"--data": "some/hub-dataset"}, overwrite=True)  # not a local path
+    run = tmp_path / "earlier"  # another run's checkpoint or final/ is never a new run's folder
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    for inside in (run / "checkpoints" / "step-000002", run / "final", run / "final" / "merged"):
+        with pytest.raises(UserError, match=f"lies inside the run folder {run}"):
+            check_output_dir(inside, {}, overwrite=False)
+    check_output_dir(run, {}, overwrite=False)  # the run's own folder: judged by the run's rules
 
 
 def test_train_refuses_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -302,8 +302,9 @@ def _remove(path: Path) -> None:
 
 
 def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) -> None:
-    """Refuse an output folder that would destroy or read back what the run reads, before anything
-    is written: ``/``; under ``--overwrite`` the home folder (or above it) and a folder holding an
+    """Refuse an output folder that would destroy or read back what the run reads, or another run's,
+    before anything is written: ``/``; a folder inside another run's folder (its checkpoints or
+    final/); under ``--overwrite`` the home folder (or above it) and a folder holding an
     input; a folder inside a data folder (the run would read its own files as data, e.g.
     ``--data DIR --output-dir DIR``); an input inside an entry the run writes (``final/``, ...).
 
@@ -312,6 +313,12 @@ def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) 
     out = output_dir.expanduser().resolve()
     if out == Path(out.anchor):
         raise UserError(f"--output-dir {output_dir}: the root folder; choose a folder of its own")
+    for folder in out.parents:  # a run's checkpoint or final/ is that run's, never a new run's folder
+        if folder.is_dir() and holds_a_run(folder):
+            raise UserError(
+                f"--output-dir {output_dir} lies inside the run folder {folder}, whose files are that "
+                "run's; choose a folder outside it"
+            )
     home = Path.home().resolve()
     if overwrite and (out == home or out in home.parents):
         raise UserError(f"--overwrite --output-dir {output_dir}: refused for the home folder or above it")

@@ -20,6 +20,7 @@ class PairAudit:
     empty: int = 0  # an answer with no text
     prompt_fills: int = 0  # the prompt alone reaches --max-length: truncation cuts it
     chosen_longer: int = 0  # pairs whose chosen answer has more tokens than the rejected one
+    same_length: int = 0  # pairs whose answers have as many tokens (no length to learn)
     chosen_tokens: int = 0
     rejected_tokens: int = 0
     examples: list[str] = field(default_factory=list)  # where the first problems are
@@ -59,6 +60,7 @@ def audit_pairs(recs: Iterable[Record], tokenizer: Any, max_length: int) -> Pair
                     f"the prompt alone has {len(pair.prompt)} tokens (--max-length {max_length})",
                 )
             report.chosen_longer += len(pair.chosen) > len(pair.rejected)
+            report.same_length += len(pair.chosen) == len(pair.rejected)
             report.chosen_tokens += len(pair.chosen)
             report.rejected_tokens += len(pair.rejected)
     return report
@@ -67,11 +69,18 @@ def audit_pairs(recs: Iterable[Record], tokenizer: Any, max_length: int) -> Pair
 def pair_lines(report: PairAudit) -> list[str]:
     """The audit's lines about pairs."""
     n = max(report.pairs, 1)
+    # Ties say nothing about length: the share is of the pairs whose answers differ in length.
+    differ = report.pairs - report.same_length
+    share = (
+        f"chosen longer than rejected in {100 * report.chosen_longer / differ:.0f}% of the pairs whose "
+        "answers differ in length (far from 50%: DPO learns that length too)"
+        if differ
+        else "every pair's answers have the same length"
+    )
     lines = [
         f"  preference pairs    {report.pairs:,}: identical chosen and rejected  {report.identical:,}, "
         f"an empty answer  {report.empty:,}, prompt alone over --max-length  {report.prompt_fills:,}",
         f"  answer lengths      chosen {report.chosen_tokens / n:.1f} tokens on average, rejected "
-        f"{report.rejected_tokens / n:.1f}; chosen longer than rejected in "
-        f"{100 * report.chosen_longer / n:.0f}% of pairs (far from 50%: DPO learns that length too)",
+        f"{report.rejected_tokens / n:.1f}; {share}",
     ]
     return lines + [f"    {m}" for m in report.examples]

@@ -48,6 +48,8 @@ def quiet_bitsandbytes() -> None:
     if verbose():
         return
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # A logger's record in bitsandbytes 0.50, a warning in earlier versions.
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
 
 

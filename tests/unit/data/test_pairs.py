@@ -194,3 +194,12 @@ def test_audit_reports_pair_problems(tmp_path: Path) -> None:
     text = format_report(report)
     assert "identical chosen and rejected  1" in text and "chosen longer than rejected" in text
     assert BadLines(skip=True).count == 0
+
+
+def test_the_length_share_leaves_ties_out() -> None:
+    from lmtune.data.pair_audit import PairAudit, pair_lines
+
+    tied = "\n".join(pair_lines(PairAudit(pairs=4, same_length=4)))
+    assert "every pair's answers have the same length" in tied and "%" not in tied
+    mixed = "\n".join(pair_lines(PairAudit(pairs=4, same_length=2, chosen_longer=1)))
+    assert "chosen longer than rejected in 50% of the pairs whose answers differ" in mixed
