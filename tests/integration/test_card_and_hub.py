@@ -194,3 +194,21 @@ def test_push_needs_a_token_a_repo_id_and_the_hub(tmp_path: Path, monkeypatch: p
     from lmtune.config.io import MEASURING_RUN
 
     assert MEASURING_RUN["push_to_hub"] is None  # plan's and bench's own runs never upload
+
+
+def test_an_adapter_on_a_model_folder_gets_loading_code(tmp_path: Path) -> None:
+    """The adapter names its local base by absolute path, which peft loads; only a preset's adapter
+    (no base named) points to the merged model instead."""
+    from lmtune.checkpoint.card import model_card
+
+    final = tmp_path / "final"
+    final.mkdir()
+    run = {"config": {"model": str(tmp_path / "base"), "lora": True}}
+    (final / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": str(tmp_path / "base")})
+    )
+    card = model_card(final, run)
+    assert "AutoPeftModelForCausalLM.from_pretrained" in card and "built-in preset" not in card
+    (final / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
+    card = model_card(final, {"config": {"model": "tiny", "lora": True}})
+    assert "built-in preset `tiny`" in card and "AutoPeftModelForCausalLM" not in card

@@ -119,8 +119,14 @@ def model_card(
     config = run.get("config", {})
     adapter = (folder / ADAPTER_CONFIG).is_file()
     base = _hub_model(config.get("model"))
+    named_base = (
+        (_read_json(folder / ADAPTER_CONFIG) or {}).get("base_model_name_or_path") if adapter else None
+    )
     if adapter and base is None:
-        base = _hub_model((_read_json(folder / ADAPTER_CONFIG) or {}).get("base_model_name_or_path"))
+        base = _hub_model(named_base)
+    # An adapter on a preset names no base (only lmtune builds it); on a local folder it names the
+    # folder's absolute path, which peft loads.
+    preset_base = adapter and not named_base
     meta: dict[str, Any] = {}
     if base:
         meta["base_model"] = base
@@ -151,7 +157,7 @@ def model_card(
         "",
         "## How to use",
         "",
-        *_usage(where, adapter, base, config, chat=_template_of(folder) is not None),
+        *_usage(where, adapter, preset_base, config, chat=_template_of(folder) is not None),
     ]
     front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
     return f"---\n{front}---\n\n" + "\n".join(body) + "\n"
@@ -408,8 +414,8 @@ def _chat_section(folder: Path) -> list[str]:
     return lines
 
 
-def _usage(where: str, adapter: bool, base: str | None, config: dict[str, Any], chat: bool) -> list[str]:
-    if adapter and base is None:
+def _usage(where: str, adapter: bool, preset_base: bool, config: dict[str, Any], chat: bool) -> list[str]:
+    if preset_base:
         return [
             f"The adapter's base is lmtune's built-in preset `{config.get('model')}`, which only lmtune "
             "builds: load the merged model (`--merge-lora` writes it to final/merged/)."
