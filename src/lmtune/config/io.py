@@ -64,6 +64,11 @@ def to_argv(cfg: TrainConfig) -> list[str]:
     return argv
 
 
+def _scalar(value: Any) -> bool:
+    """A string or a number (not a bool): an item of a comma-separated setting."""
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+
+
 def _coerce(s: Setting, value: Any) -> Any:
     """Convert a YAML/CLI value to the setting's type, or explain which option is wrong."""
     name, kind = s.name, s.type
@@ -77,8 +82,8 @@ def _coerce(s: Setting, value: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
             return value.lower() in ("true", "yes", "1")
         raise UserError(f"{option_name(name)}: expected true or false, got {brief(value)}")
-    if kind is str and isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return ",".join(value)  # a YAML list of data files
+    if kind is str and isinstance(value, list) and all(_scalar(v) for v in value):
+        return ",".join(str(v) for v in value)  # a YAML list: data files, target modules, weights
     if kind is str and isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
         return ",".join(f"{k}={v}" for k, v in value.items())  # a YAML mapping (--field-map)
     if isinstance(value, bool) and {"on", "off"} <= set(s.choices):

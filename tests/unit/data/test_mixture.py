@@ -13,7 +13,7 @@ import pytest
 from lmtune.checkpoint.resume import mixture_fingerprint
 from lmtune.cli import main
 from lmtune.config.groups import ExampleSettings
-from lmtune.config.io import load_yaml
+from lmtune.config.io import build_config, load_yaml
 from lmtune.config.settings import TrainConfig
 from lmtune.config.validate import check_settings
 from lmtune.data.dataset import split_off
@@ -169,6 +169,9 @@ def test_yaml_lists_sources_with_weights_and_names(tmp_path: Path) -> None:
     f = tmp_path / "run.yaml"
     f.write_text("data:\n  - {path: a.jsonl, weight: 0.7, name: chat}\n  - {path: b.jsonl, weight: 0.3}\n")
     assert load_yaml(str(f)) == {"data": "chat=a.jsonl,b.jsonl", "data_weights": "0.7,0.3"}
+    assert build_config({"data": "a.jsonl,b.jsonl", "data_weights": [3, 1.5]}).data.weights == "3,1.5"
+    with pytest.raises(UserError, match="--data-weights: expected str"):
+        build_config({"data_weights": [True, 1]})
     f.write_text("data:\n  - {path: a.jsonl, weight: 0.7}\n  - {path: b.jsonl}\n")
     with pytest.raises(UserError, match=r"run.yaml:1: --data-weights: 1 of 2 sources have a weight"):
         load_yaml(str(f))
