@@ -252,18 +252,18 @@ def check_destination(checkpoint: Path, out: Path, overwrite: bool) -> None:
     """Refuse an export destination whose files are not the export's to replace: a run folder or
     anything inside one (its checkpoints, final/, records), a folder holding the checkpoint, a
     non-empty folder that is not an earlier export, and an earlier export without ``overwrite``."""
-    from lmtune.checkpoint.rundir import holds_a_run
+    from lmtune.checkpoint.rundir import enclosing_run
 
     where = f"lmtune export: {out}"
     if out.is_symlink():
         raise UserError(f"{where}: a symbolic link; lmtune does not write through links")
     source, dest = checkpoint.resolve(), out.expanduser().resolve()
-    for folder in (dest, *dest.parents):
-        if folder.is_dir() and holds_a_run(folder):
-            raise UserError(
-                f"{where}: lies inside the run folder {folder}, whose files are that run's; "
-                "choose a folder outside it"
-            )
+    run = enclosing_run(dest)
+    if run is not None:
+        raise UserError(
+            f"{where}: lies inside the run folder {run}, whose files are that run's; "
+            "choose a folder outside it"
+        )
     if dest == source or dest in source.parents or source in dest.parents:
         raise UserError(f"{where}: holds or lies inside the checkpoint {checkpoint}; choose another folder")
     if not dest.exists():

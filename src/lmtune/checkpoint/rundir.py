@@ -244,6 +244,14 @@ def holds_a_run(folder: Path) -> bool:
     return records or bool(list_checkpoints(folder))
 
 
+def enclosing_run(path: Path) -> Path | None:
+    """The nearest of ``path`` (resolved) and the folders above it that holds a run, or None."""
+    for folder in (path, *path.parents):
+        if folder.is_dir() and holds_a_run(folder):
+            return folder
+    return None
+
+
 def check_earlier_run(output_dir: Path, continued: bool, overwrite: bool, config: dict[str, Any]) -> None:
     """Refuse to replace an earlier run's results that no checkpoint continues; ``--overwrite``
     deletes them (and the checkpoints) instead: lmtune's own entries only. Call with the lock held.
@@ -313,12 +321,13 @@ def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) 
     out = output_dir.expanduser().resolve()
     if out == Path(out.anchor):
         raise UserError(f"--output-dir {output_dir}: the root folder; choose a folder of its own")
-    for folder in out.parents:  # a run's checkpoint or final/ is that run's, never a new run's folder
-        if folder.is_dir() and holds_a_run(folder):
-            raise UserError(
-                f"--output-dir {output_dir} lies inside the run folder {folder}, whose files are that "
-                "run's; choose a folder outside it"
-            )
+    # A run's checkpoint or final/ is that run's, never a new run's folder.
+    run = enclosing_run(out.parent) if out != out.parent else None
+    if run is not None:
+        raise UserError(
+            f"--output-dir {output_dir} lies inside the run folder {run}, whose files are that run's; "
+            "choose a folder outside it"
+        )
     home = Path.home().resolve()
     if overwrite and (out == home or out in home.parents):
         raise UserError(f"--overwrite --output-dir {output_dir}: refused for the home folder or above it")

@@ -16,7 +16,7 @@ from lmtune.data.mixture import Mixture, mixture_of, mixture_order
 from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
 from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, rank_indices
-from lmtune.data.sources import BadLines, Record, resolve_components
+from lmtune.data.sources import BadLines, resolve_components
 from lmtune.data.tokenize import Encoded, EncodeStats
 from lmtune.errors import UserError
 
@@ -176,10 +176,7 @@ def audit(
     pairs = None
     if {"preference", "preference_messages"} & set(stats.formats):
         names = FieldMap.of(settings)
-        mapped = (
-            Record(r.source, r.line, names.apply(r.fields))
-            for r in records(sources, counting, BadLines(skip=True))
-        )
+        mapped = (names.record(r) for r in records(sources, counting, BadLines(skip=True)))
         pairs = audit_pairs(mapped, tokenizer, settings.max_length)
     return AuditReport(
         spec=spec,

@@ -79,6 +79,10 @@ class FieldMap:
         """The data set's name for lmtune's field ``ours``."""
         return self.fields.get(ours, ours)
 
+    def record(self, record: Record) -> Record:
+        """``record`` with its fields under lmtune's names."""
+        return Record(record.source, record.line, self.apply(record.fields))
+
     def apply(self, found: Mapping[str, Any]) -> dict[str, Any]:
         """A record's fields under lmtune's names (a renamed field leaves its old name)."""
         top = {ours: theirs for ours, theirs in self.fields.items() if ours not in TURN_FIELDS}
@@ -156,7 +160,7 @@ def render(
     """Render one record in format ``fmt`` (``auto`` detects it from the fields, under the names
     ``names`` maps them to); with ``train_on_prompt`` all of it trains (the prompt, and chat's
     system and user turns too)."""
-    record = Record(record.source, record.line, names.apply(record.fields))
+    record = names.record(record)
     chosen = detect_format(record.fields) if fmt == "auto" else fmt
     if chosen is None:
         found = ", ".join(repr(k) for k in record.fields) or "none"

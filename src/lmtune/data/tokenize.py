@@ -151,7 +151,7 @@ def encode_chunk(
     """
     chunk = _one_kind(chunk, fmt, names, bad)
     if chunk and _is_pair(chunk[0], fmt, names):
-        pairs = [Record(r.source, r.line, names.apply(r.fields)) for r in chunk]
+        pairs = [names.record(r) for r in chunk]
         return encode_pairs(pairs, tokenizer, max_length, truncation, bad)
     stats = EncodeStats()
     records: list[Record] = []
