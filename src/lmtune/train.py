@@ -149,7 +149,8 @@ def _run(run: RunContext) -> TrainResult:
     data, eval_loader = loaders(run, built)
     peak = best_peak_flops(
         Probe(env.device, cfg.model.precision, run.threads, built.products.fp32),
-        cache_root() / PEAKS_FILE if env.is_main else None,
+        cache_root() / PEAKS_FILE,
+        store=env.is_main,
     )
     mfu = MfuMeter(partial(train_flops_per_token, built.loaded.model), peak, env.world_size, log)
     loop = LoopParts(

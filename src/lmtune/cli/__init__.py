@@ -7,11 +7,13 @@ import sys
 from collections.abc import Sequence
 
 from lmtune.cli.parser import build_parser, spelled_out_flags, unknown_arguments
+from lmtune.config.threads import choose_thread_wait
 from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
+    choose_thread_wait()  # before anything imports torch
     argv = list(sys.argv[1:] if argv is None else argv)
     # Options a command does not take are ours to explain (argparse would print the top-level usage).
     parser = build_parser()

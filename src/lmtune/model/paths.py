@@ -9,14 +9,14 @@ numerics. So, in this order:
 - a resumed run takes the paths its checkpoint recorded (``paths.json``), unless this CPU cannot
   run a recorded bf16 path (then the rule below, and the log says so);
 - rules: without oneDNN bf16 kernels PyTorch multiplies bf16 in reference loops (~30x slower than
-  fp32), so products run in fp32 of bf16 operands; without bf16 matrix units (AVX-512 BF16, AMX)
-  attention gains nothing from bf16 and runs in fp32; with AMX the products are oneDNN's bf16
-  kernels (3x fp32's speed here);
-- otherwise (products on AVX-512 BF16 without AMX; attention on any CPU with bf16 units) a timing
-  on the run's own shapes, the two ways alternated over several rounds, the default kept unless the
-  other is faster by :data:`MARGIN`; rank 0 times, every rank takes its answer, and it is cached per
-  machine, threads, model shape and torch version beside the matmul peaks (``paths.json`` in
-  lmtune's cache), so later runs take it without timing.
+  fp32), so products run in fp32 of bf16 operands; with AMX the products are oneDNN's bf16 kernels
+  (3x fp32's speed here); attention runs in fp32 without AMX and, with AMX, for heads narrower
+  than :data:`WIDE_HEAD` (bf16 measured slower on varied example lengths; see the figures there);
+- otherwise (products on AVX-512 BF16 without AMX; attention with heads of 128 or more on AMX) a
+  timing on the run's own shapes, the two ways alternated over several rounds, the default kept
+  unless the other is faster by :data:`MARGIN`; rank 0 times, every rank takes its answer, and it
+  is cached per machine, threads, model shape and torch version beside the matmul peaks
+  (``paths.json`` in lmtune's cache), so later runs take it without timing.
 """
 
 from __future__ import annotations
@@ -117,6 +117,9 @@ class Decision:
 
     choice: str
     how: str
+    # A rule's fp32 because this CPU has no kernels or units for bf16 at all (rather than because
+    # bf16 measured slower): a checkpoint's recorded bf16 is then set aside.
+    no_bf16_here: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,7 @@ def decide_paths(question: Question, workload: Workload, env: DistEnv) -> Paths:
     )
     attention = None
     if question.attention:
-        rule = _attention_rule(units)
+        rule = _attention_rule(units, _shape(workload.config).head_dim)
         attention = _decide(
             "attention", _forced(CPU_ATTENTION_ENV), rule, recorded.get("attention"), default=FP32
         )
@@ -212,9 +215,16 @@ def bf16_plan(units: CpuUnits) -> str:
     """What a CPU bf16 run takes on a CPU with ``units``, before any model is known (`lmtune
     doctor`): the rules' and overrides' choices, or that a timing decides (once per model)."""
     products = _decide("products", _forced(PRODUCTS_ENV), _products_rule(units), None, default=BF16)
-    attention = _decide("attention", _forced(CPU_ATTENTION_ENV), _attention_rule(units), None, default=FP32)
+    attention = _decide(
+        "attention", _forced(CPU_ATTENTION_ENV), _attention_rule(units, None), None, default=FP32
+    )
 
     def said(decision: Decision) -> str:
+        if decision is attention and decision.how == _UNDECIDED:
+            return (
+                f"fp32 for heads narrower than {WIDE_HEAD} (rule), timed for wider ones per model at its "
+                "first run (cached; fp32 unless bf16 is faster)"
+            )
         if decision.how == _UNDECIDED:
             return f"timed per model at its first run (cached; {decision.choice} unless the other is faster)"
         return f"{decision.choice} ({decision.how})"
@@ -231,25 +241,44 @@ def _forced(variable: str) -> str | None:
 
 def _products_rule(units: CpuUnits) -> Decision | None:
     if not onednn_bf16():
-        return Decision(FP32, "rule: PyTorch has no bf16 matrix kernels for this CPU (reference loops)")
+        return Decision(
+            FP32, "rule: PyTorch has no bf16 matrix kernels for this CPU (reference loops)", no_bf16_here=True
+        )
     if units.amx:
         return Decision(BF16, "rule: AMX")
     return None
 
 
-def _attention_rule(units: CpuUnits) -> Decision | None:
-    return None if units.bf16 else Decision(FP32, "rule: no bf16 matrix units")
+# Per-example attention, forward and backward, fp32 against bf16 (over bucketed shapes), measured on
+# an AMX CPU, 2 threads: with varied example lengths fp32 won at every head size (head 64: 57 vs
+# 100 ms, 104 vs 160 ms; head 128: 45 vs 83 ms, 204 vs 226 ms); bf16 won only on long examples of
+# one length with heads of 128 (512 tokens: 392 vs 228 ms; 1,024: 1,134 vs 521 ms); on AVX-512
+# BF16 without AMX bf16 was 2-3x slower (heads of 32 and 64).
+WIDE_HEAD = 128
+
+
+def _attention_rule(units: CpuUnits, head_dim: int | None) -> Decision | None:
+    """fp32 by rule, except for heads of WIDE_HEAD or more on AMX (their examples' lengths decide:
+    timed); ``head_dim`` None (no model yet): the rule for the units alone."""
+    if not units.bf16:
+        return Decision(FP32, "rule: no bf16 matrix units", no_bf16_here=True)
+    if not units.amx:
+        return Decision(FP32, "rule: AVX-512 BF16 without AMX (bf16 attention measured 2-3x slower)")
+    if head_dim is not None and head_dim < WIDE_HEAD:
+        return Decision(FP32, f"rule: heads of {head_dim} (< {WIDE_HEAD}; bf16 attention measured slower)")
+    return None
 
 
 def _decide(name: str, forced: str | None, rule: Decision | None, recorded: Any, default: str) -> Decision:
-    """Override, then the checkpoint's record (unless the rule says this CPU has no bf16 for it),
-    then the rule; else undecided (to be timed against ``default``)."""
+    """Override, then the checkpoint's record (unless the rule says this CPU has no bf16 for it: a
+    rule that only prefers fp32 keeps the record, so the resume stays bit-identical), then the
+    rule; else undecided (to be timed against ``default``)."""
     if forced is not None:
         variable = PRODUCTS_ENV if name == "products" else CPU_ATTENTION_ENV
         return Decision(forced, f"set by {variable}")
     saved = recorded.get("choice") if isinstance(recorded, dict) else None
     if saved in (BF16, FP32):
-        if saved == BF16 and rule is not None and rule.choice == FP32:
+        if saved == BF16 and rule is not None and rule.no_bf16_here:
             return replace(rule, how=f"{rule.how}; the checkpoint's bf16 set aside: no units for it here")
         earlier = str(recorded.get("decided", "recorded"))
         how = earlier if earlier.startswith("from the checkpoint") else f"from the checkpoint ({earlier})"

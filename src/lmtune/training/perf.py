@@ -105,45 +105,57 @@ def _peak_key(probe: Probe) -> str:
     return f"{socket.gethostname()} | {name} | {precision}{threads_part} | torch {torch.__version__}"
 
 
-def _read_peaks(path: Path) -> dict[str, float]:
+SETTLED_PROBES = 3  # runs that probe the peak on a machine; later ones take the best kept (no probe)
+
+
+def _read_peaks(path: Path) -> dict[str, tuple[float, int]]:
+    """Each key's best peak and how many probes it is the best of (a bare number: one probe)."""
     try:
         raw = read_json(path, limit=1 << 20)
     except (OSError, UserError):
         return {}
     if not isinstance(raw, dict):
         return {}
-    return {
-        str(k): float(v) for k, v in raw.items() if isinstance(v, (int, float)) and math.isfinite(v) and v > 0
-    }
+    peaks = {}
+    for key, value in raw.items():
+        flops, probes = (value.get("flops"), value.get("probes")) if isinstance(value, dict) else (value, 1)
+        if isinstance(flops, (int, float)) and math.isfinite(flops) and flops > 0 and isinstance(probes, int):
+            peaks[str(key)] = (float(flops), probes)
+    return peaks
 
 
-def best_peak_flops(probe: Probe, cache: Path | None) -> float:
+def best_peak_flops(probe: Probe, cache: Path | None, store: bool = True) -> float:
     """The matmul peak for MFU: the best of this run's probe and every earlier one cached for the
     same machine, device, precision and thread count. One short probe at a busy moment reads low
     (3x apart between runs on a loaded machine), which made MFU read over 100%; the best kept over
-    runs converges on what the device reaches. ``cache`` None: this probe alone."""
-    measured = measure_peak_flops(probe, seconds=0.3)
+    runs converges on what the device reaches. Once SETTLED_PROBES runs have probed, later runs
+    take the best kept without a probe (0.3 s of every start). ``cache`` None: this probe alone;
+    ``store`` False: read the cache, leave it to another rank to write."""
     if cache is None:
-        return measured
+        return measure_peak_flops(probe, seconds=0.3)
     key = _peak_key(probe)
-    known = _read_peaks(cache).get(key, 0.0)
-    if measured > known:
+    known, probes = _read_peaks(cache).get(key, (0.0, 0))
+    if probes >= SETTLED_PROBES:
+        return known
+    measured = measure_peak_flops(probe, seconds=0.3)
+    if store:
         with suppress(OSError):  # a read-only cache costs only the remembering
-            _store_peak(cache, key, measured)
+            _store_peak(cache, key, max(measured, known), probes + 1)
     return max(measured, known)
 
 
 def measure_and_store_peak(probe: Probe, cache: Path) -> float:
-    """`lmtune bench --measure-peak`: several longer probes; the result replaces the cached peak."""
+    """`lmtune bench --measure-peak`: several longer probes; the result replaces the cached peak
+    (and is settled: runs take it without probing)."""
     measured = max(measure_peak_flops(probe, 1.0) for _ in range(5))
-    _store_peak(cache, _peak_key(probe), measured)
+    _store_peak(cache, _peak_key(probe), measured, SETTLED_PROBES)
     return measured
 
 
-def _store_peak(cache: Path, key: str, flops: float) -> None:
+def _store_peak(cache: Path, key: str, flops: float, probes: int) -> None:
     """Replace one entry of the peaks file, atomically (ranks and runs may read it meanwhile)."""
-    peaks = _read_peaks(cache)
-    peaks[key] = flops
+    peaks: dict[str, object] = {k: {"flops": f, "probes": n} for k, (f, n) in _read_peaks(cache).items()}
+    peaks[key] = {"flops": flops, "probes": probes}
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(peaks, indent=1), encoding="utf-8")

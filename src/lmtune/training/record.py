@@ -16,6 +16,7 @@ import torch
 from lmtune import __version__
 from lmtune.checkpoint.state import optimizer_state_bytes
 from lmtune.config.settings import TrainConfig, to_dict
+from lmtune.config.threads import thread_wait
 from lmtune.model.attention import attention_description
 from lmtune.model.quantization import footprint, parameter_count
 from lmtune.objectives.base import Objective
@@ -42,6 +43,8 @@ def environment_info(env: DistEnv, threads: int) -> dict[str, Any]:
         "device": str(env.device),
         "backend": env.backend,
         "threads_per_process": threads,
+        # How idle compute threads wait (lmtune.config.threads): passive when the CPUs were busy at start.
+        "thread_wait": thread_wait(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
@@ -103,6 +106,8 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
         f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} steps; "
         f"loss: {built.loss.description}"
     )
+    if env.device.type == "cpu" and thread_wait().startswith("passive"):
+        run.log.info(f"CPU threads wait {thread_wait()}; OMP_WAIT_POLICY=ACTIVE overrides")
     if built.paths.products is not None:  # a CPU bf16 run: which paths its CPU's units chose, and how
         run.log.info(f"{built.paths.line()}; matrix products: {built.products.description}")
     if built.objective.unit == "pairs":

@@ -32,10 +32,12 @@ AVX512 = CpuUnits(amx=False, avx512_bf16=False, avx2=True)  # oneDNN emulates bf
 AVX2 = CpuUnits(amx=False, avx512_bf16=False, avx2=True)
 
 
-def _workload() -> Workload:
+def _workload(head_dim: int = 16) -> Workload:
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=1)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=1, head_dim=head_dim
+    )
     return Workload(config, [[20, 7], [33, 12]])
 
 
@@ -60,8 +62,8 @@ def _machine(monkeypatch: pytest.MonkeyPatch, units: CpuUnits, onednn_bf16: bool
     monkeypatch.delenv(CPU_ATTENTION_ENV, raising=False)
 
 
-def _decide(question: Question | None = None) -> Paths:
-    return decide_paths(question or Question(cpu_bf16=True, attention=True), _workload(), ENV)
+def _decide(question: Question | None = None, head_dim: int = 16) -> Paths:
+    return decide_paths(question or Question(cpu_bf16=True, attention=True), _workload(head_dim), ENV)
 
 
 def _choices(found: Paths) -> tuple[str | None, str | None]:
@@ -72,25 +74,27 @@ def _choices(found: Paths) -> tuple[str | None, str | None]:
 
 
 @pytest.mark.parametrize(
-    ("units", "onednn_bf16", "expected", "timed"),
+    ("units", "onednn_bf16", "head_dim", "expected", "timed"),
     [
-        (AMX, True, (BF16, "timed"), ["attention"]),
-        (AVX512_BF16, True, ("timed", "timed"), ["products", "attention"]),
-        (AVX512, True, ("timed", FP32), ["products"]),
-        (AVX2, False, (FP32, FP32), []),
+        (AMX, True, 64, (BF16, FP32), []),
+        (AMX, True, 128, (BF16, "timed"), ["attention"]),
+        (AVX512_BF16, True, 128, ("timed", FP32), ["products"]),
+        (AVX512, True, 128, ("timed", FP32), ["products"]),
+        (AVX2, False, 128, (FP32, FP32), []),
     ],
-    ids=["AMX", "AVX-512-BF16", "AVX-512", "AVX2"],
+    ids=["AMX-heads-64", "AMX-heads-128", "AVX-512-BF16", "AVX-512", "AVX2"],
 )
 def test_rules_decide_where_the_units_do_and_only_the_rest_is_timed(
     monkeypatch: pytest.MonkeyPatch,
     units: CpuUnits,
     onednn_bf16: bool,
+    head_dim: int,
     expected: tuple[str, str],
     timed: list[str],
 ) -> None:
     _machine(monkeypatch, units, onednn_bf16)
     timings = _Timings(monkeypatch, products="X", attention="Y")
-    found = _decide()
+    found = _decide(head_dim=head_dim)
     assert timings.calls == timed
     said = {"products": "X", "attention": "Y"}
     assert _choices(found) == tuple(
@@ -156,6 +160,7 @@ def test_a_timed_choice_is_cached_and_taken_by_later_runs(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     _machine(monkeypatch, AVX512_BF16, onednn_bf16=True)
+    monkeypatch.setattr(paths, "_attention_rule", lambda units, head_dim: None)  # a CPU that times both
     timings = _Timings(monkeypatch, products=FP32, attention=BF16)
     question = Question(cpu_bf16=True, attention=True, cache=tmp_path / "paths.json", threads=2)
     first = _decide(question)
@@ -183,6 +188,10 @@ def test_a_recorded_choice_wins_unless_this_cpu_cannot_run_it(monkeypatch: pytes
     assert twice is not None and twice.how == "from the checkpoint (timed: ...)"
     monkeypatch.setenv(CPU_ATTENTION_ENV, FP32)  # an override still wins
     assert _choices(_decide(Question(cpu_bf16=True, attention=True, recorded=recorded))) == (BF16, FP32)
+    # A rule that only prefers fp32 (AVX-512 BF16 without AMX) keeps the recorded bf16 attention.
+    _machine(monkeypatch, AVX512_BF16, onednn_bf16=True)
+    kept = _decide(Question(cpu_bf16=True, attention=True, recorded=recorded))
+    assert kept.attention is not None and kept.attention.choice == BF16
     _machine(monkeypatch, AVX2, onednn_bf16=False)  # resumed on a CPU without bf16 kernels
     found = _decide(Question(cpu_bf16=True, attention=True, recorded=recorded))
     assert _choices(found) == (FP32, FP32)
@@ -239,6 +248,7 @@ def test_a_resumed_run_takes_the_recorded_paths_when_the_timing_flips(
     monkeypatch.setenv("LMTUNE_CACHE_DIR", str(tmp_path / "cache"))
     data = write_jsonl(tmp_path / "data.jsonl", uneven_texts(24, seed=4))
     _machine(monkeypatch, AVX512_BF16, onednn_bf16=True)  # both paths timed, on any CPU
+    monkeypatch.setattr(paths, "_attention_rule", lambda units, head_dim: None)
     timings = _Timings(monkeypatch, products=FP32, attention=BF16)
     full = _train(tmp_path / "full", data)
     assert (full["products"]["choice"], full["attention"]["choice"]) == (FP32, BF16)

@@ -1,0 +1,42 @@
+"""How idle CPU threads wait: passive when other threads compete at start, else the default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lmtune.config.threads import DECIDED_ENV, WAIT_ENV, decide_thread_wait, runnable_others
+
+
+def test_passive_when_other_threads_are_runnable() -> None:
+    decided = decide_thread_wait({}, lambda: 6)
+    assert decided[WAIT_ENV] == "PASSIVE"
+    assert decided[DECIDED_ENV] == "passive (6 other runnable threads at start)"
+    assert decide_thread_wait({}, lambda: 1)[DECIDED_ENV] == "passive (1 other runnable thread at start)"
+
+
+def test_the_runtime_default_on_a_quiet_or_unknown_machine() -> None:
+    quiet = decide_thread_wait({}, lambda: 0)
+    assert WAIT_ENV not in quiet and "no other runnable thread" in quiet[DECIDED_ENV]
+    unknown = decide_thread_wait({}, lambda: None)
+    assert WAIT_ENV not in unknown and "unknown" in unknown[DECIDED_ENV]
+
+
+def test_the_users_setting_and_a_parents_decision_are_kept() -> None:
+    def never() -> int:
+        raise AssertionError("nothing to sample when the answer is given")
+
+    assert decide_thread_wait({"GOMP_SPINCOUNT": "1000"}, never) == {
+        DECIDED_ENV: "GOMP_SPINCOUNT=1000 (set by you)"
+    }
+    assert decide_thread_wait({DECIDED_ENV: "passive (2 other runnable threads at start)"}, never) == {}
+
+
+def test_runnable_others_is_the_median_instant_count_less_this_thread(tmp_path: Path) -> None:
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("7.76 5.13 3.00 8/312 25540\n")
+    assert runnable_others(loadavg) == 7
+    loadavg.write_text("0.10 0.20 0.30 1/80 100\n")
+    assert runnable_others(loadavg) == 0
+    assert runnable_others(tmp_path / "missing") is None
+    loadavg.write_text("garbage\n")
+    assert runnable_others(loadavg) is None

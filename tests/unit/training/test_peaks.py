@@ -1,0 +1,45 @@
+"""The matmul peak behind MFU: probed by the first runs on a machine, then taken from the cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmtune.training import perf
+from lmtune.training.perf import SETTLED_PROBES, Probe, best_peak_flops
+
+
+def test_the_first_runs_probe_and_keep_the_best_then_later_runs_take_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    readings = iter([2e9, 5e9, 3e9])
+    probes: list[float] = []
+
+    def probe_once(_: Probe, seconds: float) -> float:
+        probes.append(seconds)
+        return next(readings)
+
+    monkeypatch.setattr(perf, "measure_peak_flops", probe_once)
+    cache = tmp_path / "peaks.json"
+    probe = Probe(torch.device("cpu"), "fp32", threads=2)
+    seen = [best_peak_flops(probe, cache) for _ in range(SETTLED_PROBES + 2)]
+    assert len(probes) == SETTLED_PROBES  # later runs did not probe
+    assert seen == [2e9, 5e9, 5e9, 5e9, 5e9]
+    (entry,) = json.loads(cache.read_text()).values()
+    assert entry == {"flops": 5e9, "probes": SETTLED_PROBES}
+
+
+def test_a_rank_that_does_not_store_reads_the_cache_and_an_old_entry_counts_as_one_probe(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(perf, "measure_peak_flops", lambda *_, **__: 1e9)
+    cache = tmp_path / "peaks.json"
+    probe = Probe(torch.device("cpu"), "bf16", threads=1)
+    cache.write_text(json.dumps({perf._peak_key(probe): 4e9, "other": "junk"}))  # the earlier format
+    assert best_peak_flops(probe, cache, store=False) == 4e9
+    assert json.loads(cache.read_text())[perf._peak_key(probe)] == 4e9  # not written
+    assert best_peak_flops(probe, cache) == 4e9
+    assert json.loads(cache.read_text())[perf._peak_key(probe)] == {"flops": 4e9, "probes": 2}
