@@ -1,128 +1,222 @@
-"""One epoch, same model, data and global batch: lmtune (packing on and off) vs Hugging Face Trainer.
+"""One epoch, whole process, same model, data and global batch: `lmtune train` vs a Hugging Face
+Trainer script, each timed from its command's start to its exit.
 
 Needs the benchmark extra: pip install -c constraints.txt -e '.[bench]'
 
-    python benchmarks/vs_hf_trainer.py [--model tiny|small] [--precisions fp32,bf16] [--examples 4000]
+    python benchmarks/vs_hf_trainer.py [--precisions fp32,bf16] [--examples 600] [--load 6]
 
-Both train the same preset from the same seed on the same examples (the built-in addition task, or
-uneven generated texts with --data uneven) for one epoch with global batch --batch-size. Trainer gets
-the usual recipe: a tokenized `datasets.Dataset`, `DataCollatorForLanguageModeling(mlm=False)`, no
-gradient accumulation. Throughput is non-padding tokens of the epoch over the training loop's wall
-time (Trainer's train_runtime; lmtune's fit loop from metrics.jsonl). Prints one row per run and the
-ratios.
+The workload is built offline in a temporary folder: a 13M-parameter Llama (hidden 512, 4 layers,
+byte-level tokenizer) saved as a model folder, and --examples prompt/completion records of uneven
+length (a 3-15 word prompt, a 5-80 word answer). Both train it for one epoch at global batch
+--batch-size and the same learning rate. The Trainer gets the usual recipe: a tokenized
+`datasets.Dataset` of prompt + completion + EOS, `DataCollatorForLanguageModeling(mlm=False)`, no
+checkpoints; lmtune runs with its defaults otherwise (it also writes a final checkpoint and the
+model). Each command runs --repeats times, alternating, and the median wall time counts.
+
+--load N starts N busy processes for the measurements (a competing load, like other jobs on a
+shared machine). --first-step also times `lmtune train --max-steps 1` of the built-in preset (the
+README's demo, one step): time to first step, whole process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+HERE = Path(__file__).resolve()
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "it",
+    "an",
+    "be",
+    "this",
+    "are",
+    "which",
+    "or",
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "theta",
+    "kappa",
+    "lambda",
+    "sigma",
+]
 
-from lmtune.config.settings import TrainConfig
-from lmtune.data.addition import addition_examples
-from lmtune.model.modeling import build_preset
-from lmtune.outputs.runlog import read_metrics, tokens_per_second
-from lmtune.train import train
 
+def build_workload(folder: Path, examples: int) -> tuple[Path, Path]:
+    """A 13M Llama folder and a prompt/completion file, seeded."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-def texts_for(kind: str, n: int) -> list[str]:
-    if kind == "addition":
-        return addition_examples()[0][:n]
+    from lmtune.model.modeling import byte_tokenizer
+
+    tok = byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model_dir = folder / "model"
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
     rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(2, 60))) for _ in range(n)]
+
+    def words(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    data = folder / "train.jsonl"
+    with data.open("w") as f:
+        for _ in range(examples):
+            f.write(json.dumps({"prompt": f"Q: {words(3, 15)}\nA:", "completion": f" {words(5, 80)}"}) + "\n")
+    return model_dir, data
 
 
-def run_lmtune(texts: list[str], model: str, precision: str, batch: int, packing: str, tmp: Path) -> float:
-    data = tmp / "train.jsonl"
-    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    out = tmp / f"lmtune-{precision}-{packing}"
-    train(
-        TrainConfig(
-            model=model,
-            data=str(data),
-            output_dir=str(out),
-            epochs=1,
-            global_batch_size=batch,
-            lr=1e-3,
-            precision=precision,
-            packing=packing,
-            progress=False,
-            cache_dir=str(tmp / "cache"),
-            resume="never",
-        )
-    )
-    return tokens_per_second(read_metrics(out))
-
-
-def run_trainer(texts: list[str], model_name: str, precision: str, batch: int, tmp: Path) -> float:
+def hf_trainer_child(model_dir: str, data: str, precision: str, batch: int, lr: float, out: str) -> None:
+    """The Trainer side, run as its own process (``--hf-child``): imports included in its time."""
     from datasets import Dataset
-    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
-
-    loaded = build_preset(model_name, seed=42)
-    tok = loaded.tokenizer
-    ds = Dataset.from_dict({"text": [t + tok.eos_token for t in texts]})
-    ds = ds.map(
-        lambda b: tok(b["text"], truncation=True, max_length=512), batched=True, remove_columns=["text"]
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForLanguageModeling,
+        Trainer,
+        TrainingArguments,
     )
-    tokens = sum(len(x) for x in ds["input_ids"])
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
+    ds = Dataset.from_dict({"text": [r["prompt"] + r["completion"] + tok.eos_token for r in rows]})
+    ds = ds.map(
+        lambda b: tok(b["text"], truncation=True, max_length=2048), batched=True, remove_columns=["text"]
+    )
     args = TrainingArguments(
-        output_dir=str(tmp / "hf"),
+        output_dir=out,
         per_device_train_batch_size=batch,
         num_train_epochs=1,
-        learning_rate=1e-3,
+        learning_rate=lr,
         bf16=precision == "bf16",
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=True,
         save_strategy="no",
         report_to=[],
         logging_strategy="no",
-        dataloader_drop_last=True,
         seed=42,
         disable_tqdm=True,
     )
-    trainer = Trainer(
-        model=loaded.model,
-        args=args,
-        train_dataset=ds,
-        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-    )
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    Trainer(model=model, args=args, train_dataset=ds, data_collator=collator).train()
+    model.save_pretrained(out)  # lmtune saves its model too
+
+
+def timed(command: list[str]) -> float:
     started = time.perf_counter()
-    metrics = trainer.train().metrics
-    runtime = metrics.get("train_runtime", time.perf_counter() - started)
-    used = len(ds) // batch * batch / len(ds)  # drop_last: the tokens of whole batches
-    return tokens * used / runtime
+    proc = subprocess.run(command, capture_output=True, text=True)
+    elapsed = time.perf_counter() - started
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(command)}\n{proc.stderr[-3000:]}")
+    return elapsed
+
+
+def busy() -> None:
+    while True:
+        pass
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny")
     p.add_argument("--precisions", default="fp32,bf16")
-    p.add_argument("--examples", type=int, default=4000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--data", default="addition", choices=["addition", "uneven"])
+    p.add_argument("--examples", type=int, default=600)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--load", type=int, default=0, help="busy processes competing during the runs")
+    p.add_argument("--first-step", action="store_true", help="also time lmtune train --max-steps 1 (demo)")
+    p.add_argument("--hf-child", nargs=6, metavar="ARG", help=argparse.SUPPRESS)
     args = p.parse_args()
-    texts = texts_for(args.data, args.examples)
+    if args.hf_child:
+        model_dir, data, precision, batch, lr, out = args.hf_child
+        hf_trainer_child(model_dir, data, precision, int(batch), float(lr), out)
+        return
+
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        model_dir, data = build_workload(tmp / "workload", args.examples)
+        load = [multiprocessing.Process(target=busy, daemon=True) for _ in range(args.load)]
+        for proc in load:
+            proc.start()
+        try:
+            rows = measure(args, tmp, model_dir, data)
+        finally:
+            for proc in load:
+                proc.terminate()
     print(
-        f"model {args.model}, {len(texts)} {args.data} examples, 1 epoch, global batch {args.batch_size}, "
-        f"{torch.get_num_threads()} threads"
+        f"{args.examples} prompt/completion examples, 13M Llama, 1 epoch, global batch {args.batch_size}, "
+        f"{args.load} competing busy processes, median of {args.repeats} (whole process, seconds)"
     )
-    print(f"{'run':<34}{'tokens/s':>12}{'vs Trainer':>12}")
+    print(f"{'':<28}{'HF Trainer':>12}{'lmtune':>10}{'ratio':>8}")
+    for name, hf, ours in rows:
+        if hf is None:
+            print(f"{name:<28}{'':>12}{ours:>10.1f}")
+        else:
+            print(f"{name:<28}{hf:>12.1f}{ours:>10.1f}{hf / ours:>7.2f}x")
+
+
+def measure(
+    args: argparse.Namespace, tmp: Path, model_dir: Path, data: Path
+) -> list[tuple[str, float | None, float]]:
+    rows: list[tuple[str, float | None, float]] = []
+    lmtune = [sys.executable, "-m", "lmtune", "train", "--no-progress"]
     for precision in args.precisions.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            hf = run_trainer(texts, args.model, precision, args.batch_size, Path(tmp))
-            default = run_lmtune(texts, args.model, precision, args.batch_size, "auto", Path(tmp))
-            packed = run_lmtune(texts, args.model, precision, args.batch_size, "on", Path(tmp))
-            padded = run_lmtune(texts, args.model, precision, args.batch_size, "off", Path(tmp))
-        print(f"{'HF Trainer ' + precision:<34}{hf:>12,.0f}{1.0:>12.2f}")
-        print(f"{'lmtune ' + precision + ' (defaults)':<34}{default:>12,.0f}{default / hf:>12.2f}")
-        print(f"{'lmtune ' + precision + ' (packing on)':<34}{packed:>12,.0f}{packed / hf:>12.2f}")
-        print(f"{'lmtune ' + precision + ' (packing off)':<34}{padded:>12,.0f}{padded / hf:>12.2f}")
-        print(f"{'':<34}packing on / off: {packed / padded:.2f}x")
+        hf_times, our_times = [], []
+        for i in range(args.repeats):
+            hf_out, our_out = tmp / f"hf-{precision}-{i}", tmp / f"lmtune-{precision}-{i}"
+            hf = [sys.executable, str(HERE), "--hf-child", str(model_dir), str(data), precision]
+            hf += [str(args.batch_size), str(args.lr), str(hf_out)]
+            ours = [*lmtune, "--model", str(model_dir), "--data", str(data), "--precision", precision]
+            ours += ["--epochs", "1", "--global-batch-size", str(args.batch_size), "--lr", str(args.lr)]
+            hf_times.append(timed(hf))
+            our_times.append(timed([*ours, "--output-dir", str(our_out)]))
+        rows.append((f"one epoch, {precision}", statistics.median(hf_times), statistics.median(our_times)))
+    if args.first_step:
+        demo = [
+            timed([*lmtune, "--max-steps", "1", "--output-dir", str(tmp / f"demo-{i}")])
+            for i in range(args.repeats)
+        ]
+        rows.append(("demo, --max-steps 1", None, statistics.median(demo)))
+    return rows
 
 
 if __name__ == "__main__":

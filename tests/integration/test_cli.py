@@ -97,6 +97,7 @@ def test_train_doctor_checks_before_training(tmp_path: Path, capsys: pytest.Capt
     assert main(["train", "--doctor", "--max-steps", "1", "--no-progress", "--output-dir", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "lmtune doctor" in printed and "ok    output folder" in printed
+    assert "CPU threads" in printed and "threads, waiting" in printed
     assert printed.index("lmtune doctor") < printed.index("lmtune: preset tiny")
     assert main(["doctor", "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "FAIL  data" in capsys.readouterr().out
@@ -122,3 +123,27 @@ def test_model_folder_without_tokenizer_says_so_in_one_line(
     assert main(["generate", "--model", str(folder), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert f"could not load its tokenizer from local folder {folder}: " in err and err.count("\n") == 1
+
+
+def test_the_command_runs_exit_handlers_flushes_and_keeps_its_exit_code(tmp_path: Path) -> None:
+    """`lmtune` leaves without tearing the interpreter down, after its exit handlers and with
+    everything it printed; a reader that leaves early (`| head`) gets no traceback."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, sys\n"
+        "from lmtune.cli import run\n"
+        "atexit.register(lambda: print('handler ran', flush=True))\n"
+        "sys.argv = ['lmtune', 'train', '--bogus']\n"
+        "run()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown option --bogus" in proc.stderr and "handler ran" in proc.stdout
+    data = write_jsonl(tmp_path / "d.jsonl", ["hi"] * 3)
+    audit = [sys.executable, "-m", "lmtune", "data", "audit", str(data)]
+    piped = subprocess.Popen(audit, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert piped.stdout is not None and piped.stderr is not None
+    piped.stdout.close()  # the reader left before the first line
+    assert piped.wait(timeout=120) in (0, 1) and "Traceback" not in piped.stderr.read().decode()

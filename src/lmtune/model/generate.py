@@ -45,6 +45,28 @@ def complete(
     return str(tokenizer.decode(new_tokens, skip_special_tokens=True))
 
 
+@torch.no_grad()
+def complete_greedy(
+    model: nn.Module, tokenizer: Any, prompts: list[str], max_new_tokens: int = 32
+) -> list[str]:
+    """Greedy continuations of several prompts in one batch (padded on the left, so every prompt
+    ends where generation starts): the demo's 50 answers in one call rather than 50."""
+    device = next(model.parameters()).device
+    encoded = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt").to(device)
+    was_training = model.training
+    model.eval()
+    out = model.generate(  # type: ignore[operator]
+        **encoded,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=stop_ids(model, tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.train(was_training)
+    new_tokens = out[:, encoded["input_ids"].size(1) :]
+    return [str(text) for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+
+
 def chat_reply(model: nn.Module, tokenizer: Any, messages: list[dict[str, str]], **options: Any) -> str:
     """The assistant's next reply to ``messages``, rendered with the tokenizer's chat template (which
     writes its own special tokens) and ended by the end-of-turn token the model was trained with."""

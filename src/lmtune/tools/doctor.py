@@ -138,6 +138,18 @@ def _cpu_units(env: DistEnv) -> Check:
     return Check("CPU matrix units", OK, _by_rank(found))
 
 
+def _cpu_threads(env: DistEnv) -> Check:
+    """How compute threads wait (lmtune.config.threads): passive means the CPUs were busy with other
+    work when this process started, which slows every run on them."""
+    from lmtune.config.threads import thread_wait
+
+    found = all_gather_object(f"{torch.get_num_threads()} threads, waiting {thread_wait()}", env)
+    busy = [r for r, said in enumerate(found) if "passive (" in said]
+    if busy:
+        return Check("CPU threads", WARN, f"{_by_rank(found)}; other work competes for the CPUs")
+    return Check("CPU threads", OK, _by_rank(found))
+
+
 def _all_reduce(env: DistEnv) -> list[Check]:
     if not env.distributed:
         return [Check("all-reduce", OK, "one process: nothing to reduce")]
@@ -269,7 +281,7 @@ def _clocks(env: DistEnv) -> Check:
 def run_checks(env: DistEnv, settings: DoctorSettings) -> list[Check]:
     checks = [*_environment(env), _matmul(env)]
     if env.device.type == "cpu":
-        checks.append(_cpu_units(env))
+        checks += [_cpu_units(env), _cpu_threads(env)]
     checks += _all_reduce(env)
     if settings.output_dir:
         checks.append(_shared_folder(env, Path(settings.output_dir).expanduser(), "output folder"))

@@ -9,7 +9,7 @@ import torch
 
 from lmtune.config.settings import TrainConfig
 from lmtune.data.addition import addition_examples, split_prompt
-from lmtune.model.generate import complete
+from lmtune.model.generate import complete_greedy
 from lmtune.model.lora import merged_model
 from lmtune.model.modeling import load_model
 from lmtune.outputs.runlog import InfoLog
@@ -31,9 +31,9 @@ def show_answers(model: torch.nn.Module, tokenizer: Any, log: InfoLog, n: int = 
     """Answer ``n`` held-out sums the model never trained on; log the score and a few answers."""
     right = 0
     lines: list[str] = []
-    for text in addition_examples()[1][:n]:
-        prompt, expected = split_prompt(text)
-        got = complete(model, tokenizer, prompt, max_new_tokens=8)
+    asked = [split_prompt(text) for text in addition_examples()[1][:n]]
+    answers = complete_greedy(model, tokenizer, [prompt for prompt, _ in asked], max_new_tokens=8)
+    for (prompt, expected), got in zip(asked, answers, strict=True):
         right += got == expected
         if len(lines) < 5:
             lines.append(f"  {prompt}{got:<4} {'ok' if got == expected else 'expected ' + expected}")
