@@ -67,6 +67,7 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
     _check_data(cfg, need)
     _check_evaluation_data(cfg, need)
     _check_batch(cfg.batch, world_size, need)
+    _check_applicable(cfg, need)
 
 
 def _check_optim(o: OptimSettings, need: Need) -> None:
@@ -175,6 +176,30 @@ def _check_objective(cfg: TrainConfig, need: Need) -> None:
         "strategy",
         f"--objective {o.name} keeps both answers of a pair in one replica; use ddp or fsdp",
     )
+
+
+def _check_applicable(cfg: TrainConfig, need: Need) -> None:
+    """A setting changed from its default where it has no effect is refused: a run that quietly
+    ignored ``lora_r: 8`` (LoRA not switched on: all weights trained) or ``--simpo-gamma`` (under
+    --objective dpo) is not the run its user asked for."""
+    o, lora = cfg.objective, cfg.lora
+    preference = f"applies to --objective {', '.join(PREFERENCE)} only"
+    applies = {
+        "lora_rank": (lora.enabled, "applies with --lora only (LoRA is off: every weight would train)"),
+        "lora_alpha": (lora.enabled, "applies with --lora only"),
+        "lora_dropout": (lora.enabled, "applies with --lora only"),
+        "lora_target_modules": (lora.enabled, "applies with --lora only"),
+        "beta": (o.name in PREFERENCE, preference),
+        "simpo_gamma": (o.name == "simpo", "applies to --objective simpo only"),
+        "orpo_lambda": (o.name == "orpo", "applies to --objective orpo only"),
+        "reference": (
+            o.name in WITH_REFERENCE,
+            f"applies to --objective {' and '.join(WITH_REFERENCE)} only (the others need no reference)",
+        ),
+    }
+    for name, (ok, why) in applies.items():
+        s = setting_named(name)
+        need(ok or value_of(cfg, s) == s.default, name, why)
 
 
 def _check_samples(s: SampleSettings, need: Need) -> None:
