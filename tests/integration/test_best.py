@@ -48,8 +48,11 @@ def test_early_stopping_stops_at_the_evaluation_the_rule_names(run: Path) -> Non
     stop = _first_stop(losses, patience=2)
     assert train_rows(run)[-1]["step"] < 60  # it stopped before the end
     assert evals[-1]["step"] == evals[stop]["step"] == train_rows(run)[-1]["step"]
-    result = json.loads((run / "run.json").read_text())["result"]
+    record = json.loads((run / "run.json").read_text())
+    result = record["result"]
     assert result["stopped_by"] == "early_stopping"
+    train = record["data"]["train"]  # the data's 200 examples, 40 of them held out for evaluation
+    assert (train["examples"], train["held_out"], train["training_examples"]) == (200, 40, 160)
     best_step = evals[losses.index(min(losses[: stop + 1]))]["step"]
     assert result["best"]["step"] == best_step and result["best"]["metric"] == "eval_loss"
     assert result["best"]["value"] == min(losses)

@@ -333,7 +333,13 @@ def prepare_data(
         except ValueError as e:
             raise UserError(f"--eval-split {cfg.data.eval_split}: {e}") from None
         info["eval"] = {"spec": f"--eval-split {cfg.data.eval_split}", "examples": len(prepared["eval"])}
-        log.info(f"eval data: {len(prepared['eval']):,} examples of --data held out (--eval-split)")
+        # ``examples`` stays the data's count (its cache entry's); this is what trains.
+        info["train"]["held_out"] = len(prepared["eval"])
+        info["train"]["training_examples"] = len(prepared["train"])
+        log.info(
+            f"eval data: {len(prepared['eval']):,} examples of --data held out (--eval-split); "
+            f"{len(prepared['train']):,} left to train on"
+        )
     for name, data in prepared.items():
         if data.sources is not None:
             info[name]["source_examples"] = dict(zip(data.sources.names, data.source_sizes(), strict=True))
