@@ -14,7 +14,8 @@ from typing import Any
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 # Tokenized-data caches go to a folder of this test session, never the user's ~/.cache.
-os.environ["LMTUNE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmtune-test-cache-")
+TEST_CACHE = tempfile.mkdtemp(prefix="lmtune-test-cache-")
+os.environ["LMTUNE_CACHE_DIR"] = TEST_CACHE
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,6 +24,13 @@ REPO = Path(__file__).resolve().parents[1]
 # Markers by folder: the quick subset (-m "not distributed and not e2e") leaves out the tests that
 # launch several processes and the long end-to-end runs; gpu tests skip without CUDA.
 FOLDER_MARKERS = {"distributed": "distributed", "e2e": "e2e", "gpu": "gpu"}
+
+
+def pytest_unconfigure(config: Any) -> None:
+    """The session's cache folder goes with the session (it held only what the tests wrote)."""
+    import shutil
+
+    shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[Any]) -> None:
