@@ -55,6 +55,10 @@ def test_export_never_replaces_what_it_did_not_write(
         (copy / f.name).write_bytes(f.read_bytes())
     for dest in (holder, copy, copy / "x"):
         assert "the checkpoint" in _error(["export", str(copy), str(dest)], capsys)
+    # The run's final/ is a model folder already: said so, not called a broken checkpoint.
+    said = _error(["export", str(run / "final"), str(tmp_path / "again")], capsys)
+    assert "a model folder already" in said and "RUN/checkpoints/step-N" in said
+    assert not (tmp_path / "again").exists()
 
 
 def test_export_writes_beside_and_replaces_only_an_earlier_export(

@@ -191,6 +191,13 @@ def prefix_of(parts: ModelParts) -> str:
 EXPORT_MARKER = ".lmtune-export.json"  # what marks a folder as an earlier export, which --overwrite replaces
 
 
+def _model_folder(folder: Path) -> bool:
+    """A Hugging Face model or adapter folder (weights and their config) rather than a checkpoint."""
+    has = {p.name for p in folder.iterdir() if p.is_file()}
+    weights = any(name.endswith((".safetensors", ".bin")) for name in has)
+    return ("config.json" in has and weights) or (ADAPTER_FILE in has and ADAPTER_CONFIG in has)
+
+
 def export(checkpoint: Path, out: Path, trust_remote_code: bool = False, overwrite: bool = False) -> None:
     """Write a Hugging Face model folder (config, safetensors, tokenizer) from a checkpoint; a LoRA
     checkpoint gives a PEFT adapter folder. ``out`` is written beside its name and renamed into
@@ -201,6 +208,11 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False, overwri
     if not checkpoint.is_dir():
         raise UserError(f"{checkpoint}: no such checkpoint folder")
     reason = verify(checkpoint)
+    if reason is not None and _model_folder(checkpoint):
+        raise UserError(
+            f"{checkpoint}: a model folder already (a run's final/ or an export), not a training "
+            "checkpoint: load or copy it as it is; export takes a checkpoint (RUN/checkpoints/step-N)"
+        )
     if reason is not None:
         raise UserError(f"{checkpoint}: not a valid checkpoint: {reason}")
     check_destination(checkpoint, out, overwrite)
