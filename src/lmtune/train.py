@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
 from lmtune.checkpoint.resume import recorded_paths
-from lmtune.checkpoint.rundir import acquire, finished_record, prepare_output
+from lmtune.checkpoint.rundir import acquire, changed_settings, finished_record, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.data.prepare import cache_root
@@ -136,6 +136,12 @@ def _run(run: RunContext) -> TrainResult:
             f"{output_dir} holds this run, finished at step {state.step} (the model is in "
             f"{output_dir / 'final'}): nothing to do. Raise --max-steps or --epochs to train on"
         )
+        changed = changed_settings(output_dir, to_dict(cfg)) if env.is_main else []
+        if changed:
+            log.info(
+                f"  not applied ({'; '.join(changed)}): they would apply to further steps only; "
+                "for a new run with them, choose another --output-dir or add --overwrite"
+            )
         return TrainResult(output_dir=output_dir, steps=state.step, last_loss=float("nan"), eval=None)
     # A loaded optimizer state brings the saved hyperparameters back; this run's settings rule.
     set_hyperparameters(built.optimizer, cfg.optim)

@@ -79,7 +79,13 @@ def test_a_finished_run_says_so_and_changes_nothing(
     before = {p: p.read_bytes() for p in base["out"].rglob("*") if p.is_file()}
     capsys.readouterr()
     assert main(_args(base["data"], base["out"])) == 0
-    assert "holds this run, finished at step 6" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "holds this run, finished at step 6" in said and "not applied" not in said
+    assert {p: p.read_bytes() for p in base["out"].rglob("*") if p.is_file()} == before
+    # A setting changed for a run that will not train again: said to have no effect there.
+    assert main([*_args(base["data"], base["out"]), "--lr", "0.5", "--weight-decay", "0.25"]) == 0
+    said = capsys.readouterr().out
+    assert "not applied (--lr 0.5, was " in said and "--weight-decay 0.25, was " in said
     assert {p: p.read_bytes() for p in base["out"].rglob("*") if p.is_file()} == before
 
 

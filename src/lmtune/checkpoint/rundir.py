@@ -30,6 +30,7 @@ from typing import Any
 from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
 from lmtune.config.mixture import named_items
+from lmtune.config.settings import option_name
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 from lmtune.parallel.launch import LOCK_TOKEN_ENV
@@ -366,6 +367,27 @@ def _recorded_config(output_dir: Path) -> Any:
         return read_json_object(output_dir / "run.json").get("config")
     except (OSError, UserError):
         return None
+
+
+# Settings that say where and how a command runs, not what it trains.
+_NOT_THE_RUN = frozenset({"output_dir", "resume", "overwrite", "progress", "doctor", "cache_dir"})
+
+
+def changed_settings(output_dir: Path, config: dict[str, Any]) -> list[str]:
+    """This command's settings that differ from those run.json recorded (``--lr 2e-4, was
+    0.0001``), for a finished run that will not train again: changing them does nothing there."""
+    recorded = _recorded_config(output_dir)
+    if not isinstance(recorded, dict):
+        return []
+
+    def shown(value: Any) -> str:
+        return "unset" if value is None else str(value)
+
+    return [
+        f"{option_name(name)} {shown(value)}, was {shown(recorded.get(name))}"
+        for name, value in config.items()
+        if name not in _NOT_THE_RUN and name in recorded and recorded[name] != value
+    ]
 
 
 def remove_leftovers(output_dir: Path) -> list[Path]:
