@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
 from lmtune.checkpoint.resume import recorded_paths
-from lmtune.checkpoint.rundir import acquire, changed_settings, finished_record, prepare_output
+from lmtune.checkpoint.rundir import acquire, finished_record, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.data.prepare import cache_root
@@ -40,7 +40,7 @@ from lmtune.training.best import BestTracker, best_tracker
 from lmtune.training.build import Built, build, data_cache_dir, loaders, schedule
 from lmtune.training.context import CallableModule, RunContext
 from lmtune.training.evaluate import EvalResult, evaluate
-from lmtune.training.finish import finish
+from lmtune.training.finish import finish, say_finished
 from lmtune.training.loop import FitSettings, LoopParts, fit
 from lmtune.training.optim import set_hyperparameters
 from lmtune.training.perf import (
@@ -132,16 +132,7 @@ def _run(run: RunContext) -> TrainResult:
     fresh = TrainerState.fresh(cfg.batch.global_batch_size, env.world_size, cfg.seed, len(built.train_data))
     state = checkpoints.resume(fresh, built.layout.total_steps)
     if checkpoints.finished is not None:
-        log.info(
-            f"{output_dir} holds this run, finished at step {state.step} (the model is in "
-            f"{output_dir / 'final'}): nothing to do. Raise --max-steps or --epochs to train on"
-        )
-        changed = changed_settings(output_dir, to_dict(cfg)) if env.is_main else []
-        if changed:
-            log.info(
-                f"  not applied ({'; '.join(changed)}): they would apply to further steps only; "
-                "for a new run with them, choose another --output-dir or add --overwrite"
-            )
+        say_finished(run, state.step)
         return TrainResult(output_dir=output_dir, steps=state.step, last_loss=float("nan"), eval=None)
     # A loaded optimizer state brings the saved hyperparameters back; this run's settings rule.
     set_hyperparameters(built.optimizer, cfg.optim)

@@ -8,7 +8,8 @@ from pathlib import Path
 from lmtune.checkpoint.card import write_run_cards
 from lmtune.checkpoint.export import save_hf_folder
 from lmtune.checkpoint.manager import CheckpointManager
-from lmtune.config.settings import SAMPLE_DATA
+from lmtune.checkpoint.rundir import changed_settings
+from lmtune.config.settings import SAMPLE_DATA, to_dict
 from lmtune.model.lora import merged_model
 from lmtune.model.modeling import load_model
 from lmtune.model.quantization import DTYPE_NAMES, dequantized
@@ -48,6 +49,22 @@ def finish(
     if cfg.checkpoint.push_to_hub is not None and env.is_main:
         run.heartbeat.beat("upload")  # as long as the network takes: not watched as a hang
         push_final(run.output_dir, cfg.checkpoint, cfg.lora.merge, log)
+
+
+def say_finished(run: RunContext, step: int) -> None:
+    """A finished run run again: nothing to do, and which of this command's changed settings
+    therefore apply to nothing."""
+    out = run.output_dir
+    run.log.info(
+        f"{out} holds this run, finished at step {step} (the model is in {out / 'final'}): nothing to "
+        "do. Raise --max-steps or --epochs to train on"
+    )
+    changed = changed_settings(out, to_dict(run.cfg)) if run.env.is_main else []
+    if changed:
+        run.log.info(
+            f"  not applied ({'; '.join(changed)}): they would apply to further steps only; "
+            "for a new run with them, choose another --output-dir or add --overwrite"
+        )
 
 
 def save_merged(run: RunContext, built: Built, final_dir: Path) -> None:
