@@ -22,6 +22,8 @@ from tests.conftest import run_lmtune, write_jsonl
         (["--model", "./no-such-model-folder"], "--model ./no-such-model-folder: no such folder"),
         (["--epochs", "two"], "--epochs: expected int"),
         (["--strategy", "dp", "--device", "cpu"], "needs CUDA GPUs"),
+        (["--lr", "1e-4", "--learning_rate", "2e-4"], "--lr is set twice (as --lr and --learning_rate)"),
+        (["--num-train-epochs", "2", "--epochs", "3"], "--epochs is set twice"),
     ],
 )
 def test_user_errors_exit_2_with_a_message(

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from contextlib import suppress
 from typing import NoReturn
 
-from lmtune.cli.parser import build_parser, spelled_out_flags, unknown_arguments
+from lmtune.cli.parser import build_parser, spelled_out_flags, spelled_twice, unknown_arguments
 from lmtune.config.threads import choose_thread_wait
 from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
 
@@ -36,6 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _quiet_libraries()
         if extra:
             raise UserError(unknown_arguments(args.parser, extra))
+        if hasattr(args, "parser") and (twice := spelled_twice(args.parser, argv)):
+            raise UserError(f"{args.parser.prog}: {twice}")
         code: int = args.run(args, argv)
         return code
     except UserError as e:

@@ -101,6 +101,25 @@ def spelled_out_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[
     return out
 
 
+def spelled_twice(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """A setting given under two of its names (``--lr 1e-4 --learning-rate 2e-4``): which value
+    was meant is not for lmtune to guess (a YAML file that does so is refused too). The same name
+    repeated, or a yes/no option with its ``--no-`` form, is argparse's rule: the last one wins."""
+    from lmtune.config.settings import option_name
+
+    first: dict[str, str] = {}
+    for token in argv:
+        option = token.split("=", 1)[0]
+        action = parser._option_string_actions.get(option) if option.startswith("--") else None
+        if action is None or action.dest in ("help", "config", "verbose"):
+            continue
+        name = option.replace("_", "-").removeprefix("--no-").removeprefix("--")
+        earlier = first.setdefault(action.dest, name)
+        if earlier != name:
+            return f"{option_name(action.dest)} is set twice (as --{earlier} and {option}); give it once"
+    return None
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
