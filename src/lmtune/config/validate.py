@@ -94,13 +94,11 @@ def _check_lora(lora: LoraSettings, need: Need) -> None:
     need(lora.alpha > 0, "lora_alpha", "must be > 0")
     need(0 <= lora.dropout < 1, "lora_dropout", "must be in [0, 1)")
     need(bool(lora.target_modules.strip(" ,")), "lora_target_modules", "must name modules or all-linear")
-    need(lora.enabled or not lora.merge, "merge_lora", "needs --lora")
 
 
 def _check_quantization(cfg: TrainConfig, need: Need) -> None:
     m, strategy = cfg.model, cfg.launch.strategy
     need(not (m.load_in_4bit and m.load_in_8bit), "load_in_8bit", "is instead of --load-in-4bit: give one")
-    need(m.load_in_4bit or m.bnb_4bit_quant_type == "nf4", "bnb_4bit_quant_type", "needs --load-in-4bit")
     for name, on in (("load_in_4bit", m.load_in_4bit), ("load_in_8bit", m.load_in_8bit)):
         if not on:
             continue
@@ -147,18 +145,8 @@ def _check_objective(cfg: TrainConfig, need: Need) -> None:
     preference = o.name in PREFERENCE
     need(o.beta > 0, "beta", "must be > 0")
     need(0 <= o.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
-    need(
-        not o.label_smoothing or o.name in ("dpo", "simpo"),
-        "label_smoothing",
-        "applies to --objective dpo and simpo only",
-    )
     need(o.simpo_gamma >= 0, "simpo_gamma", "must be >= 0")
     need(o.orpo_lambda >= 0, "orpo_lambda", "must be >= 0")
-    need(
-        o.reference_model is None or o.name in WITH_REFERENCE,
-        "reference_model",
-        f"applies to --objective {' and '.join(WITH_REFERENCE)} only (the others need no reference)",
-    )
     need(o.reference_model is None or bool(o.reference_model.strip()), "reference_model", "must name a model")
     metric = cfg.eval.metric_for_best or ""
     need(
@@ -179,23 +167,26 @@ def _check_objective(cfg: TrainConfig, need: Need) -> None:
 
 
 def _check_applicable(cfg: TrainConfig, need: Need) -> None:
-    """A setting changed from its default where it has no effect is refused: a run that quietly
+    """A setting changed from its default where it has no effect is refused (one table for all of
+    them, LoRA's, quantization's and the objectives' knobs): a run that quietly
     ignored ``lora_r: 8`` (LoRA not switched on: all weights trained) or ``--simpo-gamma`` (under
     --objective dpo) is not the run its user asked for."""
     o, lora = cfg.objective, cfg.lora
     preference = f"applies to --objective {', '.join(PREFERENCE)} only"
+    referenced = f"applies to --objective {' and '.join(WITH_REFERENCE)} only (the others need no reference)"
     applies = {
         "lora_rank": (lora.enabled, "applies with --lora only (LoRA is off: every weight would train)"),
         "lora_alpha": (lora.enabled, "applies with --lora only"),
         "lora_dropout": (lora.enabled, "applies with --lora only"),
         "lora_target_modules": (lora.enabled, "applies with --lora only"),
+        "merge_lora": (lora.enabled, "needs --lora"),
+        "bnb_4bit_quant_type": (cfg.model.load_in_4bit, "needs --load-in-4bit"),
         "beta": (o.name in PREFERENCE, preference),
+        "label_smoothing": (o.name in ("dpo", "simpo"), "applies to --objective dpo and simpo only"),
         "simpo_gamma": (o.name == "simpo", "applies to --objective simpo only"),
         "orpo_lambda": (o.name == "orpo", "applies to --objective orpo only"),
-        "reference": (
-            o.name in WITH_REFERENCE,
-            f"applies to --objective {' and '.join(WITH_REFERENCE)} only (the others need no reference)",
-        ),
+        "reference": (o.name in WITH_REFERENCE, referenced),
+        "reference_model": (o.name in WITH_REFERENCE, referenced),
     }
     for name, (ok, why) in applies.items():
         s = setting_named(name)
