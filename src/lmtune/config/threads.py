@@ -23,6 +23,7 @@ WAIT_ENV = "OMP_WAIT_POLICY"
 DECIDED_ENV = "LMTUNE_THREAD_WAIT"  # how lmtune decided: run.json says it; child processes keep it
 _USER_SETTINGS = (WAIT_ENV, "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 _SAMPLES, _GAP_S = 5, 0.002
+_PASSIVE = "passive ("  # how a decision for passive waiting reads
 
 
 def choose_thread_wait() -> None:
@@ -45,7 +46,10 @@ def decide_thread_wait(environ: Mapping[str, str], others: Callable[[], int | No
         return {DECIDED_ENV: "the OpenMP default (the system's runnable threads are unknown here)"}
     if count > 0:
         plural = "s" if count > 1 else ""
-        return {WAIT_ENV: "PASSIVE", DECIDED_ENV: f"passive ({count} other runnable thread{plural} at start)"}
+        return {
+            WAIT_ENV: "PASSIVE",
+            DECIDED_ENV: f"{_PASSIVE}{count} other runnable thread{plural} at start)",
+        }
     return {DECIDED_ENV: "the OpenMP default (spin, then sleep; no other runnable thread at start)"}
 
 
@@ -54,6 +58,12 @@ def thread_wait() -> str:
     return os.environ.get(DECIDED_ENV) or (
         f"{WAIT_ENV}={os.environ[WAIT_ENV]}" if WAIT_ENV in os.environ else "the OpenMP default"
     )
+
+
+def busy_at_start() -> bool:
+    """Whether lmtune found other threads competing for the CPUs when this job started (and so set
+    passive waiting); a policy the user set does not count."""
+    return os.environ.get(DECIDED_ENV, "").startswith(_PASSIVE)
 
 
 def runnable_others(loadavg: Path = Path("/proc/loadavg")) -> int | None:

@@ -141,13 +141,14 @@ def _cpu_units(env: DistEnv) -> Check:
 def _cpu_threads(env: DistEnv) -> Check:
     """How compute threads wait (lmtune.config.threads): passive means the CPUs were busy with other
     work when this process started, which slows every run on them."""
-    from lmtune.config.threads import thread_wait
+    from lmtune.config.threads import busy_at_start, thread_wait
 
-    found = all_gather_object(f"{torch.get_num_threads()} threads, waiting {thread_wait()}", env)
-    busy = [r for r, said in enumerate(found) if "passive (" in said]
-    if busy:
-        return Check("CPU threads", WARN, f"{_by_rank(found)}; other work competes for the CPUs")
-    return Check("CPU threads", OK, _by_rank(found))
+    said = f"{torch.get_num_threads()} threads, waiting {thread_wait()}"
+    found = all_gather_object((said, busy_at_start()), env)
+    lines = _by_rank([line for line, _ in found])
+    if any(busy for _, busy in found):
+        return Check("CPU threads", WARN, f"{lines}; other work competes for the CPUs")
+    return Check("CPU threads", OK, lines)
 
 
 def _all_reduce(env: DistEnv) -> list[Check]:

@@ -16,7 +16,7 @@ import torch
 from lmtune import __version__
 from lmtune.checkpoint.state import optimizer_state_bytes
 from lmtune.config.settings import TrainConfig, to_dict
-from lmtune.config.threads import thread_wait
+from lmtune.config.threads import busy_at_start, thread_wait
 from lmtune.model.attention import attention_description
 from lmtune.model.quantization import footprint, parameter_count
 from lmtune.objectives.base import Objective
@@ -106,7 +106,7 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
         f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} steps; "
         f"loss: {built.loss.description}"
     )
-    if env.device.type == "cpu" and thread_wait().startswith("passive"):
+    if env.device.type == "cpu" and busy_at_start():
         run.log.info(f"CPU threads wait {thread_wait()}; OMP_WAIT_POLICY=ACTIVE overrides")
     if built.paths.products is not None:  # a CPU bf16 run: which paths its CPU's units chose, and how
         run.log.info(f"{built.paths.line()}; matrix products: {built.products.description}")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmtune.config.threads import DECIDED_ENV, WAIT_ENV, decide_thread_wait, runnable_others
+import pytest
+
+from lmtune.config.threads import DECIDED_ENV, WAIT_ENV, busy_at_start, decide_thread_wait, runnable_others
 
 
 def test_passive_when_other_threads_are_runnable() -> None:
@@ -19,6 +21,15 @@ def test_the_runtime_default_on_a_quiet_or_unknown_machine() -> None:
     assert WAIT_ENV not in quiet and "no other runnable thread" in quiet[DECIDED_ENV]
     unknown = decide_thread_wait({}, lambda: None)
     assert WAIT_ENV not in unknown and "unknown" in unknown[DECIDED_ENV]
+
+
+def test_busy_at_start_is_lmtunes_passive_decision_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DECIDED_ENV, decide_thread_wait({}, lambda: 3)[DECIDED_ENV])
+    assert busy_at_start()
+    monkeypatch.setenv(DECIDED_ENV, "OMP_WAIT_POLICY=PASSIVE (set by you)")
+    assert not busy_at_start()
+    monkeypatch.delenv(DECIDED_ENV)
+    assert not busy_at_start()
 
 
 def test_the_users_setting_and_a_parents_decision_are_kept() -> None:
