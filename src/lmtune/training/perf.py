@@ -124,15 +124,13 @@ def _read_peaks(path: Path) -> dict[str, tuple[float, int]]:
     return peaks
 
 
-def best_peak_flops(probe: Probe, cache: Path | None, store: bool = True) -> float:
+def best_peak_flops(probe: Probe, cache: Path, store: bool = True) -> float:
     """The matmul peak for MFU: the best of this run's probe and every earlier one cached for the
     same machine, device, precision and thread count. One short probe at a busy moment reads low
     (3x apart between runs on a loaded machine), which made MFU read over 100%; the best kept over
     runs converges on what the device reaches. Once SETTLED_PROBES runs have probed, later runs
-    take the best kept without a probe (0.3 s of every start). ``cache`` None: this probe alone;
-    ``store`` False: read the cache, leave it to another rank to write."""
-    if cache is None:
-        return measure_peak_flops(probe, seconds=0.3)
+    take the best kept without a probe (0.3 s of every start). ``store`` False: read the cache,
+    leave it to another rank to write."""
     key = _peak_key(probe)
     known, probes = _read_peaks(cache).get(key, (0.0, 0))
     if probes >= SETTLED_PROBES:
