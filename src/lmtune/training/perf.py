@@ -202,6 +202,21 @@ def peak_memory_bytes(device: torch.device) -> int:
     """This process's peak memory: allocated CUDA memory on a GPU, resident set size on the CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    return _peak_rss_bytes()
+
+
+def _peak_rss_bytes() -> int:
+    """The peak resident set size of this process's own memory. Linux's ``ru_maxrss`` keeps the
+    peak of the process it was started from across ``exec``: lmtune run by a large Python process
+    (a notebook, pytest, a sweep driver) reported that parent's size. ``VmHWM`` is the high-water
+    mark of the memory map this program runs in."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 

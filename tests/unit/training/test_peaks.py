@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,17 @@ def test_a_rank_that_does_not_store_reads_the_cache_and_an_old_entry_counts_as_o
     assert json.loads(cache.read_text())[perf._peak_key(probe)] == 4e9  # not written
     assert best_peak_flops(probe, cache) == 4e9
     assert json.loads(cache.read_text())[perf._peak_key(probe)] == {"flops": 4e9, "probes": 2}
+
+
+def test_cpu_peak_memory_is_this_programs_own_not_its_launchers() -> None:
+    """Linux's ru_maxrss keeps a launcher's peak across exec: lmtune started by a large process
+    (a notebook, pytest) reported that process's size as its own peak."""
+    held = bytearray(1536 * 2**20)
+    held[::4096] = b"\1" * len(held[::4096])  # touch every page: resident, not just reserved
+    code = (
+        "import torch; from lmtune.training.perf import peak_memory_bytes; "
+        "print(peak_memory_bytes(torch.device('cpu')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert 50 * 2**20 < int(out) < 1024 * 2**20, int(out)
+    del held
