@@ -228,7 +228,10 @@ def _check_data(cfg: TrainConfig, need: Need) -> None:
     )
     need(bool(cfg.data.train.strip()), "data", "must name data")
     if cfg.data.weights is not None:
-        parse_weights(cfg.data.weights, len(source_names(cfg.data.train, "--data")))
+        sources = len(source_names(cfg.data.train, "--data"))
+        parse_weights(cfg.data.weights, sources)
+        # One source's weight changes nothing: refused, as other settings without effect are.
+        need(sources > 1, "data_weights", "applies to a mixture of two or more --data sources only")
     need(cfg.examples.max_length >= 2, "max_length", "must be >= 2")
     need(bool(cfg.examples.text_field), "text_field", "must not be empty")
     need(cfg.data.num_workers >= 0, "num_workers", "must be >= 0")

@@ -146,6 +146,7 @@ def test_one_and_two_ranks_train_on_the_same_steps_and_resume_exactly() -> None:
         ("a.jsonl,b.jsonl", "1,", r"--data-weights: '?'? is not a number"),
         ("x/a.jsonl,y/a.jsonl", "1,1", r"--data: two sources are named 'a'"),
         ("a=x.jsonl,a=y.jsonl", "1,1", r"--data: two sources are named 'a'"),
+        ("a.jsonl", "1", r"--data-weights: applies to a mixture of two or more --data sources only"),
     ],
 )
 def test_bad_weights_and_names_are_refused_naming_the_option(data: str, weights: str, needle: str) -> None:
