@@ -16,6 +16,7 @@ import ctypes
 import json
 import logging
 import platform
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from lmtune.errors import UserError
 from lmtune.model.precision import low_precision_dtype
 
 QUANTIZED_LAYERS = ("Linear4bit", "Linear8bitLt")
+# peft names its LoRA parameters lora_A, lora_B, lora_embedding_A/B, lora_magnitude_vector.
+_ADAPTER = re.compile(r"(^|\.)lora_")
 DTYPE_NAMES = {
     torch.float32: "fp32",
     torch.bfloat16: "bf16",
@@ -320,7 +323,7 @@ def parameter_count(model: nn.Module, skip: set[int] | None = None) -> int:
 
 def base_summary(model: nn.Module, q: Quantization) -> str:
     """One line for the log: what is quantized and what stays fp32, in MiB."""
-    quantized, other = footprint(model)
+    quantized, other, _ = footprint(model)
     layers = sum(type(m).__name__ in QUANTIZED_LAYERS for m in model.modules())
     full = 4 * parameter_count(model)
     return (
@@ -330,9 +333,10 @@ def base_summary(model: nn.Module, q: Quantization) -> str:
     )
 
 
-def footprint(model: nn.Module) -> tuple[int, int]:
-    """Bytes of the quantized layers (packed weights and their constants) and of everything else."""
-    quantized = other = 0
+def footprint(model: nn.Module) -> tuple[int, int, int]:
+    """Bytes of the base's quantized layers (packed weights and their constants), of the rest of
+    the base, and of LoRA adapters put on it (peft's ``lora_*`` parameters)."""
+    quantized = other = adapter = 0
     seen: set[int] = set()
     for module in model.modules():
         # peft's LoRA wrapper of a quantized layer has its class name too, and its weight is its
@@ -350,10 +354,14 @@ def footprint(model: nn.Module) -> tuple[int, int]:
         scales = getattr(module.weight, "SCB", None)  # 8-bit: one fp32 scale per output row
         if isinstance(scales, torch.Tensor):
             quantized += scales.numel() * scales.element_size()
-    for p in model.parameters():
-        if id(p) not in seen:
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        if _ADAPTER.search(name):
+            adapter += p.numel() * p.element_size()
+        else:
             other += p.numel() * p.element_size()
-    return quantized, other
+    return quantized, other, adapter
 
 
 def _state_bytes(state: Any) -> int:

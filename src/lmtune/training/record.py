@@ -89,10 +89,9 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
         **asdict(layout),
         "parameters": parameter_count(built.loaded.model),
         "quantization": quantization.description if quantization else None,
-        # Bytes of the quantized layers and of the rest, when the base is quantized.
-        "base_bytes": dict(zip(("quantized", "full_precision"), footprint(built.loaded.model), strict=True))
-        if quantization
-        else None,
+        # Bytes of the quantized layers, of the rest of the base and of the adapters, when the base
+        # is quantized.
+        "base_bytes": _base_bytes(built.loaded.model) if quantization else None,
         "trainable_parameters": count(p for p in built.parts.root.parameters() if p.requires_grad),
         "resumed_from": str(resume_from) if resume_from else None,
         "peak_flops_per_device": peak,
@@ -154,3 +153,8 @@ def _batch_line(layout: BatchLayout) -> str:
         f"{layout.global_batch_size} = {layout.micro_batch_size} x {layout.world_size} x "
         f"{layout.accumulation} accumulation"
     )
+
+
+def _base_bytes(model: torch.nn.Module) -> dict[str, int]:
+    quantized, full_precision, adapters = footprint(model)
+    return {"quantized": quantized, "full_precision": full_precision, "adapters": adapters}

@@ -164,7 +164,8 @@ def test_measured_size_is_what_plan_counts(q: Quantization) -> None:
     from lmtune.tools.memory import Setup, _weight_bytes, model_facts
 
     model = load_model("tiny", 0, quantization=q).model
-    quantized, other = footprint(model)
+    quantized, other, adapters = footprint(model)
+    assert adapters == 0
     layers = [m for m in model.modules() if type(m).__name__ in QUANTIZED_LAYERS]
     assert quantized == sum(quantized_bytes(q.bits, m.out_features, m.in_features) for m in layers)
     facts = model_facts(preset_config("tiny", byte_tokenizer()), None, "fp32", 16, "cpu")
