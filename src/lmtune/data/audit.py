@@ -177,7 +177,7 @@ def audit(
     if {"preference", "preference_messages"} & set(stats.formats):
         names = FieldMap.of(settings)
         mapped = (names.record(r) for r in records(sources, counting, BadLines(skip=True)))
-        pairs = audit_pairs(mapped, tokenizer, settings.max_length)
+        pairs = audit_pairs(mapped, tokenizer, settings.max_length, names)
     return AuditReport(
         spec=spec,
         stats=stats,

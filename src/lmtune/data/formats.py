@@ -79,6 +79,10 @@ class FieldMap:
         """The data set's name for lmtune's field ``ours``."""
         return self.fields.get(ours, ours)
 
+    def found(self, fields: Mapping[str, Any]) -> str:
+        """A record's fields (under lmtune's names) as its data set names them, for a message."""
+        return ", ".join(repr(self.name(k)) for k in fields) or "none"
+
     def record(self, record: Record) -> Record:
         """``record`` with its fields under lmtune's names."""
         return Record(record.source, record.line, self.apply(record.fields))
@@ -145,11 +149,11 @@ def _string(record: Record, name: str, names: FieldMap, allow_missing: bool = Fa
     if value is None and allow_missing:
         return ""
     if not isinstance(value, str):
-        found = ", ".join(repr(k) for k in record.fields) or "none"
         problem = "no" if value is None else f"a non-string ({type(value).__name__})"
         called = f" (--field-map {name}={names.fields[name]})" if name in names.fields else ""
         raise UserError(
-            f"{record.where}: record has {problem} '{name}' field{called} (fields found: {found})"
+            f"{record.where}: record has {problem} '{names.name(name)}' field{called} "
+            f"(fields found: {names.found(record.fields)})"
         )
     return value
 
@@ -163,15 +167,9 @@ def render(
     record = names.record(record)
     chosen = detect_format(record.fields) if fmt == "auto" else fmt
     if chosen is None:
-        found = ", ".join(repr(k) for k in record.fields) or "none"
         raise UserError(
-            f"{record.where}: cannot tell the format (fields found: {found}; expected: "
+            f"{record.where}: cannot tell the format (fields found: {names.found(record.fields)}; expected: "
             f"{_expected(names)}; name other fields with --field-map OURS=THEIRS)"
-        )
-    if chosen == "preference":
-        raise UserError(
-            f"{record.where}: a preference pair (prompt, chosen, rejected) is not a single example; "
-            "tune on pairs with --objective dpo, ipo, simpo or orpo"
         )
     if chosen == "preference":
         raise UserError(
@@ -239,9 +237,10 @@ def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -
     return turns
 
 
-def messages_field(record: Record, name: str = "messages") -> list[dict[str, str]]:
-    """The record's list of ``{role, content}`` messages in field ``name``, checked."""
-    return _turns(record, "messages", PLAIN_FIELDS, name)
+def messages_field(record: Record, name: str, names: FieldMap = PLAIN_FIELDS) -> list[dict[str, str]]:
+    """The record's list of ``{role, content}`` messages in field ``name`` (lmtune's name), checked;
+    their role and content fields and roles named as ``names`` says."""
+    return _turns(record, "messages", names, name)
 
 
 def chat_text(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmtune.data.formats import FieldMap
 from lmtune.data.pairs import conversation, is_messages, rendered_pairs, tokenize_pairs
 from lmtune.data.sources import BadLines, Record
 from lmtune.data.tokenize import chunks
@@ -30,22 +31,22 @@ class PairAudit:
             self.examples.append(f"{where}: {what}")
 
 
-def _answers(record: Record) -> tuple[str, str]:
+def _answers(record: Record, names: FieldMap) -> tuple[str, str]:
     """The answers' own text (of messages: their contents), to compare them."""
     fields = record.fields
     if is_messages(fields.get("prompt")) or ("prompt" not in fields and is_messages(fields.get("chosen"))):
-        _, chosen, rejected = conversation(record)
+        _, chosen, rejected = conversation(record, names)
         return "\n".join(m["content"] for m in chosen), "\n".join(m["content"] for m in rejected)
     return str(fields.get("chosen", "")), str(fields.get("rejected", ""))
 
 
-def audit_pairs(recs: Iterable[Record], tokenizer: Any, max_length: int) -> PairAudit:
+def audit_pairs(recs: Iterable[Record], tokenizer: Any, max_length: int, names: FieldMap) -> PairAudit:
     """Read every pair (unreadable ones are the main audit's business) and count the problems."""
     report = PairAudit()
     for chunk in chunks(recs):
-        records, texts = rendered_pairs(chunk, tokenizer, BadLines(skip=True))
+        records, texts = rendered_pairs(chunk, tokenizer, BadLines(skip=True), names)
         for record, pair in zip(records, tokenize_pairs(texts, tokenizer), strict=True):
-            chosen, rejected = _answers(record)
+            chosen, rejected = _answers(record, names)
             report.pairs += 1
             if chosen == rejected:
                 report.identical += 1

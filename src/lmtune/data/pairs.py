@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from lmtune.data.formats import chat_text, messages_field
+from lmtune.data.formats import PLAIN_FIELDS, FieldMap, chat_text, messages_field
 from lmtune.data.sources import BadLines, Record
 from lmtune.errors import UserError
 
@@ -70,18 +70,21 @@ def _text(record: Record, name: str) -> str:
     return value
 
 
-def _answer_messages(record: Record, name: str) -> list[dict[str, str]]:
+def _answer_messages(record: Record, name: str, names: FieldMap) -> list[dict[str, str]]:
     """An answer given as messages, or as a string (one assistant turn)."""
     if isinstance(record.fields.get(name), str):
         return [{"role": "assistant", "content": record.fields[name]}]
-    return messages_field(record, name)
+    return messages_field(record, name, names)
 
 
-def conversation(record: Record) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
-    """(prompt, chosen, rejected) messages; without a prompt, the messages both answers start with."""
-    chosen, rejected = _answer_messages(record, "chosen"), _answer_messages(record, "rejected")
+def conversation(
+    record: Record, names: FieldMap = PLAIN_FIELDS
+) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
+    """(prompt, chosen, rejected) messages; without a prompt, the messages both answers start with.
+    The record's fields are under lmtune's names; ``names`` names the messages' own fields and roles."""
+    chosen, rejected = _answer_messages(record, "chosen", names), _answer_messages(record, "rejected", names)
     if "prompt" in record.fields:
-        return messages_field(record, "prompt"), chosen, rejected
+        return messages_field(record, "prompt", names), chosen, rejected
     shared = 0
     while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
         shared += 1
@@ -93,15 +96,16 @@ def conversation(record: Record) -> tuple[list[dict[str, str]], list[dict[str, s
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
-def render_pair(record: Record, tokenizer: Any) -> PairTexts:
-    """A preference record as three texts (see the module docstring)."""
+def render_pair(record: Record, tokenizer: Any, names: FieldMap = PLAIN_FIELDS) -> PairTexts:
+    """A preference record (fields under lmtune's names) as three texts (see the module docstring);
+    ``names`` names its messages' role and content fields and roles."""
     for name in ("chosen", "rejected"):
         if name not in record.fields:
             raise UserError(f"{record.where}: preference record has no '{name}' field")
     if is_messages(record.fields.get("prompt")) or (
         "prompt" not in record.fields and is_messages(record.fields["chosen"])
     ):
-        turns, chosen, rejected = conversation(record)
+        turns, chosen, rejected = conversation(record, names)
         return PairTexts(
             prompt=chat_text(tokenizer, turns, generation_prompt=True),
             chosen=chat_text(tokenizer, turns + chosen, generation_prompt=False),
@@ -186,13 +190,13 @@ def _with_eos(ids: np.ndarray, eos: int) -> np.ndarray:
 
 
 def rendered_pairs(
-    chunk: list[Record], tokenizer: Any, bad: BadLines
+    chunk: list[Record], tokenizer: Any, bad: BadLines, names: FieldMap
 ) -> tuple[list[Record], list[PairTexts]]:
     """The records of ``chunk`` that render as pairs, and their texts; the others go to ``bad``."""
     records, texts = [], []
     for record in chunk:
         try:
-            texts.append(render_pair(record, tokenizer))
+            texts.append(render_pair(record, tokenizer, names))
         except UserError as e:
             bad.report(str(e))
             continue

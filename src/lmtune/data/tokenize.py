@@ -152,7 +152,7 @@ def encode_chunk(
     chunk = _one_kind(chunk, fmt, names, bad)
     if chunk and _is_pair(chunk[0], fmt, names):
         pairs = [names.record(r) for r in chunk]
-        return encode_pairs(pairs, tokenizer, max_length, truncation, bad)
+        return encode_pairs(pairs, tokenizer, max_length, truncation, bad, names)
     stats = EncodeStats()
     records: list[Record] = []
     rendered: list[Rendered] = []
@@ -239,11 +239,12 @@ def _one_kind(chunk: list[Record], fmt: str, names: FieldMap, bad: BadLines) -> 
 
 
 def encode_pairs(
-    chunk: list[Record], tokenizer: Any, max_length: int, truncation: str, bad: BadLines
+    chunk: list[Record], tokenizer: Any, max_length: int, truncation: str, bad: BadLines, names: FieldMap
 ) -> tuple[list[Encoded], EncodeStats]:
-    """Render and tokenize preference records (lmtune.data.pairs): the kept pairs and the counts."""
+    """Render and tokenize preference records (lmtune.data.pairs; fields renamed by ``names``,
+    which also names their messages' fields and roles): the kept pairs and the counts."""
     stats = EncodeStats()
-    records, texts = rendered_pairs(chunk, tokenizer, bad)
+    records, texts = rendered_pairs(chunk, tokenizer, bad, names)
     chat = any(t.format == "preference_messages" for t in texts)
     stops = np.asarray(
         [tokenizer.eos_token_id, *(end_of_turn_ids(tokenizer) if chat else [])], dtype=np.int32

@@ -105,13 +105,32 @@ def test_bad_field_maps_name_the_option(field_map: str, message: str) -> None:
 
 
 def test_a_missing_mapped_field_names_both_names() -> None:
-    with pytest.raises(UserError, match=r"no 'completion' field \(--field-map completion=answer\)"):
+    with pytest.raises(UserError, match=r"no 'answer' field \(--field-map completion=answer\)"):
         render(
             Record("d.jsonl", 4, {"prompt": "q", "other": 1}),
             "prompt_completion",
             FieldMap.of(ExampleSettings(field_map="completion=answer")),
             byte_tokenizer(),
         )
+
+
+@pytest.mark.parametrize(
+    ("row", "fmt", "message"),
+    [
+        ({"question": "q"}, "auto", r"cannot tell the format \(fields found: 'question';"),
+        (
+            {"question": "q", "answer": 5},
+            "auto",
+            r"a non-string \(int\) 'answer' field \(--field-map completion=answer\) "
+            r"\(fields found: 'question', 'answer'\)",
+        ),
+    ],
+)
+def test_errors_name_fields_as_the_data_set_does(row: dict[str, Any], fmt: str, message: str) -> None:
+    """A user who mapped question -> prompt reads their own field names in the message, not ours."""
+    names = FieldMap.of(ExampleSettings(field_map="prompt=question,completion=answer"))
+    with pytest.raises(UserError, match=message):
+        render(Record("d.jsonl", 2, row), fmt, names, byte_tokenizer())
 
 
 def test_audit_reads_with_the_field_map(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -93,6 +93,27 @@ def test_a_prompt_of_messages_with_string_answers_and_an_implicit_prompt() -> No
     assert parts(data[0], tok)[1] == "hello<|im_end|>\n"
 
 
+def test_field_map_renames_pair_fields_and_their_messages_roles() -> None:
+    """A ShareGPT-style pair ({from, value}, human/bot) under --field-map trains as lmtune's own
+    names would, and the audit reads it the same way."""
+    tok = byte_tokenizer()
+    tok.chat_template = CHATML
+    ours = {
+        "prompt": [{"role": "user", "content": "2 + 2?"}],
+        "chosen": [{"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "assistant", "content": "5"}],
+    }
+    theirs = {
+        "question": [{"from": "human", "value": "2 + 2?"}],
+        "good": [{"from": "bot", "value": "4"}],
+        "bad": [{"from": "bot", "value": "5"}],
+    }
+    mapping = "prompt=question,chosen=good,rejected=bad,role=from,content=value,assistant=bot"
+    mapped, stats, _ = encode([theirs], tok, field_map=mapping)
+    assert stats.formats == {"preference_messages": 1}
+    assert parts(mapped[0], tok) == parts(encode([ours], tok)[0][0], tok)
+
+
 def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
     row = {"prompt": "p" * 40, "chosen": "c" * 10, "rejected": "r" * 30}  # + BOS and EOS
     data, stats, tok = encode([row], max_length=32)
