@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +50,7 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     )
     try:
         # peft reads transformers' is_gradient_checkpointing, which warns of its own deprecation.
-        with quiet_calls():
+        with quiet_calls(), _tied_head_handled():
             wrapped: nn.Module = peft.get_peft_model(model, config)
     except ValueError as e:  # peft's message names the modules it could not find
         raise UserError(f"--lora-target-modules {names}: {e}") from None
@@ -55,8 +58,13 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
 
 
 def adapter_state(model: nn.Module, state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The adapter's tensors under PEFT's file names (no adapter name in the keys)."""
-    state: dict[str, Any] = _peft().get_peft_model_state_dict(model, state_dict=state_dict)
+    """The adapter's tensors under PEFT's file names (no adapter name in the keys). The embedding
+    layers are never saved: lmtune does not grow them under LoRA (a new chat template's tokens are
+    refused), and peft's "auto" would copy them whole when an adapter sits on the head, and ask the
+    hub whether the base's vocabulary changed at every save."""
+    state: dict[str, Any] = _peft().get_peft_model_state_dict(
+        model, state_dict=state_dict, save_embedding_layers=False
+    )
     return state
 
 
@@ -83,11 +91,41 @@ def save_adapter(model: nn.Module, folder: Path, state: dict[str, Any]) -> None:
 def merged_model(base: nn.Module, adapter_folder: Path) -> nn.Module:
     """``base`` with the adapter saved in ``adapter_folder`` merged into its weights."""
     peft = _peft()
-    with quiet_calls():
+    with quiet_calls(), _tied_head_handled():
         model = peft.PeftModel.from_pretrained(base, str(adapter_folder))
+        untied = _untie_adapted_head(model.get_base_model())
         merged: nn.Module = model.merge_and_unload()
+    if untied:
+        merged.config.tie_word_embeddings = False  # type: ignore[union-attr]
     if (adapter_folder / "generation_config.json").is_file():  # stop tokens set by training
         from transformers import GenerationConfig
 
         merged.generation_config = GenerationConfig.from_pretrained(adapter_folder)  # type: ignore[assignment]
     return merged
+
+
+@contextmanager
+def _tied_head_handled() -> Iterator[None]:
+    """peft's warnings about an adapter on a head tied to the input embeddings, not shown: the
+    adapter trains the head's product only (peft's default), and merged_model unties the head."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"(?s).*tie_word_embeddings")
+        yield
+
+
+def _untie_adapted_head(base: nn.Module) -> bool:
+    """Give an adapted output head its own copy of a weight it shares with the input embeddings.
+    The adapter changed the head's product only; merged into the shared weight it would change
+    the embeddings too, and the merged model would not compute what base and adapter did."""
+    get_head, get_embed = (
+        getattr(base, "get_output_embeddings", None),
+        getattr(base, "get_input_embeddings", None),
+    )
+    if not callable(get_head) or not callable(get_embed):
+        return False
+    head, embed = get_head(), get_embed()
+    inner = getattr(head, "base_layer", None)  # a peft LoRA layer wraps the head it adapts
+    if inner is None or embed is None or inner.weight is not getattr(embed, "weight", None):
+        return False
+    inner.weight = nn.Parameter(inner.weight.detach().clone(), requires_grad=inner.weight.requires_grad)
+    return True
