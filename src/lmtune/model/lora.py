@@ -125,7 +125,10 @@ def _untie_adapted_head(base: nn.Module) -> bool:
         return False
     head, embed = get_head(), get_embed()
     inner = getattr(head, "base_layer", None)  # a peft LoRA layer wraps the head it adapts
-    if inner is None or embed is None or inner.weight is not getattr(embed, "weight", None):
+    if not isinstance(inner, nn.Module) or not isinstance(embed, nn.Module):
         return False
-    inner.weight = nn.Parameter(inner.weight.detach().clone(), requires_grad=inner.weight.requires_grad)
+    shared = inner.weight
+    if not isinstance(shared, nn.Parameter) or shared is not embed.weight:
+        return False
+    inner.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
     return True
