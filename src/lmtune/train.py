@@ -37,7 +37,7 @@ from lmtune.testing.faults import requested as faults_requested
 from lmtune.tools.doctor import DoctorSettings, check_or_fail
 from lmtune.training import callbacks as cb
 from lmtune.training.best import BestTracker, best_tracker
-from lmtune.training.build import Built, build, data_cache_dir, loaders, schedule
+from lmtune.training.build import Built, attach_references, build_parts, data_cache_dir, loaders, schedule
 from lmtune.training.context import CallableModule, RunContext
 from lmtune.training.evaluate import EvalResult, evaluate
 from lmtune.training.finish import finish, say_finished
@@ -125,15 +125,18 @@ def _run(run: RunContext) -> TrainResult:
         warn=warn,
     )
     # A resumed run is built with the CPU bf16 paths its checkpoint took, so it stays bit-identical.
-    built = build(run, recorded_paths=recorded_paths(cfg.checkpoint.resume, output_dir, env))
+    built = build_parts(run, recorded_paths=recorded_paths(cfg.checkpoint.resume, output_dir, env))
     best = best_tracker(cfg.eval)
     timeouts = CollectiveTimeouts(env, cfg.health.collective_timeout)
     checkpoints = _checkpoints(run, built, best, timeouts)
+    if checkpoints.finished_already(built.layout.total_steps):
+        assert checkpoints.finished is not None
+        last = checkpoints.finished.step
+        say_finished(run, last)
+        return TrainResult(output_dir=output_dir, steps=last, last_loss=float("nan"), eval=None)
+    attach_references(run, built)  # from the starting weights: before a checkpoint's are loaded
     fresh = TrainerState.fresh(cfg.batch.global_batch_size, env.world_size, cfg.seed, len(built.train_data))
     state = checkpoints.resume(fresh, built.layout.total_steps)
-    if checkpoints.finished is not None:
-        say_finished(run, state.step)
-        return TrainResult(output_dir=output_dir, steps=state.step, last_loss=float("nan"), eval=None)
     # A loaded optimizer state brings the saved hyperparameters back; this run's settings rule.
     set_hyperparameters(built.optimizer, cfg.optim)
     trainee = Trainee(built.model, built.optimizer, schedule(cfg, built, state.step), built.scaler)

@@ -5,6 +5,7 @@ report's reward plots; conversational pairs with LoRA; and the user errors, each
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,19 +17,38 @@ from tests.support.pairs import write_pairs
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen")
 
 
+def _dpo_args(root: Path) -> list[str]:
+    """The DPO run of ``dpo_run``, its files in ``root``."""
+    args = ["train", "--objective", "dpo", "--data", str(root / "pairs.jsonl"), "--eval-split", "8"]
+    args += ["--max-steps", "4", "--global-batch-size", "8", "--micro-batch-size", "4", "--max-length", "96"]
+    args += ["--lr", "3e-3", "--eval-every", "2", "--metric-for-best", "eval_rewards/accuracies"]
+    args += ["--load-best-at-end", "--sample-prompts", str(root / "prompts.jsonl")]
+    args += ["--sample-max-new-tokens", "4", "--report-to", "tensorboard", "--cache-dir", str(root / "cache")]
+    return [*args, "--output-dir", str(root / "out"), "--no-progress"]
+
+
 @pytest.fixture(scope="module")
 def dpo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("dpo")
-    data = write_pairs(root / "pairs.jsonl", 48, seed=11)
-    prompts = root / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "12 + 30 = ?"}) + "\n")
-    out = root / "out"
-    args = ["train", "--objective", "dpo", "--data", str(data), "--eval-split", "8", "--max-steps", "4"]
-    args += ["--global-batch-size", "8", "--micro-batch-size", "4", "--max-length", "96", "--lr", "3e-3"]
-    args += ["--eval-every", "2", "--metric-for-best", "eval_rewards/accuracies", "--load-best-at-end"]
-    args += ["--sample-prompts", str(prompts), "--sample-max-new-tokens", "4", "--report-to", "tensorboard"]
-    assert main([*args, "--output-dir", str(out), "--no-progress"]) == 0
-    return out
+    write_pairs(root / "pairs.jsonl", 48, seed=11)
+    (root / "prompts.jsonl").write_text(json.dumps({"prompt": "12 + 30 = ?"}) + "\n")
+    assert main(_dpo_args(root)) == 0
+    return root / "out"
+
+
+def test_a_finished_run_run_again_computes_no_reference(
+    dpo_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing to do is known before the reference pass: with its cache gone, none is computed."""
+    root = dpo_run.parent
+    cached = root / "cache" / "reference-logps"
+    assert any(cached.iterdir())
+    shutil.rmtree(cached)
+    capsys.readouterr()
+    assert main(_dpo_args(root)) == 0
+    said = "".join(capsys.readouterr())
+    assert "nothing to do" in said and "reference log-probs" not in said, said
+    assert not cached.exists()
 
 
 def test_metrics_rows_and_run_json_carry_the_preference_metrics(dpo_run: Path) -> None:

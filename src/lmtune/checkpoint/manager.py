@@ -70,24 +70,35 @@ class CheckpointManager:
     beat: Callable[[str], None] = lambda phase: None  # the heartbeat's phase while saving
     resumed_from: Path | None = None  # the checkpoint this run continues (after resume())
     finished: Finished | None = None  # this run, finished earlier, with nothing left to do
+    _earlier: Finished | None = None  # this run, finished earlier (more steps may be asked for now)
     _saved_step: int = -1
     _start_step: int = 0
+
+    def finished_already(self, total_steps: int) -> bool:
+        """Whether the folder holds this very run (the same fingerprint), finished, with no more
+        than its steps asked for: nothing to do (``self.finished`` is set), whatever checkpoints
+        it holds. Known before anything costly is prepared (reference log-probs)."""
+        earlier = read_finished(self.output_dir, self.fingerprint.fixed, self.env)
+        if earlier is not None and not earlier.same_run:
+            earlier = None  # another run: its checkpoints' fingerprints refuse it, naming why
+        self._earlier = earlier
+        if earlier is not None and total_steps <= earlier.total_steps:
+            self.finished = earlier
+        return self.finished is not None
 
     def resume(self, fresh: TrainerState, total_steps: int) -> TrainerState:
         """Where this run starts: ``fresh``, or the checkpoint it continues, loaded (the model, the
         optimizer, the scaler, this rank's RNG streams and every record).
 
-        A folder whose run.json says this very run finished (the same fingerprint) is judged one
-        way, whatever checkpoints it holds: with no more steps asked for, there is nothing to do
-        (``self.finished`` is set and nothing is loaded); with more, the run continues from a
-        checkpoint of its final state, and without one the user is told what to do.
+        A folder whose run.json says this very run finished is judged one way
+        (:meth:`finished_already`): with no more steps asked for, nothing is loaded; with more,
+        the run continues from a checkpoint of its final state, and without one the user is told
+        what to do.
         """
-        earlier = read_finished(self.output_dir, self.fingerprint.fixed, self.env)
-        if earlier is not None and not earlier.same_run:
-            earlier = None  # another run: its checkpoints' fingerprints refuse it, naming why
-        if earlier is not None and total_steps <= earlier.total_steps:
-            self.finished = earlier
-            return replace(fresh, step=earlier.step)
+        if self.finished_already(total_steps):
+            assert self.finished is not None
+            return replace(fresh, step=self.finished.step)
+        earlier = self._earlier
         folder = resume_point(self.settings.resume, self.output_dir, self.env)
         if earlier is not None:
             folder = self._final_state_of(earlier, folder)

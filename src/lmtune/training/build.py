@@ -87,6 +87,7 @@ class Built:
     products: Products  # how matrices are multiplied (a CPU bf16 run's may be fp32)
     # A fresh autocast context of --precision on this device (none under fp32), with the products'.
     autocast: Callable[[], AbstractContextManager[object]]
+    starting_digest: str | None  # the starting weights' hash, where reference log-probs are cached
 
     @property
     def tokenizer(self) -> Any:
@@ -96,9 +97,19 @@ class Built:
 def build(
     run: RunContext, objective: Objective | None = None, recorded_paths: dict[str, Any] | None = None
 ) -> Built:
+    """:func:`build_parts`, with the reference log-probs a preference objective trains against."""
+    built = build_parts(run, objective, recorded_paths)
+    attach_references(run, built)
+    return built
+
+
+def build_parts(
+    run: RunContext, objective: Objective | None = None, recorded_paths: dict[str, Any] | None = None
+) -> Built:
     """Model, data, batch layout, the CPU bf16 paths (``recorded_paths``: those of the checkpoint
     the run resumes), the wrapped model with its loss, and the optimizer; the loss is
-    ``objective``'s (default: the one ``--objective`` names)."""
+    ``objective``'s (default: the one ``--objective`` names). No reference log-probs yet
+    (:func:`attach_references`): a finished run run again needs none."""
     cfg, env, log = run.cfg, run.env, run.log
     loaded = _load(run)
     tokenizer = loaded.tokenizer
@@ -120,14 +131,6 @@ def build(
     autocast = partial(autocast_context, cfg.model.precision, env.device, products.fp32)
     digest = _starting_digest(run, loaded.model, objective)  # before wrapping: FSDP2 shards it
     model, parts, loss = build_model(run, loaded.model, objective, paths)
-    if precomputes(run, objective):
-        policy = PolicyParts(
-            model, digest, loss.chunk, bool(parts.root.varlen), parts.sharded, products, autocast
-        )
-        datasets = _distinct(train_data, eval_data, data_info)
-        data_info["reference"] = precompute_references(
-            run, policy, datasets, tokenizer.pad_token_id, data_cache_dir(cfg.data)
-        )
     # After wrapping: FSDP2 replaces the parameters by their shards, which the optimizer must hold.
     optimizer = optimizer_for(cfg.optim, parts.root, lr)
     run_fingerprint = fingerprint(
@@ -156,6 +159,28 @@ def build(
         paths=paths,
         products=products,
         autocast=autocast,
+        starting_digest=digest,
+    )
+
+
+def attach_references(run: RunContext, built: Built) -> None:
+    """The reference log-probs of every pair (cached by the starting weights' hash), where the
+    objective precomputes them: before a checkpoint's weights are loaded into the policy."""
+    if not precomputes(run, built.objective):
+        return
+    parts, loss = built.parts, built.loss
+    policy = PolicyParts(
+        built.model,
+        built.starting_digest,
+        loss.chunk,
+        bool(parts.root.varlen),
+        parts.sharded,
+        built.products,
+        built.autocast,
+    )
+    datasets = _distinct(built.train_data, built.eval_data, built.data_info)
+    built.data_info["reference"] = precompute_references(
+        run, policy, datasets, built.tokenizer.pad_token_id, data_cache_dir(run.cfg.data)
     )
 
 
