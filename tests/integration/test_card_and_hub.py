@@ -212,3 +212,29 @@ def test_an_adapter_on_a_model_folder_gets_loading_code(tmp_path: Path) -> None:
     (final / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
     card = model_card(final, {"config": {"model": "tiny", "lora": True}})
     assert "built-in preset `tiny`" in card and "AutoPeftModelForCausalLM" not in card
+
+
+def test_the_card_says_the_base_was_quantized_and_how_the_data_was_mixed(tmp_path: Path) -> None:
+    from lmtune.checkpoint.card import model_card
+
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
+    mixture = [
+        {"name": "chat", "examples": 300, "per_epoch": 700, "share": 0.7, "repeats": 700 / 300},
+        {"name": "code", "examples": 700, "per_epoch": 300, "share": 0.3, "repeats": 300 / 700},
+    ]
+    run = {
+        "config": {"model": "tiny", "lora": True, "data": "chat=a.jsonl,code=b.jsonl"},
+        "resolved": {
+            "quantization": "nf4, double quant, compute bf16",
+            "base_bytes": {"quantized": 58_510_000, "full_precision": 840_000, "adapters": 9_000_000},
+        },
+        "data": {"train": {"spec": "chat=a.jsonl,code=b.jsonl", "examples": 1000, "mixture": mixture}},
+    }
+    card = model_card(final, run)
+    assert "| quantized base | nf4, double quant, compute bf16 (the adapters trained on it: QLoRA); " in card
+    assert "55.8 MiB quantized, 0.8 MiB kept in full precision" in card
+    assert "- qlora" in card  # a hub tag
+    assert "| data mixture | chat 70.0% of an epoch: 700 drawn from 300 examples (each x2.33); " in card
+    assert "code 30.0% of an epoch: 300 drawn from 700 examples (each x0.43) |" in card

@@ -132,7 +132,13 @@ def model_card(
         meta["base_model"] = base
     meta["library_name"] = "peft" if adapter else "transformers"
     meta["pipeline_tag"] = "text-generation"
-    meta["tags"] = ["lmtune", config.get("objective") or "sft", *(["lora"] if config.get("lora") else [])]
+    quantized = ["qlora"] if run.get("resolved", {}).get("quantization") else []
+    meta["tags"] = [
+        "lmtune",
+        config.get("objective") or "sft",
+        *(["lora"] if config.get("lora") else []),
+        *quantized,
+    ]
     datasets = [d for d in (_hub_dataset(s) for s in _data_specs(config)) if d]
     if datasets:
         meta["datasets"] = datasets
@@ -262,6 +268,8 @@ def _training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     train = data.get("train", {})
     rows = [("objective", _objective(config, train.get("formats", {})))]
     rows += [("training data", _data_line(train, config.get("max_length")))] if train else []
+    if train.get("mixture"):
+        rows.append(("data mixture", _mixture_line(train["mixture"])))
     if "eval" in data:
         rows.append(("evaluation data", _data_line(data["eval"], config.get("max_length"))))
     if resolved:
@@ -301,9 +309,32 @@ def _training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if config.get("lora"):
         rows.append(("LoRA", _lora_line(config, resolved)))
+    if resolved.get("quantization"):
+        rows.append(("quantized base", _quantization_line(resolved)))
     rows += _environment_rows(run)
     rows.append(("seed", str(config.get("seed"))))
     return rows
+
+
+def _mixture_line(sources: list[dict[str, Any]]) -> str:
+    """Per source of a mixture: its share of an epoch and how often its examples come round."""
+    return "; ".join(
+        f"{s.get('name')} {100 * float(s.get('share', 0)):.1f}% of an epoch: {s.get('per_epoch', 0):,} "
+        f"drawn from {_plural(s.get('examples', 0), 'example')} (each x{float(s.get('repeats', 0)):.2f})"
+        for s in sources
+    )
+
+
+def _quantization_line(resolved: dict[str, Any]) -> str:
+    """What the base was quantized to while the adapters trained (QLoRA), and its size."""
+    line = f"{resolved['quantization']} (the adapters trained on it: QLoRA)"
+    size = resolved.get("base_bytes") or {}
+    if "quantized" in size and "full_precision" in size:
+        line += (
+            f"; {size['quantized'] / 2**20:,.1f} MiB quantized, {size['full_precision'] / 2**20:,.1f} MiB "
+            "kept in full precision"
+        )
+    return line
 
 
 def _lora_line(config: dict[str, Any], resolved: dict[str, Any]) -> str:
