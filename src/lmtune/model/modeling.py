@@ -132,6 +132,9 @@ def load_config(name: str, trust_remote_code: bool = False, *, fits_memory: bool
     sizes are checked (and, with ``fits_memory``, that the model fits this machine's memory)."""
     if name in PRESETS:
         return preset_config(name, byte_tokenizer())
+    base = _adapter_base(name)
+    if base is not None:  # training starts from base and adapter merged: the base's shapes
+        return load_config(base, trust_remote_code, fits_memory=fits_memory)
     where = _source(name, need_config=True)
     from transformers import AutoConfig
 

@@ -45,3 +45,23 @@ def test_model_folder_errors(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match=r"has no config\.json"):
         load_model(str(tmp_path / "empty"), seed=0)
+
+
+def test_plan_reads_an_adapter_folder_as_its_base(tmp_path: Path) -> None:
+    """`lmtune plan --model RUN/final` of a LoRA run plans what train would load: the base's
+    shapes (base and adapter merged), or train's own message for an adapter on a preset."""
+    import json
+
+    from lmtune.model.modeling import load_config
+
+    base = build_preset("small", 0)
+    base.model.config.save_pretrained(tmp_path / "base")
+    adapter = tmp_path / "final"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": str(tmp_path / "base")})
+    )
+    assert load_config(str(adapter)).hidden_size == base.model.config.hidden_size
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
+    with pytest.raises(UserError, match="a LoRA adapter folder that names no base model"):
+        load_config(str(adapter))
