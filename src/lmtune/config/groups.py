@@ -209,14 +209,18 @@ class ObjectiveSettings:
     )
     beta: float = setting(
         0.1,
-        "Preference objectives: the implicit reward's scale (DPO's beta, IPO's tau, SimPO's beta, the "
-        "reward ORPO logs). Higher keeps the policy closer to the reference.",
+        "dpo, ipo, simpo: the implicit reward's scale (DPO's beta, IPO's tau, SimPO's beta). Higher keeps "
+        "the policy closer to the reference. ORPO's (TRL's ORPOConfig.beta) is --orpo-lambda.",
     )
     label_smoothing: float = setting(
         0.0, "dpo and simpo: the assumed share of flipped preference labels (conservative DPO), in [0, 0.5)."
     )
     simpo_gamma: float = setting(0.5, "--objective simpo: the target reward margin gamma.")
-    orpo_lambda: float = setting(0.1, "--objective orpo: the weight lambda of the odds-ratio term.")
+    orpo_lambda: float = setting(
+        0.1,
+        "--objective orpo: the weight lambda of the odds-ratio term, which also scales the logged rewards "
+        "(TRL's ORPOConfig.beta).",
+    )
     reference: str = setting(
         "logprobs",
         "dpo and ipo: logprobs (the reference's log-probs of every pair computed once before training, "

@@ -137,6 +137,7 @@ def _check_eval(e: EvalSettings, need: Need) -> None:
 
 # The objectives that tune on preference pairs, and those of them that compare with a reference.
 PREFERENCE = ("dpo", "ipo", "simpo", "orpo")
+WITH_BETA = ("dpo", "ipo", "simpo")  # ORPO's one weight is --orpo-lambda
 WITH_REFERENCE = ("dpo", "ipo")
 
 
@@ -172,7 +173,6 @@ def _check_applicable(cfg: TrainConfig, need: Need) -> None:
     ignored ``lora_r: 8`` (LoRA not switched on: all weights trained) or ``--simpo-gamma`` (under
     --objective dpo) is not the run its user asked for."""
     o, lora = cfg.objective, cfg.lora
-    preference = f"applies to --objective {', '.join(PREFERENCE)} only"
     referenced = f"applies to --objective {' and '.join(WITH_REFERENCE)} only (the others need no reference)"
     applies = {
         "lora_rank": (lora.enabled, "applies with --lora only (LoRA is off: every weight would train)"),
@@ -181,7 +181,12 @@ def _check_applicable(cfg: TrainConfig, need: Need) -> None:
         "lora_target_modules": (lora.enabled, "applies with --lora only"),
         "merge_lora": (lora.enabled, "needs --lora"),
         "bnb_4bit_quant_type": (cfg.model.load_in_4bit, "needs --load-in-4bit"),
-        "beta": (o.name in PREFERENCE, preference),
+        "beta": (
+            o.name in WITH_BETA,
+            "under --objective orpo: ORPO's weight (TRL's ORPOConfig.beta) is --orpo-lambda"
+            if o.name == "orpo"
+            else f"applies to --objective {', '.join(WITH_BETA)} only",
+        ),
         "label_smoothing": (o.name in ("dpo", "simpo"), "applies to --objective dpo and simpo only"),
         "simpo_gamma": (o.name == "simpo", "applies to --objective simpo only"),
         "orpo_lambda": (o.name == "orpo", "applies to --objective orpo only"),

@@ -86,7 +86,9 @@ class PairLoss:
     def metrics(self, logps: torch.Tensor, counts: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
         """Each pair's metrics ``[pairs, len(metric_names)]``, in :attr:`metric_names` order."""
         logged = logps / counts.clamp(min=1) if self.name in LENGTH_AVERAGED else logps
-        rewards = self.beta * (logps - reference if self.needs_reference else logged)
+        # TRL's ORPO has one beta: the odds-ratio term's weight, which also scales its rewards.
+        scale = self.orpo_lambda if self.name == "orpo" else self.beta
+        rewards = scale * (logps - reference if self.needs_reference else logged)
         chosen, rejected = rewards[:, 0], rewards[:, 1]
         columns = [
             chosen,

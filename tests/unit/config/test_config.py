@@ -60,7 +60,9 @@ def test_help_lists_every_setting_with_its_default() -> None:
         # A setting that would have no effect is refused rather than ignored.
         ({"lora_rank": 8}, "--lora-rank: applies with --lora only .LoRA is off: every weight would train."),
         ({"lora_target_modules": "q_proj"}, "--lora-target-modules: applies with --lora only"),
-        ({"beta": 0.3}, "--beta: applies to --objective dpo, ipo, simpo, orpo only"),
+        ({"beta": 0.3}, "--beta: applies to --objective dpo, ipo, simpo only"),
+        # TRL's ORPOConfig.beta is ORPO's weight: a TRL user's beta would have changed no loss.
+        ({"objective": "orpo", "beta": 0.2}, r"--beta: under --objective orpo: .*is --orpo-lambda"),
         ({"objective": "dpo", "simpo_gamma": 1.0}, "--simpo-gamma: applies to --objective simpo only"),
         ({"objective": "simpo", "orpo_lambda": 0.5}, "--orpo-lambda: applies to --objective orpo only"),
         ({"objective": "orpo", "reference": "live"}, "--reference: applies to --objective dpo and ipo only"),
@@ -75,7 +77,7 @@ def test_settings_that_apply_are_accepted_at_any_value() -> None:
     for values in (
         {"lora": True, "lora_rank": 8, "lora_target_modules": "q_proj"},
         {"objective": "simpo", "beta": 2.0, "simpo_gamma": 1.0},
-        {"objective": "orpo", "beta": 0.2, "orpo_lambda": 0.5},
+        {"objective": "orpo", "orpo_lambda": 0.5},
         {"objective": "ipo", "reference": "live"},
         {"lora_rank": 16, "beta": 0.1},  # the defaults, spelled out: nothing changes, nothing refused
     ):
