@@ -37,7 +37,7 @@ from lmtune.testing.faults import requested as faults_requested
 from lmtune.tools.doctor import DoctorSettings, check_or_fail
 from lmtune.training import callbacks as cb
 from lmtune.training.best import BestTracker, best_tracker
-from lmtune.training.build import Built, attach_references, build_parts, data_cache_dir, loaders, schedule
+from lmtune.training.build import Built, build_parts, data_cache_dir, loaders, schedule
 from lmtune.training.context import CallableModule, RunContext
 from lmtune.training.evaluate import EvalResult, evaluate
 from lmtune.training.finish import finish, say_finished
@@ -53,6 +53,7 @@ from lmtune.training.perf import (
 )
 from lmtune.training.preflight import validate
 from lmtune.training.record import result_record, run_record
+from lmtune.training.reference import attach_references
 from lmtune.training.samples import sample_generator
 from lmtune.training.signals import StopRequest
 from lmtune.training.step import StepOptions, Trainee
@@ -129,12 +130,11 @@ def _run(run: RunContext) -> TrainResult:
     best = best_tracker(cfg.eval)
     timeouts = CollectiveTimeouts(env, cfg.health.collective_timeout)
     checkpoints = _checkpoints(run, built, best, timeouts)
-    if checkpoints.finished_already(built.layout.total_steps):
-        assert checkpoints.finished is not None
-        last = checkpoints.finished.step
-        say_finished(run, last)
-        return TrainResult(output_dir=output_dir, steps=last, last_loss=float("nan"), eval=None)
-    attach_references(run, built)  # from the starting weights: before a checkpoint's are loaded
+    earlier = checkpoints.finished_already(built.layout.total_steps)
+    if earlier is not None:
+        say_finished(run, earlier.step)
+        return TrainResult(output_dir=output_dir, steps=earlier.step, last_loss=float("nan"), eval=None)
+    attach_references(run, built, data_cache_dir(cfg.data))  # the starting weights': before a resume
     fresh = TrainerState.fresh(cfg.batch.global_batch_size, env.world_size, cfg.seed, len(built.train_data))
     state = checkpoints.resume(fresh, built.layout.total_steps)
     # A loaded optimizer state brings the saved hyperparameters back; this run's settings rule.

@@ -74,17 +74,17 @@ class CheckpointManager:
     _saved_step: int = -1
     _start_step: int = 0
 
-    def finished_already(self, total_steps: int) -> bool:
-        """Whether the folder holds this very run (the same fingerprint), finished, with no more
-        than its steps asked for: nothing to do (``self.finished`` is set), whatever checkpoints
-        it holds. Known before anything costly is prepared (reference log-probs)."""
+    def finished_already(self, total_steps: int) -> Finished | None:
+        """The record of this very run (the same fingerprint), finished, where no more than its
+        steps are asked for: nothing to do (``self.finished`` is set too), whatever checkpoints the
+        folder holds. Known before anything costly is prepared (reference log-probs)."""
         earlier = read_finished(self.output_dir, self.fingerprint.fixed, self.env)
         if earlier is not None and not earlier.same_run:
             earlier = None  # another run: its checkpoints' fingerprints refuse it, naming why
         self._earlier = earlier
         if earlier is not None and total_steps <= earlier.total_steps:
             self.finished = earlier
-        return self.finished is not None
+        return self.finished
 
     def resume(self, fresh: TrainerState, total_steps: int) -> TrainerState:
         """Where this run starts: ``fresh``, or the checkpoint it continues, loaded (the model, the
@@ -95,9 +95,9 @@ class CheckpointManager:
         the run continues from a checkpoint of its final state, and without one the user is told
         what to do.
         """
-        if self.finished_already(total_steps):
-            assert self.finished is not None
-            return replace(fresh, step=self.finished.step)
+        done = self.finished_already(total_steps)
+        if done is not None:
+            return replace(fresh, step=done.step)
         earlier = self._earlier
         folder = resume_point(self.settings.resume, self.output_dir, self.env)
         if earlier is not None:

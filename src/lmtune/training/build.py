@@ -53,13 +53,7 @@ from lmtune.training.batch_layout import BatchLayout, batch_layout
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, optimizer_for
-from lmtune.training.reference import (
-    PolicyParts,
-    model_digest,
-    precompute_references,
-    precomputes,
-    with_live_reference,
-)
+from lmtune.training.reference import attach_references, model_digest, precomputes, with_live_reference
 
 # Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
 LORA_MIN_DEFAULT_LR = 2e-4
@@ -99,7 +93,7 @@ def build(
 ) -> Built:
     """:func:`build_parts`, with the reference log-probs a preference objective trains against."""
     built = build_parts(run, objective, recorded_paths)
-    attach_references(run, built)
+    attach_references(run, built, data_cache_dir(run.cfg.data))
     return built
 
 
@@ -160,27 +154,6 @@ def build_parts(
         products=products,
         autocast=autocast,
         starting_digest=digest,
-    )
-
-
-def attach_references(run: RunContext, built: Built) -> None:
-    """The reference log-probs of every pair (cached by the starting weights' hash), where the
-    objective precomputes them: before a checkpoint's weights are loaded into the policy."""
-    if not precomputes(run, built.objective):
-        return
-    parts, loss = built.parts, built.loss
-    policy = PolicyParts(
-        built.model,
-        built.starting_digest,
-        loss.chunk,
-        bool(parts.root.varlen),
-        parts.sharded,
-        built.products,
-        built.autocast,
-    )
-    datasets = _distinct(built.train_data, built.eval_data, built.data_info)
-    built.data_info["reference"] = precompute_references(
-        run, policy, datasets, built.tokenizer.pad_token_id, data_cache_dir(run.cfg.data)
     )
 
 
@@ -249,17 +222,6 @@ def check_data_kind(
             f"{option}: holds preference pairs (prompt, chosen, rejected); tune on them with --objective "
             "dpo, ipo, simpo or orpo (--objective sft trains on single examples)"
         )
-
-
-def _distinct(
-    train: TokenizedDataset, held_out: TokenizedDataset | None, info: dict[str, Any]
-) -> list[tuple[TokenizedDataset, str]]:
-    """The data sets whose pairs need reference log-probs, with their cache keys: one for the
-    training data and an --eval-split of it, two with --eval-data."""
-    found = [(train.base(), info["train"]["key"])]
-    if held_out is not None and held_out.base() is not train.base():
-        found.append((held_out.base(), info["eval"]["key"]))
-    return found
 
 
 def checkpoint_activations(model: torch.nn.Module, name: str, fp32_products: bool = False) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from lmtune.objectives.preference import PreferenceLoss, PreferenceObjective, Re
 from lmtune.parallel.distributed import all_reduce_sum, broadcast_object
 from lmtune.parallel.wrap import unwrap, wrap_model
 from lmtune.training.context import RunContext
+
+if TYPE_CHECKING:
+    from lmtune.training.build import Built
 
 REFERENCE_DIR = "reference-logps"
 REFERENCE_VERSION = 1
@@ -331,3 +334,35 @@ class _ReferenceSource:
 
     def release(self) -> None:
         self._model = self._wrapped = None
+
+
+def attach_references(run: RunContext, built: Built, cache_dir: Path) -> None:
+    """The reference log-probs of every pair (cached by the starting weights' hash), where the
+    objective precomputes them: before a checkpoint's weights are loaded into the policy."""
+    if not precomputes(run, built.objective):
+        return
+    parts, loss = built.parts, built.loss
+    policy = PolicyParts(
+        built.model,
+        built.starting_digest,
+        loss.chunk,
+        bool(parts.root.varlen),
+        parts.sharded,
+        built.products,
+        built.autocast,
+    )
+    datasets = _distinct(built.train_data, built.eval_data, built.data_info)
+    built.data_info["reference"] = precompute_references(
+        run, policy, datasets, built.tokenizer.pad_token_id, cache_dir
+    )
+
+
+def _distinct(
+    train: TokenizedDataset, held_out: TokenizedDataset | None, info: dict[str, Any]
+) -> list[tuple[TokenizedDataset, str]]:
+    """The data sets whose pairs need reference log-probs, with their cache keys: one for the
+    training data and an --eval-split of it, two with --eval-data."""
+    found = [(train.base(), info["train"]["key"])]
+    if held_out is not None and held_out.base() is not train.base():
+        found.append((held_out.base(), info["eval"]["key"]))
+    return found
