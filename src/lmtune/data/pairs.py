@@ -59,13 +59,13 @@ def is_messages(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, Mapping) for m in value)
 
 
-def _text(record: Record, name: str) -> str:
+def _text(record: Record, name: str, names: FieldMap) -> str:
     value = record.fields.get(name)
     if not isinstance(value, str):
-        found = ", ".join(repr(k) for k in record.fields)
         problem = "no" if value is None else f"a non-string ({type(value).__name__})"
         raise UserError(
-            f"{record.where}: preference record has {problem} '{name}' field (fields found: {found})"
+            f"{record.where}: preference record has {problem} '{names.name(name)}' field "
+            f"(fields found: {names.found(record.fields)})"
         )
     return value
 
@@ -101,7 +101,7 @@ def render_pair(record: Record, tokenizer: Any, names: FieldMap = PLAIN_FIELDS) 
     ``names`` names its messages' role and content fields and roles."""
     for name in ("chosen", "rejected"):
         if name not in record.fields:
-            raise UserError(f"{record.where}: preference record has no '{name}' field")
+            raise UserError(f"{record.where}: preference record has no '{names.name(name)}' field")
     if is_messages(record.fields.get("prompt")) or (
         "prompt" not in record.fields and is_messages(record.fields["chosen"])
     ):
@@ -116,11 +116,11 @@ def render_pair(record: Record, tokenizer: Any, names: FieldMap = PLAIN_FIELDS) 
         )
     if is_messages(record.fields["chosen"]) or is_messages(record.fields["rejected"]):
         raise UserError(f"{record.where}: 'prompt' must be a list of messages when the answers are messages")
-    prompt = _text(record, "prompt")
+    prompt = _text(record, "prompt", names)
     return PairTexts(
         prompt=prompt,
-        chosen=prompt + _text(record, "chosen"),
-        rejected=prompt + _text(record, "rejected"),
+        chosen=prompt + _text(record, "chosen", names),
+        rejected=prompt + _text(record, "rejected", names),
         add_special_tokens=True,
         append_eos=True,
         format="preference",

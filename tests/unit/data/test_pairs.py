@@ -112,6 +112,10 @@ def test_field_map_renames_pair_fields_and_their_messages_roles() -> None:
     mapped, stats, _ = encode([theirs], tok, field_map=mapping)
     assert stats.formats == {"preference_messages": 1}
     assert parts(mapped[0], tok) == parts(encode([ours], tok)[0][0], tok)
+    with pytest.raises(
+        UserError, match=r"a non-string \(int\) 'bad' field \(fields found: 'question', 'good', 'bad'\)"
+    ):
+        encode([{"question": "q", "good": "a", "bad": 5}], field_map=mapping)
 
 
 def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
