@@ -46,7 +46,16 @@ def test_bad_data_line_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFix
 def test_too_few_examples_for_one_global_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", ["a", "b", "c"])
     assert main(["train", "--data", str(data), "--output-dir", str(tmp_path / "o")]) == 2
-    assert "3 examples, fewer than one global batch" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (
+        "3 examples, fewer than one global batch (--global-batch-size 32); give --global-batch-size 3" in err
+    )
+    assert not (tmp_path / "o").exists()  # the folder it created, still empty, is not left behind
+    (tmp_path / "mine").mkdir()  # a folder that was there before stays
+    argv = ["train", "--data", str(data), "--micro-batch-size", "2", "--output-dir", str(tmp_path / "mine")]
+    assert main(argv) == 2
+    assert "give --global-batch-size 2 or less" in capsys.readouterr().err
+    assert (tmp_path / "mine").is_dir()
 
 
 def test_unknown_hub_id_offline_names_what_was_tried(capsys: pytest.CaptureFixture[str]) -> None:

@@ -127,10 +127,11 @@ def _arbiter(folder: Path) -> Iterator[None]:
 class RunLock:
     """The held lock of one output folder; ``release`` removes it if it is still ours."""
 
-    def __init__(self, path: Path, holder: LockHolder, owned: bool):
+    def __init__(self, path: Path, holder: LockHolder, owned: bool, created: bool = False):
         self.path = path
         self.holder = holder
         self.owned = owned  # False: held by the launcher that started this worker
+        self.created = created  # this run created the folder (it did not exist before)
 
     def release(self) -> None:
         if not self.owned:
@@ -142,6 +143,11 @@ class RunLock:
                 return
             if current is not None and current.token == self.holder.token:
                 self.path.unlink(missing_ok=True)
+        if self.created:
+            # A run that stopped before writing anything (bad data, a batch larger than the data)
+            # leaves no empty folder behind; rmdir removes only an empty one.
+            with suppress(OSError):
+                self.path.parent.rmdir()
 
     def __enter__(self) -> RunLock:
         return self
@@ -158,6 +164,7 @@ def acquire(output_dir: Path, run_id: str, warn: Callable[[str], None]) -> RunLo
     Raises:
         UserError: when another live run holds it, or the folder cannot be written.
     """
+    created = not output_dir.exists()
     _check_folder(output_dir)
     path = output_dir / LOCK_FILE
     inherited = environment.token(LOCK_TOKEN_ENV)
@@ -186,7 +193,7 @@ def acquire(output_dir: Path, run_id: str, warn: Callable[[str], None]) -> RunLo
                 raise UserError(f"--output-dir {output_dir}: cannot write there ({e.strerror})") from None
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(asdict(me), f)
-            return RunLock(path, me, owned=True)
+            return RunLock(path, me, owned=True, created=created)
     raise UserError(f"--output-dir {output_dir}: its lock keeps changing hands; is another run starting?")
 
 

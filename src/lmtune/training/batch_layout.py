@@ -41,9 +41,13 @@ def batch_layout(cfg: TrainConfig, world_size: int, n_examples: int) -> BatchLay
     """The layout of a run of ``cfg`` on ``world_size`` processes over ``n_examples`` examples."""
     per_epoch = steps_per_epoch(n_examples, cfg.batch.global_batch_size)
     if per_epoch == 0:
+        # The largest global batch the data fills that the processes (and micro-batches) divide.
+        step = (cfg.batch.micro_batch_size or 1) * world_size
+        fits = n_examples - n_examples % step
+        fix = f"give --global-batch-size {fits} or less, or more data" if fits else "give more data"
         raise UserError(
             f"--data {cfg.data.train}: {n_examples} examples, fewer than one global batch "
-            f"(--global-batch-size {cfg.batch.global_batch_size})"
+            f"(--global-batch-size {cfg.batch.global_batch_size}); {fix}"
         )
     micro = micro_batch_size(cfg, world_size)
     total = cfg.schedule.max_steps if cfg.schedule.max_steps is not None else epochs(cfg) * per_epoch
