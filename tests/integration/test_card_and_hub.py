@@ -238,3 +238,22 @@ def test_the_card_says_the_base_was_quantized_and_how_the_data_was_mixed(tmp_pat
     assert "- qlora" in card  # a hub tag
     assert "| data mixture | chat 70.0% of an epoch: 700 drawn from 300 examples (each x2.33); " in card
     assert "code 30.0% of an epoch: 300 drawn from 700 examples (each x0.43) |" in card
+
+
+def test_a_model_not_tuned_on_conversations_is_not_shown_as_a_chat_model(tmp_path: Path) -> None:
+    """A preset's tokenizer carries a chat template whatever the model learned; the card's code
+    prompts as the model was trained (the quick start's addition model answers a chat prompt badly)."""
+    from lmtune.checkpoint.card import model_card
+    from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE
+
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "chat_template.jinja").write_text(BUILTIN_CHAT_TEMPLATE)
+    plain = model_card(
+        final, {"config": {"model": "tiny"}, "data": {"train": {"formats": {"prompt_completion": 9}}}}
+    )
+    assert "--chat" not in plain and "apply_chat_template" not in plain and "```jinja" not in plain
+    assert "lmtune generate --model" in plain and '--prompt "Once upon a time"' in plain
+    chat = model_card(final, {"config": {"model": "tiny"}, "data": {"train": {"formats": {"messages": 9}}}})
+    assert "--chat" in chat and "apply_chat_template" in chat and "## Chat template and stop tokens" in chat
+    assert "apply_chat_template" in model_card(final, None)  # no run record: the template says chat

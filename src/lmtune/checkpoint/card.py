@@ -159,11 +159,11 @@ def model_card(
         "## Results",
         "",
         *(_table(_result_rows(run)) or ["No results were recorded (the folder has no run.json nearby)."]),
-        *_chat_section(folder),
+        *_chat_section(folder, chat := _chat_trained(folder, run)),
         "",
         "## How to use",
         "",
-        *_usage(where, adapter, preset_base, config, chat=_template_of(folder) is not None),
+        *_usage(where, adapter, preset_base, config, chat=chat),
     ]
     front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
     return f"---\n{front}---\n\n" + "\n".join(body) + "\n"
@@ -419,14 +419,24 @@ def _token_names(folder: Path, ids: list[int]) -> list[str]:
     return [str(names.get(i, f"id {i}")) for i in ids]
 
 
-def _chat_section(folder: Path) -> list[str]:
-    template = _template_of(folder)
+def _chat_trained(folder: Path, run: dict[str, Any]) -> bool:
+    """Whether the model was tuned on conversations: its run's data formats say so; without a
+    run record, whether it carries a chat template. A preset's tokenizer has a template whatever
+    it was trained on, and a model tuned on plain text answers a chat-rendered prompt badly."""
+    formats = set((run.get("data", {}).get("train") or {}).get("formats", {}))
+    if formats:
+        return bool(formats & set(CHAT_FORMATS))
+    return _template_of(folder) is not None
+
+
+def _chat_section(folder: Path, chat: bool) -> list[str]:
+    template = _template_of(folder) if chat else None
     generation = _read_json(folder / GENERATION_CONFIG) or {}
     stops = generation.get("eos_token_id")
     stop_ids = [stops] if isinstance(stops, int) else [s for s in stops or [] if isinstance(s, int)]
     if template is None and not stop_ids:
         return []
-    lines = ["", "## Chat template and stop tokens", ""]
+    lines = ["", "## Chat template and stop tokens" if template is not None else "## Stop tokens", ""]
     if stop_ids:
         shown = ", ".join(f"`{t}`" for t in _token_names(folder, stop_ids))
         lines.append(
@@ -481,5 +491,6 @@ def _usage(where: str, adapter: bool, preset_base: bool, config: dict[str, Any],
             "reply = model.generate(inputs, max_new_tokens=64)[0][inputs.shape[1] :]",
         ]
     load.append("print(tokenizer.decode(reply, skip_special_tokens=True))")
-    command = f'lmtune generate --model {where}{" --chat" if chat else ""} --prompt "Hello!"'
+    prompt = "Hello!" if chat else "Once upon a time"
+    command = f'lmtune generate --model {where}{" --chat" if chat else ""} --prompt "{prompt}"'
     return ["```python", *load, "```", "", "or with lmtune:", "", "```bash", command, "```"]
