@@ -158,3 +158,28 @@ def test_the_command_runs_exit_handlers_flushes_and_keeps_its_exit_code(tmp_path
     assert piped.stdout is not None and piped.stderr is not None
     piped.stdout.close()  # the reader left before the first line
     assert piped.wait(timeout=120) in (0, 1) and "Traceback" not in piped.stderr.read().decode()
+
+
+def test_a_micro_batch_alone_says_the_global_batch_is_the_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """HF's per_device_train_batch_size alone is one micro-batch per step there: the log says that
+    here the default global batch still applies, and how to ask for one micro-batch per step."""
+    data = write_jsonl(tmp_path / "d.jsonl", [f"line {i}" for i in range(40)])
+    common = ["train", "--data", str(data), "--max-steps", "1", "--save-every", "0", "--no-progress"]
+    assert main([*common, "--per_device_train_batch_size", "4", "--output-dir", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "global batch 32 = 4 x 1 x 8 accumulation" in out
+    assert "global batch 32 is the default: --micro-batch-size (HF's per_device_train_batch_size)" in out
+    assert "give --global-batch-size 4 for one per step" in out
+    argv = [
+        *common,
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--output-dir",
+        str(tmp_path / "b"),
+    ]
+    assert main(argv) == 0
+    assert "is the default" not in capsys.readouterr().out

@@ -15,7 +15,7 @@ import torch
 
 from lmtune import __version__
 from lmtune.checkpoint.state import optimizer_state_bytes
-from lmtune.config.settings import TrainConfig, to_dict
+from lmtune.config.settings import TrainConfig, setting_named, to_dict
 from lmtune.config.threads import busy_at_start, thread_wait
 from lmtune.model.attention import attention_description
 from lmtune.model.quantization import footprint, parameter_count
@@ -102,9 +102,13 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
         + (f" (base in {quantization.bits} bits)" if quantization else "")
         + f", {run.strategy} on "
         f"{env.world_size} x {env.device.type}{units}; global batch {_batch_line(layout)} "
-        f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} steps; "
+        f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} "
+        f"step{'s' if layout.total_steps != 1 else ''}; "
         f"loss: {built.loss.description}"
     )
+    note = _default_batch_note(layout, cfg)
+    if note:
+        run.log.info(note)
     if env.device.type == "cpu" and busy_at_start():
         run.log.info(f"CPU threads wait {thread_wait()}; OMP_WAIT_POLICY=ACTIVE overrides")
     if built.paths.products is not None:  # a CPU bf16 run: which paths its CPU's units chose, and how
@@ -152,6 +156,23 @@ def _batch_line(layout: BatchLayout) -> str:
     return (
         f"{layout.global_batch_size} = {layout.micro_batch_size} x {layout.world_size} x "
         f"{layout.accumulation} accumulation"
+    )
+
+
+def _default_batch_note(layout: BatchLayout, cfg: TrainConfig) -> str | None:
+    """Where only the micro-batch was given: HF's per_device_train_batch_size alone means one
+    micro-batch per step there, while here the global batch rules and its default is easy to miss."""
+    default = setting_named("global_batch_size").default
+    if (
+        cfg.batch.micro_batch_size is None
+        or cfg.batch.global_batch_size != default
+        or layout.accumulation == 1
+    ):
+        return None
+    return (
+        f"global batch {default} is the default: --micro-batch-size (HF's per_device_train_batch_size) "
+        f"sets only the micro-batch, so each step accumulates {layout.accumulation * layout.world_size} of "
+        f"them; give --global-batch-size {layout.micro_batch_size * layout.world_size} for one per step"
     )
 
 
