@@ -266,9 +266,11 @@ def _check_evaluation_data(cfg: TrainConfig, need: Need) -> None:
             f"must be {' | '.join(BEST_METRICS)}{per_source}",
         )
     evaluates = eval_data is not None or split is not None or cfg.data.train == SAMPLE_DATA
-    need(
-        cfg.eval.metric_for_best is None or evaluates, "metric_for_best", "needs --eval-data or --eval-split"
-    )
+    for name, given in (
+        ("metric_for_best", cfg.eval.metric_for_best is not None),
+        ("eval_every", cfg.eval.every),
+    ):
+        need(not given or evaluates, name, "needs --eval-data or --eval-split (nothing to evaluate)")
 
 
 def eval_source_names(cfg: TrainConfig) -> list[str]:

@@ -157,3 +157,18 @@ def test_model_help_names_every_preset() -> None:
 
     shown = setting_named("model").help
     assert all(name in shown for name in PRESETS), shown
+
+
+@pytest.mark.parametrize("values", [{"eval_every": 5}, {"metric_for_best": "eval_loss"}])
+def test_evaluation_settings_without_evaluation_data_are_refused(
+    values: dict[str, object], tmp_path: Path
+) -> None:
+    """HF's eval_steps with no eval data evaluated nothing, silently; the built-in sample has its
+    held-out split, and --eval-split makes one."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\n')
+    option = "--eval-every" if "eval_every" in values else "--metric-for-best"
+    with pytest.raises(UserError, match=f"{option}: needs --eval-data or --eval-split"):
+        validate(build_config({"data": str(data), **values}), world_size=1)
+    validate(build_config({"data": str(data), "eval_split": 0.5, **values}), world_size=1)
+    validate(build_config(values), world_size=1)  # the built-in sample
