@@ -124,6 +124,15 @@ HINTS: dict[str, str] = {
         "run.json's resolved.attention says which"
     ),
     "num_processes": "start processes with {nproc_per_node} N",
+    "max_prompt_length": (  # TRL's DPOConfig
+        "a preference pair keeps prompt and answer within {max_length}: the prompt is cut from the left "
+        "(keeping at least half of {max_length}), the answers from the right; {truncation} drop skips "
+        "such pairs instead"
+    ),
+    "max_completion_length": (
+        "a preference pair keeps prompt and answer within {max_length}: the prompt is cut from the left "
+        "(keeping at least half of {max_length}), the answers from the right"
+    ),
 }
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")

@@ -72,6 +72,8 @@ def _scalar(value: Any) -> bool:
 def _coerce(s: Setting, value: Any) -> Any:
     """Convert a YAML/CLI value to the setting's type, or explain which option is wrong."""
     name, kind = s.name, s.type
+    if name == "max_steps" and str(value).strip() == "-1":
+        value = None  # HF's max_steps: -1, "not set" (the epochs decide), as its configs write it
     if value is None:
         if not s.optional:
             raise UserError(f"{option_name(name)}: needs a value (got null)")
@@ -86,8 +88,11 @@ def _coerce(s: Setting, value: Any) -> Any:
         return ",".join(str(v) for v in value)  # a YAML list: data files, target modules, weights
     if kind is str and isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
         return ",".join(f"{k}={v}" for k, v in value.items())  # a YAML mapping (--field-map)
-    if isinstance(value, bool) and {"on", "off"} <= set(s.choices):
-        return "on" if value else "off"  # packing: true, as TRL writes it
+    if {"on", "off"} <= set(s.choices):  # packing: true, as TRL writes it (--packing True too)
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return "on" if value.lower() == "true" else "off"
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
     if (

@@ -157,3 +157,18 @@ def test_yes_no_options_take_true_and_false_as_hf_examples_write_them(
     assert main(["train", "--bf16", "True", "--lora-target-modules", "q_proj", "v_proj"]) == 2
     err = capsys.readouterr().err
     assert "--bf16: set the precision with --precision bf16" in err and "True" not in err
+
+
+def test_packing_takes_trls_true_and_false() -> None:
+    parse = build_parser().parse_args
+    assert train_config(parse(["train", "--packing", "True"])).batch.packing == "on"
+    assert train_config(parse(["train", "--packing", "false"])).batch.packing == "off"
+
+
+def test_max_steps_minus_one_is_hfs_unset(tmp_path: Path) -> None:
+    parse = build_parser().parse_args
+    assert train_config(parse(["train", "--max-steps", "-1"])).schedule.max_steps is None
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("max_steps: -1\nnum_train_epochs: 2\n")
+    cfg = build_config(load_yaml(str(yaml_file)))
+    assert cfg.schedule.max_steps is None and cfg.schedule.epochs == 2
