@@ -222,9 +222,11 @@ def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -
     turns = []
     for i, m in enumerate(raw):
         if not isinstance(m, Mapping) or not isinstance(m.get(content_key), str) or role_key not in m:
+            sharegpt = isinstance(m, Mapping) and {"from", "value"} <= set(m) and role_key != "from"
+            hint = "; ShareGPT turns name them with --field-map role=from,content=value" if sharegpt else ""
             raise UserError(
                 f"{record.where}: {label} {i + 1} must be an object with a '{role_key}' and a string "
-                f"'{content_key}'"
+                f"'{content_key}'{hint}"
             )
         role = roles.get(m[role_key]) if isinstance(m[role_key], str) else None
         if role is None:
