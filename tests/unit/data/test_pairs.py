@@ -116,7 +116,7 @@ def test_field_map_renames_pair_fields_and_their_messages_roles() -> None:
         UserError, match=r"a non-string \(int\) 'bad' field \(fields found: 'question', 'good', 'bad'\)"
     ):
         encode([{"question": "q", "good": "a", "bad": 5}], field_map=mapping)
-    sharegpt = r"'question' message 1 must be .*; ShareGPT turns name them with --field-map role=from"
+    sharegpt = r"'good' message 1 must be .*; ShareGPT turns name them with --field-map role=from"
     with pytest.raises(UserError, match=sharegpt):
         encode([theirs], tok, field_map="prompt=question,chosen=good,rejected=bad")
 
