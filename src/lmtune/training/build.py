@@ -303,8 +303,9 @@ def prepare_data(
         }
         how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
         shown = {SAMPLE_DATA: "the built-in sample", SAMPLE_EVAL: "the built-in sample's held-out split"}
+        unit = "pairs" if {"preference", "preference_messages"} & set(meta["formats"]) else "examples"
         log.info(
-            f"{name} data {shown.get(spec, spec)}: {meta['examples']:,} examples, "
+            f"{name} data {shown.get(spec, spec)}: {meta['examples']:,} {unit}, "
             f"{meta['tokens']:,} tokens ({how}); "
             f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long, "
             f"{meta['dropped_no_targets']} dropped with no trainable tokens"
