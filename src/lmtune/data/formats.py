@@ -144,6 +144,22 @@ def _expected(names: FieldMap) -> str:
     )
 
 
+# Other data sets' names for a prompt and its completion, to suggest a --field-map.
+PROMPT_NAMES = ("question", "query", "input", "prompt_text", "problem", "source")
+COMPLETION_NAMES = ("answer", "response", "output", "target", "completion_text", "solution", "reply")
+
+
+def _suggested_map(record: Record) -> str:
+    """``, such as prompt=question,completion=answer`` where the record has such a pair of fields."""
+    completion = next((n for n in COMPLETION_NAMES if isinstance(record.fields.get(n), str)), None)
+    if completion is None:
+        return ""
+    if isinstance(record.fields.get("instruction"), str):  # lmtune's instruction (+ input) + output
+        return f", such as output={completion}"
+    prompt = next((n for n in PROMPT_NAMES if isinstance(record.fields.get(n), str)), None)
+    return f", such as prompt={prompt},completion={completion}" if prompt else ""
+
+
 def _string(record: Record, name: str, names: FieldMap, allow_missing: bool = False) -> str:
     value = record.fields.get(name)
     if value is None and allow_missing:
@@ -169,7 +185,7 @@ def render(
     if chosen is None:
         raise UserError(
             f"{record.where}: cannot tell the format (fields found: {names.found(record.fields)}; expected: "
-            f"{_expected(names)}; name other fields with --field-map OURS=THEIRS)"
+            f"{_expected(names)}; name other fields with --field-map OURS=THEIRS{_suggested_map(record)})"
         )
     if chosen == "preference":
         raise UserError(

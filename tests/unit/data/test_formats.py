@@ -115,6 +115,20 @@ def test_a_missing_mapped_field_names_both_names() -> None:
 
 
 @pytest.mark.parametrize(
+    ("row", "suggestion"),
+    [
+        ({"question": "q", "answer": "a"}, "such as prompt=question,completion=answer"),
+        ({"instruction": "i", "context": "c", "response": "r"}, "such as output=response"),
+        ({"foo": "q", "bar": "a"}, None),
+    ],
+)
+def test_unknown_fields_get_a_field_map_suggestion(row: dict[str, Any], suggestion: str | None) -> None:
+    with pytest.raises(UserError, match="cannot tell the format") as refused:
+        render(Record("d.jsonl", 1, row), "auto", FieldMap.of(ExampleSettings()), byte_tokenizer())
+    assert (suggestion in str(refused.value)) if suggestion else ("such as" not in str(refused.value))
+
+
+@pytest.mark.parametrize(
     ("row", "fmt", "message"),
     [
         ({"question": "q"}, "auto", r"cannot tell the format \(fields found: 'question';"),
