@@ -205,11 +205,15 @@ class _Lengths:
 
 
 def _histogram(lengths: np.ndarray, max_length: int, bins: int = 12) -> list[tuple[int, int, int]]:
-    top = max(int(lengths.max()), 1)
-    edges = np.linspace(0, min(top, max_length), bins + 1).round().astype(int)
-    edges = np.unique(edges)
-    counts, _ = np.histogram(lengths, bins=edges)
-    return [(int(edges[i]), int(edges[i + 1]), int(c)) for i, c in enumerate(counts)]
+    """At most ``bins`` bins of whole token counts, from the shortest to the longest example, each
+    as (first, last, examples): every length lands in exactly one."""
+    lengths = np.asarray(lengths)
+    low, top = int(lengths.min()), max(int(lengths.min()), min(int(lengths.max()), max_length))
+    width = -(-(top - low + 1) // bins)
+    firsts = range(low, top + 1, width)
+    index = np.minimum((np.clip(lengths, low, top) - low) // width, len(firsts) - 1)
+    counts = np.bincount(index, minlength=len(firsts))
+    return [(first, min(first + width - 1, top), int(c)) for first, c in zip(firsts, counts, strict=True)]
 
 
 def format_report(report: AuditReport) -> str:
@@ -239,9 +243,10 @@ def format_report(report: AuditReport) -> str:
         lines.append(f"  token lengths       min {q[0]}, median {q[1]}, p95 {q[2]}, max {q[3]}")
         hist = _histogram(report.lengths, report.max_length)
         widest = max(c for _, _, c in hist) or 1
-        for lo, hi, count in hist:
+        for first, last, count in hist:
             bar = "#" * max(1 if count else 0, round(40 * count / widest))
-            lines.append(f"    {lo:>6}-{hi:<6} {count:>9,} {bar}")
+            span = f"{first:>6}-{last:<6}" if last > first else f"{first:>6} {'':<6}"
+            lines.append(f"    {span} {count:>9,} {bar}")
     if report.pairs is not None:
         lines += pair_lines(report.pairs)
     if report.mixture is not None:

@@ -120,3 +120,17 @@ def test_rank_imbalance_of_equal_lengths_is_one() -> None:
     outlier[5] = 400
     skewed = rank_imbalance(outlier, 4, 16, 2, seed=0)
     assert skewed is not None and skewed.worst > 2.0
+
+
+def test_length_bins_are_whole_token_counts_each_length_in_one() -> None:
+    import itertools
+
+    import numpy as np
+
+    from lmtune.data.audit import _histogram
+
+    assert _histogram(np.array([16, 16, 17, 17, 17]), 512) == [(16, 16, 2), (17, 17, 3)]
+    bins = _histogram(np.arange(1, 1000), 512)
+    assert len(bins) <= 12 and bins[0][0] == 1 and bins[-1][1] == 512
+    assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(bins))  # no gap, no overlap
+    assert sum(c for *_, c in bins) == 999  # longer ones counted in the last bin
