@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from unittest import mock
 
 import huggingface_hub
 import pytest
+import torch
 from huggingface_hub import ModelCard
 
 from lmtune.cli import main
@@ -113,6 +115,27 @@ def test_cards_say_how_it_was_trained_and_load(lora_run: tuple[Path, str, Any]) 
     assert f'from_pretrained("{out / "final"}")' not in merged_text
 
 
+def test_export_merge_lora_writes_what_train_merged(
+    lora_run: tuple[Path, str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lmtune export CHECKPOINT DIR --merge-lora` rebuilds the base from the run's record (a
+    preset: from its seed) and merges the checkpoint's adapter: final/merged's very weights."""
+    from safetensors.torch import load_file
+
+    out, _, _ = lora_run
+    last = sorted((out / "checkpoints").iterdir())[-1]
+    assert main(["export", str(last), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    exported = load_file(tmp_path / "merged" / "model.safetensors")
+    trained = load_file(out / "final" / "merged" / "model.safetensors")
+    assert exported.keys() == trained.keys()
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
+    moved = tmp_path / "elsewhere" / "checkpoints" / last.name  # away from its run's run.json
+    shutil.copytree(last, moved)
+    capsys.readouterr()
+    assert main(["export", str(moved), str(tmp_path / "m2"), "--merge-lora"]) == 2
+    assert "--merge-lora rebuilds the base from the run that saved the checkpoint" in capsys.readouterr().err
+
+
 def test_the_cards_code_runs(lora_run: tuple[Path, str, Any]) -> None:
     out, _, _ = lora_run
     folder = out / "final" / "merged"
@@ -165,6 +188,11 @@ def test_full_model_card_export_card_and_lmtune_push(
     step1 = next(r for r in rows if r["kind"] == "train" and r["step"] == 1)
     assert "Exported from the checkpoint of step 1" in card and f"{step1['loss']:.4f}" in card
     assert card.count(f'from_pretrained("{exported}")') == 2 and "# step1\n" in card  # not its .tmp name
+    capsys.readouterr()
+    assert (
+        main(["export", str(out / "checkpoints" / "step-000001"), str(tmp_path / "m"), "--merge-lora"]) == 2
+    )
+    assert "holds the whole model, no LoRA adapter to merge (--merge-lora)" in capsys.readouterr().err
     # lmtune push: any saved folder, its card rewritten for the repo; a user's own README is kept.
     with fake_hub() as api:
         assert main(["push", str(final), REPO_ID]) == 0

@@ -20,9 +20,12 @@ from lmtune.checkpoint import sharded
 from lmtune.checkpoint.layout import GENERATION_CONFIG, MANIFEST, MODEL_FILE, SHARDED_DIR, verify
 from lmtune.checkpoint.state import ModelParts
 from lmtune.config.files import read_json_object
+from lmtune.config.io import build_config
 from lmtune.errors import UserError
 from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, save_adapter
 from lmtune.model.loss import WRAPPED_PREFIX
+from lmtune.model.modeling import merged_into_base
+from lmtune.model.quantization import quantization_of
 from lmtune.parallel.distributed import DistEnv, barrier, broadcast_object
 
 
@@ -198,12 +201,18 @@ def _model_folder(folder: Path) -> bool:
     return ("config.json" in has and weights) or (ADAPTER_FILE in has and ADAPTER_CONFIG in has)
 
 
-def export(checkpoint: Path, out: Path, trust_remote_code: bool = False, overwrite: bool = False) -> None:
+def export(
+    checkpoint: Path,
+    out: Path,
+    trust_remote_code: bool = False,
+    overwrite: bool = False,
+    merge_lora: bool = False,
+) -> None:
     """Write a Hugging Face model folder (config, safetensors, tokenizer) from a checkpoint; a LoRA
-    checkpoint gives a PEFT adapter folder. ``out`` is written beside its name and renamed into
-    place; it may be new, empty, or (with ``overwrite``) an earlier export, nothing else."""
-    from safetensors.torch import load_model
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    checkpoint gives a PEFT adapter folder, or with ``merge_lora`` its base with the adapter
+    merged in. ``out`` is written beside its name and renamed into place; it may be new, empty, or
+    (with ``overwrite``) an earlier export, nothing else."""
+    from transformers import AutoTokenizer
 
     if not checkpoint.is_dir():
         raise UserError(f"{checkpoint}: no such checkpoint folder")
@@ -218,7 +227,9 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False, overwri
     check_destination(checkpoint, out, overwrite)
     listed = read_json_object(checkpoint / MANIFEST)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    if ADAPTER_FILE in listed:
+    if merge_lora and ADAPTER_FILE not in listed:
+        raise UserError(f"{checkpoint}: holds the whole model, no LoRA adapter to merge (--merge-lora)")
+    if ADAPTER_FILE in listed and not merge_lora:
 
         def write_adapter(tmp: Path) -> None:
             for name in (ADAPTER_FILE, ADAPTER_CONFIG, GENERATION_CONFIG):
@@ -229,6 +240,25 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False, overwri
 
         _write_export(out, write_adapter, checkpoint)
         return
+    model: Any = (
+        _merged_checkpoint(checkpoint, trust_remote_code)
+        if merge_lora
+        else _checkpoint_model(checkpoint, listed, trust_remote_code)
+    )
+
+    def write_model(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _write_card(checkpoint, tmp, out)
+
+    _write_export(out, write_model, checkpoint)
+
+
+def _checkpoint_model(checkpoint: Path, listed: dict[str, Any], trust_remote_code: bool) -> nn.Module:
+    """The whole model a (full fine-tuning) checkpoint holds, with its stop tokens."""
+    from safetensors.torch import load_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     if GENERATION_CONFIG in listed:  # the stop tokens training set (a chat model's end of turn)
@@ -239,13 +269,42 @@ def export(checkpoint: Path, out: Path, trust_remote_code: bool = False, overwri
         load_model(model, str(checkpoint / MODEL_FILE))
     else:
         _load_sharded_model(model, checkpoint / SHARDED_DIR)
+    loaded: nn.Module = model
+    return loaded
 
-    def write_model(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        _write_card(checkpoint, tmp, out)
 
-    _write_export(out, write_model, checkpoint)
+def _merged_checkpoint(checkpoint: Path, trust_remote_code: bool) -> nn.Module:
+    """A LoRA checkpoint's adapter merged into the base it was trained on, rebuilt from the run's
+    record beside it (a preset's weights come from its seed; a quantized base is dequantized)."""
+    from lmtune.checkpoint.resume import read_fingerprint  # resume -> store -> this module
+
+    saved = read_fingerprint(checkpoint)
+    record = checkpoint.parent.parent / "run.json"
+    config = read_json_object(record).get("config") if record.is_file() else None
+    same = (
+        saved is not None
+        and isinstance(config, dict)
+        and (config.get("model"), config.get("seed"))
+        == (saved.fixed.get("--model"), saved.fixed.get("--seed"))
+    )
+    if not same:
+        raise UserError(
+            f"{checkpoint}: --merge-lora rebuilds the base from the run that saved the checkpoint, and "
+            f"{record} is not that run's record; export the adapter without --merge-lora and merge it "
+            "with peft (PeftModel.from_pretrained(base, DIR).merge_and_unload())"
+        )
+    assert isinstance(config, dict)
+    model = build_config(config, str(record)).model
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    merged, _ = merged_into_base(
+        model.name,
+        int(config["seed"]),
+        checkpoint,
+        trust_remote_code=trust_remote_code,
+        quantization=quantization_of(model, "single"),
+        device=device,
+    )
+    return merged
 
 
 def _write_card(checkpoint: Path, folder: Path, out: Path) -> None:

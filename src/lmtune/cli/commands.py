@@ -173,7 +173,7 @@ def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from lmtune.checkpoint.export import export
 
-    export(Path(args.checkpoint), Path(args.out), args.trust_remote_code, args.overwrite)
+    export(Path(args.checkpoint), Path(args.out), args.trust_remote_code, args.overwrite, args.merge_lora)
     print(f"wrote {args.out}")
     return 0
 

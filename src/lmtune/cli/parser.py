@@ -284,11 +284,18 @@ def _export_parser(sub: Any) -> None:
         sub,
         "export",
         help="write a Hugging Face model folder from a checkpoint",
-        description="Write config, model.safetensors and the tokenizer of a training checkpoint to DIR.",
+        description="Write config, model.safetensors and the tokenizer of a training checkpoint to DIR "
+        "(of a LoRA checkpoint: the PEFT adapter, or with --merge-lora the merged model).",
     )
     exp.add_argument("checkpoint", help="checkpoint folder, for example OUTPUT/checkpoints/step-000100")
     exp.add_argument("out", metavar="DIR", help="folder to write")
     exp.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
+    exp.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="of a LoRA checkpoint, write its base with the adapter merged in (a quantized base "
+        "dequantized first) instead of the adapter",
+    )
     exp.add_argument(
         "--overwrite",
         action="store_true",

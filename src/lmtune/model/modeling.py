@@ -13,7 +13,7 @@ from torch import nn
 from lmtune.config.files import read_json_object
 from lmtune.errors import UserError, brief
 from lmtune.model.configs import CONFIG_BYTES, check_config, check_folder
-from lmtune.model.quantization import Quantization, load_quantized, quantize_built
+from lmtune.model.quantization import DTYPE_NAMES, Quantization, dequantized, load_quantized, quantize_built
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 
@@ -300,6 +300,38 @@ def load_model(
         ),
     )
     return LoadedModel(model=model, tokenizer=tokenizer, default_lr=FINETUNE_LR, source=where.source)
+
+
+def merged_into_base(
+    name: str,
+    seed: int,
+    adapter_folder: Path,
+    *,
+    trust_remote_code: bool,
+    quantization: Quantization | None,
+    device: torch.device | None = None,
+) -> tuple[nn.Module, str]:
+    """The base model ``name`` with the LoRA adapter saved in ``adapter_folder`` merged in, and what
+    it was merged into, for the log.
+
+    A quantized base is loaded quantized again onto ``device`` (the same values training saw) and
+    dequantized to the compute dtype, one layer at a time onto the CPU; the adapter merges into
+    that. Merging into the 4-bit weights instead would round most of the update away.
+    """
+    from lmtune.model.lora import merged_model
+
+    q = quantization
+    loaded = load_model(name, seed, trust_remote_code, q, device if q is not None else None)
+    base = dequantized(loaded.model, q.compute_dtype) if q is not None else loaded.model
+    what = (
+        "the base model"
+        if q is None
+        else (
+            f"the {q.bits}-bit base dequantized to {DTYPE_NAMES[q.compute_dtype]} (the weights the "
+            "adapter was trained on)"
+        )
+    )
+    return merged_model(base, adapter_folder), what
 
 
 def _merged_adapter(name: str, base: str, seed: int, trust_remote_code: bool) -> LoadedModel:

@@ -10,9 +10,7 @@ from lmtune.checkpoint.export import save_hf_folder
 from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.rundir import changed_settings
 from lmtune.config.settings import SAMPLE_DATA, to_dict
-from lmtune.model.lora import merged_model
-from lmtune.model.modeling import load_model
-from lmtune.model.quantization import DTYPE_NAMES, dequantized
+from lmtune.model.modeling import merged_into_base
 from lmtune.outputs.hub import push_final
 from lmtune.parallel.distributed import barrier
 from lmtune.training.build import Built
@@ -68,25 +66,16 @@ def say_finished(run: RunContext, step: int) -> None:
 
 
 def save_merged(run: RunContext, built: Built, final_dir: Path) -> None:
-    """final/merged: the base with the adapter in final/ merged in.
-
-    A quantized base is loaded quantized again (the same values training saw) and dequantized to
-    the compute dtype, one layer at a time onto the CPU; the adapter merges into that. Merging into
-    the 4-bit weights instead would round most of the update away.
-    """
-    cfg, log = run.cfg, run.log
-    q = built.loaded.quantization
-    loaded = load_model(
-        cfg.model.name, cfg.seed, cfg.model.trust_remote_code, q, run.env.device if q else None
+    """final/merged: the base with the adapter in final/ merged in (a quantized base dequantized
+    first: lmtune.model.modeling.merged_into_base)."""
+    cfg = run.cfg
+    merged, what = merged_into_base(
+        cfg.model.name,
+        cfg.seed,
+        final_dir,
+        trust_remote_code=cfg.model.trust_remote_code,
+        quantization=built.loaded.quantization,
+        device=run.env.device,
     )
-    base = dequantized(loaded.model, q.compute_dtype) if q is not None else loaded.model
-    save_hf_folder(merged_model(base, final_dir), built.tokenizer, final_dir / "merged")
-    what = (
-        "the base model"
-        if q is None
-        else (
-            f"the {q.bits}-bit base dequantized to {DTYPE_NAMES[q.compute_dtype]} (the weights the adapter "
-            "was trained on)"
-        )
-    )
-    log.info(f"saved {what} with the adapter merged to {final_dir / 'merged'}")
+    save_hf_folder(merged, built.tokenizer, final_dir / "merged")
+    run.log.info(f"saved {what} with the adapter merged to {final_dir / 'merged'}")
