@@ -374,6 +374,14 @@ def _check_not_quantized(name: str, config: Any, quantization: Quantization) -> 
         )
 
 
+def model_description(name: str) -> str:
+    """What ``--model name`` loads, for a tool's output: an adapter folder names its base."""
+    base = _adapter_base(name)
+    return (
+        name if base is None else f"{name} (a LoRA adapter, merged into its base {base}, as train loads it)"
+    )
+
+
 def _adapter_base(name: str) -> str | None:
     """The base model of a LoRA adapter folder (PEFT format, as lmtune's final/), or None.
 

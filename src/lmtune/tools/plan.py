@@ -329,6 +329,7 @@ def device_memory(device_type: str, local_processes: int) -> int:
 
 @dataclass(frozen=True)
 class PlanReport:
+    model: str  # what --model loads, as the report names it
     requested: Estimate
     candidates: list[tuple[Estimate, int]]  # estimate at the largest fitting micro-batch, that size
     memory: int
@@ -338,7 +339,7 @@ class PlanReport:
 
 def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Path) -> PlanReport:
     from lmtune.config.settings import parse_nnodes
-    from lmtune.model.modeling import load_config
+    from lmtune.model.modeling import load_config, model_description
     from lmtune.parallel.distributed import read_dist_env
 
     config = load_config(cfg.model.name, cfg.model.trust_remote_code)
@@ -375,6 +376,7 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
         accumulation = max(1, cfg.batch.global_batch_size // (chosen.micro_batch_size * world))
         table.append((apply(predict(replace(chosen, accumulation=accumulation)), calibration), best))
     return PlanReport(
+        model=model_description(cfg.model.name),
         requested=apply(predict(requested), calibration),
         candidates=table,
         memory=budget,
@@ -386,8 +388,8 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
 def format_report(report: PlanReport) -> str:
     r = report.requested
     lines = [
-        f"memory plan: {r.setup.label()}, micro-batch {r.setup.micro_batch_size} x {r.setup.length} "
-        f"tokens ({report.length_reason}), {r.setup.accumulation} micro-step(s) per step, "
+        f"memory plan of {report.model}: {r.setup.label()}, micro-batch {r.setup.micro_batch_size} x "
+        f"{r.setup.length} tokens ({report.length_reason}), {r.setup.accumulation} micro-step(s) per step, "
         + (f"loss in chunks of {r.setup.loss_chunk} tokens" if r.setup.loss_chunk else "full logits"),
         "",
         HEADER,

@@ -52,7 +52,7 @@ def test_plan_reads_an_adapter_folder_as_its_base(tmp_path: Path) -> None:
     shapes (base and adapter merged), or train's own message for an adapter on a preset."""
     import json
 
-    from lmtune.model.modeling import load_config
+    from lmtune.model.modeling import load_config, model_description
 
     base = build_preset("small", 0)
     base.model.config.save_pretrained(tmp_path / "base")
@@ -62,6 +62,10 @@ def test_plan_reads_an_adapter_folder_as_its_base(tmp_path: Path) -> None:
         json.dumps({"base_model_name_or_path": str(tmp_path / "base")})
     )
     assert load_config(str(adapter)).hidden_size == base.model.config.hidden_size
+    assert model_description(str(adapter)).endswith(
+        f"(a LoRA adapter, merged into its base {tmp_path / 'base'}, as train loads it)"
+    )
+    assert model_description("tiny") == "tiny"
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
     with pytest.raises(UserError, match="a LoRA adapter folder that names no base model"):
         load_config(str(adapter))
