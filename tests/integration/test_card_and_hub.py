@@ -260,7 +260,9 @@ def test_the_card_says_the_base_was_quantized_and_how_the_data_was_mixed(tmp_pat
         },
         "data": {"train": {"spec": "chat=a.jsonl,code=b.jsonl", "examples": 1000, "mixture": mixture}},
     }
+    run["resolved"] |= {"total_steps": 2, "steps_per_epoch": 31, "epochs": 1}
     card = model_card(final, run)
+    assert "2 of 2 (0.06 epochs of 31 steps planned)" in card  # a --max-steps run: part of an epoch
     assert "| quantized base | nf4, double quant, compute bf16 (the adapters trained on it: QLoRA); " in card
     assert "55.8 MiB quantized, 0.8 MiB kept in full precision" in card
     assert "- qlora" in card  # a hub tag

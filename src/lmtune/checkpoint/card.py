@@ -277,7 +277,7 @@ def _training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
             (
                 "steps",
                 f"{run.get('result', {}).get('steps', resolved.get('total_steps'))} of "
-                f"{resolved.get('total_steps')} ({_plural(resolved.get('epochs'), 'epoch')} planned)",
+                f"{resolved.get('total_steps')} ({_epochs(resolved)} planned)",
             )
         )
         rows.append(
@@ -314,6 +314,14 @@ def _training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     rows += _environment_rows(run)
     rows.append(("seed", str(config.get("seed"))))
     return rows
+
+
+def _epochs(resolved: dict[str, Any]) -> str:
+    """The planned epochs: whole ones, or the share of one a --max-steps run covers."""
+    total, per_epoch = resolved.get("total_steps"), resolved.get("steps_per_epoch")
+    if isinstance(total, int) and isinstance(per_epoch, int) and per_epoch and total % per_epoch:
+        return f"{total / per_epoch:.2f} epochs of {per_epoch:,} steps"
+    return _plural(resolved.get("epochs"), "epoch")
 
 
 def _mixture_line(sources: list[dict[str, Any]]) -> str:
