@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
 from lmtune.checkpoint.resume import recorded_paths
-from lmtune.checkpoint.rundir import acquire, finished_record, prepare_output
+from lmtune.checkpoint.rundir import acquire, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.data.prepare import cache_root
@@ -181,8 +181,7 @@ def _run(run: RunContext) -> TrainResult:
             report_stopped(result.state.step)
         return replace(done, stopped_by="signal")
     finish(run, built, result, checkpoints, trained_from=state.step)
-    fixed = built.fingerprint.fixed
-    run_info["result"]["finished"] = finished_record(result.state.step, built.layout.total_steps, fixed)
+    run_info["result"]["finished"] = checkpoints.finished_record(result.state.step, built.layout.total_steps)
     log.write_json("run.json", run_info)
     return replace(done, stopped_by=run_info["result"]["stopped_by"])
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from lmtune.checkpoint.card_rows import result_rows, training_rows
 from lmtune.checkpoint.layout import GENERATION_CONFIG
 from lmtune.config.mixture import named_items
 from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS
@@ -154,11 +155,11 @@ def model_card(
         "",
         "## Training",
         "",
-        *_table(_training_rows(run)),
+        *_table(training_rows(run)),
         "",
         "## Results",
         "",
-        *(_table(_result_rows(run)) or ["No results were recorded (the folder has no run.json nearby)."]),
+        *(_table(result_rows(run)) or ["No results were recorded (the folder has no run.json nearby)."]),
         *_chat_section(folder, chat := _chat_trained(folder, run)),
         "",
         "## How to use",
@@ -174,12 +175,6 @@ def _title(folder: Path) -> str:
     if folder.name == "merged" and folder.parent.name == "final":
         return f"{folder.parent.parent.name}-merged"
     return folder.parent.name if folder.name == "final" else folder.name
-
-
-def _plural(n: Any, thing: str, many: str = "") -> str:
-    if not isinstance(n, int):
-        return f"{n} {many or thing + 's'}"
-    return f"{n:,} {thing if n == 1 else many or thing + 's'}"
 
 
 def _hub_model(name: Any) -> str | None:
@@ -227,186 +222,6 @@ def _table(rows: list[tuple[str, str]]) -> list[str]:
     if not rows:
         return []
     return ["| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)]
-
-
-def _objective(config: dict[str, Any], formats: dict[str, int]) -> str:
-    if config.get("objective", "sft") != "sft":
-        return f"`{config['objective']}` (lmtune's --objective)"
-    every = bool(config.get("train_on_prompt")) or set(formats) <= {"text"}
-    trained = (
-        "every token"
-        if every
-        else "the completions"
-        + (" and assistant turns" if set(formats) & set(CHAT_FORMATS) else "")
-        + " (prompts and other turns masked)"
-    )
-    return (
-        f"supervised fine-tuning: next-token cross-entropy on {trained}, normalised by the number of "
-        "trained tokens over all processes"
-    )
-
-
-def _data_line(info: dict[str, Any], max_length: Any) -> str:
-    counts = info.get("formats", {})
-    examples = info.get("examples", 0)
-    line = f"`{info.get('spec')}`: {_plural(examples, 'example')}"
-    if counts:
-        dropped = sum(counts.values()) - examples
-        more = f"; {dropped:,} more dropped: too long, or nothing to train" if dropped > 0 else ""
-        line += f" ({', '.join(sorted(counts))}{more})"
-    if "tokens" in info:
-        line += f", {info['tokens']:,} tokens, {info.get('target_tokens', 0):,} of them trained"
-    if info.get("truncated"):
-        line += f"; {info['truncated']:,} truncated to {max_length} tokens"
-    return line
-
-
-def _training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
-    config, resolved, data = run.get("config", {}), run.get("resolved", {}), run.get("data", {})
-    if not config:
-        return [("run", "not recorded (no run.json)")]
-    train = data.get("train", {})
-    rows = [("objective", _objective(config, train.get("formats", {})))]
-    rows += [("training data", _data_line(train, config.get("max_length")))] if train else []
-    if train.get("mixture"):
-        rows.append(("data mixture", _mixture_line(train["mixture"])))
-    if "eval" in data:
-        rows.append(("evaluation data", _data_line(data["eval"], config.get("max_length"))))
-    if resolved:
-        rows.append(
-            (
-                "steps",
-                f"{run.get('result', {}).get('steps', resolved.get('total_steps'))} of "
-                f"{resolved.get('total_steps')} ({_epochs(resolved)} planned)",
-            )
-        )
-        rows.append(
-            (
-                "global batch",
-                f"{resolved.get('global_batch_size')} examples = {resolved.get('micro_batch_size')} per "
-                f"micro-batch x {_plural(resolved.get('world_size'), 'process', 'processes')} x "
-                f"{resolved.get('accumulation')} "
-                "accumulation",
-            )
-        )
-    warmup = config.get("warmup_steps")
-    warmup_text = (
-        f"{warmup} warmup steps"
-        if warmup is not None
-        else f"warmup over {100 * float(config.get('warmup_ratio') or 0):g}% of the steps"
-    )
-    lr = resolved.get("lr", config.get("lr"))
-    rows += [
-        ("learning rate", f"{lr}, {config.get('lr_schedule')} schedule, {warmup_text}"),
-        (
-            "optimizer",
-            f"{config.get('optimizer')} (weight decay {config.get('weight_decay')}, betas "
-            f"{config.get('adam_beta1')}/{config.get('adam_beta2')}, eps {config.get('adam_eps')}), "
-            f"gradient norm clipped at {config.get('max_grad_norm')}",
-        ),
-        ("precision", f"{config.get('precision')} (fp32 weights and optimizer state)"),
-        ("max length", f"{config.get('max_length')} tokens (truncation: {config.get('truncation')})"),
-    ]
-    if config.get("lora"):
-        rows.append(("LoRA", _lora_line(config, resolved)))
-    if resolved.get("quantization"):
-        rows.append(("quantized base", _quantization_line(resolved)))
-    rows += _environment_rows(run)
-    rows.append(("seed", str(config.get("seed"))))
-    return rows
-
-
-def _epochs(resolved: dict[str, Any]) -> str:
-    """The planned epochs: whole ones, or the share of one a --max-steps run covers."""
-    total, per_epoch = resolved.get("total_steps"), resolved.get("steps_per_epoch")
-    if isinstance(total, int) and isinstance(per_epoch, int) and per_epoch and total % per_epoch:
-        return f"{total / per_epoch:.2f} epochs of {per_epoch:,} steps"
-    return _plural(resolved.get("epochs"), "epoch")
-
-
-def _mixture_line(sources: list[dict[str, Any]]) -> str:
-    """Per source of a mixture: its share of an epoch and how often its examples come round."""
-    return "; ".join(
-        f"{s.get('name')} {100 * float(s.get('share', 0)):.1f}% of an epoch: {s.get('per_epoch', 0):,} "
-        f"drawn from {_plural(s.get('examples', 0), 'example')} (each x{float(s.get('repeats', 0)):.2f})"
-        for s in sources
-    )
-
-
-def _quantization_line(resolved: dict[str, Any]) -> str:
-    """What the base was quantized to while the adapters trained (QLoRA), and its size."""
-    line = f"{resolved['quantization']} (the adapters trained on it: QLoRA)"
-    size = resolved.get("base_bytes") or {}
-    if "quantized" in size and "full_precision" in size:
-        line += (
-            f"; {size['quantized'] / 2**20:,.1f} MiB quantized, {size['full_precision'] / 2**20:,.1f} MiB "
-            "kept in full precision"
-        )
-    return line
-
-
-def _lora_line(config: dict[str, Any], resolved: dict[str, Any]) -> str:
-    line = (
-        f"rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, dropout "
-        f"{config.get('lora_dropout')}, targets {config.get('lora_target_modules')}"
-    )
-    total, trainable = resolved.get("parameters"), resolved.get("trainable_parameters")
-    if total and trainable:
-        line += f"; {trainable:,} of {total:,} parameters trained ({100 * trainable / total:.2f}%)"
-    return line
-
-
-def _environment_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
-    env, resolved, result = run.get("environment", {}), run.get("resolved", {}), run.get("result", {})
-    if not env:
-        return []
-    world = env.get("world_size", 1)
-    devices = env.get("cuda_devices") or []
-    on_gpu = str(env.get("device", "")).startswith("cuda") and devices
-    where = f"{world} x {devices[0]}" if on_gpu else f"{world} CPU process{'es' if world > 1 else ''}"
-    rows = [("hardware", f"{where}, strategy {resolved.get('strategy', '?')}")]
-    seconds = result.get("wall_time_s")
-    if isinstance(seconds, (int, float)):
-        rows.append(("training time", _duration(float(seconds))))
-    rows.append(
-        (
-            "software",
-            f"lmtune {env.get('lmtune')}, torch {env.get('torch')}, transformers {env.get('transformers')}",
-        )
-    )
-    return rows
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
-
-
-def _result_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
-    result = run.get("result") or {}
-    rows = []
-    if isinstance(result.get("last_loss"), (int, float)):
-        rows.append((f"train loss at step {result.get('steps')}", f"{result['last_loss']:.4f}"))
-    evaluated = result.get("eval") or {}
-    if isinstance(evaluated.get("loss"), (int, float)) and isinstance(
-        evaluated.get("perplexity"), (int, float)
-    ):
-        rows.append(
-            (
-                "evaluation",
-                f"loss {evaluated['loss']:.4f}, perplexity {evaluated['perplexity']:.3f} "
-                f"({evaluated.get('examples', 0):,} examples)",
-            )
-        )
-    best = result.get("best")
-    if best:
-        kept = " (this is that model)" if run.get("config", {}).get("load_best_at_end") else ""
-        value = f"{best['metric']} {best['value']:.4f} at step {best['step']}{kept}"
-        rows.append(("best evaluation", value))
-    if result.get("stopped_by"):
-        rows.append(("stopped early", str(result["stopped_by"]).replace("_", " ")))
-    return rows
 
 
 def _template_of(folder: Path) -> str | None:

@@ -21,9 +21,9 @@ from typing import Any, Protocol
 import torch
 
 from lmtune.checkpoint.export import save_final
+from lmtune.checkpoint.finished import Finished, finished_record, read_finished
 from lmtune.checkpoint.layout import FINGERPRINT_FILE, SCALER_FILE, step_folder
 from lmtune.checkpoint.resume import Fingerprint, continue_from, resume_point
-from lmtune.checkpoint.rundir import Finished, read_finished
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import load_checkpoint, prune, read_state, save_checkpoint
 from lmtune.config.files import read_json_object
@@ -85,6 +85,10 @@ class CheckpointManager:
         if earlier is not None and total_steps <= earlier.total_steps:
             self.finished = earlier
         return self.finished
+
+    def finished_record(self, step: int, total_steps: int) -> dict[str, Any]:
+        """What run.json records of this run once it finished (:meth:`finished_already` reads it)."""
+        return finished_record(step, total_steps, self.fingerprint.fixed)
 
     def resume(self, fresh: TrainerState, total_steps: int) -> TrainerState:
         """Where this run starts: ``fresh``, or the checkpoint it continues, loaded (the model, the
