@@ -194,12 +194,16 @@ def resolve_names(
     accepted = set(known)
     out: dict[str, Any] = {}
     given_as: dict[str, str] = {}
+    unknown: list[str] = []  # all of them at once: a config from another tool has several
     for key, value in values.items():
         name = key if key in accepted else ALIASES.get(canonical(key), key)
         if name not in accepted:
-            raise UserError(where(key) + explain_unknown(key, accepted, style, "lmtune train"))
+            unknown.append(where(key) + explain_unknown(key, accepted, style, "lmtune train"))
+            continue
         if name in out:
             both = f"as {one_line(given_as[name], 60)} and {one_line(key, 60)}"
             raise UserError(f"{where(key)}{style(name)} is set twice ({both})")
         out[name], given_as[name] = value, key
+    if unknown:
+        raise UserError("\n".join(unknown))
     return out

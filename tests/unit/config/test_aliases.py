@@ -172,3 +172,15 @@ def test_max_steps_minus_one_is_hfs_unset(tmp_path: Path) -> None:
     yaml_file.write_text("max_steps: -1\nnum_train_epochs: 2\n")
     cfg = build_config(load_yaml(str(yaml_file)))
     assert cfg.schedule.max_steps is None and cfg.schedule.epochs == 2
+
+
+def test_a_config_from_another_tool_has_all_its_unknown_keys_named_at_once(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "axolotl.yaml"
+    yaml_file.write_text("base_model: tiny\ndatasets: [x]\ngradient_accumulation_steps: 4\nbf16: true\n")
+    with pytest.raises(UserError) as refused:
+        load_yaml(str(yaml_file))
+    lines = str(refused.value).splitlines()
+    assert [line.split(": ")[1] for line in lines] == ["datasets", "gradient_accumulation_steps", "bf16"]
+    assert lines[0].startswith(f"--config {yaml_file}:2: ") and lines[2].startswith(
+        f"--config {yaml_file}:4: "
+    )
