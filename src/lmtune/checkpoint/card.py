@@ -18,6 +18,7 @@ import yaml
 from lmtune.checkpoint.card_rows import result_rows, training_rows
 from lmtune.checkpoint.layout import GENERATION_CONFIG
 from lmtune.config.mixture import named_items
+from lmtune.config.settings import SAMPLE_DATA
 from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS
 from lmtune.data.sources import EXTENSIONS
 from lmtune.model.lora import ADAPTER_CONFIG
@@ -299,6 +300,8 @@ def _usage(where: str, adapter: bool, preset_base: bool, config: dict[str, Any],
         ]
     )
     load.append(f'tokenizer = AutoTokenizer.from_pretrained("{where}")')
+    # The built-in sample teaches sums: a prompt of its own kind shows what the model learned.
+    prompt = "Hello!" if chat else "27+45=" if config.get("data") == SAMPLE_DATA else "Once upon a time"
     if chat:
         load += [
             'messages = [{"role": "user", "content": "Hello!"}]',
@@ -310,10 +313,9 @@ def _usage(where: str, adapter: bool, preset_base: bool, config: dict[str, Any],
         ]
     else:
         load += [
-            'inputs = tokenizer("Once upon a time", return_tensors="pt").input_ids',
+            f'inputs = tokenizer("{prompt}", return_tensors="pt").input_ids',
             "reply = model.generate(inputs, max_new_tokens=64)[0][inputs.shape[1] :]",
         ]
     load.append("print(tokenizer.decode(reply, skip_special_tokens=True))")
-    prompt = "Hello!" if chat else "Once upon a time"
     command = f'lmtune generate --model {where}{" --chat" if chat else ""} --prompt "{prompt}"'
     return ["```python", *load, "```", "", "or with lmtune:", "", "```bash", command, "```"]
