@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,24 @@ def _histogram(lengths: np.ndarray, max_length: int, bins: int = 12) -> list[tup
     return [(first, min(first + width - 1, top), int(c)) for first, c in zip(firsts, counts, strict=True)]
 
 
+_WHERE = re.compile(r"(.+?):(\d+): (.*)", re.S)
+
+
+def _grouped(messages: list[str]) -> list[str]:
+    """Bad lines with the same problem in one file as one line (``f.jsonl:1, 2, 3: problem``):
+    a data set in another format has the same problem on every line."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for message in messages:
+        found = _WHERE.fullmatch(message)
+        source, line, problem = found.groups() if found else ("", "", message)
+        groups.setdefault((source, problem), []).append(line)
+    shown = []
+    for (source, problem), where in groups.items():
+        numbers = ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
+        shown.append(f"{source}:{numbers}: {problem}" if source else problem)
+    return shown
+
+
 def format_report(report: AuditReport) -> str:
     """The report as the terminal shows it."""
     s = report.stats
@@ -227,7 +246,7 @@ def format_report(report: AuditReport) -> str:
         f"  formats             {formats}",
         f"  bad lines           {report.bad.count:,}",
     ]
-    lines += [f"    {m}" for m in report.bad.messages]
+    lines += [f"    {m}" for m in _grouped(report.bad.messages)]
     if report.bad.count > len(report.bad.messages):
         lines.append(f"    ... and {report.bad.count - len(report.bad.messages):,} more")
     lines += [

@@ -134,3 +134,14 @@ def test_length_bins_are_whole_token_counts_each_length_in_one() -> None:
     assert len(bins) <= 12 and bins[0][0] == 1 and bins[-1][1] == 512
     assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(bins))  # no gap, no overlap
     assert sum(c for *_, c in bins) == 999  # longer ones counted in the last bin
+
+
+def test_the_same_problem_on_many_lines_is_one_line_of_the_report() -> None:
+    from lmtune.data.audit import _grouped
+
+    messages = [f"qa.jsonl:{i}: cannot tell the format" for i in range(1, 8)] + ["qa.jsonl:9: not JSON"]
+    assert _grouped(messages) == [
+        "qa.jsonl:1, 2, 3, 4, 5 and 2 more: cannot tell the format",
+        "qa.jsonl:9: not JSON",
+    ]
+    assert _grouped(["no place given"]) == ["no place given"]
