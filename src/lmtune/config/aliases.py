@@ -179,6 +179,22 @@ def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str]
     return f"unknown {kind} {shown}; did you mean {' or '.join(style(s) for s in suggestions)}?"
 
 
+def _accumulation_here(key: str, value: Any, values: dict[str, Any], style: Callable[[str], str]) -> str:
+    """For gradient_accumulation_steps beside a micro-batch size: the global batch they make on
+    one device, in this place's names."""
+    micro = next(
+        (v for k, v in values.items() if ALIASES.get(canonical(k), canonical(k)) == "micro_batch_size"), None
+    )
+    if canonical(key) != "gradient_accumulation_steps" or not all(
+        type(v) is int and v > 0 for v in (value, micro)
+    ):
+        return ""
+    return (
+        f"; here, {micro} per device x {value} accumulation on one device is {style('global_batch_size')} "
+        f"{micro * value} {style('micro_batch_size')} {micro}"
+    )
+
+
 def resolve_names(
     values: dict[str, Any],
     known: Iterable[str],
@@ -198,7 +214,8 @@ def resolve_names(
     for key, value in values.items():
         name = key if key in accepted else ALIASES.get(canonical(key), key)
         if name not in accepted:
-            unknown.append(where(key) + explain_unknown(key, accepted, style, "lmtune train"))
+            why = explain_unknown(key, accepted, style, "lmtune train")
+            unknown.append(where(key) + why + _accumulation_here(key, value, values, style))
             continue
         if name in out:
             both = f"as {one_line(given_as[name], 60)} and {one_line(key, 60)}"

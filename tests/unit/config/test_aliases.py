@@ -184,3 +184,13 @@ def test_a_config_from_another_tool_has_all_its_unknown_keys_named_at_once(tmp_p
     assert lines[0].startswith(f"--config {yaml_file}:2: ") and lines[2].startswith(
         f"--config {yaml_file}:4: "
     )
+
+
+def test_accumulation_in_a_config_is_translated_with_its_own_numbers(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "trl.yaml"
+    yaml_file.write_text("per_device_train_batch_size: 4\ngradient_accumulation_steps: 2\n")
+    with pytest.raises(
+        UserError,
+        match="here, 4 per device x 2 accumulation on one device is global_batch_size 8 micro_batch_size 4",
+    ):
+        load_yaml(str(yaml_file))
