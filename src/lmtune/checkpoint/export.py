@@ -295,9 +295,12 @@ def _merged_checkpoint(checkpoint: Path, trust_remote_code: bool) -> nn.Module:
         )
     assert isinstance(config, dict)
     model = build_config(config, str(record)).model
+    # The adapter names a local base by its absolute path (--model may have been relative to the
+    # directory training ran in); a preset's adapter names none.
+    named = read_json_object(checkpoint / ADAPTER_CONFIG).get("base_model_name_or_path")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     merged, _ = merged_into_base(
-        model.name,
+        named if isinstance(named, str) and named else model.name,
         int(config["seed"]),
         checkpoint,
         trust_remote_code=trust_remote_code,
