@@ -183,3 +183,11 @@ def test_a_micro_batch_alone_says_the_global_batch_is_the_default(
     ]
     assert main(argv) == 0
     assert "is the default" not in capsys.readouterr().out
+
+
+def test_max_prompt_length_is_for_preference_pairs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["train", "--max-prompt-length", "16", "--output-dir", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "--max-prompt-length: applies to preference pairs (--objective dpo" in capsys.readouterr().err

@@ -172,7 +172,8 @@ AUDIT_SETTINGS = (
     "model",
     "trust_remote_code",
     *("data_format", "text_field", "field_map", "train_on_prompt", "chat_template", "max_length"),
-    *("truncation", "skip_bad_lines", "txt_mode", "global_batch_size", "micro_batch_size", "seed"),
+    *("truncation", "max_prompt_length", "skip_bad_lines", "txt_mode", "global_batch_size"),
+    *("micro_batch_size", "seed"),
     *("nproc_per_node", "data_weights"),
 )
 

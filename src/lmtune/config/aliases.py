@@ -124,11 +124,6 @@ HINTS: dict[str, str] = {
         "run.json's resolved.attention says which"
     ),
     "num_processes": "start processes with {nproc_per_node} N",
-    "max_prompt_length": (  # TRL's DPOConfig
-        "a preference pair keeps prompt and answer within {max_length}: the prompt is cut from the left "
-        "(keeping at least half of {max_length}), the answers from the right; {truncation} drop skips "
-        "such pairs instead"
-    ),
     "max_completion_length": (
         "a preference pair keeps prompt and answer within {max_length}: the prompt is cut from the left "
         "(keeping at least half of {max_length}), the answers from the right"
@@ -164,6 +159,10 @@ def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str]
     kind = "option" if shown.startswith("-") else "setting"
     if key in ALIASES and ALIASES[key] not in accepted:
         return f"{shown} is {style(ALIASES[key])} in lmtune, which {where} does not take"
+    from lmtune.config.settings import config_fields  # it explains its own unknown names with this
+
+    if key not in accepted and any(s.name == key for s in config_fields()):
+        return f"{shown} is a setting of lmtune train, which {where} does not take"
     # The closest names: this place's own, and the foreign names of the table (a typo of one).
     candidates = sorted(accepted | set(ALIASES) | set(HINTS))
     # An abbreviation (refused: a later option could make it ambiguous) names what it abbreviates.

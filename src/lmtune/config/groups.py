@@ -185,6 +185,11 @@ class ExampleSettings:
         ),
         choices=("right", "left", "drop", "error"),
     )
+    max_prompt_length: int | None = setting(
+        None,
+        "Preference pairs: a prompt longer than this many tokens is cut from the left first (TRL's "
+        "max_prompt_length); prompt and answers then fit --max-length together as --truncation says.",
+    )
     skip_bad_lines: bool = setting(
         False, "Skip unreadable lines (bad JSON, bad UTF-8) with a warning and a count, instead of stopping."
     )

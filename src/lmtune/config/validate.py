@@ -238,6 +238,8 @@ def _check_data(cfg: TrainConfig, need: Need) -> None:
         # One source's weight changes nothing: refused, as other settings without effect are.
         need(sources > 1, "data_weights", "applies to a mixture of two or more --data sources only")
     need(cfg.examples.max_length >= 2, "max_length", "must be >= 2")
+    m = cfg.examples.max_prompt_length
+    need(m is None or 1 <= m < cfg.examples.max_length, "max_prompt_length", "must be in [1, --max-length)")
     need(bool(cfg.examples.text_field), "text_field", "must not be empty")
     need(cfg.data.num_workers >= 0, "num_workers", "must be >= 0")
     need(

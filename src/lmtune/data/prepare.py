@@ -121,6 +121,7 @@ def _encode(
         settings.truncation,
         bad,
         train_on_prompt=settings.train_on_prompt,
+        max_prompt_length=settings.max_prompt_length,
     )
 
 

@@ -142,6 +142,7 @@ def encode_chunk(
     bad: BadLines,
     *,
     train_on_prompt: bool = False,
+    max_prompt_length: int | None = None,
 ) -> tuple[list[Encoded], EncodeStats]:
     """Render and tokenize a list of records; returns the kept examples and the counts.
 
@@ -152,7 +153,7 @@ def encode_chunk(
     chunk = _one_kind(chunk, fmt, names, bad)
     if chunk and _is_pair(chunk[0], fmt, names):
         pairs = [names.record(r) for r in chunk]
-        return encode_pairs(pairs, tokenizer, max_length, truncation, bad, names)
+        return encode_pairs(pairs, tokenizer, (max_length, max_prompt_length), truncation, bad, names)
     stats = EncodeStats()
     records: list[Record] = []
     rendered: list[Rendered] = []
@@ -239,10 +240,18 @@ def _one_kind(chunk: list[Record], fmt: str, names: FieldMap, bad: BadLines) -> 
 
 
 def encode_pairs(
-    chunk: list[Record], tokenizer: Any, max_length: int, truncation: str, bad: BadLines, names: FieldMap
+    chunk: list[Record],
+    tokenizer: Any,
+    lengths: tuple[int, int | None],
+    truncation: str,
+    bad: BadLines,
+    names: FieldMap,
 ) -> tuple[list[Encoded], EncodeStats]:
     """Render and tokenize preference records (lmtune.data.pairs; fields renamed by ``names``,
-    which also names their messages' fields and roles): the kept pairs and the counts."""
+    which also names their messages' fields and roles): the kept pairs and the counts.
+    ``lengths``: --max-length, and --max-prompt-length (a longer prompt is cut from the left
+    first, as TRL's max_prompt_length does) or None."""
+    max_length, max_prompt = lengths
     stats = EncodeStats()
     records, texts = rendered_pairs(chunk, tokenizer, bad, names)
     chat = any(t.format == "preference_messages" for t in texts)
@@ -252,6 +261,10 @@ def encode_pairs(
     out: list[Encoded] = []
     for record, text, pair in zip(records, texts, tokenize_pairs(texts, tokenizer), strict=True):
         stats.formats[text.format] = stats.formats.get(text.format, 0) + 1
+        prompt_cut = max_prompt is not None and len(pair.prompt) > max_prompt
+        if prompt_cut:
+            assert max_prompt is not None
+            pair = PairTokens(pair.prompt[len(pair.prompt) - max_prompt :], pair.chosen, pair.rejected)
         p, longer = len(pair.prompt), max(len(pair.chosen), len(pair.rejected))
         cut = None
         if p + longer > max_length:
@@ -272,8 +285,8 @@ def encode_pairs(
             stats.dropped_no_targets += 1
             continue
         stats.examples += 1
-        stats.truncated += cut is not None
-        stats.prompts_truncated += bool(cut and cut.prompt_cut)
+        stats.truncated += cut is not None or prompt_cut
+        stats.prompts_truncated += bool(prompt_cut or (cut and cut.prompt_cut))
         stats.answers_truncated += bool(cut and cut.answers_cut)
         stats.tokens += len(pair.prompt) + len(pair.chosen) + len(pair.rejected)  # as the model runs it
         stats.target_tokens += sum(targets)

@@ -9,7 +9,7 @@ import torch
 
 from lmtune.checkpoint.rundir import check_output_dir
 from lmtune.config.settings import TrainConfig
-from lmtune.config.validate import check_settings
+from lmtune.config.validate import PREFERENCE, check_settings
 from lmtune.data.chat import read_template
 from lmtune.data.formats import FieldMap
 from lmtune.data.sources import resolve_sources
@@ -23,6 +23,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     """Reject settings that cannot work and inputs that are not there; ``world_size`` is the
     process count."""
     check_settings(cfg, world_size)
+    if cfg.examples.max_prompt_length is not None and cfg.objective.name not in PREFERENCE:
+        # Here, not among check_settings' rules: `data audit` takes it for pair data, with no objective.
+        raise UserError(
+            f"--max-prompt-length: applies to preference pairs (--objective {', '.join(PREFERENCE)}), "
+            f"not to --objective {cfg.objective.name}"
+        )
     FieldMap.of(cfg.examples)  # a malformed --field-map fails here, not on the first record
     for spec, option in ((cfg.data.train, "--data"), (cfg.data.eval, "--eval-data")):
         if spec is not None:

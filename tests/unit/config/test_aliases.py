@@ -194,3 +194,10 @@ def test_accumulation_in_a_config_is_translated_with_its_own_numbers(tmp_path: P
         match="here, 4 per device x 2 accumulation on one device is global_batch_size 8 micro_batch_size 4",
     ):
         load_yaml(str(yaml_file))
+
+
+def test_a_train_setting_another_command_does_not_take_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["data", "audit", "x.jsonl", "--lr", "1"]) == 2
+    assert (
+        "--lr is a setting of lmtune train, which lmtune data audit does not take" in capsys.readouterr().err
+    )

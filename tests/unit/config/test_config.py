@@ -66,6 +66,10 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"objective": "dpo", "simpo_gamma": 1.0}, "--simpo-gamma: applies to --objective simpo only"),
         ({"objective": "simpo", "orpo_lambda": 0.5}, "--orpo-lambda: applies to --objective orpo only"),
         ({"objective": "orpo", "reference": "live"}, "--reference: applies to --objective dpo and ipo only"),
+        (
+            {"objective": "dpo", "max_prompt_length": 512},
+            r"--max-prompt-length: must be in \[1, --max-length\)",
+        ),
     ],
 )
 def test_invalid_settings_name_the_option(values: dict[str, object], needle: str) -> None:

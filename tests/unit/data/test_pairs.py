@@ -159,6 +159,20 @@ def test_bad_pairs_name_file_and_line(row: dict[str, Any], message: str) -> None
         encode([row])
 
 
+def test_max_prompt_length_cuts_the_prompt_from_the_left_first() -> None:
+    """TRL's max_prompt_length: the prompt's end is kept; the answers keep their room."""
+    row = {"prompt": "a" * 20 + "p" * 20, "chosen": "c" * 10, "rejected": "r" * 12}  # + BOS and EOS
+    data, stats, tok = encode([row], max_length=64, max_prompt_length=8)
+    assert parts(data[0], tok) == ("p" * 8, "c" * 10 + "<|eos|>", "r" * 12 + "<|eos|>")
+    assert (stats.truncated, stats.prompts_truncated, stats.answers_truncated) == (1, 1, 0)
+    # A prompt within it is left alone; --max-length still rules the whole pair after the cut.
+    assert (
+        parts(encode([row], max_length=64, max_prompt_length=60)[0][0], tok)[0] == "<|bos|>" + row["prompt"]
+    )
+    data, stats, _ = encode([row], max_length=16, max_prompt_length=12, truncation="drop")
+    assert stats.dropped_too_long == 1  # 12 + 13 tokens, more than 16
+
+
 def test_a_data_set_holds_one_kind_of_record() -> None:
     rows = [{"prompt": "q", "chosen": "a", "rejected": "b"}, {"text": "plain"}]
     with pytest.raises(UserError, match=r"pairs\.jsonl:2: a single example among preference pairs"):
