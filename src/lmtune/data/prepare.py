@@ -112,17 +112,7 @@ def records(sources: list[Source], settings: ExampleSettings, bad: BadLines) -> 
 def _encode(
     chunk: list[Record], tokenizer: Any, settings: ExampleSettings, bad: BadLines
 ) -> tuple[list[Encoded], EncodeStats]:
-    return encode_chunk(
-        chunk,
-        tokenizer,
-        settings.format,
-        FieldMap.of(settings),
-        settings.max_length,
-        settings.truncation,
-        bad,
-        train_on_prompt=settings.train_on_prompt,
-        max_prompt_length=settings.max_prompt_length,
-    )
+    return encode_chunk(chunk, tokenizer, settings, FieldMap.of(settings), bad)
 
 
 # Set once in each pool worker by its initializer: the tokenizer is sent to a worker once, not

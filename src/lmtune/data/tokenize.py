@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import end_of_turn_ids
 from lmtune.data.formats import CHAT_FORMATS, FieldMap, Rendered, detect_format, render
 from lmtune.data.pairs import PairTokens, answer_targets, fit_pair, rendered_pairs, tokenize_pairs
@@ -133,16 +134,7 @@ def _encode_batch(backend: Any, rendered: list[Rendered]) -> dict[int, Any]:
 
 
 def encode_chunk(
-    chunk: list[Record],
-    tokenizer: Any,
-    fmt: str,
-    names: FieldMap,
-    max_length: int,
-    truncation: str,
-    bad: BadLines,
-    *,
-    train_on_prompt: bool = False,
-    max_prompt_length: int | None = None,
+    chunk: list[Record], tokenizer: Any, settings: ExampleSettings, names: FieldMap, bad: BadLines
 ) -> tuple[list[Encoded], EncodeStats]:
     """Render and tokenize a list of records; returns the kept examples and the counts.
 
@@ -150,10 +142,21 @@ def encode_chunk(
     raises unless bad lines are being skipped. Preference pairs are encoded by
     :func:`encode_pairs`; a chunk is all pairs or all single examples, as its first record is.
     """
+    fmt = settings.format
     chunk = _one_kind(chunk, fmt, names, bad)
     if chunk and _is_pair(chunk[0], fmt, names):
         pairs = [names.record(r) for r in chunk]
-        return encode_pairs(pairs, tokenizer, (max_length, max_prompt_length), truncation, bad, names)
+        lengths = (settings.max_length, settings.max_prompt_length)
+        return encode_pairs(pairs, tokenizer, lengths, settings.truncation, bad, names)
+    return _encode_examples(chunk, tokenizer, settings, names, bad)
+
+
+def _encode_examples(
+    chunk: list[Record], tokenizer: Any, settings: ExampleSettings, names: FieldMap, bad: BadLines
+) -> tuple[list[Encoded], EncodeStats]:
+    """:func:`encode_chunk` of single examples."""
+    fmt, max_length, truncation = settings.format, settings.max_length, settings.truncation
+    train_on_prompt = settings.train_on_prompt
     stats = EncodeStats()
     records: list[Record] = []
     rendered: list[Rendered] = []
