@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -69,22 +70,23 @@ class CheckpointManager:
     patient: Callable[[], AbstractContextManager[object]] = nullcontext  # long collective timeouts
     beat: Callable[[str], None] = lambda phase: None  # the heartbeat's phase while saving
     resumed_from: Path | None = None  # the checkpoint this run continues (after resume())
-    finished: Finished | None = None  # this run, finished earlier, with nothing left to do
-    _earlier: Finished | None = None  # this run, finished earlier (more steps may be asked for now)
     _saved_step: int = -1
     _start_step: int = 0
 
-    def finished_already(self, total_steps: int) -> Finished | None:
-        """The record of this very run (the same fingerprint), finished, where no more than its
-        steps are asked for: nothing to do (``self.finished`` is set too), whatever checkpoints the
-        folder holds. Known before anything costly is prepared (reference log-probs)."""
+    @cached_property
+    def _earlier(self) -> Finished | None:
+        """This very run (the same fingerprint), finished earlier: run.json read once, by rank 0
+        for all ranks (a collective: every rank asks at the same point)."""
         earlier = read_finished(self.output_dir, self.fingerprint.fixed, self.env)
-        if earlier is not None and not earlier.same_run:
-            earlier = None  # another run: its checkpoints' fingerprints refuse it, naming why
-        self._earlier = earlier
-        if earlier is not None and total_steps <= earlier.total_steps:
-            self.finished = earlier
-        return self.finished
+        # Another run: its checkpoints' fingerprints refuse it, naming why.
+        return earlier if earlier is not None and earlier.same_run else None
+
+    def finished_already(self, total_steps: int) -> Finished | None:
+        """The record of this very run, finished, where no more than its steps are asked for:
+        nothing to do, whatever checkpoints the folder holds. Known before anything costly is
+        prepared (reference log-probs)."""
+        earlier = self._earlier
+        return earlier if earlier is not None and total_steps <= earlier.total_steps else None
 
     def finished_record(self, step: int, total_steps: int) -> dict[str, Any]:
         """What run.json records of this run once it finished (:meth:`finished_already` reads it)."""

@@ -255,7 +255,7 @@ def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -
     return turns
 
 
-def messages_field(record: Record, name: str, names: FieldMap = PLAIN_FIELDS) -> list[dict[str, str]]:
+def messages_field(record: Record, name: str, names: FieldMap) -> list[dict[str, str]]:
     """The record's list of ``{role, content}`` messages in field ``name`` (lmtune's name), checked;
     their role and content fields and roles named as ``names`` says."""
     return _turns(record, "messages", names, name)

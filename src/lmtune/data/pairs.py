@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from lmtune.data.formats import PLAIN_FIELDS, FieldMap, chat_text, messages_field
+from lmtune.data.formats import FieldMap, chat_text, messages_field
 from lmtune.data.sources import BadLines, Record
 from lmtune.errors import UserError
 
@@ -78,7 +78,7 @@ def _answer_messages(record: Record, name: str, names: FieldMap) -> list[dict[st
 
 
 def conversation(
-    record: Record, names: FieldMap = PLAIN_FIELDS
+    record: Record, names: FieldMap
 ) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
     """(prompt, chosen, rejected) messages; without a prompt, the messages both answers start with.
     The record's fields are under lmtune's names; ``names`` names the messages' own fields and roles."""
@@ -96,7 +96,7 @@ def conversation(
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
-def render_pair(record: Record, tokenizer: Any, names: FieldMap = PLAIN_FIELDS) -> PairTexts:
+def render_pair(record: Record, tokenizer: Any, names: FieldMap) -> PairTexts:
     """A preference record (fields under lmtune's names) as three texts (see the module docstring);
     ``names`` names its messages' role and content fields and roles."""
     for name in ("chosen", "rejected"):
