@@ -7,9 +7,11 @@ Needs the benchmark extra: pip install -c constraints.txt -e '.[bench]'
 
 A preset model is saved to a folder that both load. Each run is its own process, timed from its start
 to its exit (imports, tokenization, the reference, the epoch, saving), and its peak RSS is read from
-the kernel when it exits. TRL runs its defaults for the reference (a frozen copy of the model in
-every step) and with ``precompute_ref_log_probs``; lmtune with its default (the reference's
-log-probs computed once before training) and with ``--reference live``. Both drop the last partial
+the kernel when it exits (the driver never imports torch: Linux keeps a parent's peak across a
+child's exec, so the model is saved by a process of its own). TRL runs its defaults for the
+reference (a frozen copy of the model in every step) and with ``precompute_ref_log_probs``; lmtune
+with its default (the reference's log-probs computed once before training) and with
+``--reference live``. Both drop the last partial
 batch, use the same maximum length (no pair here is longer), cosine schedule with 5% warmup,
 ``beta`` 0.1, no checkpoints. Prints one row per run and the ratios against TRL's default.
 """
@@ -71,6 +73,7 @@ def write_pairs(path: Path, n: int, seed: int = 0) -> None:
 
 
 def save_preset(name: str, folder: Path) -> None:
+    """In its own process (``--save-preset``), so that the driver stays small."""
     from lmtune.model.modeling import build_preset
 
     loaded = build_preset(name, seed=42)
@@ -170,6 +173,9 @@ def main() -> None:
         model, data, out, batch, lr, length, precision, precompute = sys.argv[2:]
         trl_worker(model, data, out, int(batch), float(lr), int(length), precision, precompute == "1")
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--save-preset":
+        save_preset(sys.argv[2], Path(sys.argv[3]))
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small")
     p.add_argument("--pairs", type=int, default=512)
@@ -183,7 +189,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vs-trl-dpo-") as tmp:
         root = Path(tmp)
         model, data = root / "model", root / "pairs.jsonl"
-        save_preset(args.model, model)
+        saver = [sys.executable, __file__, "--save-preset", args.model, str(model)]
+        subprocess.run(saver, env=env, check=True)
         write_pairs(data, args.pairs)
         commands = {
             "trl": ("TRL DPOTrainer (live reference)", trl_cmd(args, model, data, root / "trl", False)),
