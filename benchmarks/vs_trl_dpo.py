@@ -11,9 +11,9 @@ the kernel when it exits (the driver never imports torch: Linux keeps a parent's
 child's exec, so the model is saved by a process of its own). TRL runs its defaults for the
 reference (a frozen copy of the model in every step) and with ``precompute_ref_log_probs``; lmtune
 with its default (the reference's log-probs computed once before training) and with
-``--reference live``. Both drop the last partial
-batch, use the same maximum length (no pair here is longer), cosine schedule with 5% warmup,
-``beta`` 0.1, no checkpoints. Prints one row per run and the ratios against TRL's default.
+``--reference live``. Both drop the last partial batch, use the same maximum length (no pair here
+is longer), cosine schedule with 5% warmup, ``beta`` 0.1, no checkpoints. Prints one row per run
+and the ratios against TRL's default.
 """
 
 from __future__ import annotations
