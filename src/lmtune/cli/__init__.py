@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not verbose():
             _quiet_libraries()
         if extra:
-            raise UserError(unknown_arguments(args.parser, extra))
+            raise UserError(unknown_arguments(args.parser, extra, vars(args)))
         if hasattr(args, "parser") and (twice := spelled_twice(args.parser, argv)):
             raise UserError(f"{args.parser.prog}: {twice}")
         code: int = args.run(args, argv)

@@ -61,15 +61,20 @@ def _hidden_names(name: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed: dict[str, Any]) -> str:
     """One line on what ``parser`` (a subcommand's) did not take: for each unknown option the
-    lmtune name of a peer's option, a hint, or the closest names; then stray arguments."""
-    from lmtune.config.aliases import canonical, explain_unknown
+    lmtune name of a peer's option, a hint, or the closest names; then stray arguments.
+    ``parsed``: the options it did take, by destination."""
+    from lmtune.config.aliases import accumulation_here, canonical, explain_unknown
     from lmtune.config.settings import option_name
 
     known = {canonical(o) for o in parser._option_string_actions if o.startswith("--")}
     options = [a for a in extra if a.startswith("--") or (a.startswith("-") and not _is_number(a))]
-    problems = [explain_unknown(a, known, option_name, parser.prog) for a in options]
+    problems = [
+        explain_unknown(a, known, option_name, parser.prog)
+        + accumulation_here(a, _value_of(a, extra), parsed, option_name)
+        for a in options
+    ]
     stray = [a for a in extra if not a.startswith("-")]
     if stray and not options:
         problems.append(
@@ -77,6 +82,14 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> str:
             "value; give a list comma-separated, as --lora-target-modules q_proj,v_proj)"
         )
     return f"{parser.prog}: " + "; ".join(problems)
+
+
+def _value_of(option: str, extra: list[str]) -> str | None:
+    """The value given to an unknown ``option``: ``--name=V`` or ``--name V``."""
+    if "=" in option:
+        return option.split("=", 1)[1]
+    after = extra.index(option) + 1
+    return extra[after] if after < len(extra) and not extra[after].startswith("--") else None
 
 
 YES, NO = ("true", "yes", "1"), ("false", "no", "0")

@@ -178,12 +178,14 @@ def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str]
     return f"unknown {kind} {shown}; did you mean {' or '.join(style(s) for s in suggestions)}?"
 
 
-def _accumulation_here(key: str, value: Any, values: dict[str, Any], style: Callable[[str], str]) -> str:
-    """For gradient_accumulation_steps beside a micro-batch size: the global batch they make on
-    one device, in this place's names."""
+def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Callable[[str], str]) -> str:
+    """For gradient_accumulation_steps beside a micro-batch size (in ``values``): the global batch
+    they make on one device, in this place's names."""
     micro = next(
         (v for k, v in values.items() if ALIASES.get(canonical(k), canonical(k)) == "micro_batch_size"), None
     )
+    # Flags arrive as text, YAML values as numbers.
+    value, micro = (int(v) if isinstance(v, str) and v.isdigit() else v for v in (value, micro))
     if canonical(key) != "gradient_accumulation_steps" or not all(
         type(v) is int and v > 0 for v in (value, micro)
     ):
@@ -214,7 +216,7 @@ def resolve_names(
         name = key if key in accepted else ALIASES.get(canonical(key), key)
         if name not in accepted:
             why = explain_unknown(key, accepted, style, "lmtune train")
-            unknown.append(where(key) + why + _accumulation_here(key, value, values, style))
+            unknown.append(where(key) + why + accumulation_here(key, value, values, style))
             continue
         if name in out:
             both = f"as {one_line(given_as[name], 60)} and {one_line(key, 60)}"

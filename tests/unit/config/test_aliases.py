@@ -196,6 +196,23 @@ def test_accumulation_in_a_config_is_translated_with_its_own_numbers(tmp_path: P
         load_yaml(str(yaml_file))
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "4"],
+        ["--gradient_accumulation_steps=4", "--micro-batch-size", "2"],
+    ],
+)
+def test_accumulation_flags_are_translated_with_their_own_numbers(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", *flags]) == 2
+    assert (
+        "here, 2 per device x 4 accumulation on one device is --global-batch-size 8 --micro-batch-size 2"
+        in (capsys.readouterr().err)
+    )
+
+
 def test_a_train_setting_another_command_does_not_take_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["data", "audit", "x.jsonl", "--lr", "1"]) == 2
     assert (
