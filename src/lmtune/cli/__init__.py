@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from contextlib import suppress
 from typing import NoReturn
 
-from lmtune.cli.parser import build_parser, spelled_out_flags, spelled_twice, unknown_arguments
+from lmtune.cli.parser import build_parser, hub_flags, spelled_out_flags, spelled_twice, unknown_arguments
 from lmtune.config.threads import choose_thread_wait
 from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
 
@@ -18,13 +18,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     choose_thread_wait()  # before anything imports torch
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Options a command does not take are ours to explain (argparse would print the top-level usage).
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and (spelled := spelled_out_flags(args.parser, argv)) != argv:
-        argv = spelled  # --gradient_checkpointing True, as HF Trainer's examples write it
-        args, extra = parser.parse_known_args(argv)
     try:
+        argv = hub_flags(argv)  # HF Trainer's --push_to_hub [True] --hub_model_id NAME/REPO
+        # Options a command does not take are ours to explain (argparse would print the top-level usage).
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra and (spelled := spelled_out_flags(args.parser, argv)) != argv:
+            argv = spelled  # --gradient_checkpointing True, as HF Trainer's examples write it
+            args, extra = parser.parse_known_args(argv)
         from lmtune.config.environment import VERBOSE, check_environment
 
         if getattr(args, "verbose", False):

@@ -7,6 +7,7 @@ from typing import Any
 
 from lmtune.cli import commands
 from lmtune.config.environment import VERBOSE as VERBOSE_ENV
+from lmtune.errors import UserError
 
 
 def _add_train_options(
@@ -112,6 +113,40 @@ def spelled_out_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[
         out.append(token)
         i += 1
     return out
+
+
+PUSH_FLAGS, HUB_ID_FLAGS = ("--push-to-hub", "--push_to_hub"), ("--hub-model-id", "--hub_model_id")
+
+
+def hub_flags(argv: list[str]) -> list[str]:
+    """``argv`` with HF Trainer's upload flags as lmtune's: there ``--push_to_hub`` is yes/no (bare,
+    or True/False) and ``--hub_model_id`` names the repository; lmtune's ``--push-to-hub`` takes
+    the repository. Yes with a repository becomes ``--push-to-hub NAME/REPO``, no drops both.
+
+    Raises:
+        UserError: yes without a repository.
+    """
+    switch, repo, out, i = None, None, [], 0
+    while i < len(argv):
+        name, eq, inline = argv[i].partition("=")
+        following = argv[i + 1] if i + 1 < len(argv) else "-"
+        value = inline if eq else ("" if following.startswith("-") else following)
+        taken = 1 if eq or not value else 2
+        if name in PUSH_FLAGS and value.lower() in ("", *YES, *NO):
+            switch = value.lower() not in NO
+        elif name in HUB_ID_FLAGS and value:
+            repo = value
+        else:
+            out.append(argv[i])
+            taken = 1
+        i += taken
+    if switch is None:
+        return argv  # lmtune's own spelling: --push-to-hub NAME/REPO (--hub_model_id an alias of it)
+    if switch and repo is None:
+        raise UserError(
+            "--push-to-hub: takes the repository to upload to (NAME/REPO, HF Trainer's hub_model_id)"
+        )
+    return [*out, "--push-to-hub", repo] if switch and repo else out
 
 
 def spelled_twice(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:

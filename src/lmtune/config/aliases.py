@@ -124,6 +124,50 @@ HINTS: dict[str, str] = {
         "run.json's resolved.attention says which"
     ),
     "num_processes": "start processes with {nproc_per_node} N",
+    # HF Trainer's and TRL's names that lmtune has no setting for (what they do is lmtune's way, or
+    # does not apply), so a config brought from there is answered line by line, not with a guess.
+    "eval_accumulation_steps": (
+        "evaluation runs micro-batches of {micro_batch_size} and keeps only sums: nothing to accumulate"
+    ),
+    "data_seed": "the data order follows {seed} (shuffled with seed + epoch, the same on every process)",
+    "logging_first_step": "metrics.jsonl has every {log_every} steps and the last",
+    "log_level": (
+        "lmtune prints its own lines and warnings; `lmtune train -v` shows other packages' warnings too"
+    ),
+    "disable_tqdm": "turn the progress bar off with {progress} false",
+    "hub_strategy": "{push_to_hub} uploads the final model once, when training ends",
+    "tf32": (
+        "lmtune leaves TF32 at PyTorch's default (off for matrix products); {precision} bf16 runs them "
+        "in bf16"
+    ),
+    "torch_dtype": "trained weights are kept in fp32; {precision} bf16 | fp16 computes in half precision",
+    "run_name": "a run is named by its {output_dir} (W&B and MLflow runs take that folder's name)",
+    "use_liger_kernel": (
+        "lmtune's chunked linear cross-entropy ({loss_chunk_size}, on by default) never holds the full "
+        "logits, as Liger's fused loss does"
+    ),
+    "padding_free": "lmtune trains without padding by default: per-example attention on packed rows",
+    "full_determinism": (
+        "lmtune has no switch for PyTorch's deterministic GPU kernels; a run follows {seed}, and a "
+        "resume repeats the uninterrupted run exactly"
+    ),
+    "gradient_checkpointing_kwargs": "{activation_checkpointing} true is non-reentrant already",
+    "neftune_noise_alpha": "lmtune has no NEFTune (noise on the input embeddings)",
+    "ddp_find_unused_parameters": "lmtune sets DDP up itself: remove it",
+    "remove_unused_columns": "lmtune reads only the fields its data format uses: remove it",
+    "dataset_num_proc": "lmtune tokenizes in its own worker processes: remove it",
+    "do_train": "lmtune train trains: remove it",
+    "do_eval": "evaluation runs when there is {eval_data} or {eval_split}: remove it",
+    "save_safetensors": "lmtune saves safetensors always: remove it",
+    "save_only_model": (
+        "a checkpoint holds what an exact resume needs; the model alone is OUTPUT/final (and {keep_last} "
+        "limits the checkpoints kept)"
+    ),
+    "eos_token": "lmtune uses the tokenizer's own end-of-sequence token; a chat template ends turns with it",
+    "pad_token": (
+        "lmtune pads with the tokenizer's padding token, or its end-of-sequence token when it has none "
+        "(padding never trains)"
+    ),
     "max_completion_length": (
         "a preference pair keeps prompt and answer within {max_length}: the prompt is cut from the left "
         "(keeping at least half of {max_length}), the answers from the right"
@@ -209,6 +253,7 @@ def resolve_names(
             is unknown, or a setting given twice (under its name and an alias).
     """
     accepted = set(known)
+    values = _hub_switch(values, where, style)
     out: dict[str, Any] = {}
     given_as: dict[str, str] = {}
     unknown: list[str] = []  # all of them at once: a config from another tool has several
@@ -225,3 +270,25 @@ def resolve_names(
     if unknown:
         raise UserError("\n".join(unknown))
     return out
+
+
+def _hub_switch(
+    values: dict[str, Any], where: Callable[[str], str], style: Callable[[str], str]
+) -> dict[str, Any]:
+    """HF Trainer's ``push_to_hub`` is yes/no, the repository in ``hub_model_id``; lmtune's names
+    the repository. Yes with a repository becomes lmtune's, no drops both (as in HF, no upload).
+
+    Raises:
+        UserError: yes without a repository.
+    """
+    names = {canonical(k): k for k in values}
+    switch, repo_key = values.get(names.get("push_to_hub", "")), names.get("hub_model_id")
+    if not isinstance(switch, bool):
+        return values
+    out = {k: v for k, v in values.items() if k not in (names["push_to_hub"], repo_key)}
+    if switch and repo_key is None:
+        raise UserError(
+            f"{where(names['push_to_hub'])}{style('push_to_hub')} takes the repository to upload to "
+            "(NAME/REPO, HF Trainer's hub_model_id), not yes/no"
+        )
+    return {**out, "push_to_hub": values[repo_key]} if switch and repo_key else out

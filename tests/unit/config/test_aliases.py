@@ -11,7 +11,7 @@ import pytest
 
 from lmtune.cli import main
 from lmtune.cli.commands import train_config
-from lmtune.cli.parser import build_parser
+from lmtune.cli.parser import build_parser, hub_flags
 from lmtune.config.aliases import ALIASES, HINTS
 from lmtune.config.io import build_config, load_yaml
 from lmtune.config.settings import TrainConfig, config_fields, setting_named, to_dict
@@ -218,3 +218,42 @@ def test_a_train_setting_another_command_does_not_take_says_so(capsys: pytest.Ca
     assert (
         "--lr is a setting of lmtune train, which lmtune data audit does not take" in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    ("lines", "push"),
+    [
+        ("push_to_hub: true\nhub_model_id: me/tuned\n", "me/tuned"),
+        ("hub_model_id: me/tuned\npush_to_hub: yes\n", "me/tuned"),
+        ("push_to_hub: false\nhub_model_id: me/tuned\n", None),  # HF uploads nothing then
+        ("push_to_hub: false\n", None),
+        ("push_to_hub: me/tuned\n", "me/tuned"),
+    ],
+)
+def test_hf_trainers_yes_no_push_to_hub_becomes_lmtunes(tmp_path: Path, lines: str, push: str | None) -> None:
+    yaml_file = tmp_path / "hf.yaml"
+    yaml_file.write_text(lines)
+    assert build_config(load_yaml(str(yaml_file))).checkpoint.push_to_hub == push
+
+
+def test_push_to_hub_yes_without_a_repository_is_refused(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "hf.yaml"
+    yaml_file.write_text("max_steps: 3\npush_to_hub: true\n")
+    with pytest.raises(UserError, match=r":2: push_to_hub takes the repository to upload to \(NAME/REPO"):
+        load_yaml(str(yaml_file))
+    with pytest.raises(UserError, match="--push-to-hub: takes the repository"):
+        hub_flags(["train", "--push_to_hub", "--lr", "1e-4"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--push_to_hub", "--hub_model_id", "me/t", "--lr", "1"], ["--lr", "1", "--push-to-hub", "me/t"]),
+        (["--hub-model-id=me/t", "--push_to_hub", "True"], ["--push-to-hub", "me/t"]),
+        (["--push_to_hub=false", "--hub_model_id", "me/t", "--lr", "1"], ["--lr", "1"]),
+        (["--push-to-hub", "me/t", "--lr", "1"], ["--push-to-hub", "me/t", "--lr", "1"]),  # lmtune's own
+        (["--hub_model_id", "me/t"], ["--hub_model_id", "me/t"]),  # an alias of --push-to-hub
+    ],
+)
+def test_hf_trainers_push_flags_become_lmtunes(argv: list[str], expected: list[str]) -> None:
+    assert hub_flags(["train", *argv]) == ["train", *expected]
