@@ -49,6 +49,7 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
 
     for s in config_fields():
         value = value_of(cfg, s)
+        need(_typed(value, s.type, s.optional), s.name, f"expected {s.type.__name__}")
         need(
             not s.choices or value is None or value in s.choices,
             s.name,
@@ -68,6 +69,16 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
     _check_evaluation_data(cfg, need)
     _check_batch(cfg.batch, world_size, need)
     _check_applicable(cfg, need)
+
+
+def _typed(value: object, kind: type, optional: bool) -> bool:
+    """Whether ``value`` is of a setting's type: the CLI and YAML convert values, the Python API
+    (``TrainConfig(lr="abc")``) does not, and a wrong type would fail later with a traceback."""
+    if value is None:
+        return optional
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
 
 
 def _check_optim(o: OptimSettings, need: Need) -> None:

@@ -52,6 +52,28 @@ def test_allowed_values_live_in_the_field_and_are_checked_and_shown() -> None:
             validate(replace(TrainConfig(), **{name: "nonsense"}), 1)
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"lr": "abc"}, "--lr: expected float (got 'abc')"),
+        ({"max_steps": "3"}, "--max-steps: expected int (got '3')"),
+        ({"lora": True, "lora_rank": 8.0}, "--lora-rank: expected int (got 8.0)"),
+        ({"packing": True}, "--packing: expected str (got True)"),
+        ({"lora": "yes"}, "--lora: expected bool (got 'yes')"),
+    ],
+)
+def test_the_python_api_refuses_a_value_of_the_wrong_type(settings: dict[str, Any], message: str) -> None:
+    """The CLI and YAML convert values; TrainConfig takes them as given, so the check names them
+    instead of a TypeError deep in the run."""
+    with pytest.raises(UserError) as refused:
+        validate(TrainConfig(**settings), 1)
+    assert str(refused.value) == message
+
+
+def test_numbers_of_either_kind_are_floats_and_none_is_unset() -> None:
+    validate(TrainConfig(lr=1, max_grad_norm=0, max_steps=None), 1)
+
+
 def test_plan_help_lists_only_what_plan_reads(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
