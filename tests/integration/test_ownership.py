@@ -75,10 +75,32 @@ def test_export_writes_beside_and_replaces_only_an_earlier_export(
     assert "holds an earlier export; --overwrite replaces it" in _error(
         ["export", str(ckpt), str(dest)], capsys
     )
+    # A file the earlier export wrote (its marker lists it) goes; a file added since is the user's.
+    marker = json.loads((dest / EXPORT_MARKER).read_text())
+    (dest / EXPORT_MARKER).write_text(json.dumps({**marker, "files": [*marker["files"], "stale.txt"]}))
     (dest / "stale.txt").write_text("from the earlier export")
+    (dest / "deploy.sh").write_text("mine")
+    said = _error(["export", str(ckpt), str(dest), "--overwrite"], capsys)
+    assert "holds files an export did not write (deploy.sh)" in said
+    assert (dest / "deploy.sh").read_text() == "mine" and (dest / "stale.txt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
+    (dest / "deploy.sh").unlink()
     assert main(["export", str(ckpt), str(dest), "--overwrite"]) == 0
     assert not (dest / "stale.txt").exists() and (dest / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
+
+
+def test_saved_weights_are_as_readable_as_the_files_beside_them(run: Path, tmp_path: Path) -> None:
+    """safetensors writes 0600; lmtune's folders follow the umask (022 here: 0644), so a serving
+    account can read the weights as it can read their config."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    expected = 0o666 & ~umask
+    assert main(["export", str(run / "checkpoints" / "step-000002"), str(tmp_path / "exp")]) == 0
+    for folder in (run / "final", run / "checkpoints" / "step-000002", tmp_path / "exp"):
+        weights = [p for p in folder.rglob("*.safetensors")]
+        assert weights and all(p.stat().st_mode & 0o777 == expected for p in weights), folder
+        assert (folder / "config.json").stat().st_mode & 0o777 == expected
 
 
 def _earlier_run(folder: Path) -> None:
@@ -89,7 +111,7 @@ def _earlier_run(folder: Path) -> None:
     (folder / "samples" / "list.txt").write_text("mine")
     (folder / "final").mkdir()
     (folder / "metrics.jsonl").write_text("{}\n")
-    (folder / "run.json").write_text("{}")
+    (folder / "run.json").write_text('{"config": {}, "environment": {}}')
     (folder / "notes.txt").write_text("mine")
 
 
@@ -99,12 +121,22 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == ["checkpoints", "checkpoints/my-notes.txt", "notes.txt", "samples", "samples/list.txt"]
     # Folders named as lmtune names its entries, in a folder that holds no lmtune run, are not its.
+    # Nor are they with this run's lock in it (check_earlier_run runs with the lock held), or a
+    # metrics.jsonl, a checkpoint-named folder without a manifest, or a run.json of another tool.
     other = tmp_path / "other"
     (other / "wandb").mkdir(parents=True)
     (other / "final").mkdir()
+    (other / "checkpoints" / "step-000001").mkdir(parents=True)
+    (other / "checkpoints" / "step-000001" / "keep.txt").write_text("mine")
+    (other / "metrics.jsonl").write_text('{"loss": 1}\n')
+    (other / "run.json").write_text('{"config": {"lr": 1}}')
+    (other / LOCK_FILE).write_text("held by this run")
     with pytest.raises(UserError, match="not lmtune's to delete"):
         check_earlier_run(other, continued=False, overwrite=True, config={})
-    assert (other / "wandb").is_dir() and (other / "final").is_dir()
+    assert sorted(p.name for p in other.iterdir()) == sorted(
+        ["wandb", "final", "checkpoints", "metrics.jsonl", "run.json", LOCK_FILE]
+    )
+    assert (other / "checkpoints" / "step-000001" / "keep.txt").is_file()
 
 
 def test_output_folders_that_would_lose_or_reread_inputs_are_refused(

@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from lmtune.checkpoint import sharded
-from lmtune.checkpoint.layout import GENERATION_CONFIG, MANIFEST, MODEL_FILE, SHARDED_DIR, verify
+from lmtune.checkpoint.layout import (
+    GENERATION_CONFIG,
+    MANIFEST,
+    MODEL_FILE,
+    SHARDED_DIR,
+    open_to_umask,
+    verify,
+)
 from lmtune.checkpoint.state import ModelParts
 from lmtune.config.files import read_json_object
 from lmtune.config.io import build_config
@@ -99,6 +106,7 @@ def replace_folder(folder: Path, write: Callable[[Path], None]) -> None:
     tmp.mkdir(parents=True)
     try:
         write(tmp)
+        open_to_umask(tmp)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if _out_of_space(e):
@@ -362,9 +370,12 @@ def _write_export(out: Path, write: Callable[[Path], None], checkpoint: Path) ->
     tmp.mkdir()
     try:
         write(tmp)
-        marker = {"checkpoint": str(checkpoint.resolve()), "written": time.time()}
+        open_to_umask(tmp)
+        files = _files_in(tmp)
+        marker = {"checkpoint": str(checkpoint.resolve()), "written": time.time(), "files": sorted(files)}
         (tmp / EXPORT_MARKER).write_text(json.dumps(marker), encoding="utf-8")
         if out.exists():
+            _check_only_exported(out, files)
             out.rename(aside)
         tmp.rename(out)
     except Exception as e:
@@ -375,6 +386,28 @@ def _write_export(out: Path, write: Callable[[Path], None], checkpoint: Path) ->
             raise UserError(f"no space left on device while writing {out}; nothing there changed") from None
         raise
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def _files_in(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir()}
+
+
+def _check_only_exported(out: Path, files: set[str]) -> None:
+    """Refuse to replace an earlier export that holds files no export wrote (a user's script or
+    notes added since): what its marker lists, or what this export writes too (an export of an
+    older lmtune, whose marker lists nothing), is lmtune's; anything else is not."""
+    try:
+        listed = json.loads((out / EXPORT_MARKER).read_text(encoding="utf-8")).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        listed = []
+    ours = {*files, *(f for f in listed if isinstance(f, str)), EXPORT_MARKER}
+    foreign = sorted(_files_in(out) - ours)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise UserError(
+            f"lmtune export: {out}: holds files an export did not write ({shown}); lmtune replaces only "
+            "what it wrote: move them, or export to another folder"
+        )
 
 
 def _load_sharded_model(model: nn.Module, folder: Path) -> None:

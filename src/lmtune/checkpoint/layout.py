@@ -102,8 +102,32 @@ def verify(folder: Path) -> str | None:
     return None
 
 
+def _umask() -> int:
+    try:  # Linux: read, not set (setting it to read it back races with other threads)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def open_to_umask(folder: Path) -> None:
+    """Give the files of a saved folder the permissions of the user's umask. safetensors writes
+    its files 0600 (through a private temporary file), so weights that every other file beside
+    them lets a serving account read would be readable by their owner only."""
+    mode = 0o666 & ~_umask()
+    for path in folder.rglob("*"):
+        private = path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 == 0o600
+        if private and mode != 0o600:
+            path.chmod(mode)
+
+
 def write_manifest(folder: Path) -> None:
     """Every file's size and SHA-256, written last: a folder without it is an unfinished save."""
+    open_to_umask(folder)
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     manifest = {
         p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in files

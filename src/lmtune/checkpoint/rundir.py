@@ -253,6 +253,21 @@ def holds_a_run(folder: Path) -> bool:
     return records or bool(list_checkpoints(folder))
 
 
+def _ran_here(folder: Path) -> bool:
+    """Whether an lmtune run wrote ``folder``'s entries: its run.json, or a checkpoint whose
+    manifest checks out. Not the lock (this run holds it by now), nor entries that only bear
+    lmtune's names (``final/``, ``metrics.jsonl``, ``checkpoints/step-1/``): a user's may."""
+    from lmtune.checkpoint.layout import list_checkpoints, verify
+
+    try:
+        record = read_json_object(folder / "run.json")
+    except (OSError, UserError):
+        record = {}
+    if isinstance(record.get("config"), dict) and isinstance(record.get("environment"), dict):
+        return True
+    return any(verify(p) is None for p in list_checkpoints(folder))
+
+
 def enclosing_run(path: Path) -> Path | None:
     """The nearest of ``path`` (resolved) and the folders above it that holds a run, or None."""
     for folder in (path, *path.parents):
@@ -270,11 +285,11 @@ def check_earlier_run(output_dir: Path, continued: bool, overwrite: bool, config
     """
     present = [n for n in RUN_FILES if (output_dir / n).exists()]
     if overwrite:
-        if present and not holds_a_run(output_dir):
+        if present and not _ran_here(output_dir):
             raise UserError(
-                f"--overwrite: {output_dir} holds {', '.join(present)} but no lmtune run (no run.json, "
-                "metrics.jsonl or checkpoint), so they are not lmtune's to delete; move them or choose "
-                "another --output-dir"
+                f"--overwrite: {output_dir} holds {', '.join(present)} but no lmtune run (no run.json "
+                "of one, nor a complete checkpoint), so they are not lmtune's to delete; move them or "
+                "choose another --output-dir"
             )
         remove_own_entries(output_dir)
         return
