@@ -158,6 +158,24 @@ def test_report_reads_a_run_that_is_still_writing(tmp_path: Path) -> None:
     assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "x.html")]) == 2
 
 
+def test_a_path_that_cannot_be_written_is_a_user_error(
+    resumed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The path and the system's reason, exit 2, no traceback (also for a folder without
+    permission, which root on this machine does not meet)."""
+    capsys.readouterr()
+    assert main(["report", str(resumed), "--out", str(tmp_path / "nodir" / "r.html")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'nodir' / 'r.html'}: No such file or directory\n"
+    (tmp_path / "page.html").write_text("")
+    assert (
+        main(
+            ["report", str(resumed), "--out", str(tmp_path / "r.html"), "--png", str(tmp_path / "page.html")]
+        )
+        == 2
+    )
+    assert "--png" in capsys.readouterr().err and not (tmp_path / "r.html").exists()
+
+
 def test_mfu_over_100_percent_is_never_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import lmtune.train
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -10,6 +11,7 @@ from contextlib import suppress
 from typing import NoReturn
 
 from lmtune.cli.parser import build_parser, hub_flags, spelled_out_flags, spelled_twice, unknown_arguments
+from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 from lmtune.config.threads import choose_thread_wait
 from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
 
@@ -46,6 +48,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         report_error(str(e), USER_ERROR_EXIT_CODE)
         return USER_ERROR_EXIT_CODE
+    except OSError as e:
+        if not _a_path_problem(e):
+            raise
+        from lmtune.parallel.launch import report_error
+
+        # A file the user named that cannot be read or written (permissions, a missing folder, a
+        # read-only disk): the path and the reason say it all; a traceback would not help.
+        report_error(f"{e.filename}: {e.strerror}", USER_ERROR_EXIT_CODE)
+        return USER_ERROR_EXIT_CODE
     except StoppedBySignal as e:
         print(f"lmtune: {e}", file=sys.stderr, flush=True)
         return 128 + e.signum
@@ -57,6 +68,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+_PATH_ERRORS = frozenset(
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EROFS,
+        errno.EEXIST,
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.ELOOP,
+        errno.ENAMETOOLONG,
+    }
+)
+
+
+def _a_path_problem(e: OSError) -> bool:
+    return e.filename is not None and e.errno in _PATH_ERRORS and not os.environ.get(VERBOSE_ENV)
 
 
 def run() -> NoReturn:

@@ -236,6 +236,8 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from lmtune.tools.report import PLOTS, report
 
+    if args.png and Path(args.png).exists() and not Path(args.png).is_dir():
+        raise UserError(f"--png {args.png}: not a folder (--png names the folder the PNG files go to)")
     drawn = report([Path(o) for o in args.outputs], Path(args.out), Path(args.png) if args.png else None)
     empty = [name for name in PLOTS if name not in drawn]
     print(
