@@ -112,6 +112,9 @@ def test_train_doctor_checks_before_training(tmp_path: Path, capsys: pytest.Capt
     assert printed.index("lmtune doctor") < printed.index("lmtune: preset tiny")
     assert main(["doctor", "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "FAIL  data" in capsys.readouterr().out
+    # A folder it had to make to check (with the ones above it) is gone after the check.
+    assert main(["doctor", "--output-dir", str(tmp_path / "new" / "a" / "b")]) == 0
+    assert "ok    free disk" in capsys.readouterr().out and not (tmp_path / "new").exists()
 
 
 def test_model_folder_without_tokenizer_says_so_in_one_line(

@@ -187,8 +187,10 @@ def _size(n: int) -> str:
 
 
 def _shared_folder(env: DistEnv, folder: Path, name: str) -> Check:
-    """Writable on every rank, and the same folder on all: rank 0's token must be seen by all."""
+    """Writable on every rank, and the same folder on all: rank 0's token must be seen by all. The
+    folders it makes for that (a run's output folder is made by the run) are removed after."""
     writable = True
+    made = [f for f in (folder, *folder.parents) if not f.exists()]  # deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".lmtune-doctor-{uuid.uuid4().hex}"
@@ -206,6 +208,12 @@ def _shared_folder(env: DistEnv, folder: Path, name: str) -> Check:
     barrier(env)
     if env.is_main:
         marker.unlink(missing_ok=True)
+    barrier(env)
+    for path in made:
+        try:
+            path.rmdir()  # only while empty: another rank (or anything else) may have written there
+        except OSError:
+            break
     not_writable = [r for r, (_, w, _) in enumerate(results) if not w]
     blind = [r for r, (_, _, s) in enumerate(results) if not s]
     if not_writable:
@@ -225,7 +233,8 @@ def _shared_folder(env: DistEnv, folder: Path, name: str) -> Check:
 
 
 def _disk(env: DistEnv, folder: Path, model: str | None) -> Check:
-    free = shutil.disk_usage(folder).free
+    # The folder may not exist (yet): its disk is that of the nearest folder above it that does.
+    free = shutil.disk_usage(next(f for f in (folder, *folder.parents) if f.exists())).free
     if model is None:
         return Check("free disk", OK, f"{free / 2**30:,.1f} GiB free in {folder}")
     from lmtune.model.modeling import load_config
