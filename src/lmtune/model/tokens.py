@@ -40,3 +40,42 @@ def fit_embeddings(model: nn.Module, tokenizer: Any) -> bool:
         return False
     model.resize_token_embeddings(len(tokenizer))  # type: ignore[operator]
     return True
+
+
+def position_limit(model: nn.Module) -> tuple[int | None, bool]:
+    """The positions the model was trained with (``n_positions``/``max_position_embeddings``), and
+    whether they are a learned table (GPT-2, OPT: a longer sequence indexes past it and fails)
+    rather than rotary or ALiBi positions (which run on, but beyond what the model has seen)."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None, False
+    get_inputs = getattr(model, "get_input_embeddings", None)
+    inputs = get_inputs() if callable(get_inputs) else None
+    learned = any(
+        isinstance(m, nn.Embedding) and m is not inputs and limit <= m.num_embeddings <= limit + 2
+        for m in model.modules()
+    )  # OPT's table holds 2 more rows than its limit
+    return limit, learned
+
+
+def check_positions(model: nn.Module, longest: int, warn: Any) -> None:
+    """Refuse sequences longer than a learned position table, warn past rotary positions.
+
+    Raises:
+        UserError: naming --max-length.
+    """
+    from lmtune.errors import UserError
+
+    limit, learned = position_limit(model)
+    if limit is None or longest <= limit:
+        return
+    if learned:
+        raise UserError(
+            f"--max-length: examples of up to {longest} tokens, but the model has {limit} positions "
+            f"(a learned table: longer sequences cannot run); give --max-length {limit} or less"
+        )
+    warn(
+        f"warning: examples of up to {longest} tokens, past the model's {limit} positions "
+        "(max_position_embeddings): it never saw positions that far; --max-length caps examples"
+    )

@@ -43,7 +43,7 @@ from lmtune.model.paths import (
 from lmtune.model.precision import autocast_context, grad_scaler, low_precision_dtype
 from lmtune.model.products import Fp32Products, Products
 from lmtune.model.quantization import base_summary, quantization_of, return_freed_buffers
-from lmtune.model.tokens import fit_embeddings, set_stop_tokens
+from lmtune.model.tokens import check_positions, fit_embeddings, set_stop_tokens
 from lmtune.objectives import objective_for
 from lmtune.objectives.base import LossSetup, Objective
 from lmtune.outputs.runlog import InfoLog, RunLog
@@ -109,6 +109,8 @@ def build_parts(
     tokenizer = loaded.tokenizer
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
+    longest = max(int(d.lengths().max(initial=0)) for d in (train_data, eval_data) if d is not None)
+    check_positions(loaded.model, min(longest, cfg.examples.max_length), log.info)
     run.heartbeat.beat("load")
     objective = objective or objective_for(cfg.objective)
     check_data_kind(objective, train_data, eval_data)
