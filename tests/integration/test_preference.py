@@ -130,6 +130,10 @@ def test_conversational_pairs_train(objective: str, extra: list[str], tmp_path: 
         ),
         (["--objective", "ipo", "--label-smoothing", "0.1"], "--label-smoothing: applies to --objective dpo"),
         (["--objective", "dpo", "--beta", "0"], "--beta: must be > 0"),
+        (
+            ["--objective", "dpo", "--reference-model", "nope", "--global-batch-size", "8"],
+            "--reference-model nope: could not load it",
+        ),
     ],
 )
 def test_user_errors_name_what_to_fix(

@@ -98,7 +98,13 @@ def reference_model(run: RunContext, policy: nn.Module) -> nn.Module:
     if name is None:
         model = copy.deepcopy(policy)
     else:
-        model = load_model(name, cfg.seed, cfg.model.trust_remote_code).model
+        try:
+            model = load_model(name, cfg.seed, cfg.model.trust_remote_code).model
+        except UserError as e:  # load_model speaks of --model; here the folder is the reference's
+            said = str(e)
+            raise UserError(
+                said.replace("--model ", "--reference-model ", 1) if said.startswith("--model ") else said
+            ) from None
         _check_vocabulary(model, policy, name)
         cpu_bf16 = run.env.device.type == "cpu" and cfg.model.precision == "bf16"
         if _per_example_attention(policy) and not use_varlen(model, cpu_bf16):
