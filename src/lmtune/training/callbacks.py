@@ -225,8 +225,9 @@ class Evaluator:
             assert best.best is not None
             control.stop = "early"
             self.log.info(
-                f"stopping early at step {state.step}: {best.metric} has not improved for "
-                f"{best.without_improvement} evaluations "
+                f"stopping early at step {state.step}: {best.metric} has not improved"
+                + (f" by more than {best.threshold:g}" if best.threshold else "")
+                + f" for {best.without_improvement} evaluation{'s' if best.without_improvement != 1 else ''} "
                 f"(best {best.best.value:.4f} at step {best.best.step})"
             )
         return ev

@@ -305,6 +305,27 @@ def test_evaluator_asks_to_save_each_best_and_stops_after_the_patience(tmp_path:
     assert best.best is not None and best.best.step == 4
 
 
+def test_the_early_stop_line_says_what_too_small_an_improvement_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    losses = iter([3.0, 2.9])  # better, but by less than the threshold
+
+    def run_eval() -> EvalResult:
+        loss = next(losses)
+        return EvalResult(loss=loss, target_tokens=10, examples=2, count=10, metrics={"eval_loss": loss})
+
+    with RunLog(ENV, tmp_path, progress=False) as log:
+        log.open_metrics(0)
+        best = BestTracker(metric="eval_loss", greater_is_better=False, patience=1, threshold=0.5)
+        evaluator = Evaluator(run_eval, log, every=1, best=best)
+        for step in (1, 2):
+            evaluator.after_step(_end(step), Control())
+    assert (
+        "stopping early at step 2: eval_loss has not improved by more than 0.5 for 1 evaluation "
+        "(best 2.9000 at step 2)"
+    ) in capsys.readouterr().out
+
+
 @dataclass
 class SaveRecorder:
     """A saver that records what fit asks of it, and when."""
