@@ -160,12 +160,20 @@ def _suggested_map(record: Record) -> str:
     return f", such as prompt={prompt},completion={completion}" if prompt else ""
 
 
+def field_kind(record: Record, name: str) -> str:
+    """What a field that should hold text holds instead, as "record has ... field" says it."""
+    if name not in record.fields:
+        return "no"
+    value = record.fields[name]
+    return "a null" if value is None else f"a non-string ({type(value).__name__})"
+
+
 def _string(record: Record, name: str, names: FieldMap, allow_missing: bool = False) -> str:
     value = record.fields.get(name)
     if value is None and allow_missing:
         return ""
     if not isinstance(value, str):
-        problem = "no" if value is None else f"a non-string ({type(value).__name__})"
+        problem = field_kind(record, name)
         called = f" (--field-map {name}={names.fields[name]})" if name in names.fields else ""
         raise UserError(
             f"{record.where}: record has {problem} '{names.name(name)}' field{called} "

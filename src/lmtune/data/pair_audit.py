@@ -72,9 +72,15 @@ def pair_lines(report: PairAudit) -> list[str]:
     n = max(report.pairs, 1)
     # Ties say nothing about length: the share is of the pairs whose answers differ in length.
     differ = report.pairs - report.same_length
+    longer = 100 * report.chosen_longer / max(differ, 1)
+    # Within 40-60% length says little about which answer is chosen; beyond, DPO learns it too.
+    lesson = (
+        "far from 50%: DPO learns that length too"
+        if abs(longer - 50) > 10
+        else "near 50%: length does not tell them apart"
+    )
     share = (
-        f"chosen longer than rejected in {100 * report.chosen_longer / differ:.0f}% of the pairs whose "
-        "answers differ in length (far from 50%: DPO learns that length too)"
+        f"chosen longer than rejected in {longer:.0f}% of the pairs whose answers differ in length ({lesson})"
         if differ
         else "every pair's answers have the same length"
     )

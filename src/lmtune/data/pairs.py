@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from lmtune.data.formats import FieldMap, chat_text, messages_field
+from lmtune.data.formats import FieldMap, chat_text, field_kind, messages_field
 from lmtune.data.sources import BadLines, Record
 from lmtune.errors import UserError
 
@@ -62,7 +62,7 @@ def is_messages(value: Any) -> bool:
 def _text(record: Record, name: str, names: FieldMap) -> str:
     value = record.fields.get(name)
     if not isinstance(value, str):
-        problem = "no" if value is None else f"a non-string ({type(value).__name__})"
+        problem = field_kind(record, name)
         raise UserError(
             f"{record.where}: preference record has {problem} '{names.name(name)}' field "
             f"(fields found: {names.found(record.fields)})"

@@ -144,6 +144,7 @@ def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
     [
         ({"chosen": "a", "rejected": "b"}, "pairs.jsonl:1: preference record has no 'prompt' field"),
         ({"prompt": "q", "chosen": 3, "rejected": "b"}, "a non-string \\(int\\) 'chosen'"),
+        ({"prompt": "q", "chosen": "a", "rejected": None}, "has a null 'rejected' field"),
         (
             {"prompt": "q", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"},
             "must be a list",
@@ -245,3 +246,6 @@ def test_the_length_share_leaves_ties_out() -> None:
     assert "every pair's answers have the same length" in tied and "%" not in tied
     mixed = "\n".join(pair_lines(PairAudit(pairs=4, same_length=2, chosen_longer=1)))
     assert "chosen longer than rejected in 50% of the pairs whose answers differ" in mixed
+    assert "near 50%: length does not tell them apart" in mixed and "far from 50%" not in mixed
+    skewed = "\n".join(pair_lines(PairAudit(pairs=4, chosen_longer=4)))
+    assert "in 100% of the pairs" in skewed and "far from 50%: DPO learns that length too" in skewed
