@@ -97,12 +97,17 @@ def test_tensorboard_and_report_show_the_rewards(dpo_run: Path, tmp_path: Path) 
     ("objective", "extra"),
     [("ipo", ["--lora"]), ("simpo", ["--chat-template", "chatml"]), ("orpo", ["--lora"])],
 )
-def test_conversational_pairs_train(objective: str, extra: list[str], tmp_path: Path) -> None:
+def test_conversational_pairs_train(
+    objective: str, extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = write_pairs(tmp_path / "chat.jsonl", 16, seed=2, chat=True)
     out = tmp_path / "out"
     args = ["train", "--objective", objective, "--data", str(data), *extra, "--max-steps", "2"]
     args += ["--global-batch-size", "8", "--no-progress", "--output-dir", str(out)]
     assert main(args) == 0
+    knobs = {"ipo": "beta 0.1", "simpo": "beta 0.1, gamma 0.5", "orpo": "lambda 0.1"}  # ORPO has no beta
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("objective "))
+    assert line.split(";")[0] == f"objective {objective}: {knobs[objective]}"
     saved = "adapter_model.safetensors" if "--lora" in extra else "model.safetensors"
     assert (out / "final" / saved).is_file()
     config = json.loads((out / "final" / "generation_config.json").read_text())

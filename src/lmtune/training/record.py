@@ -115,12 +115,13 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
         run.log.info(f"{built.paths.line()}; matrix products: {built.products.description}")
     if built.objective.unit == "pairs":
         o = cfg.objective
-        knobs = {"dpo": f"label smoothing {o.label_smoothing}", "simpo": f"gamma {o.simpo_gamma}"}
-        knobs["orpo"] = f"lambda {o.orpo_lambda}"
-        extra = f", {knobs[o.name]}" if o.name in knobs else ""
+        more = {"dpo": f"label smoothing {o.label_smoothing}", "simpo": f"gamma {o.simpo_gamma}"}
+        # ORPO's one weight is lambda (TRL's ORPOConfig.beta); --beta does not apply to it.
+        knobs = [f"lambda {o.orpo_lambda}"] if o.name == "orpo" else [f"beta {o.beta}"]
+        knobs += [more[o.name]] if o.name in more else []
         reference = resolved["reference"]
         run.log.info(
-            f"objective {o.name}: beta {o.beta}{extra}" + (f"; reference: {reference}" if reference else "")
+            f"objective {o.name}: {', '.join(knobs)}" + (f"; reference: {reference}" if reference else "")
         )
     return {
         "config": to_dict(cfg),
