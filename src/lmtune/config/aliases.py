@@ -54,9 +54,7 @@ ALIASES: dict[str, str] = {
 HINTS: dict[str, str] = {
     "gradient_accumulation_steps": (
         "lmtune derives gradient accumulation from {global_batch_size} (examples per optimizer step "
-        "over all processes) = {micro_batch_size} x processes x accumulation; for 8 per device x 4 "
-        "accumulation on one device give {global_batch_size} 32 {micro_batch_size} 8, and the same "
-        "numbers train the same on any number of processes"
+        "over all processes) = {micro_batch_size} x processes x accumulation"
     ),
     "per_device_eval_batch_size": "evaluation runs micro-batches of {micro_batch_size}",
     "bf16": "set the precision with {precision} bf16",
@@ -230,13 +228,16 @@ def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Calla
     )
     # Flags arrive as text, YAML values as numbers.
     value, micro = (int(v) if isinstance(v, str) and v.isdigit() else v for v in (value, micro))
-    if canonical(key) != "gradient_accumulation_steps" or not all(
-        type(v) is int and v > 0 for v in (value, micro)
-    ):
+    if canonical(key) != "gradient_accumulation_steps":
         return ""
+    if not (type(value) is int and value > 0):
+        value = 4
+    if not (type(micro) is int and micro > 0):
+        micro = 8  # HF Trainer's default per_device_train_batch_size
     return (
-        f"; here, {micro} per device x {value} accumulation on one device is {style('global_batch_size')} "
-        f"{micro * value} {style('micro_batch_size')} {micro}"
+        f"; {micro} per device x {value} accumulation on one device is {style('global_batch_size')} "
+        f"{micro * value} {style('micro_batch_size')} {micro}, and the same numbers train the same on any "
+        "number of processes"
     )
 
 
