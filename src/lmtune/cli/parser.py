@@ -152,7 +152,9 @@ def hub_flags(argv: list[str]) -> list[str]:
 def spelled_twice(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
     """A setting given under two of its names (``--lr 1e-4 --learning-rate 2e-4``): which value
     was meant is not for lmtune to guess (a YAML file that does so is refused too). The same name
-    repeated, or a yes/no option with its ``--no-`` form, is argparse's rule: the last one wins."""
+    repeated, or a yes/no option with its ``--no-`` form, is argparse's rule: the last one wins
+    (a later flag overrides a script's); not for a list (``--data a.jsonl --data b.jsonl`` would
+    train on b alone), which takes its items comma-separated."""
     from lmtune.config.settings import option_name
 
     first: dict[str, str] = {}
@@ -162,10 +164,26 @@ def spelled_twice(parser: argparse.ArgumentParser, argv: list[str]) -> str | Non
         if action is None or action.dest in ("help", "config", "verbose"):
             continue
         name = option.replace("_", "-").removeprefix("--no-").removeprefix("--")
+        if action.dest in LIST_SETTINGS and action.dest in first:
+            return (
+                f"{option_name(action.dest)} is given twice; give its items once, comma-separated "
+                f"({option_name(action.dest)} {LIST_SETTINGS[action.dest]})"
+            )
         earlier = first.setdefault(action.dest, name)
         if earlier != name:
             return f"{option_name(action.dest)} is set twice (as --{earlier} and {option}); give it once"
     return None
+
+
+# Settings that hold several items, and an example of them.
+LIST_SETTINGS = {
+    "data": "a.jsonl,b.jsonl",
+    "eval_data": "a.jsonl,b.jsonl",
+    "data_weights": "3,1",
+    "lora_target_modules": "q_proj,v_proj",
+    "field_map": "prompt=question,completion=answer",
+    "report_to": "tensorboard,wandb",
+}
 
 
 def _is_number(text: str) -> bool:

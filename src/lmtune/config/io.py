@@ -174,7 +174,7 @@ def load_yaml(path: str) -> dict[str, Any]:
                 both = f"as {flat} and {one_line(str(key), 60)}"
                 raise UserError(f"--config: {path}: {option_name(flat)} is set twice ({both})")
             settings[flat], origin[flat] = item, str(key)
-    lines = _key_lines(text)
+    lines = _key_lines(text, path)
 
     def where(flat: str) -> str:
         line = lines.get(origin.get(flat, flat))
@@ -195,12 +195,25 @@ def load_yaml(path: str) -> dict[str, Any]:
     return resolve_names(settings, (s.name for s in config_fields()), where)
 
 
-def _key_lines(text: str) -> dict[str, int]:
-    """The line of each top-level key of a YAML mapping (the node graph: nothing is expanded)."""
+def _key_lines(text: str, path: str) -> dict[str, int]:
+    """The line of each top-level key of a YAML mapping (the node graph: nothing is expanded).
+
+    Raises:
+        UserError: for a key given twice, which YAML loaders resolve silently (the last wins).
+    """
     node = yaml.compose(text, Loader=yaml.SafeLoader)
     if not isinstance(node, yaml.MappingNode):
         return {}
-    return {str(k.value): k.start_mark.line + 1 for k, _ in node.value}
+    lines: dict[str, int] = {}
+    for key, _ in node.value:
+        name, line = str(key.value), key.start_mark.line + 1
+        if name in lines:
+            raise UserError(
+                f"--config {path}:{line}: {one_line(name, 60)} is set twice (also on line {lines[name]}); "
+                "give it once"
+            )
+        lines[name] = line
+    return lines
 
 
 def _group_entries(group: str, values: dict[Any, Any], path: str) -> dict[str, Any]:

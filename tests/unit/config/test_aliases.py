@@ -265,3 +265,20 @@ def test_push_to_hub_yes_without_a_repository_is_refused(tmp_path: Path) -> None
 )
 def test_hf_trainers_push_flags_become_lmtunes(argv: list[str], expected: list[str]) -> None:
     assert hub_flags(["train", *argv]) == ["train", *expected]
+
+
+def test_a_yaml_key_given_twice_is_refused_not_last_wins(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("lr: 1.0e-3\nseed: 3\nlr: 2.0e-3\n")
+    with pytest.raises(UserError, match=r":3: lr is set twice \(also on line 1\)"):
+        load_yaml(str(yaml_file))
+
+
+def test_a_list_option_given_twice_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--data a --data b would train on b alone; a scalar repeated is argparse's last-wins."""
+    assert main(["train", "--data", "a.jsonl", "--data", "b.jsonl"]) == 2
+    assert "--data is given twice; give its items once, comma-separated (--data a.jsonl,b.jsonl)" in (
+        capsys.readouterr().err
+    )
+    args, _ = build_parser().parse_known_args(["train", "--lr", "1e-3", "--lr", "2e-3"])
+    assert train_config(args).optim.lr == 2e-3
