@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -126,3 +127,5 @@ def _quiet_libraries() -> None:
         return
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    # The hub client's retry notices ("Retrying in 1s [Retry 1/5]"): a failed load is reported once.
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)

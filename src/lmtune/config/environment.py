@@ -86,3 +86,21 @@ def check_environment() -> None:
     folder(HEALTH_DIR, must_exist=True)
     token(LOCK_TOKEN)
     switch(VERBOSE)
+
+
+def hub_reachable(timeout_s: float = 5.0) -> bool:
+    """One quick connection to the hub's host; offline mode counts as out of reach. Without it,
+    the hub client retries for most of a minute before it says the hub is out of reach."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname or "", url.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import codecs
 import csv
+import difflib
 import glob
 import hashlib
 import json
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,10 +136,29 @@ def _item_sources(item: str, option: str) -> list[Source]:
         return [_file_source(p, option) for p in files]
     if path.is_file():
         return [_file_source(path, option)]
-    if item.startswith((".", "/", "~")) or path.suffix.lower() in EXTENSIONS:
-        raise UserError(f"{option}: no such file or folder: {item}")
+    near = _near_names(path)
+    # A path by its form (a file-like name: the hub's data sets are ORG/NAME), or a near miss of a
+    # file that is there: said now, not after the hub's retries (seconds offline).
+    filelike = "/" not in item and re.fullmatch(r".+\.[A-Za-z0-9]{1,5}", item) is not None
+    if item.startswith((".", "/", "~")) or path.suffix.lower() in EXTENSIONS or filelike or near:
+        hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+        raise UserError(f"{option}: no such file or folder: {item}{hint}")
     name, _, split = item.partition(":")
     return [Source("hf_hub", name, split or "train")]
+
+
+def _near_names(path: Path) -> list[str]:
+    """Files and folders beside ``path`` whose names are close to its name (a typo of one)."""
+    folder = path.parent
+    try:
+        names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
+    except OSError:
+        return []
+    # By the whole name (a.jsnl: a.jsonl) or the name without its extension (trian: train.jsonl).
+    stems = {Path(n).stem: n for n in names if Path(n).stem != n}
+    close = difflib.get_close_matches(path.name, [*names, *stems], n=2, cutoff=0.8)
+    found = list(dict.fromkeys(stems.get(c, c) if c not in names else c for c in close))
+    return [str(folder / name) if str(folder) != "." else name for name in found]
 
 
 def iter_records(source: Source, text_field: str, bad: BadLines, txt_mode: str = "line") -> Iterator[Record]:
@@ -284,17 +305,40 @@ def _hf_disk(path: str, split: str | None) -> Iterator[Record]:
 
 
 def _hf_hub(name: str, split: str) -> Iterator[Record]:
+    from lmtune.config.environment import hub_reachable
+
+    reachable = hub_reachable()
     try:
         from datasets import load_dataset
 
-        dataset = load_dataset(name, split=split)
+        with nullcontext() if reachable else _cache_only():
+            dataset = load_dataset(name, split=split)
     except Exception as e:  # offline, unknown name, missing split: all say the same to the user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = "" if reachable else " from the local cache (the hub is out of reach)"
         raise UserError(
             f"--data {name}: not a local file or folder, and loading the Hugging Face data set "
-            f"'{name}' (split '{split}') failed: {first}"
+            f"'{name}' (split '{split}'){where} failed: {first}"
         ) from None
     yield from _rows(dataset, name)
+
+
+@contextmanager
+def _cache_only() -> Iterator[None]:
+    """The hub clients in offline mode for one load: the local cache at once, not a minute of
+    retries against a hub that is out of reach (the mode is read when a load runs)."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    modules: tuple[Any, ...] = (datasets.config, huggingface_hub.constants)
+    before = [m.HF_HUB_OFFLINE for m in modules]
+    for m in modules:
+        m.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for m, value in zip(modules, before, strict=True):
+            m.HF_HUB_OFFLINE = value
 
 
 def _sample(split: str, text_field: str) -> Iterator[Record]:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmtune.config.environment import hub_reachable
 from lmtune.config.files import read_json_object
 from lmtune.errors import UserError, brief
 from lmtune.model.configs import CONFIG_BYTES, check_config, check_folder
@@ -176,27 +177,10 @@ def _source(name: str, need_config: bool) -> _Where:
         return _Where(str(path.resolve()), f"local folder {path}", local_only=True)
     if _looks_like_path(name):
         raise UserError(f"--model {name}: no such folder (presets: {', '.join(PRESETS)})")
-    if _hub_reachable():
+    if hub_reachable():
         return _Where(name, f"hub id {name}", local_only=False)
     # Without this, the hub client retries for most of a minute before saying the same.
     return _Where(name, f"hub id {name} (the hub is out of reach, so only the local cache)", local_only=True)
-
-
-def _hub_reachable(timeout_s: float = 5.0) -> bool:
-    """One quick connection to the hub's host; offline mode counts as out of reach."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    url = urlparse(constants.ENDPOINT)
-    try:
-        with socket.create_connection((url.hostname or "", url.port or 443), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def _reason(e: Exception) -> str:

@@ -79,6 +79,21 @@ def test_txt_blocks(tmp_path: Path) -> None:
     assert read(str(tmp_path / "t.txt"), txt_mode="block") == [{"text": "one\ntwo"}, {"text": "three"}]
 
 
+def test_a_typo_of_a_local_file_is_no_hub_data_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Said at once, with the file meant, not after a minute of the hub's retries."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(UserError, match=r"no such file or folder: trian \(did you mean train\.jsonl\?\)"):
+        resolve_sources("trian")
+    with pytest.raises(
+        UserError, match=r"no such file or folder: train\.jsnl \(did you mean train\.jsonl\?\)"
+    ):
+        resolve_sources("train.jsnl")
+    with pytest.raises(UserError, match=r"no such file or folder: notes\.md$"):  # a file's name, not a hub id
+        resolve_sources("notes.md")
+    assert [s.kind for s in resolve_sources("org/dataset,squad")] == ["hf_hub", "hf_hub"]
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
