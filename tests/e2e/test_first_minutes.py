@@ -30,7 +30,7 @@ def test_commands_print_no_foreign_lines_and_verbose_shows_them(tmp_path: Path) 
     loud = run_lmtune([*args, "--output-dir", str(tmp_path / "loud"), "-v"], timeout=300)
     assert loud.returncode == 0, loud.stderr
     assert _foreign(loud.stderr)  # there was something to hide
-    for command in (["--help"], ["plan", "--help"], ["data", "audit", data]):
+    for command in (["--help"], ["plan", "--help"], ["data", "audit", data, "--global-batch-size", "8"]):
         proc = run_lmtune(command, timeout=120)
         assert proc.returncode == 0 and _foreign(proc.stderr) == [], (command, proc.stderr)
 

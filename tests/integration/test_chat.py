@@ -138,7 +138,18 @@ def test_audit_names_the_end_of_turn_as_the_trained_stop(
     rows = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]] * 3
     rows.append([{"role": "user", "content": long_prompt}, {"role": "assistant", "content": "late"}])
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
-    assert main(["data", "audit", str(data), "--model", str(base), "--max-length", "64"]) == 0
+    audit = [
+        "data",
+        "audit",
+        str(data),
+        "--model",
+        str(base),
+        "--max-length",
+        "64",
+        "--global-batch-size",
+        "3",
+    ]
+    assert main(audit) == 0
     out = capsys.readouterr().out
     assert "stop keeps its label yes: 3 of 3 kept examples train a stop token (<|eos|> or <|im_end|>)" in out
     assert "1 truncated, 1 dropped" not in out and "0 truncated, 1 dropped" in out  # the long prompt

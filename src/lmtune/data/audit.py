@@ -46,6 +46,7 @@ class AuditReport:
     skip_bad_lines: bool = False  # training would skip bad lines (else it stops at the first)
     pairs: PairAudit | None = None  # preference data
     mixture: Mixture | None = None  # --data-weights: the sources, each of lengths[starts:+sizes]
+    global_batch_size: int = 1  # train stops when the data holds less than one global batch
 
     @property
     def stops_lost(self) -> int:
@@ -55,17 +56,26 @@ class AuditReport:
     @property
     def unusable(self) -> list[str]:
         """What would stop a training run on this data as it is (exit code 2)."""
+        found = []
         if self.bad.count and not self.skip_bad_lines:
-            return [f"{_count(self.bad.count, 'bad line')} would stop training (--skip-bad-lines skips them)"]
-        return []
+            found.append(
+                f"{_count(self.bad.count, 'bad line')} would stop training (--skip-bad-lines skips them)"
+            )
+        examples = self.stats.examples
+        if examples == 0:
+            found.append("no example to train on")
+        elif examples < self.global_batch_size:
+            found.append(
+                f"{_count(examples, 'example')}, fewer than one global batch (--global-batch-size "
+                f"{self.global_batch_size}); give --global-batch-size {examples} or less, or more data"
+            )
+        return found
 
     @property
     def problems(self) -> list[str]:
         """What would train, but badly (exit code 1)."""
         s = self.stats
         found = []
-        if s.examples == 0:
-            found.append("no example to train on")
         if self.stops_lost:
             found.append(
                 f"{self.stops_lost:,} of {_count(s.examples, 'example')} lose their stop token's label"
@@ -192,6 +202,7 @@ def audit(
         skip_bad_lines=settings.skip_bad_lines,
         pairs=pairs,
         mixture=mixture,
+        global_batch_size=global_batch_size,
     )
 
 

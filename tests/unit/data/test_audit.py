@@ -54,7 +54,7 @@ def test_audit_reports_everything_and_fails_on_bad_lines(
 def test_clean_data_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "ok.jsonl"
     f.write_text('{"text": "a"}\n{"text": "bb"}\n')
-    assert main(["data", "audit", str(f)]) == 0
+    assert main(["data", "audit", str(f), "--global-batch-size", "2"]) == 0
     assert "result              clean" in capsys.readouterr().out
 
 
@@ -73,7 +73,8 @@ def _chat(i: int, words: int) -> dict[str, object]:
             1,
             "3 of 10 examples lose",
         ),
-        ([], [], 1, "no example to train on"),
+        ([], [], 2, "no example to train on"),  # train stops on it too
+        ([{"text": "ok"}] * 3, ["--global-batch-size", "4"], 2, "3 examples, fewer than one global batch"),
         (
             [{"messages": [{"role": "user", "content": "only a question"}]}, {"text": "t"}],
             [],
@@ -101,7 +102,8 @@ def test_exit_code_says_clean_trains_badly_or_unusable(
 ) -> None:
     f = tmp_path / "d.jsonl"
     f.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    assert main(["data", "audit", str(f), *extra]) == code
+    batch = [] if "--global-batch-size" in extra else ["--global-batch-size", "1"]
+    assert main(["data", "audit", str(f), *extra, *batch]) == code
     out = capsys.readouterr().out
     result = next(line for line in out.splitlines() if line.startswith("  result"))
     assert needle in result and (code == 0 or f"(exit code {code})" in result)

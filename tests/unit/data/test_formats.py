@@ -154,7 +154,8 @@ def test_audit_reads_with_the_field_map(tmp_path: Path, capsys: pytest.CaptureFi
     )
     assert main(["data", "audit", str(data)]) == 2  # unreadable as it is
     capsys.readouterr()
-    assert main(["data", "audit", str(data), "--field-map", "prompt=question,completion=answer"]) == 0
+    fields = ["--field-map", "prompt=question,completion=answer"]
+    assert main(["data", "audit", str(data), *fields, "--global-batch-size", "1"]) == 0
     assert "prompt_completion 5" in capsys.readouterr().out
 
 

@@ -210,7 +210,8 @@ def test_other_weights_are_another_run_to_resume() -> None:
 def test_the_audit_shows_the_mixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a = write_jsonl(tmp_path / "chat.jsonl", [f"chat {i}" for i in range(4)])
     b = write_jsonl(tmp_path / "b.jsonl", [f"code line {i}" for i in range(12)])
-    assert main(["data", "audit", str(a), f"code={b}", "--data-weights", "3,1", "--model", "tiny"]) == 0
+    weighted = ["--data-weights", "3,1", "--model", "tiny", "--global-batch-size", "4"]
+    assert main(["data", "audit", str(a), f"code={b}", *weighted]) == 0
     out = capsys.readouterr().out
     assert "mixture             an epoch of 16 examples (--data-weights)" in out
     rows = [" ".join(line.split()) for line in out.splitlines() if "per epoch" in line]
