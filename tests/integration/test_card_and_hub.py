@@ -287,3 +287,18 @@ def test_a_model_not_tuned_on_conversations_is_not_shown_as_a_chat_model(tmp_pat
     chat = model_card(final, {"config": {"model": "tiny"}, "data": {"train": {"formats": {"messages": 9}}}})
     assert "--chat" in chat and "apply_chat_template" in chat and "## Chat template and stop tokens" in chat
     assert "apply_chat_template" in model_card(final, None)  # no run record: the template says chat
+
+
+def test_the_card_says_what_an_eval_split_held_out(tmp_path: Path) -> None:
+    from lmtune.checkpoint.card import model_card
+
+    final = tmp_path / "final"
+    final.mkdir()
+    train = {"spec": "a.jsonl", "examples": 100, "tokens": 882, "target_tokens": 292}
+    train |= {"formats": {"prompt_completion": 100}, "held_out": 10, "training_examples": 90}
+    run = {"config": {"model": "tiny", "eval_split": 0.1}, "data": {"train": train}}
+    card = model_card(final, run)
+    assert (
+        "| training data | `a.jsonl`: 100 examples (prompt_completion), 882 tokens, 292 of them targets; "
+        "10 held out for evaluation, so 90 trained on |"
+    ) in card

@@ -40,9 +40,15 @@ def _data_line(info: dict[str, Any], max_length: Any) -> str:
         more = f"; {dropped:,} more dropped: too long, or nothing to train" if dropped > 0 else ""
         line += f" ({', '.join(sorted(counts))}{more})"
     if "tokens" in info:
-        line += f", {info['tokens']:,} tokens, {info.get('target_tokens', 0):,} of them trained"
+        # Targets: the positions with a label. Counted before an --eval-split holds some out.
+        line += f", {info['tokens']:,} tokens, {info.get('target_tokens', 0):,} of them targets"
     if info.get("truncated"):
         line += f"; {info['truncated']:,} truncated to {max_length} tokens"
+    if info.get("held_out"):
+        line += (
+            f"; {info['held_out']:,} held out for evaluation, so {info.get('training_examples', 0):,} "
+            "trained on"
+        )
     return line
 
 
