@@ -194,3 +194,11 @@ def test_max_prompt_length_is_for_preference_pairs(
     argv = ["train", "--max-prompt-length", "16", "--output-dir", str(tmp_path / "o")]
     assert main(argv) == 2
     assert "--max-prompt-length: applies to preference pairs (--objective dpo" in capsys.readouterr().err
+
+
+def test_ddp_or_fsdp_in_one_process_says_it_runs_the_single_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["train", "--strategy", "fsdp", "--max-steps", "1", "--save-every", "0", "--no-progress"]
+    assert main([*args, "--output-dir", str(tmp_path / "out")]) == 0
+    assert ", single (--strategy fsdp in one process) on 1 x cpu" in capsys.readouterr().out

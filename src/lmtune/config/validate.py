@@ -125,6 +125,12 @@ def _check_quantization(cfg: TrainConfig, need: Need) -> None:
             "tensors, leaving their quantization constants on the first GPU); use --strategy ddp",
         )
     need(
+        not (cfg.optim.name in ("adamw8bit", "paged_adamw8bit") and strategy == "fsdp"),
+        "optimizer",
+        "does not work with --strategy fsdp (bitsandbytes' 8-bit update takes whole tensors, not "
+        "FSDP2's shards); use --strategy ddp, or --optimizer adamw",
+    )
+    need(
         not (m.load_in_8bit and strategy == "fsdp"),
         "load_in_8bit",
         "does not work with --strategy fsdp (FSDP2 gathers int8 weights without the scales "

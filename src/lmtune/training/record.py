@@ -100,7 +100,7 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
     run.log.info(
         f"lmtune: {built.loaded.source}, {_parameters(resolved, cfg.lora.enabled)}"
         + (f" (base in {quantization.bits} bits)" if quantization else "")
-        + f", {run.strategy} on "
+        + f", {run.strategy}{_one_process_note(cfg.launch.strategy, run.strategy)} on "
         f"{env.world_size} x {env.device.type}{units}; global batch {_batch_line(layout)} "
         f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} "
         f"step{'s' if layout.total_steps != 1 else ''}; "
@@ -180,3 +180,8 @@ def _default_batch_note(layout: BatchLayout, cfg: TrainConfig) -> str | None:
 def _base_bytes(model: torch.nn.Module) -> dict[str, int]:
     quantized, full_precision, adapters = footprint(model)
     return {"quantized": quantized, "full_precision": full_precision, "adapters": adapters}
+
+
+def _one_process_note(asked: str, runs: str) -> str:
+    """--strategy ddp or fsdp in one process runs the single-process path (nothing to shard)."""
+    return f" (--strategy {asked} in one process)" if asked in ("ddp", "fsdp") and asked != runs else ""

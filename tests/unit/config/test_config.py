@@ -57,6 +57,8 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"eval_data": "/missing.jsonl"}, "--eval-data"),
         ({"precision": "fp8"}, "--precision"),
         ({"max_length": 1}, "--max-length"),
+        # Refused for any process count: a config checked on one process holds on many.
+        ({"optimizer": "adamw8bit", "strategy": "fsdp"}, "--optimizer: does not work with --strategy fsdp"),
         # A setting that would have no effect is refused rather than ignored.
         ({"lora_rank": 8}, "--lora-rank: applies with --lora only .LoRA is off: every weight would train."),
         ({"lora_target_modules": "q_proj"}, "--lora-target-modules: applies with --lora only"),
