@@ -190,8 +190,14 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
     values: dict[str, Any] = dict(start) if start else {n: k() for n, k in GROUPS.items()}
     values.setdefault("seed", _BY_NAME["seed"].default)
     flat: dict[str, dict[str, Any]] = {}
+    from lmtune.config.aliases import ALIASES  # it reads the settings for its own messages
+
     for key, value in settings.items():
         kind = GROUPS.get(key)
+        if key not in _BY_NAME and ALIASES.get(key) in _BY_NAME:
+            if ALIASES[key] in settings:
+                raise TypeError(f"TrainConfig: {ALIASES[key]} is set twice (as {key} and {ALIASES[key]})")
+            key = ALIASES[key]  # a peer's name (learning_rate, lora_r), as the CLI and YAML take it
         if kind is not None and isinstance(value, kind):
             values[key] = value
         elif key in _BY_NAME:

@@ -185,8 +185,12 @@ def test_settings_live_in_groups_with_flat_names(tmp_path: Path) -> None:
     assert TrainConfig(lora=LoraSettings(enabled=True, rank=8)).lora == LoraSettings(enabled=True, rank=8)
     assert cfg.replace(lora_rank=4).lora == LoraSettings(enabled=True, rank=4)  # the rest of the group kept
     assert cfg.replace(model="tiny").model.name == "tiny" and cfg.replace(seed=1).optim.lr == 1e-4
-    with pytest.raises(TypeError, match="unknown setting 'learning_rate'"):
-        TrainConfig(learning_rate=1.0)
+    # A peer's name is taken as on the command line and in YAML; under both names it is refused.
+    assert TrainConfig(learning_rate=1.0, lora_r=4).optim.lr == 1.0 and TrainConfig(lora_r=4).lora.rank == 4
+    with pytest.raises(TypeError, match=r"lr is set twice \(as learning_rate and lr\)"):
+        TrainConfig(learning_rate=1.0, lr=2.0)
+    with pytest.raises(TypeError, match="unknown setting 'lerning_rate'"):
+        TrainConfig(lerning_rate=1.0)
     assert len(to_dict(cfg)) == len(config_fields()) and {s.group for s in config_fields()} == {*GROUPS, None}
     # A YAML file may nest by group (a group's own field names or the flat names), flat, or both.
     nested = tmp_path / "nested.yaml"
