@@ -66,6 +66,8 @@ def _edit(folder: Path, name: str, value: Any) -> None:
         {"epoch": 3},  # more epochs than steps
         {"step_in_epoch": 2**39},  # more samples into the epoch than the data has
         {"world_size": True},
+        {"train_seconds": -1.0},
+        {"train_seconds": "1 hour"},
     ],
 )
 def test_an_edited_trainer_state_is_refused(run: Path, tmp_path: Path, changes: dict[str, Any]) -> None:

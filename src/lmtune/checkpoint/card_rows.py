@@ -156,7 +156,7 @@ def _environment_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     on_gpu = str(env.get("device", "")).startswith("cuda") and devices
     where = f"{world} x {devices[0]}" if on_gpu else f"{world} CPU process{'es' if world > 1 else ''}"
     rows = [("hardware", f"{where}, strategy {resolved.get('strategy', '?')}")]
-    seconds = result.get("wall_time_s")
+    seconds = result.get("train_seconds", result.get("wall_time_s"))  # a resumed run's: every attempt's
     if isinstance(seconds, (int, float)):
         rows.append(("training time", _duration(float(seconds))))
     rows.append(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,9 @@ class TrainerState:
     seed: int
     examples: int  # size of the training set: the sample order is only meaningful for the same data
     skipped_steps: int = 0  # updates dropped by --on-nan skip
+    # Seconds of training through ``step``, over every attempt (a resumed run goes on counting).
+    # Not part of where training stands: two runs at the same step are the same state.
+    train_seconds: float = field(default=0.0, compare=False)
 
     @classmethod
     def fresh(cls, global_batch_size: int, world_size: int, seed: int, examples: int) -> TrainerState:

@@ -211,13 +211,19 @@ def read_state(folder: Path) -> TrainerState:
         state = TrainerState(**kwargs)
     except TypeError as e:
         raise UserError(f"{path}: not a trainer state lmtune wrote ({e})") from None
-    counts = all(is_int(getattr(state, f), 0, MAX_STEPS) for f in kwargs)
-    sane = counts and (
-        state.global_batch_size >= 1
-        and state.world_size >= 1
-        and state.examples >= 1
-        and max(state.epoch, state.step_in_epoch, state.skipped_steps) <= state.step
-        and state.samples_in_epoch <= state.examples
+    counts = all(is_int(getattr(state, f), 0, MAX_STEPS) for f in kwargs if f != "train_seconds")
+    seconds = state.train_seconds
+    timed = type(seconds) in (int, float) and 0 <= seconds < 1e10  # NaN fails both
+    sane = (
+        counts
+        and timed
+        and (
+            state.global_batch_size >= 1
+            and state.world_size >= 1
+            and state.examples >= 1
+            and max(state.epoch, state.step_in_epoch, state.skipped_steps) <= state.step
+            and state.samples_in_epoch <= state.examples
+        )
     )
     if not sane:
         raise UserError(f"{path}: not a trainer state lmtune wrote (counts out of range)")

@@ -41,7 +41,7 @@ class StepEnd:
     result: StepResult
     lr: float  # the learning rate the step used
     seconds: float  # since the end of the previous step: its data wait counts
-    elapsed: float  # since fit started
+    elapsed: float  # seconds of training, over every attempt of the run (a resume goes on counting)
     finished: bool  # the run's last step
     epoch_done: bool  # the step ended an epoch
     example_ids: list[int]  # the examples this rank trained on in it

@@ -111,8 +111,8 @@ def fit(
                 micro, stop_requested=settings.stop_requested(), data_s=time.perf_counter() - data_started
             )
             r = train_step(trainee, step_input, env, settings.step)
-            state = _advance(state, r, layout)
             now = time.perf_counter()
+            state = replace(_advance(state, r, layout), train_seconds=start.train_seconds + now - started)
             finished = state.step == layout.total_steps
             epoch_done = state.step_in_epoch == 0
             end = StepEnd(
@@ -120,7 +120,7 @@ def fit(
                 result=r,
                 lr=lr,
                 seconds=max(now - last, 1e-9),
-                elapsed=now - started,
+                elapsed=state.train_seconds,
                 finished=finished,
                 epoch_done=epoch_done,
                 example_ids=[i for b in micro for i in b.example_ids],

@@ -63,6 +63,7 @@ def result_record(result: FitResult, optimizer: torch.optim.Optimizer, env: Dist
         "steps": state.step,
         "last_loss": result.last_loss,
         "skipped_steps": state.skipped_steps,
+        "train_seconds": state.train_seconds,  # every attempt's; wall_time_s is this process's
         # Why it ended before its last step: a signal (it saved; run again to resume), early stopping.
         "stopped_by": {"signal": "signal", "early": "early_stopping"}.get(result.stop or ""),
         "best": asdict(result.best) if result.best is not None else None,

@@ -156,9 +156,21 @@ def test_fit_takes_the_same_steps_as_train_step_by_hand(tmp_path: Path) -> None:
     assert [s.result.loss for s in recorder.steps] == losses
     assert result.state == replace(_fresh_state(b), step=7, epoch=2, step_in_epoch=1)
     assert [s.state.step for s in recorder.steps if s.epoch_done] == [3, 6]
+    elapsed = [s.elapsed for s in recorder.steps]
+    assert elapsed == sorted(elapsed) and result.state.train_seconds == elapsed[-1] > 0
     assert [s.finished for s in recorder.steps] == [False] * 6 + [True]
     assert recorder.began == [(0, b.layout)] and recorder.ended == [(7, None)]
     assert recorder.steps[0].example_ids and all(s.seconds > 0 for s in recorder.steps)
+
+
+def test_a_resumed_run_goes_on_counting_its_training_time(tmp_path: Path) -> None:
+    """metrics.jsonl's elapsed_s, run.json's train_seconds and the card's training time are the
+    run's, over its attempts: a resume starts from the time its checkpoint had trained."""
+    with _built(tmp_path, "resumed") as (run, b):
+        recorder = Recorder()
+        start = replace(_fresh_state(b), step=4, epoch=1, step_in_epoch=1, train_seconds=100.0)
+        result = _fit(run, b, start, [recorder])
+    assert all(s.elapsed > 100.0 for s in recorder.steps) and result.state.train_seconds > 100.0
 
 
 def test_a_component_stops_the_run_after_its_step(tmp_path: Path) -> None:
