@@ -204,6 +204,9 @@ def test_an_earlier_run_without_checkpoints_is_not_replaced(
     out = base["root"] / "earlier"
     shutil.copytree(base["out"] / "final", out / "final")
     shutil.copy(base["out"] / "metrics.jsonl", out / "metrics.jsonl")
+    # What says an lmtune run wrote them; without its finish record, as a run that died at its end.
+    record = json.loads((base["out"] / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({k: v for k, v in record.items() if k != "result"}))
     _fails(_args(base["data"], out), capsys, "holds an earlier run (final, metrics.jsonl)", "--overwrite")
     assert main(_args(base["data"], out, "--overwrite", "--max-steps", "3", "--save-every", "0")) == 0
     assert [r["step"] for r in train_rows(out)] == [1, 2, 3]

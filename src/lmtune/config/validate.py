@@ -150,6 +150,16 @@ def _check_eval(e: EvalSettings, need: Need) -> None:
         "needs --metric-for-best and --eval-every",
     )
     need(e.early_stopping_threshold >= 0, "early_stopping_threshold", "must be >= 0")
+    need(
+        not e.greater_is_better or e.metric_for_best is not None,
+        "greater_is_better",
+        "needs --metric-for-best",
+    )
+    need(
+        not e.early_stopping_threshold or e.early_stopping_patience > 0,
+        "early_stopping_threshold",
+        "needs --early-stopping-patience",
+    )
 
 
 # The objectives that tune on preference pairs, and those of them that compare with a reference.
@@ -209,6 +219,8 @@ def _check_applicable(cfg: TrainConfig, need: Need) -> None:
         "orpo_lambda": (o.name == "orpo", "applies to --objective orpo only"),
         "reference": (o.name in WITH_REFERENCE, referenced),
         "reference_model": (o.name in WITH_REFERENCE, referenced),
+        # HF Trainer lets warmup_steps win silently; one of them is what the user meant.
+        "warmup_ratio": (cfg.schedule.warmup_steps is None, "is instead of --warmup-steps: give one"),
     }
     for name, (ok, why) in applies.items():
         s = setting_named(name)

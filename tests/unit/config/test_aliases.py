@@ -131,7 +131,7 @@ def test_yaml_names_twice_and_typos(tmp_path: Path) -> None:
 
 def test_python_config_names_the_setting_it_meant() -> None:
     with pytest.raises(TypeError, match="did you mean 'lr'"):
-        TrainConfig(learning_rate=1e-4)
+        TrainConfig(lerning_rate=1e-4)
     with pytest.raises(TypeError, match="derives gradient accumulation"):
         TrainConfig(gradient_accumulation_steps=4)
 

@@ -57,6 +57,9 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"eval_data": "/missing.jsonl"}, "--eval-data"),
         ({"precision": "fp8"}, "--precision"),
         ({"max_length": 1}, "--max-length"),
+        ({"greater_is_better": True}, "--greater-is-better: needs --metric-for-best"),
+        ({"early_stopping_threshold": 0.1}, "--early-stopping-threshold: needs --early-stopping-patience"),
+        ({"warmup_steps": 5, "warmup_ratio": 0.5}, "--warmup-ratio: is instead of --warmup-steps: give one"),
         # Refused for any process count: a config checked on one process holds on many.
         ({"optimizer": "adamw8bit", "strategy": "fsdp"}, "--optimizer: does not work with --strategy fsdp"),
         # A setting that would have no effect is refused rather than ignored.
