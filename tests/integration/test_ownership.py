@@ -59,6 +59,9 @@ def test_export_never_replaces_what_it_did_not_write(
     said = _error(["export", str(run / "final"), str(tmp_path / "again")], capsys)
     assert "a model folder already" in said and "RUN/checkpoints/step-N" in said
     assert not (tmp_path / "again").exists()
+    # The run's own folder: said so, with its newest checkpoint.
+    said = _error(["export", str(run), str(tmp_path / "again")], capsys)
+    assert "a run's folder, not a checkpoint" in said and "step-000002 is its newest" in said
 
 
 def test_export_writes_beside_and_replaces_only_an_earlier_export(

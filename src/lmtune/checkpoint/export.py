@@ -230,6 +230,16 @@ def export(
             f"{checkpoint}: a model folder already (a run's final/ or an export), not a training "
             "checkpoint: load or copy it as it is; export takes a checkpoint (RUN/checkpoints/step-N)"
         )
+    from lmtune.checkpoint.layout import list_checkpoints
+    from lmtune.checkpoint.rundir import holds_a_run
+
+    if reason is not None and holds_a_run(checkpoint):
+        newest = list_checkpoints(checkpoint)[-1:]
+        which = f" ({newest[0]} is its newest)" if newest else " (it has none: train with --save-every)"
+        raise UserError(
+            f"{checkpoint}: a run's folder, not a checkpoint; export takes one of its checkpoints, "
+            f"RUN/checkpoints/step-N{which}; its final/ is a model folder already"
+        )
     if reason is not None:
         raise UserError(f"{checkpoint}: not a valid checkpoint: {reason}")
     check_destination(checkpoint, out, overwrite)
