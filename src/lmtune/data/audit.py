@@ -47,6 +47,7 @@ class AuditReport:
     pairs: PairAudit | None = None  # preference data
     mixture: Mixture | None = None  # --data-weights: the sources, each of lengths[starts:+sizes]
     global_batch_size: int = 1  # train stops when the data holds less than one global batch
+    empty_answers: int = 0  # examples whose only trained token is the stop: an empty or blank answer
 
     @property
     def stops_lost(self) -> int:
@@ -79,6 +80,11 @@ class AuditReport:
         if self.stops_lost:
             found.append(
                 f"{self.stops_lost:,} of {_count(s.examples, 'example')} lose their stop token's label"
+            )
+        if self.empty_answers:
+            found.append(
+                f"{_count(self.empty_answers, 'example')} with an empty or blank answer (only the stop "
+                "token trains: the model learns to say nothing)"
             )
         if s.dropped_no_targets:
             found.append(f"{_count(s.dropped_no_targets, 'example')} with nothing to train")
@@ -161,7 +167,7 @@ def audit(
     mode = "drop" if settings.truncation == "error" else settings.truncation
     counting = replace(settings, truncation=mode, skip_bad_lines=True)
     ensure_chat_template(tokenizer)
-    sink = _Lengths()
+    sink = _Lengths(tokenizer)
     stats, sizes = EncodeStats(), list[int]()
     for part in components if weights is not None else [sources]:
         stats.merge(encode_into(records(part, counting, bad), tokenizer, counting, sink, bad))
@@ -203,17 +209,31 @@ def audit(
         pairs=pairs,
         mixture=mixture,
         global_batch_size=global_batch_size,
+        empty_answers=sink.empty_answers,
     )
 
 
 class _Lengths:
-    """Keeps only each example's length: the audit needs no token arrays."""
+    """Keeps each example's length (the audit needs no token arrays), and counts the examples whose
+    answer is empty or blank: only their stop token trains, so the model learns to say nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.lengths: list[int] = []
+        self.empty_answers = 0
+        self.tokenizer = tokenizer
+        self.stops = {tokenizer.eos_token_id, *end_of_turn_ids(tokenizer)}
 
     def write(self, examples: list[Encoded]) -> None:
         self.lengths += [len(e.ids) for e in examples]
+        for e in examples:
+            if e.parts is not None:
+                continue  # a pair: the pairs audit counts its empty answers
+            trained = e.ids[e.trainable]
+            if len(trained) > 8:  # a blank answer is a few tokens at most: the rest is not decoded
+                continue
+            answer = [int(t) for t in trained if int(t) not in self.stops]
+            if not self.tokenizer.decode(answer).strip():
+                self.empty_answers += 1
 
 
 def _histogram(lengths: np.ndarray, max_length: int, bins: int = 12) -> list[tuple[int, int, int]]:

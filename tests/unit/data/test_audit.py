@@ -147,3 +147,18 @@ def test_the_same_problem_on_many_lines_is_one_line_of_the_report() -> None:
         "qa.jsonl:9: not JSON",
     ]
     assert _grouped(["no place given"]) == ["no place given"]
+
+
+def test_an_empty_or_blank_answer_is_found(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only the stop token trains on them: the model learns to answer nothing."""
+    rows = [
+        {"prompt": "1+1=", "completion": ""},
+        {"prompt": "1+2=", "completion": "  "},
+        {"prompt": "1+3=", "completion": "4"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+        {"text": "plain"},
+    ]
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["data", "audit", str(f), "--global-batch-size", "1"]) == 1
+    assert "3 examples with an empty or blank answer (only the stop token trains" in capsys.readouterr().out
