@@ -51,7 +51,7 @@ from lmtune.training.perf import (
     best_peak_flops,
     train_flops_per_token,
 )
-from lmtune.training.preflight import validate
+from lmtune.training.preflight import check_same_settings, validate
 from lmtune.training.record import result_record, run_record
 from lmtune.training.reference import attach_references
 from lmtune.training.samples import sample_generator
@@ -117,6 +117,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 def _run(run: RunContext) -> TrainResult:
     cfg, env, log, output_dir = run.cfg, run.env, run.log, run.output_dir
     started = time.time()
+    check_same_settings(cfg, env)
     prepare_output(
         output_dir,
         resume=cfg.checkpoint.resume,

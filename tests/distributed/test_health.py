@@ -172,19 +172,49 @@ def test_doctor_passes_on_two_ranks(tmp_path: Path) -> None:
     assert "sums right" in proc.stdout and "(ranks 0, 1)" in proc.stdout
 
 
-def _doctor_on_two_nodes(tmp_path: Path, folders: tuple[str, str]) -> list[tuple[int, str]]:
-    """Two launchers on loopback, as two nodes, each with its own --output-dir."""
+def _on_two_nodes(command: str, per_node: tuple[list[str], list[str]]) -> list[tuple[int, str]]:
+    """Two launchers of ``command`` on loopback, as two nodes, each with its own arguments."""
     port = free_port()
     nodes = []
     for node in (0, 1):
-        args = ["doctor", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        args = [command, "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        command = lmtune_cmd([*args, "--output-dir", str(tmp_path / folders[node])])
         nodes.append(
-            subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            subprocess.Popen(
+                lmtune_cmd([*args, *per_node[node]]),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
         )
     outputs = [p.communicate(timeout=300)[0] for p in reversed(nodes)][::-1]
     return [(p.returncode, output) for p, output in zip(nodes, outputs, strict=True)]
+
+
+def _doctor_on_two_nodes(tmp_path: Path, folders: tuple[str, str]) -> list[tuple[int, str]]:
+    """Each node with its own --output-dir."""
+    return _on_two_nodes(
+        "doctor", (["--output-dir", str(tmp_path / folders[0])], ["--output-dir", str(tmp_path / folders[1])])
+    )
+
+
+def test_nodes_started_with_different_settings_stop_with_the_differences_named(tmp_path: Path) -> None:
+    """One node's config says --max-steps 3, the other's 6: without the check, the first would stop
+    stepping and the second wait for it until the collective timeout."""
+    common = [
+        "--data",
+        "sample",
+        "--global-batch-size",
+        "8",
+        "--no-progress",
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
+    ran = _on_two_nodes("train", ([*common, "--max-steps", "3"], [*common, "--max-steps", "6"]))
+    assert [code for code, _ in ran] == [2, 2], ran
+    said = "given different settings: --max-steps 3 on rank 0, 6 on rank 1"
+    assert any(said in output for _, output in ran), ran
 
 
 def test_doctor_on_two_nodes_passes_and_names_the_node_that_sees_another_output_folder(

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lmtune.checkpoint.rundir import check_output_dir
-from lmtune.config.settings import TrainConfig
+from lmtune.config.settings import TrainConfig, config_fields, option_name, value_of
 from lmtune.config.validate import PREFERENCE, check_settings
 from lmtune.data.chat import read_template
 from lmtune.data.formats import FieldMap
@@ -17,6 +18,7 @@ from lmtune.errors import UserError, brief
 from lmtune.model.quantization import require_bitsandbytes
 from lmtune.outputs.hub import check_push
 from lmtune.outputs.reporters import check_installed, parse_report_to
+from lmtune.parallel.distributed import DistEnv, all_gather_object
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -64,3 +66,47 @@ def _device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+# Settings each process or node may hold its own value of: where and how it runs, not what trains.
+_PER_PROCESS = frozenset({"progress", "doctor", "cache_dir", "cache_per_node", "num_workers"})
+
+
+def check_same_settings(cfg: TrainConfig, env: DistEnv) -> None:
+    """Every process of a job runs the same settings (collective): two nodes started with different
+    commands or configs would train apart silently (a different --lr) or hang (a different
+    --max-steps: one rank stops stepping while the others wait for it).
+
+    Raises:
+        UserError: on every rank, naming each setting that differs and where.
+    """
+    mine = {
+        s.name: value_of(cfg, s)
+        for s in config_fields()
+        if s.group != "launch" and s.name not in _PER_PROCESS
+    }
+    problems = settings_differences(all_gather_object(mine, env))
+    if problems:
+        raise UserError(
+            "the processes of this job were given different settings: "
+            + "; ".join(problems[:5])
+            + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            + " (every process must run the same: one command, or the same config on every node)"
+        )
+
+
+def settings_differences(by_rank: list[dict[str, Any]]) -> list[str]:
+    """Each setting whose value is not the same on every rank: ``--lr 0.001 on rank 0, 0.002 on
+    rank 1`` (ranks of one value together)."""
+    found = []
+    for name in by_rank[0]:
+        ranks: dict[str, list[int]] = {}
+        for rank, values in enumerate(by_rank):
+            ranks.setdefault(repr(values.get(name)), []).append(rank)
+        if len(ranks) > 1:
+            shown = ", ".join(
+                f"{by_rank[r[0]].get(name)} on rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}"
+                for r in ranks.values()
+            )
+            found.append(f"{option_name(name)} {shown}")
+    return found

@@ -178,7 +178,7 @@ def test_a_worker_accepts_its_launchers_lock(tmp_path: Path, monkeypatch: pytest
 def test_an_earlier_run_is_not_replaced_without_overwrite(tmp_path: Path) -> None:
     (tmp_path / "final").mkdir()
     (tmp_path / "metrics.jsonl").write_text("{}\n")
-    (tmp_path / "run.json").write_text(json.dumps({"config": {"lr": 1.0}}))
+    (tmp_path / "run.json").write_text(json.dumps({"config": {"lr": 1.0}, "environment": {}}))
     with pytest.raises(UserError, match=r"holds an earlier run \(final, metrics.jsonl\)"):
         check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 1.0})
     check_earlier_run(tmp_path, continued=True, overwrite=False, config={})  # its checkpoints continue it

@@ -127,7 +127,7 @@ def test_missing_inputs(tmp_path: Path, spec: str, message: str) -> None:
             b'{"messages": [{"role": "bot", "content": "x"}]}\n',
             r"d\.jsonl:1: message 1 has unknown role 'bot'",
         ),
-        (b'{"prompt": "p", "completion": null}\n', r"d\.jsonl:1: record has no 'completion' field"),
+        (b'{"prompt": "p", "completion": null}\n', r"d\.jsonl:1: record has a null 'completion' field"),
     ],
 )
 def test_bad_records_name_file_and_line(tmp_path: Path, content: bytes, message: str) -> None:

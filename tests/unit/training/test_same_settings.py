@@ -1,0 +1,23 @@
+"""Every process of a job runs the same settings: a difference is named, rank by rank."""
+
+from __future__ import annotations
+
+from lmtune.config.settings import TrainConfig
+from lmtune.parallel.distributed import read_dist_env
+from lmtune.training.preflight import check_same_settings, settings_differences
+
+ENV = read_dist_env("cpu")
+
+
+def test_differences_name_the_setting_and_the_ranks_of_each_value() -> None:
+    same = {"lr": 0.001, "max_steps": 3, "seed": 1}
+    by_rank = [same, {**same, "lr": 0.002, "max_steps": 6}, {**same, "max_steps": 6}]
+    assert settings_differences(by_rank) == [
+        "--lr 0.001 on ranks 0,2, 0.002 on rank 1",
+        "--max-steps 3 on rank 0, 6 on ranks 1,2",
+    ]
+    assert settings_differences([same, dict(same)]) == []
+
+
+def test_one_process_agrees_with_itself() -> None:
+    check_same_settings(TrainConfig(lr=1e-3), ENV)
