@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from lmtune.config.io import MEASURING_RUN, to_argv
-from lmtune.config.settings import TrainConfig
+from lmtune.config.settings import SAMPLE_DATA, TrainConfig
 from lmtune.errors import UserError
 from lmtune.parallel.wrap import effective_strategy
 from lmtune.tools.memory import (
@@ -66,6 +66,8 @@ def measure_host(
     from lmtune.model.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
+    if cfg.data.train == SAMPLE_DATA and setup.objective == "sft":
+        cfg = _planned_rows(cfg, setup, workdir)
     layers = (1, min(3, int(config.num_hidden_layers)))
     if layers[0] == layers[1]:
         layers = (1, 2)
@@ -93,6 +95,18 @@ def measure_host(
     (t1, m1), (t2, m2) = points
     allocator = min(max((m2 - m1) / max(t2 - t1, 1), 1.0), 3.0)
     return Host(runtime=max(0, int(m1 - allocator * t1)), allocator=allocator)
+
+
+def _planned_rows(cfg: TrainConfig, setup: Setup, workdir: Path) -> TrainConfig:
+    """Without --data, plan sizes rows of --max-length tokens; the measuring runs must train such
+    rows too (the built-in sample's examples are a few tokens: a runtime solved from their peaks
+    against the planned tensors came out too small). Texts of a word per token at least, cut to
+    --max-length."""
+    data = workdir / "planned-rows.jsonl"
+    rows = 2 * setup.micro_batch_size * setup.world_size * setup.accumulation
+    text = json.dumps({"text": " ".join(["plan"] * setup.length)})
+    data.write_text((text + "\n") * rows, encoding="utf-8")
+    return cfg.replace(data=str(data), truncation="right", max_length=setup.length)
 
 
 @dataclass(frozen=True)
