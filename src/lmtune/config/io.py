@@ -13,7 +13,7 @@ import yaml
 
 from lmtune.config.aliases import resolve_names
 from lmtune.config.files import SETTINGS_BYTES, read_text
-from lmtune.config.mixture import yaml_sources
+from lmtune.config.mixture import joined, yaml_sources
 from lmtune.config.settings import (
     GROUPS,
     Setting,
@@ -85,7 +85,7 @@ def _coerce(s: Setting, value: Any) -> Any:
             return value.lower() in ("true", "yes", "1")
         raise UserError(f"{option_name(name)}: expected true or false, got {brief(value)}")
     if kind is str and isinstance(value, list) and all(_scalar(v) for v in value):
-        return ",".join(str(v) for v in value)  # a YAML list: data files, target modules, weights
+        return joined([str(v) for v in value])  # a YAML list: data files, target modules, weights
     if kind is str and isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
         return ",".join(f"{k}={v}" for k, v in value.items())  # a YAML mapping (--field-map)
     if {"on", "off"} <= set(s.choices):  # packing: true, as TRL writes it (--packing True too)

@@ -17,9 +17,10 @@ _NAMED = re.compile(rf"({_NAME.pattern})=(.+)")
 
 def named_items(spec: str) -> list[tuple[str, str]]:
     """The comma-separated items of a --data or --eval-data value, as (name, item): an item's name
-    is given as ``NAME=ITEM``, else it is the item's file stem (``chat`` for ``data/chat.jsonl``)."""
+    is given as ``NAME=ITEM``, else it is the item's file stem (``chat`` for ``data/chat.jsonl``).
+    A comma inside a path is written ``\\,`` (a YAML list of paths is joined so: :func:`joined`)."""
     items: list[tuple[str, str]] = []
-    for raw in (s.strip() for s in spec.split(",")):
+    for raw in (s.strip().replace("\\,", ",") for s in re.split(r"(?<!\\),", spec)):
         if not raw:
             continue
         named = _NAMED.fullmatch(raw)
@@ -93,4 +94,9 @@ def yaml_sources(entries: list[object], option: str, where: str) -> tuple[str, s
             weights.append(str(entry["weight"]))
     if weights and len(weights) != len(items):
         raise UserError(f"{where}--data-weights: {len(weights)} of {len(items)} sources have a weight")
-    return ",".join(items), ",".join(weights) if weights else None
+    return joined(items), ",".join(weights) if weights else None
+
+
+def joined(items: list[str]) -> str:
+    """Items as one comma-separated value, the commas inside them kept (``\\,``)."""
+    return ",".join(item.replace(",", "\\,") for item in items)

@@ -229,3 +229,19 @@ def test_recorded_samples_name_their_sources(tmp_path: Path) -> None:
     log.close()
     row = json.loads((tmp_path / "samples" / "rank-0.jsonl").read_text())
     assert row == {"step": 1, "ids": [0, 2, 3, 9], "sources": ["chat", "chat", "code", "code"]}
+
+
+def test_a_path_with_a_comma_is_one_source(tmp_path: Path) -> None:
+    """A YAML list keeps each path whole (joined with the commas inside escaped); on the command line
+    the comma is written \\,."""
+    from lmtune.config.mixture import named_items
+    from lmtune.data.sources import resolve_sources
+
+    (tmp_path / "chat, v2.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "y"}\n')
+    f = tmp_path / "run.yaml"
+    f.write_text(f'data:\n  - "{tmp_path}/chat, v2.jsonl"\n  - {{path: "{tmp_path}/b.jsonl"}}\n')
+    spec = build_config(load_yaml(str(f))).data.train
+    assert [item for _, item in named_items(spec)] == [f"{tmp_path}/chat, v2.jsonl", f"{tmp_path}/b.jsonl"]
+    assert [s.name for s in resolve_sources(spec)] == [f"{tmp_path}/chat, v2.jsonl", f"{tmp_path}/b.jsonl"]
+    assert named_items("a\\, b.jsonl,c.jsonl") == [("a, b", "a, b.jsonl"), ("c", "c.jsonl")]
