@@ -38,6 +38,8 @@ TURN_FIELDS = ("role", "content")
 # ShareGPT: the turns are "conversations" of {"from", "value"}, with roles human, gpt and system.
 SHAREGPT_TURNS = {"messages": "conversations", "role": "from", "content": "value"}
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+# ShareGPT's field names for lmtune's (its roles map by SHAREGPT_ROLES).
+SHAREGPT_NAMES = {"conversations": "messages", "from": "role", "value": "content", **SHAREGPT_ROLES}
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,11 @@ class FieldMap:
                 raise UserError(f"--field-map: expected OURS=THEIRS pairs, got {pair.strip()!r}")
             if ours in ROLES:
                 roles[theirs] = ours
+            elif ours in SHAREGPT_NAMES:
+                raise UserError(
+                    f"--field-map: lmtune's names go on the left; {ours!r} is ShareGPT's name for lmtune's "
+                    f"{SHAREGPT_NAMES[ours]!r}: give {SHAREGPT_NAMES[ours]}={theirs}"
+                )
             elif ours not in FIELDS:
                 raise UserError(
                     f"--field-map: {ours!r} is none of lmtune's fields ({', '.join(FIELDS)}) or roles "

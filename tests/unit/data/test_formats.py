@@ -97,6 +97,12 @@ def test_text_field_is_the_field_map_of_text() -> None:
         ("prompt", "expected OURS=THEIRS pairs, got 'prompt'"),
         ("answer=completion", "'answer' is none of lmtune's fields"),
         ("prompt=", "expected OURS=THEIRS"),
+        (
+            "conversations=dialog",
+            "lmtune's names go on the left; 'conversations' is ShareGPT's name for "
+            "lmtune's 'messages': give messages=dialog",
+        ),
+        ("value=said", "'value' is ShareGPT's name for lmtune's 'content': give content=said"),
     ],
 )
 def test_bad_field_maps_name_the_option(field_map: str, message: str) -> None:
