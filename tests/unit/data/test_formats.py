@@ -102,7 +102,10 @@ def test_text_field_is_the_field_map_of_text() -> None:
             "lmtune's names go on the left; 'conversations' is ShareGPT's name for "
             "lmtune's 'messages': give messages=dialog",
         ),
-        ("value=said", "'value' is ShareGPT's name for lmtune's 'content': give content=said"),
+        (
+            "value=said",
+            "lmtune's names go on the left; 'value' is ShareGPT's name for lmtune's 'content': give content=said",
+        ),
     ],
 )
 def test_bad_field_maps_name_the_option(field_map: str, message: str) -> None:
