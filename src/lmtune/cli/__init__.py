@@ -11,7 +11,14 @@ from collections.abc import Sequence
 from contextlib import suppress
 from typing import NoReturn
 
-from lmtune.cli.parser import build_parser, hub_flags, spelled_out_flags, spelled_twice, unknown_arguments
+from lmtune.cli.parser import (
+    build_parser,
+    hub_flags,
+    negative_values,
+    spelled_out_flags,
+    spelled_twice,
+    unknown_arguments,
+)
 from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 from lmtune.config.threads import choose_thread_wait
 from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
@@ -22,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     choose_thread_wait()  # before anything imports torch
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        argv = hub_flags(argv)  # HF Trainer's --push_to_hub [True] --hub_model_id NAME/REPO
+        argv = negative_values(hub_flags(argv))  # HF's --push_to_hub [True] --hub_model_id NAME/REPO
         # Options a command does not take are ours to explain (argparse would print the top-level usage).
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from lmtune.cli import commands
@@ -112,6 +113,24 @@ def spelled_out_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[
             continue
         out.append(token)
         i += 1
+    return out
+
+
+def negative_values(argv: list[str]) -> list[str]:
+    """``--data-weights -1,2`` as ``--data-weights=-1,2``: argparse takes a value that starts with a
+    dash and is not a plain number for an option, and says only "expected one argument"; lmtune
+    then names what is wrong with the value."""
+    out: list[str] = []
+    for token in argv:
+        if (
+            out
+            and out[-1].startswith("--")
+            and "=" not in out[-1]
+            and re.fullmatch(r"-[\d.][\d.,eE+-]*", token)
+        ):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
     return out
 
 

@@ -282,3 +282,9 @@ def test_a_list_option_given_twice_is_refused(capsys: pytest.CaptureFixture[str]
     )
     args, _ = build_parser().parse_known_args(["train", "--lr", "1e-3", "--lr", "2e-3"])
     assert train_config(args).optim.lr == 2e-3
+
+
+def test_a_negative_list_value_is_the_options_value(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse read "-1,2" as an option ("expected one argument"); lmtune says what is wrong with it."""
+    assert main(["train", "--data", "a=a.jsonl,b=b.jsonl", "--data-weights", "-1,2"]) == 2
+    assert "--data-weights: every weight must be a positive number (got '-1')" in capsys.readouterr().err
