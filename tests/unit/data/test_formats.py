@@ -104,7 +104,8 @@ def test_text_field_is_the_field_map_of_text() -> None:
         ),
         (
             "value=said",
-            "lmtune's names go on the left; 'value' is ShareGPT's name for lmtune's 'content': give content=said",
+            "lmtune's names go on the left; 'value' is ShareGPT's name for lmtune's 'content': "
+            "give content=said",
         ),
     ],
 )
