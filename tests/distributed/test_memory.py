@@ -287,7 +287,7 @@ def test_8bit_with_fsdp_is_refused_with_the_reason(runs: dict[str, Path], tmp_pa
     args = ["--nproc-per-node", "2", "--strategy", "fsdp", "--optimizer", "adamw8bit"]
     proc = run_lmtune(["train", *common, *args, "--output-dir", str(tmp_path / "o")], timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("--optimizer adamw8bit does not work with --strategy fsdp") == 1, proc.stderr
+    assert proc.stderr.count("--optimizer: does not work with --strategy fsdp") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
 
 
