@@ -259,8 +259,18 @@ def _grouped(messages: list[str]) -> list[str]:
         found = _WHERE.fullmatch(message)
         source, line, problem = found.groups() if found else ("", "", message)
         groups.setdefault((source, problem), []).append(line)
+
+    def first_line(item: tuple[tuple[str, str], list[str]]) -> int:
+        return min((int(n) for n in item[1] if n.isdigit()), default=0)
+
     shown = []
-    for (source, problem), where in groups.items():
+    # Each file's groups by their first line: a problem found while reading (bad JSON) and one
+    # found while encoding (a missing field) reach the list at different times.
+    sources = list(dict.fromkeys(source for source, _ in groups))
+    for (source, problem), where in sorted(
+        groups.items(), key=lambda g: (sources.index(g[0][0]), first_line(g))
+    ):
+        where = sorted(where, key=lambda n: int(n) if n.isdigit() else 0)
         numbers = ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
         shown.append(f"{source}:{numbers}: {problem}" if source else problem)
     return shown

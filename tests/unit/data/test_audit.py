@@ -147,6 +147,9 @@ def test_the_same_problem_on_many_lines_is_one_line_of_the_report() -> None:
         "qa.jsonl:9: not JSON",
     ]
     assert _grouped(["no place given"]) == ["no place given"]
+    # Problems found at different stages arrive out of order; each file's are shown by line.
+    late = ["d.jsonl:8: not JSON", "d.jsonl:3: no field", "d.jsonl:2: not JSON", "d.jsonl:6: no field"]
+    assert _grouped(late) == ["d.jsonl:2, 8: not JSON", "d.jsonl:3, 6: no field"]
 
 
 def test_an_empty_or_blank_answer_is_found(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
