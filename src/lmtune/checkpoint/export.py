@@ -28,6 +28,7 @@ from lmtune.checkpoint.layout import (
 from lmtune.checkpoint.state import ModelParts
 from lmtune.config.files import read_json_object
 from lmtune.config.io import build_config
+from lmtune.config.verbosity import no_progress_bars
 from lmtune.errors import UserError
 from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, save_adapter
 from lmtune.model.loss import WRAPPED_PREFIX
@@ -105,7 +106,8 @@ def replace_folder(folder: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        write(tmp)
+        with no_progress_bars():
+            write(tmp)
         open_to_umask(tmp)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -379,7 +381,8 @@ def _write_export(out: Path, write: Callable[[Path], None], checkpoint: Path) ->
     tmp, aside = out.with_name(f".{out.name}.tmp-{nonce}"), out.with_name(f".{out.name}.old-{nonce}")
     tmp.mkdir()
     try:
-        write(tmp)
+        with no_progress_bars():
+            write(tmp)
         open_to_umask(tmp)
         files = _files_in(tmp)
         marker = {"checkpoint": str(checkpoint.resolve()), "written": time.time(), "files": sorted(files)}

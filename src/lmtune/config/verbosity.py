@@ -45,3 +45,23 @@ def quiet_calls(*loggers: str) -> Iterator[None]:
         finally:
             for logger, level in saved:
                 logger.setLevel(level)
+
+
+@contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars (``Writing model shards``) off around one call, as the CLI has
+    them off: lmtune's own log says what was saved. The setting is restored after (a notebook
+    calling lmtune.train keeps its bars elsewhere)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    enabled = hf_logging.is_progress_bar_enabled()
+    if enabled and not verbose():
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        if enabled and not verbose():
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]

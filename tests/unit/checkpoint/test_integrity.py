@@ -281,3 +281,19 @@ def test_waits_before_training_end_on_a_signal_or_without_progress(
             records, byte_tokenizer(), ExampleSettings(), sink, BadLines(skip=False), 1, stop_after_first
         )
     assert len(calls) == 2
+
+
+def test_a_saved_folder_shows_no_progress_bar_and_leaves_the_setting_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """lmtune.train from a notebook: transformers' "Writing model shards" bar is not shown for
+    lmtune's saves, and the notebook's bars elsewhere stay on."""
+    from transformers.utils import logging as hf_logging
+
+    from lmtune.checkpoint.export import save_hf_folder
+
+    parts, tokenizer, _ = _tiny_parts()
+    hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+    save_hf_folder(parts.model, tokenizer, tmp_path / "final")
+    assert "Writing model shards" not in capsys.readouterr().err
+    assert hf_logging.is_progress_bar_enabled() and (tmp_path / "final" / "model.safetensors").is_file()
