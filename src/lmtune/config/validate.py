@@ -221,6 +221,14 @@ def _check_applicable(cfg: TrainConfig, need: Need) -> None:
         "reference_model": (o.name in WITH_REFERENCE, referenced),
         # HF Trainer lets warmup_steps win silently; one of them is what the user meant.
         "warmup_ratio": (cfg.schedule.warmup_steps is None, "is instead of --warmup-steps: give one"),
+        "decay_ratio": (cfg.schedule.name == "wsd", "applies to --lr-schedule wsd only"),
+        "min_lr_ratio": (
+            cfg.schedule.name in ("cosine", "wsd"),
+            "applies to --lr-schedule cosine and wsd only (where the decay ends)",
+        ),
+        "hub_private": (cfg.checkpoint.push_to_hub is not None, "applies with --push-to-hub only"),
+        "sample_temperature": (cfg.samples.prompts is not None, "applies with --sample-prompts only"),
+        "sample_max_new_tokens": (cfg.samples.prompts is not None, "applies with --sample-prompts only"),
     }
     for name, (ok, why) in applies.items():
         s = setting_named(name)

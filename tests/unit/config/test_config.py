@@ -58,6 +58,10 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"precision": "fp8"}, "--precision"),
         ({"max_length": 1}, "--max-length"),
         ({"greater_is_better": True}, "--greater-is-better: needs --metric-for-best"),
+        ({"decay_ratio": 0.3}, "--decay-ratio: applies to --lr-schedule wsd only"),
+        ({"lr_schedule": "constant", "min_lr_ratio": 0.5}, "--min-lr-ratio: applies to --lr-schedule cosine"),
+        ({"hub_private": True}, "--hub-private: applies with --push-to-hub only"),
+        ({"sample_temperature": 0.7}, "--sample-temperature: applies with --sample-prompts only"),
         ({"early_stopping_threshold": 0.1}, "--early-stopping-threshold: needs --early-stopping-patience"),
         ({"warmup_steps": 5, "warmup_ratio": 0.5}, "--warmup-ratio: is instead of --warmup-steps: give one"),
         # Refused for any process count: a config checked on one process holds on many.
