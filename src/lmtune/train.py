@@ -76,7 +76,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         TrainingStopped: when training cannot go on (a non-finite loss with --on-nan stop).
     """
     env = read_dist_env(cfg.model.device)
-    validate(cfg, env.world_size)
+    validate(cfg, env.world_size, in_process=True)
     check_device(cfg.model.precision, env.device)
     strategy = resolve_strategy(cfg.launch.strategy, env)
     threads = cpu_threads_per_process(env, cfg.launch.threads_per_process)

@@ -232,3 +232,22 @@ def test_doctor_on_two_nodes_passes_and_names_the_node_that_sees_another_output_
         and "rank(s) 1 (" in table
         and "see another folder than rank 0" in table
     )
+
+
+def test_restarts_of_a_one_process_job_train_once(tmp_path: Path) -> None:
+    """--max-restarts with one process runs it under the launcher with WORLD_SIZE 1; its worker
+    trained as a launcher again (each worker launched another, without end)."""
+    args = [
+        "train",
+        "--max-restarts",
+        "1",
+        "--max-steps",
+        "1",
+        "--global-batch-size",
+        "8",
+        "--save-every",
+        "0",
+    ]
+    proc = run_lmtune([*args, "--no-progress", "--output-dir", str(tmp_path / "out")], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("lmtune: preset tiny") == 1 and "saved the model" in proc.stdout

@@ -25,11 +25,14 @@ def train_config(args: argparse.Namespace) -> Any:
 
 
 def train(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from lmtune.parallel.distributed import launched_world_size
+    from lmtune.parallel.distributed import launched_rank
     from lmtune.training.preflight import validate
 
     cfg = train_config(args)
-    if launched_world_size() == 1:
+    # Not started by a launcher (no RANK): this command launches the job when it needs one. A
+    # job of one process (--max-restarts with one process) has WORLD_SIZE 1 and is launched too:
+    # its worker must train, not launch again.
+    if launched_rank() is None:
         from lmtune.parallel.launch import needs_launcher, world_size_bounds
 
         if needs_launcher(cfg.launch):
@@ -207,13 +210,13 @@ def push(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.config.settings import parse_nnodes
     from lmtune.config.validate import check_settings
-    from lmtune.parallel.distributed import launched_world_size, process_group, read_dist_env
+    from lmtune.parallel.distributed import launched_rank, process_group, read_dist_env
     from lmtune.tools.doctor import DoctorSettings, check_or_fail
 
     cfg = train_config(args)
     check_settings(cfg, world_size=1)
     launch = cfg.launch
-    if launched_world_size() == 1 and (launch.nproc_per_node > 1 or parse_nnodes(launch.nnodes)[1] > 1):
+    if launched_rank() is None and (launch.nproc_per_node > 1 or parse_nnodes(launch.nnodes)[1] > 1):
         from lmtune.parallel.launch import relaunch_unlocked
 
         return relaunch_unlocked(list(argv), cfg.replace(hang_timeout=0))

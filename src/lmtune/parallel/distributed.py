@@ -106,11 +106,6 @@ def launch_env() -> LaunchEnv:
     return LaunchEnv(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world)
 
 
-def launched_world_size() -> int:
-    """WORLD_SIZE set by torchrun, or 1 when not launched by it."""
-    return launch_env().world_size
-
-
 def launched_rank() -> int | None:
     """RANK set by torchrun, or None when not launched by it (or not readable: for error reports,
     which must not fail themselves)."""

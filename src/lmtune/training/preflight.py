@@ -18,12 +18,19 @@ from lmtune.errors import UserError, brief
 from lmtune.model.quantization import require_bitsandbytes
 from lmtune.outputs.hub import check_push
 from lmtune.outputs.reporters import check_installed, parse_report_to
-from lmtune.parallel.distributed import DistEnv, all_gather_object
+from lmtune.parallel.distributed import DistEnv, all_gather_object, launched_rank
+from lmtune.parallel.launch import needs_launcher
 
 
-def validate(cfg: TrainConfig, world_size: int) -> None:
+def validate(cfg: TrainConfig, world_size: int, in_process: bool = False) -> None:
     """Reject settings that cannot work and inputs that are not there; ``world_size`` is the
-    process count."""
+    process count; ``in_process``: the run is about to train in this process, which settings that
+    ask for more processes cannot mean unless a launcher started it (the Python API)."""
+    if in_process and launched_rank() is None and needs_launcher(cfg.launch):
+        raise UserError(
+            "--nproc-per-node, --nnodes and --max-restarts start processes through a launcher, and "
+            "lmtune.train runs in this process: use `lmtune train` (it launches them) or torchrun"
+        )
     check_settings(cfg, world_size)
     if cfg.examples.max_prompt_length is not None and cfg.objective.name not in PREFERENCE:
         # Here, not among check_settings' rules: `data audit` takes it for pair data, with no objective.

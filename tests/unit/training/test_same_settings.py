@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lmtune.config.settings import TrainConfig
+from lmtune.errors import UserError
 from lmtune.parallel.distributed import read_dist_env
-from lmtune.training.preflight import check_same_settings, settings_differences
+from lmtune.training.preflight import check_same_settings, settings_differences, validate
 
 ENV = read_dist_env("cpu")
 
@@ -21,3 +24,12 @@ def test_differences_name_the_setting_and_the_ranks_of_each_value() -> None:
 
 def test_one_process_agrees_with_itself() -> None:
     check_same_settings(TrainConfig(lr=1e-3), ENV)
+
+
+def test_the_python_api_refuses_what_needs_a_launcher() -> None:
+    """lmtune.train(TrainConfig(nproc_per_node=2)) trained one process and recorded 2."""
+
+    for settings in ({"nproc_per_node": 2}, {"nnodes": "2"}, {"max_restarts": 1}):
+        with pytest.raises(UserError, match=r"lmtune\.train runs in this process: use `lmtune train`"):
+            validate(TrainConfig(**settings, rdzv_endpoint="h:1"), 1, in_process=True)
+        validate(TrainConfig(**settings, rdzv_endpoint="h:1"), 2)  # the launcher's own check
