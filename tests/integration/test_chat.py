@@ -270,3 +270,31 @@ def test_lora_with_new_turn_markers_is_refused(tmp_path: Path, capsys: pytest.Ca
     argv = ["train", "--data", str(data), "--chat-template", "chatml", "--lora", "--max-steps", "1"]
     assert main([*argv, "--output-dir", str(tmp_path / "out"), "--no-progress"]) == 2
     assert "LoRA leaves new token embeddings untrained" in capsys.readouterr().err
+
+
+def test_a_chat_template_on_data_without_conversations_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing would render through it: it only saved a template, and grown embeddings, that
+    nothing trained (and a generation config without the template's end of turn)."""
+    data = tmp_path / "pc.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(8))
+    )
+    argv = [
+        "train",
+        "--data",
+        str(data),
+        "--chat-template",
+        "chatml",
+        "--max-steps",
+        "1",
+        "--global-batch-size",
+        "8",
+    ]
+    assert main([*argv, "--output-dir", str(tmp_path / "out"), "--no-progress"]) == 2
+    said = capsys.readouterr().err
+    assert (
+        "--chat-template: applies to conversations (messages records)" in said and "prompt_completion" in said
+    )
+    assert not (tmp_path / "out" / "final").exists()

@@ -114,7 +114,13 @@ def build_parts(
     run.heartbeat.beat("load")
     objective = objective or objective_for(cfg.objective)
     check_data_kind(objective, train_data, eval_data)
-    if set(CHAT_FORMATS) & set(data_info["train"]["formats"]):
+    formats = sorted(data_info["train"]["formats"])
+    if cfg.examples.chat_template is not None and not set(CHAT_FORMATS) & set(formats):
+        raise UserError(  # it would only save a template, and grown embeddings, that nothing trained
+            f"--chat-template: applies to conversations (messages records), and the training data holds "
+            f"{', '.join(formats) or 'no examples'}"
+        )
+    if set(CHAT_FORMATS) & set(formats):
         # The reply's end-of-turn token trains; saved models must also stop generating there.
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
         log.info(f"chat data: saved models stop at {tokenizer.convert_ids_to_tokens(stops)}")
