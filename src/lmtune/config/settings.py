@@ -202,7 +202,7 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
             values[key] = value
         elif key in _BY_NAME:
             s = _BY_NAME[key]
-            flat.setdefault(s.group or "", {})[s.field] = value
+            flat.setdefault(s.group or "", {})[s.field] = _as_text(value) if s.type is str else value
         else:
             from lmtune.config.aliases import explain_unknown
 
@@ -214,6 +214,18 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
         else:
             values.update(changes)
     return values
+
+
+def _as_text(value: Any) -> Any:
+    """A list (data files, target modules) or a mapping (--field-map) as the flag writes it, as YAML
+    takes them; anything else as it is (the settings check names a wrong type)."""
+    from lmtune.config.mixture import joined
+
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
+        return joined([str(v) for v in value])
+    if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    return value
 
 
 def _flat_reader(s: Setting) -> property:

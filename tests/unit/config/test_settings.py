@@ -70,6 +70,19 @@ def test_the_python_api_refuses_a_value_of_the_wrong_type(settings: dict[str, An
     assert str(refused.value) == message
 
 
+def test_the_python_api_takes_lists_and_mappings_as_yaml_does() -> None:
+    cfg = TrainConfig(data=["a.jsonl", "b, c.jsonl"], field_map={"prompt": "question"}, data_weights=[3, 1])
+    assert (cfg.data.train, cfg.examples.field_map, cfg.data.weights) == (
+        "a.jsonl,b\\, c.jsonl",
+        "prompt=question",
+        "3,1",
+    )
+    assert (
+        TrainConfig(lora=True, lora_target_modules=("q_proj", "v_proj")).lora.target_modules
+        == "q_proj,v_proj"
+    )
+
+
 def test_numbers_of_either_kind_are_floats_and_none_is_unset() -> None:
     validate(TrainConfig(lr=1, max_grad_norm=0, max_steps=None), 1)
 
