@@ -111,6 +111,8 @@ def fingerprint(
         "--eval-every": cfg.eval.every,
         "--save-every": cfg.checkpoint.save_every,
         "--precision": cfg.model.precision,
+        # How each rank's share of a step is split: any split trains the same, so it may change.
+        "--micro-batch-size": cfg.batch.micro_batch_size or "auto",
     }
     if cfg.objective.name != "sft":
         o = cfg.objective
