@@ -94,7 +94,7 @@ def _value_of(option: str, extra: list[str]) -> str | None:
     return extra[after] if after < len(extra) and not extra[after].startswith("--") else None
 
 
-YES, NO = ("true", "yes", "1"), ("false", "no", "0")
+YES, NO = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
 def spelled_out_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:

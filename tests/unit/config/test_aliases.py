@@ -150,10 +150,13 @@ def test_yes_no_options_take_true_and_false_as_hf_examples_write_them(
 
     parser = build_parser()
     argv = ["train", "--gradient_checkpointing", "True", "--lora", "false", "--load-best-at-end", "1"]
+    argv += ["--progress", "off"]
     args, extra = parser.parse_known_args(argv)
-    assert extra == ["True", "false", "1"]
+    assert extra == ["True", "false", "1", "off"]
     cfg = train_config(parser.parse_args(spelled_out_flags(args.parser, argv)))
-    assert cfg == TrainConfig(activation_checkpointing=True, lora=False, load_best_at_end=True)
+    assert cfg == TrainConfig(
+        activation_checkpointing=True, lora=False, load_best_at_end=True, progress=False
+    )
     assert main(["train", "--bf16", "True", "--lora-target-modules", "q_proj", "v_proj"]) == 2
     err = capsys.readouterr().err
     assert "--bf16: set the precision with --precision bf16" in err and "True" not in err
