@@ -327,8 +327,8 @@ def prepare_data(
         try:
             prepared["train"], prepared["eval"] = split_off(prepared["train"], cfg.data.eval_split, cfg.seed)
         except ValueError as e:
-            raise UserError(f"--eval-split {cfg.data.eval_split}: {e}") from None
-        info["eval"] = {"spec": f"--eval-split {cfg.data.eval_split}", "examples": len(prepared["eval"])}
+            raise UserError(f"--eval-split {cfg.data.eval_split:g}: {e}") from None
+        info["eval"] = {"spec": f"--eval-split {cfg.data.eval_split:g}", "examples": len(prepared["eval"])}
         # ``examples`` stays the data's count (its cache entry's); this is what trains.
         info["train"]["held_out"] = len(prepared["eval"])
         info["train"]["training_examples"] = len(prepared["train"])
