@@ -379,7 +379,8 @@ def _adapter_base(name: str) -> str | None:
     if not base:
         raise UserError(
             f"--model {name}: a LoRA adapter folder that names no base model (trained on a preset); "
-            "use the merged model instead (train with --merge-lora: final/merged)"
+            "use the merged model instead: `lmtune export RUN/checkpoints/step-N DIR --merge-lora` writes "
+            "it for a finished run (training with --merge-lora writes final/merged)"
         )
     if not isinstance(base, str) or "\0" in base:
         raise UserError(f"--model {name}: adapter_config.json's base_model_name_or_path is {brief(base)}")
