@@ -67,6 +67,6 @@ def test_plan_reads_an_adapter_folder_as_its_base(tmp_path: Path) -> None:
     )
     assert model_description("tiny") == "tiny"
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
-    said = r"a LoRA adapter folder that names no base model .*lmtune export RUN/checkpoints/step-N DIR --merge-lora"
+    said = r"a LoRA adapter folder that names no base model .*lmtune export RUN/checkpoints/step-N DIR"
     with pytest.raises(UserError, match=said):
         load_config(str(adapter))
