@@ -402,12 +402,19 @@ def changed_settings(output_dir: Path, config: dict[str, Any]) -> list[str]:
     recorded = _recorded_config(output_dir)
     if not isinstance(recorded, dict):
         return []
+    try:  # what an unset setting resolved to (the model's default --lr)
+        resolved = read_json_object(output_dir / "run.json").get("resolved")
+    except (OSError, UserError):
+        resolved = None
+    resolved = resolved if isinstance(resolved, dict) else {}
 
-    def shown(value: Any) -> str:
-        return "unset" if value is None else str(value)
+    def shown(name: str, value: Any, was: bool) -> str:
+        if value is not None:
+            return str(value)
+        return f"the default {resolved[name]}" if was and name in resolved else "unset"
 
     return [
-        f"{option_name(name)} {shown(value)}, was {shown(recorded.get(name))}"
+        f"{option_name(name)} {shown(name, value, False)}, was {shown(name, recorded.get(name), True)}"
         for name, value in config.items()
         if name not in _NOT_THE_RUN and name in recorded and recorded[name] != value
     ]

@@ -297,3 +297,11 @@ def test_a_saved_folder_shows_no_progress_bar_and_leaves_the_setting_as_it_was(
     save_hf_folder(parts.model, tokenizer, tmp_path / "final")
     assert "Writing model shards" not in capsys.readouterr().err
     assert hf_logging.is_progress_bar_enabled() and (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def test_a_setting_left_to_its_default_is_named_by_the_value_it_took(tmp_path: Path) -> None:
+    from lmtune.checkpoint.rundir import changed_settings
+
+    record = {"config": {"lr": None, "seed": 1}, "resolved": {"lr": 0.001}, "environment": {}}
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    assert changed_settings(tmp_path, {"lr": 5e-4, "seed": 1}) == ["--lr 0.0005, was the default 0.001"]
