@@ -13,11 +13,12 @@ import yaml
 
 from lmtune.config.aliases import resolve_names
 from lmtune.config.files import SETTINGS_BYTES, read_text
-from lmtune.config.mixture import joined, yaml_sources
+from lmtune.config.mixture import yaml_sources
 from lmtune.config.settings import (
     GROUPS,
     Setting,
     TrainConfig,
+    as_text,
     config_fields,
     option_name,
     setting_named,
@@ -64,11 +65,6 @@ def to_argv(cfg: TrainConfig) -> list[str]:
     return argv
 
 
-def _scalar(value: Any) -> bool:
-    """A string or a number (not a bool): an item of a comma-separated setting."""
-    return isinstance(value, (str, int, float)) and not isinstance(value, bool)
-
-
 def _coerce(s: Setting, value: Any) -> Any:
     """Convert a YAML/CLI value to the setting's type, or explain which option is wrong."""
     name, kind = s.name, s.type
@@ -84,10 +80,8 @@ def _coerce(s: Setting, value: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
             return value.lower() in ("true", "yes", "1")
         raise UserError(f"{option_name(name)}: expected true or false, got {brief(value)}")
-    if kind is str and isinstance(value, list) and all(_scalar(v) for v in value):
-        return joined([str(v) for v in value])  # a YAML list: data files, target modules, weights
-    if kind is str and isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
-        return ",".join(f"{k}={v}" for k, v in value.items())  # a YAML mapping (--field-map)
+    if kind is str and (text := as_text(value)) is not value:
+        return text  # a YAML list (data files, target modules, weights) or mapping (--field-map)
     if {"on", "off"} <= set(s.choices):  # packing: true, as TRL writes it (--packing True too)
         if isinstance(value, bool):
             return "on" if value else "off"

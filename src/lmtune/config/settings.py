@@ -202,7 +202,7 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
             values[key] = value
         elif key in _BY_NAME:
             s = _BY_NAME[key]
-            flat.setdefault(s.group or "", {})[s.field] = _as_text(value) if s.type is str else value
+            flat.setdefault(s.group or "", {})[s.field] = as_text(value) if s.type is str else value
         else:
             from lmtune.config.aliases import explain_unknown
 
@@ -216,12 +216,14 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
     return values
 
 
-def _as_text(value: Any) -> Any:
-    """A list (data files, target modules) or a mapping (--field-map) as the flag writes it, as YAML
-    takes them; anything else as it is (the settings check names a wrong type)."""
+def as_text(value: Any) -> Any:
+    """A list of strings or numbers (data files, target modules, weights) or a mapping of strings
+    (--field-map) as the flag writes it, for YAML and the Python API alike; anything else as it is
+    (the settings check names a wrong type)."""
     from lmtune.config.mixture import joined
 
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
+    items = isinstance(value, (list, tuple))
+    if items and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
         return joined([str(v) for v in value])
     if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
         return ",".join(f"{k}={v}" for k, v in value.items())
