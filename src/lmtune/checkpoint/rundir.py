@@ -259,10 +259,7 @@ def _ran_here(folder: Path) -> bool:
     lmtune's names (``final/``, ``metrics.jsonl``, ``checkpoints/step-1/``): a user's may."""
     from lmtune.checkpoint.layout import list_checkpoints, verify
 
-    try:
-        record = read_json_object(folder / "run.json")
-    except (OSError, UserError):
-        record = {}
+    record = _run_record(folder)
     if isinstance(record.get("config"), dict) and isinstance(record.get("environment"), dict):
         return True
     return any(verify(p) is None for p in list_checkpoints(folder))
@@ -385,11 +382,16 @@ def _input_paths(spec: str) -> Iterator[tuple[Path, bool]]:
             yield path.resolve(), path.is_dir()
 
 
-def _recorded_config(output_dir: Path) -> Any:
+def _run_record(output_dir: Path) -> dict[str, Any]:
+    """The folder's run.json, or {} where there is none lmtune can read."""
     try:
-        return read_json_object(output_dir / "run.json").get("config")
+        return read_json_object(output_dir / "run.json")
     except (OSError, UserError):
-        return None
+        return {}
+
+
+def _recorded_config(output_dir: Path) -> Any:
+    return _run_record(output_dir).get("config")
 
 
 # Settings that say where and how a command runs, not what it trains.
@@ -399,14 +401,11 @@ _NOT_THE_RUN = frozenset({"output_dir", "resume", "overwrite", "progress", "doct
 def changed_settings(output_dir: Path, config: dict[str, Any]) -> list[str]:
     """This command's settings that differ from those run.json recorded (``--lr 2e-4, was
     0.0001``), for a finished run that will not train again: changing them does nothing there."""
-    recorded = _recorded_config(output_dir)
+    record = _run_record(output_dir)
+    recorded, resolved = record.get("config"), record.get("resolved")
     if not isinstance(recorded, dict):
         return []
-    try:  # what an unset setting resolved to (the model's default --lr)
-        resolved = read_json_object(output_dir / "run.json").get("resolved")
-    except (OSError, UserError):
-        resolved = None
-    resolved = resolved if isinstance(resolved, dict) else {}
+    resolved = resolved if isinstance(resolved, dict) else {}  # what an unset setting took (--lr)
 
     def shown(name: str, value: Any, was: bool) -> str:
         if value is not None:
