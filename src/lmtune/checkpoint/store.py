@@ -217,13 +217,11 @@ def read_state(folder: Path) -> TrainerState:
     sane = (
         counts
         and timed
-        and (
-            state.global_batch_size >= 1
-            and state.world_size >= 1
-            and state.examples >= 1
-            and max(state.epoch, state.step_in_epoch, state.skipped_steps) <= state.step
-            and state.samples_in_epoch <= state.examples
-        )
+        and state.global_batch_size >= 1
+        and state.world_size >= 1
+        and state.examples >= 1
+        and max(state.epoch, state.step_in_epoch, state.skipped_steps) <= state.step
+        and state.samples_in_epoch <= state.examples
     )
     if not sane:
         raise UserError(f"{path}: not a trainer state lmtune wrote (counts out of range)")

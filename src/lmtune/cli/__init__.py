@@ -36,10 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if extra and (spelled := spelled_out_flags(args.parser, argv)) != argv:
             argv = spelled  # --gradient_checkpointing True, as HF Trainer's examples write it
             args, extra = parser.parse_known_args(argv)
-        from lmtune.config.environment import VERBOSE, check_environment
+        from lmtune.config.environment import check_environment
 
         if getattr(args, "verbose", False):
-            os.environ[VERBOSE] = "1"  # this process, and every process it starts
+            os.environ[VERBOSE_ENV] = "1"  # this process, and every process it starts
         check_environment()
         from lmtune.config.verbosity import verbose
 

@@ -223,13 +223,13 @@ def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str]
 def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Callable[[str], str]) -> str:
     """For gradient_accumulation_steps beside a micro-batch size (in ``values``): the global batch
     they make on one device, in this place's names."""
+    if canonical(key) != "gradient_accumulation_steps":
+        return ""
     micro = next(
         (v for k, v in values.items() if ALIASES.get(canonical(k), canonical(k)) == "micro_batch_size"), None
     )
     # Flags arrive as text, YAML values as numbers.
     value, micro = (int(v) if isinstance(v, str) and v.isdigit() else v for v in (value, micro))
-    if canonical(key) != "gradient_accumulation_steps":
-        return ""
     if not (type(value) is int and value > 0):
         value = 4
     if not (type(micro) is int and micro > 0):
