@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -294,13 +294,19 @@ def test_the_manager_saves_on_schedule_when_asked_and_once_per_step(tmp_path: Pa
         assert list_checkpoints(run.output_dir) == []
 
 
-def test_evaluator_asks_to_save_each_best_and_stops_after_the_patience(tmp_path: Path) -> None:
-    losses = iter([3.0, 2.0, 2.5, 2.6, 1.0])
+def _evals_of(losses: list[float]) -> Callable[[], EvalResult]:
+    """An evaluation that gives these eval losses in turn."""
+    given = iter(losses)
 
     def run_eval() -> EvalResult:
-        loss = next(losses)
+        loss = next(given)
         return EvalResult(loss=loss, target_tokens=10, examples=2, count=10, metrics={"eval_loss": loss})
 
+    return run_eval
+
+
+def test_evaluator_asks_to_save_each_best_and_stops_after_the_patience(tmp_path: Path) -> None:
+    run_eval = _evals_of([3.0, 2.0, 2.5, 2.6, 1.0])
     with RunLog(ENV, tmp_path, progress=False) as log:
         log.open_metrics(0)
         best = BestTracker(metric="eval_loss", greater_is_better=False, patience=2, threshold=0.0)
@@ -320,12 +326,7 @@ def test_evaluator_asks_to_save_each_best_and_stops_after_the_patience(tmp_path:
 def test_the_early_stop_line_says_what_too_small_an_improvement_is(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    losses = iter([3.0, 2.9])  # better, but by less than the threshold
-
-    def run_eval() -> EvalResult:
-        loss = next(losses)
-        return EvalResult(loss=loss, target_tokens=10, examples=2, count=10, metrics={"eval_loss": loss})
-
+    run_eval = _evals_of([3.0, 2.9])  # better, but by less than the threshold
     with RunLog(ENV, tmp_path, progress=False) as log:
         log.open_metrics(0)
         best = BestTracker(metric="eval_loss", greater_is_better=False, patience=1, threshold=0.5)
