@@ -318,7 +318,11 @@ def prepare(
         _build(components, tokenizer, settings, tmp, wanted, check_stop)
     except UserError as e:
         error_file.parent.mkdir(parents=True, exist_ok=True)
-        error_file.write_text(str(e), encoding="utf-8")
+        # Renamed into place whole: a waiting rank that saw the file half written would report
+        # its own vaguer error next to this one.
+        part = error_file.with_name(error_file.name + ".part")
+        part.write_text(str(e), encoding="utf-8")
+        part.replace(error_file)
         raise
     finally:
         if not (tmp / META_FILE).is_file():
