@@ -34,7 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("equivalence")
     train = write_jsonl(root / "train.jsonl", uneven_texts(STEPS * GLOBAL_BATCH + 3, seed=11))
     evald = write_jsonl(root / "eval.jsonl", uneven_texts(7, seed=12))  # odd: 4 + 3 on 2 ranks
-    common = [
+    base = [
         "--model",
         "tiny",
         "--data",
@@ -60,12 +60,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "--threads-per-process",
         "1",
         "--no-progress",
-        # Padded micro-batches in sampler order: the case where a mean of means goes wrong.
-        "--packing",
-        "off",
-        "--no-group-by-length",
     ]
-    outs = {name: root / name for name in ("single", "nproc", "torchrun", "checkpointed")}
+    # Padded micro-batches in sampler order: the case where a mean of means goes wrong.
+    common = [*base, "--packing", "off", "--no-group-by-length"]
+    # NEFTune on packed rows: each example's noise must not depend on its rank or row.
+    neftune = [*base, "--packing", "on", "--neftune-alpha", "5"]
+    names = ("single", "nproc", "torchrun", "checkpointed", "neftune_single", "neftune_nproc")
+    outs = {name: root / name for name in names}
     procs = {
         "single": run_lmtune(["train", *common, "--output-dir", str(outs["single"])]),
         "nproc": run_lmtune(["train", *common, "--nproc-per-node", "2", "--output-dir", str(outs["nproc"])]),
@@ -94,6 +95,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 "--output-dir",
                 str(outs["checkpointed"]),
             ]
+        ),
+        "neftune_single": run_lmtune(["train", *neftune, "--output-dir", str(outs["neftune_single"])]),
+        "neftune_nproc": run_lmtune(
+            ["train", *neftune, "--nproc-per-node", "2", "--output-dir", str(outs["neftune_nproc"])]
         ),
     }
     for name, proc in procs.items():
@@ -165,3 +170,19 @@ def test_activation_checkpointing_under_ddp_trains_the_same(runs: dict[str, Path
     a = load_file(runs["nproc"] / "final" / "model.safetensors")
     b = load_file(runs["checkpointed"] / "final" / "model.safetensors")
     assert_same_training(a, b)
+
+
+def test_neftune_noise_is_the_same_on_two_ranks_as_in_one_process(runs: dict[str, Path]) -> None:
+    single, nproc = (_read_metrics(runs[k], "train") for k in ("neftune_single", "neftune_nproc"))
+    plain = _read_metrics(runs["single"], "train")
+    assert len(single) == len(nproc) == STEPS
+    assert [r["loss"] for r in nproc] == pytest.approx([r["loss"] for r in single], abs=1e-6)
+    assert single[0]["loss"] != pytest.approx(plain[0]["loss"], abs=1e-4)  # the noise was there
+    for name in ("neftune_single", "neftune_nproc"):
+        run = json.loads((runs[name] / "run.json").read_text())
+        assert run["config"]["neftune_alpha"] == 5.0 and run["resolved"]["batching"] == "pack"
+    assert_same_training(
+        load_file(runs["neftune_nproc"] / "final" / "model.safetensors"),
+        load_file(runs["neftune_single"] / "final" / "model.safetensors"),
+        "NEFTune, 2 ranks vs 1 process",
+    )

@@ -170,11 +170,12 @@ def test_a_changed_lr_and_length_apply_from_the_resume_step(
 ) -> None:
     out = _copy(base, "longer", step=STEPS)
     shutil.copy(base["out"] / "metrics.jsonl", out / "metrics.jsonl")
-    assert main(_args(base["data"], out, "--max-steps", "9", "--lr", "5e-4", "--micro-batch-size", "2")) == 0
+    changed = ("--max-steps", "9", "--lr", "5e-4", "--micro-batch-size", "2", "--neftune-alpha", "5")
+    assert main(_args(base["data"], out, *changed)) == 0
     log = capsys.readouterr().out
     assert (
         "changed since the checkpoint, applied from step 6: --lr 0.001 -> 0.0005; total steps 6 -> 9; "
-        "--micro-batch-size auto -> 2" in log
+        "--micro-batch-size auto -> 2; --neftune-alpha none -> 5.0" in log
     )
     lrs = {r["step"]: r["lr"] for r in train_rows(out)}
     assert [lrs[s] for s in (7, 8, 9)] == pytest.approx(

@@ -25,9 +25,11 @@ def _objective(config: dict[str, Any], formats: dict[str, int]) -> str:
         + (" and assistant turns" if set(formats) & set(CHAT_FORMATS) else "")
         + " (prompts and other turns masked)"
     )
+    noise = config.get("neftune_alpha")
     return (
         f"supervised fine-tuning: next-token cross-entropy on {trained}, normalised by the number of "
         "trained tokens over all processes"
+        + (f"; NEFTune noise on the input embeddings (alpha {noise})" if noise else "")
     )
 
 

@@ -122,6 +122,8 @@ def fingerprint(
             "--simpo-gamma": o.simpo_gamma,
             "--orpo-lambda": o.orpo_lambda,
         }
+    if cfg.objective.neftune_alpha:  # recorded only when on: older checkpoints stay comparable
+        adjustable["--neftune-alpha"] = cfg.objective.neftune_alpha
     return Fingerprint(fixed, adjustable)
 
 

@@ -47,6 +47,7 @@ ALIASES: dict[str, str] = {
     "use_peft": "lora",  # TRL
     "hub_model_id": "push_to_hub",  # HF Trainer: the repo that push_to_hub uploads to
     "hub_private_repo": "hub_private",  # HF Trainer
+    "neftune_noise_alpha": "neftune_alpha",  # HF Trainer, TRL, Axolotl
 }
 
 # Foreign name -> what to do instead. ``{name}`` becomes a setting's name in the style of the place
@@ -150,7 +151,6 @@ HINTS: dict[str, str] = {
         "resume repeats the uninterrupted run exactly"
     ),
     "gradient_checkpointing_kwargs": "{activation_checkpointing} true is non-reentrant already",
-    "neftune_noise_alpha": "lmtune has no NEFTune (noise on the input embeddings)",
     "ddp_find_unused_parameters": "lmtune sets DDP up itself: remove it",
     "remove_unused_columns": "lmtune reads only the fields its data format uses: remove it",
     "dataset_num_proc": "lmtune tokenizes in its own worker processes: remove it",

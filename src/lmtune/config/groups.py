@@ -226,6 +226,12 @@ class ObjectiveSettings:
         "--objective orpo: the weight lambda of the odds-ratio term, which also scales the logged rewards "
         "(TRL's ORPOConfig.beta).",
     )
+    neftune_alpha: float = setting(
+        0.0,
+        "sft: NEFTune, noise on the input embeddings while training (TRL's neftune_noise_alpha; the paper "
+        "used 5 to 15): uniform in +-alpha / sqrt(length x width) of each example, drawn for each example "
+        "and step from --seed, so the same whatever the processes or packing, and on resume. 0: none.",
+    )
     reference: str = setting(
         "logprobs",
         "dpo and ipo: logprobs (the reference's log-probs of every pair computed once before training, "

@@ -175,6 +175,7 @@ def _check_objective(cfg: TrainConfig, need: Need) -> None:
     need(0 <= o.label_smoothing < 0.5, "label_smoothing", "must be in [0, 0.5)")
     need(o.simpo_gamma >= 0, "simpo_gamma", "must be >= 0")
     need(o.orpo_lambda >= 0, "orpo_lambda", "must be >= 0")
+    need(o.neftune_alpha >= 0, "neftune_alpha", "must be >= 0")
     need(o.reference_model is None or bool(o.reference_model.strip()), "reference_model", "must name a model")
     metric = cfg.eval.metric_for_best or ""
     need(
@@ -217,6 +218,7 @@ def _check_applicable(cfg: TrainConfig, need: Need) -> None:
         "label_smoothing": (o.name in ("dpo", "simpo"), "applies to --objective dpo and simpo only"),
         "simpo_gamma": (o.name == "simpo", "applies to --objective simpo only"),
         "orpo_lambda": (o.name == "orpo", "applies to --objective orpo only"),
+        "neftune_alpha": (o.name == "sft", "applies to --objective sft only"),
         "reference": (o.name in WITH_REFERENCE, referenced),
         "reference_model": (o.name in WITH_REFERENCE, referenced),
         # HF Trainer lets warmup_steps win silently; one of them is what the user meant.

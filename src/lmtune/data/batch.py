@@ -60,6 +60,16 @@ class Batch:
         assert self.position_ids is not None
         return self.input_ids, self.attention_mask, self.labels, self.position_ids, self.segment_ids
 
+    def token_examples(self) -> torch.Tensor:
+        """Per token of the rows, the index of its example in ``example_ids`` (-1 on padding)."""
+        real = self.attention_mask.bool()
+        if self.segment_ids is None:  # one example per row
+            index = torch.arange(real.size(0), device=real.device)[:, None].expand_as(real)
+        else:  # packed: a row's segments 0, 1, ... are its examples in order
+            per_row = self.segment_ids.amax(dim=1) + 1
+            index = (torch.cumsum(per_row, 0) - per_row)[:, None] + self.segment_ids
+        return torch.where(real, index, -1)
+
     @property
     def pairs(self) -> int:
         """Preference pairs in the batch (0 for single examples)."""

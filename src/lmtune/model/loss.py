@@ -66,6 +66,7 @@ class LossModule(nn.Module):
         loss_chunk: int = 0,
         fp32_products: bool = False,
         bucket_tokens: bool = False,
+        neftune_alpha: float = 0.0,
     ):
         super().__init__()
         self.model = model
@@ -81,6 +82,8 @@ class LossModule(nn.Module):
         # rows with much padding; rows of nearly equal lengths run as they are, which costs fewer
         # operations (on 11-token examples the flattened path was ~20% slower).
         self.varlen = varlen
+        # NEFTune (lmtune.model.neftune): the noise's scale, for the forwards given noise seeds.
+        self.neftune_alpha = neftune_alpha
 
     def loss_output(
         self, labels: torch.Tensor, segments: torch.Tensor | Segments | None, inputs: dict[str, Any]
@@ -97,12 +100,39 @@ class LossModule(nn.Module):
         labels: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        noise_seeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The loss vector; without ``labels``, each row's next-token logits (for generation,
-        which must also pass through this module: under FSDP2 its call gathers the parameters)."""
+        which must also pass through this module: under FSDP2 its call gathers the parameters).
+        ``noise_seeds`` (a training step's, per token: lmtune.model.neftune) adds NEFTune's noise
+        to the input embeddings."""
         if labels is None:
             return self.next_token_logits(input_ids, attention_mask)
-        return self.loss_output(*self.route(input_ids, attention_mask, labels, position_ids, segment_ids))
+        labels, segments, inputs = self.route(input_ids, attention_mask, labels, position_ids, segment_ids)
+        if noise_seeds is not None and self.neftune_alpha:
+            inputs = self._with_noise(inputs, noise_seeds, attention_mask)
+        return self.loss_output(labels, segments, inputs)
+
+    def _with_noise(
+        self, inputs: dict[str, Any], seeds: torch.Tensor, attention_mask: torch.Tensor
+    ) -> dict[str, Any]:
+        """``inputs`` with the input embeddings plus NEFTune's noise in place of the token ids. The
+        per-token seeds of the rows are laid out as :meth:`route` laid out the tokens."""
+        from lmtune.model.attention import SEGMENTS
+        from lmtune.model.neftune import NO_NOISE, embedding_noise
+
+        ids = inputs["input_ids"]
+        if SEGMENTS in inputs:  # flattened: the real tokens, then fillers
+            seeds = seeds[attention_mask.bool()][None]
+        # Rows right-padded (bucketed, flattened with fillers): the extra positions get none.
+        seeds = F.pad(seeds, (0, ids.size(1) - seeds.size(1)), value=NO_NOISE)
+        # Inside this module's forward: under FSDP2 the root's parameters, the embeddings among
+        # them, are gathered here.
+        embedding: nn.Module = self.model.get_input_embeddings()  # type: ignore[operator]
+        embeds = embedding(ids)
+        noise = embedding_noise(seeds, inputs.get("position_ids"), embeds.size(-1), self.neftune_alpha)
+        rest = {k: v for k, v in inputs.items() if k != "input_ids"}
+        return {**rest, "inputs_embeds": embeds + noise.to(embeds.dtype)}
 
     def next_token_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

@@ -32,6 +32,7 @@ class LossSetup:
     loss_chunk: int = 0  # tokens per chunk of the output layer; 0: full logits
     fp32_products: bool = False  # a CPU bf16 run's products in fp32 (lmtune.model.products)
     bucket_tokens: bool = False  # token counts bucketed for oneDNN's bf16 kernels (same module)
+    neftune_alpha: float = 0.0  # NEFTune's noise on the input embeddings (lmtune.model.neftune); 0: none
 
 
 class Objective(Protocol):

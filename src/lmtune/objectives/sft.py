@@ -33,7 +33,14 @@ class SupervisedObjective:
         return batch.target_tokens()
 
     def loss_module(self, model: nn.Module, setup: LossSetup) -> nn.Module:
-        return SummedLoss(model, setup.varlen, setup.loss_chunk, setup.fp32_products, setup.bucket_tokens)
+        return SummedLoss(
+            model,
+            setup.varlen,
+            setup.loss_chunk,
+            setup.fp32_products,
+            setup.bucket_tokens,
+            setup.neftune_alpha,
+        )
 
     def step_collator(self, pad_token_id: int, micro_batch_size: int, mode: str, max_length: int) -> Any:
         return StepCollator(

@@ -82,6 +82,7 @@ class Built:
     # A fresh autocast context of --precision on this device (none under fp32), with the products'.
     autocast: Callable[[], AbstractContextManager[object]]
     starting_digest: str | None  # the starting weights' hash, where reference log-probs are cached
+    noise_seed: int | None  # what NEFTune's noise is keyed by (lmtune.model.neftune); None: no noise
 
     @property
     def tokenizer(self) -> Any:
@@ -162,6 +163,7 @@ def build_parts(
         products=products,
         autocast=autocast,
         starting_digest=digest,
+        noise_seed=cfg.seed if cfg.objective.neftune_alpha else None,
     )
 
 
@@ -453,7 +455,7 @@ def build_model(
     if cfg.model.compile:
         compile_model(trained, log)
     objective = with_live_reference(run, base, objective, varlen, products)  # a copy of the unwrapped start
-    setup = LossSetup(varlen, loss.chunk, products.fp32, products.bucketed)
+    setup = LossSetup(varlen, loss.chunk, products.fp32, products.bucketed, cfg.objective.neftune_alpha)
     loss_module = objective.loss_module(trained, setup)
     model = wrap_model(loss_module, strategy, env, low_precision_dtype(cfg.model.precision))
     return model, ModelParts(trained, loss_module, sharded=strategy == "fsdp", lora=cfg.lora.enabled), loss

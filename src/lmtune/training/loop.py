@@ -108,7 +108,10 @@ def fit(
                 micro = [b.to(env.device) for b in next(batches)]
             lr = float(trainee.scheduler.get_last_lr()[0])
             step_input = StepInput(
-                micro, stop_requested=settings.stop_requested(), data_s=time.perf_counter() - data_started
+                micro,
+                stop_requested=settings.stop_requested(),
+                data_s=time.perf_counter() - data_started,
+                step=state.step + 1,
             )
             r = train_step(trainee, step_input, env, settings.step)
             now = time.perf_counter()

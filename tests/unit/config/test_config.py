@@ -75,6 +75,8 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"objective": "dpo", "simpo_gamma": 1.0}, "--simpo-gamma: applies to --objective simpo only"),
         ({"objective": "simpo", "orpo_lambda": 0.5}, "--orpo-lambda: applies to --objective orpo only"),
         ({"objective": "orpo", "reference": "live"}, "--reference: applies to --objective dpo and ipo only"),
+        ({"objective": "dpo", "neftune_alpha": 5.0}, "--neftune-alpha: applies to --objective sft only"),
+        ({"neftune_alpha": -1.0}, "--neftune-alpha: must be >= 0"),
         (
             {"objective": "dpo", "max_prompt_length": 512},
             r"--max-prompt-length: must be in \[1, --max-length\)",
@@ -92,6 +94,7 @@ def test_settings_that_apply_are_accepted_at_any_value() -> None:
         {"objective": "simpo", "beta": 2.0, "simpo_gamma": 1.0},
         {"objective": "orpo", "orpo_lambda": 0.5},
         {"objective": "ipo", "reference": "live"},
+        {"neftune_alpha": 5.0},
         {"lora_rank": 16, "beta": 0.1},  # the defaults, spelled out: nothing changes, nothing refused
     ):
         validate(build_config(values), world_size=1)

@@ -104,7 +104,8 @@ def _fit(
 ) -> FitResult:
     trainee = Trainee(b.model, b.optimizer, schedule(run.cfg, b, start.step), b.scaler)
     data, _ = loaders(run, b)
-    options = StepOptions(run.cfg.max_grad_norm, lambda: autocast_context("fp32", ENV.device))
+    autocast = lambda: autocast_context("fp32", ENV.device)  # noqa: E731
+    options = StepOptions(run.cfg.max_grad_norm, autocast, noise_seed=b.noise_seed)
     parts = LoopParts(callbacks=callbacks, evaluator=evaluator, saver=saver or NoSaves())
     return fit(trainee, data, start, parts, FitSettings(env=ENV, step=options, **kw))
 
@@ -184,11 +185,15 @@ def test_a_component_stops_the_run_after_its_step(tmp_path: Path) -> None:
     assert recorder.ended == later.ended == [(4, "early")]
 
 
-def test_resume_from_a_checkpoint_in_process_is_bit_identical(tmp_path: Path) -> None:
-    with _built(tmp_path, "straight") as (run, b):
+@pytest.mark.parametrize("settings", [{}, {"neftune_alpha": 5.0}], ids=["plain", "neftune"])
+def test_resume_from_a_checkpoint_in_process_is_bit_identical(
+    tmp_path: Path, settings: dict[str, Any]
+) -> None:
+    """NEFTune's noise too: the resumed steps draw what the uninterrupted run's did."""
+    with _built(tmp_path, "straight", **settings) as (run, b):
         _fit(run, b, _fresh_state(b), [])
         straight, straight_opt = _weights(b), b.optimizer.state_dict()
-    with _built(tmp_path, "resumed") as (run, b):
+    with _built(tmp_path, "resumed", **settings) as (run, b):
         manager = _manager(run, b)
         result = _fit(run, b, _fresh_state(b), [Recorder(stop_at=4)], saver=manager)
         assert [p.name for p in list_checkpoints(run.output_dir)] == [
@@ -197,7 +202,7 @@ def test_resume_from_a_checkpoint_in_process_is_bit_identical(tmp_path: Path) ->
     folder = step_folder(tmp_path / "resumed", 4)
     assert verify(folder) is None
     torch.manual_seed(1234)  # disturbed: the checkpoint's RNG state must be what counts
-    with _built(tmp_path, "resumed") as (run, b):
+    with _built(tmp_path, "resumed", **settings) as (run, b):
         start = _manager(run, b).resume(_fresh_state(b), STEPS)
         assert (start.step, start.epoch, start.step_in_epoch) == (4, 1, 1)
         _fit(run, b, start, [])
@@ -207,17 +212,20 @@ def test_resume_from_a_checkpoint_in_process_is_bit_identical(tmp_path: Path) ->
         assert all(torch.equal(v[name], resumed_opt["state"][k][name]) for name in v)
 
 
-def test_gradient_accumulation_is_one_step_over_the_whole_batch(tmp_path: Path) -> None:
-    """Four micro-batches of two give the update of one micro-batch of eight (token-weighted)."""
+@pytest.mark.parametrize("noise", [None, 7], ids=["plain", "neftune"])
+def test_gradient_accumulation_is_one_step_over_the_whole_batch(tmp_path: Path, noise: int | None) -> None:
+    """Four micro-batches of two give the update of one micro-batch of eight (token-weighted),
+    with NEFTune's noise too (drawn per example, whatever its micro-batch)."""
     results: list[StepResult] = []
     weights = []
+    settings = {"neftune_alpha": 5.0} if noise is not None else {}
     for micro in (8, 2):
-        with _built(tmp_path, f"accumulate-{micro}", optimizer="sgd", momentum=0.0) as (run, b):
+        with _built(tmp_path, f"accumulate-{micro}", optimizer="sgd", momentum=0.0, **settings) as (run, b):
             examples = [b.train_data[i] for i in range(8)]
             collate = StepCollator(b.tokenizer.pad_token_id, micro, "group", 64)
             trainee = Trainee(b.model, b.optimizer, schedule(run.cfg, b, 0))
-            options = StepOptions(0.0, lambda: autocast_context("fp32", ENV.device))
-            results.append(train_step(trainee, StepInput(collate(examples)), ENV, options))
+            options = StepOptions(0.0, lambda: autocast_context("fp32", ENV.device), noise_seed=noise)
+            results.append(train_step(trainee, StepInput(collate(examples), step=1), ENV, options))
             weights.append(_weights(b))
     full, accumulated = results
     assert accumulated.loss == pytest.approx(full.loss, rel=1e-6)
