@@ -114,7 +114,7 @@ def test_generate_chat_answers_and_stops(chat_run: dict[str, Path]) -> None:
         timeout=120,
     )
     assert one.returncode == 0, one.stderr
-    assert one.stdout == "ok\n"
+    assert one.stdout == "ok\n" and "warning" not in one.stderr
     turns = subprocess.run(
         [*generate, "--model", str(chat_run["merged"]), "--system", "be brief"],
         input="what is 1 plus 2?\n\nwhat is 5 plus 5?\n",
@@ -124,6 +124,14 @@ def test_generate_chat_answers_and_stops(chat_run: dict[str, Path]) -> None:
     )
     assert turns.returncode == 0, turns.stderr
     assert turns.stdout == "ok\nok\n"
+
+
+def test_generate_chat_on_a_model_without_a_template_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", "tiny", "--chat", "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "warning: the model has no chat template, so --chat renders the turns with lmtune's built-in" in err
+    )
 
 
 def test_audit_names_the_end_of_turn_as_the_trained_stop(

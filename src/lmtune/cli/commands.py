@@ -102,7 +102,15 @@ def _chat(
     """One reply to --prompt, or a conversation over stdin's lines (interactive on a terminal)."""
     from lmtune.data.formats import ensure_chat_template
     from lmtune.model.generate import chat_reply
+    from lmtune.parallel.launch import warn
 
+    if not getattr(tokenizer, "chat_template", None):
+        # Its replies follow a format it never saw: likely text that rambles past the turn.
+        warn(
+            "the model has no chat template, so --chat renders the turns with lmtune's built-in one, "
+            "which this model was not trained on; fine-tune it on chat data first (lmtune saves the "
+            "template with it), or drop --chat to complete plain text"
+        )
     ensure_chat_template(tokenizer)
     messages = [{"role": "system", "content": system}] if system else []
     interactive = prompt is None and sys.stdin.isatty()
