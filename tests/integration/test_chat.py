@@ -129,9 +129,7 @@ def test_generate_chat_answers_and_stops(chat_run: dict[str, Path]) -> None:
 def test_generate_chat_on_a_model_without_a_template_warns(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--model", "tiny", "--chat", "--prompt", "hi", "--max-new-tokens", "2"]) == 0
     err = capsys.readouterr().err
-    assert (
-        "warning: the model has no chat template, so --chat renders the turns with lmtune's built-in" in err
-    )
+    assert "warning: the model has no chat template, so --chat renders the turns with lmtune's" in err
 
 
 def test_audit_names_the_end_of_turn_as_the_trained_stop(
