@@ -7,7 +7,7 @@ tokenizer happens to encode a role marker.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -103,6 +103,33 @@ class FieldMap:
 
 
 PLAIN_FIELDS = FieldMap(fields={}, roles={})
+
+# The formats that read each of lmtune's fields.
+_READ_BY: dict[str, tuple[str, ...]] = {
+    "text": ("text",),
+    "prompt": ("prompt_completion", "preference", "preference_messages"),
+    "messages": ("messages", "preference_messages"),
+    "chosen": ("preference", "preference_messages"),
+    "rejected": ("preference", "preference_messages"),
+    **{name: ("prompt_completion",) for name in ("completion", "instruction", "input", "output")},
+    **{name: CHAT_FORMATS for name in TURN_FIELDS},
+}
+
+
+def unused_names(settings: ExampleSettings, formats: Collection[str]) -> list[str]:
+    """The ``--text-field`` and ``--field-map`` entries that no record of ``formats`` was read
+    through, as the user gave them."""
+    names = FieldMap.of(settings)
+    unused = [
+        f"--text-field {theirs}"
+        if ours == "text" and theirs == settings.text_field
+        else f"--field-map {ours}={theirs}"
+        for ours, theirs in names.fields.items()
+        if not set(_READ_BY[ours]) & set(formats)
+    ]
+    if names.roles and not set(CHAT_FORMATS) & set(formats):
+        unused += [f"--field-map {ours}={theirs}" for theirs, ours in names.roles.items()]
+    return unused
 
 
 # The template for tokenizers that have none (and for the presets). Assistant turns end with EOS so

@@ -53,6 +53,7 @@ from lmtune.training.batch_layout import BatchLayout, batch_layout
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, optimizer_for
+from lmtune.training.preflight import warn_unused_names
 from lmtune.training.reference import attach_references, model_digest, precomputes, with_live_reference
 
 # Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
@@ -110,6 +111,7 @@ def build_parts(
     tokenizer = loaded.tokenizer
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
+    warn_unused_names(cfg, data_info, log.info)
     longest = max(int(d.lengths().max(initial=0)) for d in (train_data, eval_data) if d is not None)
     check_positions(loaded.model, min(longest, cfg.examples.max_length), log.info)
     run.heartbeat.beat("load")

@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmtune.checkpoint.rundir import check_output_dir
+from lmtune.config.groups import ExampleSettings
 from lmtune.config.settings import TrainConfig, config_fields, option_name, value_of
 from lmtune.config.validate import PREFERENCE, check_settings
 from lmtune.data.chat import read_template
-from lmtune.data.formats import FieldMap
+from lmtune.data.formats import FieldMap, unused_names
 from lmtune.data.sources import resolve_sources
 from lmtune.errors import UserError, brief
 from lmtune.model.quantization import require_bitsandbytes
@@ -117,3 +119,21 @@ def settings_differences(by_rank: list[dict[str, Any]]) -> list[str]:
             )
             found.append(f"{option_name(name)} {shown}")
     return found
+
+
+def warn_unused_names(cfg: TrainConfig, data_info: dict[str, Any], info: Callable[[str], None]) -> None:
+    """A warning for --text-field, --field-map and --txt-mode values the data never used: a setting
+    that changed nothing usually means other data, or another field, was meant."""
+    formats = {f for split in data_info.values() for f in split.get("formats", {})}
+    unused = unused_names(cfg.examples, formats)
+    if unused:
+        info(
+            f"warning: {', '.join(unused)} changed nothing: no record of the data was read through "
+            f"{'it' if len(unused) == 1 else 'them'} (formats found: {', '.join(sorted(formats))})"
+        )
+    mode = cfg.examples.txt_mode
+    given = [(cfg.data.train, "--data"), (cfg.data.eval, "--eval-data")]
+    if mode != ExampleSettings().txt_mode and not any(
+        s.kind == "txt" for spec, option in given if spec for s in resolve_sources(spec, option)
+    ):
+        info(f"warning: --txt-mode {mode} changed nothing: the data has no .txt file")

@@ -12,7 +12,7 @@ import pytest
 
 from lmtune.cli import main
 from lmtune.config.groups import ExampleSettings
-from lmtune.data.formats import FieldMap, render
+from lmtune.data.formats import FieldMap, render, unused_names
 from lmtune.data.prepare import encode_in_memory
 from lmtune.data.sources import Record
 from lmtune.errors import UserError
@@ -181,3 +181,47 @@ def test_training_on_sharegpt_records(tmp_path: Path) -> None:
     assert run["data"]["train"]["formats"] == {"sharegpt": 8}
     assert run["data"]["train"]["eos_trained"] == 8
     assert (out / "final" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("settings", "formats", "unused"),
+    [
+        ({"text_field": "body"}, {"text"}, []),
+        ({"text_field": "body"}, {"prompt_completion"}, ["--text-field body"]),
+        ({"field_map": "prompt=question,completion=answer"}, {"prompt_completion", "text"}, []),
+        (
+            {"field_map": "prompt=question,completion=answer"},
+            {"text"},
+            ["--field-map prompt=question", "--field-map completion=answer"],
+        ),
+        ({"field_map": "prompt=q"}, {"preference"}, []),  # a pair's prompt
+        ({"field_map": "messages=dialog,assistant=bot"}, {"messages"}, []),
+        ({"field_map": "assistant=gpt"}, {"sharegpt"}, []),
+        (
+            {"field_map": "messages=dialog,assistant=bot"},
+            {"text"},
+            ["--field-map messages=dialog", "--field-map assistant=bot"],
+        ),
+        ({"field_map": "text=body"}, {"messages"}, ["--field-map text=body"]),
+    ],
+)
+def test_names_no_record_was_read_through_are_found(
+    settings: dict[str, str], formats: set[str], unused: list[str]
+) -> None:
+    assert unused_names(ExampleSettings(**settings), formats) == unused
+
+
+def test_train_warns_of_data_settings_that_changed_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) + "\n" for i in range(8)))
+    args = ["train", "--data", str(data), "--max-steps", "1", "--global-batch-size", "8", "--no-progress"]
+    args += ["--text-field", "body", "--txt-mode", "block", "--output-dir", str(tmp_path / "out")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert (
+        "warning: --text-field body changed nothing: no record of the data was read through it (formats "
+        "found: prompt_completion)" in out
+    )
+    assert "warning: --txt-mode block changed nothing: the data has no .txt file" in out
