@@ -51,6 +51,17 @@ def test_data_parallel_matches_single(tmp_path: Path) -> None:
     single = _run(tmp_path, "single", strategy="single")
     dp = _run(tmp_path, "dp", strategy="dp")
     assert dp == pytest.approx(single, abs=1e-4)
+    # NEFTune's per-token seeds are scattered with the rows; each replica draws on its own GPU.
+    single = _run(tmp_path, "neftune-single", strategy="single", neftune_alpha=5.0)
+    dp = _run(tmp_path, "neftune-dp", strategy="dp", neftune_alpha=5.0)
+    assert dp == pytest.approx(single, abs=1e-4)
+
+
+def test_neftune_draws_on_the_gpu(tmp_path: Path) -> None:
+    plain = _run(tmp_path, "plain", strategy="single", lr=3e-3)
+    noisy = _run(tmp_path, "neftune", strategy="single", lr=3e-3, neftune_alpha=5.0)
+    again = _run(tmp_path, "neftune-again", strategy="single", lr=3e-3, neftune_alpha=5.0)
+    assert noisy == again and noisy != plain and noisy[-1] < noisy[0]
 
 
 def test_8bit_adamw_and_lora_train_on_gpu(tmp_path: Path) -> None:
