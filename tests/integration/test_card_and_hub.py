@@ -174,8 +174,8 @@ def test_full_model_card_export_card_and_lmtune_push(
     out = tmp_path / "out"
     argv = ["--data", data, "--eval-data", data, "--max-steps", "2", "--global-batch-size", "3"]
     argv += ["--neftune-alpha", "5"]
-    code, _, _ = _train([*argv, "--save-every", "1", "--keep-last", "0", "--output-dir", str(out)])
-    assert code == 0
+    code, log, _ = _train([*argv, "--save-every", "1", "--keep-last", "0", "--output-dir", str(out)])
+    assert code == 0 and "; NEFTune noise alpha 5\n" in log
     final = out / "final"
     assert _front_matter(final / "README.md")["library_name"] == "transformers"
     assert "; NEFTune noise on the input embeddings (alpha 5.0)" in (final / "README.md").read_text()

@@ -197,8 +197,13 @@ def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str]
     there (``--lr`` on the command line, ``lr`` in YAML).
     """
     key, accepted = canonical(name), set(known)
-    shown = style(key)
-    kind = "option" if shown.startswith("-") else "setting"
+    written = name[:80].split("=", 1)[0]
+    upper = written != written.lower()
+    shown = written if upper else style(key)
+    kind = "option" if style(key).startswith("-") else "setting"
+    meant = ALIASES.get(key, key)
+    if upper and meant in accepted:  # names are matched exactly, as argparse matches options
+        return f"{written}: names are lower case; did you mean {style(meant)}?"
     if key in ALIASES and ALIASES[key] not in accepted:
         return f"{shown} is {style(ALIASES[key])} in lmtune, which {where} does not take"
     from lmtune.config.settings import config_fields  # it explains its own unknown names with this

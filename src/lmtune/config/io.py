@@ -70,6 +70,10 @@ def _coerce(s: Setting, value: Any) -> Any:
     name, kind = s.name, s.type
     if name == "max_steps" and str(value).strip() == "-1":
         value = None  # HF's max_steps: -1, "not set" (the epochs decide), as its configs write it
+    if name == "neftune_alpha" and value is None:
+        value = (
+            0.0  # HF's neftune_noise_alpha: null, "off", as configs written from TrainingArguments have it
+        )
     if value is None:
         if not s.optional:
             raise UserError(f"{option_name(name)}: needs a value (got null)")

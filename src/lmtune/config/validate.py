@@ -8,6 +8,7 @@ the ranges, one function per group, then the combinations across groups.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from lmtune.config.groups import (
@@ -50,6 +51,9 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
     for s in config_fields():
         value = value_of(cfg, s)
         need(_typed(value, s.type, s.optional), s.name, f"expected {s.type.__name__}")
+        # As the CLI and YAML refuse them (the Python API converts nothing): inf and nan pass some
+        # range checks below, and fail later as a non-finite loss.
+        need(s.type is not float or value is None or math.isfinite(value), s.name, "must be a finite number")
         need(
             not s.choices or value is None or value in s.choices,
             s.name,

@@ -106,6 +106,7 @@ def run_record(run: RunContext, built: Built, resume_from: Path | None, peak: fl
         f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} "
         f"step{'s' if layout.total_steps != 1 else ''}; "
         f"loss: {built.loss.description}"
+        + (f"; NEFTune noise alpha {cfg.objective.neftune_alpha:g}" if cfg.objective.neftune_alpha else "")
     )
     note = _default_batch_note(layout, cfg)
     if note:

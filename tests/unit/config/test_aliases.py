@@ -291,3 +291,22 @@ def test_a_negative_list_value_is_the_options_value(capsys: pytest.CaptureFixtur
     """argparse read "-1,2" as an option ("expected one argument"); lmtune says what is wrong with it."""
     assert main(["train", "--data", "a=a.jsonl,b=b.jsonl", "--data-weights", "-1,2"]) == 2
     assert "--data-weights: every weight must be a positive number (got '-1')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["train", "--LR", "1"], "lmtune train: --LR: names are lower case; did you mean --lr?"),
+        (["train", "--Learning-Rate", "1"], "--Learning-Rate: names are lower case; did you mean --lr?"),
+        (["train", "--Zlr", "1"], "unknown option --Zlr; did you mean --lr?"),
+    ],
+)
+def test_a_name_in_capitals_is_shown_as_written_with_its_lower_case(
+    argv: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("LR: 0.1\n")
+    with pytest.raises(UserError, match=f"--config {yaml_file}:1: LR: names are lower case; did you mean lr"):
+        load_yaml(str(yaml_file))

@@ -188,3 +188,18 @@ def test_evaluation_settings_without_evaluation_data_are_refused(
         validate(build_config({"data": str(data), **values}), world_size=1)
     validate(build_config({"data": str(data), "eval_split": 0.5, **values}), world_size=1)
     validate(build_config(values), world_size=1)  # the built-in sample
+
+
+@pytest.mark.parametrize("name", ["lr", "neftune_alpha", "max_grad_norm"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_the_python_api_refuses_what_the_cli_refuses_as_not_finite(name: str, value: float) -> None:
+    with pytest.raises(UserError, match=f"{option_name(name)}: must be a finite number"):
+        validate(TrainConfig(**{name: value}), world_size=1)  # type: ignore[arg-type]
+
+
+def test_hf_trainers_null_neftune_noise_alpha_is_off(tmp_path: Path) -> None:
+    """Configs written from TrainingArguments or SFTConfig hold ``neftune_noise_alpha: null``."""
+    path = tmp_path / "sft.yaml"
+    path.write_text("neftune_noise_alpha: null\nlearning_rate: 2.0e-5\n")
+    cfg = build_config(load_yaml(str(path)))
+    assert cfg.objective.neftune_alpha == 0.0 and cfg == TrainConfig(lr=2e-5)
