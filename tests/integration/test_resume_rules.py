@@ -183,6 +183,24 @@ def test_a_changed_lr_and_length_apply_from_the_resume_step(
     )
     assert lrs[6] == pytest.approx(1e-3 * warmup_cosine(5, 6, 0, 0.1))  # the first run's rows are kept
     assert json.loads((out / "run.json").read_text())["resolved"]["lr"] == 5e-4
+    # The record of what each resume changed: run.json, the checkpoints, the cards.
+    first = {
+        "step": 6,
+        "changes": ["--lr 0.001 -> 0.0005", "total steps 6 -> 9", "--micro-batch-size auto -> 2"],
+    }
+    first["changes"].append("--neftune-alpha none -> 5.0")
+    assert main(_args(base["data"], out, "--max-steps", "11", "--lr", "5e-4", "--micro-batch-size", "2")) == 0
+    second = {"step": 9, "changes": ["total steps 9 -> 11", "--neftune-alpha 5.0 -> none"]}
+    assert json.loads((out / "run.json").read_text())["resolved"]["changed_on_resume"] == [first, second]
+    card = (out / "final" / "README.md").read_text()
+    assert (
+        "| changed on resume | from step 6: --lr 0.001 -> 0.0005, total steps 6 -> 9, --micro-batch-size "
+        "auto -> 2, --neftune-alpha none -> 5.0; from step 9: total steps 9 -> 11, --neftune-alpha 5.0 "
+        "-> none |"
+    ) in card
+    assert main(["export", str(out / "checkpoints" / "step-000009"), str(base["root"] / "step9")]) == 0
+    exported = (base["root"] / "step9" / "README.md").read_text()
+    assert "from step 6: --lr" in exported and "from step 9" not in exported  # not what step 9 trained with
 
 
 def test_a_damaged_newest_checkpoint_stops_the_run_and_is_kept(

@@ -97,7 +97,16 @@ def checkpoint_record(output_dir: Path, step: int) -> dict[str, Any] | None:
             "perplexity": last.get("eval_perplexity"),
             "examples": last.get("eval_examples", 0),
         }
+    resolved = run.get("resolved")
+    if isinstance(resolved, dict) and isinstance(resolved.get("changed_on_resume"), list):
+        # A resume at a later step changed nothing this checkpoint trained with.
+        earlier = [c for c in resolved["changed_on_resume"] if isinstance(c, dict) and _before(c, step)]
+        run = {**run, "resolved": {**resolved, "changed_on_resume": earlier}}
     return {**run, "result": result}
+
+
+def _before(change: dict[str, Any], step: int) -> bool:
+    return isinstance(change.get("step"), int) and change["step"] < step
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -102,6 +102,10 @@ def training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if config.get("lora"):
         rows.append(("LoRA", _lora_line(config, resolved)))
+    changed = resolved.get("changed_on_resume")
+    if changed and isinstance(changed, list):
+        # The rows above are the last attempt's settings; earlier steps trained with what was before.
+        rows.append(("changed on resume", "; ".join(_change_line(c) for c in changed if isinstance(c, dict))))
     if resolved.get("quantization"):
         rows.append(("quantized base", _quantization_line(resolved)))
     rows += _environment_rows(run)
@@ -200,3 +204,7 @@ def result_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     if result.get("stopped_by"):
         rows.append(("stopped early", str(result["stopped_by"]).replace("_", " ")))
     return rows
+
+
+def _change_line(change: dict[str, Any]) -> str:
+    return f"from step {change.get('step')}: {', '.join(str(c) for c in change.get('changes', []))}"

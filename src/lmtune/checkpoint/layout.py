@@ -18,6 +18,8 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 SCALER_FILE = "scaler.json"  # the fp16 gradient scaler's state: plain numbers
 FINGERPRINT_FILE = "fingerprint.json"
+# The settings each resume changed, oldest first, up to the checkpoint's step (see resume.py).
+CHANGES_FILE = "resume_changes.json"
 GENERATION_CONFIG = "generation_config.json"
 _STEP_NAME = re.compile(r"step-(\d+)")
 SHARDED_DIR = "sharded"  # torch.distributed.checkpoint folder: one file per rank + .metadata

@@ -23,8 +23,8 @@ import torch
 
 from lmtune.checkpoint.export import save_final
 from lmtune.checkpoint.finished import Finished, finished_record, read_finished
-from lmtune.checkpoint.layout import FINGERPRINT_FILE, SCALER_FILE, step_folder
-from lmtune.checkpoint.resume import Fingerprint, continue_from, resume_point
+from lmtune.checkpoint.layout import CHANGES_FILE, FINGERPRINT_FILE, SCALER_FILE, step_folder
+from lmtune.checkpoint.resume import Fingerprint, continue_from, read_changes, resume_point
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import load_checkpoint, prune, read_state, save_checkpoint
 from lmtune.config.files import read_json_object
@@ -70,6 +70,8 @@ class CheckpointManager:
     patient: Callable[[], AbstractContextManager[object]] = nullcontext  # long collective timeouts
     beat: Callable[[str], None] = lambda phase: None  # the heartbeat's phase while saving
     resumed_from: Path | None = None  # the checkpoint this run continues (after resume())
+    # The settings changed by each resume of the run so far, oldest first: {"step", "changes"}.
+    changed: list[dict[str, Any]] = field(default_factory=list)
     _saved_step: int = -1
     _start_step: int = 0
 
@@ -113,7 +115,7 @@ class CheckpointManager:
             self._start_step = fresh.step
             return fresh
         t = self.trainable
-        state = continue_from(
+        state, changes = continue_from(
             folder,
             now=self.fingerprint,
             parts=t.parts,
@@ -126,6 +128,9 @@ class CheckpointManager:
             saved = _read_record(folder / record.file_name)
             if saved is not None:
                 record.restore(saved)
+        self.changed = read_changes(_read_record(folder / CHANGES_FILE))
+        if changes:
+            self.changed.append({"step": state.step, "changes": changes})
         self._start_step = self._saved_step = state.step
         return state
 
@@ -160,6 +165,8 @@ class CheckpointManager:
         records |= {r.file_name: r.to_json() for r in self.records}
         if t.scaler is not None:
             records[SCALER_FILE] = t.scaler.state_dict()
+        if self.changed:
+            records[CHANGES_FILE] = {"resumes": self.changed}
         with self.patient():
             path = save_checkpoint(
                 self.output_dir,

@@ -218,9 +218,9 @@ def continue_from(
     env: DistEnv,
     scaler: torch.amp.GradScaler | None,
     log: InfoLog,
-) -> TrainerState:
+) -> tuple[TrainerState, list[str]]:
     """Load ``folder`` when this run may continue it; the settings that changed are applied and
-    listed, the ones that define the run must be the same."""
+    listed (and returned, as ``name old -> new``), the ones that define the run must be the same."""
     check_layout(folder, parts)  # LoRA vs full and sharding first: the clearest words for them
     saved_fp = read_fingerprint(folder)
     if saved_fp is None:  # written before fingerprints: what its trainer state records must match
@@ -240,7 +240,23 @@ def continue_from(
     )
     if changes:
         log.info(f"changed since the checkpoint, applied from step {state.step}: " + "; ".join(changes))
-    return state
+    return state, changes
+
+
+def read_changes(record: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The resumes' changes a checkpoint carries (``{"resumes": [{"step", "changes"}, ...]}``); what
+    is not of that shape is left out (a record read as hostile data)."""
+    entries = record.get("resumes") if record is not None else None
+    if not isinstance(entries, list):
+        return []
+    return [
+        {"step": e["step"], "changes": [one_line(c, 200) for c in e["changes"]]}
+        for e in entries
+        if isinstance(e, dict)
+        and type(e.get("step")) is int
+        and isinstance(e.get("changes"), list)
+        and all(isinstance(c, str) for c in e["changes"])
+    ]
 
 
 def recorded_paths(resume: str, output_dir: Path, env: DistEnv) -> dict[str, Any] | None:
