@@ -126,10 +126,25 @@ def test_generate_chat_answers_and_stops(chat_run: dict[str, Path]) -> None:
     assert turns.stdout == "ok\nok\n"
 
 
-def test_generate_chat_on_a_model_without_a_template_warns(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["generate", "--model", "tiny", "--chat", "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+def test_generate_chat_on_a_model_that_never_learned_its_template_warns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chat = ["generate", "--chat", "--prompt", "hi", "--max-new-tokens", "2"]
+    assert main([*chat, "--model", "tiny"]) == 0
     err = capsys.readouterr().err
     assert "warning: the model has no chat template, so --chat renders the turns with lmtune's" in err
+    # Trained on prompt/completion records: saved with the built-in template all the same.
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) + "\n" for i in range(4)))
+    out = tmp_path / "out"
+    train = ["train", "--data", str(data), "--max-steps", "1", "--global-batch-size", "4", "--no-progress"]
+    assert main([*train, "--output-dir", str(out)]) == 0
+    capsys.readouterr()
+    assert main([*chat, "--model", str(out / "final")]) == 0
+    assert (
+        "warning: the model's chat template is lmtune's built-in one, and the run that saved it trained on "
+        "prompt_completion records, not on conversations in it" in capsys.readouterr().err
+    )
 
 
 def test_audit_names_the_end_of_turn_as_the_trained_stop(

@@ -174,7 +174,7 @@ def test_a_changed_lr_and_length_apply_from_the_resume_step(
     assert main(_args(base["data"], out, *changed)) == 0
     log = capsys.readouterr().out
     assert (
-        "changed since the checkpoint, applied from step 6: --lr 0.001 -> 0.0005; total steps 6 -> 9; "
+        "changed since the checkpoint, applied from step 7: --lr 0.001 -> 0.0005; total steps 6 -> 9; "
         "--micro-batch-size auto -> 2; --neftune-alpha none -> 5.0" in log
     )
     lrs = {r["step"]: r["lr"] for r in train_rows(out)}
@@ -194,13 +194,14 @@ def test_a_changed_lr_and_length_apply_from_the_resume_step(
     assert json.loads((out / "run.json").read_text())["resolved"]["changed_on_resume"] == [first, second]
     card = (out / "final" / "README.md").read_text()
     assert (
-        "| changed on resume | from step 6: --lr 0.001 -> 0.0005, total steps 6 -> 9, --micro-batch-size "
-        "auto -> 2, --neftune-alpha none -> 5.0; from step 9: total steps 9 -> 11, --neftune-alpha 5.0 "
-        "-> none |"
+        "| changed on resume | after step 6: --lr 0.001 -> 0.0005, total steps 6 -> 9, --micro-batch-size "
+        "auto -> 2, --neftune-alpha none -> 5.0; after step 9: total steps 9 -> 11, --neftune-alpha 5.0 "
+        "-> none (the rows above hold the last resume's settings) |"
     ) in card
     assert main(["export", str(out / "checkpoints" / "step-000009"), str(base["root"] / "step9")]) == 0
     exported = (base["root"] / "step9" / "README.md").read_text()
-    assert "from step 6: --lr" in exported and "from step 9" not in exported  # not what step 9 trained with
+    # The resume after step 9 changed nothing that checkpoint trained with.
+    assert "after step 6: --lr" in exported and "after step 9, later than this checkpoint: total" in exported
 
 
 def test_a_damaged_newest_checkpoint_stops_the_run_and_is_kept(

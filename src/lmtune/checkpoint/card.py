@@ -99,14 +99,15 @@ def checkpoint_record(output_dir: Path, step: int) -> dict[str, Any] | None:
         }
     resolved = run.get("resolved")
     if isinstance(resolved, dict) and isinstance(resolved.get("changed_on_resume"), list):
-        # A resume at a later step changed nothing this checkpoint trained with.
-        earlier = [c for c in resolved["changed_on_resume"] if isinstance(c, dict) and _before(c, step)]
-        run = {**run, "resolved": {**resolved, "changed_on_resume": earlier}}
+        # The card's settings are the last resume's: a later resume's changes, which this
+        # checkpoint did not train with, are marked so.
+        marked = [
+            {**c, "after_checkpoint": not (isinstance(c.get("step"), int) and c["step"] < step)}
+            for c in resolved["changed_on_resume"]
+            if isinstance(c, dict)
+        ]
+        run = {**run, "resolved": {**resolved, "changed_on_resume": marked}}
     return {**run, "result": result}
-
-
-def _before(change: dict[str, Any], step: int) -> bool:
-    return isinstance(change.get("step"), int) and change["step"] < step
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -231,7 +232,8 @@ def _summary(config: dict[str, Any], base: str | None, adapter: bool, merged: bo
 def _table(rows: list[tuple[str, str]]) -> list[str]:
     if not rows:
         return []
-    return ["| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)]
+    cells = [(k.replace("|", "\\|"), v.replace("|", "\\|")) for k, v in rows]  # a | would end the cell
+    return ["| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in cells)]
 
 
 def _template_of(folder: Path) -> str | None:

@@ -104,8 +104,8 @@ def training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("LoRA", _lora_line(config, resolved)))
     changed = resolved.get("changed_on_resume")
     if changed and isinstance(changed, list):
-        # The rows above are the last attempt's settings; earlier steps trained with what was before.
-        rows.append(("changed on resume", "; ".join(_change_line(c) for c in changed if isinstance(c, dict))))
+        lines = "; ".join(_change_line(c) for c in changed if isinstance(c, dict))
+        rows.append(("changed on resume", f"{lines} (the rows above hold the last resume's settings)"))
     if resolved.get("quantization"):
         rows.append(("quantized base", _quantization_line(resolved)))
     rows += _environment_rows(run)
@@ -207,4 +207,5 @@ def result_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _change_line(change: dict[str, Any]) -> str:
-    return f"from step {change.get('step')}: {', '.join(str(c) for c in change.get('changes', []))}"
+    later = ", later than this checkpoint" if change.get("after_checkpoint") else ""
+    return f"after step {change.get('step')}{later}: {', '.join(str(c) for c in change.get('changes', []))}"

@@ -239,7 +239,7 @@ def continue_from(
         f"{'' if saved.world_size == 1 else 's'}, now {env.world_size})"
     )
     if changes:
-        log.info(f"changed since the checkpoint, applied from step {state.step}: " + "; ".join(changes))
+        log.info(f"changed since the checkpoint, applied from step {state.step + 1}: " + "; ".join(changes))
     return state, changes
 
 

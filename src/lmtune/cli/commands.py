@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from lmtune.errors import UserError
@@ -88,6 +89,15 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     }
     with torch.inference_mode():
         if args.chat:
+            problem = _untrained_template(args.model, loaded.tokenizer)
+            if problem is not None:
+                from lmtune.parallel.launch import warn
+
+                # Its replies follow a format it never saw: likely text that rambles past the turn.
+                warn(
+                    f"{problem}; fine-tune it on conversations (messages records) first, or drop --chat to "
+                    "complete plain text"
+                )
             _chat(model, loaded.tokenizer, args.prompt, args.system, options)
         else:
             from lmtune.model.generate import complete
@@ -102,15 +112,7 @@ def _chat(
     """One reply to --prompt, or a conversation over stdin's lines (interactive on a terminal)."""
     from lmtune.data.formats import ensure_chat_template
     from lmtune.model.generate import chat_reply
-    from lmtune.parallel.launch import warn
 
-    if not getattr(tokenizer, "chat_template", None):
-        # Its replies follow a format it never saw: likely text that rambles past the turn.
-        warn(
-            "the model has no chat template, so --chat renders the turns with lmtune's built-in one, "
-            "which this model was not trained on; fine-tune it on chat data first (lmtune saves the "
-            "template with it), or drop --chat to complete plain text"
-        )
     ensure_chat_template(tokenizer)
     messages = [{"role": "system", "content": system}] if system else []
     interactive = prompt is None and sys.stdin.isatty()
@@ -120,6 +122,28 @@ def _chat(
         reply = chat_reply(model, tokenizer, messages, **options)
         messages.append({"role": "assistant", "content": reply})
         print(f"assistant> {reply}" if interactive else reply, flush=True)
+
+
+def _untrained_template(model: str, tokenizer: Any) -> str | None:
+    """Why --chat would render turns in a format ``model`` never learned, if it would: it has no
+    chat template (the built-in one stands in), or lmtune gave it the built-in one (every model it
+    saves has a template) and its run trained on no conversations."""
+    from lmtune.checkpoint.card import run_record_near
+    from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS
+
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return "the model has no chat template, so --chat renders the turns with lmtune's built-in one"
+    folder = Path(model).expanduser()
+    run = run_record_near(folder) if template == BUILTIN_CHAT_TEMPLATE and folder.is_dir() else None
+    train = ((run or {}).get("data") or {}).get("train") or {}
+    formats = train.get("formats") if isinstance(train, dict) else None
+    if isinstance(formats, dict) and not set(CHAT_FORMATS) & set(formats):
+        return (
+            "the model's chat template is lmtune's built-in one, and the run that saved it trained on "
+            f"{', '.join(sorted(formats)) or 'no'} records, not on conversations in it"
+        )
+    return None
 
 
 def _stdin_turns(interactive: bool) -> Iterator[str]:

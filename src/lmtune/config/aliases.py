@@ -197,7 +197,7 @@ def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str]
     there (``--lr`` on the command line, ``lr`` in YAML).
     """
     key, accepted = canonical(name), set(known)
-    written = name[:80].split("=", 1)[0]
+    written = one_line(name, 80).split("=", 1)[0]
     upper = written != written.lower()
     shown = written if upper else style(key)
     kind = "option" if style(key).startswith("-") else "setting"
@@ -264,7 +264,9 @@ def resolve_names(
     given_as: dict[str, str] = {}
     unknown: list[str] = []  # all of them at once: a config from another tool has several
     for key, value in values.items():
-        name = key if key in accepted else ALIASES.get(canonical(key), key)
+        # Matched as written, lower case (as the command line's options are): `Learning_Rate` is
+        # refused with its lower-case name, as `LR` is.
+        name = key if key in accepted or key != key.lower() else ALIASES.get(canonical(key), key)
         if name not in accepted:
             why = explain_unknown(key, accepted, style, "lmtune train")
             unknown.append(where(key) + why + accumulation_here(key, value, values, style))

@@ -21,6 +21,7 @@ from lmtune.config.settings import (
     as_text,
     config_fields,
     option_name,
+    peer_unset,
     setting_named,
     to_dict,
     value_of,
@@ -68,12 +69,7 @@ def to_argv(cfg: TrainConfig) -> list[str]:
 def _coerce(s: Setting, value: Any) -> Any:
     """Convert a YAML/CLI value to the setting's type, or explain which option is wrong."""
     name, kind = s.name, s.type
-    if name == "max_steps" and str(value).strip() == "-1":
-        value = None  # HF's max_steps: -1, "not set" (the epochs decide), as its configs write it
-    if name == "neftune_alpha" and value is None:
-        value = (
-            0.0  # HF's neftune_noise_alpha: null, "off", as configs written from TrainingArguments have it
-        )
+    value = peer_unset(name, value)
     if value is None:
         if not s.optional:
             raise UserError(f"{option_name(name)}: needs a value (got null)")

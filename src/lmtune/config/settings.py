@@ -185,6 +185,17 @@ SETTINGS = _all_settings()
 _BY_NAME = {s.name: s for s in SETTINGS}
 
 
+def peer_unset(name: str, value: Any) -> Any:
+    """``value``, or lmtune's for how Hugging Face configs write "not set": ``max_steps: -1`` (the
+    epochs decide) and ``neftune_noise_alpha: null`` (off), as configs written from
+    TrainingArguments or SFTConfig hold them."""
+    if name == "max_steps" and str(value).strip() == "-1":
+        return None
+    if name == "neftune_alpha" and value is None:
+        return 0.0
+    return value
+
+
 def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) -> dict[str, Any]:
     """TrainConfig's attributes from flat settings and groups, over ``start`` (else the defaults)."""
     values: dict[str, Any] = dict(start) if start else {n: k() for n, k in GROUPS.items()}
@@ -198,6 +209,7 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
             if ALIASES[key] in settings:
                 raise TypeError(f"TrainConfig: {ALIASES[key]} is set twice (as {key} and {ALIASES[key]})")
             key = ALIASES[key]  # a peer's name (learning_rate, lora_r), as the CLI and YAML take it
+        value = peer_unset(key, value)
         if kind is not None and isinstance(value, kind):
             values[key] = value
         elif key in _BY_NAME:

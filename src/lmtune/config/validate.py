@@ -53,7 +53,7 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
         need(_typed(value, s.type, s.optional), s.name, f"expected {s.type.__name__}")
         # As the CLI and YAML refuse them (the Python API converts nothing): inf and nan pass some
         # range checks below, and fail later as a non-finite loss.
-        need(s.type is not float or value is None or math.isfinite(value), s.name, "must be a finite number")
+        need(s.type is not float or value is None or _finite(value), s.name, "must be a finite number")
         need(
             not s.choices or value is None or value in s.choices,
             s.name,
@@ -73,6 +73,13 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
     _check_evaluation_data(cfg, need)
     _check_batch(cfg.batch, world_size, need)
     _check_applicable(cfg, need)
+
+
+def _finite(value: object) -> bool:
+    try:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int past float's range: TrainConfig(lr=10**400)
+        return False
 
 
 def _typed(value: object, kind: type, optional: bool) -> bool:

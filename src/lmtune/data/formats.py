@@ -108,7 +108,7 @@ PLAIN_FIELDS = FieldMap(fields={}, roles={})
 _READ_BY: dict[str, tuple[str, ...]] = {
     "text": ("text",),
     "prompt": ("prompt_completion", "preference", "preference_messages"),
-    "messages": ("messages", "preference_messages"),
+    "messages": ("messages", "sharegpt"),  # ShareGPT's turns are read through a mapped messages too
     "chosen": ("preference", "preference_messages"),
     "rejected": ("preference", "preference_messages"),
     **{name: ("prompt_completion",) for name in ("completion", "instruction", "input", "output")},

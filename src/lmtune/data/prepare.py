@@ -320,7 +320,7 @@ def prepare(
         error_file.parent.mkdir(parents=True, exist_ok=True)
         # Renamed into place whole: a waiting rank that saw the file half written would report
         # its own vaguer error next to this one.
-        part = error_file.with_name(error_file.name + ".part")
+        part = error_file.with_name(f"{error_file.name}.part-{env.rank}")  # node builders share a disk
         part.write_text(str(e), encoding="utf-8")
         part.replace(error_file)
         raise

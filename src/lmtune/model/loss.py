@@ -130,9 +130,10 @@ class LossModule(nn.Module):
         # them, are gathered here.
         embedding: nn.Module = self.model.get_input_embeddings()  # type: ignore[operator]
         embeds = embedding(ids)
-        noise = embedding_noise(seeds, inputs.get("position_ids"), embeds.size(-1), self.neftune_alpha)
+        positions = inputs.get("position_ids")
+        noise = embedding_noise(seeds, positions, embeds.size(-1), self.neftune_alpha, embeds.dtype)
         rest = {k: v for k, v in inputs.items() if k != "input_ids"}
-        return {**rest, "inputs_embeds": embeds + noise.to(embeds.dtype)}
+        return {**rest, "inputs_embeds": embeds + noise}
 
     def next_token_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

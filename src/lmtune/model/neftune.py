@@ -31,16 +31,21 @@ def noise_seeds(batch: Batch, seed: int, step: int) -> torch.Tensor:
     """Per token of ``batch``'s rows, the seed of its example's noise (:data:`NO_NOISE` on padding)."""
     seeds = [example_seed(seed, step, e) for e in batch.example_ids] + [NO_NOISE]
     index = batch.token_examples()
-    # Padding's index -1 picks the last entry: NO_NOISE.
+    # Padding's index -1 picks the last entry, NO_NOISE; so does an idle batch's one token (FSDP's
+    # lockstep), the only entry of a batch without examples.
     return torch.tensor(seeds, dtype=torch.long, device=index.device)[index]
 
 
 def embedding_noise(
-    seeds: torch.Tensor, position_ids: torch.Tensor | None, width: int, alpha: float
+    seeds: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    width: int,
+    alpha: float,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The noise of rows whose tokens carry ``seeds`` (as the model gets them), ``[*seeds.shape, width]``
-    in fp32. An example is a run of tokens with one seed; where positions are given, a position 0
-    also starts one (an example met twice in a row)."""
+    in ``dtype`` (each example's drawn in fp32). An example is a run of tokens with one seed; where
+    positions are given, a position 0 also starts one (an example met twice in a row)."""
     seeds = seeds.contiguous()
     starts = torch.ones_like(seeds, dtype=torch.bool)
     starts[:, 1:] = seeds[:, 1:] != seeds[:, :-1]
@@ -48,14 +53,14 @@ def embedding_noise(
         starts |= position_ids == 0
     flat = seeds.reshape(-1)
     offsets = [*torch.nonzero(starts.reshape(-1)).flatten().tolist(), flat.numel()]
-    pieces = []
+    # One tensor filled example by example: the largest of a step's activations is not held twice.
+    noise = torch.zeros(flat.numel(), width, dtype=dtype, device=seeds.device)
     for seed, lo, hi in zip(flat[starts.reshape(-1)].tolist(), offsets, offsets[1:], strict=False):
-        length = hi - lo
         if seed == NO_NOISE:
-            pieces.append(torch.zeros(length, width, device=seeds.device))
             continue
+        length = hi - lo
         generator = torch.Generator(device=seeds.device)
         generator.manual_seed(seed)
-        noise = torch.rand(length, width, generator=generator, device=seeds.device)
-        pieces.append(noise.mul_(2).sub_(1).mul_(alpha / math.sqrt(length * width)))
-    return torch.cat(pieces).view(*seeds.shape, width)
+        drawn = torch.rand(length, width, generator=generator, device=seeds.device)
+        noise[lo:hi] = drawn.mul_(2).sub_(1).mul_(alpha / math.sqrt(length * width))
+    return noise.view(*seeds.shape, width)

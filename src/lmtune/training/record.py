@@ -8,12 +8,12 @@ import socket
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmtune import __version__
-from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.state import optimizer_state_bytes
 from lmtune.config.settings import TrainConfig, setting_named, to_dict
 from lmtune.config.threads import busy_at_start, thread_wait
@@ -71,9 +71,11 @@ def result_record(result: FitResult, optimizer: torch.optim.Optimizer, env: Dist
     }
 
 
-def run_record(run: RunContext, built: Built, checkpoints: CheckpointManager, peak: float) -> dict[str, Any]:
-    """run.json before training (``checkpoints`` after it decided where the run starts); the start
-    line says the same in short."""
+def run_record(
+    run: RunContext, built: Built, resumed: tuple[Path | None, list[dict[str, Any]]], peak: float
+) -> dict[str, Any]:
+    """run.json before training; ``resumed``: the checkpoint the run continues and what each resume
+    changed (lmtune.checkpoint.manager's). The start line says the same in short."""
     cfg, env, layout = run.cfg, run.env, built.layout
     quantization = built.loaded.quantization
     attention = attention_description(built.loaded.model) if built.parts.root.varlen else "masked"
@@ -95,9 +97,9 @@ def run_record(run: RunContext, built: Built, checkpoints: CheckpointManager, pe
         # is quantized.
         "base_bytes": _base_bytes(built.loaded.model) if quantization else None,
         "trainable_parameters": count(p for p in built.parts.root.parameters() if p.requires_grad),
-        "resumed_from": str(checkpoints.resumed_from) if checkpoints.resumed_from else None,
+        "resumed_from": str(resumed[0]) if resumed[0] else None,
         # What each resume changed, from which step: the settings above are the last attempt's.
-        "changed_on_resume": checkpoints.changed,
+        "changed_on_resume": resumed[1],
         "peak_flops_per_device": peak,
     }
     units = f" ({built.paths.units.describe()})" if env.device.type == "cpu" else ""

@@ -191,6 +191,10 @@ def test_resume_from_a_checkpoint_in_process_is_bit_identical(
 ) -> None:
     """NEFTune's noise too: the resumed steps draw what the uninterrupted run's did."""
     with _built(tmp_path, "straight", **settings) as (run, b):
+        assert (b.noise_seed is not None, b.parts.root.neftune_alpha) == (
+            bool(settings),
+            5.0 * bool(settings),
+        )
         _fit(run, b, _fresh_state(b), [])
         straight, straight_opt = _weights(b), b.optimizer.state_dict()
     with _built(tmp_path, "resumed", **settings) as (run, b):
@@ -224,6 +228,7 @@ def test_gradient_accumulation_is_one_step_over_the_whole_batch(tmp_path: Path, 
             examples = [b.train_data[i] for i in range(8)]
             collate = StepCollator(b.tokenizer.pad_token_id, micro, "group", 64)
             trainee = Trainee(b.model, b.optimizer, schedule(run.cfg, b, 0))
+            assert b.parts.root.neftune_alpha == (5.0 if noise is not None else 0.0)
             options = StepOptions(0.0, lambda: autocast_context("fp32", ENV.device), noise_seed=noise)
             results.append(train_step(trainee, StepInput(collate(examples), step=1), ENV, options))
             weights.append(_weights(b))
