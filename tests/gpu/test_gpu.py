@@ -58,12 +58,10 @@ def test_data_parallel_matches_single(tmp_path: Path) -> None:
 
 
 def test_neftune_draws_on_the_gpu(tmp_path: Path) -> None:
+    """Its generator on CUDA (the CPU tests check that the draws follow the seed, step and example)."""
     plain = _run(tmp_path, "plain", strategy="single", lr=3e-3)
     noisy = _run(tmp_path, "neftune", strategy="single", lr=3e-3, neftune_alpha=5.0)
-    again = _run(tmp_path, "neftune-again", strategy="single", lr=3e-3, neftune_alpha=5.0)
-    # Up to the GPU's non-deterministic kernels (atomics in attention's backward).
-    assert noisy == pytest.approx(again, abs=1e-4) and noisy[-1] < noisy[0]
-    assert noisy[0] != pytest.approx(plain[0], abs=1e-3)
+    assert noisy[-1] < noisy[0] and noisy[0] != pytest.approx(plain[0], abs=1e-3)
 
 
 def test_8bit_adamw_and_lora_train_on_gpu(tmp_path: Path) -> None:
