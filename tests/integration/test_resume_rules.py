@@ -200,8 +200,11 @@ def test_a_changed_lr_and_length_apply_from_the_resume_step(
     ) in card
     assert main(["export", str(out / "checkpoints" / "step-000009"), str(base["root"] / "step9")]) == 0
     exported = (base["root"] / "step9" / "README.md").read_text()
-    # The resume after step 9 changed nothing that checkpoint trained with.
+    # The resume after step 9 changed nothing that checkpoint trained with; its card holds the
+    # settings it was saved under (NEFTune on, 9 steps planned), not the last resume's.
     assert "after step 6: --lr" in exported and "after step 9, later than this checkpoint: total" in exported
+    assert "(the rows above hold this checkpoint's settings)" in exported and "| steps | 9 of 9 (" in exported
+    assert "NEFTune noise on the input embeddings (alpha 5.0)" in exported and "NEFTune" not in card
 
 
 def test_a_damaged_newest_checkpoint_stops_the_run_and_is_kept(

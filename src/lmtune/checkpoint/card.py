@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from lmtune.checkpoint.card_rows import result_rows, training_rows
-from lmtune.checkpoint.layout import GENERATION_CONFIG
+from lmtune.checkpoint.layout import FINGERPRINT_FILE, GENERATION_CONFIG
 from lmtune.config.mixture import named_items
 from lmtune.config.settings import SAMPLE_DATA
 from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS
@@ -71,9 +71,11 @@ def run_record_near(folder: Path) -> dict[str, Any] | None:
     return None
 
 
-def checkpoint_record(output_dir: Path, step: int) -> dict[str, Any] | None:
-    """A run's run.json with the results of step ``step`` (a checkpoint's) in place of the end's,
-    read from its metrics.jsonl; None when ``output_dir`` holds no run."""
+def checkpoint_record(checkpoint: Path, step: int) -> dict[str, Any] | None:
+    """The run.json of a checkpoint's run, with the settings the checkpoint was saved under and the
+    results of its step ``step`` (from metrics.jsonl) in place of the end's; None when the
+    checkpoint is not in its run's folder."""
+    output_dir = checkpoint.parent.parent
     run = _read_json(output_dir / RUN_FILE)
     if run is None:
         return None
@@ -107,7 +109,27 @@ def checkpoint_record(output_dir: Path, step: int) -> dict[str, Any] | None:
             if isinstance(c, dict)
         ]
         run = {**run, "resolved": {**resolved, "changed_on_resume": marked}}
-    return {**run, "result": result}
+    return {**_saved_settings(checkpoint, run), "result": result}
+
+
+def _saved_settings(checkpoint: Path, run: dict[str, Any]) -> dict[str, Any]:
+    """``run`` with the settings a resume may change as the checkpoint's fingerprint holds them: the
+    ones it was saved under, where run.json holds the last resume's."""
+    recorded = _read_json(checkpoint / FINGERPRINT_FILE)
+    adjustable = recorded.get("adjustable") if recorded is not None else None
+    if not isinstance(adjustable, dict) or not isinstance(run.get("config"), dict):
+        return run  # saved before fingerprints
+    config, resolved = dict(run["config"]), dict(run.get("resolved") or {})
+    for label, value in adjustable.items():
+        key = label.removeprefix("--").replace("-", "_")
+        # The micro-batch is resolved per world size; the card shows the run's resolved one.
+        if label.startswith("--") and key in config and key != "micro_batch_size":
+            config[key] = value
+    config["neftune_alpha"] = adjustable.get("--neftune-alpha", 0.0)  # recorded only when on
+    for label, key in (("--lr", "lr"), ("total steps", "total_steps")):
+        if label in adjustable:
+            resolved[key] = adjustable[label]
+    return {**run, "config": config, "resolved": resolved}
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -104,8 +104,11 @@ def training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("LoRA", _lora_line(config, resolved)))
     changed = resolved.get("changed_on_resume")
     if changed and isinstance(changed, list):
-        lines = "; ".join(_change_line(c) for c in changed if isinstance(c, dict))
-        rows.append(("changed on resume", f"{lines} (the rows above hold the last resume's settings)"))
+        entries = [c for c in changed if isinstance(c, dict)]
+        # A checkpoint's card marks the changes after it (lmtune.checkpoint.card.checkpoint_record).
+        of = "this checkpoint's" if any("after_checkpoint" in c for c in entries) else "the last resume's"
+        lines = "; ".join(_change_line(c) for c in entries)
+        rows.append(("changed on resume", f"{lines} (the rows above hold {of} settings)"))
     if resolved.get("quantization"):
         rows.append(("quantized base", _quantization_line(resolved)))
     rows += _environment_rows(run)

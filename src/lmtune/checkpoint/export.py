@@ -337,7 +337,7 @@ def _write_card(checkpoint: Path, folder: Path, out: Path) -> None:
     from lmtune.checkpoint.store import read_state
 
     step = read_state(checkpoint).step
-    run = checkpoint_record(checkpoint.parent.parent, step)
+    run = checkpoint_record(checkpoint, step)
     note = f"Exported from the checkpoint of step {step} ({checkpoint.name})."
     write_model_card(folder, run, note=note, final=out)
 
