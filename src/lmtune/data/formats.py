@@ -39,7 +39,7 @@ TURN_FIELDS = ("role", "content")
 SHAREGPT_TURNS = {"messages": "conversations", "role": "from", "content": "value"}
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
 # ShareGPT's field names for lmtune's (its roles map by SHAREGPT_ROLES).
-SHAREGPT_NAMES = {"conversations": "messages", "from": "role", "value": "content", **SHAREGPT_ROLES}
+SHAREGPT_NAMES = {theirs: ours for ours, theirs in SHAREGPT_TURNS.items()} | SHAREGPT_ROLES
 
 
 @dataclass(frozen=True)
