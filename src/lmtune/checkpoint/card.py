@@ -276,11 +276,18 @@ def _token_names(folder: Path, ids: list[int]) -> list[str]:
     return [str(names.get(i, f"id {i}")) for i in ids]
 
 
+def trained_formats(run: dict[str, Any] | None) -> set[str]:
+    """The data formats a run trained on, as its run.json records them (none when it does not)."""
+    train = ((run or {}).get("data") or {}).get("train") or {}
+    formats = train.get("formats") if isinstance(train, dict) else None
+    return set(formats) if isinstance(formats, dict) else set()
+
+
 def _chat_trained(folder: Path, run: dict[str, Any]) -> bool:
     """Whether the model was tuned on conversations: its run's data formats say so; without a
     run record, whether it carries a chat template. A preset's tokenizer has a template whatever
     it was trained on, and a model tuned on plain text answers a chat-rendered prompt badly."""
-    formats = set((run.get("data", {}).get("train") or {}).get("formats", {}))
+    formats = trained_formats(run)
     if formats:
         return bool(formats & set(CHAT_FORMATS))
     return _template_of(folder) is not None

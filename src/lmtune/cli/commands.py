@@ -128,7 +128,7 @@ def _untrained_template(model: str, tokenizer: Any) -> str | None:
     """Why --chat would render turns in a format ``model`` never learned, if it would: it has no
     chat template (the built-in one stands in), or lmtune gave it the built-in one (every model it
     saves has a template) and its run trained on no conversations."""
-    from lmtune.checkpoint.card import run_record_near
+    from lmtune.checkpoint.card import run_record_near, trained_formats
     from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS
 
     template = getattr(tokenizer, "chat_template", None)
@@ -136,12 +136,11 @@ def _untrained_template(model: str, tokenizer: Any) -> str | None:
         return "the model has no chat template, so --chat renders the turns with lmtune's built-in one"
     folder = Path(model).expanduser()
     run = run_record_near(folder) if template == BUILTIN_CHAT_TEMPLATE and folder.is_dir() else None
-    train = ((run or {}).get("data") or {}).get("train") or {}
-    formats = train.get("formats") if isinstance(train, dict) else None
-    if isinstance(formats, dict) and not set(CHAT_FORMATS) & set(formats):
+    formats = trained_formats(run)
+    if formats and not set(CHAT_FORMATS) & formats:
         return (
             "the model's chat template is lmtune's built-in one, and the run that saved it trained on "
-            f"{', '.join(sorted(formats)) or 'no'} records, not on conversations in it"
+            f"{', '.join(sorted(formats))} records, not on conversations in it"
         )
     return None
 
