@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from lmtune.checkpoint.card_rows import result_rows, training_rows
-from lmtune.checkpoint.layout import FINGERPRINT_FILE, GENERATION_CONFIG
+from lmtune.checkpoint.layout import GENERATION_CONFIG
 from lmtune.config.mixture import named_items
 from lmtune.config.settings import SAMPLE_DATA
 from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS
@@ -115,10 +115,16 @@ def checkpoint_record(checkpoint: Path, step: int) -> dict[str, Any] | None:
 def _saved_settings(checkpoint: Path, run: dict[str, Any]) -> dict[str, Any]:
     """``run`` with the settings a resume may change as the checkpoint's fingerprint holds them: the
     ones it was saved under, where run.json holds the last resume's."""
-    recorded = _read_json(checkpoint / FINGERPRINT_FILE)
-    adjustable = recorded.get("adjustable") if recorded is not None else None
-    if not isinstance(adjustable, dict) or not isinstance(run.get("config"), dict):
+    from lmtune.checkpoint.resume import read_fingerprint
+    from lmtune.errors import UserError
+
+    try:
+        recorded = read_fingerprint(checkpoint)
+    except UserError:  # unreadable: the card keeps run.json's settings
+        recorded = None
+    if recorded is None or not isinstance(run.get("config"), dict):
         return run  # saved before fingerprints
+    adjustable = recorded.adjustable
     config, resolved = dict(run["config"]), dict(run.get("resolved") or {})
     for label, value in adjustable.items():
         key = label.removeprefix("--").replace("-", "_")
