@@ -80,3 +80,28 @@ def test_cpu_bf16_kernels_memory_stays_flat_over_a_long_run(tmp_path: Path) -> N
     assert resolved["products"] == "bf16, token counts bucketed"
     assert "bf16 in lengths rounded to 64" in str(resolved["attention"])
     assert peak[200] <= 1.05 * peak[100], (peak[50], peak[100], peak[200])
+
+
+def test_compile_keeps_per_example_attention(tmp_path: Path) -> None:
+    """--compile compiles each decoder block with attention left out of its graphs: packed rows keep
+    per-example attention and the chunked loss, the losses are the eager run's, and the graphs do
+    not multiply with the batches' example lengths (traced, the per-example loop specialised the
+    graph on every batch's lengths and recompiled)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    def run(name: str, compile: bool) -> tuple[dict[str, object], list[float]]:
+        out = tmp_path / name
+        cfg = TrainConfig(output_dir=str(out), max_steps=12, progress=False, packing="on", compile=compile)
+        train(cfg)
+        return json.loads((out / "run.json").read_text())["resolved"], [r["loss"] for r in train_rows(out)]
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, eager_losses = run("eager", False)
+    compiled, compiled_losses = run("compiled", True)
+    assert compiled["attention"] == eager["attention"] == "per example"
+    assert compiled["loss"] == eager["loss"] and str(compiled["loss"]).startswith("chunked")
+    assert compiled_losses == pytest.approx(eager_losses, rel=1e-4)
+    graphs = counters["stats"]["unique_graphs"]
+    assert 0 < graphs <= 6, f"{graphs} graphs for 12 steps of packed rows"

@@ -150,9 +150,11 @@ def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(VARLEN, varlen_attention)
+    # Outside torch.compile's graphs (--compile compiles the decoder blocks around them): traced, the
+    # per-example loop would specialise the graph on every batch's example lengths and recompile.
+    AttentionInterface.register(VARLEN, torch.compiler.disable(varlen_attention))  # type: ignore[no-untyped-call]
     AttentionMaskInterface.register(VARLEN, sdpa_mask)
-    AttentionInterface.register(VARLEN_BUCKETED, bucketed_attention)
+    AttentionInterface.register(VARLEN_BUCKETED, torch.compiler.disable(bucketed_attention))  # type: ignore[no-untyped-call]
     AttentionMaskInterface.register(VARLEN_BUCKETED, sdpa_mask)
 
 

@@ -252,7 +252,7 @@ def choose(model: nn.Module, requested: int | None, compiled: bool) -> LossChoic
     if requested == 0:
         return LossChoice(0, "full logits (--loss-chunk-size 0)")
     if compiled:  # the compiled graph is the model's whole forward, logits included
-        return LossChoice(0, "full logits (--compile compiles the model's own forward)")
+        return LossChoice(0, "full logits (--compile compiles the model's whole forward: it lists no blocks)")
     split = split_head(model)
     if split is None or not head_is_exact(model, split):
         return LossChoice(

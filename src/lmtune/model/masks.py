@@ -33,7 +33,7 @@ def sliding_window(config: object) -> int | None:
         return None
     raise UserError(
         "--packing: this model mixes sliding-window and full attention layers, so packed rows need "
-        "per-example attention, which --compile turns off; use --packing off with --compile"
+        "per-example attention, which this model's attention code does not take; use --packing off"
     )
 
 

@@ -344,10 +344,6 @@ def loss_chunk(cfg: TrainConfig, config: Any) -> int:
     """The chunk lmtune train would use (chunked_loss.choose decides it on the real model)."""
     from lmtune.model.chunked_loss import default_chunk_size
 
-    if (
-        cfg.model.loss_chunk_size == 0
-        or cfg.model.compile
-        or getattr(config, "final_logit_softcapping", None)
-    ):
+    if cfg.model.loss_chunk_size == 0 or getattr(config, "final_logit_softcapping", None):
         return 0
     return cfg.model.loss_chunk_size or default_chunk_size(int(config.vocab_size))

@@ -28,6 +28,7 @@ from lmtune.errors import UserError
 from lmtune.model.attention import supports_varlen, use_varlen
 from lmtune.model.chunked_loss import LossChoice
 from lmtune.model.chunked_loss import choose as choose_loss
+from lmtune.model.compiled import compile_blocks, compiles_whole
 from lmtune.model.lora import add_lora
 from lmtune.model.modeling import LoadedModel, load_model
 from lmtune.model.paths import (
@@ -259,18 +260,6 @@ def _recompute_with_fp32_products() -> tuple[AbstractContextManager[object], Abs
     return nullcontext(), Fp32Products()
 
 
-def compile_model(model: torch.nn.Module, log: RunLog) -> None:
-    """torch.compile in place (parameter names unchanged, so checkpoints stay the same)."""
-    import torch._dynamo
-
-    # A graph that fails to compile at its first call runs eagerly instead of ending the run.
-    torch._dynamo.config.suppress_errors = True
-    try:
-        model.compile()
-    except Exception as e:  # compile support differs by platform and model; eager always works
-        log.info(f"--compile: torch.compile is not available here ({type(e).__name__}: {e}); running eagerly")
-
-
 def _eval_spec(cfg: TrainConfig) -> str | None:
     if cfg.data.eval is None and cfg.data.train == SAMPLE_DATA and cfg.data.eval_split is None:
         return SAMPLE_EVAL
@@ -439,10 +428,10 @@ def build_model(
     products = products_of(paths, cfg.model.precision)
     if cfg.model.activation_checkpointing:
         checkpoint_activations(base, cfg.model.name, products.fp32)
-    # Per-example attention computes nothing on padding or across packed examples. Its per-example
-    # loop would make torch.compile recompile for every batch, so compiled runs keep the masks.
+    # Per-example attention computes nothing on padding or across packed examples (compiled runs
+    # too: it stays out of their graphs).
     bf16_attention = paths.attention is not None and paths.attention.choice == BF16
-    varlen = not cfg.model.compile and use_varlen(base, bucketed=bf16_attention)
+    varlen = use_varlen(base, bucketed=bf16_attention)
     trained = base
     if cfg.lora.enabled:
         # The same adapter init on every rank: FSDP keeps each rank's own shard of it (DDP would
@@ -451,11 +440,11 @@ def build_model(
         trained = add_lora(base, cfg.lora)
     # A rank-specific stream from here on, so dropout differs across the ranks' examples.
     torch.manual_seed(cfg.seed + env.rank)
-    loss = choose_loss(trained, cfg.model.loss_chunk_size, cfg.model.compile)
+    loss = choose_loss(trained, cfg.model.loss_chunk_size, cfg.model.compile and compiles_whole(trained))
     if cfg.model.loss_chunk_size and not loss.chunk:
         log.info(f"--loss-chunk-size {cfg.model.loss_chunk_size}: not used; {loss.description}")
-    if cfg.model.compile:
-        compile_model(trained, log)
+    if cfg.model.compile and (failure := compile_blocks(trained)):
+        log.info(f"--compile: torch.compile is not available here ({failure}); running eagerly")
     objective = with_live_reference(run, base, objective, varlen, products)  # a copy of the unwrapped start
     setup = LossSetup(varlen, loss.chunk, products.fp32, products.bucketed, cfg.objective.neftune_alpha)
     loss_module = objective.loss_module(trained, setup)
