@@ -14,6 +14,7 @@ from lmtune.model.paths import BF16, FP32, cpu_units
 from lmtune.model.products import PRODUCTS_ENV, onednn_bf16
 from lmtune.train import train
 from tests.conftest import run_lmtune, train_rows
+from tests.support.pairs import write_pairs
 
 
 @pytest.mark.parametrize("extra", [{"precision": "bf16"}, {"compile": True}], ids=["bf16", "compile"])
@@ -86,22 +87,32 @@ def test_compile_keeps_per_example_attention(tmp_path: Path) -> None:
     """--compile compiles each decoder block with attention left out of its graphs: packed rows keep
     per-example attention and the chunked loss, the losses are the eager run's, and the graphs do
     not multiply with the batches' example lengths (traced, the per-example loop specialised the
-    graph on every batch's lengths and recompiled)."""
+    graph on every batch's lengths and recompiled). A DPO run's live reference (a copy of the
+    compiled model) computes with its own frozen weights, not the policy's: the same losses too."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    def run(name: str, compile: bool) -> tuple[dict[str, object], list[float]]:
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 32, seed=3)
+
+    def run(name: str, **settings: object) -> tuple[dict[str, object], list[float]]:
         out = tmp_path / name
-        cfg = TrainConfig(output_dir=str(out), max_steps=12, progress=False, packing="on", compile=compile)
+        cfg = TrainConfig(output_dir=str(out), progress=False, **settings)  # type: ignore[arg-type]
         train(cfg)
         return json.loads((out / "run.json").read_text())["resolved"], [r["loss"] for r in train_rows(out)]
 
     torch._dynamo.reset()
     counters.clear()
-    eager, eager_losses = run("eager", False)
-    compiled, compiled_losses = run("compiled", True)
+    eager, eager_losses = run("eager", max_steps=12, packing="on")
+    compiled, compiled_losses = run("compiled", max_steps=12, packing="on", compile=True)
     assert compiled["attention"] == eager["attention"] == "per example"
     assert compiled["loss"] == eager["loss"] and str(compiled["loss"]).startswith("chunked")
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-4)
     graphs = counters["stats"]["unique_graphs"]
     assert 0 < graphs <= 6, f"{graphs} graphs for 12 steps of packed rows"
+
+    dpo = {"objective": "dpo", "reference": "live", "data": str(pairs), "max_steps": 4}
+    dpo["global_batch_size"] = 8
+    _, eager_dpo = run("dpo-eager", **dpo)
+    _, compiled_dpo = run("dpo-compiled", **dpo, compile=True)
+    assert eager_dpo[-1] < eager_dpo[0] - 0.01  # the policy moved away from its reference
+    assert compiled_dpo == pytest.approx(eager_dpo, rel=1e-4)

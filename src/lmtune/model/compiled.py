@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import MethodType
 from typing import Any
 
 import torch
@@ -36,15 +37,22 @@ def compiles_whole(model: nn.Module) -> bool:
 
 
 def _compile_training_forward(block: nn.Module) -> None:
-    """The block's forward compiled where it computes gradients. Evaluation, generation and the
-    start-up checks run it eagerly: each would add its own graphs (no grad, other shapes) and
-    push the block's frames past torch.compile's recompile limit, after which they run eagerly
-    in training too."""
+    """The block's forward compiled where it computes gradients. Evaluation, generation, the
+    start-up checks and a frozen reference run it eagerly: each would add its own graphs (no grad,
+    other shapes) and push the block's frames past torch.compile's recompile limit, after which
+    they run eagerly in training too."""
+    current = block.forward
+    # The class's forward, rebound to the block: a deep copy (a preference run's live reference)
+    # rebinds it to the copy, which then computes with its own weights. A forward a hook set on the
+    # instance (accelerate's device hooks) is compiled as it is.
+    own = getattr(current, "__func__", None) if getattr(current, "__self__", None) is block else None
     # dynamic: the token count changes every step; one graph for all of them, not a recompile for
     # the second count met.
-    compiled, eager = torch.compile(block.forward, dynamic=True), block.forward
+    compiled = torch.compile(own or current, dynamic=True)
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if own is None:
+            return (compiled if torch.is_grad_enabled() else current)(*args, **kwargs)
+        return (compiled if torch.is_grad_enabled() else own)(self, *args, **kwargs)
 
-    block.forward = forward  # type: ignore[method-assign]
+    block.forward = MethodType(forward, block)  # type: ignore[method-assign]
