@@ -161,7 +161,11 @@ class Watchdog:
         watched = [b for b in beats.values() if b.phase not in UNWATCHED]
         if not watched or any(b.phase in UNWATCHED and b.phase != "done" for b in beats.values()):
             return None
-        first = min(watched, key=lambda b: b.time)  # the rank that stopped advancing first
+        # The rank that stopped advancing first: the one furthest behind (the others wait for it in a
+        # collective), by its last beat's time only between equals. By time alone, on a crowded
+        # machine a rank that beat "backward" before the stuck one was scheduled to beat "forward"
+        # was named instead.
+        first = min(watched, key=lambda b: (b.step, PHASES.index(b.phase), b.time))
         if now - first.time <= self.limit(first):
             return None
         return diagnose(first, beats, now, self.limit(first))

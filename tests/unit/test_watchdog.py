@@ -1,0 +1,37 @@
+"""The launcher's watchdog names the rank the others wait for."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from lmtune.parallel.health import _RECORD, PHASES, Watchdog
+
+
+def _beat(folder: Path, rank: int, step: int, phase: str, at: float) -> None:
+    (folder / f"rank-{rank}.hb").write_bytes(_RECORD.pack(step, PHASES.index(phase), os.getpid(), at))
+
+
+def test_the_rank_behind_is_named_whatever_beat_first(tmp_path: Path) -> None:
+    """Rank 1 hangs in step 15's forward. On a crowded machine rank 0 finished its forward and beat
+    "backward" (then waited in the all-reduce) before rank 1 was scheduled to beat "forward": by
+    time alone, rank 0 looked first."""
+    now = time.time()
+    _beat(tmp_path, 0, 15, "backward", now - 60)
+    _beat(tmp_path, 1, 15, "forward", now - 58)
+    watchdog = Watchdog(tmp_path, tmp_path, floor_s=10, on_hang=lambda: None)
+    diagnosis = watchdog.check(now)
+    assert diagnosis is not None
+    assert (
+        "the job is stuck: rank 1 stopped advancing; rank 1 was first, 58 s ago in step 15, phase forward"
+        in (diagnosis)
+    )
+
+
+def test_a_rank_a_step_behind_is_named(tmp_path: Path) -> None:
+    now = time.time()
+    _beat(tmp_path, 0, 14, "optimizer", now - 30)
+    _beat(tmp_path, 1, 15, "data", now - 40)
+    diagnosis = Watchdog(tmp_path, tmp_path, floor_s=10, on_hang=lambda: None).check(now)
+    assert diagnosis is not None and "rank 0 was first, 30 s ago in step 14, phase optimizer" in diagnosis
