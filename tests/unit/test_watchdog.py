@@ -35,3 +35,12 @@ def test_a_rank_a_step_behind_is_named(tmp_path: Path) -> None:
     _beat(tmp_path, 1, 15, "data", now - 40)
     diagnosis = Watchdog(tmp_path, tmp_path, floor_s=10, on_hang=lambda: None).check(now)
     assert diagnosis is not None and "rank 0 was first, 30 s ago in step 14, phase optimizer" in diagnosis
+
+
+def test_samples_on_rank_0_are_behind_the_evaluation_that_waits_for_them(tmp_path: Path) -> None:
+    """A step's samples (rank 0 alone, one beat, 3 minutes' grace) come before its evaluation, in
+    which the other ranks beat and then wait for rank 0: no hang while rank 0 samples."""
+    now = time.time()
+    _beat(tmp_path, 0, 40, "sample", now - 45)
+    _beat(tmp_path, 1, 40, "eval", now - 40)
+    assert Watchdog(tmp_path, tmp_path, floor_s=30, on_hang=lambda: None).check(now) is None

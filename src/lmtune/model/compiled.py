@@ -21,6 +21,10 @@ def compile_blocks(model: nn.Module) -> str | None:
     # A graph that fails to compile at its first call runs eagerly instead of ending the run.
     torch._dynamo.config.suppress_errors = True
     blocks = decoder_blocks(model)
+    hooked = [b for b in blocks if getattr(b.forward, "__self__", None) is not b]
+    if hooked:  # the compiled forward is the class's: it would leave the hook out
+        name = type(hooked[0]).__name__
+        return f"{name}'s forward is replaced on the instance (a hook, as accelerate's offloading sets)"
     try:
         for block in blocks:
             _compile_training_forward(block)
@@ -41,18 +45,14 @@ def _compile_training_forward(block: nn.Module) -> None:
     start-up checks and a frozen reference run it eagerly: each would add its own graphs (no grad,
     other shapes) and push the block's frames past torch.compile's recompile limit, after which
     they run eagerly in training too."""
-    current = block.forward
-    # The class's forward, rebound to the block: a deep copy (a preference run's live reference)
-    # rebinds it to the copy, which then computes with its own weights. A forward a hook set on the
-    # instance (accelerate's device hooks) is compiled as it is.
-    own = getattr(current, "__func__", None) if getattr(current, "__self__", None) is block else None
+    own = type(block).forward
     # dynamic: the token count changes every step; one graph for all of them, not a recompile for
     # the second count met.
-    compiled = torch.compile(own or current, dynamic=True)
+    compiled = torch.compile(own, dynamic=True)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if own is None:
-            return (compiled if torch.is_grad_enabled() else current)(*args, **kwargs)
         return (compiled if torch.is_grad_enabled() else own)(self, *args, **kwargs)
 
+    # The class's forward rebound to the block, not a closure over it: a deep copy (a preference
+    # run's live reference) rebinds it to the copy, which then computes with its own weights.
     block.forward = MethodType(forward, block)  # type: ignore[method-assign]

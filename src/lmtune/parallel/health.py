@@ -2,11 +2,11 @@
 
 Each rank records its step and phase with a timestamp at every phase boundary into a small
 memory-mapped file (a store of a few bytes, no system call, no collective). The launcher that
-started the ranks reads those files; when the rank that stopped advancing first has not moved
-for ``--hang-timeout`` (at least; 10 x the slowest step so far), it writes a diagnosis (which rank,
-which phase of which step, for how long, what the others do, the stuck ranks' Python stacks where
-they can be had) to the log and OUTPUT/hang-report.txt and ends the workers, so the job exits
-with code 3 or, under --max-restarts, restarts from its last checkpoint.
+started the ranks reads those files; when the rank that stopped advancing first (the one furthest
+behind) has not moved for ``--hang-timeout`` (at least; 10 x the slowest step so far), it writes a
+diagnosis (which rank, which phase of which step, for how long, what the others do, the stuck
+ranks' Python stacks where they can be had) to the log and OUTPUT/hang-report.txt and ends the
+workers, so the job exits with code 3 or, under --max-restarts, restarts from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ PHASES = (
 # Not watched: how long loading a model, tokenizing or uploading to the hub takes is not a hang
 # (each has its own bound: huggingface_hub times out and retries on its own).
 UNWATCHED = {"start", "load", "data-prep", "done", "upload"}
+# The order a step runs its watched phases in (lmtune.training.loop): the samples (rank 0 alone,
+# one beat) before the evaluation (every rank, a beat per batch) before the save. PHASES is the
+# heartbeat file's encoding, not this order.
+_STEP_ORDER = {
+    phase: i for i, phase in enumerate(("data", "forward", "backward", "optimizer", "sample", "eval", "save"))
+}
 # Watched with a longer bound: the first step (compilation, warm-up) and saving (a large checkpoint
 # is one long write); generating samples is bounded by its own budget (lmtune.training.samples).
 # Evaluation beats at every batch, so it is watched like a step.
@@ -165,7 +171,7 @@ class Watchdog:
         # collective), by its last beat's time only between equals. By time alone, on a crowded
         # machine a rank that beat "backward" before the stuck one was scheduled to beat "forward"
         # was named instead.
-        first = min(watched, key=lambda b: (b.step, PHASES.index(b.phase), b.time))
+        first = min(watched, key=lambda b: (b.step, _STEP_ORDER.get(b.phase, len(_STEP_ORDER)), b.time))
         if now - first.time <= self.limit(first):
             return None
         return diagnose(first, beats, now, self.limit(first))

@@ -444,7 +444,7 @@ def build_model(
     if cfg.model.loss_chunk_size and not loss.chunk:
         log.info(f"--loss-chunk-size {cfg.model.loss_chunk_size}: not used; {loss.description}")
     if cfg.model.compile and (failure := compile_blocks(trained)):
-        log.info(f"--compile: torch.compile is not available here ({failure}); running eagerly")
+        log.info(f"--compile: not compiled ({failure}); running eagerly")
     objective = with_live_reference(run, base, objective, varlen, products)  # a copy of the unwrapped start
     setup = LossSetup(varlen, loss.chunk, products.fp32, products.bucketed, cfg.objective.neftune_alpha)
     loss_module = objective.loss_module(trained, setup)
