@@ -130,7 +130,10 @@ def test_a_slow_rank_is_named_once(jobs: dict[str, Job]) -> None:
     assert job.output.count("is a straggler") == 1 and "rank 1 is a straggler" in job.output
     rows = train_rows(job.out)
     assert sum(r["step_time_max_rank"] == 1 for r in rows) >= 25
-    assert all(r["step_time_max_s"] >= r["step_time_min_s"] + 0.1 for r in rows[1:])
+    # Five 2-rank jobs share the cores here: a step of the fast rank can be delayed as long as the
+    # slow one's sleep. Most steps must show the gap, not every one.
+    gaps = [r["step_time_max_s"] >= r["step_time_min_s"] + 0.1 for r in rows[1:]]
+    assert sum(gaps) >= len(gaps) - 3, [(r["step_time_min_s"], r["step_time_max_s"]) for r in rows]
 
 
 def test_a_stuck_rank_shows_its_stack_and_a_restart_finishes_the_run(jobs: dict[str, Job]) -> None:
