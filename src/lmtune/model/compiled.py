@@ -18,13 +18,13 @@ def compile_blocks(model: nn.Module) -> str | None:
     Returns why it could not, if it could not (the run goes on eagerly)."""
     import torch._dynamo
 
-    # A graph that fails to compile at its first call runs eagerly instead of ending the run.
-    torch._dynamo.config.suppress_errors = True
     blocks = decoder_blocks(model)
     hooked = [b for b in blocks if getattr(b.forward, "__self__", None) is not b]
     if hooked:  # the compiled forward is the class's: it would leave the hook out
         name = type(hooked[0]).__name__
         return f"{name}'s forward is replaced on the instance (a hook, as accelerate's offloading sets)"
+    # A graph that fails to compile at its first call runs eagerly instead of ending the run.
+    torch._dynamo.config.suppress_errors = True
     try:
         for block in blocks:
             _compile_training_forward(block)

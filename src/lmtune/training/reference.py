@@ -137,7 +137,8 @@ def reference_module(
     """A frozen reference as a module whose forward returns a batch's reference log-probs, on the
     device, sharded under FSDP2 (its own root: called whole, it gathers its parameters)."""
     cfg = run.cfg
-    chunk = choose_loss(frozen, cfg.model.loss_chunk_size, False).chunk  # never compiled
+    # False: a reference runs without gradients, so eagerly even in a --compile run (model.compiled).
+    chunk = choose_loss(frozen, cfg.model.loss_chunk_size, False).chunk
     setup = LossSetup(varlen, chunk, products.fp32, products.bucketed)
     module = PreferenceLoss(frozen, setup, PairLoss(name=cfg.objective.name)).reference_mode()
     return wrap_model(
