@@ -45,7 +45,7 @@ def _merges(levels: int) -> str:
         (_aliases(10), "expands to over 100,000 values"),  # 0.5 KB; 9**10 values expanded
         (_merges(40), "expands to over 100,000 values"),  # merge keys double at every level
         ("data: " + "[" * 100_000 + "\n", "nested too deeply"),
-        ("lr: " + "x" * 900_000 + "\n", "--lr: expected float, got 'xxxx"),  # a value is cut short
+        ("lr: " + "x" * 900_000 + "\n", "run.yaml:1: lr: expected float, got 'xxxx"),  # a value is cut short
         ("# padding\n" * 120_000, "over the 1,048,576 such a file may have"),
         (
             "data: !!python/object/apply:os.system ['touch /tmp/lmtune-ran']\n",
@@ -69,6 +69,7 @@ def test_special_files_are_never_read(tmp_path: Path, capsys: pytest.CaptureFixt
     for config in (fifo, zero):
         with deadline(60):
             assert "not a regular file" in _error(["train", "--config", str(config)], capsys, seconds=10)
+    assert f"{tmp_path}: a folder, not a file" in _error(["train", "--config", str(tmp_path)], capsys)
 
 
 @pytest.mark.parametrize("kind", ["zero", "fifo", "huge", "garbage", "far future"])

@@ -24,12 +24,15 @@ from tests.conftest import write_jsonl
 @pytest.mark.parametrize(
     ("yaml_text", "needle"),
     [
-        ("model: ~\n", "--model: needs a value (got null)"),
-        ("data: null\n", "--data: needs a value"),
-        ("output_dir: null\n", "--output-dir: needs a value"),
+        ("model: ~\n", "run.yaml:1: model: needs a value (got null)"),
+        ("data: null\n", "run.yaml:1: data: needs a value"),
+        ("output_dir: null\n", "run.yaml:1: output_dir: needs a value"),
         ("max_steps: 3\nmax-steps: 4\n", "--max-steps is set twice (as max_steps and max-steps)"),
-        ("lr: .inf\n", "--lr: must be a finite number"),
-        ("epochs: [1, 2]\n", "--epochs: expected int"),
+        ("lr: .inf\n", "run.yaml:1: lr: must be a finite number"),
+        ("epochs: [1, 2]\n", "run.yaml:1: epochs: expected int"),
+        # Named as the file has it (an alias, a nested group), with its line.
+        ("seed: 1\nlearning_rate: abc\n", "run.yaml:2: learning_rate: expected float, got 'abc'"),
+        ("lora:\n  enabled: true\n  rank: x\n", "run.yaml:1: lora_rank: expected int, got 'x'"),
     ],
 )
 def test_bad_yaml_settings(

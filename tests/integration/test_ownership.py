@@ -12,6 +12,7 @@ import pytest
 
 from lmtune.checkpoint.export import EXPORT_MARKER
 from lmtune.checkpoint.layout import verify
+from lmtune.checkpoint.owned import WRITTEN_RECORD, users_files
 from lmtune.checkpoint.rundir import LOCK_FILE, check_earlier_run, check_output_dir
 from lmtune.cli import main
 from lmtune.errors import UserError
@@ -78,16 +79,23 @@ def test_export_writes_beside_and_replaces_only_an_earlier_export(
     assert "holds an earlier export; --overwrite replaces it" in _error(
         ["export", str(ckpt), str(dest)], capsys
     )
-    # A file the earlier export wrote (its marker lists it) goes; a file added since is the user's.
-    marker = json.loads((dest / EXPORT_MARKER).read_text())
-    (dest / EXPORT_MARKER).write_text(json.dumps({**marker, "files": [*marker["files"], "stale.txt"]}))
+    # A file the earlier export wrote (its marker records it) goes; a file added since is the
+    # user's, and so is one of the export's files changed since (an edited model card).
     (dest / "stale.txt").write_text("from the earlier export")
+    marker = json.loads((dest / EXPORT_MARKER).read_text())
+    st = (dest / "stale.txt").stat()
+    marker["stats"]["stale.txt"] = [st.st_size, st.st_mtime_ns]
+    (dest / EXPORT_MARKER).write_text(json.dumps(marker))
     (dest / "deploy.sh").write_text("mine")
+    card = (dest / "README.md").read_text()
+    (dest / "README.md").write_text(card + "\nMy notes on this model.\n")
     said = _error(["export", str(ckpt), str(dest), "--overwrite"], capsys)
-    assert "holds files an export did not write (deploy.sh)" in said
+    assert "did not write, or changed since it wrote them (README.md, deploy.sh)" in said
     assert (dest / "deploy.sh").read_text() == "mine" and (dest / "stale.txt").is_file()
+    assert (dest / "README.md").read_text().endswith("My notes on this model.\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
     (dest / "deploy.sh").unlink()
+    (dest / "README.md").unlink()
     assert main(["export", str(ckpt), str(dest), "--overwrite"]) == 0
     assert not (dest / "stale.txt").exists() and (dest / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
@@ -193,3 +201,31 @@ def test_train_refuses_before_writing(tmp_path: Path, capsys: pytest.CaptureFixt
         ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "1"], capsys
     )
     assert not (out / LOCK_FILE).exists()
+
+
+def test_a_run_replaces_its_final_folder_only_as_it_wrote_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """final/ records the files lmtune wrote there; a continued or overwritten run that would
+    replace it refuses, before training, while a file there is not lmtune's or was changed."""
+    out = tiny_run_with_checkpoint(tmp_path)
+    final = out / "final"
+    assert (final / WRITTEN_RECORD).is_file()
+    data = str(tmp_path / "d.jsonl")
+    argv = ["train", "--data", data, "--output-dir", str(out), "--global-batch-size", "8", "--no-progress"]
+    (final / "serve.py").write_text("mine")
+    before = _files(out)
+    for extra in ([], ["--overwrite"]):
+        said = _error([*argv, "--max-steps", "3", *extra], capsys)
+        assert f"{final} holds files lmtune did not write, or changed since it wrote them (serve.py)" in said
+        assert _files(out) == before  # nothing trained, nothing removed
+    (final / "serve.py").unlink()
+    card = (final / "README.md").read_text()
+    (final / "README.md").write_text(card.replace("lmtune", "my tool"))
+    assert "(README.md)" in _error([*argv, "--max-steps", "3"], capsys)
+    (final / "README.md").write_text(card)  # back as it was, but written since: not lmtune's write
+    assert "(README.md)" in _error([*argv, "--max-steps", "3"], capsys)
+    (final / "README.md").unlink()
+    assert main([*argv, "--max-steps", "3"]) == 0  # continues to step 3 and writes final/ again
+    assert (final / "README.md").is_file() and users_files(final) == []
+    assert json.loads((out / "run.json").read_text())["result"]["steps"] == 3

@@ -127,6 +127,7 @@ def test_conversational_pairs_train(
         ),
         (["--objective", "dpo", "--data", "TEXT"], "--objective dpo tunes on preference pairs"),
         (["--objective", "dpo", "--data", "BAD"], "bad.jsonl:2: preference record has no 'rejected' field"),
+        (["--objective", "dpo", "--data", "SAME"], "same.jsonl: every pair has the same chosen and rejected"),
         (["--objective", "dpo", "--strategy", "dp"], "--strategy: --objective dpo keeps both answers"),
         (["--objective", "sft", "--metric-for-best", "eval_rewards/accuracies"], "reward metrics need"),
         (
@@ -153,7 +154,11 @@ def test_user_errors_name_what_to_fix(
         + json.dumps({"prompt": "a", "chosen": "b"})
         + "\n"
     )
-    files = {"TEXT": str(text), "BAD": str(bad)}
+    same = tmp_path / "same.jsonl"
+    same.write_text(
+        "".join(json.dumps({"prompt": f"{i}+2=", "chosen": "4", "rejected": "4"}) + "\n" for i in range(8))
+    )
+    files = {"TEXT": str(text), "BAD": str(bad), "SAME": str(same)}
     args = [files.get(a, a) for a in args]
     data = [] if "--data" in args else ["--data", str(pairs)]
     code = main(

@@ -25,6 +25,7 @@ from lmtune.checkpoint.layout import (
     open_to_umask,
     verify,
 )
+from lmtune.checkpoint.owned import file_stats, listed, not_ours, recorded_stats, users_files
 from lmtune.checkpoint.state import ModelParts
 from lmtune.config.files import read_json_object
 from lmtune.config.io import build_config
@@ -54,7 +55,7 @@ def save_final(parts: ModelParts, tokenizer: Any, folder: Path, env: DistEnv) ->
     Raises:
         UserError: on every rank when the disk has too little room for it (checked before writing).
     """
-    problem = _space_problem(parts, folder) if env.is_main else ""
+    problem = (_users_files_problem(folder) or _space_problem(parts, folder)) if env.is_main else ""
     problem = broadcast_object(problem, env)
     if problem:
         raise UserError(problem)
@@ -73,6 +74,19 @@ def save_final(parts: ModelParts, tokenizer: Any, folder: Path, env: DistEnv) ->
     elif env.is_main:
         save_hf_folder(parts.model, tokenizer, folder)
     barrier(env)
+
+
+def _users_files_problem(folder: Path) -> str:
+    """Why ``folder`` (final/) is not lmtune's to replace: files put or changed there during the run
+    (the run's start refused those that were there before)."""
+    theirs = users_files(folder) if folder.is_dir() else []
+    if not theirs:
+        return ""
+    return (
+        f"{folder} holds files lmtune did not write, or changed since it wrote them ({listed(theirs)}), "
+        "put there during the run, so the model is not written there; the run's last checkpoint, if it "
+        "saved one, holds it (lmtune export writes it to a folder outside the run)"
+    )
 
 
 def _space_problem(parts: ModelParts, folder: Path) -> str:
@@ -385,7 +399,12 @@ def _write_export(out: Path, write: Callable[[Path], None], checkpoint: Path) ->
             write(tmp)
         open_to_umask(tmp)
         files = _files_in(tmp)
-        marker = {"checkpoint": str(checkpoint.resolve()), "written": time.time(), "files": sorted(files)}
+        marker = {
+            "checkpoint": str(checkpoint.resolve()),
+            "written": time.time(),
+            "files": sorted(files),
+            "stats": file_stats(tmp),  # as written: an edit since makes the file the user's
+        }
         (tmp / EXPORT_MARKER).write_text(json.dumps(marker), encoding="utf-8")
         if out.exists():
             _check_only_exported(out, files)
@@ -407,19 +426,25 @@ def _files_in(folder: Path) -> set[str]:
 
 def _check_only_exported(out: Path, files: set[str]) -> None:
     """Refuse to replace an earlier export that holds files no export wrote (a user's script or
-    notes added since): what its marker lists, or what this export writes too (an export of an
-    older lmtune, whose marker lists nothing), is lmtune's; anything else is not."""
+    notes added since) or that changed since it wrote them (an edited model card): what its marker
+    records, as it recorded it, is lmtune's. A marker of an older lmtune records names only: those,
+    and what this export writes too, are lmtune's; anything else is not."""
     try:
-        listed = json.loads((out / EXPORT_MARKER).read_text(encoding="utf-8")).get("files", [])
-    except (OSError, ValueError, AttributeError):
-        listed = []
-    ours = {*files, *(f for f in listed if isinstance(f, str)), EXPORT_MARKER}
-    foreign = sorted(_files_in(out) - ours)
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        marker = json.loads((out / EXPORT_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        marker = None
+    marker = marker if isinstance(marker, dict) else {}
+    if isinstance(marker.get("stats"), dict):
+        theirs = not_ours(out, recorded_stats(marker["stats"]), frozenset({EXPORT_MARKER}))
+    else:
+        names = marker.get("files")
+        names = names if isinstance(names, list) else []
+        ours = {*files, *(f for f in names if isinstance(f, str)), EXPORT_MARKER}
+        theirs = sorted(_files_in(out) - ours)
+    if theirs:
         raise UserError(
-            f"lmtune export: {out}: holds files an export did not write ({shown}); lmtune replaces only "
-            "what it wrote: move them, or export to another folder"
+            f"lmtune export: {out}: holds files an export did not write, or changed since it wrote them "
+            f"({listed(theirs)}); lmtune replaces only what it wrote: move them, or export to another folder"
         )
 
 

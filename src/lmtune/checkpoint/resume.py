@@ -153,7 +153,7 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
 
     def changes(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
         def shown(value: Any) -> str:
-            return one_line(str(value), 80)
+            return "none" if value is None else one_line(str(value), 80)
 
         # Both sides' entries: one recorded only by the checkpoint (a quantized base) differs too.
         keys = [*b, *(k for k in a if k not in b)]

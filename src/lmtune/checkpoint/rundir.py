@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from lmtune.checkpoint.finished import recorded_finish
+from lmtune.checkpoint.owned import listed, users_files
 from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
 from lmtune.config.mixture import named_items
@@ -280,6 +281,12 @@ def check_earlier_run(output_dir: Path, continued: bool, overwrite: bool, config
     The same run stopped before its first checkpoint (its run.json has this very ``config``, and it
     has no ``final/``) starts over: what it leaves is its own and is written again.
     """
+    final = output_dir / "final"
+    if final.is_dir() and not final.is_symlink() and (theirs := users_files(final)):
+        raise UserError(
+            f"{final} holds files lmtune did not write, or changed since it wrote them ({listed(theirs)}); "
+            "this run replaces final/: move them out of it first (or copy final/ elsewhere to keep it)"
+        )
     present = [n for n in RUN_FILES if (output_dir / n).exists()]
     if overwrite:
         if present and not _ran_here(output_dir):

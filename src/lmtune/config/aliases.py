@@ -246,6 +246,13 @@ def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Calla
     )
 
 
+def lmtune_name(key: str, accepted: set[str]) -> str:
+    """The setting ``key`` names: itself, or the one it is an alias of. Matched as written, lower
+    case (as the command line's options are): `Learning_Rate` is refused with its lower-case name,
+    as `LR` is."""
+    return key if key in accepted or key != key.lower() else ALIASES.get(canonical(key), key)
+
+
 def resolve_names(
     values: dict[str, Any],
     known: Iterable[str],
@@ -264,9 +271,7 @@ def resolve_names(
     given_as: dict[str, str] = {}
     unknown: list[str] = []  # all of them at once: a config from another tool has several
     for key, value in values.items():
-        # Matched as written, lower case (as the command line's options are): `Learning_Rate` is
-        # refused with its lower-case name, as `LR` is.
-        name = key if key in accepted or key != key.lower() else ALIASES.get(canonical(key), key)
+        name = lmtune_name(key, accepted)
         if name not in accepted:
             why = explain_unknown(key, accepted, style, "lmtune train")
             unknown.append(where(key) + why + accumulation_here(key, value, values, style))

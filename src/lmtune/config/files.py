@@ -47,6 +47,8 @@ def read_bytes(path: Path, *, limit: int, follow_links: bool = True) -> bytes:
         raise UserError(f"{path}: cannot read it ({e.strerror})") from None
     try:
         info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise UserError(f"{path}: a folder, not a file")
         if not stat.S_ISREG(info.st_mode):
             raise UserError(f"{path}: not a regular file (a FIFO, device or socket is not read)")
         if info.st_size > limit:

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from lmtune.config.aliases import resolve_names
+from lmtune.config.aliases import lmtune_name, resolve_names
 from lmtune.config.files import SETTINGS_BYTES, read_text
 from lmtune.config.mixture import yaml_sources
 from lmtune.config.settings import (
@@ -186,7 +186,18 @@ def load_yaml(path: str) -> dict[str, Any]:
                 settings["data_weights"], origin["data_weights"] = weights, origin[flat]
 
     # Names of HF Trainer, TRL and Axolotl: an alias becomes lmtune's name, others are explained.
-    return resolve_names(settings, (s.name for s in config_fields()), where)
+    known = {s.name for s in config_fields()}
+    resolved = resolve_names(settings, known, where)
+    # A value of the wrong type is named as the file has it (key and line), not only by its flag.
+    for key, value in settings.items():
+        name = lmtune_name(key, known)
+        if resolved.get(name) is value:
+            try:
+                _coerce(setting_named(name), value)
+            except UserError as e:
+                reason = str(e).removeprefix(f"{option_name(name)}: ")
+                raise UserError(f"{where(key)}{one_line(key, 60)}: {reason}") from None
+    return resolved
 
 
 def _key_lines(text: str, path: str) -> dict[str, int]:

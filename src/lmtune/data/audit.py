@@ -91,8 +91,8 @@ class AuditReport:
         if self.bad.count and self.skip_bad_lines:
             found.append(f"{_count(self.bad.count, 'bad line')} skipped")
         p = self.pairs
-        if p is not None and p.identical + p.empty:
-            found.append(f"{_count(p.identical + p.empty, 'pair')} with identical or empty answers")
+        if p is not None and p.useless:
+            found.append(f"{_count(p.useless, 'pair')} with identical or empty answers")
         return found
 
     @property

@@ -19,6 +19,7 @@ class PairAudit:
     pairs: int = 0
     identical: int = 0  # chosen and rejected the same answer
     empty: int = 0  # an answer with no text
+    useless: int = 0  # identical or empty answers, or both: pairs that teach nothing
     prompt_fills: int = 0  # the prompt alone reaches --max-length: truncation cuts it
     chosen_longer: int = 0  # pairs whose chosen answer has more tokens than the rejected one
     same_length: int = 0  # pairs whose answers have as many tokens (no length to learn)
@@ -48,6 +49,7 @@ def audit_pairs(recs: Iterable[Record], tokenizer: Any, max_length: int, names: 
         for record, pair in zip(records, tokenize_pairs(texts, tokenizer), strict=True):
             chosen, rejected = _answers(record, names)
             report.pairs += 1
+            report.useless += chosen == rejected or not chosen.strip() or not rejected.strip()
             if chosen == rejected:
                 report.identical += 1
                 report.line(record.where, "chosen and rejected are the same answer")

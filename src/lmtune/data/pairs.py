@@ -202,3 +202,21 @@ def rendered_pairs(
             continue
         records.append(record)
     return records, texts
+
+
+def pair_counts(meta: dict[str, Any]) -> str:
+    """What truncation did to preference pairs, and how many have the same answer twice, for the
+    data line of the log."""
+    if not {"preference", "preference_messages"} & set(meta["formats"]):
+        return ""
+    cut = (
+        f" (pairs: {meta.get('prompts_truncated', 0)} prompts cut from the left, "
+        f"{meta.get('answers_truncated', 0)} with answers cut from the right)"
+    )
+    same = meta.get("identical_pairs", 0)
+    return (cut if meta.get("truncated") else "") + (
+        f"; {same:,} with the same answer as chosen and rejected (no preference to learn; lmtune data "
+        "audit lists them)"
+        if same
+        else ""
+    )

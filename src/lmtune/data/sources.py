@@ -167,7 +167,7 @@ def iter_records(source: Source, text_field: str, bad: BadLines, txt_mode: str =
         "jsonl": lambda: _jsonl(source.name, bad),
         "json": lambda: _json(source.name),
         "parquet": lambda: _parquet(source.name),
-        "csv": lambda: _csv(source.name),
+        "csv": lambda: _csv(source.name, bad),
         "txt": lambda: _txt(source.name, text_field, txt_mode, bad),
         "hf_disk": lambda: _hf_disk(source.name, source.split),
         "hf_hub": lambda: _hf_hub(source.name, source.split or "train"),
@@ -255,11 +255,22 @@ def _parquet(path: str) -> Iterator[Record]:
             yield Record(path, row, record)
 
 
-def _csv(path: str) -> Iterator[Record]:
+def _csv(path: str, bad: BadLines) -> Iterator[Record]:
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
             reader = csv.DictReader(f)
             for record in reader:
+                # DictReader files a row's extra fields under None and fills missing ones with None:
+                # a comma in an unquoted field would otherwise cut a text short without a word.
+                extra = record.pop(None, None)  # type: ignore[call-overload]
+                missing = sum(value is None for value in record.values())
+                if extra or missing:
+                    header = len(record)
+                    hint = " (quote a field that holds a comma)" if extra else ""
+                    found = header + len(extra or ()) - missing
+                    fields = f"{found} field" + ("s" if found != 1 else "")
+                    bad.report(f"{path}:{reader.line_num}: {fields} where the header has {header}{hint}")
+                    continue
                 yield Record(path, reader.line_num, dict(record))
     except UnicodeDecodeError:
         raise UserError(f"{path}: not valid UTF-8") from None

@@ -40,6 +40,7 @@ class EncodeStats:
     # Preference pairs: truncation cut their prompts from the left, their answers from the right.
     prompts_truncated: int = 0
     answers_truncated: int = 0
+    identical_pairs: int = 0  # kept pairs whose answers are the same tokens: no preference in them
 
     def merge(self, other: EncodeStats) -> None:
         for f in fields(self):
@@ -291,6 +292,7 @@ def encode_pairs(
         stats.truncated += cut is not None or prompt_cut
         stats.prompts_truncated += bool(prompt_cut or (cut and cut.prompt_cut))
         stats.answers_truncated += bool(cut and cut.answers_cut)
+        stats.identical_pairs += np.array_equal(pair.chosen, pair.rejected)
         stats.tokens += len(pair.prompt) + len(pair.chosen) + len(pair.rejected)  # as the model runs it
         stats.target_tokens += sum(targets)
         stats.eos_trained += bool(

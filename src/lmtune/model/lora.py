@@ -95,6 +95,9 @@ def merged_model(base: nn.Module, adapter_folder: Path) -> nn.Module:
         model = peft.PeftModel.from_pretrained(base, str(adapter_folder))
         untied = _untie_adapted_head(model.get_base_model())
         merged: nn.Module = model.merge_and_unload()
+    # peft froze the base to train the adapter; merged, every weight is the model's own and trains
+    # like a freshly loaded model's (a run from an adapter folder without --lora trains them all).
+    merged.requires_grad_(True)
     if untied:
         merged.config.tie_word_embeddings = False  # type: ignore[union-attr]
     if (adapter_folder / "generation_config.json").is_file():  # stop tokens set by training

@@ -18,8 +18,9 @@ from lmtune.errors import UserError
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.launch import warn
 
-# What a run's final/ holds that is not its own model: the merged model (pushed on its own).
-NOT_PUSHED = ["merged/*", "merged/**"]
+# What a run's final/ holds that is not its own model: the merged model (pushed on its own), and
+# lmtune's records of the files it wrote (final/'s, an export's: lmtune.checkpoint.owned).
+NOT_PUSHED = ["merged/*", "merged/**", ".lmtune-*"]
 
 
 def check_push(repo_id: str, option: str = "--push-to-hub") -> None:

@@ -21,6 +21,7 @@ from lmtune.data.chat import end_of_turn_ids, use_chat_template
 from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.formats import CHAT_FORMATS
 from lmtune.data.mixture import mixture_line, per_source, source_index, training_mixture
+from lmtune.data.pairs import pair_counts
 from lmtune.data.prepare import Wanted, cache_root, default_cache_dir, prepare
 from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
 from lmtune.data.tokenize import EncodeStats
@@ -311,8 +312,16 @@ def prepare_data(
             f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long, "
             f"{meta['dropped_no_targets']} dropped with no trainable tokens"
             + (f", {meta['bad_lines']} bad lines skipped" if meta["bad_lines"] else "")
-            + _pair_counts(meta)
+            + pair_counts(meta)
         )
+        if (
+            name == "train"
+            and meta["examples"] == meta.get("identical_pairs", 0) > 0
+            and cfg.objective.name != "orpo"
+        ):
+            raise UserError(
+                f"--data {spec}: every pair has the same chosen and rejected answer: nothing to prefer"
+            )
         for message in meta["bad_line_examples"][:5] if builders else []:
             log.info(f"  skipped: {message}")
         prepared[name] = p.dataset
@@ -337,16 +346,6 @@ def prepare_data(
         info["train"]["mixture"] = mixture.describe()
         log.info(f"mixture (an epoch of {mixture.epoch_size:,}): {mixture_line(mixture)}")
     return prepared["train"], prepared.get("eval"), info
-
-
-def _pair_counts(meta: dict[str, Any]) -> str:
-    """What truncation did to preference pairs, for the data line of the log."""
-    if not meta.get("truncated") or not {"preference", "preference_messages"} & set(meta["formats"]):
-        return ""
-    return (
-        f" (pairs: {meta.get('prompts_truncated', 0)} prompts cut from the left, "
-        f"{meta.get('answers_truncated', 0)} with answers cut from the right)"
-    )
 
 
 BATCHING_NAMES = {
@@ -438,6 +437,8 @@ def build_model(
         # broadcast rank 0's).
         torch.manual_seed(cfg.seed)
         trained = add_lora(base, cfg.lora)
+    if not any(p.requires_grad for p in trained.parameters()):
+        raise UserError(f"--model {cfg.model.name}: every weight of it is frozen; nothing would train")
     # A rank-specific stream from here on, so dropout differs across the ranks' examples.
     torch.manual_seed(cfg.seed + env.rank)
     loss = choose_loss(trained, cfg.model.loss_chunk_size, cfg.model.compile and compiles_whole(trained))

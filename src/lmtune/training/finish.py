@@ -8,6 +8,7 @@ from pathlib import Path
 from lmtune.checkpoint.card import write_run_cards
 from lmtune.checkpoint.export import save_hf_folder
 from lmtune.checkpoint.manager import CheckpointManager
+from lmtune.checkpoint.owned import record_written
 from lmtune.checkpoint.rundir import changed_settings
 from lmtune.config.settings import SAMPLE_DATA, to_dict
 from lmtune.model.modeling import merged_into_base
@@ -40,6 +41,7 @@ def finish(
         save_merged(run, built, final_dir)
     if env.is_main:
         write_run_cards(run.output_dir)  # README.md: how it was trained, its results, how to load it
+        record_written(final_dir)  # what a later run may replace there: these files, as they are now
     barrier(env)
     if env.is_main and cfg.data.train == SAMPLE_DATA:
         model = final_model(cfg, final_dir) if built.parts.sharded else built.parts.model

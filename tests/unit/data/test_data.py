@@ -138,6 +138,21 @@ def test_bad_records_name_file_and_line(tmp_path: Path, content: bytes, message:
         encode_in_memory(recs, byte_tokenizer(), ExampleSettings())
 
 
+def test_a_csv_row_with_more_or_fewer_fields_than_its_header_is_a_bad_line(tmp_path: Path) -> None:
+    """An unquoted comma would otherwise cut the completion at it, silently."""
+    f = tmp_path / "d.csv"
+    f.write_text('prompt,completion\nQ,"It is 4, of course"\nQ,It is 4, of course\nQ\nQ,fine\n')
+    with pytest.raises(UserError, match=r"d\.csv:3: 3 fields where the header has 2 \(quote a field that"):
+        list(records(resolve_sources(str(f)), ExampleSettings(), BadLines(skip=False)))
+    bad = BadLines(skip=True)
+    kept = list(records(resolve_sources(str(f)), ExampleSettings(skip_bad_lines=True), bad))
+    assert [r.fields["completion"] for r in kept] == ["It is 4, of course", "fine"]
+    assert [m.split(": ", 1)[1] for m in bad.messages] == [
+        "3 fields where the header has 2 (quote a field that holds a comma)",
+        "1 field where the header has 2",
+    ]
+
+
 def test_skip_bad_lines_counts_them(tmp_path: Path) -> None:
     f = tmp_path / "d.jsonl"
     f.write_bytes(b'{"text": "a"}\n{oops\n{"x": 1}\n{"text": "\xff"}\n{"text": "b"}\n')

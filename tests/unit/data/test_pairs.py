@@ -225,6 +225,7 @@ def test_audit_reports_pair_problems(tmp_path: Path) -> None:
     rows = [
         {"prompt": "q1", "chosen": "same", "rejected": "same"},
         {"prompt": "q2", "chosen": "", "rejected": "no"},
+        {"prompt": "q5", "chosen": "", "rejected": ""},  # both: one pair that teaches nothing
         {"prompt": "q3" * 40, "chosen": "a long answer", "rejected": "b"},
         {"prompt": "q4", "chosen": "longer chosen answer", "rejected": "short"},
     ]
@@ -232,10 +233,11 @@ def test_audit_reports_pair_problems(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     report = audit(str(path), byte_tokenizer(), ExampleSettings(max_length=64))
     assert report.pairs is not None
-    assert report.pairs.identical == 1 and report.pairs.empty == 1 and report.pairs.prompt_fills == 1
-    assert report.pairs.chosen_longer == 2  # of 4 pairs
+    assert report.pairs.identical == 2 and report.pairs.empty == 2 and report.pairs.prompt_fills == 1
+    assert report.pairs.useless == 3 and report.pairs.chosen_longer == 2  # of 5 pairs
     text = format_report(report)
-    assert "identical chosen and rejected  1" in text and "chosen longer than rejected" in text
+    assert "identical chosen and rejected  2" in text and "chosen longer than rejected" in text
+    assert "3 pairs with identical or empty answers" in text
     assert BadLines(skip=True).count == 0
 
 

@@ -39,6 +39,8 @@ def test_merge_computes_what_base_and_adapter_did(targets: str, tied_after: bool
     merged = merged_model(build_preset("tiny", 0).model, tmp_path / "adapter")
     embed, head = merged.get_input_embeddings(), merged.get_output_embeddings()  # type: ignore[operator]
     assert (head.weight is embed.weight) == tied_after
+    # Trained on from an adapter folder without --lora, every weight of the merged model trains.
+    assert all(p.requires_grad for p in merged.parameters())
     ids = torch.arange(1, 30)[None]
     merged.eval()
     with torch.no_grad():
