@@ -202,6 +202,18 @@ def _doctor_on_two_nodes(tmp_path: Path, folders: tuple[str, str]) -> list[tuple
     )
 
 
+def test_a_node_that_never_joins_is_said_at_once_and_ends_the_wait(tmp_path: Path) -> None:
+    """The launchers' rendezvous has LMTUNE_JOIN_TIMEOUT for a bound too, and says what it waits for."""
+    port = free_port()
+    args = ["doctor", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    env = {**os.environ, "LMTUNE_JOIN_TIMEOUT": "5"}
+    proc = subprocess.run(lmtune_cmd(args), capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"lmtune: waiting for 2 nodes at 127.0.0.1:{port}\n"), proc.stderr
+    assert f"2 nodes did not all meet at 127.0.0.1:{port} within 5s (LMTUNE_JOIN_TIMEOUT)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_nodes_started_with_different_settings_stop_with_the_differences_named(tmp_path: Path) -> None:
     """One node's config says --max-steps 3, the other's 6: without the check, the first would stop
     stepping and the second wait for it until the collective timeout."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lmtune.cli import main
-from tests.conftest import run_lmtune, write_jsonl
+from tests.conftest import one_line_error, run_lmtune, write_jsonl
 
 
 @pytest.mark.parametrize(
@@ -34,6 +34,26 @@ def test_user_errors_exit_2_with_a_message(
     assert code == 2
     assert needle in err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (
+            ["generate", "--model", "tiny", "--prompt", "1+1=", "--max-new-tokens", "0"],
+            "--max-new-tokens must",
+        ),
+        (["data", "audit", "sample", "--plot", "out.txt"], "--plot out.txt: name a .png file"),
+        (["data", "audit", "sample", "--plot", "hist"], "--plot hist: name a .png file"),
+        (["data", "audit", "sample", "--plot", "no/such/folder/h.png"], "in an existing folder"),
+        (["plan", "--json", "."], "--json .: name a file in an existing folder"),
+        (["report", "no-such-run"], "no-such-run: no such folder"),
+    ],
+)
+def test_other_commands_check_their_options_first(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert needle in one_line_error(argv, capsys)
 
 
 def test_bad_data_line_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from lmtune.checkpoint.export import EXPORT_MARKER
 from lmtune.checkpoint.layout import verify
-from lmtune.checkpoint.owned import WRITTEN_RECORD, users_files
+from lmtune.checkpoint.owned import WRITTEN_RECORD, file_stats, users_files
 from lmtune.checkpoint.rundir import LOCK_FILE, check_earlier_run, check_output_dir
 from lmtune.cli import main
 from lmtune.errors import UserError
@@ -58,11 +58,20 @@ def test_export_never_replaces_what_it_did_not_write(
         assert "the checkpoint" in _error(["export", str(copy), str(dest)], capsys)
     # The run's final/ is a model folder already: said so, not called a broken checkpoint.
     said = _error(["export", str(run / "final"), str(tmp_path / "again")], capsys)
-    assert "a model folder already" in said and "RUN/checkpoints/step-N" in said
+    assert "a model folder (a run's final/ or an export)" in said and "RUN/checkpoints/step-N" in said
     assert not (tmp_path / "again").exists()
     # The run's own folder: said so, with its newest checkpoint.
     said = _error(["export", str(run), str(tmp_path / "again")], capsys)
     assert "a run's folder, not a checkpoint" in said and "step-000002 is its newest" in said
+    # The same words for --resume, before any data is read; none of them is called damaged.
+    for given, words in (
+        (run, "a run's folder, not a checkpoint (" + str(run / "checkpoints" / "step-000002")),
+        (run / "checkpoints", "the folder of a run's checkpoints, not a checkpoint"),
+        (run / "final", "a model folder (a run's final/ or an export)"),
+    ):
+        argv = ["train", "--resume", str(given), "--output-dir", str(tmp_path / "r"), "--max-steps", "4"]
+        said = _error(argv, capsys)
+        assert f"--resume {given}: {words}" in said and "damaged" not in said
 
 
 def test_export_writes_beside_and_replaces_only_an_earlier_export(
@@ -83,8 +92,7 @@ def test_export_writes_beside_and_replaces_only_an_earlier_export(
     # user's, and so is one of the export's files changed since (an edited model card).
     (dest / "stale.txt").write_text("from the earlier export")
     marker = json.loads((dest / EXPORT_MARKER).read_text())
-    st = (dest / "stale.txt").stat()
-    marker["stats"]["stale.txt"] = [st.st_size, st.st_mtime_ns]
+    marker["stats"]["stale.txt"] = file_stats(dest)["stale.txt"]
     (dest / EXPORT_MARKER).write_text(json.dumps(marker))
     (dest / "deploy.sh").write_text("mine")
     card = (dest / "README.md").read_text()
@@ -223,9 +231,9 @@ def test_a_run_replaces_its_final_folder_only_as_it_wrote_it(
     card = (final / "README.md").read_text()
     (final / "README.md").write_text(card.replace("lmtune", "my tool"))
     assert "(README.md)" in _error([*argv, "--max-steps", "3"], capsys)
-    (final / "README.md").write_text(card)  # back as it was, but written since: not lmtune's write
-    assert "(README.md)" in _error([*argv, "--max-steps", "3"], capsys)
-    (final / "README.md").unlink()
+    (final / "README.md").write_text(card)  # back as lmtune wrote it: its own again
+    assert users_files(final) == []
+    (final / "README.md").unlink()  # what lmtune wrote may go
     assert main([*argv, "--max-steps", "3"]) == 0  # continues to step 3 and writes final/ again
     assert (final / "README.md").is_file() and users_files(final) == []
     assert json.loads((out / "run.json").read_text())["result"]["steps"] == 3

@@ -26,6 +26,7 @@ from lmtune.checkpoint.layout import (
     verify,
 )
 from lmtune.checkpoint.owned import file_stats, listed, not_ours, recorded_stats, users_files
+from lmtune.checkpoint.rundir import not_a_checkpoint
 from lmtune.checkpoint.state import ModelParts
 from lmtune.config.files import read_json_object
 from lmtune.config.io import build_config
@@ -218,13 +219,6 @@ def prefix_of(parts: ModelParts) -> str:
 EXPORT_MARKER = ".lmtune-export.json"  # what marks a folder as an earlier export, which --overwrite replaces
 
 
-def _model_folder(folder: Path) -> bool:
-    """A Hugging Face model or adapter folder (weights and their config) rather than a checkpoint."""
-    has = {p.name for p in folder.iterdir() if p.is_file()}
-    weights = any(name.endswith((".safetensors", ".bin")) for name in has)
-    return ("config.json" in has and weights) or (ADAPTER_FILE in has and ADAPTER_CONFIG in has)
-
-
 def export(
     checkpoint: Path,
     out: Path,
@@ -241,21 +235,8 @@ def export(
     if not checkpoint.is_dir():
         raise UserError(f"{checkpoint}: no such checkpoint folder")
     reason = verify(checkpoint)
-    if reason is not None and _model_folder(checkpoint):
-        raise UserError(
-            f"{checkpoint}: a model folder already (a run's final/ or an export), not a training "
-            "checkpoint: load or copy it as it is; export takes a checkpoint (RUN/checkpoints/step-N)"
-        )
-    from lmtune.checkpoint.layout import list_checkpoints
-    from lmtune.checkpoint.rundir import holds_a_run
-
-    if reason is not None and holds_a_run(checkpoint):
-        newest = list_checkpoints(checkpoint)[-1:]
-        which = f" ({newest[0]} is its newest)" if newest else " (it has none: train with --save-every)"
-        raise UserError(
-            f"{checkpoint}: a run's folder, not a checkpoint; export takes one of its checkpoints, "
-            f"RUN/checkpoints/step-N{which}; its final/ is a model folder already"
-        )
+    if reason is not None and (instead := not_a_checkpoint(checkpoint)):
+        raise UserError(f"{checkpoint}: {instead}; export takes a checkpoint, RUN/checkpoints/step-N")
     if reason is not None:
         raise UserError(f"{checkpoint}: not a valid checkpoint: {reason}")
     check_destination(checkpoint, out, overwrite)

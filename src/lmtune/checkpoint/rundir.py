@@ -266,6 +266,26 @@ def _ran_here(folder: Path) -> bool:
     return any(verify(p) is None for p in list_checkpoints(folder))
 
 
+def not_a_checkpoint(folder: Path) -> str:
+    """What ``folder``, given where a checkpoint is wanted, is instead, with the checkpoint meant
+    ("" when it is none of these): a model folder (a run's final/, an export), a run's folder or
+    its checkpoints/ folder."""
+    from lmtune.checkpoint.layout import list_checkpoints
+    from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE
+
+    has = {p.name for p in folder.iterdir() if p.is_file()}
+    weights = any(name.endswith((".safetensors", ".bin")) for name in has)
+    if ("config.json" in has and weights) or {ADAPTER_FILE, ADAPTER_CONFIG} <= has:
+        return "a model folder (a run's final/ or an export), not a training checkpoint"
+    run = folder if holds_a_run(folder) else folder.parent if folder.name == "checkpoints" else None
+    if run is None or not holds_a_run(run):
+        return ""
+    newest = list_checkpoints(run)[-1:]
+    which = f"{newest[0]} is its newest" if newest else "it has none: train with --save-every"
+    what = "a run's folder" if run == folder else "the folder of a run's checkpoints"
+    return f"{what}, not a checkpoint ({which})"
+
+
 def enclosing_run(path: Path) -> Path | None:
     """The nearest of ``path`` (resolved) and the folders above it that holds a run, or None."""
     for folder in (path, *path.parents):

@@ -12,6 +12,16 @@ from typing import Any
 from lmtune.errors import UserError
 
 
+def _output_file(given: str, option: str, suffix: str = "") -> Path:
+    """Where a command writes ``option``'s file, checked before its work: a file (of ``suffix``)
+    in an existing folder."""
+    path = Path(given).expanduser()
+    kind = f"a {suffix} file" if suffix else "a file"
+    if (suffix and path.suffix.lower() != suffix) or path.is_dir() or not path.parent.is_dir():
+        raise UserError(f"{option} {given}: name {kind} in an existing folder")
+    return path
+
+
 def train_config(args: argparse.Namespace) -> Any:
     from lmtune.config.io import build_config, load_yaml
     from lmtune.config.settings import config_fields
@@ -68,6 +78,8 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.model.modeling import load_model
     from lmtune.parallel.distributed import read_dist_env
 
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0 (got {args.temperature})")
     if not 0 < args.top_p <= 1:
@@ -167,6 +179,7 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print("\n".join(measure_peaks(args.precisions.split(","), args.nproc_per_node, args.device)))
         return 0
 
+    out = _output_file(args.json, "--json")
     rows = run_bench(
         train_config(args),
         args.strategies.split(","),
@@ -176,9 +189,9 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         args.warmup,
     )
     print(format_table(rows))
-    with open(args.json, "w", encoding="utf-8") as f:
+    with open(out, "w", encoding="utf-8") as f:
         json.dump(to_json(rows), f, indent=2)
-    print(f"wrote {args.json}")
+    print(f"wrote {out}")
     return 0
 
 
@@ -192,13 +205,14 @@ def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     cfg = train_config(args)
     validate(cfg, cfg.launch.nproc_per_node)
+    out = _output_file(args.json, "--json") if args.json else None
     memory = parse_size(args.memory_per_device) if args.memory_per_device else None
     with tempfile.TemporaryDirectory(prefix="lmtune-plan-") as workdir:
         report = plan(cfg, memory, args.calibrate, Path(workdir))
     print(format_report(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report_json(report), indent=2))
-        print(f"wrote {args.json}")
+    if out is not None:
+        out.write_text(json.dumps(report_json(report), indent=2))
+        print(f"wrote {out}")
     return 0
 
 
@@ -284,7 +298,6 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from pathlib import Path
 
     from lmtune.config.validate import check_settings
     from lmtune.data.audit import audit, format_report, plot_histogram
@@ -292,6 +305,7 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     cfg = train_config(args)  # the DATA arguments are its --data
     check_settings(cfg, cfg.launch.nproc_per_node)
+    plot = _output_file(args.plot, "--plot", ".png") if args.plot else None
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
     if cfg.examples.chat_template is not None:
         from lmtune.data.chat import use_chat_template
@@ -308,7 +322,7 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
         cfg.data.weights,
     )
     print(format_report(report))
-    if args.plot:
-        plot_histogram(report, Path(args.plot))
-        print(f"  histogram           {args.plot}")
+    if plot is not None:
+        plot_histogram(report, plot)
+        print(f"  histogram           {plot}")
     return report.exit_code

@@ -30,6 +30,11 @@ def _bad(name: str, value: str, expected: str) -> UserError:
     return UserError(f"environment variable {name}={brief(value)}: expected {expected}")
 
 
+def join_timeout_s() -> float:
+    """How long the job's processes, and the nodes' launchers, wait for each other to start."""
+    return seconds(JOIN_TIMEOUT, 300.0)
+
+
 def seconds(name: str, default: float) -> float:
     """A positive, finite number of seconds, or ``default`` when unset."""
     raw = _raw(name)
@@ -88,6 +93,13 @@ def check_environment() -> None:
     switch(VERBOSE)
 
 
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE (or its older name) tells the hub client to stay offline."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
 def hub_reachable(timeout_s: float = 5.0) -> bool:
     """One quick connection to the hub's host; offline mode counts as out of reach. Without it,
     the hub client retries for most of a minute before it says the hub is out of reach."""
@@ -96,7 +108,7 @@ def hub_reachable(timeout_s: float = 5.0) -> bool:
 
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE:
+    if hub_offline():
         return False
     url = urlparse(constants.ENDPOINT)
     try:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmtune.config.environment import hub_reachable
+from lmtune.config.environment import hub_offline, hub_reachable
 from lmtune.config.files import read_json_object
 from lmtune.errors import UserError, brief
 from lmtune.model.configs import CONFIG_BYTES, check_config, check_folder
@@ -177,10 +177,14 @@ def _source(name: str, need_config: bool) -> _Where:
         return _Where(str(path.resolve()), f"local folder {path}", local_only=True)
     if _looks_like_path(name):
         raise UserError(f"--model {name}: no such folder (presets: {', '.join(PRESETS)})")
+    # "run/final" of a run that has not finished reads as a hub id: say the folder is not there.
+    first = Path(name.split("/")[0]).expanduser()
+    missing = f"; no folder {name} here, though {first} is one" if "/" in name and first.is_dir() else ""
     if hub_reachable():
-        return _Where(name, f"hub id {name}", local_only=False)
+        return _Where(name, f"hub id {name}{missing}", local_only=False)
     # Without this, the hub client retries for most of a minute before saying the same.
-    return _Where(name, f"hub id {name} (the hub is out of reach, so only the local cache)", local_only=True)
+    why = "HF_HUB_OFFLINE is set" if hub_offline() else "the hub is out of reach"
+    return _Where(name, f"hub id {name} ({why}, so only the local cache{missing})", local_only=True)
 
 
 def _reason(e: Exception) -> str:

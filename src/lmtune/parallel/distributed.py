@@ -23,8 +23,6 @@ from lmtune.config import environment
 from lmtune.errors import UserError
 
 T = TypeVar("T")
-JOIN_TIMEOUT_ENV = environment.JOIN_TIMEOUT
-JOIN_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -187,7 +185,7 @@ def process_group(env: DistEnv, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
     assert env.backend is not None
     timeout = timedelta(seconds=timeout_s)
     # Joining has a bound of its own: a process that was never started should not cost 30 minutes.
-    join = timedelta(seconds=environment.seconds(JOIN_TIMEOUT_ENV, JOIN_TIMEOUT_S))
+    join = timedelta(seconds=environment.join_timeout_s())
     address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '29500')}"
     try:
         store = _attempt_store(env, join)

@@ -22,7 +22,7 @@ from typing import Any
 from lmtune.config import environment
 from lmtune.config.run_groups import LaunchSettings
 from lmtune.config.settings import TrainConfig, parse_nnodes
-from lmtune.errors import USER_ERROR_EXIT_CODE
+from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
 from lmtune.parallel.health import HANG_EXIT_CODE, HEALTH_DIR_ENV, Watchdog, read_beats
 
 # Workers started by `relaunch` leave their error messages here instead of printing them, so the
@@ -142,6 +142,7 @@ def warn(message: str) -> None:
 def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
     error_dir = tempfile.mkdtemp(prefix="lmtune-errors-")
@@ -171,9 +172,19 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
             on_hang=partial(_end_workers, error_dir),
         )
         threading.Thread(target=watchdog.run, args=(ended,), daemon=True, name="lmtune-watchdog").start()
+    if not single_node:
+        nodes = cfg.launch.nnodes
+        print(f"lmtune: waiting for {nodes} nodes at {cfg.launch.rdzv_endpoint}", file=sys.stderr, flush=True)
     try:
         elastic_launch(config, sys.executable)("-m", "lmtune", *argv)
         return 0
+    except RendezvousTimeoutError:
+        waited = f"{environment.join_timeout_s():.0f}s ({environment.JOIN_TIMEOUT})"
+        raise UserError(
+            f"the job's {cfg.launch.nnodes} nodes did not all meet at {cfg.launch.rdzv_endpoint} within "
+            f"{waited}; check that every node was started with the same --rdzv-endpoint and --rdzv-id, "
+            "and can reach it"
+        ) from None
     except ChildFailedError as e:
         ended.set()
         return _failed(e, Path(error_dir), hung=watchdog is not None and bool(watchdog.hangs))
@@ -204,7 +215,8 @@ def _launch_config(launch: LaunchSettings, run_id: str, single_node: bool) -> An
     from torch.distributed.launcher.api import LaunchConfig
 
     min_nodes, max_nodes = parse_nnodes(launch.nnodes)
-    rdzv_configs: dict[str, object] = {}
+    # The same bound as the process group's (LMTUNE_JOIN_TIMEOUT): the nodes' launchers meet first.
+    rdzv_configs: dict[str, object] = {"join_timeout": int(environment.join_timeout_s())}
     if launch.node_rank is not None:
         # Every node may resolve the endpoint's host as its own (loopback tests, one-host setups):
         # say which one hosts the store instead of leaving it to a race.
@@ -241,9 +253,20 @@ def _failed(e: Any, error_dir: Path, hung: bool) -> int:
     if USER_ERROR_EXIT_CODE in codes:
         return USER_ERROR_EXIT_CODE
     if not messages:
-        for rank, failure in sorted(e.failures.items()):
-            print(f"lmtune: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        # The first to end is the cause; the launcher then stops the others with SIGTERM (within
+        # the second a failure's time is kept to, a SIGTERM is the later one).
+        order = sorted(e.failures.items(), key=lambda f: (f[1].timestamp, f[1].exitcode == -signal.SIGTERM))
+        (rank, first), rest = order[0], order[1:]
+        others = f"; the launcher then stopped rank(s) {', '.join(str(r) for r, _ in rest)}" if rest else ""
+        print(f"lmtune: rank {rank} {_ended(first.exitcode)}{others}", file=sys.stderr)
     return 1
+
+
+def _ended(exitcode: int) -> str:
+    if exitcode < 0:
+        with suppress(ValueError):
+            return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"failed with exit code {exitcode}"
 
 
 def flight_recorder(output_dir: Path) -> None:

@@ -48,6 +48,8 @@ def load_run(folder: Path) -> RecordedRun:
     """A run folder's rows and run.json, read as hostile data: only regular files, with size caps;
     a row that is not what lmtune writes is skipped with a warning, never a traceback."""
     metrics = folder / "metrics.jsonl"
+    if not folder.is_dir():
+        raise UserError(f"{folder}: no such folder" if not folder.exists() else f"{folder}: not a folder")
     if not metrics.is_file():
         raise UserError(f"{folder}: no metrics.jsonl, so not an lmtune output folder (or not started)")
     try:

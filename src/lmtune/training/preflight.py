@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lmtune.checkpoint.rundir import check_output_dir
+from lmtune.checkpoint.layout import verify
+from lmtune.checkpoint.rundir import check_output_dir, not_a_checkpoint
 from lmtune.config.groups import ExampleSettings
 from lmtune.config.settings import TrainConfig, config_fields, option_name, value_of
 from lmtune.config.validate import PREFERENCE, check_settings
@@ -49,8 +51,12 @@ def validate(cfg: TrainConfig, world_size: int, in_process: bool = False) -> Non
     if cfg.samples.prompts is not None and not Path(cfg.samples.prompts).expanduser().is_file():
         raise UserError(f"--sample-prompts: no such file (got {brief(cfg.samples.prompts)})")
     resume = cfg.checkpoint.resume
-    if resume not in ("auto", "never") and not Path(resume).is_dir():
-        raise UserError(f"--resume: no such checkpoint folder: {resume}")
+    if resume not in ("auto", "never"):
+        if not Path(resume).is_dir():
+            raise UserError(f"--resume: no such checkpoint folder: {resume}")
+        if verify(Path(resume)) and (instead := not_a_checkpoint(Path(resume))):
+            raise UserError(f"--resume {resume}: {instead}; it takes a checkpoint, RUN/checkpoints/step-N")
+    _check_outside_launcher(cfg)
     check_installed(parse_report_to(cfg.logging.report_to))
     if cfg.checkpoint.push_to_hub is not None:
         check_push(cfg.checkpoint.push_to_hub)  # a missing token is found now, not after training
@@ -68,6 +74,31 @@ def validate(cfg: TrainConfig, world_size: int, in_process: bool = False) -> Non
     ):
         if on:
             require_bitsandbytes(option, _device(cfg.model.device))
+
+
+def _check_outside_launcher(cfg: TrainConfig) -> None:
+    """Settings given to the launcher that started this process (torchrun, accelerate launch),
+    which lmtune would otherwise ignore without a word: refused, naming lmtune's option."""
+    env = os.environ
+    local = env.get("LOCAL_WORLD_SIZE")
+    if local and local.isdigit() and cfg.launch.nproc_per_node not in (1, int(local)):
+        raise UserError(
+            f"--nproc-per-node {cfg.launch.nproc_per_node}, but the launcher started {local} processes "
+            "on this node: drop --nproc-per-node under torchrun (its own --nproc-per-node decides)"
+        )
+    # accelerate launch passes its settings in the environment; lmtune reads its own options.
+    problems = []
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision not in ("no", cfg.model.precision):
+        problems.append(f"--mixed_precision {precision} (give --precision {precision})")
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        problems.append("DeepSpeed (lmtune does not run it; --strategy fsdp shards the model)")
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true" and cfg.launch.strategy != "fsdp":
+        problems.append("--use_fsdp (give --strategy fsdp)")
+    if env.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() != "NO" and not cfg.model.compile:
+        problems.append("--dynamo_backend (give --compile)")
+    if problems:
+        raise UserError(f"accelerate launch settings that lmtune does not read: {'; '.join(problems)}")
 
 
 def _device(device: str) -> torch.device:
