@@ -11,6 +11,16 @@ class UserError(Exception):
     """
 
 
+class SettingError(UserError):
+    """A setting whose value cannot work, named by its flag (``--epochs: must be >= 1 (got -1)``);
+    the CLI names the line of a --config file instead when the value came from there."""
+
+    def __init__(self, setting: str, flag: str, reason: str):
+        super().__init__(f"{flag}: {reason}")
+        self.setting = setting  # the setting's name (``epochs``)
+        self.reason = reason  # what is wrong with its value
+
+
 USER_ERROR_EXIT_CODE = 2
 
 

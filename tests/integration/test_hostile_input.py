@@ -33,6 +33,7 @@ from tests.conftest import write_jsonl
         # Named as the file has it (an alias, a nested group), with its line.
         ("seed: 1\nlearning_rate: abc\n", "run.yaml:2: learning_rate: expected float, got 'abc'"),
         ("lora:\n  enabled: true\n  rank: x\n", "run.yaml:1: lora_rank: expected int, got 'x'"),
+        ("seed: 1\nepochs: -1\n", "run.yaml:2: epochs: must be >= 1 (got -1)"),  # a range, checked later
     ],
 )
 def test_bad_yaml_settings(
@@ -43,6 +44,15 @@ def test_bad_yaml_settings(
         yaml_text if "output_dir" in yaml_text else f"{yaml_text}output_dir: {tmp_path / 'o'}\n"
     )
     assert needle in _error(["train", "--config", str(config)], capsys)
+
+
+def test_a_bad_value_given_by_a_flag_is_named_by_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(f"epochs: 2\noutput_dir: {tmp_path / 'o'}\n")
+    said = _error(["train", "--config", str(config), "--epochs", "0"], capsys)
+    assert said == "error: --epochs: must be >= 1 (got 0)\n"
 
 
 @pytest.mark.parametrize(

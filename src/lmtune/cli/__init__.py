@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 from contextlib import suppress
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from lmtune.cli.parser import (
     build_parser,
@@ -21,13 +21,14 @@ from lmtune.cli.parser import (
 )
 from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 from lmtune.config.threads import choose_thread_wait
-from lmtune.errors import USER_ERROR_EXIT_CODE, StoppedBySignal, TrainingStopped, UserError
+from lmtune.errors import USER_ERROR_EXIT_CODE, SettingError, StoppedBySignal, TrainingStopped, UserError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     choose_thread_wait()  # before anything imports torch
     argv = list(sys.argv[1:] if argv is None else argv)
+    args = None
     try:
         argv = negative_values(hub_flags(argv))  # HF's --push_to_hub [True] --hub_model_id NAME/REPO
         # Options a command does not take are ours to explain (argparse would print the top-level usage).
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         from lmtune.parallel.launch import report_error
 
-        report_error(str(e), USER_ERROR_EXIT_CODE)
+        report_error(_placed(e, args), USER_ERROR_EXIT_CODE)
         return USER_ERROR_EXIT_CODE
     except OSError as e:
         if not _a_path_problem(e):
@@ -93,6 +94,21 @@ _PATH_ERRORS = frozenset(
         errno.ENAMETOOLONG,
     }
 )
+
+
+def _placed(e: UserError, args: Any) -> str:
+    """The message of ``e``; a setting's bad value that came from the --config file (no flag set
+    it) is named by the file's line and key rather than by its flag."""
+    config = getattr(args, "config", None)
+    if not isinstance(e, SettingError) or config is None or hasattr(args, e.setting):
+        return str(e)
+    from lmtune.config.io import yaml_places
+
+    with suppress(UserError):  # the file as it was read: this only rewords the message
+        place = yaml_places(config).get(e.setting)
+        if place is not None:
+            return f"{place}: {e.reason}"
+    return str(e)
 
 
 def _a_path_problem(e: OSError) -> bool:

@@ -146,6 +146,16 @@ def parse_yaml(text: str, where: str) -> Any:
 
 def load_yaml(path: str) -> dict[str, Any]:
     """Read a YAML mapping of settings; keys may use dashes or underscores."""
+    return _read_yaml(path)[0]
+
+
+def yaml_places(path: str) -> dict[str, str]:
+    """Where each setting of a YAML file is, as its messages name it: ``--config FILE:LINE: key``."""
+    return _read_yaml(path)[1]
+
+
+def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings of a YAML file under lmtune's names, and where each is (:func:`yaml_places`)."""
     try:
         text = read_text(Path(path).expanduser(), limit=SETTINGS_BYTES)
     except FileNotFoundError:
@@ -154,7 +164,7 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise UserError(f"--config: {e}") from None
     loaded = parse_yaml(text, f"--config: {path}")
     if loaded is None:
-        return {}
+        return {}, {}
     if not isinstance(loaded, dict):
         raise UserError(f"--config: {path}: expected a mapping of settings, got {type(loaded).__name__}")
     settings: dict[str, Any] = {}
@@ -188,16 +198,18 @@ def load_yaml(path: str) -> dict[str, Any]:
     # Names of HF Trainer, TRL and Axolotl: an alias becomes lmtune's name, others are explained.
     known = {s.name for s in config_fields()}
     resolved = resolve_names(settings, known, where)
+    places = {}
     # A value of the wrong type is named as the file has it (key and line), not only by its flag.
     for key, value in settings.items():
         name = lmtune_name(key, known)
+        places[name] = f"{where(key)}{one_line(key, 60)}"
         if resolved.get(name) is value:
             try:
                 _coerce(setting_named(name), value)
             except UserError as e:
                 reason = str(e).removeprefix(f"{option_name(name)}: ")
-                raise UserError(f"{where(key)}{one_line(key, 60)}: {reason}") from None
-    return resolved
+                raise UserError(f"{places[name]}: {reason}") from None
+    return resolved, places
 
 
 def _key_lines(text: str, path: str) -> dict[str, int]:

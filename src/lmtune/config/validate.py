@@ -36,7 +36,7 @@ from lmtune.config.settings import (
     setting_named,
     value_of,
 )
-from lmtune.errors import UserError, brief
+from lmtune.errors import SettingError, UserError, brief
 
 Need = Callable[[bool, str, str], None]
 
@@ -46,7 +46,9 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
 
     def need(ok: bool, name: str, why: str) -> None:
         if not ok:
-            raise UserError(f"{option_name(name)}: {why} (got {brief(value_of(cfg, setting_named(name)))})")
+            raise SettingError(
+                name, option_name(name), f"{why} (got {brief(value_of(cfg, setting_named(name)))})"
+            )
 
     for s in config_fields():
         value = value_of(cfg, s)
