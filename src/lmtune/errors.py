@@ -21,6 +21,11 @@ class SettingError(UserError):
         self.reason = reason  # what is wrong with its value
 
 
+class UnknownSetting(UserError, TypeError):
+    """A name ``TrainConfig`` does not take: a :class:`UserError` (as the CLI's exit 2), and a
+    ``TypeError``, as Python's own for an unexpected keyword."""
+
+
 USER_ERROR_EXIT_CODE = 2
 
 

@@ -51,7 +51,7 @@ from lmtune.training.perf import (
     best_peak_flops,
     train_flops_per_token,
 )
-from lmtune.training.preflight import check_same_settings, validate
+from lmtune.training.preflight import check_same_settings, checked, validate
 from lmtune.training.record import result_record, run_record
 from lmtune.training.reference import attach_references
 from lmtune.training.samples import sample_generator
@@ -75,7 +75,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         UserError: for invalid settings, data or paths.
         TrainingStopped: when training cannot go on (a non-finite loss with --on-nan stop).
     """
-    env = read_dist_env(cfg.model.device)
+    env = read_dist_env(checked(cfg).model.device)
     validate(cfg, env.world_size, in_process=True)
     check_device(cfg.model.precision, env.device)
     strategy = resolve_strategy(cfg.launch.strategy, env)

@@ -319,3 +319,20 @@ def test_a_chat_template_on_data_without_conversations_is_refused(
         "--chat-template: applies to conversations (messages records)" in said and "prompt_completion" in said
     )
     assert not (tmp_path / "out" / "final").exists()
+
+
+def test_a_template_that_ends_no_reply_with_a_stop_token_is_warned_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Such a template trains (it is the user's), but the model would never learn to stop."""
+    data = _chat_data(tmp_path / "chat.jsonl")
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}]: {{ m['content'] }}\n{% endfor %}")
+    argv = ["train", "--data", str(data), "--chat-template", str(template), "--max-steps", "1"]
+    assert (
+        main([*argv, "--global-batch-size", "8", "--output-dir", str(tmp_path / "out"), "--no-progress"]) == 0
+    )
+    said = "warning: 64 of 64 training examples train no stop token after the reply"
+    assert said in capsys.readouterr().out
+    assert main(["train", "--data", str(data), "--max-steps", "1", "--output-dir", str(tmp_path / "o2")]) == 0
+    assert "train no stop token" not in capsys.readouterr().out  # the built-in template ends every reply

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from lmtune.config.run_groups import (
     LoggingSettings,
     SampleSettings,
 )
-from lmtune.errors import UserError, brief
+from lmtune.errors import UnknownSetting, UserError, brief
 
 __all__ = [
     "DEFAULT_EPOCHS",
@@ -159,7 +160,8 @@ class TrainConfig:
         a flat setting overrides its group's value.
 
         Raises:
-            TypeError: for a name that is neither a setting nor a group.
+            UnknownSetting: (a UserError and a TypeError) for a name that is neither a setting nor a
+                group, or a setting given twice.
         """
         for name, value in _assembled(settings).items():
             object.__setattr__(self, name, value)
@@ -207,10 +209,20 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
         kind = GROUPS.get(key)
         if key not in _BY_NAME and ALIASES.get(key) in _BY_NAME:
             if ALIASES[key] in settings:
-                raise TypeError(f"TrainConfig: {ALIASES[key]} is set twice (as {key} and {ALIASES[key]})")
+                raise UnknownSetting(
+                    f"TrainConfig: {ALIASES[key]} is set twice (as {key} and {ALIASES[key]})"
+                )
             key = ALIASES[key]  # a peer's name (learning_rate, lora_r), as the CLI and YAML take it
         value = peer_unset(key, value)
-        if kind is not None and isinstance(value, kind):
+        if (
+            key in ("data", "eval_data")
+            and isinstance(value, list)
+            and any(isinstance(v, dict) for v in value)
+        ):
+            value = _sources(key, value, flat)
+        if kind is not None and isinstance(value, dict):  # a group as YAML nests it: lora={"rank": 8}
+            flat.setdefault(key, {}).update(_group_fields(key, value))
+        elif kind is not None and isinstance(value, kind):
             values[key] = value
         elif key in _BY_NAME:
             s = _BY_NAME[key]
@@ -219,7 +231,7 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
             from lmtune.config.aliases import explain_unknown
 
             known = [*_BY_NAME, *GROUPS]
-            raise TypeError(f"TrainConfig: {explain_unknown(key, known, repr, 'TrainConfig')}")
+            raise UnknownSetting(f"TrainConfig: {explain_unknown(key, known, repr, 'TrainConfig')}")
     for group, changes in flat.items():
         if group:
             values[group] = dataclasses.replace(values[group], **changes)
@@ -228,14 +240,41 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
     return values
 
 
+def _sources(key: str, entries: list[Any], flat: dict[str, dict[str, Any]]) -> str:
+    """``data=[{"path": ..., "weight": ...}, ...]`` as YAML writes it: the sources, and their
+    weights into ``flat``; a list of paths as it is (the flag's comma-separated form)."""
+    from lmtune.config.mixture import yaml_sources
+
+    if not any(isinstance(entry, dict) for entry in entries):
+        return as_text(entries)  # type: ignore[no-any-return]
+    spec, weights = yaml_sources(entries, option_name(key), "TrainConfig: ")
+    if weights is not None:
+        flat.setdefault("data", {})["weights"] = weights
+    return spec
+
+
+def _group_fields(group: str, values: dict[Any, Any]) -> dict[str, Any]:
+    """A group given as a mapping of its fields (``lora={"enabled": True, "rank": 8}``)."""
+    settings = {s.field: s for s in SETTINGS if s.group == group}
+    unknown = [str(k) for k in values if k not in settings]
+    if unknown:
+        known = ", ".join(settings)
+        raise UnknownSetting(f"TrainConfig: {group}: unknown {unknown[0]!r} (its settings: {known})")
+    return {k: as_text(v) if settings[k].type is str else v for k, v in values.items()}
+
+
 def as_text(value: Any) -> Any:
     """A list of strings or numbers (data files, target modules, weights) or a mapping of strings
     (--field-map) as the flag writes it, for YAML and the Python API alike; anything else as it is
     (the settings check names a wrong type)."""
     from lmtune.config.mixture import joined
 
+    if isinstance(value, os.PathLike):  # data=Path(...), output_dir=result.output_dir
+        return os.fspath(value)
     items = isinstance(value, (list, tuple))
-    if items and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+    if items and all(
+        isinstance(v, (str, int, float, os.PathLike)) and not isinstance(v, bool) for v in value
+    ):
         return joined([str(v) for v in value])
     if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
         return ",".join(f"{k}={v}" for k, v in value.items())

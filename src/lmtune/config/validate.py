@@ -305,7 +305,7 @@ def _check_evaluation_data(cfg: TrainConfig, need: Need) -> None:
     split, eval_data = cfg.data.eval_split, cfg.data.eval
     need(split is None or eval_data is None, "eval_split", "is instead of --eval-data: give one")
     need(
-        split is None or 0 < split < 1 or float(split).is_integer(),
+        split is None or 0 < split < 1 or (split >= 1 and float(split).is_integer()),
         "eval_split",
         "must be a fraction in (0, 1) or a whole number of examples",
     )

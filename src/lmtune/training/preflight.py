@@ -17,13 +17,22 @@ from lmtune.config.settings import TrainConfig, config_fields, option_name, valu
 from lmtune.config.validate import PREFERENCE, check_settings
 from lmtune.data.chat import read_template
 from lmtune.data.formats import FieldMap, unused_names
-from lmtune.data.sources import resolve_sources
+from lmtune.data.sources import BadLines, iter_records, resolve_sources
 from lmtune.errors import UserError, brief
 from lmtune.model.quantization import require_bitsandbytes
 from lmtune.outputs.hub import check_push
 from lmtune.outputs.reporters import check_installed, parse_report_to
 from lmtune.parallel.distributed import DistEnv, all_gather_object, launched_rank
 from lmtune.parallel.launch import needs_launcher
+
+
+def checked(cfg: Any) -> TrainConfig:
+    """``cfg``, when it is a TrainConfig (``lmtune.train({...})`` would fail deep inside)."""
+    if not isinstance(cfg, TrainConfig):
+        raise UserError(
+            f"lmtune.train takes a TrainConfig (lmtune.TrainConfig(**settings)), not {type(cfg).__name__}"
+        )
+    return cfg
 
 
 def validate(cfg: TrainConfig, world_size: int, in_process: bool = False) -> None:
@@ -74,6 +83,28 @@ def validate(cfg: TrainConfig, world_size: int, in_process: bool = False) -> Non
     ):
         if on:
             require_bitsandbytes(option, _device(cfg.model.device))
+
+
+def _warn_unmatched_names(cfg: TrainConfig, info: Callable[[str], None]) -> None:
+    """A warning when the first record of --data has none of the fields --text-field and
+    --field-map name, but lmtune's own name for one: it is read as it is, so the mapped name was
+    likely misspelled (the formats alone cannot tell: the record still has a format)."""
+    names = FieldMap.of(cfg.examples)
+    top = {ours: theirs for ours, theirs in names.fields.items() if ours != theirs}
+    # Read as a stream (its first line), not a whole .json or a hub data set.
+    first = next((s for s in resolve_sources(cfg.data.train, "--data") if s.kind in ("jsonl", "csv")), None)
+    if not top or first is None:
+        return
+    record = next(iter_records(first, "text", BadLines(skip=True)), None)
+    if record is None:
+        return
+    for ours, theirs in top.items():
+        if theirs not in record.fields and ours in record.fields:
+            option = f"--text-field {theirs}" if ours == "text" else f"--field-map {ours}={theirs}"
+            info(
+                f"warning: {option}: the first record of {first.name} has no {theirs!r} field, and its "
+                f"{ours!r} field is read as it is (a misspelled name?)"
+            )
 
 
 def _check_outside_launcher(cfg: TrainConfig) -> None:
@@ -162,6 +193,7 @@ def warn_unused_names(cfg: TrainConfig, data_info: dict[str, Any], info: Callabl
             f"warning: {', '.join(unused)} changed nothing: no record of the data was read through "
             f"{'it' if len(unused) == 1 else 'them'} (formats found: {', '.join(sorted(formats))})"
         )
+    _warn_unmatched_names(cfg, info)
     mode = cfg.examples.txt_mode
     given = [(cfg.data.train, "--data"), (cfg.data.eval, "--eval-data")]
     if mode != ExampleSettings().txt_mode and not any(

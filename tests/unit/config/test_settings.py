@@ -204,6 +204,16 @@ def test_settings_live_in_groups_with_flat_names(tmp_path: Path) -> None:
         TrainConfig(learning_rate=1.0, lr=2.0)
     with pytest.raises(TypeError, match="unknown setting 'lerning_rate'"):
         TrainConfig(lerning_rate=1.0)
+    with pytest.raises(UserError, match="unknown setting 'lerning_rate'"):  # as the CLI's exit 2
+        TrainConfig(lerning_rate=1.0)
+    # As YAML writes them: a group as a mapping, a weighted list of sources; paths as Path.
+    assert TrainConfig(lora={"enabled": True, "rank": 8}).lora == LoraSettings(enabled=True, rank=8)
+    with pytest.raises(UserError, match=r"lora: unknown 'rnak' \(its settings: enabled, rank"):
+        TrainConfig(lora={"rnak": 8})
+    mixed = TrainConfig(data=[{"path": "a.jsonl", "weight": 3}, {"path": "b.jsonl", "weight": 1}])
+    assert (mixed.data.train, mixed.data.weights) == ("a.jsonl,b.jsonl", "3,1")
+    paths = TrainConfig(data=[Path("a.jsonl"), "b.jsonl"], output_dir=tmp_path / "out")
+    assert (paths.data.train, paths.checkpoint.output_dir) == ("a.jsonl,b.jsonl", str(tmp_path / "out"))
     assert len(to_dict(cfg)) == len(config_fields()) and {s.group for s in config_fields()} == {*GROUPS, None}
     # A YAML file may nest by group (a group's own field names or the flat names), flat, or both.
     nested = tmp_path / "nested.yaml"

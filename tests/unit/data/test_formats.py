@@ -225,3 +225,18 @@ def test_train_warns_of_data_settings_that_changed_nothing(
         "found: prompt_completion)" in out
     )
     assert "warning: --txt-mode block changed nothing: the data has no .txt file" in out
+
+
+def test_train_warns_when_a_mapped_name_is_absent_and_lmtunes_own_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--field-map prompt=question` on records with `prompt`: they still have a format (read as
+    they are), so only their fields tell that the mapping matched nothing (a misspelled name?)."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) + "\n" for i in range(8)))
+    args = ["train", "--data", str(data), "--max-steps", "1", "--global-batch-size", "8", "--no-progress"]
+    args += ["--field-map", "prompt=question,completion=completion", "--output-dir", str(tmp_path / "out")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"warning: --field-map prompt=question: the first record of {data} has no 'question' field" in out
+    assert "completion=completion" not in out  # a name mapped to itself is no mistake
