@@ -40,7 +40,7 @@ from lmtune.training.best import BestTracker, best_tracker
 from lmtune.training.build import Built, build_parts, data_cache_dir, loaders, schedule
 from lmtune.training.context import CallableModule, RunContext
 from lmtune.training.evaluate import EvalResult, evaluate
-from lmtune.training.finish import finish, say_finished
+from lmtune.training.finish import finish, recorded_result, say_finished
 from lmtune.training.loop import FitSettings, LoopParts, fit
 from lmtune.training.optim import set_hyperparameters
 from lmtune.training.perf import (
@@ -134,7 +134,7 @@ def _run(run: RunContext) -> TrainResult:
     earlier = checkpoints.finished_already(built.layout.total_steps)
     if earlier is not None:
         say_finished(run, earlier.step)
-        return TrainResult(output_dir=output_dir, steps=earlier.step, last_loss=float("nan"), eval=None)
+        return TrainResult(output_dir, earlier.step, *recorded_result(output_dir))  # as run.json has them
     attach_references(run, built, data_cache_dir(cfg.data))  # the starting weights': before a resume
     fresh = TrainerState.fresh(cfg.batch.global_batch_size, env.world_size, cfg.seed, len(built.train_data))
     state = checkpoints.resume(fresh, built.layout.total_steps)

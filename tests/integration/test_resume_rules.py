@@ -87,6 +87,14 @@ def test_a_finished_run_says_so_and_changes_nothing(
     said = capsys.readouterr().out
     assert "not applied (--lr 0.5, was " in said and "--weight-decay 0.25, was " in said
     assert {p: p.read_bytes() for p in base["out"].rglob("*") if p.is_file()} == before
+    # Through the Python API, the result is the one run.json recorded (not nan).
+    from lmtune.cli.commands import train_config
+    from lmtune.cli.parser import build_parser
+    from lmtune.train import train
+
+    again = train(train_config(build_parser().parse_args(_args(base["data"], base["out"]))))
+    recorded = json.loads((base["out"] / "run.json").read_text())["result"]
+    assert (again.steps, again.last_loss) == (STEPS, recorded["last_loss"])
 
 
 def _finished_copy(base: dict[str, Path], name: str, checkpoints: tuple[int, ...]) -> Path:

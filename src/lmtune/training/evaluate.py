@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +33,20 @@ class EvalResult:
     def value(self, metric: str) -> float:
         """The value of ``metric`` as metrics.jsonl names it (``eval_loss``, ...)."""
         return self.metrics[metric]
+
+    @staticmethod
+    def from_record(record: dict[str, Any]) -> EvalResult:
+        """The result :meth:`record` wrote to run.json (a finished run's, read back)."""
+        counts = ("target_tokens", "examples")
+        metrics = {f"eval_{k}": float(v) for k, v in record.items() if k not in counts}
+        sources = tuple(sorted({k.split("/", 1)[1] for k in record if k.startswith("loss/")}))
+        return EvalResult(
+            loss=float(record["loss"]),
+            target_tokens=int(record["target_tokens"]),
+            examples=int(record["examples"]),
+            metrics=metrics,
+            sources=sources,
+        )
 
     def record(self) -> dict[str, float | int]:
         """run.json's ``result.eval``: the metrics without their ``eval_`` prefix, and the counts."""

@@ -4,6 +4,7 @@ under --merge-lora, their model cards, the demo's answers, and the upload under 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from lmtune.checkpoint.card import write_run_cards
 from lmtune.checkpoint.export import save_hf_folder
@@ -11,12 +12,14 @@ from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.owned import record_written
 from lmtune.checkpoint.rundir import changed_settings
 from lmtune.config.settings import SAMPLE_DATA, to_dict
+from lmtune.errors import UserError
 from lmtune.model.modeling import merged_into_base
 from lmtune.outputs.hub import push_final
 from lmtune.parallel.distributed import barrier
 from lmtune.training.build import Built
 from lmtune.training.context import RunContext
 from lmtune.training.demo import final_model, show_answers
+from lmtune.training.evaluate import EvalResult
 from lmtune.training.loop import FitResult
 
 
@@ -49,6 +52,20 @@ def finish(
     if cfg.checkpoint.push_to_hub is not None and env.is_main:
         run.heartbeat.beat("upload")  # as long as the network takes: not watched as a hang
         push_final(run.output_dir, cfg.checkpoint, cfg.lora.merge, log)
+
+
+def recorded_result(output_dir: Path) -> tuple[float, EvalResult | None]:
+    """A finished run's last loss and last evaluation, as its run.json recorded them (nan and
+    None where it holds none, or not in lmtune's form)."""
+    from lmtune.config.files import read_json_object
+
+    try:
+        result: dict[str, Any] = read_json_object(output_dir / "run.json")["result"]
+        loss = float(result["last_loss"])
+        evaluated = result.get("eval")
+        return loss, EvalResult.from_record(evaluated) if isinstance(evaluated, dict) else None
+    except (OSError, UserError, AttributeError, KeyError, TypeError, ValueError):
+        return float("nan"), None
 
 
 def say_finished(run: RunContext, step: int) -> None:

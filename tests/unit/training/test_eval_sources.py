@@ -82,6 +82,15 @@ def test_per_source_losses_are_each_source_alone_and_combine_to_the_overall(tmp_
     tracker = best_tracker(EvalSettings(metric_for_best="eval_loss/code"))
     assert tracker is not None and not tracker.greater_is_better
     assert result.value(tracker.metric) == m["eval_loss/code"]
+    # As run.json records it and a finished run run again (Python API) reads it back.
+    back = EvalResult.from_record(json.loads(json.dumps(result.record())))
+    assert (back.loss, back.target_tokens, back.examples, back.sources) == (
+        result.loss,
+        result.target_tokens,
+        result.examples,
+        result.sources,
+    )
+    assert back.metrics == pytest.approx(result.metrics) and back.value(tracker.metric) == m["eval_loss/code"]
 
 
 def test_held_out_share_of_a_mixture_is_evaluated_per_source(tmp_path: Path) -> None:
