@@ -304,3 +304,20 @@ def test_the_card_says_what_an_eval_split_held_out(tmp_path: Path) -> None:
         "| training data | `a.jsonl`: 100 examples (prompt_completion), 882 tokens, 292 of them targets; "
         "10 held out for evaluation, so 90 trained on |"
     ) in card
+
+
+def test_a_card_of_the_best_model_marks_the_last_steps_figures_as_another_models() -> None:
+    from lmtune.checkpoint.card_rows import result_rows
+
+    result = {
+        "steps": 4,
+        "last_loss": 1.5,
+        "eval": {"loss": 5.1, "perplexity": 164.0, "examples": 8},
+        "best": {"metric": "eval_loss", "value": 4.9, "step": 2},
+    }
+    rows = dict(result_rows({"config": {"load_best_at_end": True}, "result": result}))
+    assert rows["train loss at step 4 (the last step's model, not this one)"] == "1.5000"
+    assert rows["evaluation at step 4 (the last step's model, not this one)"].startswith("loss 5.1000")
+    assert rows["best evaluation"] == "eval_loss 4.9000 at step 2 (this is that model)"
+    kept_last = dict(result_rows({"config": {}, "result": result}))  # final/ is the last step's model
+    assert "train loss at step 4" in kept_last and "evaluation" in kept_last

@@ -186,20 +186,25 @@ def _duration(seconds: float) -> str:
 def result_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     result = run.get("result") or {}
     rows = []
+    best = result.get("best")
+    # --load-best-at-end: the folder holds the best step's model; the last step's figures are not its.
+    elsewhere = bool(
+        best and run.get("config", {}).get("load_best_at_end") and best["step"] != result.get("steps")
+    )
+    last = " (the last step's model, not this one)" if elsewhere else ""
     if isinstance(result.get("last_loss"), (int, float)):
-        rows.append((f"train loss at step {result.get('steps')}", f"{result['last_loss']:.4f}"))
+        rows.append((f"train loss at step {result.get('steps')}{last}", f"{result['last_loss']:.4f}"))
     evaluated = result.get("eval") or {}
     if isinstance(evaluated.get("loss"), (int, float)) and isinstance(
         evaluated.get("perplexity"), (int, float)
     ):
         rows.append(
             (
-                "evaluation",
+                f"evaluation at step {result.get('steps')}{last}" if last else "evaluation",
                 f"loss {evaluated['loss']:.4f}, perplexity {evaluated['perplexity']:.3f} "
                 f"({evaluated.get('examples', 0):,} examples)",
             )
         )
-    best = result.get("best")
     if best:
         kept = " (this is that model)" if run.get("config", {}).get("load_best_at_end") else ""
         value = f"{best['metric']} {best['value']:.4f} at step {best['step']}{kept}"
