@@ -91,7 +91,10 @@ def yaml_sources(entries: list[object], option: str, where: str) -> tuple[str, s
             raise UserError(f"{where}{option}: entry {k}: name {brief(name)} is not letters, digits, _ . -")
         items.append(f"{name}={entry['path']}" if name is not None else entry["path"])
         if "weight" in entry:
-            weights.append(str(entry["weight"]))
+            weight = entry["weight"]
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise UserError(f"{where}{option}: entry {k}: weight {brief(weight)} is not a number")
+            weights.append(str(weight))
     if weights and len(weights) != len(items):
         raise UserError(f"{where}--data-weights: {len(weights)} of {len(items)} sources have a weight")
     return joined(items), ",".join(weights) if weights else None

@@ -313,7 +313,16 @@ def _check_evaluation_data(cfg: TrainConfig, need: Need) -> None:
     metric = cfg.eval.metric_for_best
     if metric is not None and metric not in BEST_METRICS:
         base, _, name = metric.rpartition("/")
-        per_source = f", or one of them of a source: METRIC/{'|'.join(names)}" if names else ""
+        per_source = (
+            f", or one of them of a source: METRIC/{'|'.join(names)}"
+            if names
+            else (
+                "; a per-source metric (METRIC/NAME) needs several --eval-data sources, or --eval-split "
+                "of a weighted --data mixture"
+                if "/" in metric
+                else ""
+            )
+        )
         need(
             base in BEST_METRICS and name in names,
             "metric_for_best",

@@ -179,6 +179,9 @@ def test_yaml_lists_sources_with_weights_and_names(tmp_path: Path) -> None:
     f.write_text("data:\n  - {path: a.jsonl, weigth: 1}\n")
     with pytest.raises(UserError, match=r"--data: entry 1: unknown key 'weigth'"):
         load_yaml(str(f))
+    f.write_text("data:\n  - {path: a.jsonl, weight: 1}\n  - {path: b.jsonl, weight: heavy}\n")
+    with pytest.raises(UserError, match=r"run.yaml:1: --data: entry 2: weight 'heavy' is not a number"):
+        load_yaml(str(f))
 
 
 def test_sources_are_tokenized_apart_and_held_out_per_source(tmp_path: Path) -> None:

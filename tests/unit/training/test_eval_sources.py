@@ -110,7 +110,7 @@ def test_held_out_share_of_a_mixture_is_evaluated_per_source(tmp_path: Path) -> 
     [
         (
             {"eval_data": "x/e.jsonl", "metric_for_best": "eval_loss/e"},
-            r"must be eval_loss \| eval_perplexity",
+            r"must be eval_loss \| eval_perplexity.*; a per-source metric \(METRIC/NAME\) needs several",
         ),
         ({"eval_data": "a=x.jsonl,b=y.jsonl", "metric_for_best": "eval_loss/c"}, r"METRIC/a\|b"),
         ({"eval_data": "a=x.jsonl,b=y.jsonl", "metric_for_best": "eval_lost/a"}, r"--metric-for-best"),
