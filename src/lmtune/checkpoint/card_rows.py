@@ -186,11 +186,10 @@ def _duration(seconds: float) -> str:
 def result_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     result = run.get("result") or {}
     rows = []
-    best = result.get("best")
+    best = result.get("best") or {}
     # --load-best-at-end: the folder holds the best step's model; the last step's figures are not its.
-    elsewhere = bool(
-        best and run.get("config", {}).get("load_best_at_end") and best["step"] != result.get("steps")
-    )
+    holds_best = bool(best and run.get("config", {}).get("load_best_at_end"))
+    elsewhere = holds_best and best["step"] != result.get("steps")
     last = " (the last step's model, not this one)" if elsewhere else ""
     if isinstance(result.get("last_loss"), (int, float)):
         rows.append((f"train loss at step {result.get('steps')}{last}", f"{result['last_loss']:.4f}"))
@@ -206,7 +205,7 @@ def result_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
             )
         )
     if best:
-        kept = " (this is that model)" if run.get("config", {}).get("load_best_at_end") else ""
+        kept = " (this is that model)" if holds_best else ""
         value = f"{best['metric']} {best['value']:.4f} at step {best['step']}{kept}"
         rows.append(("best evaluation", value))
     if result.get("stopped_by"):

@@ -25,7 +25,7 @@ from lmtune.checkpoint.layout import (
     open_to_umask,
     verify,
 )
-from lmtune.checkpoint.owned import file_stats, listed, not_ours, recorded_stats, users_files
+from lmtune.checkpoint.owned import file_stats, listed, not_ours, recorded_stats, users_files_said
 from lmtune.checkpoint.rundir import not_a_checkpoint
 from lmtune.checkpoint.state import ModelParts
 from lmtune.config.files import read_json_object
@@ -80,13 +80,12 @@ def save_final(parts: ModelParts, tokenizer: Any, folder: Path, env: DistEnv) ->
 def _users_files_problem(folder: Path) -> str:
     """Why ``folder`` (final/) is not lmtune's to replace: files put or changed there during the run
     (the run's start refused those that were there before)."""
-    theirs = users_files(folder) if folder.is_dir() else []
+    theirs = users_files_said(folder) if folder.is_dir() else ""
     if not theirs:
         return ""
     return (
-        f"{folder} holds files lmtune did not write, or changed since it wrote them ({listed(theirs)}), "
-        "put there during the run, so the model is not written there; the run's last checkpoint, if it "
-        "saved one, holds it (lmtune export writes it to a folder outside the run)"
+        f"{theirs}, put there during the run, so the model is not written there; the run's last "
+        "checkpoint, if it saved one, holds it (lmtune export writes it to a folder outside the run)"
     )
 
 

@@ -83,6 +83,17 @@ def users_files(folder: Path) -> list[str]:
     return not_ours(folder, recorded_stats(files), frozenset({WRITTEN_RECORD}))
 
 
+def users_files_said(folder: Path) -> str:
+    """``FOLDER holds files lmtune did not write, or changed since ... (a, b)``, or "" when
+    :func:`users_files` finds none."""
+    theirs = users_files(folder)
+    return (
+        f"{folder} holds files lmtune did not write, or changed since it wrote them ({listed(theirs)})"
+        if theirs
+        else ""
+    )
+
+
 def listed(names: list[str], limit: int = 5) -> str:
     """``a, b, c and 4 more``."""
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")

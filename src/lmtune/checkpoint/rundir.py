@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from lmtune.checkpoint.finished import recorded_finish
-from lmtune.checkpoint.owned import listed, users_files
+from lmtune.checkpoint.owned import users_files_said
 from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
 from lmtune.config.mixture import named_items
@@ -277,8 +277,11 @@ def not_a_checkpoint(folder: Path) -> str:
     weights = any(name.endswith((".safetensors", ".bin")) for name in has)
     if ("config.json" in has and weights) or {ADAPTER_FILE, ADAPTER_CONFIG} <= has:
         return "a model folder (a run's final/ or an export), not a training checkpoint"
-    run = folder if holds_a_run(folder) else folder.parent if folder.name == "checkpoints" else None
-    if run is None or not holds_a_run(run):
+    if holds_a_run(folder):
+        run = folder
+    elif folder.name == "checkpoints" and holds_a_run(folder.parent):
+        run = folder.parent
+    else:
         return ""
     newest = list_checkpoints(run)[-1:]
     which = f"{newest[0]} is its newest" if newest else "it has none: train with --save-every"
@@ -302,10 +305,10 @@ def check_earlier_run(output_dir: Path, continued: bool, overwrite: bool, config
     has no ``final/``) starts over: what it leaves is its own and is written again.
     """
     final = output_dir / "final"
-    if final.is_dir() and not final.is_symlink() and (theirs := users_files(final)):
+    if final.is_dir() and not final.is_symlink() and (theirs := users_files_said(final)):
         raise UserError(
-            f"{final} holds files lmtune did not write, or changed since it wrote them ({listed(theirs)}); "
-            "this run replaces final/: move them out of it first (or copy final/ elsewhere to keep it)"
+            f"{theirs}; this run replaces final/: move them out of it first (or copy final/ elsewhere to "
+            "keep it)"
         )
     present = [n for n in RUN_FILES if (output_dir / n).exists()]
     if overwrite:

@@ -298,7 +298,6 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
-
     from lmtune.config.validate import check_settings
     from lmtune.data.audit import audit, format_report, plot_histogram
     from lmtune.model.modeling import load_tokenizer

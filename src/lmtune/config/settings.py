@@ -242,11 +242,9 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
 
 def _sources(key: str, entries: list[Any], flat: dict[str, dict[str, Any]]) -> str:
     """``data=[{"path": ..., "weight": ...}, ...]`` as YAML writes it: the sources, and their
-    weights into ``flat``; a list of paths as it is (the flag's comma-separated form)."""
+    weights into ``flat``."""
     from lmtune.config.mixture import yaml_sources
 
-    if not any(isinstance(entry, dict) for entry in entries):
-        return as_text(entries)  # type: ignore[no-any-return]
     spec, weights = yaml_sources(entries, option_name(key), "TrainConfig: ")
     if weights is not None:
         flat.setdefault("data", {})["weights"] = weights

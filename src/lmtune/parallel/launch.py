@@ -256,11 +256,14 @@ def _failed(e: Any, error_dir: Path, hung: bool) -> int:
         # The first to end is the cause; the launcher then stops the others with SIGTERM (within
         # the second a failure's time is kept to, a SIGTERM is the later one).
         order = sorted(e.failures.items(), key=lambda f: (f[1].timestamp, f[1].exitcode == -signal.SIGTERM))
-        stopped = [str(r) for r, f in order[1:] if f.exitcode == -signal.SIGTERM]
-        for rank, failure in order[:1] + [(r, f) for r, f in order[1:] if str(r) not in stopped]:
+        first, *rest = order
+        stopped = [rank for rank, failure in rest if failure.exitcode == -signal.SIGTERM]
+        for rank, failure in [first, *((r, f) for r, f in rest if r not in stopped)]:
             print(f"lmtune: rank {rank} {_ended(failure.exitcode)}", file=sys.stderr)
         if stopped:
-            print(f"lmtune: the launcher then stopped rank(s) {', '.join(stopped)}", file=sys.stderr)
+            print(
+                f"lmtune: the launcher then stopped rank(s) {', '.join(map(str, stopped))}", file=sys.stderr
+            )
     return 1
 
 

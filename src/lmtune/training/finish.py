@@ -8,6 +8,7 @@ from typing import Any
 
 from lmtune.checkpoint.card import write_run_cards
 from lmtune.checkpoint.export import save_hf_folder
+from lmtune.checkpoint.finished import RUN_RECORD_BYTES
 from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.owned import record_written
 from lmtune.checkpoint.rundir import changed_settings
@@ -60,7 +61,7 @@ def recorded_result(output_dir: Path) -> tuple[float, EvalResult | None]:
     from lmtune.config.files import read_json_object
 
     try:
-        result: dict[str, Any] = read_json_object(output_dir / "run.json")["result"]
+        result: dict[str, Any] = read_json_object(output_dir / "run.json", limit=RUN_RECORD_BYTES)["result"]
         loss = float(result["last_loss"])
         evaluated = result.get("eval")
         return loss, EvalResult.from_record(evaluated) if isinstance(evaluated, dict) else None
