@@ -199,7 +199,8 @@ def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str]
     key, accepted = canonical(name), set(known)
     written = one_line(name, 80).split("=", 1)[0]
     upper = written != written.lower()
-    shown = written if upper else style(key)
+    # A short option (-q) is shown as written: its long form (--q) is no one's spelling.
+    shown = written if upper or (written.startswith("-") and not written.startswith("--")) else style(key)
     kind = "option" if style(key).startswith("-") else "setting"
     meant = ALIASES.get(key, key)
     if upper and meant in accepted:  # names are matched exactly, as argparse matches options

@@ -84,16 +84,31 @@ def conversation(
     The record's fields are under lmtune's names; ``names`` names the messages' own fields and roles."""
     chosen, rejected = _answer_messages(record, "chosen", names), _answer_messages(record, "rejected", names)
     if "prompt" in record.fields:
-        return messages_field(record, "prompt", names), chosen, rejected
-    shared = 0
-    while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
-        shared += 1
-    if shared == 0:
-        raise UserError(
-            f"{record.where}: preference record has no 'prompt', and its chosen and rejected messages "
-            "share no leading turn to take as one"
-        )
-    return chosen[:shared], chosen[shared:], rejected[shared:]
+        prompt = messages_field(record, "prompt", names)
+    else:
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+            shared += 1
+        if shared == 0:
+            raise UserError(
+                f"{record.where}: preference record has no 'prompt', and its chosen and rejected messages "
+                "share no leading turn to take as one"
+            )
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        _check_answer(record, names.name(name), answer)
+    return prompt, chosen, rejected
+
+
+def _check_answer(record: Record, shown: str, answer: list[dict[str, str]]) -> None:
+    """An answer is the model's: it starts and ends with an assistant turn. A user turn there would
+    train the model to write the user's part (TRL renders it as given)."""
+    for where, message in (("starts", answer[0]), ("ends", answer[-1])):
+        if message["role"] != "assistant":
+            raise UserError(
+                f"{record.where}: the '{shown}' answer {where} with a {message['role']} turn; an answer is "
+                "the assistant's reply (name another role assistant with --field-map assistant=ROLE)"
+            )
 
 
 def render_pair(record: Record, tokenizer: Any, names: FieldMap) -> PairTexts:

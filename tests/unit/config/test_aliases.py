@@ -91,6 +91,7 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
         (["data", "audit", "x.jsonl", "--num-train-epochs", "2"], "is --epochs in lmtune, which lmtune data"),
         (["data", "audit", "x.jsonl", "--max-seq-lenght", "8"], "did you mean --max-length?"),
         (["train", "--zzz-top"], "unknown option --zzz-top (`lmtune train --help` lists them)"),
+        (["train", "-q"], "unknown option -q (`lmtune train --help` lists them)"),
         (["train", "stray.jsonl"], "unexpected argument stray.jsonl"),
     ],
 )

@@ -153,6 +153,25 @@ def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
             {"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"},
             "'prompt' message 1 must be an object",
         ),
+        (
+            {
+                "prompt": [{"role": "user", "content": "q"}],
+                "chosen": [{"role": "user", "content": "a"}],
+                "rejected": [{"role": "assistant", "content": "b"}],
+            },
+            "pairs.jsonl:1: the 'chosen' answer starts with a user turn",
+        ),
+        (
+            {
+                "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "rejected": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "again?"},
+                ],
+            },
+            "pairs.jsonl:1: the 'rejected' answer ends with a user turn",
+        ),
     ],
 )
 def test_bad_pairs_name_file_and_line(row: dict[str, Any], message: str) -> None:
