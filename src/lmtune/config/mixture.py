@@ -85,7 +85,10 @@ def yaml_sources(entries: list[object], option: str, where: str) -> tuple[str, s
             raise UserError(f"{where}{option}: entry {k} is not a path or a mapping with a path")
         unknown = set(entry) - {"path", "weight", "name"}
         if unknown:
-            raise UserError(f"{where}{option}: entry {k}: unknown key {brief(sorted(unknown)[0])}")
+            raise UserError(
+                f"{where}{option}: entry {k}: unknown key {brief(sorted(unknown, key=str)[0])} (an entry "
+                "takes path, weight and name)"
+            )
         name = entry.get("name")
         if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name)):
             raise UserError(f"{where}{option}: entry {k}: name {brief(name)} is not letters, digits, _ . -")
