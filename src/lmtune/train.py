@@ -164,7 +164,7 @@ def _run(run: RunContext) -> TrainResult:
 
         install(built.parts.root, env.rank, lambda: run.heartbeat.step)
     timer = PhaseTimer(env.device, timed=cfg.logging.profile, beat=run.heartbeat.beat)
-    step = StepOptions(cfg.optim.max_grad_norm, built.autocast, timer, built.objective, built.noise_seed)
+    step = StepOptions(cfg.optim.max_grad_norm, built.autocast, timer, built.objective, built.token_seed)
     run_info = run_record(run, built, (checkpoints.resumed_from, checkpoints.changed), peak)
     log.write_json("run.json", run_info)
     result = fit(trainee, data, state, loop, FitSettings(env=env, step=step, stop_requested=run.stop))

@@ -63,8 +63,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ]
     # Padded micro-batches in sampler order: the case where a mean of means goes wrong.
     common = [*base, "--packing", "off", "--no-group-by-length"]
-    # NEFTune on packed rows: each example's noise must not depend on its rank or row.
-    neftune = [*base, "--packing", "on", "--neftune-alpha", "5"]
+    # NEFTune and LoRA's dropout on packed rows: each example's noise and masks must not depend on
+    # its rank or row.
+    neftune = [*base, "--packing", "on", "--neftune-alpha", "5", "--lora", "--lora-dropout", "0.2"]
     names = ("single", "nproc", "torchrun", "checkpointed", "neftune_single", "neftune_nproc")
     outs = {name: root / name for name in names}
     procs = {
@@ -172,7 +173,7 @@ def test_activation_checkpointing_under_ddp_trains_the_same(runs: dict[str, Path
     assert_same_training(a, b)
 
 
-def test_neftune_noise_is_the_same_on_two_ranks_as_in_one_process(runs: dict[str, Path]) -> None:
+def test_neftune_noise_and_dropout_are_the_same_on_two_ranks_as_in_one_process(runs: dict[str, Path]) -> None:
     single, nproc = (_read_metrics(runs[k], "train") for k in ("neftune_single", "neftune_nproc"))
     plain = _read_metrics(runs["single"], "train")
     assert len(single) == len(nproc) == STEPS
@@ -181,8 +182,9 @@ def test_neftune_noise_is_the_same_on_two_ranks_as_in_one_process(runs: dict[str
     for name in ("neftune_single", "neftune_nproc"):
         run = json.loads((runs[name] / "run.json").read_text())
         assert run["config"]["neftune_alpha"] == 5.0 and run["resolved"]["batching"] == "pack"
+        assert run["config"]["lora_dropout"] == 0.2
     assert_same_training(
-        load_file(runs["neftune_nproc"] / "final" / "model.safetensors"),
-        load_file(runs["neftune_single"] / "final" / "model.safetensors"),
-        "NEFTune, 2 ranks vs 1 process",
+        load_file(runs["neftune_nproc"] / "final" / "adapter_model.safetensors"),
+        load_file(runs["neftune_single"] / "final" / "adapter_model.safetensors"),
+        "NEFTune and LoRA dropout, 2 ranks vs 1 process",
     )

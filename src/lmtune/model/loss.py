@@ -12,6 +12,8 @@ from torch import nn
 
 from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.model.chunked_loss import linear_cross_entropy_sum, split_head
+from lmtune.model.dropout import TokenRuns, set_token_runs
+from lmtune.model.neftune import example_runs
 from lmtune.model.products import token_bucket
 
 if TYPE_CHECKING:
@@ -100,36 +102,34 @@ class LossModule(nn.Module):
         labels: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
-        noise_seeds: torch.Tensor | None = None,
+        token_seeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The loss vector; without ``labels``, each row's next-token logits (for generation,
         which must also pass through this module: under FSDP2 its call gathers the parameters).
-        ``noise_seeds`` (a training step's, per token: lmtune.model.neftune) adds NEFTune's noise
-        to the input embeddings."""
+        ``token_seeds`` (a training step's, per token: lmtune.model.neftune) key the model's
+        dropout masks by example (lmtune.model.dropout) and NEFTune's noise on the input
+        embeddings; without them dropout draws from the process's stream."""
         if labels is None:
             return self.next_token_logits(input_ids, attention_mask)
         labels, segments, inputs = self.route(input_ids, attention_mask, labels, position_ids, segment_ids)
-        if noise_seeds is not None and self.neftune_alpha:
-            inputs = self._with_noise(inputs, noise_seeds, attention_mask)
+        runs = None
+        if token_seeds is not None:
+            seeds = _laid_out(token_seeds, attention_mask, inputs)
+            runs = TokenRuns(tuple(seeds.shape), tuple(example_runs(seeds, inputs.get("position_ids"))))
+            if self.neftune_alpha:
+                inputs = self._with_noise(inputs, seeds)
+        set_token_runs(self.model, runs)
         return self.loss_output(labels, segments, inputs)
 
-    def _with_noise(
-        self, inputs: dict[str, Any], seeds: torch.Tensor, attention_mask: torch.Tensor
-    ) -> dict[str, Any]:
-        """``inputs`` with the input embeddings plus NEFTune's noise in place of the token ids. The
-        per-token seeds of the rows are laid out as :meth:`route` laid out the tokens."""
-        from lmtune.model.attention import SEGMENTS
-        from lmtune.model.neftune import NO_NOISE, embedding_noise
+    def _with_noise(self, inputs: dict[str, Any], seeds: torch.Tensor) -> dict[str, Any]:
+        """``inputs`` with the input embeddings plus NEFTune's noise in place of the token ids;
+        ``seeds`` are laid out as the rows are."""
+        from lmtune.model.neftune import embedding_noise
 
-        ids = inputs["input_ids"]
-        if SEGMENTS in inputs:  # flattened: the real tokens, then fillers
-            seeds = seeds[attention_mask.bool()][None]
-        # Rows right-padded (bucketed, flattened with fillers): the extra positions get none.
-        seeds = F.pad(seeds, (0, ids.size(1) - seeds.size(1)), value=NO_NOISE)
         # Inside this module's forward: under FSDP2 the root's parameters, the embeddings among
         # them, are gathered here.
         embedding: nn.Module = self.model.get_input_embeddings()  # type: ignore[operator]
-        embeds = embedding(ids)
+        embeds = embedding(inputs["input_ids"])
         positions = inputs.get("position_ids")
         noise = embedding_noise(seeds, positions, embeds.size(-1), self.neftune_alpha, embeds.dtype)
         rest = {k: v for k, v in inputs.items() if k != "input_ids"}
@@ -203,6 +203,18 @@ class LossModule(nn.Module):
             SEGMENTS: flat.segments,
         }
         return flat.labels, flat.segments, inputs
+
+
+def _laid_out(seeds: torch.Tensor, attention_mask: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+    """Per-token seeds of the batch's rows laid out as :meth:`LossModule.route` laid out the tokens."""
+    from lmtune.model.attention import SEGMENTS
+    from lmtune.model.neftune import NO_NOISE
+
+    ids = inputs["input_ids"]
+    if SEGMENTS in inputs:  # flattened: the real tokens, then fillers
+        seeds = seeds[attention_mask.bool()][None]
+    # Rows right-padded (bucketed, flattened with fillers): the extra positions get none.
+    return F.pad(seeds, (0, ids.size(1) - seeds.size(1)), value=NO_NOISE)
 
 
 def _bucketed_rows(

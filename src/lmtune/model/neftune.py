@@ -22,13 +22,15 @@ NO_NOISE = -1  # the seed of a token that gets none (padding, fillers)
 
 
 def example_seed(seed: int, step: int, example_id: int) -> int:
-    """The seed of one example's noise at one optimizer step (below 2**63, as generators take)."""
+    """The seed of one example's noise at one optimizer step (below 2**63, as generators take);
+    keyed dropout's masks (lmtune.model.dropout) are drawn from it too."""
     digest = hashlib.blake2b(f"neftune:{seed}:{step}:{example_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
 
 
-def noise_seeds(batch: Batch, seed: int, step: int) -> torch.Tensor:
-    """Per token of ``batch``'s rows, the seed of its example's noise (:data:`NO_NOISE` on padding)."""
+def token_seeds(batch: Batch, seed: int, step: int) -> torch.Tensor:
+    """Per token of ``batch``'s rows, the seed of its example at this step (:data:`NO_NOISE` on
+    padding): what its NEFTune noise and its keyed dropout masks are drawn from."""
     seeds = [example_seed(seed, step, e) for e in batch.example_ids] + [NO_NOISE]
     index = batch.token_examples()
     # Padding's index -1 picks the last entry, NO_NOISE; so does an idle batch's one token (FSDP's
@@ -46,6 +48,22 @@ def embedding_noise(
     """The noise of rows whose tokens carry ``seeds`` (as the model gets them), ``[*seeds.shape, width]``
     in ``dtype`` (each example's drawn in fp32). An example is a run of tokens with one seed; where
     positions are given, a position 0 also starts one (an example met twice in a row)."""
+    runs = example_runs(seeds, position_ids)
+    # One tensor filled example by example: the largest of a step's activations is not held twice.
+    noise = torch.zeros(seeds.numel(), width, dtype=dtype, device=seeds.device)
+    for seed, lo, hi in runs:
+        length = hi - lo
+        generator = torch.Generator(device=seeds.device)
+        generator.manual_seed(seed)
+        drawn = torch.rand(length, width, generator=generator, device=seeds.device)
+        noise[lo:hi] = drawn.mul_(2).sub_(1).mul_(alpha / math.sqrt(length * width))
+    return noise.view(*seeds.shape, width)
+
+
+def example_runs(seeds: torch.Tensor, position_ids: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """The runs of tokens with one seed in rows ``seeds`` (``[rows, length]``), flattened, as
+    ``(seed, start, end)``; where positions are given, a position 0 also starts one (an example met
+    twice in a row). Runs of :data:`~lmtune.model.neftune.NO_NOISE` are left out."""
     seeds = seeds.contiguous()
     starts = torch.ones_like(seeds, dtype=torch.bool)
     starts[:, 1:] = seeds[:, 1:] != seeds[:, :-1]
@@ -53,14 +71,5 @@ def embedding_noise(
         starts |= position_ids == 0
     flat = seeds.reshape(-1)
     offsets = [*torch.nonzero(starts.reshape(-1)).flatten().tolist(), flat.numel()]
-    # One tensor filled example by example: the largest of a step's activations is not held twice.
-    noise = torch.zeros(flat.numel(), width, dtype=dtype, device=seeds.device)
-    for seed, lo, hi in zip(flat[starts.reshape(-1)].tolist(), offsets, offsets[1:], strict=False):
-        if seed == NO_NOISE:
-            continue
-        length = hi - lo
-        generator = torch.Generator(device=seeds.device)
-        generator.manual_seed(seed)
-        drawn = torch.rand(length, width, generator=generator, device=seeds.device)
-        noise[lo:hi] = drawn.mul_(2).sub_(1).mul_(alpha / math.sqrt(length * width))
-    return noise.view(*seeds.shape, width)
+    firsts = flat[starts.reshape(-1)].tolist()
+    return [(s, lo, hi) for s, lo, hi in zip(firsts, offsets, offsets[1:], strict=False) if s != NO_NOISE]

@@ -30,6 +30,7 @@ from lmtune.model.attention import supports_varlen, use_varlen
 from lmtune.model.chunked_loss import LossChoice
 from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.compiled import compile_blocks, compiles_whole
+from lmtune.model.dropout import key_dropout, keyed_dropout
 from lmtune.model.lora import add_lora
 from lmtune.model.modeling import LoadedModel, load_model
 from lmtune.model.paths import (
@@ -85,7 +86,8 @@ class Built:
     # A fresh autocast context of --precision on this device (none under fp32), with the products'.
     autocast: Callable[[], AbstractContextManager[object]]
     starting_digest: str | None  # the starting weights' hash, where reference log-probs are cached
-    noise_seed: int | None  # what NEFTune's noise is keyed by (lmtune.model.neftune); None: no noise
+    # What NEFTune's noise and keyed dropout's masks are drawn from (lmtune.model.neftune); None: neither
+    token_seed: int | None
 
     @property
     def tokenizer(self) -> Any:
@@ -173,7 +175,7 @@ def build_parts(
         products=products,
         autocast=autocast,
         starting_digest=digest,
-        noise_seed=cfg.seed if cfg.objective.neftune_alpha else None,
+        token_seed=cfg.seed if cfg.objective.neftune_alpha or keyed_dropout(parts.model) else None,
     )
 
 
@@ -443,9 +445,13 @@ def build_model(
         # broadcast rank 0's).
         torch.manual_seed(cfg.seed)
         trained = add_lora(base, cfg.lora)
+    # Supervised runs key dropout by example (N ranks draw one process's masks); a preference
+    # objective turns the model's off and its loss module lays out no examples for LoRA's.
+    if objective.name == "sft":
+        key_dropout(trained)
     if not any(p.requires_grad for p in trained.parameters()):
         raise UserError(f"--model {cfg.model.name}: every weight of it is frozen; nothing would train")
-    # A rank-specific stream from here on, so dropout differs across the ranks' examples.
+    # A rank-specific stream from here on: for what draws from it (dropout outside token activations).
     torch.manual_seed(cfg.seed + env.rank)
     loss = choose_loss(trained, cfg.model.loss_chunk_size, cfg.model.compile and compiles_whole(trained))
     if cfg.model.loss_chunk_size and not loss.chunk:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lmtune.data.batch import Batch, idle_batch
-from lmtune.model.neftune import noise_seeds
+from lmtune.model.neftune import token_seeds
 from lmtune.objectives.base import Objective, split_output
 from lmtune.objectives.sft import SupervisedObjective
 from lmtune.parallel.distributed import DistEnv, all_reduce_max, all_reduce_sum
@@ -59,7 +59,9 @@ class StepOptions:
     autocast: Callable[[], AbstractContextManager[object]]
     timer: PhaseTimer | None = None  # per-phase times (--profile) and heartbeat phases
     objective: Objective = SUPERVISED  # what the loss module returns, and what it is normalised by
-    noise_seed: int | None = None  # NEFTune: the run's seed its noise is keyed by; None: no noise
+    # The run's seed that NEFTune's noise and keyed dropout's masks are drawn from (by example and
+    # step: lmtune.model.neftune); None: the run has neither.
+    token_seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class StepInput:
     micro_batches: list[Batch]
     stop_requested: bool = False  # this rank got SIGTERM/SIGINT
     data_s: float = 0.0  # how long this rank waited for the batches
-    step: int = 0  # the optimizer step this is, from 1 (NEFTune's noise is keyed by it)
+    step: int = 0  # the optimizer step this is, from 1 (NEFTune's noise and dropout are keyed by it)
 
 
 def train_step(trainee: Trainee, step: StepInput, env: DistEnv, options: StepOptions) -> StepResult:
@@ -104,14 +106,14 @@ def train_step(trainee: Trainee, step: StepInput, env: DistEnv, options: StepOpt
     for i, batch in enumerate(micro_batches):
         with no_sync(model, sync=i == last):
             started = time.perf_counter()
-            noise = (
+            keyed = (
                 {}
-                if options.noise_seed is None
-                else {"noise_seeds": noise_seeds(batch, options.noise_seed, step.step)}
+                if options.token_seed is None
+                else {"token_seeds": token_seeds(batch, options.token_seed, step.step)}
             )
             with phase(timer, "forward"), options.autocast():
                 micro_loss, metric_sums = split_output(
-                    model(*batch.model_inputs(), **noise), len(objective.metric_names)
+                    model(*batch.model_inputs(), **keyed), len(objective.metric_names)
                 )
             work_s += time.perf_counter() - started
             scaled = micro_loss * scale

@@ -14,7 +14,7 @@ from lmtune.data.collate import Batch, Collator
 from lmtune.data.packing import PackedCollator, pack_bins
 from lmtune.model.attention import use_varlen
 from lmtune.model.modeling import build_preset
-from lmtune.model.neftune import NO_NOISE, embedding_noise, example_seed, noise_seeds
+from lmtune.model.neftune import NO_NOISE, embedding_noise, example_seed, token_seeds
 from lmtune.objectives.sft import SummedLoss
 from tests.conftest import tokenized, uneven_texts
 
@@ -30,7 +30,7 @@ def _examples() -> tuple[torch.nn.Module, Any, list[Any]]:
 
 def _loss_and_grads(module: SummedLoss, batch: Batch, noise: bool = True) -> tuple[float, torch.Tensor]:
     module.zero_grad()
-    extra = {"noise_seeds": noise_seeds(batch, seed=7, step=3)} if noise else {}
+    extra = {"token_seeds": token_seeds(batch, seed=7, step=3)} if noise else {}
     loss = module(*batch.model_inputs(), **extra).sum()
     (loss / batch.target_tokens()).backward()
     grads = torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None])
@@ -69,7 +69,7 @@ def test_each_token_gets_its_own_examples_seed() -> None:
         Collator(tok.pad_token_id)(examples[:5]),
         PackedCollator(tok.pad_token_id)([[examples[j] for j in row] for row in rows]),
     ):
-        seeds = noise_seeds(batch, seed=7, step=3)
+        seeds = token_seeds(batch, seed=7, step=3)
         assert (seeds[batch.attention_mask == 0] == NO_NOISE).all()
         real = seeds[batch.attention_mask.bool()].tolist()  # row by row, examples in order
         expected = [example_seed(7, 3, e.example_id) for e in _in_row_order(batch, examples)]

@@ -105,7 +105,7 @@ def _fit(
     trainee = Trainee(b.model, b.optimizer, schedule(run.cfg, b, start.step), b.scaler)
     data, _ = loaders(run, b)
     autocast = lambda: autocast_context("fp32", ENV.device)  # noqa: E731
-    options = StepOptions(run.cfg.max_grad_norm, autocast, noise_seed=b.noise_seed)
+    options = StepOptions(run.cfg.max_grad_norm, autocast, token_seed=b.token_seed)
     parts = LoopParts(callbacks=callbacks, evaluator=evaluator, saver=saver or NoSaves())
     return fit(trainee, data, start, parts, FitSettings(env=ENV, step=options, **kw))
 
@@ -185,15 +185,20 @@ def test_a_component_stops_the_run_after_its_step(tmp_path: Path) -> None:
     assert recorder.ended == later.ended == [(4, "early")]
 
 
-@pytest.mark.parametrize("settings", [{}, {"neftune_alpha": 5.0}], ids=["plain", "neftune"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"neftune_alpha": 5.0}, {"lora": True, "lora_dropout": 0.2}],
+    ids=["plain", "neftune", "lora_dropout"],
+)
 def test_resume_from_a_checkpoint_in_process_is_bit_identical(
     tmp_path: Path, settings: dict[str, Any]
 ) -> None:
-    """NEFTune's noise too: the resumed steps draw what the uninterrupted run's did."""
+    """NEFTune's noise and dropout's masks too: the resumed steps draw what the uninterrupted
+    run's did."""
     with _built(tmp_path, "straight", **settings) as (run, b):
-        assert (b.noise_seed is not None, b.parts.root.neftune_alpha) == (
+        assert (b.token_seed is not None, b.parts.root.neftune_alpha) == (
             bool(settings),
-            5.0 * bool(settings),
+            settings.get("neftune_alpha", 0.0),
         )
         _fit(run, b, _fresh_state(b), [])
         straight, straight_opt = _weights(b), b.optimizer.state_dict()
@@ -216,20 +221,26 @@ def test_resume_from_a_checkpoint_in_process_is_bit_identical(
         assert all(torch.equal(v[name], resumed_opt["state"][k][name]) for name in v)
 
 
-@pytest.mark.parametrize("noise", [None, 7], ids=["plain", "neftune"])
-def test_gradient_accumulation_is_one_step_over_the_whole_batch(tmp_path: Path, noise: int | None) -> None:
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"neftune_alpha": 5.0}, {"lora": True, "lora_dropout": 0.2}],
+    ids=["plain", "neftune", "lora_dropout"],
+)
+def test_gradient_accumulation_is_one_step_over_the_whole_batch(
+    tmp_path: Path, settings: dict[str, Any]
+) -> None:
     """Four micro-batches of two give the update of one micro-batch of eight (token-weighted),
-    with NEFTune's noise too (drawn per example, whatever its micro-batch)."""
+    with NEFTune's noise and LoRA's dropout too (drawn per example, whatever its micro-batch)."""
     results: list[StepResult] = []
     weights = []
-    settings = {"neftune_alpha": 5.0} if noise is not None else {}
     for micro in (8, 2):
         with _built(tmp_path, f"accumulate-{micro}", optimizer="sgd", momentum=0.0, **settings) as (run, b):
             examples = [b.train_data[i] for i in range(8)]
             collate = StepCollator(b.tokenizer.pad_token_id, micro, "group", 64)
             trainee = Trainee(b.model, b.optimizer, schedule(run.cfg, b, 0))
-            assert b.parts.root.neftune_alpha == (5.0 if noise is not None else 0.0)
-            options = StepOptions(0.0, lambda: autocast_context("fp32", ENV.device), noise_seed=noise)
+            assert b.parts.root.neftune_alpha == settings.get("neftune_alpha", 0.0)
+            assert b.token_seed == (run.cfg.seed if settings else None)
+            options = StepOptions(0.0, lambda: autocast_context("fp32", ENV.device), token_seed=b.token_seed)
             results.append(train_step(trainee, StepInput(collate(examples), step=1), ENV, options))
             weights.append(_weights(b))
     full, accumulated = results
