@@ -224,3 +224,21 @@ def test_ddp_or_fsdp_in_one_process_says_it_runs_the_single_path(
     args = ["train", "--strategy", "fsdp", "--max-steps", "1", "--save-every", "0", "--no-progress"]
     assert main([*args, "--output-dir", str(tmp_path / "out")]) == 0
     assert ", single (--strategy fsdp in one process) on 1 x cpu" in capsys.readouterr().out
+
+
+def test_a_new_adapter_on_an_adapter_is_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its adapter_config.json could name no base that holds the first adapter; the merged model
+    is named where the first run wrote one."""
+    import json
+
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    (final / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "tiny"}))
+    argv = ["train", "--model", str(final), "--lora", "--output-dir", str(tmp_path / "out")]
+    assert "a LoRA adapter; a new adapter trained on it with --lora" in one_line_error(argv, capsys)
+    (final / "merged").mkdir()
+    (final / "merged" / "config.json").write_text("{}")
+    assert f"Give the merged model ({final / 'merged'}) as --model" in one_line_error(argv, capsys)
+    assert not (tmp_path / "out").exists()

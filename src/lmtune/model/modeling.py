@@ -370,13 +370,19 @@ def model_description(name: str) -> str:
     )
 
 
+def is_adapter_folder(name: str) -> bool:
+    """Whether ``name`` is a LoRA adapter folder (PEFT format, as a LoRA run's final/)."""
+    path = Path(name).expanduser()
+    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+
+
 def _adapter_base(name: str) -> str | None:
     """The base model of a LoRA adapter folder (PEFT format, as lmtune's final/), or None.
 
     The base must be there and must not be an adapter itself (an adapter naming itself, or a chain
     of adapters, would recurse)."""
     path = Path(name).expanduser()
-    if not (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
+    if not is_adapter_folder(name):
         return None
     check_folder(path, f"--model {name}")
     base = read_json_object(path / "adapter_config.json", follow_links=True).get("base_model_name_or_path")

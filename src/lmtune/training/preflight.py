@@ -19,6 +19,7 @@ from lmtune.data.chat import read_template
 from lmtune.data.formats import FieldMap, unused_names
 from lmtune.data.sources import BadLines, iter_records, resolve_sources
 from lmtune.errors import UserError, brief
+from lmtune.model.modeling import is_adapter_folder
 from lmtune.model.quantization import require_bitsandbytes
 from lmtune.outputs.hub import check_push
 from lmtune.outputs.reporters import check_installed, parse_report_to
@@ -45,6 +46,19 @@ def validate(cfg: TrainConfig, world_size: int, in_process: bool = False) -> Non
             "lmtune.train runs in this process: use `lmtune train` (it launches them) or torchrun"
         )
     check_settings(cfg, world_size)
+    if cfg.lora.enabled and is_adapter_folder(cfg.model.name):
+        merged = Path(cfg.model.name, "merged")
+        raise UserError(
+            f"--model {cfg.model.name}: a LoRA adapter; a new adapter trained on it with --lora would sit "
+            "on its base with this adapter merged in, a model no folder holds, so the new adapter could "
+            "not name its base. Give the merged model ("
+            + (
+                f"{merged}"
+                if (merged / "config.json").is_file()
+                else "`lmtune export RUN/checkpoints/step-N DIR --merge-lora` writes it"
+            )
+            + ") as --model, or train without --lora (the merged weights train)"
+        )
     if cfg.examples.max_prompt_length is not None and cfg.objective.name not in PREFERENCE:
         # Here, not among check_settings' rules: `data audit` takes it for pair data, with no objective.
         raise UserError(
