@@ -131,7 +131,7 @@ def _run(run: RunContext) -> TrainResult:
     best = best_tracker(cfg.eval)
     timeouts = CollectiveTimeouts(env, cfg.health.collective_timeout)
     checkpoints = _checkpoints(run, built, best, timeouts)
-    earlier = checkpoints.finished_already(built.layout.total_steps)
+    earlier = checkpoints.finished_or_checked(built.layout.total_steps)
     if earlier is not None:
         say_finished(run, earlier.step)
         return TrainResult(output_dir, earlier.step, *recorded_result(output_dir))  # as run.json has them

@@ -187,3 +187,46 @@ def test_a_reference_model_precomputed_or_live_gives_the_same_losses(tmp_path: P
         assert str(folder) in run["resolved"]["reference"]
     assert abs(losses["logprobs"][0] - 0.6931471805599453) > 1e-3
     assert losses["live"] == pytest.approx(losses["logprobs"], abs=1e-6)
+
+
+def test_a_resume_that_cannot_match_is_refused_before_the_reference_pass(
+    dpo_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The checkpoint's fingerprint is read before hours of reference log-probs, not after."""
+    root = dpo_run.parent
+    shutil.rmtree(root / "cache" / "reference-logps", ignore_errors=True)
+    capsys.readouterr()
+    assert main([*_dpo_args(root), "--seed", "3", "--max-steps", "6"]) == 2
+    said = "".join(capsys.readouterr())
+    assert "cannot resume from" in said and "--seed 42 -> 3" in said, said
+    assert "reference log-probs" not in said and not (root / "cache" / "reference-logps").exists()
+
+
+def test_a_signal_during_the_reference_pass_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before training there is nothing to save: the pass stops at its next batch, exit 128 + 2."""
+    import os
+    import signal
+
+    from lmtune.objectives.preference import PreferenceLoss
+
+    write_pairs(tmp_path / "pairs.jsonl", 48, seed=11)
+    forwards: list[bool] = []
+    original = PreferenceLoss.forward
+
+    def forward(self: PreferenceLoss, *args: object, **kwargs: object) -> object:
+        forwards.append(self.logps_only)
+        if len(forwards) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl+C during the first of 12 batches
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PreferenceLoss, "forward", forward)
+    args = ["train", "--objective", "dpo", "--data", str(tmp_path / "pairs.jsonl"), "--max-steps", "2"]
+    args += ["--global-batch-size", "8", "--micro-batch-size", "4", "--max-length", "96", "--no-progress"]
+    assert main([*args, "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "out")]) == 130
+    assert forwards == [True]  # one reference batch, no training step
+    assert "stopped by SIGINT before training began" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "checkpoints").exists() or not any(
+        (tmp_path / "out" / "checkpoints").iterdir()
+    )

@@ -24,7 +24,13 @@ import torch
 from lmtune.checkpoint.export import save_final
 from lmtune.checkpoint.finished import Finished, finished_record, read_finished
 from lmtune.checkpoint.layout import CHANGES_FILE, FINGERPRINT_FILE, SCALER_FILE, step_folder
-from lmtune.checkpoint.resume import Fingerprint, continue_from, read_changes, resume_point
+from lmtune.checkpoint.resume import (
+    Fingerprint,
+    check_continuable,
+    continue_from,
+    read_changes,
+    resume_point,
+)
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import load_checkpoint, prune, read_state, save_checkpoint
 from lmtune.config.files import read_json_object
@@ -90,6 +96,21 @@ class CheckpointManager:
         earlier = self._earlier
         return earlier if earlier is not None and total_steps <= earlier.total_steps else None
 
+    def finished_or_checked(self, total_steps: int) -> Finished | None:
+        """:meth:`finished_already`; otherwise the checkpoint :meth:`resume` will continue, if any,
+        is checked to be one this run may continue, before the costly preparation that comes first
+        (reference log-probs of the starting weights)."""
+        done = self.finished_already(total_steps)
+        if done is None and (folder := self._resume_folder()) is not None:
+            check_continuable(folder, self.fingerprint, self.trainable.parts)
+        return done
+
+    def _resume_folder(self) -> Path | None:
+        """The checkpoint to continue (a collective: every rank asks at the same point)."""
+        folder = resume_point(self.settings.resume, self.output_dir, self.env)
+        earlier = self._earlier
+        return self._final_state_of(earlier, folder) if earlier is not None else folder
+
     def finished_record(self, step: int, total_steps: int) -> dict[str, Any]:
         """What run.json records of this run once it finished (:meth:`finished_already` reads it)."""
         return finished_record(step, total_steps, self.fingerprint.fixed)
@@ -106,10 +127,7 @@ class CheckpointManager:
         done = self.finished_already(total_steps)
         if done is not None:
             return replace(fresh, step=done.step)
-        earlier = self._earlier
-        folder = resume_point(self.settings.resume, self.output_dir, self.env)
-        if earlier is not None:
-            folder = self._final_state_of(earlier, folder)
+        folder = self._resume_folder()
         self.resumed_from = folder
         if folder is None:
             self._start_step = fresh.step

@@ -209,6 +209,24 @@ def _check_valid(folder: Path, what: str, older: list[Path]) -> None:
     )
 
 
+def check_continuable(folder: Path, now: Fingerprint, parts: ModelParts) -> list[str]:
+    """The adjustable settings that changed since ``folder`` was saved, as ``name old -> new``.
+
+    Raises:
+        UserError: when this run's model cannot load it (LoRA or not, sharded or not) or a setting
+            that defines the run differs.
+    """
+    check_layout(folder, parts)  # LoRA vs full and sharding first: the clearest words for them
+    saved = read_fingerprint(folder)
+    if saved is None:  # written before fingerprints: what its trainer state records must match
+        saved_state = read_state(folder)
+        keys = ("--global-batch-size", "--seed", "training examples")
+        recorded = (saved_state.global_batch_size, saved_state.seed, saved_state.examples)
+        saved = Fingerprint(dict(zip(keys, recorded, strict=True)), now.adjustable)
+        now = Fingerprint({k: now.fixed[k] for k in keys}, now.adjustable)
+    return compare(saved, now, folder)
+
+
 def continue_from(
     folder: Path,
     *,
@@ -221,16 +239,9 @@ def continue_from(
 ) -> tuple[TrainerState, list[str]]:
     """Load ``folder`` when this run may continue it; the settings that changed are applied and
     listed (and returned, as ``name old -> new``), the ones that define the run must be the same."""
-    check_layout(folder, parts)  # LoRA vs full and sharding first: the clearest words for them
-    saved_fp = read_fingerprint(folder)
-    if saved_fp is None:  # written before fingerprints: what its trainer state records must match
-        saved_state = read_state(folder)
-        keys = ("--global-batch-size", "--seed", "training examples")
-        recorded = (saved_state.global_batch_size, saved_state.seed, saved_state.examples)
-        saved_fp = Fingerprint(dict(zip(keys, recorded, strict=True)), now.adjustable)
-        now = Fingerprint({k: now.fixed[k] for k in keys}, now.adjustable)
+    if read_fingerprint(folder) is None:
         log.info(f"{folder} predates run fingerprints: only the batch, seed and example count are checked")
-    changes = compare(saved_fp, now, folder)
+    changes = check_continuable(folder, now, parts)
     saved = load_checkpoint(folder, parts, optimizer, env, scaler)
     state = replace(saved, world_size=env.world_size)
     log.info(

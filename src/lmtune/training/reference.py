@@ -198,6 +198,7 @@ def precompute(
     module.eval()
     with torch.no_grad(), module.reference_pass():
         for k in range(rounds):
+            run.stop.raise_if_requested()  # before training there is nothing to save: stop here
             run.heartbeat.beat("eval")
             number = k * env.world_size + env.rank
             if number >= batches and not sharded:
