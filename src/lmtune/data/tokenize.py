@@ -295,9 +295,9 @@ def encode_pairs(
         stats.identical_pairs += np.array_equal(pair.chosen, pair.rejected)
         stats.tokens += len(pair.prompt) + len(pair.chosen) + len(pair.rejected)  # as the model runs it
         stats.target_tokens += sum(targets)
-        stats.eos_trained += bool(
-            np.isin(pair.chosen[-1:], stops).all() and np.isin(pair.rejected[-1:], stops).all()
-        )
+        # Anywhere in each answer, as for single examples: chat templates put a newline after the
+        # end of turn (ChatML, Qwen), so it need not be the last token.
+        stats.eos_trained += bool(np.isin(pair.chosen, stops).any() and np.isin(pair.rejected, stops).any())
         out.append(_encoded_pair(pair))
     return out, stats
 

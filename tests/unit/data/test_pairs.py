@@ -270,3 +270,20 @@ def test_the_length_share_leaves_ties_out() -> None:
     assert "near 50%: length does not tell them apart" in mixed and "far from 50%" not in mixed
     skewed = "\n".join(pair_lines(PairAudit(pairs=4, chosen_longer=4)))
     assert "in 100% of the pairs" in skewed and "far from 50%: DPO learns that length too" in skewed
+
+
+def test_a_chat_answer_trains_its_end_of_turn_though_a_newline_follows() -> None:
+    """ChatML and Qwen write a newline after the end of turn: the pair still trains a stop."""
+    from lmtune.data.chat import use_chat_template
+
+    tok = byte_tokenizer()
+    use_chat_template(tok, "chatml")
+    row = {
+        "prompt": [{"role": "user", "content": "2 + 2?"}],
+        "chosen": [{"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "assistant", "content": "5"}],
+    }
+    data, stats, _ = encode([row], tok)
+    _, chosen, rejected = parts(data[0], tok)
+    assert chosen.endswith("<|im_end|>\n") and rejected.endswith("<|im_end|>\n")
+    assert stats.eos_trained == 1
