@@ -54,7 +54,29 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
             wrapped: nn.Module = peft.get_peft_model(model, config)
     except ValueError as e:  # peft's message names the modules it could not find
         raise UserError(f"--lora-target-modules {names}: {e}") from None
+    if isinstance(targets, list):
+        _check_every_target(wrapped, targets, names)
     return wrapped
+
+
+def _check_every_target(wrapped: nn.Module, targets: list[str], option: str) -> None:
+    """peft refuses a list that matches no module, but drops a misspelled name beside one that
+    matches (``q_proj,v_prj`` adapts q_proj alone): each name must adapt some module."""
+    adapted = [name for name, m in wrapped.named_modules() if hasattr(m, "lora_A")]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in adapted)]
+    if missing:
+        linear = [
+            name
+            for name, m in wrapped.named_modules()
+            if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+            and "lora_" not in name
+            and not name.endswith("base_layer")
+        ]
+        layers = sorted({name.rpartition(".")[2] for name in [*adapted, *linear]})
+        raise UserError(
+            f"--lora-target-modules {option}: {', '.join(missing)} matched no layer of this model "
+            f"(its linear layers: {', '.join(layers)}; all-linear takes those of its blocks)"
+        )
 
 
 def adapter_state(model: nn.Module, state_dict: dict[str, Any] | None = None) -> dict[str, Any]:

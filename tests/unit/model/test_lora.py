@@ -51,3 +51,15 @@ def test_merge_computes_what_base_and_adapter_did(targets: str, tied_after: bool
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_target_name_that_matches_nothing_is_refused_beside_one_that_does() -> None:
+    """peft adapts q_proj alone for q_proj,v_prj; lmtune names the misspelled one."""
+    from lmtune.errors import UserError
+
+    with pytest.raises(
+        UserError, match=r"v_prj matched no layer of this model \(its linear layers: down_proj"
+    ):
+        add_lora(build_preset("tiny", 0).model, LoraSettings(enabled=True, target_modules="q_proj,v_prj"))
+    full_names = "model.layers.0.self_attn.q_proj,v_proj"  # a full name, and one every block has
+    add_lora(build_preset("tiny", 0).model, LoraSettings(enabled=True, target_modules=full_names))
