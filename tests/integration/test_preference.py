@@ -230,3 +230,16 @@ def test_a_signal_during_the_reference_pass_stops_it(
     assert not (tmp_path / "out" / "checkpoints").exists() or not any(
         (tmp_path / "out" / "checkpoints").iterdir()
     )
+
+
+def test_the_model_card_names_the_objectives_weights_reference_and_evaluation(dpo_run: Path) -> None:
+    card = (dpo_run / "final" / "README.md").read_text()
+    objective = next(line for line in card.splitlines() if line.startswith("| objective"))
+    assert "`dpo`" in objective and "beta 0.1" in objective
+    assert "reference: the starting model, log-probs precomputed" in objective
+    evaluated = json.loads((dpo_run / "run.json").read_text())["result"]["eval"]
+    row = next(line for line in card.splitlines() if "evaluation" in line and "reward accuracy" in line)
+    assert (
+        f"loss {evaluated['loss']:.4f}" in row
+        and f"reward accuracy {evaluated['rewards/accuracies']:.4f}" in row
+    )

@@ -14,9 +14,24 @@ def plural(n: Any, thing: str, many: str = "") -> str:
     return f"{n:,} {thing if n == 1 else many or thing + 's'}"
 
 
-def _objective(config: dict[str, Any], formats: dict[str, int]) -> str:
-    if config.get("objective", "sft") != "sft":
-        return f"`{config['objective']}` (lmtune's --objective)"
+# The weights of each preference objective, as its run.json config names them.
+_WEIGHTS = {
+    "dpo": ("beta", "label_smoothing"),
+    "ipo": ("beta",),
+    "simpo": ("beta", "simpo_gamma"),
+    "orpo": ("orpo_lambda",),
+}
+
+
+def _objective(config: dict[str, Any], formats: dict[str, int], reference: Any = None) -> str:
+    name = config.get("objective", "sft")
+    if name != "sft":
+        weights = [f"{k} {config[k]}" for k in _WEIGHTS.get(name, ()) if config.get(k) not in (None, 0, 0.0)]
+        return (
+            f"`{name}` (lmtune's --objective)"
+            + (f": {', '.join(weights)}" if weights else "")
+            + (f"; reference: {reference}" if reference else "")
+        )
     every = bool(config.get("train_on_prompt")) or set(formats) <= {"text"}
     trained = (
         "every token"
@@ -59,7 +74,7 @@ def training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     if not config:
         return [("run", "not recorded (no run.json)")]
     train = data.get("train", {})
-    rows = [("objective", _objective(config, train.get("formats", {})))]
+    rows = [("objective", _objective(config, train.get("formats", {}), resolved.get("reference")))]
     rows += [("training data", _data_line(train, config.get("max_length")))] if train else []
     if train.get("mixture"):
         rows.append(("data mixture", _mixture_line(train["mixture"])))
@@ -194,14 +209,21 @@ def result_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     if isinstance(result.get("last_loss"), (int, float)):
         rows.append((f"train loss at step {result.get('steps')}{last}", f"{result['last_loss']:.4f}"))
     evaluated = result.get("eval") or {}
-    if isinstance(evaluated.get("loss"), (int, float)) and isinstance(
-        evaluated.get("perplexity"), (int, float)
-    ):
+    if isinstance(evaluated.get("loss"), (int, float)):
+        # Perplexity for supervised runs; reward accuracy and margin for preference ones.
+        figures = [f"loss {evaluated['loss']:.4f}"] + [
+            f"{name} {evaluated[key]:{form}}"
+            for key, name, form in (
+                ("perplexity", "perplexity", ".3f"),
+                ("rewards/accuracies", "reward accuracy", ".4f"),
+                ("rewards/margins", "reward margin", ".4f"),
+            )
+            if isinstance(evaluated.get(key), (int, float))
+        ]
         rows.append(
             (
                 f"evaluation at step {result.get('steps')}{last}" if last else "evaluation",
-                f"loss {evaluated['loss']:.4f}, perplexity {evaluated['perplexity']:.3f} "
-                f"({evaluated.get('examples', 0):,} examples)",
+                f"{', '.join(figures)} ({evaluated.get('examples', 0):,} examples)",
             )
         )
     if best:
