@@ -274,3 +274,20 @@ def test_a_checkpoint_from_before_fingerprints_resumes_with_a_note(
     _rewrite_manifest(ckpt)
     assert main(_args(base["data"], out)) == 0
     assert "predates run fingerprints" in capsys.readouterr().out
+
+
+def test_a_resume_past_max_steps_trains_nothing_and_records_no_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """run.json stays strict JSON (it held a bare NaN) and the card shows no loss row."""
+    from tests.conftest import tiny_run_with_checkpoint
+
+    first = tiny_run_with_checkpoint(tmp_path)
+    argv = ["train", "--data", str(tmp_path / "d.jsonl"), "--global-batch-size", "8", "--no-progress"]
+    argv += ["--resume", str(first / "checkpoints" / "step-000002"), "--max-steps", "1"]
+    assert main([*argv, "--output-dir", str(tmp_path / "again")]) == 0
+    assert "no steps left to train" in capsys.readouterr().out
+    text = (tmp_path / "again" / "run.json").read_text()
+    run = json.loads(text, parse_constant=lambda name: pytest.fail(f"run.json holds {name}"))
+    assert run["result"]["last_loss"] is None and run["result"]["steps"] == 2
+    assert "train loss" not in (tmp_path / "again" / "final" / "README.md").read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import socket
@@ -61,7 +62,8 @@ def result_record(result: FitResult, optimizer: torch.optim.Optimizer, env: Dist
         "peak_memory_per_rank": all_gather_object(peak_memory_bytes(env.device), env),
         "optimizer_state_bytes_per_rank": all_gather_object(optimizer_state_bytes(optimizer), env),
         "steps": state.step,
-        "last_loss": result.last_loss,
+        # None where no step ran (a resume past its last step): JSON has no NaN.
+        "last_loss": result.last_loss if math.isfinite(result.last_loss) else None,
         "skipped_steps": state.skipped_steps,
         "train_seconds": state.train_seconds,  # every attempt's; wall_time_s is this process's
         # Why it ended before its last step: a signal (it saved; run again to resume), early stopping.
