@@ -242,3 +242,24 @@ def test_a_new_adapter_on_an_adapter_is_refused_before_any_work(
     (final / "merged" / "config.json").write_text("{}")
     assert f"Give the merged model ({final / 'merged'}) as --model" in one_line_error(argv, capsys)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("prompt", [[], ["--prompt", "-"]], ids=["piped", "dash"])
+def test_generate_reads_a_piped_prompt(
+    prompt: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`echo "1+2=" | lmtune generate --model M`, as its help says; nothing piped is a user error."""
+    import io
+
+    argv = ["generate", "--model", "tiny", "--max-new-tokens", "2", *prompt]
+    monkeypatch.setattr("sys.stdin", io.StringIO("1+2=\n"))
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("1+2=")
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert "nothing came on stdin" in one_line_error(argv, capsys)
+
+
+def test_other_commands_take_snake_case_options_as_train_does(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", "tiny", "--prompt", "1+2=", "--max_new_tokens", "2", "--top_p=0.5"]
+    assert main(argv) == 0 and capsys.readouterr().out.startswith("1+2=")
+    assert "unknown option --max-new-tokenz" in one_line_error([*argv, "--max_new_tokenz", "1"], capsys)

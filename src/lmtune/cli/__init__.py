@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 from lmtune.cli.parser import (
     build_parser,
     hub_flags,
+    hyphenated,
     negative_values,
     spelled_out_flags,
     spelled_twice,
@@ -36,6 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         if extra and (spelled := spelled_out_flags(args.parser, argv)) != argv:
             argv = spelled  # --gradient_checkpointing True, as HF Trainer's examples write it
+            args, extra = parser.parse_known_args(argv)
+        if extra and (dashed := hyphenated(args.parser, argv)) != argv:
+            argv = dashed  # --max_new_tokens, as the train command takes it
             args, extra = parser.parse_known_args(argv)
         from lmtune.config.environment import check_environment
 

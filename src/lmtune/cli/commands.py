@@ -72,6 +72,15 @@ def _launch_job(argv: list[str], cfg: Any) -> int:
         return relaunch(argv, cfg, job, held.holder.token if held is not None else None)
 
 
+def _prompt_from_stdin() -> str:
+    """The text piped in (``echo "1+2=" | lmtune generate ...``), less the newline echo ends it with."""
+    text = sys.stdin.read()
+    text = text[:-1] if text.endswith("\n") else text
+    if not text:
+        raise UserError("--prompt: nothing came on stdin; give the text with --prompt TEXT")
+    return text
+
+
 def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import torch
 
@@ -86,8 +95,10 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"--top-p must be in (0, 1] (got {args.top_p})")
     if args.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device must be auto, cpu or cuda (got {args.device!r})")
+    if args.prompt == "-" or (args.prompt is None and not args.chat and not sys.stdin.isatty()):
+        args.prompt = _prompt_from_stdin()
     if args.prompt is None and not args.chat:
-        raise UserError("--prompt is needed (or --chat, which reads turns from stdin)")
+        raise UserError("--prompt is needed (or piped input, or --chat, which reads turns from stdin)")
     if args.system is not None and not args.chat:
         raise UserError("--system needs --chat")
     device = read_dist_env(args.device).device

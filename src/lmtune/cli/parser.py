@@ -97,6 +97,19 @@ def _value_of(option: str, extra: list[str]) -> str | None:
 YES, NO = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
+def hyphenated(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with ``--snake_case`` options as ``--kebab-case`` where only that spelling is one of
+    ``parser``'s (train takes both; generate, plan and the others take the second)."""
+    known = set(parser._option_string_actions)
+    out = []
+    for token in argv:
+        name, eq, value = token.partition("=")
+        dashed = name.replace("_", "-")
+        ours = name.startswith("--") and name not in known and dashed in known
+        out.append(dashed + eq + value if ours else token)
+    return out
+
+
 def spelled_out_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """``argv`` with ``--flag True`` / ``--flag False`` (how HF Trainer's examples write yes/no
     options) as ``--flag`` / ``--no-flag``, for the yes/no options ``parser`` has."""
@@ -281,7 +294,10 @@ def _generate_parser(sub: Any) -> None:
         "--model", required=True, help="model folder (for example OUTPUT/final), hub id or preset"
     )
     gen.add_argument(
-        "--prompt", default=None, help="text to continue; with --chat, the user's turn (default: read stdin)"
+        "--prompt",
+        default=None,
+        help="text to continue ('-', or none with input piped in: read stdin); with --chat, the user's "
+        "first turn (default: every turn from stdin)",
     )
     gen.add_argument(
         "--chat",
