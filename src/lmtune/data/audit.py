@@ -194,7 +194,7 @@ def audit(
     if {"preference", "preference_messages"} & set(stats.formats):
         names = FieldMap.of(settings)
         mapped = (names.record(r) for r in records(sources, counting, BadLines(skip=True)))
-        pairs = audit_pairs(mapped, tokenizer, settings.max_length, names)
+        pairs = audit_pairs(mapped, tokenizer, (settings.max_length, settings.max_prompt_length), names)
     return AuditReport(
         spec=spec,
         stats=stats,

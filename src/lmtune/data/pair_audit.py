@@ -41,8 +41,12 @@ def _answers(record: Record, names: FieldMap) -> tuple[str, str]:
     return str(fields.get("chosen", "")), str(fields.get("rejected", ""))
 
 
-def audit_pairs(recs: Iterable[Record], tokenizer: Any, max_length: int, names: FieldMap) -> PairAudit:
-    """Read every pair (unreadable ones are the main audit's business) and count the problems."""
+def audit_pairs(
+    recs: Iterable[Record], tokenizer: Any, lengths: tuple[int, int | None], names: FieldMap
+) -> PairAudit:
+    """Read every pair (unreadable ones are the main audit's business) and count the problems.
+    ``lengths``: --max-length, and --max-prompt-length (a longer prompt is cut to it first) or None."""
+    max_length, max_prompt = lengths
     report = PairAudit()
     for chunk in chunks(recs):
         records, texts = rendered_pairs(chunk, tokenizer, BadLines(skip=True), names)
@@ -56,12 +60,10 @@ def audit_pairs(recs: Iterable[Record], tokenizer: Any, max_length: int, names: 
             if not chosen.strip() or not rejected.strip():
                 report.empty += 1
                 report.line(record.where, "an empty answer")
-            if len(pair.prompt) >= max_length:
+            prompt = len(pair.prompt) if max_prompt is None else min(len(pair.prompt), max_prompt)
+            if prompt >= max_length:
                 report.prompt_fills += 1
-                report.line(
-                    record.where,
-                    f"the prompt alone has {len(pair.prompt)} tokens (--max-length {max_length})",
-                )
+                report.line(record.where, f"the prompt alone has {prompt} tokens (--max-length {max_length})")
             report.chosen_longer += len(pair.chosen) > len(pair.rejected)
             report.same_length += len(pair.chosen) == len(pair.rejected)
             report.chosen_tokens += len(pair.chosen)
