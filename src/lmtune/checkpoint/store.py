@@ -172,10 +172,16 @@ def _space_problem(
 
 
 def _no_space(step: int, final: Path, needed: int, free: int) -> str:
+    earlier = [p for p in list_checkpoints(final.parent.parent) if p != final and verify(p) is None]
+    after = (
+        f"{earlier[-1].name}, the newest checkpoint, is intact (free some space; the same command resumes "
+        "from it)"
+        if earlier
+        else "no earlier checkpoint was saved, so the run starts afresh once there is space"
+    )
     return (
         f"no space left on device while saving step {step} to {final}: about "
-        f"{needed / 2**20:,.0f} MB needed, {free / 2**20:,.0f} MB free; the previous checkpoint is "
-        "intact (free some space; the same command resumes from it)"
+        f"{needed / 2**20:,.0f} MB needed, {free / 2**20:,.0f} MB free; {after}"
     )
 
 

@@ -231,8 +231,17 @@ def test_a_full_disk_is_a_user_error_and_loses_nothing(
     assert verify(step_folder(tmp_path, 1)) is None
     # Checked before writing: too little room is refused at once, naming both sizes.
     monkeypatch.setattr(store, "free_bytes", lambda folder: 2**20)
-    with pytest.raises(UserError, match=r"MB needed, 1 MB free; the previous checkpoint is intact"):
+    with pytest.raises(
+        UserError, match=r"MB needed, 1 MB free; step-000001, the newest checkpoint, is intact"
+    ):
         save_checkpoint(tmp_path, _state(3), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
+    # The first save of a run has no earlier checkpoint to speak of.
+    with pytest.raises(
+        UserError, match=r"MB free; no earlier checkpoint was saved, so the run starts afresh"
+    ):
+        save_checkpoint(
+            tmp_path / "new", _state(1), parts, tokenizer, optimizer, ONE, keep_last=0, records={}
+        )
 
 
 def test_an_existing_checkpoint_of_the_same_step_is_kept_aside(tmp_path: Path) -> None:
