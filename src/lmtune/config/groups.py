@@ -285,7 +285,8 @@ class OptimSettings:
         "adamw",
         (
             "adamw | adamw8bit (bitsandbytes: 8-bit optimizer state, about a quarter of the memory) | "
-            "paged_adamw8bit (8-bit, state paged to CPU memory under GPU memory pressure) | sgd (with "
+            "paged_adamw8bit (8-bit, state paged to CPU memory under GPU memory pressure; on a CPU, "
+            "adamw8bit) | sgd (with "
             "--momentum). Weights stay fp32 with every choice."
         ),
         choices=("adamw", "adamw8bit", "paged_adamw8bit", "sgd"),

@@ -55,7 +55,10 @@ def build_optimizer(
                 "(with --lora or --activation-checkpointing to save memory), or --optimizer adamw"
             )
         bnb_optim = _bitsandbytes_optim(name)
-        cls = bnb_optim.PagedAdamW8bit if name == "paged_adamw8bit" else bnb_optim.AdamW8bit
+        # Paging moves state between GPU and CPU memory; on the CPU there is nothing to page, and
+        # bitsandbytes would warn at the first step that it falls back to the unpaged update.
+        paged = name == "paged_adamw8bit" and any(p.device.type == "cuda" for p in params)
+        cls = bnb_optim.PagedAdamW8bit if paged else bnb_optim.AdamW8bit
         optimizer: torch.optim.Optimizer = cls(groups, lr=lr, betas=betas, eps=eps)
         return optimizer
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
