@@ -23,7 +23,7 @@ import torch
 
 from lmtune.checkpoint.state import TrainerState
 from lmtune.errors import TrainingStopped
-from lmtune.outputs.runlog import ExampleOrderLog, RunLog
+from lmtune.outputs.runlog import ExampleOrderLog, RunLog, read_metrics
 from lmtune.parallel.distributed import CollectiveTimeouts
 from lmtune.parallel.health import Heartbeat, StragglerWatch
 from lmtune.training.batch_layout import BatchLayout
@@ -108,6 +108,15 @@ class EpochSummary(Callback):
 
     def on_train_begin(self, state: TrainerState, layout: BatchLayout) -> None:
         self.epochs = layout.epochs
+        if not (state.step_in_epoch and self.log.active):
+            return
+        # A resumed epoch's mean takes in its steps before the checkpoint (metrics.jsonl holds them).
+        begun = state.step - state.step_in_epoch
+        for row in read_metrics(self.log.output_dir):
+            if begun < row["step"] <= state.step and not row.get("skipped"):
+                units = row.get("units", row.get("target_tokens", 0))
+                self.loss_sum += row["loss"] * units
+                self.loss_tokens += units
 
     def on_step_end(self, step: StepEnd, control: Control) -> None:
         r = step.result
@@ -133,6 +142,7 @@ def step_row(step: StepEnd, mfu: float | None, memory: int) -> dict[str, object]
         "grad_norm": r.grad_norm,
         "tokens": r.tokens,
         "target_tokens": r.target_tokens,
+        "units": r.count,  # what the loss is a mean over: target tokens, or pairs
         "tokens_per_s": r.tokens / step.seconds,
         "mfu": mfu,
         "peak_memory_bytes": memory,

@@ -35,6 +35,7 @@ from lmtune.training.build import Built, build, loaders, schedule
 from lmtune.training.callbacks import (
     Callback,
     Control,
+    EpochSummary,
     Evaluator,
     HeartbeatStep,
     NanPolicy,
@@ -468,3 +469,25 @@ def test_a_crafted_rng_record_is_an_error_not_a_traceback(tmp_path: Path) -> Non
             write_manifest(folder)  # a consistent, crafted checkpoint
             with pytest.raises(UserError, match=r"rng-rank-0\.json: not the RNG state"):
                 load_checkpoint(folder, b.parts, b.optimizer, ENV)
+
+
+def test_a_resumed_epochs_loss_takes_in_its_steps_before_the_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Epoch 2 is steps 3 and 4; resumed from step 3, its line is the mean of both, per unit."""
+    rows = [(1, 2.0, 10), (2, 1.8, 10), (3, 1.0, 30)]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"kind": "train", "step": s, "loss": v, "units": n}) + "\n" for s, v, n in rows)
+    )
+    at = TrainerState(
+        step=3, epoch=1, step_in_epoch=1, global_batch_size=8, world_size=1, seed=0, examples=16
+    )
+    layout = BatchLayout(8, 8, 1, 1, steps_per_epoch=2, total_steps=4, epochs=2)
+    with RunLog(ENV, tmp_path, progress=False) as log:
+        log.open_metrics(3)
+        summary = EpochSummary(log)
+        summary.on_train_begin(at, layout)
+        result = StepResult(0.5, 1.0, 10, 10, 8, nonfinite=False, stop=False, count=10)
+        after = replace(at, step=4, epoch=2, step_in_epoch=0)
+        summary.on_step_end(StepEnd(after, result, 1e-3, 1.0, 1.0, True, True, []), Control())
+    assert "epoch 2/2: train loss 0.8750" in capsys.readouterr().out  # (1.0 * 30 + 0.5 * 10) / 40
