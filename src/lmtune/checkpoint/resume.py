@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
 from lmtune.config.files import read_json_object
 from lmtune.config.mixture import named_items, parse_weights
-from lmtune.config.settings import TrainConfig, warmup_steps
+from lmtune.config.settings import TrainConfig, config_fields, option_name, warmup_steps
 from lmtune.errors import UserError, one_line
 from lmtune.model.paths import PATHS_FILE
 from lmtune.model.quantization import fingerprint_value
@@ -45,13 +45,16 @@ _VOLATILE_CONFIG = (
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """``fixed``: must match to resume; ``adjustable``: applied from the resume step when changed."""
+    """``fixed``: must match to resume; ``adjustable``: applied from the resume step when changed;
+    ``described``: the settings behind the hashes among ``fixed`` (the model's config, the data's),
+    never compared, only named when a hash differs."""
 
     fixed: dict[str, Any]
     adjustable: dict[str, Any]
+    described: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"fixed": self.fixed, "adjustable": self.adjustable}
+        return {"fixed": self.fixed, "adjustable": self.adjustable, "described": self.described}
 
 
 def config_hash(config: Any) -> str:
@@ -124,7 +127,11 @@ def fingerprint(
         }
     if cfg.objective.neftune_alpha:  # recorded only when on: older checkpoints stay comparable
         adjustable["--neftune-alpha"] = cfg.objective.neftune_alpha
-    return Fingerprint(fixed, adjustable)
+    described: dict[str, Any] = {"--model": cfg.model.name, "--data": cfg.data.train}
+    for s in config_fields():
+        if s.group == "examples":  # the data settings the training data's hash takes in
+            described[option_name(s.name)] = getattr(cfg.examples, s.field)
+    return Fingerprint(fixed, adjustable, described)
 
 
 def mixture_fingerprint(spec: str, weights: str) -> str:
@@ -141,7 +148,10 @@ def read_fingerprint(folder: Path) -> Fingerprint | None:
     raw = read_json_object(path)
     if not (isinstance(raw.get("fixed"), dict) and isinstance(raw.get("adjustable"), dict)):
         raise UserError(f"{path}: unreadable (not written by lmtune)")
-    return Fingerprint(dict(raw["fixed"]), dict(raw["adjustable"]))
+    described = raw.get("described")
+    return Fingerprint(
+        dict(raw["fixed"]), dict(raw["adjustable"]), described if isinstance(described, dict) else {}
+    )
 
 
 def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
@@ -151,25 +161,38 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
         UserError: naming every fixed setting that differs.
     """
 
-    def changes(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-        def shown(value: Any) -> str:
-            return "none" if value is None else one_line(str(value), 80)
-
-        # Both sides' entries: one recorded only by the checkpoint (a quantized base) differs too.
-        keys = [*b, *(k for k in a if k not in b)]
-        return [
-            f"{k} {shown(a.get(k, 'none'))} -> {shown(b.get(k, 'none'))}"
-            for k in keys
-            if a.get(k) != b.get(k)
-        ]
-
-    refused = changes(saved.fixed, now.fixed)
+    refused = _changes(saved.fixed, now.fixed)
     if refused:
+        # A hash says that the model or the data differ; the settings behind it say how.
+        hashed = any(c.startswith(("training data", "model config")) for c in refused)
+        behind = [
+            c for c in _changes(saved.described, now.described, both=True) if c.split()[0] not in now.fixed
+        ]
+        said = f" (of the settings behind them: {'; '.join(behind)})" if hashed and behind else ""
         raise UserError(
-            f"cannot resume from {folder}: this run differs in what defines it: {'; '.join(refused)}. "
+            f"cannot resume from {folder}: this run differs in what defines it: {'; '.join(refused)}{said}. "
             "Use the same settings and data, or start afresh with another --output-dir (or --overwrite)"
         )
-    return changes(saved.adjustable, now.adjustable)
+    return _changes(saved.adjustable, now.adjustable)
+
+
+# What a setting a checkpoint does not record was: an sft run's names no objective.
+_UNRECORDED = {"--objective": "sft"}
+
+
+def _changes(a: dict[str, Any], b: dict[str, Any], both: bool = False) -> list[str]:
+    """``name old -> new`` for each entry that differs; ``both``: of the entries both sides have."""
+
+    def shown(value: Any) -> str:
+        return "none" if value is None else one_line(str(value), 80)
+
+    # Both sides' entries: one recorded only by the checkpoint (a quantized base) differs too.
+    keys = [k for k in [*b, *(k for k in a if k not in b)] if not both or (k in a and k in b)]
+    return [
+        f"{k} {shown(a.get(k, _UNRECORDED.get(k)))} -> {shown(b.get(k, _UNRECORDED.get(k)))}"
+        for k in keys
+        if a.get(k, _UNRECORDED.get(k)) != b.get(k, _UNRECORDED.get(k))
+    ]
 
 
 def resume_point(resume: str, output_dir: Path, env: DistEnv) -> Path | None:

@@ -17,3 +17,22 @@ def test_an_unset_setting_is_said_none_not_python_none() -> None:
         compare(saved, changed, Path("c"))
     now = Fingerprint({"--reference-model": None, "--seed": 1}, {"--beta": 0.2})
     assert compare(saved, now, Path("c")) == ["--beta 0.1 -> 0.2"]
+
+
+def test_a_differing_hash_names_the_settings_behind_it() -> None:
+    """A model config or data hash says only that they differ; the recorded settings say how."""
+    hashed = {"model config": "aaa", "--seed": 1}
+    saved = Fingerprint(hashed, {}, {"--model": "tiny", "--data": "d.jsonl", "--max-prompt-length": 4})
+    now = Fingerprint({**hashed, "model config": "bbb"}, {}, {**saved.described, "--model": "small"})
+    with pytest.raises(
+        UserError, match=r"model config aaa -> bbb \(of the settings behind them: --model tiny -> small\)"
+    ):
+        compare(saved, now, Path("c"))
+    # Settings the checkpoint did not record (older ones) are not guessed at; a plain refusal stays plain.
+    with pytest.raises(UserError, match=r"model config aaa -> bbb\. Use the same"):
+        compare(Fingerprint(hashed, {}), now, Path("c"))
+    with pytest.raises(UserError, match=r"--seed 1 -> 2\. Use the same"):
+        compare(saved, Fingerprint({**hashed, "--seed": 2}, {}, now.described), Path("c"))
+    # A supervised run's checkpoint names no objective: it was sft.
+    with pytest.raises(UserError, match=r"--objective sft -> dpo"):
+        compare(saved, Fingerprint({**hashed, "--objective": "dpo"}, {}, saved.described), Path("c"))
