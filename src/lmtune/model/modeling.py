@@ -387,10 +387,16 @@ def _adapter_base(name: str) -> str | None:
     check_folder(path, f"--model {name}")
     base = read_json_object(path / "adapter_config.json", follow_links=True).get("base_model_name_or_path")
     if not base:
+        merged = path / "merged"
+        instead = (
+            f"{merged}, beside it"
+            if (merged / "config.json").is_file()
+            else "`lmtune export RUN/checkpoints/step-N DIR --merge-lora` writes it for a finished run "
+            "(training with --merge-lora writes final/merged)"
+        )
         raise UserError(
             f"--model {name}: a LoRA adapter folder that names no base model (trained on a preset); "
-            "use the merged model instead: `lmtune export RUN/checkpoints/step-N DIR --merge-lora` writes "
-            "it for a finished run (training with --merge-lora writes final/merged)"
+            f"use the merged model instead: {instead}"
         )
     if not isinstance(base, str) or "\0" in base:
         raise UserError(f"--model {name}: adapter_config.json's base_model_name_or_path is {brief(base)}")

@@ -70,3 +70,7 @@ def test_plan_reads_an_adapter_folder_as_its_base(tmp_path: Path) -> None:
     said = r"a LoRA adapter folder that names no base model .*lmtune export RUN/checkpoints/step-N DIR"
     with pytest.raises(UserError, match=said):
         load_config(str(adapter))
+    (adapter / "merged").mkdir()  # a run with --merge-lora wrote the merged model beside it
+    (adapter / "merged" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match=r"use the merged model instead: .*final/merged, beside it"):
+        load_config(str(adapter))
