@@ -59,6 +59,9 @@ HINTS: dict[str, str] = {
     ),
     "per_device_eval_batch_size": "evaluation runs micro-batches of {micro_batch_size}",
     "bf16": "set the precision with {precision} bf16",
+    # QLoRA's other bitsandbytes settings (peft, TRL, Axolotl): lmtune decides them.
+    "bnb_4bit_compute_dtype": "4-bit layers compute in {precision}'s dtype (bf16 with {precision} bf16)",
+    "bnb_4bit_use_double_quant": "{load_in_4bit} always quantizes the quantization constants too",
     "fp16": "set the precision with {precision} fp16",
     "optim": "lmtune's optimizers: {optimizer} adamw | adamw8bit | paged_adamw8bit | sgd",
     "lr_scheduler_type": (

@@ -319,7 +319,7 @@ def _check_evaluation_data(cfg: TrainConfig, need: Need) -> None:
             else (
                 "; a per-source metric (METRIC/NAME) needs several --eval-data sources, or --eval-split "
                 "of a weighted --data mixture"
-                if "/" in metric
+                if base in BEST_METRICS  # eval_loss/NAME; eval_rewards/chosen is no such thing
                 else ""
             )
         )

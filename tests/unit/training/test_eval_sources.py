@@ -115,6 +115,11 @@ def test_held_out_share_of_a_mixture_is_evaluated_per_source(tmp_path: Path) -> 
         ({"eval_data": "a=x.jsonl,b=y.jsonl", "metric_for_best": "eval_loss/c"}, r"METRIC/a\|b"),
         ({"eval_data": "a=x.jsonl,b=y.jsonl", "metric_for_best": "eval_lost/a"}, r"--metric-for-best"),
         ({"eval_data": "x.jsonl", "metric_for_best": "loss"}, r"--metric-for-best: must be"),
+        # A slash of a metric's own name is not a source's (TRL logs rewards/chosen).
+        (
+            {"eval_data": "x.jsonl", "metric_for_best": "eval_rewards/chosen", "objective": "dpo"},
+            r"eval_rewards/margins \(got 'eval_rewards/chosen'\)$",
+        ),
     ],
 )
 def test_metric_for_best_names_a_source_evaluated_apart(settings: dict[str, Any], needle: str) -> None:
