@@ -184,3 +184,28 @@ def test_mfu_over_100_percent_is_never_recorded(tmp_path: Path, monkeypatch: pyt
     out = tmp_path / "out"
     assert main(["train", "--max-steps", "3", "--no-progress", "--output-dir", str(out)]) == 0
     assert all(r["mfu"] is None for r in train_rows(out))
+
+
+def test_report_tells_a_killed_run_from_a_running_one(tmp_path: Path) -> None:
+    """No result yet: its lock's process alive is running; gone (kill -9) is stopped."""
+    import os
+    import socket
+    import subprocess
+
+    from lmtune.checkpoint.rundir import LOCK_FILE, lock_status
+    from lmtune.tools.report import _summary, load_run
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n")
+    holders = {"gone": subprocess.Popen(["true"]).pid, "running": os.getpid()}  # the first ends at once
+    assert lock_status(out) is None
+    for expected, pid in holders.items():
+        lock = {"host": socket.gethostname(), "pid": pid, "pid_started": None, "started": 1.0}
+        (out / LOCK_FILE).write_text(json.dumps({**lock, "run_id": "r", "token": "t"}))
+        if expected == "gone":
+            os.waitpid(pid, 0)
+        assert lock_status(out) == expected
+        assert _summary(load_run(out))["status"].startswith(
+            expected if expected == "running" else "stopped (its"
+        )

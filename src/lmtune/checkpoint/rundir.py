@@ -101,6 +101,21 @@ def _read(path: Path) -> LockHolder | None:
     return holder
 
 
+def lock_status(output_dir: Path) -> str | None:
+    """Whether a run holds ``output_dir`` now, from its lock: ``running`` (its process lives),
+    ``gone`` (its process on this host is not there: killed, or the machine restarted),
+    ``elsewhere`` (held from another host, which cannot be checked from here), None (no lock)."""
+    try:
+        holder = _read(output_dir / LOCK_FILE)
+    except UserError:
+        return None  # an unreadable lock says nothing of a run
+    if holder is None:
+        return None
+    if holder.host != socket.gethostname():
+        return "elsewhere"
+    return "running" if _alive(holder) else "gone"
+
+
 def _plausible(h: LockHolder) -> bool:
     strings = all(isinstance(v, str) for v in (h.host, h.run_id, h.token))
     number = isinstance(h.started, (int, float)) and not isinstance(h.started, bool) and 0 <= h.started < 1e11

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmtune.checkpoint.rundir import lock_status
 from lmtune.config.files import decode_json, read_bytes, read_json
 from lmtune.errors import UserError, brief
 from lmtune.outputs.reporters import is_number
@@ -342,13 +343,23 @@ def _render_one(plt: Any, title: str, draw: Plot, runs: list[RecordedRun]) -> by
         plt.close(fig)
 
 
+def _unfinished(folder: Path) -> str:
+    """A run with no result yet, as its lock tells it."""
+    return {
+        "running": "running",
+        "gone": "stopped (its process is gone: killed, or the machine restarted; the same command resumes)",
+    }.get(lock_status(folder) or "", "running or stopped")
+
+
 def _summary(run: RecordedRun) -> dict[str, str]:
     resolved, result = run.info.get("resolved") or {}, run.info.get("result") or {}
     env = run.info.get("environment") or {}
     train = run.kind("train")
     evals = run.kind("eval")
     last = train[-1] if train else {}
-    status = "finished" if (run.folder / "final").is_dir() else "stopped" if result else "running or stopped"
+    status = (
+        "finished" if (run.folder / "final").is_dir() else "stopped" if result else _unfinished(run.folder)
+    )
     return {
         "status": status,
         "model": str((run.info.get("config") or {}).get("model", "?")),
