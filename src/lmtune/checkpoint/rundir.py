@@ -312,12 +312,18 @@ def enclosing_run(path: Path) -> Path | None:
     return None
 
 
-def check_earlier_run(output_dir: Path, continued: bool, overwrite: bool, config: dict[str, Any]) -> None:
+def check_earlier_run(
+    output_dir: Path,
+    continued: bool,
+    overwrite: bool,
+    config: dict[str, Any],
+    warn: Callable[[str], None] = lambda message: None,
+) -> None:
     """Refuse to replace an earlier run's results that no checkpoint continues; ``--overwrite``
     deletes them (and the checkpoints) instead: lmtune's own entries only. Call with the lock held.
 
     The same run stopped before its first checkpoint (its run.json has this very ``config``, and it
-    has no ``final/``) starts over: what it leaves is its own and is written again.
+    has no ``final/``) starts over, saying so: what it leaves is its own and is written again.
     """
     final = output_dir / "final"
     if final.is_dir() and not final.is_symlink() and (theirs := users_files_said(final)):
@@ -338,6 +344,10 @@ def check_earlier_run(output_dir: Path, continued: bool, overwrite: bool, config
     if continued or not ({"final", "metrics.jsonl"} & set(present)) or recorded_finish(output_dir):
         return  # a finished run's record: the checkpoint manager judges it once the run is built
     if "final" not in present and _recorded_config(output_dir) == config:
+        warn(
+            f"{output_dir} holds this run, stopped before its first checkpoint: starting it again from "
+            "step 0 (--save-every N keeps a stopped run's progress)"
+        )
         return
     results = [n for n in present if n in ("final", "metrics.jsonl")]
     raise UserError(
@@ -493,7 +503,7 @@ def prepare_output(
                 warn(f"removed {path}, left by a save that did not finish")
             # A checkpoint here (--resume never then refuses it by itself), or one named by --resume.
             continued = resume not in ("auto", "never") or bool(list_checkpoints(output_dir))
-            check_earlier_run(output_dir, continued, overwrite, config)
+            check_earlier_run(output_dir, continued, overwrite, config, warn)
         except UserError as e:
             problem = str(e)
     problem = broadcast_object(problem, env)

@@ -183,8 +183,10 @@ def test_an_earlier_run_is_not_replaced_without_overwrite(tmp_path: Path) -> Non
         check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 1.0})
     check_earlier_run(tmp_path, continued=True, overwrite=False, config={})  # its checkpoints continue it
     (tmp_path / "final").rmdir()
-    # The same run, stopped before its first checkpoint, starts over; another run is refused.
-    check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 1.0})
+    # The same run, stopped before its first checkpoint, starts over, saying so; another is refused.
+    said: list[str] = []
+    check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 1.0}, warn=said.append)
+    assert len(said) == 1 and "stopped before its first checkpoint: starting it again from step 0" in said[0]
     with pytest.raises(UserError, match=r"holds an earlier run \(metrics.jsonl\)"):
         check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 2.0})
     check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
