@@ -263,3 +263,28 @@ def test_other_commands_take_snake_case_options_as_train_does(capsys: pytest.Cap
     argv = ["generate", "--model", "tiny", "--prompt", "1+2=", "--max_new_tokens", "2", "--top_p=0.5"]
     assert main(argv) == 0 and capsys.readouterr().out.startswith("1+2=")
     assert "unknown option --max-new-tokenz" in one_line_error([*argv, "--max_new_tokenz", "1"], capsys)
+
+
+def test_generate_past_the_models_positions(capsys: pytest.CaptureFixture[str]) -> None:
+    """A learned position table cannot run past its end: refused; rotary positions: a warning."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from lmtune.cli.commands import _check_answer_length
+    from lmtune.errors import UserError
+    from lmtune.model.modeling import byte_tokenizer
+
+    gpt2 = AutoModelForCausalLM.from_config(
+        GPT2Config(vocab_size=260, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    )
+    loaded = SimpleNamespace(model=gpt2, tokenizer=byte_tokenizer())
+    _check_answer_length(loaded, "1+2=", 50)
+    with pytest.raises(
+        UserError, match=r"--max-new-tokens 70: with the prompt's \d+ tokens, past the model's 64"
+    ):
+        _check_answer_length(loaded, "1+2=", 70)
+    from lmtune.model.modeling import load_model
+
+    _check_answer_length(load_model("tiny", seed=0), "1+2=", 1030)  # the generate command's check
+    assert "past the model's 1024 positions: it never saw positions that far" in capsys.readouterr().err

@@ -81,6 +81,27 @@ def _prompt_from_stdin() -> str:
     return text
 
 
+def _check_answer_length(loaded: Any, prompt: str | None, new_tokens: int) -> None:
+    """A prompt and answer past the model's positions: refused for a learned position table (the
+    answer would fail there), a warning otherwise (it never saw positions that far)."""
+    from lmtune.model.tokens import position_limit
+
+    limit, learned = position_limit(loaded.model)
+    prompt_tokens = len(loaded.tokenizer(prompt)["input_ids"]) if prompt is not None else 0
+    if limit is None or prompt_tokens + new_tokens <= limit:
+        return
+    said = (
+        f"--max-new-tokens {new_tokens}: with the prompt's {prompt_tokens} tokens, past the model's "
+        f"{limit} positions"
+    )
+    if learned:
+        room = max(limit - prompt_tokens, 0)
+        raise UserError(f"{said} (a learned table: it cannot run past it); give {room} or fewer")
+    from lmtune.parallel.launch import warn
+
+    warn(f"{said}: it never saw positions that far, so its answer may come apart there")
+
+
 def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import torch
 
@@ -103,6 +124,7 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError("--system needs --chat")
     device = read_dist_env(args.device).device
     loaded = load_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code)
+    _check_answer_length(loaded, None if args.chat else args.prompt, args.max_new_tokens)
     model = loaded.model.to(device)
     options = {
         "max_new_tokens": args.max_new_tokens,
