@@ -3,7 +3,8 @@ prompt.
 
 A record holds ``prompt``, ``chosen`` and ``rejected`` as strings, or as lists of messages (TRL's
 conversational form: the prompt's messages, then each answer's assistant turn or turns; without a
-``prompt`` the messages both answers start with are the prompt). Strings are tokenized as
+``prompt`` the messages both answers start with are the prompt; of two whole texts, the text both
+start with, as TRL's extract_prompt takes it). Strings are tokenized as
 prompt_completion examples are, with the tokenizer's special tokens and an EOS after each answer;
 messages are rendered with the chat template, the prompt with its generation prompt, so each answer
 ends with the template's end of turn.
@@ -131,15 +132,36 @@ def render_pair(record: Record, tokenizer: Any, names: FieldMap) -> PairTexts:
         )
     if is_messages(record.fields["chosen"]) or is_messages(record.fields["rejected"]):
         raise UserError(f"{record.where}: 'prompt' must be a list of messages when the answers are messages")
-    prompt = _text(record, "prompt", names)
+    if "prompt" in record.fields:
+        question = _text(record, "prompt", names)
+        answers = _text(record, "chosen", names), _text(record, "rejected", names)
+    else:
+        question, chosen_text, rejected_text = _implicit_prompt(record, names)
+        answers = chosen_text, rejected_text
     return PairTexts(
-        prompt=prompt,
-        chosen=prompt + _text(record, "chosen", names),
-        rejected=prompt + _text(record, "rejected", names),
+        prompt=question,
+        chosen=question + answers[0],
+        rejected=question + answers[1],
         add_special_tokens=True,
         append_eos=True,
         format="preference",
     )
+
+
+def _implicit_prompt(record: Record, names: FieldMap) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) of a pair given as two whole texts (Anthropic HH's form): the
+    text both start with is the prompt, less a space it ends with, as TRL's extract_prompt takes it."""
+    whole = _text(record, "chosen", names), _text(record, "rejected", names)
+    n = 0
+    while n < min(map(len, whole)) and whole[0][n] == whole[1][n]:
+        n += 1
+    n -= n > 0 and whole[0][n - 1] == " "
+    if n == 0:
+        raise UserError(
+            f"{record.where}: preference record has no '{names.name('prompt')}' field, and its chosen and "
+            "rejected texts share no beginning to take as one"
+        )
+    return whole[0][:n], whole[0][n:], whole[1][n:]
 
 
 def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -142,7 +142,10 @@ def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
 @pytest.mark.parametrize(
     ("row", "message"),
     [
-        ({"chosen": "a", "rejected": "b"}, "pairs.jsonl:1: preference record has no 'prompt' field"),
+        (
+            {"chosen": "a", "rejected": "b"},
+            "pairs.jsonl:1: preference record has no 'prompt' field, and its chosen and rejected texts share",
+        ),
         ({"prompt": "q", "chosen": 3, "rejected": "b"}, "a non-string \\(int\\) 'chosen'"),
         ({"prompt": "q", "chosen": "a", "rejected": None}, "has a null 'rejected' field"),
         (
@@ -290,3 +293,11 @@ def test_a_chat_answer_trains_its_end_of_turn_though_a_newline_follows() -> None
     _, chosen, rejected = parts(data[0], tok)
     assert chosen.endswith("<|im_end|>\n") and rejected.endswith("<|im_end|>\n")
     assert stats.eos_trained == 1
+
+
+def test_two_whole_texts_share_their_beginning_as_the_prompt() -> None:
+    """Anthropic HH's form: TRL's extract_prompt takes the shared text, less a space it ends with."""
+    row = {"chosen": "Human: 2 + 2?\n\nAssistant: 4", "rejected": "Human: 2 + 2?\n\nAssistant: 5, I think"}
+    data, stats, tok = encode([row])
+    assert stats.formats == {"preference": 1}
+    assert parts(data[0], tok) == ("<|bos|>Human: 2 + 2?\n\nAssistant:", " 4<|eos|>", " 5, I think<|eos|>")
