@@ -22,11 +22,11 @@ from lmtune.checkpoint.layout import (
     MANIFEST,
     MODEL_FILE,
     SHARDED_DIR,
+    not_a_checkpoint,
     open_to_umask,
     verify,
 )
 from lmtune.checkpoint.owned import file_stats, listed, not_ours, recorded_stats, users_files_said
-from lmtune.checkpoint.rundir import not_a_checkpoint
 from lmtune.checkpoint.state import ModelParts
 from lmtune.config.files import read_json_object
 from lmtune.config.io import build_config
@@ -340,7 +340,7 @@ def check_destination(checkpoint: Path, out: Path, overwrite: bool) -> None:
     """Refuse an export destination whose files are not the export's to replace: a run folder or
     anything inside one (its checkpoints, final/, records), a folder holding the checkpoint, a
     non-empty folder that is not an earlier export, and an earlier export without ``overwrite``."""
-    from lmtune.checkpoint.rundir import enclosing_run
+    from lmtune.checkpoint.layout import enclosing_run
 
     where = f"lmtune export: {out}"
     if out.is_symlink():

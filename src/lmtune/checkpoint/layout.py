@@ -1,6 +1,6 @@
 """A checkpoint folder's layout: its file names, where step N lives, the manifest, and verify(),
 which treats every folder read back as hostile (a manifest must list every file, inside the folder,
-no links, sizes and SHA-256 matching)."""
+no links, sizes and SHA-256 matching); and what a folder is: a run's, or inside one."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from pathlib import Path
 
 from lmtune.config.files import read_json
 from lmtune.errors import UserError
-from lmtune.model.lora import ADAPTER_FILE
+from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE
 
 CHECKPOINTS = "checkpoints"
+LOCK_FILE = ".lmtune.lock"  # the run holding an output folder (lmtune.checkpoint.rundir)
 MANIFEST = "manifest.json"
 SCALER_FILE = "scaler.json"  # the fp16 gradient scaler's state: plain numbers
 FINGERPRINT_FILE = "fingerprint.json"
@@ -135,3 +136,37 @@ def write_manifest(folder: Path) -> None:
         p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in files
     }
     fsync_write(folder / MANIFEST, json.dumps(manifest, indent=2))
+
+
+def holds_a_run(folder: Path) -> bool:
+    """Whether ``folder`` holds what an lmtune run writes (its records, lock or checkpoints)."""
+    records = any((folder / name).is_file() for name in ("run.json", "metrics.jsonl", LOCK_FILE))
+    return records or bool(list_checkpoints(folder))
+
+
+def not_a_checkpoint(folder: Path) -> str:
+    """What ``folder``, given where a checkpoint is wanted, is instead, with the checkpoint meant
+    ("" when it is none of these): a model folder (a run's final/, an export), a run's folder or
+    its checkpoints/ folder."""
+    has = {p.name for p in folder.iterdir() if p.is_file()}
+    weights = any(name.endswith((".safetensors", ".bin")) for name in has)
+    if ("config.json" in has and weights) or {ADAPTER_FILE, ADAPTER_CONFIG} <= has:
+        return "a model folder (a run's final/ or an export), not a training checkpoint"
+    if holds_a_run(folder):
+        run = folder
+    elif folder.name == "checkpoints" and holds_a_run(folder.parent):
+        run = folder.parent
+    else:
+        return ""
+    newest = list_checkpoints(run)[-1:]
+    which = f"{newest[0]} is its newest" if newest else "it has none: train with --save-every"
+    what = "a run's folder" if run == folder else "the folder of a run's checkpoints"
+    return f"{what}, not a checkpoint ({which})"
+
+
+def enclosing_run(path: Path) -> Path | None:
+    """The nearest of ``path`` (resolved) and the folders above it that holds a run, or None."""
+    for folder in (path, *path.parents):
+        if folder.is_dir() and holds_a_run(folder):
+            return folder
+    return None

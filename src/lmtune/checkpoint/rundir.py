@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from lmtune.checkpoint.finished import recorded_finish
+from lmtune.checkpoint.layout import LOCK_FILE, enclosing_run
 from lmtune.checkpoint.owned import users_files_said
 from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
@@ -37,7 +38,6 @@ from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, broadcast_object
 from lmtune.parallel.launch import LOCK_TOKEN_ENV
 
-LOCK_FILE = ".lmtune.lock"
 # What an earlier run leaves; none of it is written through a symbolic link.
 RUN_FOLDERS = ("final", "checkpoints", "samples", "tensorboard", "wandb", "mlruns", "comm-traces")
 RUN_RECORDS = ("metrics.jsonl", "run.json", "reporting.json", "hang-report.txt")
@@ -261,14 +261,6 @@ def _entry_problem(path: Path, folder: bool) -> str:
     return ""
 
 
-def holds_a_run(folder: Path) -> bool:
-    """Whether ``folder`` holds what an lmtune run writes (its records, lock or checkpoints)."""
-    from lmtune.checkpoint.layout import list_checkpoints
-
-    records = any((folder / name).is_file() for name in ("run.json", "metrics.jsonl", LOCK_FILE))
-    return records or bool(list_checkpoints(folder))
-
-
 def _ran_here(folder: Path) -> bool:
     """Whether an lmtune run wrote ``folder``'s entries: its run.json, or a checkpoint whose
     manifest checks out. Not the lock (this run holds it by now), nor entries that only bear
@@ -279,37 +271,6 @@ def _ran_here(folder: Path) -> bool:
     if isinstance(record.get("config"), dict) and isinstance(record.get("environment"), dict):
         return True
     return any(verify(p) is None for p in list_checkpoints(folder))
-
-
-def not_a_checkpoint(folder: Path) -> str:
-    """What ``folder``, given where a checkpoint is wanted, is instead, with the checkpoint meant
-    ("" when it is none of these): a model folder (a run's final/, an export), a run's folder or
-    its checkpoints/ folder."""
-    from lmtune.checkpoint.layout import list_checkpoints
-    from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE
-
-    has = {p.name for p in folder.iterdir() if p.is_file()}
-    weights = any(name.endswith((".safetensors", ".bin")) for name in has)
-    if ("config.json" in has and weights) or {ADAPTER_FILE, ADAPTER_CONFIG} <= has:
-        return "a model folder (a run's final/ or an export), not a training checkpoint"
-    if holds_a_run(folder):
-        run = folder
-    elif folder.name == "checkpoints" and holds_a_run(folder.parent):
-        run = folder.parent
-    else:
-        return ""
-    newest = list_checkpoints(run)[-1:]
-    which = f"{newest[0]} is its newest" if newest else "it has none: train with --save-every"
-    what = "a run's folder" if run == folder else "the folder of a run's checkpoints"
-    return f"{what}, not a checkpoint ({which})"
-
-
-def enclosing_run(path: Path) -> Path | None:
-    """The nearest of ``path`` (resolved) and the folders above it that holds a run, or None."""
-    for folder in (path, *path.parents):
-        if folder.is_dir() and holds_a_run(folder):
-            return folder
-    return None
 
 
 def check_earlier_run(

@@ -296,8 +296,7 @@ def _generate_parser(sub: Any) -> None:
     gen.add_argument(
         "--prompt",
         default=None,
-        help="text to continue ('-', or none with input piped in: read stdin); with --chat, the user's "
-        "first turn (default: every turn from stdin)",
+        help="text to continue (read from stdin when piped, or given as -); with --chat, the first turn",
     )
     gen.add_argument(
         "--chat",

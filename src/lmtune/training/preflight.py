@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from lmtune.checkpoint.layout import verify
-from lmtune.checkpoint.rundir import check_output_dir, not_a_checkpoint
+from lmtune.checkpoint.layout import not_a_checkpoint, verify
+from lmtune.checkpoint.rundir import check_output_dir
 from lmtune.config.groups import ExampleSettings
 from lmtune.config.settings import TrainConfig, config_fields, option_name, value_of
 from lmtune.config.validate import PREFERENCE, check_settings
