@@ -301,7 +301,9 @@ def format_report(report: AuditReport) -> str:
     if len(report.lengths):
         q = np.percentile(report.lengths, [0, 50, 95, 100]).astype(int)
         lines.append(f"  token lengths       min {q[0]}, median {q[1]}, p95 {q[2]}, max {q[3]}")
-        hist = _histogram(report.lengths, report.max_length)
+        # A pair runs its prompt and both answers as one sequence, longer than --max-length.
+        top = report.max_length if report.pairs is None else int(report.lengths.max())
+        hist = _histogram(report.lengths, top)
         widest = max(c for _, _, c in hist) or 1
         for first, last, count in hist:
             bar = "#" * max(1 if count else 0, round(40 * count / widest))
@@ -343,9 +345,11 @@ def _stop_line(report: AuditReport) -> str:
         f"{'yes' if not report.stops_lost else 'NO'}: {s.eos_trained:,} of {s.examples:,} kept examples "
         f"train a stop token ({' or '.join(report.stops)}); pad == eos: {pad_is_eos}"
     )
-    if report.stops_lost and s.truncated and report.truncation == "right":
+    # Of pairs, the answers cut at the end (a prompt cut by --max-prompt-length keeps its answers).
+    cut = s.answers_truncated if report.pairs is not None else s.truncated
+    if report.stops_lost and cut and report.truncation == "right":
         line += (
-            f"; {s.truncated:,} lost their end to --max-length {report.max_length} (raise it, or use "
+            f"; {cut:,} lost their end to --max-length {report.max_length} (raise it, or use "
             "--truncation left or drop)"
         )
     return label + line

@@ -156,6 +156,12 @@ def _implicit_prompt(record: Record, names: FieldMap) -> tuple[str, str, str]:
     while n < min(map(len, whole)) and whole[0][n] == whole[1][n]:
         n += 1
     n -= n > 0 and whole[0][n - 1] == " "
+    if n >= min(map(len, whole)):  # "...Assistant: hello" and "...Assistant: hello there"
+        raise UserError(
+            f"{record.where}: preference record has no '{names.name('prompt')}' field, and one of its "
+            "chosen and rejected texts is the other's beginning, so where the answers start cannot be "
+            "told; give the prompt as its own field"
+        )
     if n == 0:
         raise UserError(
             f"{record.where}: preference record has no '{names.name('prompt')}' field, and its chosen and "

@@ -264,6 +264,10 @@ def test_audit_reports_pair_problems(tmp_path: Path) -> None:
     # Training cuts a prompt to --max-prompt-length first: the audit measures what remains.
     cut = audit(str(path), byte_tokenizer(), ExampleSettings(max_length=64, max_prompt_length=16))
     assert cut.pairs is not None and cut.pairs.prompt_fills == 0
+    text = format_report(cut)
+    assert "lost their end" not in text  # a cut prompt keeps its answers' ends
+    bins = [line for line in text.splitlines() if line.startswith("    ") and line.strip()[0].isdigit()]
+    assert len(bins) > 1  # pairs run longer than --max-length: not all in its last bin
 
 
 def test_the_length_share_leaves_ties_out() -> None:
@@ -301,3 +305,7 @@ def test_two_whole_texts_share_their_beginning_as_the_prompt() -> None:
     data, stats, tok = encode([row])
     assert stats.formats == {"preference": 1}
     assert parts(data[0], tok) == ("<|bos|>Human: 2 + 2?\n\nAssistant:", " 4<|eos|>", " 5, I think<|eos|>")
+
+    # One text the other's beginning: the prompt would swallow an answer.
+    with pytest.raises(UserError, match="one of its chosen and rejected texts is the other's beginning"):
+        encode([{"chosen": "Human: hi Assistant: hello there", "rejected": "Human: hi Assistant: hello"}])
