@@ -53,21 +53,24 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         with quiet_calls(), _tied_head_handled():
             wrapped: nn.Module = peft.get_peft_model(model, config)
     except ValueError as e:  # peft's message names the modules it could not find
+        if isinstance(targets, list):  # none matched: the model's own names say what would
+            _check_every_target(model, [], targets, names)
         raise UserError(f"--lora-target-modules {names}: {e}") from None
     if isinstance(targets, list):
-        _check_every_target(wrapped, targets, names)
+        adapted = [name for name, m in wrapped.named_modules() if hasattr(m, "lora_A")]
+        _check_every_target(wrapped, adapted, targets, names)
     return wrapped
 
 
-def _check_every_target(wrapped: nn.Module, targets: list[str], option: str) -> None:
-    """peft refuses a list that matches no module, but drops a misspelled name beside one that
-    matches (``q_proj,v_prj`` adapts q_proj alone): each name must adapt some module."""
-    adapted = [name for name, m in wrapped.named_modules() if hasattr(m, "lora_A")]
+def _check_every_target(model: nn.Module, adapted: list[str], targets: list[str], option: str) -> None:
+    """peft refuses a list that matches no module (in its own words), and drops a misspelled name
+    beside one that matches (``q_proj,v_prj`` adapts q_proj alone): each name must adapt some
+    module of ``adapted``; the message names ``model``'s linear layers."""
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in adapted)]
     if missing:
         linear = [
             name
-            for name, m in wrapped.named_modules()
+            for name, m in model.named_modules()
             if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
             and "lora_" not in name
             and not name.endswith("base_layer")

@@ -63,3 +63,8 @@ def test_a_target_name_that_matches_nothing_is_refused_beside_one_that_does() ->
         add_lora(build_preset("tiny", 0).model, LoraSettings(enabled=True, target_modules="q_proj,v_prj"))
     full_names = "model.layers.0.self_attn.q_proj,v_proj"  # a full name, and one every block has
     add_lora(build_preset("tiny", 0).model, LoraSettings(enabled=True, target_modules=full_names))
+    # None matching (Llama's names on GPT-2): the same words, not peft's.
+    with pytest.raises(
+        UserError, match=r"q_prj, v_prj matched no layer of this model \(its linear layers: down_proj"
+    ):
+        add_lora(build_preset("tiny", 0).model, LoraSettings(enabled=True, target_modules="q_prj,v_prj"))
