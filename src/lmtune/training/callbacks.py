@@ -105,15 +105,21 @@ class EpochSummary(Callback):
     def __init__(self, log: RunLog):
         self.log = log
         self.loss_sum, self.loss_tokens, self.epochs = 0.0, 0, 0
+        self.partial_from: int | None = None  # the epoch's first step in the mean, when not its first
 
     def on_train_begin(self, state: TrainerState, layout: BatchLayout) -> None:
         self.epochs = layout.epochs
         if not (state.step_in_epoch and self.log.active):
             return
-        # A resumed epoch's mean takes in its steps before the checkpoint (metrics.jsonl holds them).
+        # A resumed epoch's mean takes in its steps before the checkpoint (metrics.jsonl holds them,
+        # unless the checkpoint came from another folder: then the line says which steps it covers).
         begun = state.step - state.step_in_epoch
-        for row in read_metrics(self.log.output_dir):
-            if begun < row["step"] <= state.step and not row.get("skipped"):
+        rows = [r for r in read_metrics(self.log.output_dir) if begun < r["step"] <= state.step]
+        if len({r["step"] for r in rows}) < state.step_in_epoch:
+            self.partial_from = state.step + 1
+            return
+        for row in rows:
+            if not row.get("skipped"):
                 units = row.get("units", row.get("target_tokens", 0))
                 self.loss_sum += row["loss"] * units
                 self.loss_tokens += units
@@ -125,8 +131,9 @@ class EpochSummary(Callback):
             self.loss_tokens += r.count
         if step.epoch_done:
             mean = self.loss_sum / max(self.loss_tokens, 1)
-            self.log.info(f"epoch {step.state.epoch}/{self.epochs}: train loss {mean:.4f}")
-            self.loss_sum, self.loss_tokens = 0.0, 0
+            steps = f" (steps {self.partial_from}-{step.state.step})" if self.partial_from else ""
+            self.log.info(f"epoch {step.state.epoch}/{self.epochs}: train loss {mean:.4f}{steps}")
+            self.loss_sum, self.loss_tokens, self.partial_from = 0.0, 0, None
 
 
 def step_row(step: StepEnd, mfu: float | None, memory: int) -> dict[str, object]:

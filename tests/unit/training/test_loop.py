@@ -490,4 +490,11 @@ def test_a_resumed_epochs_loss_takes_in_its_steps_before_the_checkpoint(
         result = StepResult(0.5, 1.0, 10, 10, 8, nonfinite=False, stop=False, count=10)
         after = replace(at, step=4, epoch=2, step_in_epoch=0)
         summary.on_step_end(StepEnd(after, result, 1e-3, 1.0, 1.0, True, True, []), Control())
-    assert "epoch 2/2: train loss 0.8750" in capsys.readouterr().out  # (1.0 * 30 + 0.5 * 10) / 40
+    assert "epoch 2/2: train loss 0.8750\n" in capsys.readouterr().out  # (1.0 * 30 + 0.5 * 10) / 40
+    # Resumed from another folder's checkpoint: no rows of the epoch's first step here.
+    (tmp_path / "metrics.jsonl").write_text("")
+    with RunLog(ENV, tmp_path, progress=False) as log:
+        summary = EpochSummary(log)
+        summary.on_train_begin(at, layout)
+        summary.on_step_end(StepEnd(after, result, 1e-3, 1.0, 1.0, True, True, []), Control())
+    assert "epoch 2/2: train loss 0.5000 (steps 4-4)" in capsys.readouterr().out
