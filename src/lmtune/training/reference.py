@@ -241,6 +241,8 @@ def cached_reference(
     if found:
         values = broadcast_object(values, run.env)
     else:
+        # A forward over every pair before the first step: say so, or the wait looks like a hang.
+        run.log.info(f"computing the reference log-probs of {len(data):,} pairs before training")
         values = compute()
         if run.env.is_main:
             _write(path, values)

@@ -38,7 +38,8 @@ class StopRequest:
         self.requested = True
         self.signum = signum
         print(
-            f"lmtune: {signal.Signals(signum).name} received: finishing this step and saving a checkpoint",
+            f"lmtune: {signal.Signals(signum).name} received: finishing this step and saving a checkpoint "
+            "(before training begins: stopping now, nothing to save)",
             file=sys.stderr,
             flush=True,
         )

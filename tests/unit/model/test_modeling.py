@@ -74,3 +74,15 @@ def test_plan_reads_an_adapter_folder_as_its_base(tmp_path: Path) -> None:
     (adapter / "merged" / "config.json").write_text("{}")
     with pytest.raises(UserError, match=r"use the merged model instead: .*final/merged, beside it"):
         load_config(str(adapter))
+
+
+def test_a_training_checkpoint_given_as_a_model_says_what_it_is(tmp_path: Path) -> None:
+    tiny = build_preset("tiny", 0)
+    tiny.model.config.save_pretrained(tmp_path)  # a LoRA checkpoint's config and tokenizer, no weights
+    tiny.tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "trainer.json").write_text("{}")
+    with pytest.raises(
+        UserError, match=r"could not load the local folder: .*it is a training checkpoint: `lmtune export"
+    ):
+        load_model(str(tmp_path), seed=0)
