@@ -209,7 +209,7 @@ def _edited(source: Path, target: Path, name: str, **changes: object) -> Path:
         ("config.json", {"num_hidden_layers": 1000, "hidden_size": 16384}, "more than this machine's"),
         ("config.json", {"hidden_size": "wide"}, "hidden_size must be a whole number"),
         ("config.json", {"num_attention_heads": [4]}, "num_attention_heads must be a whole number"),
-        ("config.json", {"rope_scaling": "x"}, "could not load it"),
+        ("config.json", {"rope_scaling": "x"}, "could not load the local folder"),
         ("generation_config.json", {"eos_token_id": [[1]]}, "eos_token_id must be a token id"),
         ("generation_config.json", {"max_length": "long"}, "max_length must be a whole number"),
     ],
