@@ -18,7 +18,7 @@ def plural(n: Any, thing: str, many: str = "") -> str:
 _WEIGHTS = {
     "dpo": ("beta", "label_smoothing"),
     "ipo": ("beta",),
-    "simpo": ("beta", "simpo_gamma"),
+    "simpo": ("beta", "simpo_gamma", "label_smoothing"),
     "orpo": ("orpo_lambda",),
 }
 

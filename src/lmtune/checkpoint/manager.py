@@ -101,12 +101,15 @@ class CheckpointManager:
         is checked to be one this run may continue, before the costly preparation that comes first
         (reference log-probs of the starting weights)."""
         done = self.finished_already(total_steps)
-        if done is None and (folder := self._resume_folder()) is not None:
+        if done is None and (folder := self._resume_folder) is not None:
             check_continuable(folder, self.fingerprint, self.trainable.parts)
         return done
 
+    @cached_property
     def _resume_folder(self) -> Path | None:
-        """The checkpoint to continue (a collective: every rank asks at the same point)."""
+        """The checkpoint to continue (a collective: every rank asks at the same point), decided
+        once: deciding verifies the newest checkpoint's files, and both the early check and
+        :meth:`resume` need it."""
         folder = resume_point(self.settings.resume, self.output_dir, self.env)
         earlier = self._earlier
         return self._final_state_of(earlier, folder) if earlier is not None else folder
@@ -127,7 +130,7 @@ class CheckpointManager:
         done = self.finished_already(total_steps)
         if done is not None:
             return replace(fresh, step=done.step)
-        folder = self._resume_folder()
+        folder = self._resume_folder
         self.resumed_from = folder
         if folder is None:
             self._start_step = fresh.step

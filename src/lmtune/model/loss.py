@@ -117,13 +117,13 @@ class LossModule(nn.Module):
             seeds = _laid_out(token_seeds, attention_mask, inputs)
             runs = TokenRuns(tuple(seeds.shape), tuple(example_runs(seeds, inputs.get("position_ids"))))
             if self.neftune_alpha:
-                inputs = self._with_noise(inputs, seeds)
+                inputs = self._with_noise(inputs, seeds, runs)
         set_token_runs(self.model, runs)
         return self.loss_output(labels, segments, inputs)
 
-    def _with_noise(self, inputs: dict[str, Any], seeds: torch.Tensor) -> dict[str, Any]:
+    def _with_noise(self, inputs: dict[str, Any], seeds: torch.Tensor, runs: TokenRuns) -> dict[str, Any]:
         """``inputs`` with the input embeddings plus NEFTune's noise in place of the token ids;
-        ``seeds`` are laid out as the rows are."""
+        ``seeds`` are laid out as the rows are, ``runs`` their examples."""
         from lmtune.model.neftune import embedding_noise
 
         # Inside this module's forward: under FSDP2 the root's parameters, the embeddings among
@@ -131,7 +131,8 @@ class LossModule(nn.Module):
         embedding: nn.Module = self.model.get_input_embeddings()  # type: ignore[operator]
         embeds = embedding(inputs["input_ids"])
         positions = inputs.get("position_ids")
-        noise = embedding_noise(seeds, positions, embeds.size(-1), self.neftune_alpha, embeds.dtype)
+        width = embeds.size(-1)
+        noise = embedding_noise(seeds, positions, width, self.neftune_alpha, embeds.dtype, list(runs.runs))
         rest = {k: v for k, v in inputs.items() if k != "input_ids"}
         return {**rest, "inputs_embeds": embeds + noise}
 

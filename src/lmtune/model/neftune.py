@@ -44,11 +44,12 @@ def embedding_noise(
     width: int,
     alpha: float,
     dtype: torch.dtype = torch.float32,
+    runs: list[tuple[int, int, int]] | None = None,
 ) -> torch.Tensor:
     """The noise of rows whose tokens carry ``seeds`` (as the model gets them), ``[*seeds.shape, width]``
     in ``dtype`` (each example's drawn in fp32). An example is a run of tokens with one seed; where
     positions are given, a position 0 also starts one (an example met twice in a row)."""
-    runs = example_runs(seeds, position_ids)
+    runs = example_runs(seeds, position_ids) if runs is None else runs  # the caller's, when it has them
     # One tensor filled example by example: the largest of a step's activations is not held twice.
     noise = torch.zeros(seeds.numel(), width, dtype=dtype, device=seeds.device)
     for seed, lo, hi in runs:

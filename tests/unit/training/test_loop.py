@@ -50,6 +50,12 @@ from lmtune.training.step import StepInput, StepOptions, StepResult, Trainee, tr
 from tests.conftest import uneven_texts, write_jsonl
 
 ENV = read_dist_env("cpu")
+# Plain, and with what is drawn per example: NEFTune's noise, LoRA's dropout masks.
+KEYED = pytest.mark.parametrize(
+    "settings",
+    [{}, {"neftune_alpha": 5.0}, {"lora": True, "lora_dropout": 0.2}],
+    ids=["plain", "neftune", "lora_dropout"],
+)
 STEPS = 7  # 24 examples / 8 per step: 3 steps per epoch, so the run crosses two epoch ends
 
 
@@ -186,11 +192,7 @@ def test_a_component_stops_the_run_after_its_step(tmp_path: Path) -> None:
     assert recorder.ended == later.ended == [(4, "early")]
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [{}, {"neftune_alpha": 5.0}, {"lora": True, "lora_dropout": 0.2}],
-    ids=["plain", "neftune", "lora_dropout"],
-)
+@KEYED
 def test_resume_from_a_checkpoint_in_process_is_bit_identical(
     tmp_path: Path, settings: dict[str, Any]
 ) -> None:
@@ -222,11 +224,7 @@ def test_resume_from_a_checkpoint_in_process_is_bit_identical(
         assert all(torch.equal(v[name], resumed_opt["state"][k][name]) for name in v)
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [{}, {"neftune_alpha": 5.0}, {"lora": True, "lora_dropout": 0.2}],
-    ids=["plain", "neftune", "lora_dropout"],
-)
+@KEYED
 def test_gradient_accumulation_is_one_step_over_the_whole_batch(
     tmp_path: Path, settings: dict[str, Any]
 ) -> None:
