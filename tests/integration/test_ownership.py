@@ -237,3 +237,58 @@ def test_a_run_replaces_its_final_folder_only_as_it_wrote_it(
     assert main([*argv, "--max-steps", "3"]) == 0  # continues to step 3 and writes final/ again
     assert (final / "README.md").is_file() and users_files(final) == []
     assert json.loads((out / "run.json").read_text())["result"]["steps"] == 3
+
+
+def test_named_output_files_replace_only_what_lmtune_wrote(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`report --out/--png`, `data audit --plot`, `plan --json` and `bench --json` (whose default,
+    bench.json, lands in the working folder) replace a file of that name only when lmtune wrote
+    it; a user's file is refused before any work, and left as it was."""
+    from lmtune.tools.report import PLOTS
+
+    page, pngs, plot = tmp_path / "report.html", tmp_path / "png", tmp_path / "lengths.png"
+    report = ["report", str(run), "--out", str(page), "--png", str(pngs)]
+    data = write_jsonl(tmp_path / "d.jsonl", ["one two", "three"])
+    audit = ["data", "audit", str(data), "--global-batch-size", "2", "--plot", str(plot)]
+    mine = b"\x89PNG\r\n\x1a\n my own figure"
+    for path, argv, content in [(page, report, b"<html>my notes</html>"), (plot, audit, mine)]:
+        path.write_bytes(content)
+        assert "this file exists and lmtune did not write it" in _error(argv, capsys)
+        assert path.read_bytes() == content and (path == plot or not pngs.exists())
+        path.unlink()
+        assert main(argv) == 0
+        written = path.read_bytes()
+        assert main(argv) == 0 and path.read_bytes() != b""  # its own file: replaced
+        assert written[:8] == path.read_bytes()[:8]
+    (pngs / f"{next(iter(PLOTS))}.png").write_bytes(mine)  # a user's figure among lmtune's
+    assert "--png" in _error(report, capsys)
+    # A link is never written through, even to a file lmtune wrote.
+    (pngs / f"{next(iter(PLOTS))}.png").unlink()
+    link = tmp_path / "link.html"
+    link.symlink_to(page)
+    assert "did not write it" in _error([*report[:3], str(link)], capsys)
+    for command in (["plan", "--json"], ["bench", "--steps", "1", "--json"]):
+        table = tmp_path / "table.json"
+        table.write_text('{"mine": 1}')
+        assert "--json" in _error([*command, str(table)], capsys)
+        assert table.read_text() == '{"mine": 1}'
+
+
+def test_what_marks_a_file_as_lmtunes(tmp_path: Path) -> None:
+    from lmtune.config.marks import JSON_FIELD, json_marked, written_by_lmtune
+
+    f = tmp_path / "t.json"
+    for value, ours in [
+        (json_marked({"a": 1}, "plan"), True),
+        ([json_marked({"a": 1}, "bench"), json_marked({"a": 2}, "bench")], True),
+        ([json_marked({"a": 1}, "bench"), {"a": 2}], False),  # a row added by hand
+        ([], False),
+        ({JSON_FIELD: "someone else"}, False),
+        ("lmtune", False),
+    ]:
+        f.write_text(json.dumps(value))
+        assert written_by_lmtune(f, "json") is ours, value
+    f.write_bytes(b"\xff\xfe not text")
+    assert not written_by_lmtune(f, "json")
+    assert not written_by_lmtune(tmp_path, "html") and not written_by_lmtune(tmp_path / "none.png", "png")

@@ -165,7 +165,10 @@ def test_a_path_that_cannot_be_written_is_a_user_error(
     permission, which root on this machine does not meet)."""
     capsys.readouterr()
     assert main(["report", str(resumed), "--out", str(tmp_path / "nodir" / "r.html")]) == 2
-    assert capsys.readouterr().err == f"error: {tmp_path / 'nodir' / 'r.html'}: No such file or directory\n"
+    assert (
+        capsys.readouterr().err
+        == f"error: --out {tmp_path / 'nodir' / 'r.html'}: name a file in an existing folder\n"
+    )
     (tmp_path / "page.html").write_text("")
     assert (
         main(
@@ -192,6 +195,7 @@ def test_report_tells_a_killed_run_from_a_running_one(tmp_path: Path) -> None:
     import socket
     import subprocess
 
+    from lmtune.checkpoint.layout import MANIFEST
     from lmtune.checkpoint.rundir import LOCK_FILE, lock_status
     from lmtune.tools.report import _summary, load_run
 
@@ -209,3 +213,10 @@ def test_report_tells_a_killed_run_from_a_running_one(tmp_path: Path) -> None:
         assert _summary(load_run(out))["status"].startswith(
             expected if expected == "running" else "stopped (its"
         )
+    (out / LOCK_FILE).write_text(json.dumps({**lock, "pid": holders["gone"], "run_id": "r", "token": "t"}))
+    (out / "checkpoints" / "step-000001").mkdir(parents=True)  # killed while saving its first
+    assert _summary(load_run(out))["status"].endswith(
+        "no checkpoint was saved: the same command starts over)"
+    )
+    (out / "checkpoints" / "step-000001" / MANIFEST).write_text("{}")
+    assert _summary(load_run(out))["status"].endswith("the same command resumes from step-000001)")

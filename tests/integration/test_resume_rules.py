@@ -290,4 +290,6 @@ def test_a_resume_past_max_steps_trains_nothing_and_records_no_loss(
     text = (tmp_path / "again" / "run.json").read_text()
     run = json.loads(text, parse_constant=lambda name: pytest.fail(f"run.json holds {name}"))
     assert run["result"]["last_loss"] is None and run["result"]["steps"] == 2
-    assert "train loss" not in (tmp_path / "again" / "final" / "README.md").read_text()
+    card = (tmp_path / "again" / "final" / "README.md").read_text()
+    assert "train loss" not in card and "2 of 1" not in card
+    assert "2 (its checkpoint was past the 1 this run planned: nothing more was trained)" in card

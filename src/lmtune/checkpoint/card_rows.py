@@ -81,13 +81,7 @@ def training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     if "eval" in data:
         rows.append(("evaluation data", _data_line(data["eval"], config.get("max_length"))))
     if resolved:
-        rows.append(
-            (
-                "steps",
-                f"{run.get('result', {}).get('steps', resolved.get('total_steps'))} of "
-                f"{resolved.get('total_steps')} ({_epochs(resolved)} planned)",
-            )
-        )
+        rows.append(("steps", _steps(run.get("result", {}).get("steps"), resolved)))
         rows.append(
             (
                 "global batch",
@@ -129,6 +123,14 @@ def training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     rows += _environment_rows(run)
     rows.append(("seed", str(config.get("seed"))))
     return rows
+
+
+def _steps(done: Any, resolved: dict[str, Any]) -> str:
+    total = resolved.get("total_steps")
+    if isinstance(done, int) and isinstance(total, int) and done > total:
+        # A run resumed from a checkpoint already past its --max-steps: it trained nothing more.
+        return f"{done} (its checkpoint was past the {total} this run planned: nothing more was trained)"
+    return f"{total if done is None else done} of {total} ({_epochs(resolved)} planned)"
 
 
 def _epochs(resolved: dict[str, Any]) -> str:

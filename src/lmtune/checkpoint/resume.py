@@ -162,6 +162,10 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
     """
 
     refused = _changes(saved.fixed, now.fixed)
+    if any(c.startswith("--objective ") for c in refused):
+        # Another objective: its own settings that only one side has (an sft checkpoint records no
+        # reference) add nothing to that.
+        refused = [c for c in refused if c.split()[0] not in _OBJECTIVE_OWN or c.split()[0] in saved.fixed]
     if refused:
         # A hash says that the model or the data differ; the settings behind it say how.
         hashed = any(c.startswith(("training data", "model config")) for c in refused)
@@ -178,6 +182,7 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
 
 # What a setting a checkpoint does not record was: an sft run's names no objective.
 _UNRECORDED = {"--objective": "sft"}
+_OBJECTIVE_OWN = ("--reference", "--reference-model")
 
 
 def _changes(a: dict[str, Any], b: dict[str, Any], both: bool = False) -> list[str]:

@@ -9,16 +9,19 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmtune.config.marks import Kind, check_replaceable, json_marked
 from lmtune.errors import UserError
 
 
-def _output_file(given: str, option: str, suffix: str = "") -> Path:
-    """Where a command writes ``option``'s file, checked before its work: a file (of ``suffix``)
-    in an existing folder."""
+def _output_file(given: str, option: str, kind: Kind) -> Path:
+    """Where a command writes ``option``'s file, checked before its work: a file in an existing
+    folder (a PNG named so), new or one lmtune wrote."""
     path = Path(given).expanduser()
-    kind = f"a {suffix} file" if suffix else "a file"
-    if (suffix and path.suffix.lower() != suffix) or path.is_dir() or not path.parent.is_dir():
-        raise UserError(f"{option} {given}: name {kind} in an existing folder")
+    if (kind == "png" and path.suffix.lower() != ".png") or path.is_dir() or not path.parent.is_dir():
+        raise UserError(
+            f"{option} {given}: name {'a .png file' if kind == 'png' else 'a file'} in an existing folder"
+        )
+    check_replaceable(path, option, kind)
     return path
 
 
@@ -212,7 +215,7 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print("\n".join(measure_peaks(args.precisions.split(","), args.nproc_per_node, args.device)))
         return 0
 
-    out = _output_file(args.json, "--json")
+    out = _output_file(args.json, "--json", "json")
     rows = run_bench(
         train_config(args),
         args.strategies.split(","),
@@ -223,7 +226,7 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     )
     print(format_table(rows))
     with open(out, "w", encoding="utf-8") as f:
-        json.dump(to_json(rows), f, indent=2)
+        json.dump([json_marked(row, "bench") for row in to_json(rows)], f, indent=2)
     print(f"wrote {out}")
     return 0
 
@@ -238,13 +241,13 @@ def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     cfg = train_config(args)
     validate(cfg, cfg.launch.nproc_per_node)
-    out = _output_file(args.json, "--json") if args.json else None
+    out = _output_file(args.json, "--json", "json") if args.json else None
     memory = parse_size(args.memory_per_device) if args.memory_per_device else None
     with tempfile.TemporaryDirectory(prefix="lmtune-plan-") as workdir:
         report = plan(cfg, memory, args.calibrate, Path(workdir))
     print(format_report(report))
     if out is not None:
-        out.write_text(json.dumps(report_json(report), indent=2))
+        out.write_text(json.dumps(json_marked(report_json(report), "plan"), indent=2))
         print(f"wrote {out}")
     return 0
 
@@ -319,6 +322,9 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     if args.png and Path(args.png).exists() and not Path(args.png).is_dir():
         raise UserError(f"--png {args.png}: not a folder (--png names the folder the PNG files go to)")
+    _output_file(args.out, "--out", "html")
+    for name in PLOTS if args.png else ():
+        check_replaceable(Path(args.png) / f"{name}.png", "--png", "png")
     drawn = report([Path(o) for o in args.outputs], Path(args.out), Path(args.png) if args.png else None)
     empty = [name for name in PLOTS if name not in drawn]
     print(
@@ -337,7 +343,7 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     cfg = train_config(args)  # the DATA arguments are its --data
     check_settings(cfg, cfg.launch.nproc_per_node)
-    plot = _output_file(args.plot, "--plot", ".png") if args.plot else None
+    plot = _output_file(args.plot, "--plot", "png") if args.plot else None
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
     if cfg.examples.chat_template is not None:
         from lmtune.data.chat import use_chat_template

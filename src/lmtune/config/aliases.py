@@ -106,6 +106,7 @@ HINTS: dict[str, str] = {
     "adapter": (
         "LoRA is {lora} (with {lora_rank}, {lora_alpha}, {lora_target_modules}); QLoRA adds {load_in_4bit}"
     ),
+    "lora_target_linear": "adapt every linear layer with {lora_target_modules} all-linear",  # Axolotl
     "sample_packing": "packing is {packing} on | off | auto",
     "datasets": (
         "give the files with {data} (comma-separated; each record's format is detected from its "

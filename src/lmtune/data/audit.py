@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from lmtune.config.groups import ExampleSettings
+from lmtune.config.marks import PNG_METADATA
 from lmtune.config.mixture import parse_weights, source_names
 from lmtune.data.chat import end_of_turn_ids
 from lmtune.data.formats import CHAT_FORMATS, FieldMap, ensure_chat_template
@@ -380,5 +381,5 @@ def plot_histogram(report: AuditReport, path: Path) -> None:
     ax.set_title(f"{report.spec}: {len(report.lengths):,} examples")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, metadata=PNG_METADATA)
     plt.close(fig)

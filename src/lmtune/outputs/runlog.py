@@ -114,11 +114,9 @@ class RunLog:
         else:
             print(message, flush=True)
 
-    def start_progress(self, total_steps: int, initial: int = 0) -> None:
+    def start_progress(self, total: int, initial: int = 0, desc: str = "train", unit: str = "step") -> None:
         if self.progress:
-            self._bar = tqdm(
-                total=total_steps, initial=initial, desc="train", unit="step", dynamic_ncols=True
-            )
+            self._bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True)
 
     def end_progress(self) -> None:
         if self._bar is not None:
@@ -137,10 +135,11 @@ class RunLog:
                 self._reporters.remove(reporter)
                 self.info(f"warning: {type(reporter).__name__} stopped: {type(e).__name__}: {e}")
 
-    def advance(self, postfix: dict[str, str]) -> None:
+    def advance(self, postfix: dict[str, str] | None = None, n: int = 1) -> None:
         if self._bar is not None:
-            self._bar.set_postfix(postfix, refresh=False)
-            self._bar.update(1)
+            if postfix:
+                self._bar.set_postfix(postfix, refresh=False)
+            self._bar.update(n)
 
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
         if self.active:

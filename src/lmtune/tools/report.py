@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmtune.checkpoint.layout import MANIFEST, list_checkpoints
 from lmtune.checkpoint.rundir import lock_status
 from lmtune.config.files import decode_json, read_bytes, read_json
+from lmtune.config.marks import HTML_MARK, PNG_METADATA
 from lmtune.errors import UserError, brief
 from lmtune.outputs.reporters import is_number
 from lmtune.parallel.launch import warn
@@ -337,7 +339,7 @@ def _render_one(plt: Any, title: str, draw: Plot, runs: list[RecordedRun]) -> by
             ax.legend(fontsize=7)
         fig.tight_layout()
         buffer = io.BytesIO()
-        fig.savefig(buffer, format="png")
+        fig.savefig(buffer, format="png", metadata=PNG_METADATA)
         return buffer.getvalue()
     finally:
         plt.close(fig)
@@ -345,10 +347,16 @@ def _render_one(plt: Any, title: str, draw: Plot, runs: list[RecordedRun]) -> by
 
 def _unfinished(folder: Path) -> str:
     """A run with no result yet, as its lock tells it."""
-    return {
-        "running": "running",
-        "gone": "stopped (its process is gone: killed, or the machine restarted; the same command resumes)",
-    }.get(lock_status(folder) or "", "running or stopped")
+    status = lock_status(folder)
+    if status != "gone":
+        return "running" if status == "running" else "running or stopped"
+    saved = [p for p in list_checkpoints(folder) if (p / MANIFEST).is_file()]  # hashes: too slow here
+    then = (
+        f"the same command resumes from {saved[-1].name}"
+        if saved
+        else "no checkpoint was saved: the same command starts over"
+    )
+    return f"stopped (its process is gone: killed, or the machine restarted; {then})"
 
 
 def _summary(run: RecordedRun) -> dict[str, str]:
@@ -430,7 +438,7 @@ def build_html(runs: list[RecordedRun], pngs: dict[str, bytes | None]) -> str:
     names = [run.name for run in runs]
     summaries = [_summary(run) for run in runs]
     parts = [
-        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<!doctype html><html><head><meta charset='utf-8'>{HTML_MARK}",
         f"<title>lmtune report: {html.escape(', '.join(names))}</title><style>{STYLE}</style></head><body>",
         f"<h1>lmtune report: {html.escape(', '.join(names))}</h1>",
         "<h2>Runs</h2>",

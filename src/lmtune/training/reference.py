@@ -196,6 +196,8 @@ def precompute(
     collate = PairCollator(pad_token_id)
     was_training = module.training
     module.eval()
+    # Rank 0's share of the pairs: hours on a large model, so it shows how far it is.
+    run.log.start_progress(len(range(0, batches, env.world_size)), desc="reference log-probs", unit="batch")
     with torch.no_grad(), module.reference_pass():
         for k in range(rounds):
             run.stop.raise_if_requested()  # before training there is nothing to save: stop here
@@ -209,6 +211,8 @@ def precompute(
                 logps = module(*batch.model_inputs())
             if ids:
                 out[ids] = logps.double()
+                run.log.advance()
+    run.log.end_progress()
     module.train(was_training)
     return all_reduce_sum(out, env).cpu().numpy()
 

@@ -34,5 +34,12 @@ def test_a_differing_hash_names_the_settings_behind_it() -> None:
     with pytest.raises(UserError, match=r"--seed 1 -> 2\. Use the same"):
         compare(saved, Fingerprint({**hashed, "--seed": 2}, {}, now.described), Path("c"))
     # A supervised run's checkpoint names no objective: it was sft.
-    with pytest.raises(UserError, match=r"--objective sft -> dpo"):
-        compare(saved, Fingerprint({**hashed, "--objective": "dpo"}, {}, saved.described), Path("c"))
+    dpo = {**hashed, "--objective": "dpo", "--reference": "logprobs", "--reference-model": None}
+    with pytest.raises(UserError, match=r"--objective sft -> dpo\. Use the same"):  # no reference noise
+        compare(saved, Fingerprint(dpo, {}, saved.described), Path("c"))
+    with pytest.raises(UserError, match=r"--objective dpo -> simpo; --reference logprobs -> none\. Use"):
+        compare(
+            Fingerprint(dpo, {}),
+            Fingerprint({**dpo, "--objective": "simpo", "--reference": None}, {}),
+            Path("c"),
+        )
