@@ -34,6 +34,11 @@ from tests.conftest import write_jsonl
         ("seed: 1\nlearning_rate: abc\n", "run.yaml:2: learning_rate: expected float, got 'abc'"),
         ("lora:\n  enabled: true\n  rank: x\n", "run.yaml:1: lora_rank: expected int, got 'x'"),
         ("seed: 1\nepochs: -1\n", "run.yaml:2: epochs: must be >= 1 (got -1)"),  # a range, checked later
+        # Another setting the reason names is named as the file would name it.
+        (
+            "warmup_steps: 5\nwarmup_ratio: 0.1\n",
+            "run.yaml:2: warmup_ratio: is instead of warmup_steps: give",
+        ),
     ],
 )
 def test_bad_yaml_settings(

@@ -6,6 +6,7 @@ import atexit
 import errno
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from contextlib import suppress
@@ -107,11 +108,18 @@ def _placed(e: UserError, args: Any) -> str:
     if not isinstance(e, SettingError) or config is None or hasattr(args, e.setting):
         return str(e)
     from lmtune.config.io import yaml_places
+    from lmtune.config.settings import config_fields
+
+    names = {f.name for f in config_fields()}
+
+    def as_key(m: re.Match[str]) -> str:  # other settings the reason names: as the file would
+        name = m.group(1).replace("-", "_")
+        return name if name in names and not hasattr(args, name) else m.group(0)
 
     with suppress(UserError):  # the file as it was read: this only rewords the message
         place = yaml_places(config).get(e.setting)
         if place is not None:
-            return f"{place}: {e.reason}"
+            return f"{place}: {re.sub(r'--([a-z][a-z0-9-]*)', as_key, e.reason)}"
     return str(e)
 
 
