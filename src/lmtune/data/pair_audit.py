@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmtune.data.formats import FieldMap
-from lmtune.data.pairs import conversation, is_messages, rendered_pairs, tokenize_pairs
+from lmtune.data.pairs import answer_texts, rendered_pairs, tokenize_pairs
 from lmtune.data.sources import BadLines, Record
 from lmtune.data.tokenize import chunks
 
@@ -32,15 +32,6 @@ class PairAudit:
             self.examples.append(f"{where}: {what}")
 
 
-def _answers(record: Record, names: FieldMap) -> tuple[str, str]:
-    """The answers' own text (of messages: their contents), to compare them."""
-    fields = record.fields
-    if is_messages(fields.get("prompt")) or ("prompt" not in fields and is_messages(fields.get("chosen"))):
-        _, chosen, rejected = conversation(record, names)
-        return "\n".join(m["content"] for m in chosen), "\n".join(m["content"] for m in rejected)
-    return str(fields.get("chosen", "")), str(fields.get("rejected", ""))
-
-
 def audit_pairs(
     recs: Iterable[Record], tokenizer: Any, lengths: tuple[int, int | None], names: FieldMap
 ) -> PairAudit:
@@ -51,7 +42,7 @@ def audit_pairs(
     for chunk in chunks(recs):
         records, texts = rendered_pairs(chunk, tokenizer, BadLines(skip=True), names)
         for record, pair in zip(records, tokenize_pairs(texts, tokenizer), strict=True):
-            chosen, rejected = _answers(record, names)
+            chosen, rejected = answer_texts(record, names)
             report.pairs += 1
             report.useless += chosen == rejected or not chosen.strip() or not rejected.strip()
             if chosen == rejected:

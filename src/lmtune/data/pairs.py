@@ -247,6 +247,15 @@ def rendered_pairs(
     return records, texts
 
 
+def answer_texts(record: Record, names: FieldMap) -> tuple[str, str]:
+    """The answers' own text (of messages: their contents), to compare them."""
+    fields = record.fields
+    if is_messages(fields.get("prompt")) or ("prompt" not in fields and is_messages(fields.get("chosen"))):
+        _, chosen, rejected = conversation(record, names)
+        return "\n".join(m["content"] for m in chosen), "\n".join(m["content"] for m in rejected)
+    return str(fields.get("chosen", "")), str(fields.get("rejected", ""))
+
+
 def pair_counts(meta: dict[str, Any]) -> str:
     """What truncation did to preference pairs, and how many have the same answer twice, for the
     data line of the log."""
@@ -256,10 +265,10 @@ def pair_counts(meta: dict[str, Any]) -> str:
         f" (pairs: {meta.get('prompts_truncated', 0)} prompts cut from the left, "
         f"{meta.get('answers_truncated', 0)} with answers cut from the right)"
     )
-    same = meta.get("identical_pairs", 0)
-    return (cut if meta.get("truncated") else "") + (
-        f"; {same:,} with the same answer as chosen and rejected (no preference to learn; lmtune data "
-        "audit lists them)"
-        if same
-        else ""
+    same, empty = meta.get("identical_pairs", 0), meta.get("empty_answer_pairs", 0)
+    return (
+        (cut if meta.get("truncated") else "")
+        + (f"; {same:,} with the same answer as chosen and rejected (no preference to learn)" if same else "")
+        + (f"; {empty:,} with an empty answer (most often a data error)" if empty else "")
+        + ("; lmtune data audit lists them" if same or empty else "")
     )

@@ -11,7 +11,14 @@ import numpy as np
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import end_of_turn_ids
 from lmtune.data.formats import CHAT_FORMATS, FieldMap, Rendered, detect_format, render
-from lmtune.data.pairs import PairTokens, answer_targets, fit_pair, rendered_pairs, tokenize_pairs
+from lmtune.data.pairs import (
+    PairTokens,
+    answer_targets,
+    answer_texts,
+    fit_pair,
+    rendered_pairs,
+    tokenize_pairs,
+)
 from lmtune.data.sources import BadLines, Record
 from lmtune.errors import UserError
 
@@ -41,6 +48,7 @@ class EncodeStats:
     prompts_truncated: int = 0
     answers_truncated: int = 0
     identical_pairs: int = 0  # kept pairs whose answers are the same tokens: no preference in them
+    empty_answer_pairs: int = 0  # kept pairs with an answer of no text (a data error, most often)
 
     def merge(self, other: EncodeStats) -> None:
         for f in fields(self):
@@ -293,6 +301,7 @@ def encode_pairs(
         stats.prompts_truncated += bool(prompt_cut or (cut and cut.prompt_cut))
         stats.answers_truncated += bool(cut and cut.answers_cut)
         stats.identical_pairs += np.array_equal(pair.chosen, pair.rejected)
+        stats.empty_answer_pairs += not all(a.strip() for a in answer_texts(record, names))
         stats.tokens += len(pair.prompt) + len(pair.chosen) + len(pair.rejected)  # as the model runs it
         stats.target_tokens += sum(targets)
         # Anywhere in each answer, as for single examples: chat templates put a newline after the

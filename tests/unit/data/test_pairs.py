@@ -309,3 +309,25 @@ def test_two_whole_texts_share_their_beginning_as_the_prompt() -> None:
     # One text the other's beginning: the prompt would swallow an answer.
     with pytest.raises(UserError, match="one of its chosen and rejected texts is the other's beginning"):
         encode([{"chosen": "Human: hi Assistant: hello there", "rejected": "Human: hi Assistant: hello"}])
+
+
+def test_training_counts_pairs_with_the_same_or_an_empty_answer() -> None:
+    """As the audit does: the data line of a run names them (they trained in silence)."""
+    from lmtune.data.pairs import pair_counts
+
+    rows = [
+        {"prompt": "q", "chosen": "a", "rejected": "a"},
+        {"prompt": "q", "chosen": "  ", "rejected": "b"},
+        {"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": ""}]}
+        | {"rejected": [{"role": "assistant", "content": "c"}]},
+        {"prompt": "q", "chosen": "a", "rejected": "b"},
+    ]
+    tok = byte_tokenizer()
+    tok.chat_template = CHATML
+    _, stats, _ = encode(rows, tok)
+    assert stats.examples == 4 and (stats.identical_pairs, stats.empty_answer_pairs) == (1, 2)
+    meta = {"formats": stats.formats, "identical_pairs": 1, "empty_answer_pairs": 2}
+    assert pair_counts(meta) == (
+        "; 1 with the same answer as chosen and rejected (no preference to learn); 2 with an empty "
+        "answer (most often a data error); lmtune data audit lists them"
+    )
