@@ -168,7 +168,7 @@ def _run(run: RunContext) -> TrainResult:
     run_info = run_record(run, built, (checkpoints.resumed_from, checkpoints.changed), peak)
     log.write_json("run.json", run_info)
     result = fit(trainee, data, state, loop, FitSettings(env=env, step=step, stop_requested=run.stop))
-    run_info["result"] = result_record(result, built.optimizer, env) | {"wall_time_s": time.time() - started}
+    run_info["result"] = result_record(result, built, run) | {"wall_time_s": time.time() - started}
     peaks = run_info["result"]["peak_memory_per_rank"]
     log.info("peak memory per rank: " + ", ".join(f"{p / 2**20:,.0f} MiB" for p in peaks))
     log.write_json("run.json", run_info)

@@ -27,8 +27,11 @@ def test_training_options_still_learn(tmp_path: Path, extra: dict[str, object]) 
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     measured = [r["mfu"] for r in rows[1:] if r["mfu"] is not None]  # None: over 100% (peak read low)
     assert len(measured) >= 20 and all(0 < m <= 1 for m in measured)
-    resolved = json.loads((out / "run.json").read_text())["resolved"]
-    paths = resolved["paths"]
+    record = json.loads((out / "run.json").read_text())
+    resolved, paths = record["resolved"], record["resolved"]["paths"]
+    if cfg.compile:  # all 4 of the tiny preset's blocks
+        assert record["result"]["compile"]["compiled"] == "4 of 4 decoder blocks"
+    assert (record["result"]["compile"] is None) is not cfg.compile
     assert paths["cpu_matrix_units"] == cpu_units().describe()
     if cfg.precision != "bf16" or cfg.compile:
         assert paths["products"] is None and paths["attention"] is None

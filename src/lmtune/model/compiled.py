@@ -10,6 +10,8 @@ from torch import nn
 
 from lmtune.parallel.wrap import decoder_blocks
 
+_MARK = "lmtune_compiled"  # on a block's forward that compile_blocks wrapped
+
 
 def compile_blocks(model: nn.Module) -> str | None:
     """torch.compile in place (parameter names unchanged, so checkpoints stay the same): each decoder
@@ -35,6 +37,20 @@ def compile_blocks(model: nn.Module) -> str | None:
     return None
 
 
+def compile_record(model: nn.Module) -> dict[str, Any]:
+    """What --compile compiled in ``model`` and the graphs torch.compile has made so far (0 after
+    training: every graph failed and ran eagerly), for run.json."""
+    import torch._dynamo.utils
+
+    blocks = decoder_blocks(model)
+    if blocks:
+        done = sum(getattr(getattr(b.forward, "__func__", None), _MARK, False) for b in blocks)
+        what = f"{done} of {len(blocks)} decoder blocks"
+    else:
+        what = "the whole model" if getattr(model, "_compiled_call_impl", None) is not None else "nothing"
+    return {"compiled": what, "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])}
+
+
 def compiles_whole(model: nn.Module) -> bool:
     """Whether :func:`compile_blocks` compiles ``model``'s whole forward, logits included."""
     return not decoder_blocks(model)
@@ -53,6 +69,7 @@ def _compile_training_forward(block: nn.Module) -> None:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return (compiled if torch.is_grad_enabled() else own)(self, *args, **kwargs)
 
+    setattr(forward, _MARK, True)
     # The class's forward rebound to the block, not a closure over it: a deep copy (a preference
     # run's live reference) rebinds it to the copy, which then computes with its own weights.
     block.forward = MethodType(forward, block)  # type: ignore[method-assign]

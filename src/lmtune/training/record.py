@@ -19,6 +19,7 @@ from lmtune.checkpoint.state import optimizer_state_bytes
 from lmtune.config.settings import TrainConfig, setting_named, to_dict
 from lmtune.config.threads import busy_at_start, thread_wait
 from lmtune.model.attention import attention_description
+from lmtune.model.compiled import compile_record
 from lmtune.model.quantization import footprint, parameter_count
 from lmtune.objectives.base import Objective
 from lmtune.parallel.distributed import DistEnv, all_gather_object
@@ -55,9 +56,9 @@ def count(params: Iterable[torch.nn.Parameter]) -> int:
     return sum(p.numel() for p in params)
 
 
-def result_record(result: FitResult, optimizer: torch.optim.Optimizer, env: DistEnv) -> dict[str, Any]:
+def result_record(result: FitResult, built: Built, run: RunContext) -> dict[str, Any]:
     """run.json's ``result`` (collective: every rank's peak memory and optimizer state)."""
-    state = result.state
+    state, optimizer, env = result.state, built.optimizer, run.env
     return {
         "peak_memory_per_rank": all_gather_object(peak_memory_bytes(env.device), env),
         "optimizer_state_bytes_per_rank": all_gather_object(optimizer_state_bytes(optimizer), env),
@@ -70,6 +71,9 @@ def result_record(result: FitResult, optimizer: torch.optim.Optimizer, env: Dist
         "stopped_by": {"signal": "signal", "early": "early_stopping"}.get(result.stop or ""),
         "best": asdict(result.best) if result.best is not None else None,
         "eval": result.evals[-1].record() if result.evals else None,
+        # Whether --compile compiled: its log line says when it could not start; no graphs after
+        # training say every one failed at its first call and ran eagerly.
+        "compile": compile_record(built.parts.model) if run.cfg.model.compile else None,
     }
 
 

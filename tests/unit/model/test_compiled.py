@@ -8,7 +8,7 @@ import copy
 import torch
 from torch import nn
 
-from lmtune.model.compiled import compile_blocks
+from lmtune.model.compiled import compile_blocks, compile_record
 
 
 class Block(nn.Module):
@@ -39,6 +39,7 @@ def test_a_deep_copy_computes_with_its_own_weights() -> None:
     torch.manual_seed(0)
     model = Model()
     assert compile_blocks(model) is None
+    assert compile_record(model)["compiled"] == "2 of 2 decoder blocks"  # run.json's
     reference = copy.deepcopy(model)
     x = torch.randn(3, 4)
     with torch.no_grad():
@@ -58,3 +59,4 @@ def test_blocks_with_a_hooked_forward_are_left_eager() -> None:
     assert failure is not None and "Block's forward is replaced on the instance" in failure
     assert getattr(model.blocks[0].forward, "__self__", None) is model.blocks[0]
     assert model.blocks[0].forward.__func__ is Block.forward  # nothing was compiled
+    assert compile_record(model)["compiled"] == "0 of 2 decoder blocks"
