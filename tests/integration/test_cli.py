@@ -48,7 +48,7 @@ def test_user_errors_exit_2_with_a_message(
         (["data", "audit", "sample", "--plot", "out.txt"], "--plot out.txt: name a .png file"),
         (["data", "audit", "sample", "--plot", "hist"], "--plot hist: name a .png file"),
         (["data", "audit", "sample", "--plot", "no/such/folder/h.png"], "in an existing folder"),
-        (["plan", "--json", "."], "--json .: name a file in an existing folder"),
+        (["plan", "--json", "."], "--json .: a folder; name a file"),
         (["report", "no-such-run"], "no-such-run: no such folder"),
     ],
 )

@@ -252,43 +252,58 @@ def test_named_output_files_replace_only_what_lmtune_wrote(
     data = write_jsonl(tmp_path / "d.jsonl", ["one two", "three"])
     audit = ["data", "audit", str(data), "--global-batch-size", "2", "--plot", str(plot)]
     mine = b"\x89PNG\r\n\x1a\n my own figure"
-    for path, argv, content in [(page, report, b"<html>my notes</html>"), (plot, audit, mine)]:
+    # A page that quotes the tag is no report of lmtune's: only its opening marks one.
+    quoting = b'<html><!-- <meta name="generator" content="lmtune"> --></html>'
+    for path, argv, content, what in [
+        (page, report, quoting, "not an HTML report lmtune wrote"),
+        (plot, audit, mine, "not a PNG plot lmtune wrote"),
+    ]:
         path.write_bytes(content)
-        assert "this file exists and lmtune did not write it" in _error(argv, capsys)
+        assert what in _error(argv, capsys)
         assert path.read_bytes() == content and (path == plot or not pngs.exists())
         path.unlink()
         assert main(argv) == 0
-        written = path.read_bytes()
         assert main(argv) == 0 and path.read_bytes() != b""  # its own file: replaced
-        assert written[:8] == path.read_bytes()[:8]
     (pngs / f"{next(iter(PLOTS))}.png").write_bytes(mine)  # a user's figure among lmtune's
     assert "--png" in _error(report, capsys)
-    # A link is never written through, even to a file lmtune wrote.
     (pngs / f"{next(iter(PLOTS))}.png").unlink()
+    # A link is never written through, even to a file lmtune wrote.
     link = tmp_path / "link.html"
     link.symlink_to(page)
-    assert "did not write it" in _error([*report[:3], str(link)], capsys)
-    for command in (["plan", "--json"], ["bench", "--steps", "1", "--json"]):
-        table = tmp_path / "table.json"
-        table.write_text('{"mine": 1}')
+    assert "a symbolic link" in _error([*report[:3], str(link)], capsys)
+    # A run's own entries are not for other files: a checkpoint would fail its manifest.
+    inside = run / "checkpoints" / "step-000002" / "r.html"
+    assert "lies inside the run folder" in _error([*report[:3], str(inside)], capsys)
+    assert "lies inside the run folder" in _error([*report[:5], str(run / "final" / "png")], capsys)
+    assert not inside.exists() and not (run / "final" / "png").exists()
+    assert "name a .html or .htm file" in _error([*report[:3], str(tmp_path / "r.png")], capsys)
+    table = tmp_path / "table.json"
+    for command, content in [
+        (["plan", "--json"], '{"mine": 1}'),
+        (["bench", "--steps", "1", "--json"], '{"mine": 1}'),
+        (["plan", "--json"], '[{"written_by": "lmtune bench"}]'),  # another command's file
+        (["bench", "--steps", "1", "--json"], '[{"written_by": "lmtune-bench"}]'),
+    ]:
+        table.write_text(content)
         assert "--json" in _error([*command, str(table)], capsys)
-        assert table.read_text() == '{"mine": 1}'
+        assert table.read_text() == content
 
 
 def test_what_marks_a_file_as_lmtunes(tmp_path: Path) -> None:
     from lmtune.config.marks import JSON_FIELD, json_marked, written_by_lmtune
 
     f = tmp_path / "t.json"
-    for value, ours in [
-        (json_marked({"a": 1}, "plan"), True),
-        ([json_marked({"a": 1}, "bench"), json_marked({"a": 2}, "bench")], True),
-        ([json_marked({"a": 1}, "bench"), {"a": 2}], False),  # a row added by hand
-        ([], False),
-        ({JSON_FIELD: "someone else"}, False),
-        ("lmtune", False),
+    for value, kind, ours in [
+        (json_marked({"a": 1}, "plan"), "plan", True),
+        (json_marked({"a": 1}, "plan"), "bench", False),
+        ([json_marked({"a": 1}, "bench"), json_marked({"a": 2}, "bench")], "bench", True),
+        ([json_marked({"a": 1}, "bench"), {"a": 2}], "bench", False),  # a row added by hand
+        ([], "bench", False),
+        ({JSON_FIELD: "someone else"}, "plan", False),
+        ("lmtune plan", "plan", False),
     ]:
         f.write_text(json.dumps(value))
-        assert written_by_lmtune(f, "json") is ours, value
+        assert written_by_lmtune(f, kind) is ours, value  # type: ignore[arg-type]
     f.write_bytes(b"\xff\xfe not text")
-    assert not written_by_lmtune(f, "json")
-    assert not written_by_lmtune(tmp_path, "html") and not written_by_lmtune(tmp_path / "none.png", "png")
+    assert not written_by_lmtune(f, "plan")
+    assert not written_by_lmtune(tmp_path, "report") and not written_by_lmtune(tmp_path / "none.png", "png")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from lmtune.cli import main
-from tests.conftest import run_lmtune, train_rows
+from tests.conftest import run_lmtune, tiny_run_with_checkpoint, train_rows
 
 
 def _wandb_history(folder: Path) -> list[dict[str, Any]]:
@@ -192,31 +192,49 @@ def test_mfu_over_100_percent_is_never_recorded(tmp_path: Path, monkeypatch: pyt
 def test_report_tells_a_killed_run_from_a_running_one(tmp_path: Path) -> None:
     """No result yet: its lock's process alive is running; gone (kill -9) is stopped."""
     import os
+    import shutil
     import socket
     import subprocess
 
-    from lmtune.checkpoint.layout import MANIFEST
     from lmtune.checkpoint.rundir import LOCK_FILE, lock_status
     from lmtune.tools.report import _summary, load_run
 
-    out = tmp_path / "out"
+    out = tmp_path / "killed"
     out.mkdir()
     (out / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n")
-    holders = {"gone": subprocess.Popen(["true"]).pid, "running": os.getpid()}  # the first ends at once
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # reaped here (a pid left to os.waitpid may be reaped by the next Popen)
+    holders = {"gone": ended.pid, "running": os.getpid()}
     assert lock_status(out) is None
     for expected, pid in holders.items():
         lock = {"host": socket.gethostname(), "pid": pid, "pid_started": None, "started": 1.0}
         (out / LOCK_FILE).write_text(json.dumps({**lock, "run_id": "r", "token": "t"}))
-        if expected == "gone":
-            os.waitpid(pid, 0)
         assert lock_status(out) == expected
         assert _summary(load_run(out))["status"].startswith(
             expected if expected == "running" else "stopped (its"
         )
     (out / LOCK_FILE).write_text(json.dumps({**lock, "pid": holders["gone"], "run_id": "r", "token": "t"}))
-    (out / "checkpoints" / "step-000001").mkdir(parents=True)  # killed while saving its first
-    assert _summary(load_run(out))["status"].endswith(
-        "no checkpoint was saved: the same command starts over)"
-    )
-    (out / "checkpoints" / "step-000001" / MANIFEST).write_text("{}")
-    assert _summary(load_run(out))["status"].endswith("the same command resumes from step-000001)")
+
+    def then() -> str:
+        return _summary(load_run(out))["status"].split("; ", 1)[1]
+
+    assert then() == "no checkpoint was saved: the same command starts over)"
+    other = tiny_run_with_checkpoint(tmp_path) / "checkpoints" / "step-000002"
+    shutil.copytree(other, out / "checkpoints" / "step-000001")
+    shutil.copytree(other, out / "checkpoints" / "step-000002")
+    assert then() == "the same command resumes from step-000002)"
+    model = next(p for p in (out / "checkpoints" / "step-000002").iterdir() if p.suffix == ".safetensors")
+    with model.open("r+b") as f:
+        f.truncate(100)  # damaged: resume refuses it, naming the one before
+    older = out / "checkpoints" / "step-000001"
+    damaged = "its newest checkpoint, step-000002, is damaged"
+    assert then() == f"{damaged}: --resume {older} continues from the one before it)"
+    # A run that continues a --resume checkpoint continues it again, whatever its folder holds.
+    (out / "run.json").write_text(json.dumps({"config": {"resume": str(other)}}))
+    assert then() == f"the same command resumes from --resume {other} again)"
+    # Stopped by a signal: it recorded a result, and saved.
+    shutil.rmtree(out / "checkpoints" / "step-000002")
+    shutil.copytree(other, out / "checkpoints" / "step-000002")
+    (out / "run.json").write_text(json.dumps({"result": {"stopped_by": "signal", "steps": 2}}))
+    status = _summary(load_run(out))["status"]
+    assert status == "stopped (by a signal; the same command resumes from step-000002)"

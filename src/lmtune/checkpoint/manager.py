@@ -152,7 +152,11 @@ class CheckpointManager:
         self.changed = read_changes(_read_record(folder / CHANGES_FILE))
         if changes:
             self.changed.append({"step": state.step, "changes": changes})
-        self._start_step = self._saved_step = state.step
+        self._start_step = state.step
+        # A checkpoint of another folder's run is not this folder's: its end saves one here, so
+        # that a longer run continues in this folder even when this one trained nothing.
+        here = folder.resolve().parent.parent == self.output_dir.resolve()
+        self._saved_step = state.step if here else -1
         return state
 
     def _final_state_of(self, earlier: Finished, newest: Path | None) -> Path:
@@ -173,9 +177,10 @@ class CheckpointManager:
         return self._save(state) if asked or due else None
 
     def at_end(self, state: TrainerState, *, asked: bool) -> Path | None:
-        """The end of a run: saved when asked, or when the run saves periodically and trained."""
-        trained = bool(self.settings.save_every) and state.step > self._start_step
-        return self._save(state) if asked or trained else None
+        """The end of a run: saved when asked, or when the run saves periodically and trained or
+        continued another folder's checkpoint."""
+        unsaved = state.step > self._start_step or state.step != self._saved_step
+        return self._save(state) if asked or (self.settings.save_every and unsaved) else None
 
     def _save(self, state: TrainerState) -> Path | None:
         if state.step == self._saved_step:

@@ -162,7 +162,8 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
     """
 
     refused = _changes(saved.fixed, now.fixed)
-    if any(c.startswith("--objective ") for c in refused):
+    objective = any(c.startswith("--objective ") for c in refused)
+    if objective:
         # Another objective: its own settings that only one side has (an sft checkpoint records no
         # reference) add nothing to that.
         refused = [c for c in refused if c.split()[0] not in _OBJECTIVE_OWN or c.split()[0] in saved.fixed]
@@ -173,9 +174,16 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
             c for c in _changes(saved.described, now.described, both=True) if c.split()[0] not in now.fixed
         ]
         said = f" (of the settings behind them: {'; '.join(behind)})" if hashed and behind else ""
+        todo = (
+            # Another objective on the weights a run trained (TRL's SFT, then DPO): a new run of them.
+            f"To tune the model this checkpoint holds with another objective, start a new run from it: "
+            f"--model {folder} (or its run's final/) with another --output-dir"
+            if objective
+            else "Use the same settings and data, or start afresh with another --output-dir (or --overwrite)"
+        )
         raise UserError(
-            f"cannot resume from {folder}: this run differs in what defines it: {'; '.join(refused)}{said}. "
-            "Use the same settings and data, or start afresh with another --output-dir (or --overwrite)"
+            f"cannot resume from {folder}: this run differs in what defines it: "
+            f"{'; '.join(refused)}{said}. {todo}"
         )
     return _changes(saved.adjustable, now.adjustable)
 

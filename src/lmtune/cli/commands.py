@@ -9,20 +9,34 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmtune.config.marks import Kind, check_replaceable, json_marked
+from lmtune.config.marks import Kind, check_replaceable, json_marked, write_output
 from lmtune.errors import UserError
 
 
 def _output_file(given: str, option: str, kind: Kind) -> Path:
-    """Where a command writes ``option``'s file, checked before its work: a file in an existing
-    folder (a PNG named so), new or one lmtune wrote."""
+    """Where a command writes ``option``'s file, checked before its work: a file named for its
+    kind in an existing folder outside a run's own entries, new or lmtune's earlier one."""
     path = Path(given).expanduser()
-    if (kind == "png" and path.suffix.lower() != ".png") or path.is_dir() or not path.parent.is_dir():
-        raise UserError(
-            f"{option} {given}: name {'a .png file' if kind == 'png' else 'a file'} in an existing folder"
-        )
+    suffixes = {"png": (".png",), "report": (".html", ".htm")}.get(kind, ())
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise UserError(f"{option} {given}: name a {' or '.join(suffixes)} file")
+    if not path.parent.is_dir():
+        raise UserError(f"{option} {given}: name a file in an existing folder")
+    _outside_run_entries(path.parent, option, given)
     check_replaceable(path, option, kind)
     return path
+
+
+def _outside_run_entries(folder: Path, option: str, given: str) -> None:
+    """Refuse a folder inside a run's checkpoints, final model or other entries: a file there would
+    make a checkpoint fail its manifest, or a final folder refuse to be replaced."""
+    from lmtune.checkpoint.layout import enclosing_run
+
+    run = enclosing_run(folder.resolve())
+    if run is not None and run != folder.resolve():
+        raise UserError(
+            f"{option} {given}: lies inside the run folder {run}, among its own files; choose another folder"
+        )
 
 
 def train_config(args: argparse.Namespace) -> Any:
@@ -215,7 +229,7 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print("\n".join(measure_peaks(args.precisions.split(","), args.nproc_per_node, args.device)))
         return 0
 
-    out = _output_file(args.json, "--json", "json")
+    out = _output_file(args.json, "--json", "bench")
     rows = run_bench(
         train_config(args),
         args.strategies.split(","),
@@ -225,8 +239,7 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         args.warmup,
     )
     print(format_table(rows))
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump([json_marked(row, "bench") for row in to_json(rows)], f, indent=2)
+    write_output(out, json.dumps([json_marked(row, "bench") for row in to_json(rows)], indent=2), "--json")
     print(f"wrote {out}")
     return 0
 
@@ -241,13 +254,13 @@ def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     cfg = train_config(args)
     validate(cfg, cfg.launch.nproc_per_node)
-    out = _output_file(args.json, "--json", "json") if args.json else None
+    out = _output_file(args.json, "--json", "plan") if args.json else None
     memory = parse_size(args.memory_per_device) if args.memory_per_device else None
     with tempfile.TemporaryDirectory(prefix="lmtune-plan-") as workdir:
         report = plan(cfg, memory, args.calibrate, Path(workdir))
     print(format_report(report))
     if out is not None:
-        out.write_text(json.dumps(json_marked(report_json(report), "plan"), indent=2))
+        write_output(out, json.dumps(json_marked(report_json(report), "plan"), indent=2), "--json")
         print(f"wrote {out}")
     return 0
 
@@ -322,9 +335,11 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     if args.png and Path(args.png).exists() and not Path(args.png).is_dir():
         raise UserError(f"--png {args.png}: not a folder (--png names the folder the PNG files go to)")
-    _output_file(args.out, "--out", "html")
+    _output_file(args.out, "--out", "report")
+    if args.png:
+        _outside_run_entries(Path(args.png).expanduser(), "--png", args.png)
     for name in PLOTS if args.png else ():
-        check_replaceable(Path(args.png) / f"{name}.png", "--png", "png")
+        check_replaceable(Path(args.png).expanduser() / f"{name}.png", "--png", "png")
     drawn = report([Path(o) for o in args.outputs], Path(args.out), Path(args.png) if args.png else None)
     empty = [name for name in PLOTS if name not in drawn]
     print(
@@ -361,6 +376,6 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     )
     print(format_report(report))
     if plot is not None:
-        plot_histogram(report, plot)
+        write_output(plot, plot_histogram(report), "--plot")
         print(f"  histogram           {plot}")
     return report.exit_code

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -364,8 +364,8 @@ def _verdict(report: AuditReport) -> str:
     return "clean"
 
 
-def plot_histogram(report: AuditReport, path: Path) -> None:
-    """Write the token-length histogram as a PNG."""
+def plot_histogram(report: AuditReport) -> bytes:
+    """The token-length histogram as a PNG."""
     try:
         import matplotlib
 
@@ -381,5 +381,7 @@ def plot_histogram(report: AuditReport, path: Path) -> None:
     ax.set_title(f"{report.spec}: {len(report.lengths):,} examples")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata=PNG_METADATA)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, metadata=PNG_METADATA)
     plt.close(fig)
+    return buffer.getvalue()

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmtune.checkpoint.layout import MANIFEST, list_checkpoints
+from lmtune.checkpoint.layout import list_checkpoints, verify
 from lmtune.checkpoint.rundir import lock_status
 from lmtune.config.files import decode_json, read_bytes, read_json
-from lmtune.config.marks import HTML_MARK, PNG_METADATA
+from lmtune.config.marks import HTML_HEAD, PNG_METADATA, write_output
 from lmtune.errors import UserError, brief
 from lmtune.outputs.reporters import is_number
 from lmtune.parallel.launch import warn
@@ -345,18 +345,40 @@ def _render_one(plt: Any, title: str, draw: Plot, runs: list[RecordedRun]) -> by
         plt.close(fig)
 
 
-def _unfinished(folder: Path) -> str:
-    """A run with no result yet, as its lock tells it."""
+def _status(run: RecordedRun) -> str:
+    """Finished, stopped (by a signal, or its process gone: the lock tells) or running."""
+    folder, result = run.folder, run.info.get("result") or {}
+    if (folder / "final").is_dir():
+        return "finished"
+    if result:
+        return f"stopped ({'by a signal; ' if result.get('stopped_by') == 'signal' else ''}{_then(run)})"
     status = lock_status(folder)
     if status != "gone":
         return "running" if status == "running" else "running or stopped"
-    saved = [p for p in list_checkpoints(folder) if (p / MANIFEST).is_file()]  # hashes: too slow here
-    then = (
-        f"the same command resumes from {saved[-1].name}"
-        if saved
-        else "no checkpoint was saved: the same command starts over"
-    )
-    return f"stopped (its process is gone: killed, or the machine restarted; {then})"
+    return f"stopped (its process is gone: killed, or the machine restarted; {_then(run)})"
+
+
+def _then(run: RecordedRun) -> str:
+    """What the same command does, as lmtune.checkpoint.resume decides it: continue the checkpoint
+    its --resume names, else its folder's newest checkpoint, refused when that one is damaged
+    (checked by the sizes its manifest lists: hashing the files is too slow here)."""
+    resume = (run.info.get("config") or {}).get("resume")
+    if isinstance(resume, str) and resume not in ("auto", "never"):
+        return f"the same command resumes from --resume {resume} again"
+    saved = list_checkpoints(run.folder)
+    if not saved:
+        return "no checkpoint was saved: the same command starts over"
+    if verify(saved[-1], hashes=False) is None:
+        return f"the same command resumes from {saved[-1].name}"
+    older = [p for p in saved[:-1] if verify(p, hashes=False) is None]
+    advice = f"--resume {older[-1]} continues from the one before it" if older else "remove it to start over"
+    return f"its newest checkpoint, {saved[-1].name}, is damaged: {advice}"
+
+
+def _steps(done: Any, total: Any) -> str:
+    if isinstance(done, int) and isinstance(total, int) and done > total:  # resumed past --max-steps
+        return f"{done} (its checkpoint was past the {total} planned)"
+    return f"{done} of {total}"
 
 
 def _summary(run: RecordedRun) -> dict[str, str]:
@@ -365,15 +387,12 @@ def _summary(run: RecordedRun) -> dict[str, str]:
     train = run.kind("train")
     evals = run.kind("eval")
     last = train[-1] if train else {}
-    status = (
-        "finished" if (run.folder / "final").is_dir() else "stopped" if result else _unfinished(run.folder)
-    )
     return {
-        "status": status,
+        "status": _status(run),
         "model": str((run.info.get("config") or {}).get("model", "?")),
         "strategy": f"{resolved.get('strategy', '?')} on {env.get('world_size', '?')} "
         f"x {env.get('device', '?')}",
-        "steps": f"{last.get('step', 0)} of {resolved.get('total_steps', '?')}",
+        "steps": _steps(result.get("steps", last.get("step", 0)), resolved.get("total_steps", "?")),
         "last train loss": f"{last['loss']:.4f}" if is_number(last.get("loss")) else "-",
         "objective": str(resolved.get("objective", "sft"))
         + (f" (reference: {resolved['reference']})" if resolved.get("reference") else ""),
@@ -438,7 +457,7 @@ def build_html(runs: list[RecordedRun], pngs: dict[str, bytes | None]) -> str:
     names = [run.name for run in runs]
     summaries = [_summary(run) for run in runs]
     parts = [
-        f"<!doctype html><html><head><meta charset='utf-8'>{HTML_MARK}",
+        HTML_HEAD,
         f"<title>lmtune report: {html.escape(', '.join(names))}</title><style>{STYLE}</style></head><body>",
         f"<h1>lmtune report: {html.escape(', '.join(names))}</h1>",
         "<h2>Runs</h2>",
@@ -490,10 +509,10 @@ def report(folders: list[Path], out: Path, png_dir: Path | None) -> list[str]:
     """Write the report (and the PNGs); returns the names of the plots that had data."""
     runs = [load_run(f) for f in folders]
     pngs = render_plots(runs)
-    out.write_text(build_html(runs, pngs), encoding="utf-8")
+    write_output(out, build_html(runs, pngs), "--out")
     if png_dir is not None:
         png_dir.mkdir(parents=True, exist_ok=True)
         for name, png in pngs.items():
             if png is not None:
-                (png_dir / f"{name}.png").write_bytes(png)
+                write_output(png_dir / f"{name}.png", png, "--png")
     return [name for name, png in pngs.items() if png is not None]

@@ -35,9 +35,11 @@ def test_a_differing_hash_names_the_settings_behind_it() -> None:
         compare(saved, Fingerprint({**hashed, "--seed": 2}, {}, now.described), Path("c"))
     # A supervised run's checkpoint names no objective: it was sft.
     dpo = {**hashed, "--objective": "dpo", "--reference": "logprobs", "--reference-model": None}
-    with pytest.raises(UserError, match=r"--objective sft -> dpo\. Use the same"):  # no reference noise
+    with pytest.raises(
+        UserError, match=r"--objective sft -> dpo\. To tune .* start a new run from it: --model c "
+    ):
         compare(saved, Fingerprint(dpo, {}, saved.described), Path("c"))
-    with pytest.raises(UserError, match=r"--objective dpo -> simpo; --reference logprobs -> none\. Use"):
+    with pytest.raises(UserError, match=r"--objective dpo -> simpo; --reference logprobs -> none\. To tune"):
         compare(
             Fingerprint(dpo, {}),
             Fingerprint({**dpo, "--objective": "simpo", "--reference": None}, {}),
