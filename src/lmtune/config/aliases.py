@@ -104,9 +104,11 @@ HINTS: dict[str, str] = {
         "{nproc_per_node} N, or under torchrun"
     ),
     "adapter": (
-        "LoRA is {lora} (with {lora_rank}, {lora_alpha}, {lora_target_modules}); QLoRA adds {load_in_4bit}"
+        "LoRA is switched on by {lora} (with {lora_rank}, {lora_alpha}, {lora_target_modules}); QLoRA "
+        "by {load_in_4bit} as well"
     ),
-    "lora_target_linear": "adapt every linear layer with {lora_target_modules} all-linear",  # Axolotl
+    # Axolotl's
+    "lora_target_linear": "every linear layer is lmtune's default ({lora_target_modules} all-linear)",
     "sample_packing": "packing is {packing} on | off | auto",
     "datasets": (
         "give the files with {data} (comma-separated; each record's format is detected from its "
@@ -244,10 +246,12 @@ def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Calla
         value = 4
     if not (type(micro) is int and micro > 0):
         micro = 8  # HF Trainer's default per_device_train_batch_size
+    # A flag takes its value after a space, a YAML key after a colon.
+    sep = " " if style("x").startswith("-") else ": "
     return (
-        f"; {micro} per device x {value} accumulation on one device is {style('global_batch_size')} "
-        f"{micro * value} {style('micro_batch_size')} {micro}, and the same numbers train the same on any "
-        "number of processes"
+        f"; {micro} per device x {value} accumulation on one device is {style('global_batch_size')}{sep}"
+        f"{micro * value}, {style('micro_batch_size')}{sep}{micro}, and the same numbers train the same on "
+        "any number of processes"
     )
 
 

@@ -31,7 +31,11 @@ class EvalSettings:
         False, "With --metric-for-best eval_loss or eval_perplexity: higher is better."
     )
     load_best_at_end: bool = setting(
-        False, "With --metric-for-best: final/ is the best model, not the last one."
+        False,
+        (
+            "final/ is the best model by --metric-for-best (eval_loss unless given, as in the HF "
+            "Trainer), not the last one."
+        ),
     )
     early_stopping_patience: int = setting(
         0,
@@ -43,6 +47,11 @@ class EvalSettings:
     early_stopping_threshold: float = setting(
         0.0, "How much better an evaluation must be to count as an improvement."
     )
+
+    def __post_init__(self) -> None:
+        if self.load_best_at_end and self.metric_for_best is None:
+            # As the HF Trainer's load_best_model_at_end: the best by the loss unless told otherwise.
+            object.__setattr__(self, "metric_for_best", "eval_loss")
 
 
 @dataclass(frozen=True)

@@ -153,9 +153,6 @@ def _check_quantization(cfg: TrainConfig, need: Need) -> None:
 
 def _check_eval(e: EvalSettings, need: Need) -> None:
     need(e.every >= 0, "eval_every", "must be >= 0")
-    need(
-        not e.load_best_at_end or e.metric_for_best is not None, "load_best_at_end", "needs --metric-for-best"
-    )
     need(e.early_stopping_patience >= 0, "early_stopping_patience", "must be >= 0")
     need(
         not e.early_stopping_patience or (e.metric_for_best is not None and e.every > 0),
@@ -330,6 +327,8 @@ def _check_evaluation_data(cfg: TrainConfig, need: Need) -> None:
         )
     evaluates = eval_data is not None or split is not None or cfg.data.train == SAMPLE_DATA
     for name, given in (
+        # --load-best-at-end's metric is eval_loss when none is given: named by what the user gave.
+        ("load_best_at_end", cfg.eval.load_best_at_end),
         ("metric_for_best", cfg.eval.metric_for_best is not None),
         ("eval_every", cfg.eval.every),
     ):

@@ -196,7 +196,7 @@ def test_accumulation_in_a_config_is_translated_with_its_own_numbers(tmp_path: P
     yaml_file.write_text("per_device_train_batch_size: 4\ngradient_accumulation_steps: 2\n")
     with pytest.raises(
         UserError,
-        match="; 4 per device x 2 accumulation on one device is global_batch_size 8 micro_batch_size 4",
+        match="; 4 per device x 2 accumulation on one device is global_batch_size: 8, micro_batch_size: 4",
     ):
         load_yaml(str(yaml_file))
 
@@ -212,7 +212,7 @@ def test_accumulation_flags_are_translated_with_their_own_numbers(
     flags: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["train", *flags]) == 2
-    assert "; 2 per device x 4 accumulation on one device is --global-batch-size 8 --micro-batch-size 2" in (
+    assert "; 2 per device x 4 accumulation on one device is --global-batch-size 8, --micro-batch-size 2" in (
         capsys.readouterr().err
     )
 
@@ -223,7 +223,7 @@ def test_accumulation_alone_is_translated_once_with_hf_trainers_default_batch(
     assert main(["train", "--gradient-accumulation-steps", "4"]) == 2
     err = capsys.readouterr().err
     assert err.count("accumulation on one device") == 1
-    assert "8 per device x 4 accumulation on one device is --global-batch-size 32 --micro-batch-size 8" in err
+    assert "8 per device x 4 accumulation on one device is --global-batch-size 32, --micro-batch-size 8" in err
 
 
 def test_a_train_setting_another_command_does_not_take_says_so(capsys: pytest.CaptureFixture[str]) -> None:

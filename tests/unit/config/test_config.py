@@ -58,6 +58,7 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"precision": "fp8"}, "--precision"),
         ({"max_length": 1}, "--max-length"),
         ({"greater_is_better": True}, "--greater-is-better: needs --metric-for-best"),
+        ({"load_best_at_end": True, "data": "d.jsonl"}, "--load-best-at-end: needs --eval-data or --eval-split"),
         ({"decay_ratio": 0.3}, "--decay-ratio: applies to --lr-schedule wsd only"),
         ({"lr_schedule": "constant", "min_lr_ratio": 0.5}, "--min-lr-ratio: applies to --lr-schedule cosine"),
         ({"hub_private": True}, "--hub-private: applies with --push-to-hub only"),
@@ -203,3 +204,11 @@ def test_hf_trainers_null_neftune_noise_alpha_is_off(tmp_path: Path) -> None:
     path.write_text("neftune_noise_alpha: null\nlearning_rate: 2.0e-5\n")
     cfg = build_config(load_yaml(str(path)))
     assert cfg.objective.neftune_alpha == 0.0 and cfg == TrainConfig(lr=2e-5)
+
+
+def test_load_best_at_end_takes_the_loss_unless_a_metric_is_given() -> None:
+    """As the HF Trainer's load_best_model_at_end (it was refused without --metric-for-best)."""
+    assert TrainConfig(load_best_at_end=True).eval.metric_for_best == "eval_loss"
+    given = TrainConfig(load_best_at_end=True, metric_for_best="eval_perplexity")
+    assert given.eval.metric_for_best == "eval_perplexity"
+    assert TrainConfig().eval.metric_for_best is None
