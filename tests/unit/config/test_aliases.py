@@ -223,7 +223,9 @@ def test_accumulation_alone_is_translated_once_with_hf_trainers_default_batch(
     assert main(["train", "--gradient-accumulation-steps", "4"]) == 2
     err = capsys.readouterr().err
     assert err.count("accumulation on one device") == 1
-    assert "8 per device x 4 accumulation on one device is --global-batch-size 32, --micro-batch-size 8" in err
+    assert (
+        "8 per device x 4 accumulation on one device is --global-batch-size 32, --micro-batch-size 8" in err
+    )
 
 
 def test_a_train_setting_another_command_does_not_take_says_so(capsys: pytest.CaptureFixture[str]) -> None:

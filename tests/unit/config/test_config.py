@@ -58,7 +58,10 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"precision": "fp8"}, "--precision"),
         ({"max_length": 1}, "--max-length"),
         ({"greater_is_better": True}, "--greater-is-better: needs --metric-for-best"),
-        ({"load_best_at_end": True, "data": "d.jsonl"}, "--load-best-at-end: needs --eval-data or --eval-split"),
+        (
+            {"load_best_at_end": True, "data": "d.jsonl"},
+            "--load-best-at-end: needs --eval-data or --eval-split",
+        ),
         ({"decay_ratio": 0.3}, "--decay-ratio: applies to --lr-schedule wsd only"),
         ({"lr_schedule": "constant", "min_lr_ratio": 0.5}, "--min-lr-ratio: applies to --lr-schedule cosine"),
         ({"hub_private": True}, "--hub-private: applies with --push-to-hub only"),
