@@ -81,7 +81,10 @@ def test_two_ranks_train_as_one_process(runs: Path, name: str) -> None:
         assert a["count"] == b["count"] == 8  # pairs per step
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
         for metric, value in a["metrics"].items():
-            assert b["metrics"][metric] == pytest.approx(value, rel=1e-6, abs=1e-6), metric
+            # Rewards are beta x a difference of log-probs summed over an answer's tokens in fp32,
+            # whose order of additions differs with the batch layout: a few ulps of a sum of tens
+            # (1.1e-6 relative on an AVX-512 CPU for IPO's rewards/rejected).
+            assert b["metrics"][metric] == pytest.approx(value, rel=1e-5, abs=1e-6), metric
     assert two["eval_examples"] == one["eval_examples"] == 16
     for metric, value in one["eval"].items():
         assert two["eval"][metric] == pytest.approx(value, rel=1e-6, abs=1e-6), metric
