@@ -335,12 +335,13 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     if args.png and Path(args.png).exists() and not Path(args.png).is_dir():
         raise UserError(f"--png {args.png}: not a folder (--png names the folder the PNG files go to)")
-    _output_file(args.out, "--out", "report")
-    if args.png:
-        _outside_run_entries(Path(args.png).expanduser(), "--png", args.png)
-    for name in PLOTS if args.png else ():
-        check_replaceable(Path(args.png).expanduser() / f"{name}.png", "--png", "png")
-    drawn = report([Path(o) for o in args.outputs], Path(args.out), Path(args.png) if args.png else None)
+    out = _output_file(args.out, "--out", "report")
+    pngs = Path(args.png).expanduser() if args.png else None
+    if pngs is not None:
+        _outside_run_entries(pngs, "--png", args.png)
+        for name in PLOTS:
+            check_replaceable(pngs / f"{name}.png", "--png", "png")
+    drawn = report([Path(o) for o in args.outputs], out, pngs)
     empty = [name for name in PLOTS if name not in drawn]
     print(
         f"wrote {args.out}: {len(drawn)} plots"
