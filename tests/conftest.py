@@ -115,10 +115,9 @@ def assert_same_training(a: dict[str, Any], b: dict[str, Any], label: str = "") 
     Differently grouped matrix products (another world size, micro-batch or sequence layout) round
     differently, and Adam divides each gradient by its own running scale, so a coordinate whose
     gradient is near zero can carry such a rounding difference into its update at lr's scale.
-    Hence: every weight within 5e-5, and all but two in 10,000 within 1e-6 (a LoRA adapter of the
-    tiny preset has 16,384 weights: on an AVX-512 CPU two of them, QLoRA's 2 ranks against one
-    process, passed 1e-6). A real difference (a wrong normalisation, a skipped example) moves far
-    more than that.
+    Hence: every weight within 5e-5, and all but two in 10,000 within 1e-6 (QLoRA's 2 ranks against
+    one process on an AVX-512 CPU: 1.2e-4 of a small adapter's weights). A real difference (a wrong
+    normalisation, a skipped example) moves far more than that.
     """
     import torch
 

@@ -125,12 +125,18 @@ def training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def past_max_steps(done: Any, total: Any) -> str | None:
+    """The steps of a run resumed from a checkpoint already past its --max-steps (it trained
+    nothing more), or None for any other run."""
+    if isinstance(done, int) and isinstance(total, int) and done > total:
+        return f"{done} (its checkpoint was past the {total} this run planned: nothing more was trained)"
+    return None
+
+
 def _steps(done: Any, resolved: dict[str, Any]) -> str:
     total = resolved.get("total_steps")
-    if isinstance(done, int) and isinstance(total, int) and done > total:
-        # A run resumed from a checkpoint already past its --max-steps: it trained nothing more.
-        return f"{done} (its checkpoint was past the {total} this run planned: nothing more was trained)"
-    return f"{total if done is None else done} of {total} ({_epochs(resolved)} planned)"
+    past = past_max_steps(done, total)
+    return past or f"{total if done is None else done} of {total} ({_epochs(resolved)} planned)"
 
 
 def _epochs(resolved: dict[str, Any]) -> str:

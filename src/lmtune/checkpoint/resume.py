@@ -234,6 +234,23 @@ def resume_point(resume: str, output_dir: Path, env: DistEnv) -> Path | None:
     return Path(chosen) if chosen else None
 
 
+def rerun_outcome(output_dir: Path, resume: Any) -> str:
+    """What the same command does in a stopped run's folder, by :func:`resume_point`'s rules (for
+    ``lmtune report``): continue the checkpoint its --resume names, else the folder's newest one,
+    refused when that one is damaged (checked by the sizes its manifest lists: hashing every file
+    is too slow for a report)."""
+    if isinstance(resume, str) and resume not in ("auto", "never"):
+        return f"the same command resumes from --resume {resume} again"
+    saved = list_checkpoints(output_dir)
+    if not saved:
+        return "no checkpoint was saved: the same command starts over"
+    if verify(saved[-1], hashes=False) is None:
+        return f"the same command resumes from {saved[-1].name}"
+    older = [p for p in saved[:-1] if verify(p, hashes=False) is None]
+    advice = f"--resume {older[-1]} continues from the one before it" if older else "remove it to start over"
+    return f"its newest checkpoint, {saved[-1].name}, is damaged: {advice}"
+
+
 def _check_valid(folder: Path, what: str, older: list[Path]) -> None:
     reason = verify(folder)
     if reason is None:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmtune.checkpoint.layout import list_checkpoints, verify
+from lmtune.checkpoint.card_rows import past_max_steps
+from lmtune.checkpoint.resume import rerun_outcome
 from lmtune.checkpoint.rundir import lock_status
 from lmtune.config.files import decode_json, read_bytes, read_json
 from lmtune.config.marks import HTML_HEAD, PNG_METADATA, write_output
@@ -350,49 +351,27 @@ def _status(run: RecordedRun) -> str:
     folder, result = run.folder, run.info.get("result") or {}
     if (folder / "final").is_dir():
         return "finished"
+    then = rerun_outcome(folder, (run.info.get("config") or {}).get("resume"))
     if result:
-        return f"stopped ({'by a signal; ' if result.get('stopped_by') == 'signal' else ''}{_then(run)})"
+        return f"stopped ({'by a signal; ' if result.get('stopped_by') == 'signal' else ''}{then})"
     status = lock_status(folder)
     if status != "gone":
         return "running" if status == "running" else "running or stopped"
-    return f"stopped (its process is gone: killed, or the machine restarted; {_then(run)})"
-
-
-def _then(run: RecordedRun) -> str:
-    """What the same command does, as lmtune.checkpoint.resume decides it: continue the checkpoint
-    its --resume names, else its folder's newest checkpoint, refused when that one is damaged
-    (checked by the sizes its manifest lists: hashing the files is too slow here)."""
-    resume = (run.info.get("config") or {}).get("resume")
-    if isinstance(resume, str) and resume not in ("auto", "never"):
-        return f"the same command resumes from --resume {resume} again"
-    saved = list_checkpoints(run.folder)
-    if not saved:
-        return "no checkpoint was saved: the same command starts over"
-    if verify(saved[-1], hashes=False) is None:
-        return f"the same command resumes from {saved[-1].name}"
-    older = [p for p in saved[:-1] if verify(p, hashes=False) is None]
-    advice = f"--resume {older[-1]} continues from the one before it" if older else "remove it to start over"
-    return f"its newest checkpoint, {saved[-1].name}, is damaged: {advice}"
-
-
-def _steps(done: Any, total: Any) -> str:
-    if isinstance(done, int) and isinstance(total, int) and done > total:  # resumed past --max-steps
-        return f"{done} (its checkpoint was past the {total} planned)"
-    return f"{done} of {total}"
+    return f"stopped (its process is gone: killed, or the machine restarted; {then})"
 
 
 def _summary(run: RecordedRun) -> dict[str, str]:
     resolved, result = run.info.get("resolved") or {}, run.info.get("result") or {}
     env = run.info.get("environment") or {}
-    train = run.kind("train")
-    evals = run.kind("eval")
+    train, evals = run.kind("train"), run.kind("eval")
     last = train[-1] if train else {}
+    done, total = result.get("steps", last.get("step", 0)), resolved.get("total_steps", "?")
     return {
         "status": _status(run),
         "model": str((run.info.get("config") or {}).get("model", "?")),
         "strategy": f"{resolved.get('strategy', '?')} on {env.get('world_size', '?')} "
         f"x {env.get('device', '?')}",
-        "steps": _steps(result.get("steps", last.get("step", 0)), resolved.get("total_steps", "?")),
+        "steps": past_max_steps(done, total) or f"{done} of {total}",
         "last train loss": f"{last['loss']:.4f}" if is_number(last.get("loss")) else "-",
         "objective": str(resolved.get("objective", "sft"))
         + (f" (reference: {resolved['reference']})" if resolved.get("reference") else ""),
