@@ -177,10 +177,10 @@ class CheckpointManager:
         return self._save(state) if asked or due else None
 
     def at_end(self, state: TrainerState, *, asked: bool) -> Path | None:
-        """The end of a run: saved when asked, or when the run saves periodically and trained or
-        continued another folder's checkpoint."""
-        unsaved = state.step > self._start_step or state.step != self._saved_step
-        return self._save(state) if asked or (self.settings.save_every and unsaved) else None
+        """The end of a run: saved when asked, or when the run saves periodically and this folder
+        holds no checkpoint of its last step (it trained, or continued another folder's)."""
+        due = bool(self.settings.save_every) and state.step != self._saved_step
+        return self._save(state) if asked or due else None
 
     def _save(self, state: TrainerState) -> Path | None:
         if state.step == self._saved_step:

@@ -247,18 +247,23 @@ def rerun_outcome(output_dir: Path, resume: Any) -> str:
     if verify(saved[-1], hashes=False) is None:
         return f"the same command resumes from {saved[-1].name}"
     older = [p for p in saved[:-1] if verify(p, hashes=False) is None]
-    advice = f"--resume {older[-1]} continues from the one before it" if older else "remove it to start over"
-    return f"its newest checkpoint, {saved[-1].name}, is damaged: {advice}"
+    return (
+        f"its newest checkpoint, {saved[-1].name}, is damaged: {_instead(older, 'remove it to start over')}"
+    )
+
+
+def _instead(older: list[Path], otherwise: str) -> str:
+    """What to do about a damaged newest checkpoint: continue the one before it, if any."""
+    return f"--resume {older[-1]} continues from the one before it" if older else otherwise
 
 
 def _check_valid(folder: Path, what: str, older: list[Path]) -> None:
     reason = verify(folder)
     if reason is None:
         return
-    advice = f"--resume {older[-1]} continues from the one before it" if older else "remove it"
     raise UserError(
-        f"{what}, {folder}, is damaged: {reason}. It is left as it is; {advice}, or start afresh with "
-        "another --output-dir"
+        f"{what}, {folder}, is damaged: {reason}. It is left as it is; {_instead(older, 'remove it')}, or "
+        "start afresh with another --output-dir"
     )
 
 

@@ -333,11 +333,11 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from lmtune.tools.report import PLOTS, report
 
-    if args.png and Path(args.png).exists() and not Path(args.png).is_dir():
-        raise UserError(f"--png {args.png}: not a folder (--png names the folder the PNG files go to)")
     out = _output_file(args.out, "--out", "report")
     pngs = Path(args.png).expanduser() if args.png else None
     if pngs is not None:
+        if pngs.exists() and not pngs.is_dir():
+            raise UserError(f"--png {args.png}: not a folder (--png names the folder the PNG files go to)")
         _outside_run_entries(pngs, "--png", args.png)
         for name in PLOTS:
             check_replaceable(pngs / f"{name}.png", "--png", "png")

@@ -135,11 +135,11 @@ class RunLog:
                 self._reporters.remove(reporter)
                 self.info(f"warning: {type(reporter).__name__} stopped: {type(e).__name__}: {e}")
 
-    def advance(self, postfix: dict[str, str] | None = None, n: int = 1) -> None:
+    def advance(self, postfix: dict[str, str] | None = None) -> None:
         if self._bar is not None:
             if postfix:
                 self._bar.set_postfix(postfix, refresh=False)
-            self._bar.update(n)
+            self._bar.update(1)
 
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
         if self.active:

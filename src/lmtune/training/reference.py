@@ -197,7 +197,7 @@ def precompute(
     was_training = module.training
     module.eval()
     # Rank 0's share of the pairs: hours on a large model, so it shows how far it is.
-    run.log.start_progress(len(range(0, batches, env.world_size)), desc="reference log-probs", unit="batch")
+    run.log.start_progress(rounds, desc="reference log-probs", unit="batch")
     with torch.no_grad(), module.reference_pass():
         for k in range(rounds):
             run.stop.raise_if_requested()  # before training there is nothing to save: stop here
