@@ -287,6 +287,12 @@ def test_named_output_files_replace_only_what_lmtune_wrote(
         table.write_text(content)
         assert "--json" in _error([*command, str(table)], capsys)
         assert table.read_text() == content
+    # The default lands in the working folder; its refusal says it is the default the user did not type.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        (tmp_path / "bench.json").write_text('{"mine": 1}')
+        assert "the default --json bench.json: not a bench table" in _error(["bench", "--steps", "1"], capsys)
+        assert (tmp_path / "bench.json").read_text() == '{"mine": 1}'
 
 
 def test_what_marks_a_file_as_lmtunes(tmp_path: Path) -> None:

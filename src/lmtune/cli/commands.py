@@ -27,6 +27,20 @@ def _output_file(given: str, option: str, kind: Kind) -> Path:
     return path
 
 
+def _json_output(given: str, kind: Kind) -> Path | None:
+    """``--json``'s file, or None for ``-``: the JSON goes to standard output alone (for a pipe),
+    and the table meant for a person to standard error."""
+    return None if given == "-" else _output_file(given, "--json", kind)
+
+
+def _write_json(out: Path | None, text: str) -> None:
+    if out is None:
+        sys.stdout.write(text + "\n")
+        return
+    write_output(out, text, "--json")
+    print(f"wrote {out}")
+
+
 def _outside_run_entries(folder: Path, option: str, given: str) -> None:
     """Refuse a folder inside a run's checkpoints, final model or other entries: a file there would
     make a checkpoint fail its manifest, or a final folder refuse to be replaced."""
@@ -229,7 +243,12 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print("\n".join(measure_peaks(args.precisions.split(","), args.nproc_per_node, args.device)))
         return 0
 
-    out = _output_file(args.json, "--json", "bench")
+    # A refusal of the default names it as such: the user typed no --json.
+    out = (
+        _json_output(args.json, "bench")
+        if args.json
+        else _output_file("bench.json", "the default --json", "bench")
+    )
     rows = run_bench(
         train_config(args),
         args.strategies.split(","),
@@ -238,9 +257,8 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         args.steps,
         args.warmup,
     )
-    print(format_table(rows))
-    write_output(out, json.dumps([json_marked(row, "bench") for row in to_json(rows)], indent=2), "--json")
-    print(f"wrote {out}")
+    print(format_table(rows), file=sys.stderr if out is None else sys.stdout)
+    _write_json(out, json.dumps([json_marked(row, "bench") for row in to_json(rows)], indent=2))
     return 0
 
 
@@ -254,14 +272,13 @@ def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     cfg = train_config(args)
     validate(cfg, cfg.launch.nproc_per_node)
-    out = _output_file(args.json, "--json", "plan") if args.json else None
+    out = _json_output(args.json, "plan") if args.json else None
     memory = parse_size(args.memory_per_device) if args.memory_per_device else None
     with tempfile.TemporaryDirectory(prefix="lmtune-plan-") as workdir:
         report = plan(cfg, memory, args.calibrate, Path(workdir))
-    print(format_report(report))
-    if out is not None:
-        write_output(out, json.dumps(json_marked(report_json(report), "plan"), indent=2), "--json")
-        print(f"wrote {out}")
+    print(format_report(report), file=sys.stderr if args.json == "-" else sys.stdout)
+    if args.json:
+        _write_json(out, json.dumps(json_marked(report_json(report), "plan"), indent=2))
     return 0
 
 

@@ -339,7 +339,7 @@ def _bench_parser(sub: Any) -> None:
         only=("model", "data", "global_batch_size", "micro_batch_size", "max_length", "packing", "objective"),
     )
     bench.add_argument(
-        "--json", metavar="PATH", default="bench.json", help="table as JSON (default: bench.json)"
+        "--json", metavar="PATH", default=None, help="table as JSON (default bench.json, - stdout)"
     )
     bench.add_argument(
         "--measure-peak",
@@ -373,7 +373,7 @@ def _plan_parser(sub: Any) -> None:
         action="store_true",
         help="train two real steps at two micro-batch sizes and correct the prediction by what they measure",
     )
-    pl.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON")
+    pl.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON (- for stdout)")
     from lmtune.config.settings import PLAN_SETTINGS
 
     _add_train_options(pl, only=PLAN_SETTINGS)

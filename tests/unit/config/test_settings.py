@@ -187,6 +187,21 @@ def test_bench_runs_the_settings_of_a_train_config_file(
     assert ran == expected
 
 
+def test_bench_json_to_stdout_is_json_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--json -` (as for `jq`): standard output carries the JSON only, the table goes to standard
+    error, and no file named "-" appears."""
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "boom"))
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "--strategies", "single", "--precisions", "fp32", "--steps", "2", "--json", "-"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    rows = json.loads(out)
+    assert [(r["strategy"], r["written_by"]) for r in rows] == [("single", "lmtune bench")]
+    assert "failed: boom" in err and list(tmp_path.iterdir()) == []
+
+
 def test_settings_live_in_groups_with_flat_names(tmp_path: Path) -> None:
     from lmtune.config.groups import LoraSettings
     from lmtune.config.io import build_config, load_yaml

@@ -108,24 +108,14 @@ def test_savers_lower_the_estimate() -> None:
 
 
 @pytest.mark.e2e
-def test_plan_command_prints_a_table_and_json(tmp_path: Path) -> None:
-    out = tmp_path / "plan.json"
+def test_plan_command_prints_a_table_and_json() -> None:
+    """`--json -` gives standard output to the JSON alone (for a pipe) and the table to standard error."""
     proc = run_lmtune(
-        [
-            "plan",
-            "--model",
-            "small",
-            "--nproc-per-node",
-            "2",
-            "--memory-per-device",
-            "1GiB",
-            "--json",
-            str(out),
-        ]
+        ["plan", "--model", "small", "--nproc-per-node", "2", "--memory-per-device", "1GiB", "--json", "-"]
     )
     assert proc.returncode == 0, proc.stderr
-    assert "setups that fit 1.0 GiB per device" in proc.stdout and "fsdp x2" in proc.stdout
-    plan = json.loads(out.read_text())
+    assert "setups that fit 1.0 GiB per device" in proc.stderr and "fsdp x2" in proc.stderr
+    plan = json.loads(proc.stdout)
     assert plan["requested"]["setup"]["strategy"] == "ddp"
     labels = {
         (c["setup"]["strategy"], c["setup"]["optimizer"], c["setup"]["lora"]) for c in plan["candidates"]
