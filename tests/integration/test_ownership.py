@@ -267,6 +267,17 @@ def test_named_output_files_replace_only_what_lmtune_wrote(
     (pngs / f"{next(iter(PLOTS))}.png").write_bytes(mine)  # a user's figure among lmtune's
     assert "--png" in _error(report, capsys)
     (pngs / f"{next(iter(PLOTS))}.png").unlink()
+    # A plot these runs hold no data for is not written: a user's file of its name stays as it is, and
+    # lmtune's own from an earlier report (a preference run's) goes, so the folder shows this report.
+    assert main(report) == 0
+    (pngs / "reward_margins.png").write_bytes(mine)
+    (pngs / "reward_accuracies.png").write_bytes((pngs / "loss.png").read_bytes())
+    capsys.readouterr()
+    assert main(report) == 0
+    assert "(removed reward_accuracies.png: no data now)" in capsys.readouterr().out
+    assert (pngs / "reward_margins.png").read_bytes() == mine and not (
+        pngs / "reward_accuracies.png"
+    ).exists()
     # A link is never written through, even to a file lmtune wrote.
     link = tmp_path / "link.html"
     link.symlink_to(page)

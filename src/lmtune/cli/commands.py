@@ -351,22 +351,42 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.tools.report import PLOTS, report
 
     out = _output_file(args.out, "--out", "report")
-    pngs = Path(args.png).expanduser() if args.png else None
-    if pngs is not None:
-        if pngs.exists() and not pngs.is_dir():
+    folder = Path(args.png).expanduser() if args.png else None
+    if folder is not None:
+        if folder.exists() and not folder.is_dir():
             raise UserError(f"--png {args.png}: not a folder (--png names the folder the PNG files go to)")
-        _outside_run_entries(pngs, "--png", args.png)
-        for name in PLOTS:
-            check_replaceable(pngs / f"{name}.png", "--png", "png")
-    drawn = report([Path(o) for o in args.outputs], out, pngs)
-    empty = [name for name in PLOTS if name not in drawn]
+        _outside_run_entries(folder, "--png", args.png)
+    page, pngs = report([Path(o) for o in args.outputs])
+    for name in pngs:  # all checked before anything is written
+        if folder is not None:
+            check_replaceable(folder / f"{name}.png", "--png", "png")
+    write_output(out, page, "--out")
+    empty = [name for name in PLOTS if name not in pngs]
     print(
-        f"wrote {args.out}: {len(drawn)} plots"
+        f"wrote {args.out}: {len(pngs)} plots"
         + (f" (nothing recorded for {', '.join(empty)})" if empty else "")
     )
-    if args.png:
-        print(f"wrote {len(drawn)} PNG files to {args.png}")
+    if folder is not None:
+        removed = _write_pngs(folder, pngs, empty)
+        print(
+            f"wrote {len(pngs)} PNG files to {args.png}"
+            + (f" (removed {removed}: no data now)" if removed else "")
+        )
     return 0
+
+
+def _write_pngs(folder: Path, pngs: dict[str, bytes], empty: list[str]) -> str:
+    """Write the plots that had data; remove lmtune's own PNG of a plot that has none now (a reward
+    plot of an earlier preference run), so the folder shows this report. Returns what it removed."""
+    from lmtune.config.marks import written_by_lmtune
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, png in pngs.items():
+        write_output(folder / f"{name}.png", png, "--png")
+    stale = [folder / f"{name}.png" for name in empty if written_by_lmtune(folder / f"{name}.png", "png")]
+    for path in stale:
+        path.unlink()
+    return ", ".join(path.name for path in stale)
 
 
 def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:

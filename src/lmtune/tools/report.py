@@ -20,7 +20,7 @@ from lmtune.checkpoint.card_rows import past_max_steps
 from lmtune.checkpoint.resume import rerun_outcome
 from lmtune.checkpoint.rundir import lock_status
 from lmtune.config.files import decode_json, read_bytes, read_json
-from lmtune.config.marks import HTML_HEAD, PNG_METADATA, write_output
+from lmtune.config.marks import HTML_HEAD, PNG_METADATA
 from lmtune.errors import UserError, brief
 from lmtune.outputs.reporters import is_number
 from lmtune.parallel.launch import warn
@@ -484,14 +484,8 @@ def build_html(runs: list[RecordedRun], pngs: dict[str, bytes | None]) -> str:
     return "\n".join(parts)
 
 
-def report(folders: list[Path], out: Path, png_dir: Path | None) -> list[str]:
-    """Write the report (and the PNGs); returns the names of the plots that had data."""
+def report(folders: list[Path]) -> tuple[str, dict[str, bytes]]:
+    """The report's page, and the PNG of each plot that had data, by name."""
     runs = [load_run(f) for f in folders]
     pngs = render_plots(runs)
-    write_output(out, build_html(runs, pngs), "--out")
-    if png_dir is not None:
-        png_dir.mkdir(parents=True, exist_ok=True)
-        for name, png in pngs.items():
-            if png is not None:
-                write_output(png_dir / f"{name}.png", png, "--png")
-    return [name for name, png in pngs.items() if png is not None]
+    return build_html(runs, pngs), {name: png for name, png in pngs.items() if png is not None}
