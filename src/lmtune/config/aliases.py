@@ -222,7 +222,10 @@ def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str]
     # An abbreviation (refused: a later option could make it ambiguous) names what it abbreviates.
     prefixed = [c for c in candidates if len(key) >= 3 and c.startswith(key) and not c.startswith("no_")]
     close = [key] if key in HINTS else difflib.get_close_matches(key, candidates, n=3, cutoff=0.75)
-    close = list(dict.fromkeys([*close, *prefixed[:3]]))
+    # What the name extends (report's --out for --output), or what a short option's letter begins.
+    extends = [c for c in sorted(accepted) if len(c) >= 3 and key.startswith(c)]
+    letter = sorted({ALIASES.get(c, c) for c in accepted if len(key) == 1 and c.startswith(key)})
+    close = list(dict.fromkeys([*close, *prefixed[:3], *extends, *(letter if len(letter) <= 2 else [])]))
     if close and close[0] in HINTS:
         return f"{shown}: {_styled(HINTS[close[0]], style)}"
     suggestions = [ALIASES.get(c, c) for c in close if c not in HINTS]

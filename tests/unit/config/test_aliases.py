@@ -92,6 +92,8 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
         (["data", "audit", "x.jsonl", "--max-seq-lenght", "8"], "did you mean --max-length?"),
         (["train", "--zzz-top"], "unknown option --zzz-top (`lmtune train --help` lists them)"),
         (["train", "-q"], "unknown option -q (`lmtune train --help` lists them)"),
+        (["report", "runs/a", "--output", "r.html"], "unknown option --output; did you mean --out?"),
+        (["report", "runs/a", "-o", "r.html"], "unknown option -o; did you mean --out?"),
         (["train", "--bnb_4bit_compute_dtype", "bfloat16"], "4-bit layers compute in --precision's dtype"),
         (["train", "stray.jsonl"], "unexpected argument stray.jsonl"),
     ],
