@@ -394,6 +394,8 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.data.audit import audit, format_report, plot_histogram
     from lmtune.model.modeling import load_tokenizer
 
+    if not hasattr(args, "data") and not hasattr(args, "config"):
+        raise UserError("lmtune data audit: name the DATA to audit, or a --config file whose data it audits")
     cfg = train_config(args)  # the DATA arguments are its --data
     check_settings(cfg, cfg.launch.nproc_per_node)
     plot = _output_file(args.plot, "--plot", "png") if args.plot else None

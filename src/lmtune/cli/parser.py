@@ -266,13 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
 DOCTOR_RDZV_ID = "lmtune-doctor"
 # What `lmtune data audit` reads of train's settings: the model's tokenizer, how records become
 # examples (every setting of that group), and how a step's examples are dealt to the ranks.
-AUDIT_SETTINGS = (
-    "model",
-    "trust_remote_code",
-    *("data_format", "text_field", "field_map", "train_on_prompt", "chat_template", "max_length"),
-    *("truncation", "max_prompt_length", "skip_bad_lines", "txt_mode", "global_batch_size"),
-    *("micro_batch_size", "seed"),
-    *("nproc_per_node", "data_weights"),
+AUDIT_SETTINGS = tuple(
+    "model trust_remote_code data_format text_field field_map train_on_prompt chat_template max_length "
+    "truncation max_prompt_length skip_bad_lines txt_mode global_batch_size micro_batch_size seed "
+    "nproc_per_node data_weights".split()
 )
 
 
@@ -493,7 +490,8 @@ def _data_parser(sub: Any) -> None:
         "train badly (an example loses its stop token's label, an example trains nothing, nothing to "
         "train on); 2 when training would stop on it (bad lines).",
     )
-    aud.add_argument("data", nargs="+", metavar="DATA", help="files, globs, folders or data set names")
+    what = "files, globs, folders, data set names, or 'sample' (default: a --config file's data)"
+    aud.add_argument("data", nargs="*", default=argparse.SUPPRESS, metavar="DATA", help=what)
     # Train's settings that decide what training makes of the data: the same names and defaults.
     _add_train_options(aud, AUDIT_SETTINGS, config_file=True)
     aud.add_argument("--plot", metavar="PNG", default=None, help="also write the length histogram as a PNG")

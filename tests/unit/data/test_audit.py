@@ -58,6 +58,24 @@ def test_clean_data_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "result              clean" in capsys.readouterr().out
 
 
+def test_audit_reads_the_data_of_a_train_config_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`data audit --config run.yaml` audits what `train --config run.yaml` would train on; DATA
+    given beside it wins, as a flag does."""
+    f, other = tmp_path / "ok.jsonl", tmp_path / "other.jsonl"
+    f.write_text('{"text": "a"}\n{"text": "bb"}\n')
+    other.write_text('{"text": "a"}\n{"text": "bb"}\n{"text": "ccc"}\n')
+    config = tmp_path / "run.yaml"
+    config.write_text(f"data: {f}\nglobal_batch_size: 2\n")
+    assert main(["data", "audit", "--config", str(config)]) == 0
+    assert f"audit of {f}\n  records             2 read, 2 kept" in capsys.readouterr().out
+    assert main(["data", "audit", str(other), "--config", str(config)]) == 0
+    assert f"audit of {other}\n  records             3 read, 3 kept" in capsys.readouterr().out
+    assert main(["data", "audit"]) == 2
+    assert "name the DATA to audit, or a --config file" in capsys.readouterr().err
+
+
 def _chat(i: int, words: int) -> dict[str, object]:
     reply = " ".join(["word"] * words)
     return {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": reply}]}
