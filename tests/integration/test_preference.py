@@ -4,6 +4,8 @@ report's reward plots; conversational pairs with LoRA; and the user errors, each
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -32,7 +34,9 @@ def dpo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("dpo")
     write_pairs(root / "pairs.jsonl", 48, seed=11)
     (root / "prompts.jsonl").write_text(json.dumps({"prompt": "12 + 30 = ?"}) + "\n")
-    assert main(_dpo_args(root)) == 0
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        assert main(_dpo_args(root)) == 0
+    (root / "said.txt").write_text(said.getvalue())
     return root / "out"
 
 
@@ -63,6 +67,8 @@ def test_metrics_rows_and_run_json_carry_the_preference_metrics(dpo_run: Path) -
     run = json.loads((dpo_run / "run.json").read_text())
     result = run["result"]["eval"]
     assert result["loss"] == evals[-1]["eval_loss"] and result["examples"] == 8
+    said = (dpo_run.parent / "said.txt").read_text()  # the log counts pairs, as the data line does
+    assert "eval data: 8 pairs of --data held out" in said and said.count(" (8 pairs, ") == 2, said
     assert result["rewards/accuracies"] == evals[-1]["eval_rewards/accuracies"]
     assert result["rewards/margins"] == evals[-1]["eval_rewards/margins"]
     assert run["resolved"]["objective"] == "dpo"

@@ -266,11 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
 DOCTOR_RDZV_ID = "lmtune-doctor"
 # What `lmtune data audit` reads of train's settings: the model's tokenizer, how records become
 # examples (every setting of that group), and how a step's examples are dealt to the ranks.
-AUDIT_SETTINGS = tuple(
+_AUDIT = (
     "model trust_remote_code data_format text_field field_map train_on_prompt chat_template max_length "
     "truncation max_prompt_length skip_bad_lines txt_mode global_batch_size micro_batch_size seed "
-    "nproc_per_node data_weights".split()
+    "nproc_per_node data_weights"
 )
+AUDIT_SETTINGS = tuple(_AUDIT.split())
 
 
 def _train_parser(sub: Any) -> None:

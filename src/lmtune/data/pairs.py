@@ -256,10 +256,15 @@ def answer_texts(record: Record, names: FieldMap) -> tuple[str, str]:
     return str(fields.get("chosen", "")), str(fields.get("rejected", ""))
 
 
+def counted_as(meta: dict[str, Any]) -> str:
+    """What a tokenized data set's (its cache meta's) examples are called in the log."""
+    return "pairs" if {"preference", "preference_messages"} & set(meta["formats"]) else "examples"
+
+
 def pair_counts(meta: dict[str, Any]) -> str:
     """What truncation did to preference pairs, and how many have the same answer twice, for the
     data line of the log."""
-    if not {"preference", "preference_messages"} & set(meta["formats"]):
+    if counted_as(meta) != "pairs":
         return ""
     cut = (
         f" (pairs: {meta.get('prompts_truncated', 0)} prompts cut from the left, "

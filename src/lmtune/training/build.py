@@ -21,7 +21,7 @@ from lmtune.data.chat import end_of_turn_ids, use_chat_template
 from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.formats import CHAT_FORMATS
 from lmtune.data.mixture import mixture_line, per_source, source_index, training_mixture
-from lmtune.data.pairs import pair_counts
+from lmtune.data.pairs import counted_as, pair_counts
 from lmtune.data.prepare import Wanted, cache_root, default_cache_dir, prepare
 from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
 from lmtune.data.tokenize import EncodeStats
@@ -313,9 +313,8 @@ def prepare_data(
         }
         how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
         shown = {SAMPLE_DATA: "the built-in sample", SAMPLE_EVAL: "the built-in sample's held-out split"}
-        unit = "pairs" if {"preference", "preference_messages"} & set(meta["formats"]) else "examples"
         log.info(
-            f"{name} data {shown.get(spec, spec)}: {meta['examples']:,} {unit}, "
+            f"{name} data {shown.get(spec, spec)}: {meta['examples']:,} {counted_as(meta)}, "
             f"{meta['tokens']:,} tokens ({how}); "
             f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long, "
             f"{meta['dropped_no_targets']} dropped with no trainable tokens"
@@ -343,8 +342,8 @@ def prepare_data(
         info["train"]["held_out"] = len(prepared["eval"])
         info["train"]["training_examples"] = len(prepared["train"])
         log.info(
-            f"eval data: {len(prepared['eval']):,} examples of --data held out (--eval-split); "
-            f"{len(prepared['train']):,} left to train on"
+            f"eval data: {len(prepared['eval']):,} {counted_as(prepared['train'].meta)} of --data held out "
+            f"(--eval-split); {len(prepared['train']):,} left to train on"
         )
     for name, data in prepared.items():
         if data.sources is not None:

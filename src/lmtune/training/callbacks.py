@@ -201,8 +201,16 @@ class Evaluator:
     each new best is asked for, and the run stops early when the metric stops improving. The loop
     runs it after the components and before saving, and keeps what it returns."""
 
-    def __init__(self, run_eval: Callable[[], EvalResult], log: RunLog, every: int, best: BestTracker | None):
+    def __init__(
+        self,
+        run_eval: Callable[[], EvalResult],
+        log: RunLog,
+        every: int,
+        best: BestTracker | None,
+        pairs: bool = False,  # a preference objective's: its eval line counts pairs
+    ):
         self.run_eval, self.log, self.every, self.best = run_eval, log, every, best
+        self.noun = "pairs" if pairs else "examples"
 
     def after_step(self, step: StepEnd, control: Control) -> EvalResult | None:
         if self.every and step.state.step % self.every == 0 and not step.finished:
@@ -230,7 +238,7 @@ class Evaluator:
             for name, value in ev.metrics.items()
             if name != "eval_loss" and not (suffixes and name.endswith(suffixes))
         )
-        counts = f"{ev.examples} examples, {ev.target_tokens} tokens"
+        counts = f"{ev.examples} {self.noun}, {ev.target_tokens} tokens"
         per_source = ", ".join(f"{name} {ev.metrics[f'eval_loss/{name}']:.4f}" for name in ev.sources)
         more += f"; per source: {per_source}" if per_source else ""
         self.log.info(f"step {state.step}: eval loss {ev.loss:.4f}{more} ({counts})")
