@@ -357,8 +357,8 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise UserError(f"--png {args.png}: not a folder (--png names the folder the PNG files go to)")
         _outside_run_entries(folder, "--png", args.png)
     page, pngs = report([Path(o) for o in args.outputs])
-    for name in pngs:  # all checked before anything is written
-        if folder is not None:
+    if folder is not None:  # each file checked before anything is written
+        for name in pngs:
             check_replaceable(folder / f"{name}.png", "--png", "png")
     write_output(out, page, "--out")
     empty = [name for name in PLOTS if name not in pngs]
