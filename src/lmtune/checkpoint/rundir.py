@@ -426,12 +426,15 @@ def changed_settings(output_dir: Path, config: dict[str, Any]) -> list[str]:
     def shown(name: str, value: Any, was: bool) -> str:
         if value is not None:
             return str(value)
-        return f"the default {resolved[name]}" if was and name in resolved else "unset"
+        return f"unset (it took {resolved[name]})" if was and name in resolved else "unset"
+
+    def same(name: str, value: Any) -> bool:  # the value given now is what an unset one took
+        return recorded[name] == value or (recorded[name] is None and resolved.get(name, None) == value)
 
     return [
         f"{option_name(name)} {shown(name, value, False)}, was {shown(name, recorded.get(name), True)}"
         for name, value in config.items()
-        if name not in _NOT_THE_RUN and name in recorded and recorded[name] != value
+        if name not in _NOT_THE_RUN and name in recorded and not same(name, value)
     ]
 
 

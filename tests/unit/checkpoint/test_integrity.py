@@ -315,4 +315,6 @@ def test_a_setting_left_to_its_default_is_named_by_the_value_it_took(tmp_path: P
 
     record = {"config": {"lr": None, "seed": 1}, "resolved": {"lr": 0.001}, "environment": {}}
     (tmp_path / "run.json").write_text(json.dumps(record))
-    assert changed_settings(tmp_path, {"lr": 5e-4, "seed": 1}) == ["--lr 0.0005, was the default 0.001"]
+    assert changed_settings(tmp_path, {"lr": 5e-4, "seed": 1}) == ["--lr 0.0005, was unset (it took 0.001)"]
+    # Given now as the value it took is no change (`--lr 1e-3` again).
+    assert changed_settings(tmp_path, {"lr": 1e-3, "seed": 1}) == []
