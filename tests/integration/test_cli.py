@@ -78,6 +78,29 @@ def test_too_few_examples_for_one_global_batch(tmp_path: Path, capsys: pytest.Ca
     assert main(argv) == 2
     assert "give --global-batch-size 2 or less" in capsys.readouterr().err
     assert (tmp_path / "mine").is_dir()
+    # What --eval-split holds out is not there to train: the message says so, and what else helps.
+    data = write_jsonl(tmp_path / "d6.jsonl", [f"text {i}" for i in range(6)])
+    assert main(["train", "--data", str(data), "--eval-split", "0.5", "--global-batch-size", "4"]) == 2
+    assert (
+        "3 examples left to train on after --eval-split 0.5, fewer than one global batch "
+        "(--global-batch-size 4); give --global-batch-size 3 or less, a smaller --eval-split"
+    ) in capsys.readouterr().err
+
+
+def test_examples_past_the_last_whole_batch_are_said_to_sit_the_epoch_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As a DistributedSampler with drop_last, an epoch trains whole global batches; the rest sit
+    it out, and the log, run.json and the model card say so (the HF Trainer trains a last partial batch)."""
+    data = write_jsonl(tmp_path / "d.jsonl", [f"text number {i}" for i in range(11)])
+    out = tmp_path / "o"
+    argv = ["train", "--data", str(data), "--global-batch-size", "4", "--epochs", "1", "--no-progress"]
+    assert main([*argv, "--output-dir", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "each epoch trains 8 of the 11 examples (2 steps of 4): the 3 left over" in said
+    assert json.loads((out / "run.json").read_text())["resolved"]["left_out_per_epoch"] == 3
+    card = (out / "final" / "README.md").read_text()
+    assert "the 3 examples past an epoch's last whole batch sit it out" in card
 
 
 def test_unknown_hub_id_offline_names_what_was_tried(capsys: pytest.CaptureFixture[str]) -> None:

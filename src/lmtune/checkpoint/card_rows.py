@@ -87,8 +87,8 @@ def training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
                 "global batch",
                 f"{resolved.get('global_batch_size')} examples = {resolved.get('micro_batch_size')} per "
                 f"micro-batch x {plural(resolved.get('world_size'), 'process', 'processes')} x "
-                f"{resolved.get('accumulation')} "
-                "accumulation",
+                f"{resolved.get('accumulation')} accumulation"
+                + _left_out(resolved.get("left_out_per_epoch")),
             )
         )
     warmup = config.get("warmup_steps")
@@ -123,6 +123,12 @@ def training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     rows += _environment_rows(run)
     rows.append(("seed", str(config.get("seed"))))
     return rows
+
+
+def _left_out(left: Any) -> str:
+    if not isinstance(left, int) or left <= 0:
+        return ""
+    return f"; the {plural(left, 'example')} past an epoch's last whole batch sit it out (others each epoch)"
 
 
 def past_max_steps(done: Any, total: Any) -> str | None:

@@ -414,6 +414,13 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
         cfg.seed,
         cfg.data.weights,
     )
+    if cfg.data.eval_split is not None:  # held out as train would: per source of a mixture
+        from dataclasses import replace
+
+        from lmtune.data.dataset import held_out_count
+
+        sizes = report.mixture.sizes if report.mixture is not None else (report.stats.examples,)
+        report = replace(report, held_out=sum(held_out_count(cfg.data.eval_split, n) for n in sizes))
     print(format_report(report))
     if plot is not None:
         write_output(plot, plot_histogram(report), "--plot")

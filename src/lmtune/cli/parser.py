@@ -269,7 +269,7 @@ DOCTOR_RDZV_ID = "lmtune-doctor"
 _AUDIT = (
     "model trust_remote_code data_format text_field field_map train_on_prompt chat_template max_length "
     "truncation max_prompt_length skip_bad_lines txt_mode global_batch_size micro_batch_size seed "
-    "nproc_per_node data_weights"
+    "nproc_per_node data_weights eval_split"
 )
 AUDIT_SETTINGS = tuple(_AUDIT.split())
 

@@ -49,6 +49,12 @@ class AuditReport:
     mixture: Mixture | None = None  # --data-weights: the sources, each of lengths[starts:+sizes]
     global_batch_size: int = 1  # train stops when the data holds less than one global batch
     empty_answers: int = 0  # examples whose only trained token is the stop: an empty or blank answer
+    held_out: int = 0  # --eval-split's examples: evaluated, never trained on
+
+    @property
+    def trained(self) -> int:
+        """The examples left to train on."""
+        return self.stats.examples - self.held_out
 
     @property
     def stops_lost(self) -> int:
@@ -63,13 +69,14 @@ class AuditReport:
             found.append(
                 f"{_count(self.bad.count, 'bad line')} would stop training (--skip-bad-lines skips them)"
             )
-        examples = self.stats.examples
-        if examples == 0:
-            found.append("no example to train on")
+        examples, held = self.trained, f" left after --eval-split holds out {self.held_out:,}"
+        if examples <= 0:
+            found.append("no example to train on" + (held if self.held_out else ""))
         elif examples < self.global_batch_size:
             found.append(
-                f"{_count(examples, 'example')}, fewer than one global batch (--global-batch-size "
-                f"{self.global_batch_size}); give --global-batch-size {examples} or less, or more data"
+                f"{_count(examples, 'example')}{held if self.held_out else ''}, fewer than one global batch "
+                f"(--global-batch-size {self.global_batch_size}); give --global-batch-size {examples} or "
+                f"less{', a smaller --eval-split' if self.held_out else ''}, or more data"
             )
         return found
 
@@ -288,6 +295,17 @@ def format_report(report: AuditReport) -> str:
         f"  formats             {formats}",
         f"  bad lines           {report.bad.count:,}",
     ]
+    if report.held_out:
+        lines.append(
+            f"  held out            {report.held_out:,} (--eval-split): {report.trained:,} left to train on"
+        )
+    steps, left = divmod(report.trained, report.global_batch_size)
+    if steps and left:
+        lines.append(
+            f"  per epoch           {steps * report.global_batch_size:,} of {report.trained:,} in "
+            f"{_count(steps, 'step')} of --global-batch-size {report.global_batch_size}; the {left:,} left "
+            "over sit each epoch out (other ones each epoch)"
+        )
     lines += [f"    {m}" for m in _grouped(report.bad.messages)]
     if report.bad.count > len(report.bad.messages):
         lines.append(f"    ... and {report.bad.count - len(report.bad.messages):,} more")

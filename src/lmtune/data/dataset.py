@@ -326,6 +326,11 @@ class SplitView(TokenizedDataset):
         return self._base
 
 
+def held_out_count(share: float, n: int) -> int:
+    """How many of ``n`` examples --eval-split ``share`` holds out: a fraction below 1, else a count."""
+    return round(share * n) if share < 1 else int(share)
+
+
 def split_off(data: TokenizedDataset, share: float, seed: int) -> tuple[SplitView, SplitView]:
     """(training, held out): ``share`` of the examples (a fraction below 1, else a count) held out.
 
@@ -336,7 +341,7 @@ def split_off(data: TokenizedDataset, share: float, seed: int) -> tuple[SplitVie
     if data.sources is not None:
         held = _held_per_source(data.sources, share, seed)
     else:
-        count = round(share * n) if share < 1 else int(share)
+        count = held_out_count(share, n)
         if not 1 <= count < n:
             raise ValueError(f"holds out {count} of {n} examples")
         held = np.sort(np.random.default_rng(seed).permutation(n)[:count])
@@ -350,7 +355,7 @@ def _held_per_source(sources: SourceIndex, share: float, seed: int) -> np.ndarra
     held = []
     for i, (name, lo, hi) in enumerate(zip(sources.names, sources.bounds, sources.bounds[1:], strict=False)):
         n = hi - lo
-        count = round(share * n) if share < 1 else int(share)
+        count = held_out_count(share, n)
         if not 1 <= count < n:
             raise ValueError(f"holds out {count} of the {n} examples of source {name!r}")
         held.append(lo + np.sort(np.random.default_rng([seed, i]).permutation(n)[:count]))

@@ -19,6 +19,9 @@ class BatchLayout:
     steps_per_epoch: int
     total_steps: int
     epochs: int
+    # Examples past an epoch's last whole global batch: they sit that epoch out (others the next,
+    # as the order is reshuffled), as a DistributedSampler with drop_last does.
+    left_out_per_epoch: int = 0
 
     @property
     def per_rank(self) -> int:
@@ -44,9 +47,12 @@ def batch_layout(cfg: TrainConfig, world_size: int, n_examples: int) -> BatchLay
         # The largest global batch the data fills that the processes (and micro-batches) divide.
         step = (cfg.batch.micro_batch_size or 1) * world_size
         fits = n_examples - n_examples % step
-        fix = f"give --global-batch-size {fits} or less, or more data" if fits else "give more data"
+        split = cfg.data.eval_split
+        smaller = ", a smaller --eval-split" if split is not None else ""
+        fix = f"give --global-batch-size {fits} or less{smaller}, or more data" if fits else "give more data"
+        held = f" left to train on after --eval-split {split:g}" if split is not None else ""
         raise UserError(
-            f"--data {cfg.data.train}: {n_examples} examples, fewer than one global batch "
+            f"--data {cfg.data.train}: {n_examples} examples{held}, fewer than one global batch "
             f"(--global-batch-size {cfg.batch.global_batch_size}); {fix}"
         )
     micro = micro_batch_size(cfg, world_size)
@@ -59,4 +65,5 @@ def batch_layout(cfg: TrainConfig, world_size: int, n_examples: int) -> BatchLay
         steps_per_epoch=per_epoch,
         total_steps=total,
         epochs=-(-total // per_epoch),
+        left_out_per_epoch=n_examples - per_epoch * cfg.batch.global_batch_size,
     )

@@ -119,9 +119,9 @@ def run_record(
         f"loss: {built.loss.description}"
         + (f"; NEFTune noise alpha {cfg.objective.neftune_alpha:g}" if cfg.objective.neftune_alpha else "")
     )
-    note = _default_batch_note(layout, cfg)
-    if note:
-        run.log.info(note)
+    for note in (_default_batch_note(layout, cfg), _left_out_note(layout, built.objective.unit)):
+        if note:
+            run.log.info(note)
     if env.device.type == "cpu" and busy_at_start():
         run.log.info(f"CPU threads wait {thread_wait()}; OMP_WAIT_POLICY=ACTIVE overrides")
     if built.paths.products is not None:  # a CPU bf16 run: which paths its CPU's units chose, and how
@@ -187,6 +187,20 @@ def _default_batch_note(layout: BatchLayout, cfg: TrainConfig) -> str | None:
         f"global batch {default} is the default: --micro-batch-size (HF's per_device_train_batch_size) "
         f"sets only the micro-batch, so each step accumulates {layout.accumulation * layout.world_size} of "
         f"them; give --global-batch-size {layout.micro_batch_size * layout.world_size} for one per step"
+    )
+
+
+def _left_out_note(layout: BatchLayout, unit: str) -> str | None:
+    """Examples that do not fill a last global batch sit the epoch out: said, not left to be found."""
+    left, per_epoch = layout.left_out_per_epoch, layout.steps_per_epoch * layout.global_batch_size
+    noun = "pairs" if unit == "pairs" else "examples"
+    if not left:
+        return None
+    return (
+        f"each epoch trains {per_epoch:,} of the {per_epoch + left:,} {noun} ({layout.steps_per_epoch:,} "
+        f"steps of {layout.global_batch_size}): the {left:,} left over, fewer than one global batch, sit "
+        "that epoch out (other ones each epoch: the order is reshuffled); a --global-batch-size that "
+        "divides the data trains them all"
     )
 
 

@@ -74,6 +74,19 @@ def test_audit_reads_the_data_of_a_train_config_file(
     assert f"audit of {other}\n  records             3 read, 3 kept" in capsys.readouterr().out
     assert main(["data", "audit"]) == 2
     assert "name the DATA to audit, or a --config file" in capsys.readouterr().err
+    # Axolotl's val_set_size is --eval-split: what it holds out is not trained, nor is what is left
+    # past an epoch's last whole global batch.
+    config.write_text(f"data: {other}\nglobal_batch_size: 2\nval_set_size: 0.34\n")
+    assert main(["data", "audit", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "held out            1 (--eval-split): 2 left to train on" in out
+    assert "per epoch" not in out
+    config.write_text(f"data: {other}\nglobal_batch_size: 2\n")
+    assert main(["data", "audit", "--config", str(config)]) == 0
+    assert (
+        "per epoch           2 of 3 in 1 step of --global-batch-size 2; the 1 left over"
+        in capsys.readouterr().out
+    )
 
 
 def _chat(i: int, words: int) -> dict[str, object]:
@@ -93,6 +106,13 @@ def _chat(i: int, words: int) -> dict[str, object]:
         ),
         ([], [], 2, "no example to train on"),  # train stops on it too
         ([{"text": "ok"}] * 3, ["--global-batch-size", "4"], 2, "3 examples, fewer than one global batch"),
+        # What --eval-split holds out does not train: the audit counts what is left, as train does.
+        (
+            [{"text": "ok"}] * 6,
+            ["--global-batch-size", "4", "--eval-split", "0.5"],
+            2,
+            "3 examples left after --eval-split holds out 3, fewer than one global batch",
+        ),
         (
             [{"messages": [{"role": "user", "content": "only a question"}]}, {"text": "t"}],
             [],
