@@ -321,3 +321,29 @@ def test_a_card_of_the_best_model_marks_the_last_steps_figures_as_another_models
     assert rows["best evaluation"] == "eval_loss 4.9000 at step 2 (this is that model)"
     kept_last = dict(result_rows({"config": {}, "result": result}))  # final/ is the last step's model
     assert "train loss at step 4" in kept_last and "evaluation" in kept_last
+
+
+def test_a_checkpoints_card_dates_the_evaluation_it_shows(tmp_path: Path) -> None:
+    """An exported checkpoint shows the last evaluation at or before its step, named by that step,
+    and a preference run's figures count pairs."""
+    from lmtune.checkpoint.card import checkpoint_record
+    from lmtune.checkpoint.card_rows import result_rows
+
+    out = tmp_path / "run"
+    checkpoint = out / "checkpoints" / "step-000003"
+    checkpoint.mkdir(parents=True)
+    (out / "run.json").write_text(json.dumps({"config": {"model": "tiny"}}))
+    rows = [{"kind": "train", "step": s, "loss": 1.0 / s} for s in (1, 2, 3, 4)]
+    rows += [
+        {"kind": "eval", "step": 2, "eval_loss": 0.5, "eval_rewards/accuracies": 0.75, "eval_examples": 8}
+    ]
+    rows += [{"kind": "eval", "step": 4, "eval_loss": 0.4, "eval_examples": 8}]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = checkpoint_record(checkpoint, 3)
+    assert record is not None
+    shown = dict(result_rows(record))
+    assert shown["train loss at step 3"] == "0.3333"
+    assert shown["evaluation at step 2 (the last one before this checkpoint)"] == (
+        "loss 0.5000, reward accuracy 0.7500 (8 pairs)"
+    )
+    assert "evaluation" in dict(result_rows(checkpoint_record(checkpoint.with_name("step-000004"), 4) or {}))

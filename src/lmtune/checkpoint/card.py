@@ -97,7 +97,11 @@ def checkpoint_record(checkpoint: Path, step: int) -> dict[str, Any] | None:
         result["eval"] = {
             "loss": last.get("eval_loss"),
             "perplexity": last.get("eval_perplexity"),
+            **{
+                k: last[f"eval_{k}"] for k in ("rewards/accuracies", "rewards/margins") if f"eval_{k}" in last
+            },
             "examples": last.get("eval_examples", 0),
+            "step": last["step"],  # the last evaluation at or before the checkpoint's step
         }
     resolved = run.get("resolved")
     if isinstance(resolved, dict) and isinstance(resolved.get("changed_on_resume"), list):

@@ -234,10 +234,17 @@ def result_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
             )
             if isinstance(evaluated.get(key), (int, float))
         ]
+        at = evaluated.get("step", result.get("steps"))
+        before = (
+            f"evaluation at step {at} (the last one before this checkpoint)"
+            if at != result.get("steps")
+            else ""
+        )
+        noun = "pairs" if "rewards/accuracies" in evaluated else "examples"
         rows.append(
             (
-                f"evaluation at step {result.get('steps')}{last}" if last else "evaluation",
-                f"{', '.join(figures)} ({evaluated.get('examples', 0):,} examples)",
+                before or (f"evaluation at step {at}{last}" if last else "evaluation"),
+                f"{', '.join(figures)} ({evaluated.get('examples', 0):,} {noun})",
             )
         )
     if best:
