@@ -97,6 +97,9 @@ def test_tensorboard_and_report_show_the_rewards(dpo_run: Path, tmp_path: Path) 
     text = page.read_text()
     for name in ("reward_margins", "reward_accuracies"):
         assert f"<figure id='plot-{name}'><img" in text
+    # The data counts pairs, with the held-out split and the reference log-probs' file.
+    assert "<td>pairs 48, held out 8, left to train on 40, tokens " in text
+    assert "<td>the starting model: 48 pairs in " in text and "<td>last eval reward accuracy</td>" in text
 
 
 @pytest.mark.parametrize(

@@ -136,6 +136,7 @@ def test_report_draws_every_plot_and_the_settings_that_differ(resumed: Path, tmp
         assert f"<figure id='plot-{name}'><img" in text, name
         assert (tmp_path / "png" / f"{name}.png").stat().st_size > 1000
     assert "Settings that differ" in text
+    assert "reward accuracy" not in text.split("<h2>Plots")[0]  # no row that no run has a value for
     differ = text.split("Settings that differ")[1].split("</table>")[0]
     for setting in ("max_steps", "lr", "profile", "report_to"):
         assert f"<td>{setting}</td>" in differ

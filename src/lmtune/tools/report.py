@@ -21,6 +21,7 @@ from lmtune.checkpoint.resume import rerun_outcome
 from lmtune.checkpoint.rundir import lock_status
 from lmtune.config.files import decode_json, read_bytes, read_json
 from lmtune.config.marks import HTML_HEAD, PNG_METADATA
+from lmtune.data.pairs import counted_as
 from lmtune.errors import UserError, brief
 from lmtune.outputs.reporters import is_number
 from lmtune.parallel.launch import warn
@@ -396,13 +397,18 @@ def _summary(run: RecordedRun) -> dict[str, str]:
 
 
 def _data_summary(run: RecordedRun) -> dict[str, str]:
-    out = {}
-    for split, d in (run.info.get("data") or {}).items():
+    out, data = {}, run.info.get("data") or {}
+    keys = "examples held_out training_examples tokens truncated dropped_too_long dropped_no_targets"
+    train = data["train"] if isinstance(data.get("train"), dict) else {}
+    unit = counted_as({"formats": train.get("formats") or {}})
+    named = {"examples": unit, "training_examples": "left to train on"}
+    for split, d in data.items():
         if isinstance(d, dict):
-            keys = ("examples", "tokens", "truncated", "dropped_too_long", "dropped_no_targets", "bad_lines")
-            out[split] = ", ".join(f"{k} {d[k]:,}" for k in keys if is_number(d.get(k))) or str(
-                d.get("spec", "")
-            )
+            kept = [k for k in [*keys.split(), "bad_lines"] if is_number(d.get(k))]
+            counts = [f"{named.get(k, k).replace('_', ' ')} {d[k]:,}" for k in kept]
+            files = [f for f in d.get("files") or [] if isinstance(f, dict)]  # a preference run's reference
+            counts += [f"{d.get('model')}: {f.get('pairs')} pairs in {f.get('file')}" for f in files]
+            out[split] = ", ".join(counts) or str(d.get("spec", ""))
     return out
 
 
@@ -435,12 +441,14 @@ STYLE = (
 def build_html(runs: list[RecordedRun], pngs: dict[str, bytes | None]) -> str:
     names = [run.name for run in runs]
     summaries = [_summary(run) for run in runs]
+    # A row no run has a value for (reward accuracy of supervised runs) is left out.
+    shown = [k for k in summaries[0] if {s[k] for s in summaries} != {"-"}]
     parts = [
         HTML_HEAD,
         f"<title>lmtune report: {html.escape(', '.join(names))}</title><style>{STYLE}</style></head><body>",
         f"<h1>lmtune report: {html.escape(', '.join(names))}</h1>",
         "<h2>Runs</h2>",
-        _table([[k, *(s[k] for s in summaries)] for k in summaries[0]], ["", *names]),
+        _table([[k, *(s[k] for s in summaries)] for k in shown], ["", *names]),
     ]
     if len(runs) > 1:
         diff = differing_settings(runs)
