@@ -196,6 +196,10 @@ def aliases_of(setting: str) -> list[str]:
     return [foreign for foreign, ours in ALIASES.items() if ours == setting]
 
 
+# What a short option means in other tools, by the names each command may have for it.
+_SHORT = {"o": ("out", "output_dir", "json", "plot"), "m": ("model",), "c": ("config",), "d": ("data",)}
+
+
 def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str], where: str) -> str:
     """Why ``name`` is not accepted ``where`` (a command, or a YAML file), in one line.
 
@@ -216,16 +220,20 @@ def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str]
     from lmtune.config.settings import config_fields  # it explains its own unknown names with this
 
     if key not in accepted and any(s.name == key for s in config_fields()):
-        return f"{shown} is a setting of lmtune train, which {where} does not take"
+        plural = [c for c in sorted(accepted) if c.startswith(key)]  # bench's --precisions
+        instead = f"; it takes {style(plural[0])}" if plural else ""
+        return f"{shown} is a setting of lmtune train, which {where} does not take{instead}"
     # The closest names: this place's own, and the foreign names of the table (a typo of one).
     candidates = sorted(accepted | set(ALIASES) | set(HINTS))
     # An abbreviation (refused: a later option could make it ambiguous) names what it abbreviates.
     prefixed = [c for c in candidates if len(key) >= 3 and c.startswith(key) and not c.startswith("no_")]
     close = [key] if key in HINTS else difflib.get_close_matches(key, candidates, n=3, cutoff=0.75)
-    # What the name extends (report's --out for --output), or what a short option's letter begins.
+    # What the name extends (report's --out for --output), or what a short option means elsewhere.
     extends = [c for c in sorted(accepted) if len(c) >= 3 and key.startswith(c)]
-    letter = sorted({ALIASES.get(c, c) for c in accepted if len(key) == 1 and c.startswith(key)})
-    close = list(dict.fromkeys([*close, *prefixed[:3], *extends, *(letter if len(letter) <= 2 else [])]))
+    short = (
+        [c for c in _SHORT.get(key, ()) if c in accepted] if written.startswith("-") and len(key) == 1 else []
+    )
+    close = list(dict.fromkeys([*close, *prefixed[:3], *extends, *short]))
     if close and close[0] in HINTS:
         return f"{shown}: {_styled(HINTS[close[0]], style)}"
     suggestions = [ALIASES.get(c, c) for c in close if c not in HINTS]

@@ -8,6 +8,7 @@ the ranges, one function per group, then the combinations across groups.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable
 
@@ -56,11 +57,14 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
         # As the CLI and YAML refuse them (the Python API converts nothing): inf and nan pass some
         # range checks below, and fail later as a non-finite loss.
         need(s.type is not float or value is None or _finite(value), s.name, "must be a finite number")
-        need(
-            not s.choices or value is None or value in s.choices,
-            s.name,
-            f"must be one of {', '.join(s.choices)}",
-        )
+        if s.choices and value is not None and value not in s.choices:
+            # Another tool's name for one of them (Axolotl's adamw_bnb_8bit) is close to it.
+            close = difflib.get_close_matches(str(value), [str(c) for c in s.choices], n=1, cutoff=0.6)
+            need(
+                False,
+                s.name,
+                f"must be one of {', '.join(s.choices)}" + (f"; the closest is {close[0]}" if close else ""),
+            )
     need(0 <= cfg.seed < 2**32, "seed", "must be in [0, 2**32)")
     _check_optim(cfg.optim, need)
     _check_schedule(cfg.schedule, need)
