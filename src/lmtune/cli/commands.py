@@ -398,6 +398,10 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError("lmtune data audit: name the DATA to audit, or a --config file whose data it audits")
     cfg = train_config(args)  # the DATA arguments are its --data
     check_settings(cfg, cfg.launch.nproc_per_node)
+    if not hasattr(args, "data"):  # the --config file's: a missing one is named by its line
+        from lmtune.data.sources import resolve_components
+
+        resolve_components(cfg.data.train)
     plot = _output_file(args.plot, "--plot", "png") if args.plot else None
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
     if cfg.examples.chat_template is not None:

@@ -24,7 +24,7 @@ from lmtune.config.mixture import named_items
 from lmtune.config.settings import SAMPLE_DATA as SAMPLE
 from lmtune.config.settings import SAMPLE_EVAL
 from lmtune.data.addition import SAMPLE_SEED, addition_examples
-from lmtune.errors import UserError
+from lmtune.errors import SettingError, UserError
 
 EXTENSIONS = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".txt")
 
@@ -142,7 +142,12 @@ def _item_sources(item: str, option: str) -> list[Source]:
     filelike = "/" not in item and re.fullmatch(r".+\.[A-Za-z0-9]{1,5}", item) is not None
     if item.startswith((".", "/", "~")) or path.suffix.lower() in EXTENSIONS or filelike or near:
         hint = f" (did you mean {' or '.join(near)}?)" if near else ""
-        raise UserError(f"{option}: no such file or folder: {item}{hint}")
+        if not path.is_absolute() and not item.startswith("~"):  # a --config file's too: not beside it
+            hint += f" (in the working folder {Path.cwd()})"
+        reason = f"no such file or folder: {item}{hint}"
+        setting = {"--data": "data", "--eval-data": "eval_data"}.get(option)
+        # A setting's error: the CLI names the --config file's line when the path came from there.
+        raise SettingError(setting, option, reason) if setting else UserError(f"{option}: {reason}")
     name, _, split = item.partition(":")
     return [Source("hf_hub", name, split or "train")]
 

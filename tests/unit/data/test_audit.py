@@ -74,6 +74,12 @@ def test_audit_reads_the_data_of_a_train_config_file(
     assert f"audit of {other}\n  records             3 read, 3 kept" in capsys.readouterr().out
     assert main(["data", "audit"]) == 2
     assert "name the DATA to audit, or a --config file" in capsys.readouterr().err
+    config.write_text("seed: 1\ndata: missing.jsonl\n")  # named by the file's line, as train names it
+    assert main(["data", "audit", "--config", str(config)]) == 2
+    assert (
+        f"--config {config}:2: data: no such file or folder: missing.jsonl (in the working"
+        in capsys.readouterr().err
+    )
     # Axolotl's val_set_size is --eval-split: what it holds out is not trained, nor is what is left
     # past an epoch's last whole global batch.
     config.write_text(f"data: {other}\nglobal_batch_size: 2\nval_set_size: 0.34\n")

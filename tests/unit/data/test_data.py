@@ -89,7 +89,11 @@ def test_a_typo_of_a_local_file_is_no_hub_data_set(tmp_path: Path, monkeypatch: 
         UserError, match=r"no such file or folder: train\.jsnl \(did you mean train\.jsonl\?\)"
     ):
         resolve_sources("train.jsnl")
-    with pytest.raises(UserError, match=r"no such file or folder: notes\.md$"):  # a file's name, not a hub id
+    # A file's name, not a hub id; a relative path is looked for in the working folder (a --config
+    # file's too, not beside that file), and the message says which.
+    with pytest.raises(
+        UserError, match=rf"no such file or folder: notes\.md \(in the working folder {tmp_path}\)$"
+    ):
         resolve_sources("notes.md")
     assert [s.kind for s in resolve_sources("org/dataset,squad")] == ["hf_hub", "hf_hub"]
 
