@@ -132,13 +132,25 @@ def _earlier_run(folder: Path) -> None:
     (folder / "metrics.jsonl").write_text("{}\n")
     (folder / "run.json").write_text('{"config": {}, "environment": {}}')
     (folder / "notes.txt").write_text("mine")
+    # The reporters' folders: what TensorBoard and W&B wrote, and a user's files beside it.
+    (folder / "tensorboard").mkdir()
+    (folder / "tensorboard" / "events.out.tfevents.1764686400.host.example.4242.0").write_bytes(b"\0")
+    (folder / "tensorboard" / "events.out.tfevents.123.mine").write_text("mine")
+    (folder / "tensorboard" / "my_notes.txt").write_text("mine")
+    (folder / "wandb" / "run-20261202_141500-ab12cd34" / "files").mkdir(parents=True)
+    (folder / "wandb" / "debug.log").write_text("")
+    (folder / "wandb" / "keep.txt").write_text("mine")
 
 
 def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
     _earlier_run(tmp_path)
     check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    assert left == ["checkpoints", "checkpoints/my-notes.txt", "notes.txt", "samples", "samples/list.txt"]
+    assert left == [
+        *("checkpoints", "checkpoints/my-notes.txt", "notes.txt", "samples", "samples/list.txt"),
+        *("tensorboard", "tensorboard/events.out.tfevents.123.mine", "tensorboard/my_notes.txt"),
+        *("wandb", "wandb/keep.txt"),
+    ]
     # Folders named as lmtune names its entries, in a folder that holds no lmtune run, are not its.
     # Nor are they with this run's lock in it (check_earlier_run runs with the lock held), or a
     # metrics.jsonl, a checkpoint-named folder without a manifest, or a run.json of another tool.
@@ -152,6 +164,10 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
     (other / LOCK_FILE).write_text("held by this run")
     with pytest.raises(UserError, match="not lmtune's to delete"):
         check_earlier_run(other, continued=False, overwrite=True, config={})
+    # Without --overwrite, the refusal does not suggest it: it would refuse them too.
+    with pytest.raises(UserError, match=r"holds final, metrics\.jsonl but no lmtune run") as refused:
+        check_earlier_run(other, continued=False, overwrite=False, config={})
+    assert "--overwrite" not in str(refused.value)
     assert sorted(p.name for p in other.iterdir()) == sorted(
         ["wandb", "final", "checkpoints", "metrics.jsonl", "run.json", LOCK_FILE]
     )

@@ -42,10 +42,16 @@ from lmtune.parallel.launch import LOCK_TOKEN_ENV
 RUN_FOLDERS = ("final", "checkpoints", "samples", "tensorboard", "wandb", "mlruns", "comm-traces")
 RUN_RECORDS = ("metrics.jsonl", "run.json", "reporting.json", "hang-report.txt")
 RUN_FILES = (*RUN_FOLDERS, *RUN_RECORDS)
-# Inside these folders lmtune removes only what it names so (a user's own files there are kept).
+# Inside these folders lmtune removes only what it, or the reporter it ran, names so (a user's own
+# files there are kept): TensorBoard's event files, W&B's run folders and logs, MLflow's file store
+# (experiments by number), NCCL's flight-recorder dumps.
 _OWN_ENTRIES = {
     "checkpoints": re.compile(r"\.?step-\d+(\.tmp|\.replaced-\d+)?"),
     "samples": re.compile(r"rank-\d+\.jsonl"),
+    "tensorboard": re.compile(r"events\.out\.tfevents\.\d{10}\..+\.\d+\.\d+"),
+    "wandb": re.compile(r"(offline-)?run-\d{8}_\d{6}-[a-z0-9]+|latest-run|debug(-internal|-cli\..+)?\.log"),
+    "mlruns": re.compile(r"\d+|\.trash|models"),
+    "comm-traces": re.compile(r"rank_\d+"),
 }
 # torchrun's run id when none is given: shared by unrelated jobs, so it proves nothing.
 _ANONYMOUS_RUN_IDS = ("", "none")
@@ -311,6 +317,11 @@ def check_earlier_run(
         )
         return
     results = [n for n in present if n in ("final", "metrics.jsonl")]
+    if not _ran_here(output_dir):  # --overwrite would refuse them too
+        raise UserError(
+            f"--output-dir {output_dir} holds {', '.join(results)} but no lmtune run (no run.json of one, "
+            "nor a complete checkpoint); choose another --output-dir, or move them"
+        )
     raise UserError(
         f"--output-dir {output_dir} holds an earlier run ({', '.join(results)}) with no checkpoint to "
         "continue from; choose another --output-dir, or --overwrite to replace it"
