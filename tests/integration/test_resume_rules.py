@@ -223,6 +223,21 @@ def test_a_damaged_newest_checkpoint_stops_the_run_and_is_kept(
     with (out / "checkpoints" / "step-000006" / "optimizer.pt").open("ab") as f:
         f.write(b"x")
     _fails(_args(base["data"], out), capsys, "step-000006, is damaged: optimizer.pt has", "--resume")
+    # Given by --resume, or to export, it is called damaged too (not a model folder, as its files
+    # would suggest), and --resume names the checkpoint saved before it.
+    damaged = out / "checkpoints" / "step-000006"
+    earlier = f"--resume {out / 'checkpoints' / 'step-000003'} continues from the one before it"
+    _fails(
+        _args(base["data"], base["root"] / "other-out", "--resume", str(damaged)),
+        capsys,
+        "is damaged",
+        earlier,
+    )
+    _fails(
+        ["export", str(damaged), str(base["root"] / "exported")],
+        capsys,
+        "not a valid checkpoint: optimizer.pt",
+    )
     assert main(_args(base["data"], out, "--resume", str(out / "checkpoints" / "step-000003"))) == 0
     kept = [p.name for p in (out / "checkpoints").iterdir() if ".replaced-" in p.name]
     assert len(kept) == 1 and kept[0].startswith("step-000006.replaced-")

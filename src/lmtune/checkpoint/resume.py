@@ -228,7 +228,9 @@ def resume_point(resume: str, output_dir: Path, env: DistEnv) -> Path | None:
                 _check_valid(found[-1], "the newest checkpoint in --output-dir", found[:-1])
                 chosen = str(found[-1])
         else:
-            _check_valid(Path(resume), "--resume", [])
+            given = Path(resume)  # a damaged one points at the one saved before it in its run, if any
+            saved = list_checkpoints(given.parent.parent) if given.parent.name == CHECKPOINTS else []
+            _check_valid(given, "--resume", saved[: saved.index(given)] if given in saved else [])
             chosen = resume
     chosen = broadcast_object(chosen, env)
     return Path(chosen) if chosen else None
