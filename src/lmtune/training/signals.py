@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -22,9 +23,11 @@ class StopRequest:
     def __init__(self) -> None:
         self.requested = False
         self.signum = 0
+        self.stepping = False  # fit has asked (its first step has begun): a signal now saves
         self._previous: dict[int, Any] = {}
 
     def __call__(self) -> bool:
+        self.stepping = True
         return self.requested
 
     def raise_if_requested(self) -> None:
@@ -37,12 +40,15 @@ class StopRequest:
             raise KeyboardInterrupt
         self.requested = True
         self.signum = signum
-        print(
-            f"lmtune: {signal.Signals(signum).name} received: finishing this step and saving a checkpoint "
-            "(before training begins: stopping now, nothing to save)",
-            file=sys.stderr,
-            flush=True,
+        if os.environ.get("RANK", "0") != "0":  # every rank gets it from the launcher: said once
+            return
+        then = (
+            "finishing this step and saving a checkpoint"
+            if self.stepping
+            else "stopping before training begins, with nothing to save (a run that reaches its first "
+            "step first saves after it)"
         )
+        print(f"lmtune: {signal.Signals(signum).name} received: {then}", file=sys.stderr, flush=True)
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only

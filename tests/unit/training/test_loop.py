@@ -281,6 +281,29 @@ def test_a_signal_saves_the_step_and_stops(tmp_path: Path) -> None:
     assert saver.calls[-1] == ("after_step", 3, True) and "at_end" not in [c[0] for c in saver.calls]
 
 
+def test_a_signal_says_what_it_will_do_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the first step nothing is saved; once fit has asked, the step finishes and saves. The
+    launcher signals every rank: rank 0 alone says so."""
+    import signal
+
+    stop = StopRequest()
+    stop._handle(signal.SIGTERM, None)
+    assert (
+        "SIGTERM received: stopping before training begins, with nothing to save" in capsys.readouterr().err
+    )
+    stop = StopRequest()
+    assert stop() is False
+    stop._handle(signal.SIGTERM, None)
+    assert (
+        capsys.readouterr().err == "lmtune: SIGTERM received: finishing this step and saving a checkpoint\n"
+    )
+    monkeypatch.setenv("RANK", "1")
+    StopRequest()._handle(signal.SIGTERM, None)
+    assert capsys.readouterr().err == ""
+
+
 def _end(step: int, finished: bool = False) -> StepEnd:
     state = TrainerState(
         step=step, epoch=0, step_in_epoch=step, global_batch_size=8, world_size=1, seed=0, examples=800
