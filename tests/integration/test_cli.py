@@ -313,3 +313,16 @@ def test_generate_past_the_models_positions(capsys: pytest.CaptureFixture[str]) 
 
     _check_answer_length(load_model("tiny", seed=0), "1+2=", 1030)  # the generate command's check
     assert "past the model's 1024 positions: it never saw positions that far" in capsys.readouterr().err
+
+
+def test_a_max_length_that_cuts_off_the_stop_token_is_warned_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Text cut by --max-length loses its EOS: the run says so, as it does for chat data."""
+    data = write_jsonl(tmp_path / "d.jsonl", [f"a longer line of text, number {i}" for i in range(8)])
+    argv = ["train", "--data", str(data), "--max-length", "8", "--global-batch-size", "8", "--max-steps", "1"]
+    assert main([*argv, "--no-progress", "--output-dir", str(tmp_path / "o")]) == 0
+    assert (
+        "warning: 8 of 8 training examples train no stop token (--max-length 8 cut it off; --truncation "
+        "left keeps the ends)"
+    ) in capsys.readouterr().out

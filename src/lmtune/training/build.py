@@ -127,16 +127,19 @@ def build_parts(
             f"--chat-template: applies to conversations (messages records), and the training data holds "
             f"{', '.join(formats) or 'no examples'}"
         )
-    if set(CHAT_FORMATS) & set(formats):
+    chat = bool(set(CHAT_FORMATS) & set(formats))
+    if chat:
         # The reply's end-of-turn token trains; saved models must also stop generating there.
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
         log.info(f"chat data: saved models stop at {tokenizer.convert_ids_to_tokens(stops)}")
-        kept, stopping = data_info["train"]["examples"], data_info["train"]["eos_trained"]
-        if stopping < kept / 2:  # a template that puts no end-of-turn token after the reply
-            log.info(
-                f"warning: {kept - stopping:,} of {kept:,} training examples train no stop token after "
-                "the reply, so the model may not learn to stop (lmtune data audit shows which)"
-            )
+    kept, stopping = data_info["train"]["examples"], data_info["train"]["eos_trained"]
+    if stopping < kept / 2:  # a template with no end-of-turn token after the reply; --max-length's cut
+        cut = f"(--max-length {cfg.examples.max_length} cut it off; --truncation left keeps the ends)"
+        log.info(
+            f"warning: {kept - stopping:,} of {kept:,} training examples train no stop token "
+            f"{'after the reply' if chat else cut}, so the model may not learn to stop (lmtune data audit "
+            "shows which)"
+        )
     layout = batch_layout(cfg, env.world_size, len(train_data))
     default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora.enabled else loaded.default_lr
     lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr
