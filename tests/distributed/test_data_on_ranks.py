@@ -71,7 +71,7 @@ BAD_INPUTS = {
         "bad.jsonl:2: record has a non-string (list) 'text' field",
     ),
     "invalid_utf8": (b'{"text": "a"}\n{"text": "\xc3\x28"}\n', "bad.jsonl:2: not valid UTF-8"),
-    "empty_file": (b"", "bad.jsonl: no examples left"),
+    "empty_file": (b"", "bad.jsonl: holds no records (empty)"),
     "empty_after_filtering": (
         b'{"prompt": "a long prompt", "completion": "x"}\n' * 8,
         # The prompts alone fill --max-length: dropped for their length, with nothing left to train.

@@ -221,10 +221,14 @@ def _build(
         stats.merge(encode_into(recs, tokenizer, settings, writer, bad, workers, check_stop))
         counts.append(writer.examples - sum(counts))
     if stats.examples == 0:
+        lost = stats.dropped_too_long + stats.dropped_no_targets
+        if lost + bad.count == 0:
+            raise UserError(f"{wanted.option} {wanted.spec}: holds no records (empty)")
+        fix = f"; a larger --max-length (now {settings.max_length}) keeps them" if lost else ""
         raise UserError(
             f"{wanted.option} {wanted.spec}: no examples left ({stats.dropped_too_long} longer than "
             f"--max-length, {stats.dropped_no_targets} with no trainable tokens, "
-            f"{bad.count} bad lines skipped)"
+            f"{bad.count} bad lines skipped){fix}"
         )
     writer.close(
         {

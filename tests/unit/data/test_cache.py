@@ -54,9 +54,14 @@ def test_empty_data_is_a_user_error_and_leaves_no_entry(tmp_path: Path) -> None:
     f = tmp_path / "empty.jsonl"
     f.write_text("\n\n")
     env = read_dist_env("cpu")
-    with pytest.raises(UserError, match=r"--data .*empty\.jsonl: no examples left"):
+    with pytest.raises(UserError, match=r"--data .*empty\.jsonl: holds no records \(empty\)"):
         prepare(str(f), byte_tokenizer(), ExampleSettings(), env, tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    f.write_text('{"prompt": "a long prompt", "completion": "x"}\n' * 2)  # each prompt fills --max-length
+    with pytest.raises(
+        UserError, match=r"no examples left \(2 longer .*; a larger --max-length \(now 4\) keeps"
+    ):
+        prepare(str(f), byte_tokenizer(), ExampleSettings(max_length=4), env, tmp_path / "cache")
 
 
 def test_worker_processes_give_the_same_result_and_the_same_errors() -> None:
