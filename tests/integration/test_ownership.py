@@ -72,6 +72,9 @@ def test_export_never_replaces_what_it_did_not_write(
         argv = ["train", "--resume", str(given), "--output-dir", str(tmp_path / "r"), "--max-steps", "4"]
         said = _error(argv, capsys)
         assert f"--resume {given}: {words}" in said and "damaged" not in said
+    # A run's folder given as --model points at its model.
+    said = _error(["train", "--model", str(run), "--output-dir", str(tmp_path / "r")], capsys)
+    assert f"not a model folder; a run's folder? Its model is --model {run / 'final'}" in said
 
 
 def test_export_writes_beside_and_replaces_only_an_earlier_export(

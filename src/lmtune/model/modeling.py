@@ -167,7 +167,10 @@ def _source(name: str, need_config: bool) -> _Where:
         if not path.is_dir():
             raise UserError(f"--model {name}: not a folder (a model is a folder with config.json)")
         if need_config and not (path / "config.json").is_file():
-            raise UserError(f"--model {name}: folder has no config.json, so it is not a model folder")
+            final = path / "final"  # a run's folder: its model is there
+            ran = any((final / f).is_file() for f in ("config.json", "adapter_config.json"))
+            run = f"; a run's folder? Its model is --model {final}" if ran else ""
+            raise UserError(f"--model {name}: folder has no config.json, so it is not a model folder{run}")
         check_folder(path, f"--model {name}")
         if (path / "config.json").is_file():  # before transformers reads it: a clear message
             raw = read_json_object(path / "config.json", limit=CONFIG_BYTES, follow_links=True)

@@ -75,6 +75,8 @@ def validate(cfg: TrainConfig, world_size: int, in_process: bool = False) -> Non
         raise UserError(f"--sample-prompts: no such file (got {brief(cfg.samples.prompts)})")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never"):
+        if Path(resume).exists() and not Path(resume).is_dir():
+            raise UserError(f"--resume {resume}: not a folder; it takes a checkpoint, RUN/checkpoints/step-N")
         if not Path(resume).is_dir():
             raise UserError(f"--resume: no such checkpoint folder: {resume}")
         if verify(Path(resume)) and (instead := not_a_checkpoint(Path(resume))):

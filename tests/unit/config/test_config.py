@@ -167,6 +167,9 @@ def test_nnodes_and_resume_options(tmp_path: Path) -> None:
         validate(build_config({"nnodes": "2"}), world_size=2)
     with pytest.raises(UserError, match="--resume: no such checkpoint folder"):
         validate(build_config({"resume": str(tmp_path / "nope")}), world_size=1)
+    (tmp_path / "train.jsonl").write_text("{}\n")  # a file is no checkpoint: said so, not "no such"
+    with pytest.raises(UserError, match=r"train\.jsonl: not a folder; it takes a checkpoint"):
+        validate(build_config({"resume": str(tmp_path / "train.jsonl")}), world_size=1)
     with pytest.raises(UserError, match="--on-nan"):
         validate(build_config({"on_nan": "ignore"}), world_size=1)
 
