@@ -149,10 +149,8 @@ def not_a_checkpoint(folder: Path) -> str:
     ("" when it is none of these): a model folder (a run's final/, an export), a run's folder or
     its checkpoints/ folder."""
     has = {p.name for p in folder.iterdir() if p.is_file()}
-    if {
-        MANIFEST,
-        STATE_FILE,
-    } & has:  # a checkpoint, damaged or unfinished: said as such, not taken for another
+    # A checkpoint, damaged or unfinished, has these: it is said to be damaged, not taken for another.
+    if {MANIFEST, STATE_FILE} & has:
         return ""
     weights = any(name.endswith((".safetensors", ".bin")) for name in has)
     if ("config.json" in has and weights) or {ADAPTER_FILE, ADAPTER_CONFIG} <= has:

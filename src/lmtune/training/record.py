@@ -194,7 +194,7 @@ def _left_out_note(layout: BatchLayout, unit: str) -> str | None:
     """Examples that do not fill a last global batch sit the epoch out: said, not left to be found."""
     left, per_epoch = layout.left_out_per_epoch, layout.steps_per_epoch * layout.global_batch_size
     noun = "pairs" if unit == "pairs" else "examples"
-    if not left:
+    if not left or layout.total_steps < layout.steps_per_epoch:  # no epoch ends in this run
         return None
     return (
         f"each epoch trains {per_epoch:,} of the {per_epoch + left:,} {noun} ({layout.steps_per_epoch:,} "

@@ -45,8 +45,8 @@ class StopRequest:
         then = (
             "finishing this step and saving a checkpoint"
             if self.stepping
-            else "stopping before training begins, with nothing to save (a run that reaches its first "
-            "step first saves after it)"
+            else "stopping before training begins, with nothing to save (or, if its first step has "
+            "begun by then, after that step, with a checkpoint)"
         )
         print(f"lmtune: {signal.Signals(signum).name} received: {then}", file=sys.stderr, flush=True)
 
