@@ -391,7 +391,7 @@ def _write_pngs(folder: Path, pngs: dict[str, bytes], empty: list[str]) -> str:
 
 def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.config.validate import check_settings
-    from lmtune.data.audit import audit, format_report, plot_histogram
+    from lmtune.data.audit import audit, format_report, holding_out, plot_histogram
     from lmtune.model.modeling import load_tokenizer
 
     if not hasattr(args, "data") and not hasattr(args, "config"):
@@ -418,13 +418,7 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
         cfg.seed,
         cfg.data.weights,
     )
-    if cfg.data.eval_split is not None:  # held out as train would: per source of a mixture
-        from dataclasses import replace
-
-        from lmtune.data.dataset import held_out_count
-
-        sizes = report.mixture.sizes if report.mixture is not None else (report.stats.examples,)
-        report = replace(report, held_out=sum(held_out_count(cfg.data.eval_split, n) for n in sizes))
+    report = holding_out(report, cfg.data.eval_split)
     print(format_report(report))
     if plot is not None:
         write_output(plot, plot_histogram(report), "--plot")

@@ -13,6 +13,7 @@ from lmtune.config.groups import ExampleSettings
 from lmtune.config.marks import PNG_METADATA
 from lmtune.config.mixture import parse_weights, source_names
 from lmtune.data.chat import end_of_turn_ids
+from lmtune.data.dataset import held_out_count
 from lmtune.data.formats import CHAT_FORMATS, FieldMap, ensure_chat_template
 from lmtune.data.mixture import Mixture, mixture_of, mixture_order
 from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
@@ -69,14 +70,15 @@ class AuditReport:
             found.append(
                 f"{_count(self.bad.count, 'bad line')} would stop training (--skip-bad-lines skips them)"
             )
-        examples, held = self.trained, f" left after --eval-split holds out {self.held_out:,}"
+        examples = self.trained
+        held = f" left after --eval-split holds out {self.held_out:,}" if self.held_out else ""
         if examples <= 0:
-            found.append("no example to train on" + (held if self.held_out else ""))
+            found.append("no example to train on" + held)
         elif examples < self.global_batch_size:
             found.append(
-                f"{_count(examples, 'example')}{held if self.held_out else ''}, fewer than one global batch "
-                f"(--global-batch-size {self.global_batch_size}); give --global-batch-size {examples} or "
-                f"less{', a smaller --eval-split' if self.held_out else ''}, or more data"
+                f"{_count(examples, 'example')}{held}, fewer than one global batch (--global-batch-size "
+                f"{self.global_batch_size}); give --global-batch-size {examples} or less"
+                f"{', a smaller --eval-split' if held else ''}, or more data"
             )
         return found
 
@@ -152,6 +154,15 @@ def rank_imbalance(
         worst=float(max(ratios)),
         padding=padded / max(real, 1),
     )
+
+
+def holding_out(report: AuditReport, eval_split: float | None) -> AuditReport:
+    """``report`` with what --eval-split holds out as training would: its share of each source of a
+    mixture, else of the whole."""
+    if eval_split is None:
+        return report
+    sizes = report.mixture.sizes if report.mixture is not None else (report.stats.examples,)
+    return replace(report, held_out=sum(held_out_count(eval_split, n) for n in sizes))
 
 
 def audit(

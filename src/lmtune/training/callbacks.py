@@ -23,6 +23,7 @@ import torch
 
 from lmtune.checkpoint.state import TrainerState
 from lmtune.errors import TrainingStopped
+from lmtune.objectives.base import examples_noun
 from lmtune.outputs.runlog import ExampleOrderLog, RunLog, read_metrics
 from lmtune.parallel.distributed import CollectiveTimeouts
 from lmtune.parallel.health import Heartbeat, StragglerWatch
@@ -207,10 +208,10 @@ class Evaluator:
         log: RunLog,
         every: int,
         best: BestTracker | None,
-        pairs: bool = False,  # a preference objective's: its eval line counts pairs
+        unit: str = "target_tokens",  # the objective's: a preference objective's eval line counts pairs
     ):
         self.run_eval, self.log, self.every, self.best = run_eval, log, every, best
-        self.noun = "pairs" if pairs else "examples"
+        self.noun = examples_noun(unit)
 
     def after_step(self, step: StepEnd, control: Control) -> EvalResult | None:
         if self.every and step.state.step % self.every == 0 and not step.finished:

@@ -21,7 +21,7 @@ from lmtune.config.threads import busy_at_start, thread_wait
 from lmtune.model.attention import attention_description
 from lmtune.model.compiled import compile_record
 from lmtune.model.quantization import footprint, parameter_count
-from lmtune.objectives.base import Objective
+from lmtune.objectives.base import Objective, examples_noun
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.training.batch_layout import BatchLayout
 from lmtune.training.build import BATCHING_NAMES, Built
@@ -193,7 +193,7 @@ def _default_batch_note(layout: BatchLayout, cfg: TrainConfig) -> str | None:
 def _left_out_note(layout: BatchLayout, unit: str) -> str | None:
     """Examples that do not fill a last global batch sit the epoch out: said, not left to be found."""
     left, per_epoch = layout.left_out_per_epoch, layout.steps_per_epoch * layout.global_batch_size
-    noun = "pairs" if unit == "pairs" else "examples"
+    noun = examples_noun(unit)
     if not left or layout.total_steps < layout.steps_per_epoch:  # no epoch ends in this run
         return None
     return (
