@@ -181,7 +181,7 @@ def _run(run: RunContext) -> TrainResult:
         if env.is_main:
             report_stopped(result.state.step)
         return replace(done, stopped_by="signal")
-    finish(run, built, result, checkpoints, trained_from=state.step)
+    finish(run, built, result, checkpoints, trained_from=state.step, record=run_info)
     run_info["result"]["finished"] = checkpoints.finished_record(result.state.step, built.layout.total_steps)
     log.write_json("run.json", run_info)
     return replace(done, stopped_by=run_info["result"]["stopped_by"])

@@ -4,6 +4,7 @@ evaluation the rule names. In this process (world size 1), on a run whose eval l
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,39 @@ def test_best_json_is_read_as_data_and_its_path_follows_the_folder(tmp_path: Pat
     (checkpoint / BEST_FILE).write_text("[" * 100_000)
     with pytest.raises(UserError, match="nested too deeply"):
         restore()
+
+
+def test_a_run_continuing_another_folders_checkpoint_takes_the_best_from_there(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--resume of another folder's checkpoint (its last: nothing more to train): the best that run
+    found is in its folder, not in this one; final/ takes it from there, or says it is gone and
+    keeps the last model."""
+    best = json.loads((run / "run.json").read_text())["result"]["best"]
+    newest = sorted((run / "checkpoints").iterdir())[-1]
+    steps = int(newest.name.removeprefix("step-"))
+    copy = tmp_path / "copy" / "checkpoints" / newest.name  # the same run without its best checkpoint
+    shutil.copytree(newest, copy)
+    argv = ["train", "--data", str(run.parent / "d.jsonl"), "--eval-split", "40", "--no-progress"]
+    argv += ["--metric-for-best", "eval_loss", "--eval-every", "2", "--load-best-at-end", "--seed", "2"]
+    argv += ["--save-every", "4", "--global-batch-size", "8", "--lr", "3e-2", "--max-steps", str(steps)]
+    for source, holds_best in ((newest, True), (copy, False)):
+        out = tmp_path / f"from-{source.parent.parent.name}"
+        assert main([*argv, "--resume", str(source), "--output-dir", str(out)]) == 0
+        result = json.loads((out / "run.json").read_text())["result"]
+        assert result["best"]["step"] == best["step"]
+        kept = load_file(out / "final" / "model.safetensors")
+        want = load_file(
+            (run if holds_best else out)
+            / f"checkpoints/step-{result['final_step']:06d}"
+            / "model.safetensors"
+        )
+        assert all((kept[k] == want[k]).all() for k in kept.keys() & want.keys())
+        card = (out / "final" / "README.md").read_text()
+        said = "".join(capsys.readouterr())
+        if holds_best:
+            assert result["final_step"] == best["step"] and "(this is that model)" in card
+            assert f"the best model: step {best['step']}" in said and str(run) in said
+        else:
+            assert result["final_step"] == steps and "(this is that model)" not in card
+            assert "is in no checkpoint here or in the run this one continued" in said

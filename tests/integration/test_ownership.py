@@ -127,6 +127,10 @@ def test_saved_weights_are_as_readable_as_the_files_beside_them(run: Path, tmp_p
 
 def _earlier_run(folder: Path) -> None:
     (folder / "checkpoints" / "step-000002").mkdir(parents=True)
+    (folder / "checkpoints" / "step-000002" / "manifest.json").write_text("{}")  # lmtune's, if damaged
+    (folder / "checkpoints" / ".step-000004.tmp").mkdir()  # a save cut short
+    (folder / "checkpoints" / "step-7").mkdir()  # a user's folder named as lmtune names its own
+    (folder / "checkpoints" / "step-7" / "notes.txt").write_text("mine")
     (folder / "checkpoints" / "my-notes.txt").write_text("mine")
     (folder / "samples").mkdir()
     (folder / "samples" / "rank-0.jsonl").write_text("{}\n")
@@ -150,7 +154,8 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
     check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == [
-        *("checkpoints", "checkpoints/my-notes.txt", "notes.txt", "samples", "samples/list.txt"),
+        *("checkpoints", "checkpoints/my-notes.txt", "checkpoints/step-7", "checkpoints/step-7/notes.txt"),
+        *("notes.txt", "samples", "samples/list.txt"),
         *("tensorboard", "tensorboard/events.out.tfevents.123.mine", "tensorboard/my_notes.txt"),
         *("wandb", "wandb/keep.txt"),
     ]
@@ -219,6 +224,16 @@ def test_train_refuses_before_writing(tmp_path: Path, capsys: pytest.CaptureFixt
     data.mkdir()
     write_jsonl(data / "d.jsonl", ["a text"] * 8)
     assert "lies inside --data" in _error(["train", "--data", str(data), "--output-dir", str(data)], capsys)
+    cached = [
+        "train",
+        "--data",
+        str(data),
+        "--output-dir",
+        str(tmp_path / "o"),
+        "--cache-dir",
+        str(data / "c"),
+    ]
+    assert "--cache-dir" in _error(cached, capsys)  # the next run would read the cache as data
     assert sorted(p.name for p in data.iterdir()) == ["d.jsonl"]  # not even a lock
     assert "the root folder" in _error(["train", "--output-dir", "/", "--overwrite"], capsys)
     out = tmp_path / "out"

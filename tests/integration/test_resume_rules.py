@@ -233,6 +233,20 @@ def test_a_damaged_newest_checkpoint_stops_the_run_and_is_kept(
         "is damaged",
         earlier,
     )
+    mine = base["root"] / "my-data"  # a user's folder, neither damaged nor lmtune's to remove
+    mine.mkdir()
+    (mine / "d.jsonl").write_text("{}")
+    said = _fails(
+        _args(base["data"], base["root"] / "other-out", "--resume", str(mine)),
+        capsys,
+        ": not a checkpoint (no manifest",
+    )
+    assert "remove" not in said and "damaged" not in said
+    newest = out / "checkpoints" / "step-000099"  # the same, as a run folder's newest checkpoint
+    shutil.copytree(mine, newest)
+    _fails(_args(base["data"], out), capsys, "step-000099, is not one lmtune saved", "move it out of")
+    assert (newest / "d.jsonl").is_file()
+    shutil.rmtree(newest)
     _fails(
         ["export", str(damaged), str(base["root"] / "exported")],
         capsys,

@@ -218,6 +218,8 @@ def result_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     best = result.get("best") or {}
     # --load-best-at-end: the folder holds the best step's model; the last step's figures are not its.
     holds_best = bool(best and run.get("config", {}).get("load_best_at_end"))
+    if "final_step" in result:  # the best's checkpoint may have been gone: then final/ is the last model
+        holds_best = bool(best) and result["final_step"] == best.get("step")
     elsewhere = holds_best and best["step"] != result.get("steps")
     last = " (the last step's model, not this one)" if elsewhere else ""
     if isinstance(result.get("last_loss"), (int, float)):

@@ -138,6 +138,13 @@ def write_manifest(folder: Path) -> None:
     fsync_write(folder / MANIFEST, json.dumps(manifest, indent=2))
 
 
+def lmtune_wrote(folder: Path) -> bool:
+    """Whether lmtune saved ``folder`` as a checkpoint, complete or damaged since: it writes the
+    manifest and the trainer state into every one (a user's folder named step-N has neither, and is
+    never pruned, deleted by --overwrite or called damaged)."""
+    return (folder / MANIFEST).is_file() or (folder / STATE_FILE).is_file()
+
+
 def holds_a_run(folder: Path) -> bool:
     """Whether ``folder`` holds what an lmtune run writes (its records, lock or checkpoints)."""
     records = any((folder / name).is_file() for name in ("run.json", "metrics.jsonl", LOCK_FILE))
@@ -146,12 +153,11 @@ def holds_a_run(folder: Path) -> bool:
 
 def not_a_checkpoint(folder: Path) -> str:
     """What ``folder``, given where a checkpoint is wanted, is instead, with the checkpoint meant
-    ("" when it is none of these): a model folder (a run's final/, an export), a run's folder or
-    its checkpoints/ folder."""
-    has = {p.name for p in folder.iterdir() if p.is_file()}
-    # A checkpoint, damaged or unfinished, has these: it is said to be damaged, not taken for another.
-    if {MANIFEST, STATE_FILE} & has:
+    ("" when it is a checkpoint, damaged or not): a model folder (a run's final/, an export), a run's
+    folder or its checkpoints/ folder, or any other folder."""
+    if lmtune_wrote(folder):  # a checkpoint, damaged or not: it is said to be damaged, not taken for another
         return ""
+    has = {p.name for p in folder.iterdir() if p.is_file()}
     weights = any(name.endswith((".safetensors", ".bin")) for name in has)
     if ("config.json" in has and weights) or {ADAPTER_FILE, ADAPTER_CONFIG} <= has:
         return "a model folder (a run's final/ or an export), not a training checkpoint"
@@ -160,7 +166,7 @@ def not_a_checkpoint(folder: Path) -> str:
     elif folder.name == "checkpoints" and holds_a_run(folder.parent):
         run = folder.parent
     else:
-        return ""
+        return f"not a checkpoint (no {MANIFEST} or {STATE_FILE}, which lmtune writes into every one)"
     newest = list_checkpoints(run)[-1:]
     which = f"{newest[0]} is its newest" if newest else "it has none: train with --save-every"
     what = "a run's folder" if run == folder else "the folder of a run's checkpoints"

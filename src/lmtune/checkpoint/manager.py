@@ -23,7 +23,7 @@ import torch
 
 from lmtune.checkpoint.export import save_final
 from lmtune.checkpoint.finished import Finished, finished_record, read_finished
-from lmtune.checkpoint.layout import CHANGES_FILE, FINGERPRINT_FILE, SCALER_FILE, step_folder
+from lmtune.checkpoint.layout import CHANGES_FILE, FINGERPRINT_FILE, MANIFEST, SCALER_FILE, step_folder
 from lmtune.checkpoint.resume import (
     Fingerprint,
     check_continuable,
@@ -37,7 +37,7 @@ from lmtune.config.files import read_json_object
 from lmtune.config.run_groups import CheckpointSettings
 from lmtune.errors import UserError
 from lmtune.outputs.runlog import InfoLog
-from lmtune.parallel.distributed import DistEnv
+from lmtune.parallel.distributed import DistEnv, broadcast_object
 
 
 class CheckpointRecord(Protocol):
@@ -212,13 +212,20 @@ class CheckpointManager:
         self.log.info(f"step {state.step}: saved checkpoint {path}")
         return path
 
-    def load(self, step: int) -> TrainerState:
-        """Load the checkpoint of ``step`` (saved by this run) into the model and optimizer."""
+    def holding(self, step: int) -> Path | None:
+        """The checkpoint of ``step``: this folder's, else that of the run this one continued (a
+        --resume of another folder's checkpoint), else None (pruned, removed, or never saved)."""
+        places = [step_folder(self.output_dir, step)]
+        if self.resumed_from is not None:
+            places.append(self.resumed_from.parent / places[0].name)
+        found = next((p for p in places if (p / MANIFEST).is_file()), None)
+        return broadcast_object(found, self.env)  # rank 0's view: every rank loads, or none does
+
+    def load(self, folder: Path) -> TrainerState:
+        """Load the checkpoint in ``folder`` (:meth:`holding`) into the model and optimizer."""
         t = self.trainable
         with self.patient():
-            return load_checkpoint(
-                step_folder(self.output_dir, step), t.parts, t.optimizer, self.env, t.scaler
-            )
+            return load_checkpoint(folder, t.parts, t.optimizer, self.env, t.scaler)
 
     def save_final(self) -> Path:
         """``final/``: the model as a Hugging Face folder, or the LoRA adapter (collective)."""

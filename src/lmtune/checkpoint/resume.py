@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 
-from lmtune.checkpoint.layout import CHECKPOINTS, FINGERPRINT_FILE, list_checkpoints, verify
+from lmtune.checkpoint.layout import (
+    CHECKPOINTS,
+    FINGERPRINT_FILE,
+    MANIFEST,
+    STATE_FILE,
+    list_checkpoints,
+    lmtune_wrote,
+    verify,
+)
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
 from lmtune.config.files import read_json_object
@@ -263,6 +271,11 @@ def _check_valid(folder: Path, what: str, older: list[Path]) -> None:
     reason = verify(folder)
     if reason is None:
         return
+    if folder.is_dir() and not lmtune_wrote(folder):  # a user's: neither damaged nor lmtune's to remove
+        raise UserError(
+            f"{what}, {folder}, is not one lmtune saved (no {MANIFEST} or {STATE_FILE}): move it out of "
+            f"{folder.parent}; {_instead(older, 'or start afresh with another --output-dir')}"
+        )
     raise UserError(
         f"{what}, {folder}, is damaged: {reason}. It is left as it is; {_instead(older, 'remove it')}, or "
         "start afresh with another --output-dir"

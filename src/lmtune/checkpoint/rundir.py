@@ -339,7 +339,7 @@ def remove_own_entries(output_dir: Path) -> list[Path]:
         pattern = _OWN_ENTRIES.get(name)
         if pattern is not None and target.is_dir() and not target.is_symlink():
             for entry in target.iterdir():
-                if pattern.fullmatch(entry.name):
+                if pattern.fullmatch(entry.name) and _own(name, entry):
                     _remove(entry)
                 else:
                     kept.append(entry)
@@ -348,6 +348,15 @@ def remove_own_entries(output_dir: Path) -> list[Path]:
         else:
             _remove(target)
     return kept
+
+
+def _own(folder: str, entry: Path) -> bool:
+    """Whether an entry named as lmtune names its own is lmtune's: a checkpoint it saved (its
+    temporary folder aside), not a user's folder named step-N."""
+    from lmtune.checkpoint.layout import lmtune_wrote
+
+    temporary = entry.name.startswith(".") and entry.name.endswith(".tmp")
+    return folder != "checkpoints" or temporary or (entry.is_dir() and lmtune_wrote(entry))
 
 
 def _remove(path: Path) -> None:
@@ -379,13 +388,9 @@ def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) 
     home = Path.home().resolve()
     if overwrite and (out == home or out in home.parents):
         raise UserError(f"--overwrite --output-dir {output_dir}: refused for the home folder or above it")
+    check_outside_inputs(output_dir, "--output-dir", inputs)
     for option, spec in inputs.items():
-        for path, read_whole in _input_paths(spec):
-            if read_whole and (out == path or path in out.parents):
-                raise UserError(
-                    f"--output-dir {output_dir} lies inside {option} {path}: the run would read its own "
-                    "files as data; choose an --output-dir outside it"
-                )
+        for path, _ in _input_paths(spec):
             if out not in path.parents and out != path:
                 continue
             inside = path.relative_to(out).parts
@@ -394,6 +399,19 @@ def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) 
                 raise UserError(
                     f"--output-dir {output_dir}: this run {what} {option} {path}; lmtune does not delete "
                     "or replace its inputs (move the input, or choose another --output-dir)"
+                )
+
+
+def check_outside_inputs(folder: Path, what: str, inputs: dict[str, str]) -> None:
+    """Refuse a folder lmtune writes (``what``: --output-dir, --cache-dir) inside a folder the run
+    reads whole (``--data DIR``, a glob's fixed part): it would read its own files as data."""
+    where = folder.expanduser().resolve()
+    for option, spec in inputs.items():
+        for path, read_whole in _input_paths(spec):
+            if read_whole and (where == path or path in where.parents):
+                raise UserError(
+                    f"{what} {folder} lies inside {option} {path}: the run would read its own files as "
+                    f"data; choose a {what.removeprefix('--')} outside it"
                 )
 
 

@@ -41,6 +41,7 @@ from lmtune.checkpoint.layout import (
     STATE_FILE,
     fsync_write,
     list_checkpoints,
+    lmtune_wrote,
     step_folder,
     verify,
     write_manifest,
@@ -104,8 +105,10 @@ def save_checkpoint(
 
 
 def prune(output_dir: Path, keep_last: int, protect: Path | None = None) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints (0 keeps all), never ``protect``."""
-    for old in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
+    """Delete all but the newest ``keep_last`` checkpoints (0 keeps all), never ``protect``, nor a
+    folder lmtune did not write (a user's step-N)."""
+    saved = [p for p in list_checkpoints(output_dir) if lmtune_wrote(p)]
+    for old in saved[:-keep_last] if keep_last > 0 else []:
         if old != protect:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -25,9 +25,15 @@ from lmtune.training.loop import FitResult
 
 
 def finish(
-    run: RunContext, built: Built, result: FitResult, checkpoints: CheckpointManager, trained_from: int
+    run: RunContext,
+    built: Built,
+    result: FitResult,
+    checkpoints: CheckpointManager,
+    trained_from: int,
+    record: dict[str, Any],
 ) -> None:
-    """final/ (the best model under --load-best-at-end), the merged model, the demo's answers."""
+    """final/ (the best model under --load-best-at-end), the merged model, the demo's answers;
+    run.json (``record``) says which step's model final/ holds before the model cards read it."""
     cfg, env, log = run.cfg, run.env, run.log
     steps, best = result.state.step, result.best
     trained = (
@@ -36,13 +42,23 @@ def finish(
         else f"step {steps}, no steps left to train"
     )
     if cfg.eval.load_best_at_end and best is not None and best.step != steps:
-        checkpoints.load(best.step)
-        trained = f"the best model: step {best.step}, {best.metric} {best.value:.4f}"
+        holding = checkpoints.holding(best.step)
+        if holding is not None:
+            steps = checkpoints.load(holding).step
+            trained = f"the best model: step {best.step}, {best.metric} {best.value:.4f}, from {holding}"
+        else:
+            log.info(
+                f"--load-best-at-end: the best evaluation (step {best.step}, {best.metric} {best.value:.4f}) "
+                f"is in no checkpoint here or in the run this one continued (pruned or removed); "
+                "final/ holds the last model"
+            )
     final_dir = checkpoints.save_final()
     what = "LoRA adapter (PEFT format)" if cfg.lora.enabled else "model"
     log.info(f"saved the {what} to {final_dir} ({trained})")
     if cfg.lora.merge and env.is_main:
         save_merged(run, built, final_dir)
+    record["result"]["final_step"] = steps
+    log.write_json("run.json", record)
     if env.is_main:
         write_run_cards(run.output_dir)  # README.md: how it was trained, its results, how to load it
         record_written(final_dir)  # what a later run may replace there: these files, as they are now

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from lmtune.checkpoint.layout import not_a_checkpoint, verify
-from lmtune.checkpoint.rundir import check_output_dir
+from lmtune.checkpoint.rundir import check_output_dir, check_outside_inputs
 from lmtune.config.groups import ExampleSettings
 from lmtune.config.settings import TrainConfig, config_fields, option_name, value_of
 from lmtune.config.validate import PREFERENCE, check_settings
@@ -93,6 +93,8 @@ def validate(cfg: TrainConfig, world_size: int, in_process: bool = False) -> Non
         "--chat-template": cfg.examples.chat_template or "",
     }
     check_output_dir(Path(cfg.checkpoint.output_dir), inputs, cfg.checkpoint.overwrite)
+    if cfg.data.cache_dir:
+        check_outside_inputs(Path(cfg.data.cache_dir), "--cache-dir", inputs)
     for option, on in (
         ("--load-in-4bit", cfg.model.load_in_4bit),
         ("--load-in-8bit", cfg.model.load_in_8bit),

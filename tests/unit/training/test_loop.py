@@ -442,8 +442,12 @@ def test_store_prunes_to_keep_last_but_keeps_the_protected_and_export_loads(tmp_
                 keep_last=0,
                 records={},
             )
+        mine = step_folder(run.output_dir, 0)  # a user's folder named as lmtune names its own
+        mine.mkdir()
+        (mine / "notes.txt").write_text("mine")
         prune(run.output_dir, keep_last=2, protect=step_folder(run.output_dir, 1))
         assert [p.name for p in list_checkpoints(run.output_dir)] == [
+            "step-000000",
             "step-000001",
             "step-000003",
             "step-000004",
