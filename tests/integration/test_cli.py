@@ -241,6 +241,10 @@ def test_max_prompt_length_is_for_preference_pairs(
     argv = ["train", "--max-prompt-length", "16", "--output-dir", str(tmp_path / "o")]
     assert main(argv) == 2
     assert "--max-prompt-length: applies to preference pairs (--objective dpo" in capsys.readouterr().err
+    config = tmp_path / "sft.yaml"  # TRL's key in a config file: named by its line there
+    config.write_text("lr: 1.0e-4\nmax_prompt_length: 16\n")
+    assert main(["train", "--config", str(config), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "sft.yaml:2: max_prompt_length: applies to preference pairs" in capsys.readouterr().err
 
 
 def test_ddp_or_fsdp_in_one_process_says_it_runs_the_single_path(

@@ -73,7 +73,7 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
     known = {canonical(o) for o in parser._option_string_actions if o.startswith("--")}
     options = [a for a in extra if a.startswith("--") or (a.startswith("-") and not _is_number(a))]
     problems = [
-        explain_unknown(a, known, option_name, parser.prog)
+        explain_unknown(a, known, option_name, parser.prog, _value_of(a, extra))
         + accumulation_here(a, _value_of(a, extra), parsed, option_name)
         for a in options
     ]

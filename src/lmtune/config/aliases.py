@@ -58,6 +58,9 @@ HINTS: dict[str, str] = {
         "over all processes) = {micro_batch_size} x processes x accumulation"
     ),
     "per_device_eval_batch_size": "evaluation runs micro-batches of {micro_batch_size}",
+    # Axolotl's: lmtune counts in optimizer steps (the start line says how many an epoch has).
+    "evals_per_epoch": "{eval_every} N evaluates every N optimizer steps",
+    "saves_per_epoch": "{save_every} N saves a checkpoint every N optimizer steps",
     "bf16": "set the precision with {precision} bf16",
     # QLoRA's other bitsandbytes settings (peft, TRL, Axolotl): lmtune decides them.
     "bnb_4bit_compute_dtype": "4-bit layers compute in {precision}'s dtype (bf16 with {precision} bf16)",
@@ -178,6 +181,23 @@ HINTS: dict[str, str] = {
     ),
 }
 
+# Foreign names whose answer depends on the value given (as text, lower case; "*": any other).
+_BY_VALUE: dict[str, dict[str, str]] = {
+    "bf16": {"false": "lmtune's default {precision} is fp32 already: remove it"},
+    "fp16": {"false": "lmtune's default {precision} is fp32 already: remove it"},
+    "loss_type": {
+        "sigmoid": "TRL's sigmoid loss is {objective} dpo",
+        "ipo": "TRL's ipo loss is {objective} ipo",
+        "*": "lmtune's preference losses are {objective} dpo (TRL's sigmoid) | ipo | simpo | orpo; "
+        "TRL's {value} is none of them",
+    },
+    "eval_strategy": {"no": "lmtune evaluates only when given {eval_data} or {eval_split}: remove it"},
+    "evaluation_strategy": {"no": "lmtune evaluates only when given {eval_data} or {eval_split}: remove it"},
+    "save_strategy": {
+        "no": "{save_every} 0 saves no checkpoint during training (final/ is saved at the end)"
+    },
+}
+
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
@@ -200,11 +220,13 @@ def aliases_of(setting: str) -> list[str]:
 _SHORT = {"o": ("out", "output_dir", "json", "plot"), "m": ("model",), "c": ("config",), "d": ("data",)}
 
 
-def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str], where: str) -> str:
+def explain_unknown(
+    name: str, known: Iterable[str], style: Callable[[str], str], where: str, value: Any = None
+) -> str:
     """Why ``name`` is not accepted ``where`` (a command, or a YAML file), in one line.
 
     ``known``: the setting-style names accepted there; ``style`` writes a name as it is written
-    there (``--lr`` on the command line, ``lr`` in YAML).
+    there (``--lr`` on the command line, ``lr`` in YAML); ``value``: what it was given, if known.
     """
     key, accepted = canonical(name), set(known)
     written = one_line(name, 80).split("=", 1)[0]
@@ -234,6 +256,10 @@ def explain_unknown(name: str, known: Iterable[str], style: Callable[[str], str]
         [c for c in _SHORT.get(key, ()) if c in accepted] if written.startswith("-") and len(key) == 1 else []
     )
     close = list(dict.fromkeys([*close, *prefixed[:3], *extends, *short]))
+    given = str(value).lower() if isinstance(value, (str, bool, int, float)) else None
+    answers = _BY_VALUE.get(key, {})
+    if given is not None and (answer := answers.get(given, answers.get("*"))):
+        return f"{shown}: {_styled(answer, lambda n: one_line(given, 40) if n == 'value' else style(n))}"
     if close and close[0] in HINTS:
         return f"{shown}: {_styled(HINTS[close[0]], style)}"
     suggestions = [ALIASES.get(c, c) for c in close if c not in HINTS]
@@ -248,17 +274,28 @@ def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Calla
     they make on one device, in this place's names."""
     if canonical(key) != "gradient_accumulation_steps":
         return ""
-    micro = next(
-        (v for k, v in values.items() if ALIASES.get(canonical(k), canonical(k)) == "micro_batch_size"), None
-    )
+
+    def given(setting: str) -> Any:
+        return next(
+            (v for k, v in values.items() if ALIASES.get(canonical(k), canonical(k)) == setting), None
+        )
+
     # Flags arrive as text, YAML values as numbers.
-    value, micro = (int(v) if isinstance(v, str) and v.isdigit() else v for v in (value, micro))
+    value, micro, batch = (
+        int(v) if isinstance(v, str) and v.isdigit() else v
+        for v in (value, given("micro_batch_size"), given("global_batch_size"))
+    )
     if not (type(value) is int and value > 0):
         value = 4
-    if not (type(micro) is int and micro > 0):
-        micro = 8  # HF Trainer's default per_device_train_batch_size
     # A flag takes its value after a space, a YAML key after a colon.
     sep = " " if style("x").startswith("-") else ": "
+    if type(batch) is int and batch > 0 and micro is None and batch % value == 0:
+        return (  # the global batch given: what micro-batch it means with this accumulation
+            f"; {style('global_batch_size')}{sep}{batch} with {value} accumulation on one device is "
+            f"{style('micro_batch_size')}{sep}{batch // value}"
+        )
+    if not (type(micro) is int and micro > 0):
+        micro = 8  # HF Trainer's default per_device_train_batch_size
     return (
         f"; {micro} per device x {value} accumulation on one device is {style('global_batch_size')}{sep}"
         f"{micro * value}, {style('micro_batch_size')}{sep}{micro}, and the same numbers train the same on "
@@ -293,7 +330,7 @@ def resolve_names(
     for key, value in values.items():
         name = lmtune_name(key, accepted)
         if name not in accepted:
-            why = explain_unknown(key, accepted, style, "lmtune train")
+            why = explain_unknown(key, accepted, style, "lmtune train", value)
             unknown.append(where(key) + why + accumulation_here(key, value, values, style))
             continue
         if name in out:

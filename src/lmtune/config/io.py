@@ -169,16 +169,17 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
         raise UserError(f"--config: {path}: expected a mapping of settings, got {type(loaded).__name__}")
     settings: dict[str, Any] = {}
     origin: dict[str, str] = {}  # flat name -> the key that gave it
+    lines = _key_lines(text, path)
     for key, value in loaded.items():
         name = str(key).replace("-", "_")
         group = GROUPS.get(name)
-        entries = _group_entries(name, value, path) if group and isinstance(value, dict) else {name: value}
+        place = f"--config {path}" + (f":{lines[str(key)]}" if str(key) in lines else "")
+        entries = _group_entries(name, value, place) if group and isinstance(value, dict) else {name: value}
         for flat, item in entries.items():
             if flat in settings:
                 both = f"as {flat} and {one_line(str(key), 60)}"
                 raise UserError(f"--config: {path}: {option_name(flat)} is set twice ({both})")
             settings[flat], origin[flat] = item, str(key)
-    lines = _key_lines(text, path)
 
     def where(flat: str) -> str:
         line = lines.get(origin.get(flat, flat))
@@ -233,9 +234,9 @@ def _key_lines(text: str, path: str) -> dict[str, int]:
     return lines
 
 
-def _group_entries(group: str, values: dict[Any, Any], path: str) -> dict[str, Any]:
+def _group_entries(group: str, values: dict[Any, Any], place: str) -> dict[str, Any]:
     """A nested group (``lora: {rank: 16}``) as flat settings (``lora_rank: 16``); a key may be the
-    group's field name or the setting's flat name."""
+    group's field name or the setting's flat name. ``place``: ``--config FILE:LINE`` of the group."""
     fields = {s.field: s.name for s in config_fields() if s.group == group}
     flat_names = set(fields.values())
     entries = {}
@@ -243,7 +244,7 @@ def _group_entries(group: str, values: dict[Any, Any], path: str) -> dict[str, A
         name = str(key).replace("-", "_")
         if name not in fields and name not in flat_names:
             raise UserError(
-                f"--config: {path}: {group}: unknown setting {brief(key)} (its settings: {', '.join(fields)})"
+                f"{place}: {group}: unknown setting {brief(key)} (its settings: {', '.join(fields)})"
             )
         entries[fields.get(name, name)] = value
     return entries

@@ -233,6 +233,11 @@ def _check_applicable(cfg: TrainConfig, need: Need) -> None:
         "simpo_gamma": (o.name == "simpo", "applies to --objective simpo only"),
         "orpo_lambda": (o.name == "orpo", "applies to --objective orpo only"),
         "neftune_alpha": (o.name == "sft", "applies to --objective sft only"),
+        # Preference objectives score the answers alone (TRL's DPO and ORPO mask the prompt too).
+        "train_on_prompt": (
+            o.name == "sft",
+            "applies to --objective sft only: a preference pair scores its answers",
+        ),
         "reference": (o.name in WITH_REFERENCE, referenced),
         "reference_model": (o.name in WITH_REFERENCE, referenced),
         # HF Trainer lets warmup_steps win silently; one of them is what the user meant.

@@ -18,7 +18,7 @@ from lmtune.data.formats import CHAT_FORMATS, FieldMap, ensure_chat_template
 from lmtune.data.mixture import Mixture, mixture_of, mixture_order
 from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
 from lmtune.data.prepare import encode_into, records
-from lmtune.data.sampling import epoch_order, rank_indices
+from lmtune.data.sampling import epoch_order, largest_global_batch, rank_indices
 from lmtune.data.sources import BadLines, resolve_components
 from lmtune.data.tokenize import Encoded, EncodeStats
 from lmtune.errors import UserError
@@ -49,6 +49,8 @@ class AuditReport:
     pairs: PairAudit | None = None  # preference data
     mixture: Mixture | None = None  # --data-weights: the sources, each of lengths[starts:+sizes]
     global_batch_size: int = 1  # train stops when the data holds less than one global batch
+    micro_batch_size: int | None = None  # with the processes, what a global batch must be a multiple of
+    nproc_per_node: int = 1
     empty_answers: int = 0  # examples whose only trained token is the stop: an empty or blank answer
     held_out: int = 0  # --eval-split's examples: evaluated, never trained on
 
@@ -75,10 +77,11 @@ class AuditReport:
         if examples <= 0:
             found.append("no example to train on" + held)
         elif examples < self.global_batch_size:
+            fits = largest_global_batch(examples, self.micro_batch_size, self.nproc_per_node)
+            fix = f"give --global-batch-size {fits} or less{', a smaller --eval-split' if held else ''}, or "
             found.append(
                 f"{_count(examples, 'example')}{held}, fewer than one global batch (--global-batch-size "
-                f"{self.global_batch_size}); give --global-batch-size {examples} or less"
-                f"{', a smaller --eval-split' if held else ''}, or more data"
+                f"{self.global_batch_size}); {fix if fits else 'give '}more data"
             )
         return found
 
@@ -113,6 +116,26 @@ class AuditReport:
     @property
     def clean(self) -> bool:
         return self.exit_code == 0
+
+
+def stops_lost_warning(lost: int, kept: int, chat: bool, unit: str, examples: ExampleSettings) -> str:
+    """The start's warning when most training examples train no stop token, with its likely cause:
+    a chat template with no end-of-turn token after the reply, or --max-length's cut (of a pair's
+    answers whatever --truncation says; of an example's end unless --truncation left)."""
+    cut = f"--max-length {examples.max_length} cut"
+    if chat:
+        why = " after the reply"
+    elif unit == "pairs":
+        why = f" ({cut} the answers' ends; a larger --max-length or smaller --max-prompt-length keeps them)"
+    elif examples.truncation != "left":
+        why = f" ({cut} it off; --truncation left keeps the ends)"
+    else:
+        why = ""
+    noun = "pairs" if unit == "pairs" else "examples"
+    return (
+        f"warning: {lost:,} of {kept:,} training {noun} train no stop token{why}, so the model may not "
+        "learn to stop (lmtune data audit shows which)"
+    )
 
 
 def _count(n: int, thing: str) -> str:
@@ -228,6 +251,8 @@ def audit(
         pairs=pairs,
         mixture=mixture,
         global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        nproc_per_node=nproc_per_node,
         empty_answers=sink.empty_answers,
     )
 

@@ -224,11 +224,15 @@ def _build(
         lost = stats.dropped_too_long + stats.dropped_no_targets
         if lost + bad.count == 0:
             raise UserError(f"{wanted.option} {wanted.spec}: holds no records (empty)")
-        fix = f"; a larger --max-length (now {settings.max_length}) keeps them" if lost else ""
+        fixes = [f"a larger --max-length (now {settings.max_length}) keeps those too long"] * bool(
+            stats.dropped_too_long
+        )
+        # Whatever the length: an empty answer, or a conversation with no assistant turn.
+        fixes += ["those with no trainable tokens have no answer to train"] * bool(stats.dropped_no_targets)
         raise UserError(
             f"{wanted.option} {wanted.spec}: no examples left ({stats.dropped_too_long} longer than "
             f"--max-length, {stats.dropped_no_targets} with no trainable tokens, "
-            f"{bad.count} bad lines skipped){fix}"
+            f"{bad.count} bad lines skipped)" + "".join(f"; {fix}" for fix in fixes)
         )
     writer.close(
         {

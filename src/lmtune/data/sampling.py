@@ -39,6 +39,13 @@ def steps_per_epoch(n: int, global_batch_size: int) -> int:
     return n // global_batch_size
 
 
+def largest_global_batch(n: int, micro_batch_size: int | None, world_size: int) -> int:
+    """The largest global batch ``n`` examples fill that the processes and their micro-batches
+    divide (0: none)."""
+    step = (micro_batch_size or 1) * world_size
+    return n - n % step
+
+
 def rank_indices(
     order: list[int],
     rank: int,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmtune.config.settings import DEFAULT_EPOCHS, SAMPLE_DATA, SAMPLE_EPOCHS, TrainConfig
-from lmtune.data.sampling import steps_per_epoch
+from lmtune.data.sampling import largest_global_batch, steps_per_epoch
 from lmtune.errors import UserError
 
 
@@ -44,9 +44,7 @@ def batch_layout(cfg: TrainConfig, world_size: int, n_examples: int) -> BatchLay
     """The layout of a run of ``cfg`` on ``world_size`` processes over ``n_examples`` examples."""
     per_epoch = steps_per_epoch(n_examples, cfg.batch.global_batch_size)
     if per_epoch == 0:
-        # The largest global batch the data fills that the processes (and micro-batches) divide.
-        step = (cfg.batch.micro_batch_size or 1) * world_size
-        fits = n_examples - n_examples % step
+        fits = largest_global_batch(n_examples, cfg.batch.micro_batch_size, world_size)
         split = cfg.data.eval_split
         smaller = ", a smaller --eval-split" if split is not None else ""
         fix = f"give --global-batch-size {fits} or less{smaller}, or more data" if fits else "give more data"

@@ -17,6 +17,7 @@ from lmtune.checkpoint.resume import Fingerprint, fingerprint
 from lmtune.checkpoint.state import ModelParts
 from lmtune.config.groups import DataSettings
 from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps
+from lmtune.data.audit import stops_lost_warning
 from lmtune.data.chat import end_of_turn_ids, use_chat_template
 from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.formats import CHAT_FORMATS
@@ -133,13 +134,8 @@ def build_parts(
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
         log.info(f"chat data: saved models stop at {tokenizer.convert_ids_to_tokens(stops)}")
     kept, stopping = data_info["train"]["examples"], data_info["train"]["eos_trained"]
-    if stopping < kept / 2:  # a template with no end-of-turn token after the reply; --max-length's cut
-        cut = f"(--max-length {cfg.examples.max_length} cut it off; --truncation left keeps the ends)"
-        log.info(
-            f"warning: {kept - stopping:,} of {kept:,} training examples train no stop token "
-            f"{'after the reply' if chat else cut}, so the model may not learn to stop (lmtune data audit "
-            "shows which)"
-        )
+    if stopping < kept / 2:
+        log.info(stops_lost_warning(kept - stopping, kept, chat, objective.unit, cfg.examples))
     layout = batch_layout(cfg, env.world_size, len(train_data))
     default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora.enabled else loaded.default_lr
     lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr

@@ -18,7 +18,7 @@ from lmtune.config.validate import PREFERENCE, check_settings
 from lmtune.data.chat import read_template
 from lmtune.data.formats import FieldMap, unused_names
 from lmtune.data.sources import BadLines, iter_records, resolve_sources
-from lmtune.errors import UserError, brief
+from lmtune.errors import SettingError, UserError, brief
 from lmtune.model.modeling import is_adapter_folder
 from lmtune.model.quantization import require_bitsandbytes
 from lmtune.outputs.hub import check_push
@@ -61,9 +61,11 @@ def validate(cfg: TrainConfig, world_size: int, in_process: bool = False) -> Non
         )
     if cfg.examples.max_prompt_length is not None and cfg.objective.name not in PREFERENCE:
         # Here, not among check_settings' rules: `data audit` takes it for pair data, with no objective.
-        raise UserError(
-            f"--max-prompt-length: applies to preference pairs (--objective {', '.join(PREFERENCE)}), "
-            f"not to --objective {cfg.objective.name}"
+        raise SettingError(
+            "max_prompt_length",
+            "--max-prompt-length",
+            f"applies to preference pairs (--objective {', '.join(PREFERENCE)}), not to --objective "
+            f"{cfg.objective.name}",
         )
     FieldMap.of(cfg.examples)  # a malformed --field-map fails here, not on the first record
     for spec, option in ((cfg.data.train, "--data"), (cfg.data.eval, "--eval-data")):

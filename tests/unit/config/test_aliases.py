@@ -99,6 +99,17 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
         (["bench", "--precision", "fp32"], "which lmtune bench does not take; it takes --precisions"),
         (["train", "--bnb_4bit_compute_dtype", "bfloat16"], "4-bit layers compute in --precision's dtype"),
         (["train", "stray.jsonl"], "unexpected argument stray.jsonl"),
+        # What the value given asks for: lmtune's default already, TRL's name of an objective, none.
+        (["train", "--bf16", "false"], "--bf16: lmtune's default --precision is fp32 already: remove it"),
+        (["train", "--bf16"], "--bf16: set the precision with --precision bf16"),
+        (["train", "--loss-type", "sigmoid"], "--loss-type: TRL's sigmoid loss is --objective dpo"),
+        (["train", "--loss_type=hinge"], "(TRL's sigmoid) | ipo | simpo | orpo; TRL's hinge is none of them"),
+        (["train", "--eval-strategy", "no"], "evaluates only when given --eval-data or --eval-split"),
+        (["train", "--evals-per-epoch", "2"], "--evals-per-epoch: --eval-every N evaluates every N"),
+        (
+            ["train", "--gradient_accumulation_steps", "2", "--global-batch-size", "4"],
+            "--global-batch-size 4 with 2 accumulation on one device is --micro-batch-size 2",
+        ),
     ],
 )
 def test_unknown_options_are_explained_in_one_line(

@@ -80,6 +80,10 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"objective": "simpo", "orpo_lambda": 0.5}, "--orpo-lambda: applies to --objective orpo only"),
         ({"objective": "orpo", "reference": "live"}, "--reference: applies to --objective dpo and ipo only"),
         ({"objective": "dpo", "neftune_alpha": 5.0}, "--neftune-alpha: applies to --objective sft only"),
+        (
+            {"objective": "orpo", "train_on_prompt": True},
+            "--train-on-prompt: applies to --objective sft only",
+        ),
         ({"neftune_alpha": -1.0}, "--neftune-alpha: must be >= 0"),
         (
             {"objective": "dpo", "max_prompt_length": 512},

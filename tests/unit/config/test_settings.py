@@ -244,8 +244,10 @@ def test_settings_live_in_groups_with_flat_names(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="--lora-rank is set twice"):
         load_yaml(str(twice))
     wrong = tmp_path / "wrong.yaml"
-    wrong.write_text("optim: {learning_rate: 1.0}\n")
-    with pytest.raises(UserError, match="optim: unknown setting 'learning_rate' \\(its settings: name, lr"):
+    wrong.write_text("model: small\noptim: {learning_rate: 1.0}\n")
+    with pytest.raises(
+        UserError, match=r"wrong\.yaml:2: optim: unknown setting 'learning_rate' \(its settings: name, lr"
+    ):
         load_yaml(str(wrong))
 
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from lmtune.cli import main
-from lmtune.data.audit import rank_imbalance
+from lmtune.config.groups import ExampleSettings
+from lmtune.data.audit import rank_imbalance, stops_lost_warning
 
 
 def test_audit_reports_everything_and_fails_on_bad_lines(
@@ -112,6 +113,13 @@ def _chat(i: int, words: int) -> dict[str, object]:
         ),
         ([], [], 2, "no example to train on"),  # train stops on it too
         ([{"text": "ok"}] * 3, ["--global-batch-size", "4"], 2, "3 examples, fewer than one global batch"),
+        # What train would take: a multiple of the micro-batch (train says the same, test_cli).
+        (
+            [{"text": "ok"}] * 7,
+            ["--global-batch-size", "8", "--micro-batch-size", "2"],
+            2,
+            "(--global-batch-size 8); give --global-batch-size 6 or less, or more data",
+        ),
         # What --eval-split holds out does not train: the audit counts what is left, as train does.
         (
             [{"text": "ok"}] * 6,
@@ -209,3 +217,15 @@ def test_an_empty_or_blank_answer_is_found(tmp_path: Path, capsys: pytest.Captur
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["data", "audit", str(f), "--global-batch-size", "1"]) == 1
     assert "3 examples with an empty or blank answer (only the stop token trains" in capsys.readouterr().out
+
+
+def test_the_stop_token_warning_names_the_likely_cause() -> None:
+    """A pair's answers are cut from the right whatever --truncation says; left truncation keeps an
+    example's end, so the length is not offered as the cause then."""
+    right, left = ExampleSettings(max_length=40), ExampleSettings(max_length=40, truncation="left")
+    assert "after the reply" in stops_lost_warning(3, 4, chat=True, unit="examples", examples=right)
+    said = stops_lost_warning(64, 64, chat=False, unit="pairs", examples=left)
+    assert said.startswith("warning: 64 of 64 training pairs train no stop token (--max-length 40 cut")
+    assert "--truncation" not in said and "--max-prompt-length" in said
+    assert "--truncation left keeps" in stops_lost_warning(8, 8, chat=False, unit="examples", examples=right)
+    assert "token, so" in stops_lost_warning(8, 8, chat=False, unit="examples", examples=left)

@@ -62,6 +62,11 @@ def test_empty_data_is_a_user_error_and_leaves_no_entry(tmp_path: Path) -> None:
         UserError, match=r"no examples left \(2 longer .*; a larger --max-length \(now 4\) keeps"
     ):
         prepare(str(f), byte_tokenizer(), ExampleSettings(max_length=4), env, tmp_path / "cache")
+    # No answer at all: no length would keep them, so none is suggested.
+    f.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * 2)
+    with pytest.raises(UserError, match=r"2 with no trainable tokens.*\); those with no trainable") as e:
+        prepare(str(f), byte_tokenizer(), ExampleSettings(), env, tmp_path / "cache")
+    assert "--max-length (now" not in str(e.value)
 
 
 def test_worker_processes_give_the_same_result_and_the_same_errors() -> None:
