@@ -81,21 +81,27 @@ def _answer_messages(record: Record, name: str, names: FieldMap) -> list[dict[st
 def conversation(
     record: Record, names: FieldMap
 ) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
-    """(prompt, chosen, rejected) messages; without a prompt, the messages both answers start with.
-    The record's fields are under lmtune's names; ``names`` names the messages' own fields and roles."""
+    """(prompt, chosen, rejected) messages; without a prompt, or with a text one beside whole
+    conversations, the turns both answers start with; a text prompt before answers that share no
+    turn is one user turn. The record's fields are under lmtune's names; ``names`` names the
+    messages' own fields and roles."""
     chosen, rejected = _answer_messages(record, "chosen", names), _answer_messages(record, "rejected", names)
-    if "prompt" in record.fields:
+    text = record.fields.get("prompt")
+    if "prompt" in record.fields and not isinstance(text, str):
         prompt = messages_field(record, "prompt", names)
     else:
         shared = 0
         while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
             shared += 1
-        if shared == 0:
+        if shared:  # as TRL's maybe_extract_prompt: whole conversations' shared turns are the prompt
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        elif isinstance(text, str):  # a question as text, answers as assistant turns
+            prompt = [{"role": "user", "content": text}]
+        else:
             raise UserError(
                 f"{record.where}: preference record has no 'prompt', and its chosen and rejected messages "
                 "share no leading turn to take as one"
             )
-        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
     for name, answer in (("chosen", chosen), ("rejected", rejected)):
         _check_answer(record, names.name(name), answer)
     return prompt, chosen, rejected
@@ -118,8 +124,12 @@ def render_pair(record: Record, tokenizer: Any, names: FieldMap) -> PairTexts:
     for name in ("chosen", "rejected"):
         if name not in record.fields:
             raise UserError(f"{record.where}: preference record has no '{names.name(name)}' field")
-    if is_messages(record.fields.get("prompt")) or (
-        "prompt" not in record.fields and is_messages(record.fields["chosen"])
+    # Messages in the prompt or either answer: a conversation (a text prompt beside whole
+    # conversations, as UltraFeedback's, is what their shared turns say: conversation()).
+    prompt = record.fields.get("prompt")
+    if is_messages(prompt) or (
+        (prompt is None or isinstance(prompt, str))
+        and any(is_messages(record.fields[n]) for n in ("chosen", "rejected"))
     ):
         turns, chosen, rejected = conversation(record, names)
         return PairTexts(
@@ -131,7 +141,9 @@ def render_pair(record: Record, tokenizer: Any, names: FieldMap) -> PairTexts:
             format="preference_messages",
         )
     if is_messages(record.fields["chosen"]) or is_messages(record.fields["rejected"]):
-        raise UserError(f"{record.where}: 'prompt' must be a list of messages when the answers are messages")
+        raise UserError(
+            f"{record.where}: 'prompt' must be text or a list of messages when the answers are messages"
+        )
     if "prompt" in record.fields:
         question = _text(record, "prompt", names)
         answers = _text(record, "chosen", names), _text(record, "rejected", names)

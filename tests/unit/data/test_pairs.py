@@ -93,6 +93,32 @@ def test_a_prompt_of_messages_with_string_answers_and_an_implicit_prompt() -> No
     assert parts(data[0], tok)[1] == "hello<|im_end|>\n"
 
 
+def test_a_text_prompt_beside_whole_conversations_is_their_shared_turns_as_trl_takes_it() -> None:
+    """HuggingFaceH4/ultrafeedback_binarized's form: the prompt as text, and each answer the whole
+    conversation. TRL's maybe_extract_prompt takes the shared turns as the prompt; so does lmtune.
+    A text prompt before answers that share no turn is one user turn."""
+    from trl.data_utils import maybe_extract_prompt
+
+    tok = byte_tokenizer()
+    tok.chat_template = CHATML
+    user = {"role": "user", "content": "hi"}
+    explicit = {"prompt": [user], "chosen": "hello", "rejected": "go away"}
+    ultrafeedback = {
+        "prompt": "hi",
+        "chosen": [user, {"role": "assistant", "content": "hello"}],
+        "rejected": [user, {"role": "assistant", "content": "go away"}],
+    }
+    answers_only = {
+        "prompt": "hi",
+        "chosen": [{"role": "assistant", "content": "hello"}],
+        "rejected": "go away",
+    }
+    data, _, _ = encode([explicit, ultrafeedback, answers_only], tok)
+    assert parts(data[0], tok) == parts(data[1], tok) == parts(data[2], tok)
+    trl = maybe_extract_prompt(ultrafeedback)
+    assert trl["prompt"] == [user] and trl["chosen"] == [{"role": "assistant", "content": "hello"}]
+
+
 def test_field_map_renames_pair_fields_and_their_messages_roles() -> None:
     """A ShareGPT-style pair ({from, value}, human/bot) under --field-map trains as lmtune's own
     names would, and the audit reads it the same way."""
@@ -148,10 +174,6 @@ def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
         ),
         ({"prompt": "q", "chosen": 3, "rejected": "b"}, "a non-string \\(int\\) 'chosen'"),
         ({"prompt": "q", "chosen": "a", "rejected": None}, "has a null 'rejected' field"),
-        (
-            {"prompt": "q", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"},
-            "must be a list",
-        ),
         (
             {"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"},
             "'prompt' message 1 must be an object",
