@@ -181,6 +181,15 @@ HINTS: dict[str, str] = {
     ),
 }
 
+_SCHEDULES = {
+    "cosine": (
+        "{lr_schedule} cosine is lmtune's default; it decays to lr x {min_lr_ratio} (0.1 by default), "
+        "transformers' and Axolotl's to 0: add {min_lr_ratio} 0 for theirs"
+    ),
+    "linear": "{lr_schedule} linear (warmup, then linear decay to 0)",
+    "constant_with_warmup": "{lr_schedule} constant (constant after the warmup)",
+    "warmup_stable_decay": "{lr_schedule} wsd",
+}
 # Foreign names whose answer depends on the value given (as text, lower case; "*": any other).
 _BY_VALUE: dict[str, dict[str, str]] = {
     "bf16": {"false": "lmtune's default {precision} is fp32 already: remove it"},
@@ -196,6 +205,12 @@ _BY_VALUE: dict[str, dict[str, str]] = {
     "save_strategy": {
         "no": "{save_every} 0 saves no checkpoint during training (final/ is saved at the end)"
     },
+    "precompute_ref_log_probs": {
+        "true": "lmtune precomputes the reference's log-probs by default ({reference} logprobs): remove it",
+        "false": "{reference} live runs the reference in every step",
+    },
+    "lr_scheduler": _SCHEDULES,
+    "lr_scheduler_type": _SCHEDULES,
 }
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")

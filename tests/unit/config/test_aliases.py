@@ -106,6 +106,8 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
         (["train", "--loss_type=hinge"], "(TRL's sigmoid) | ipo | simpo | orpo; TRL's hinge is none of them"),
         (["train", "--eval-strategy", "no"], "evaluates only when given --eval-data or --eval-split"),
         (["train", "--evals-per-epoch", "2"], "--evals-per-epoch: --eval-every N evaluates every N"),
+        (["train", "--lr-scheduler-type", "cosine"], "--lr-schedule cosine is lmtune's default; it decays"),
+        (["train", "--precompute-ref-log-probs", "true"], "log-probs by default (--reference logprobs)"),
         (
             ["train", "--gradient_accumulation_steps", "2", "--global-batch-size", "4"],
             "--global-batch-size 4 with 2 accumulation on one device is --micro-batch-size 2",
