@@ -153,6 +153,7 @@ def test_a_run_continuing_another_folders_checkpoint_takes_the_best_from_there(
         said = "".join(capsys.readouterr())
         if holds_best:
             assert result["final_step"] == best["step"] and "(this is that model)" in card
+            assert result["best"]["checkpoint"] == str(run / best["checkpoint"])  # where it was found
             assert f"the best model: step {best['step']}" in said and str(run) in said
         else:
             assert result["final_step"] == steps and "(this is that model)" not in card

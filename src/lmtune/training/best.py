@@ -27,7 +27,9 @@ class Best:
     step: int
     metric: str
     value: float
-    checkpoint: str  # relative to the output folder (checkpoints/step-NNNNNN): a moved run still finds it
+    # Relative to the output folder (checkpoints/step-NNNNNN): a moved run still finds it. run.json's
+    # result has the path of another run's when final/ took the best from the run this one continued.
+    checkpoint: str
 
 
 @dataclass

@@ -45,6 +45,8 @@ def finish(
         holding = checkpoints.holding(best.step)
         if holding is not None:
             steps = checkpoints.load(holding).step
+            if holding.parent.parent.resolve() != run.output_dir.resolve():  # the run this one continued
+                record["result"]["best"]["checkpoint"] = str(holding)
             trained = f"the best model: step {best.step}, {best.metric} {best.value:.4f}, from {holding}"
         else:
             log.info(
