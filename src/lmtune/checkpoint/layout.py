@@ -23,6 +23,7 @@ FINGERPRINT_FILE = "fingerprint.json"
 CHANGES_FILE = "resume_changes.json"
 GENERATION_CONFIG = "generation_config.json"
 _STEP_NAME = re.compile(r"step-(\d+)")
+_TEMPORARY = re.compile(r"\.step-\d+\.tmp")  # a checkpoint being written (lmtune.checkpoint.store)
 SHARDED_DIR = "sharded"  # torch.distributed.checkpoint folder: one file per rank + .metadata
 SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "trainer.json"
@@ -139,10 +140,11 @@ def write_manifest(folder: Path) -> None:
 
 
 def lmtune_wrote(folder: Path) -> bool:
-    """Whether lmtune saved ``folder`` as a checkpoint, complete or damaged since: it writes the
-    manifest and the trainer state into every one (a user's folder named step-N has neither, and is
-    never pruned, deleted by --overwrite or called damaged)."""
-    return (folder / MANIFEST).is_file() or (folder / STATE_FILE).is_file()
+    """Whether lmtune saved ``folder`` as a checkpoint, complete or damaged since (it writes the
+    manifest and the trainer state into every one), or began to (its hidden temporary name). A
+    user's folder named step-N is neither: never pruned, deleted by --overwrite or called damaged."""
+    temporary = _TEMPORARY.fullmatch(folder.name) is not None
+    return temporary or (folder / MANIFEST).is_file() or (folder / STATE_FILE).is_file()
 
 
 def holds_a_run(folder: Path) -> bool:

@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from lmtune.checkpoint.finished import recorded_finish
-from lmtune.checkpoint.layout import LOCK_FILE, enclosing_run
+from lmtune.checkpoint.layout import LOCK_FILE, enclosing_run, lmtune_wrote
 from lmtune.checkpoint.owned import users_files_said
 from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
@@ -339,7 +339,7 @@ def remove_own_entries(output_dir: Path) -> list[Path]:
         pattern = _OWN_ENTRIES.get(name)
         if pattern is not None and target.is_dir() and not target.is_symlink():
             for entry in target.iterdir():
-                if pattern.fullmatch(entry.name) and _own(name, entry):
+                if pattern.fullmatch(entry.name) and (name != "checkpoints" or lmtune_wrote(entry)):
                     _remove(entry)
                 else:
                     kept.append(entry)
@@ -348,15 +348,6 @@ def remove_own_entries(output_dir: Path) -> list[Path]:
         else:
             _remove(target)
     return kept
-
-
-def _own(folder: str, entry: Path) -> bool:
-    """Whether an entry named as lmtune names its own is lmtune's: a checkpoint it saved (its
-    temporary folder aside), not a user's folder named step-N."""
-    from lmtune.checkpoint.layout import lmtune_wrote
-
-    temporary = entry.name.startswith(".") and entry.name.endswith(".tmp")
-    return folder != "checkpoints" or temporary or (entry.is_dir() and lmtune_wrote(entry))
 
 
 def _remove(path: Path) -> None:
