@@ -157,6 +157,7 @@ def test_train_doctor_checks_before_training(tmp_path: Path, capsys: pytest.Capt
     assert "lmtune doctor" in printed and "ok    output folder" in printed
     assert "CPU threads" in printed and "threads, waiting" in printed
     assert printed.index("lmtune doctor") < printed.index("lmtune: preset tiny")
+    assert "; 1 step; precision fp32; loss: " in printed  # the start line names what the run computes in
     assert main(["doctor", "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "FAIL  data" in capsys.readouterr().out
     # A folder it had to make to check (with the ones above it) is gone after the check.

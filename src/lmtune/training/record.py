@@ -115,8 +115,9 @@ def run_record(
         + f", {run.strategy}{_one_process_note(cfg.launch.strategy, run.strategy)} on "
         f"{env.world_size} x {env.device.type}{units}; global batch {_batch_line(layout)} "
         f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} "
-        f"step{'s' if layout.total_steps != 1 else ''}; "
-        f"loss: {built.loss.description}"
+        f"step{'s' if layout.total_steps != 1 else ''}; precision {cfg.model.precision}"
+        + ("; activation checkpointing" if cfg.model.activation_checkpointing else "")
+        + f"; loss: {built.loss.description}"
         + (f"; NEFTune noise alpha {cfg.objective.neftune_alpha:g}" if cfg.objective.neftune_alpha else "")
     )
     for note in (_default_batch_note(layout, cfg), _left_out_note(layout, built.objective.unit)):
