@@ -418,7 +418,7 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
         cfg.seed,
         cfg.data.weights,
     )
-    report = holding_out(report, cfg.data.eval_split)
+    report = holding_out(report, cfg.data.eval_split, cfg.seed, cfg.data.weights)
     print(format_report(report))
     if plot is not None:
         write_output(plot, plot_histogram(report), "--plot")

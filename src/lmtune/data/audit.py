@@ -13,9 +13,9 @@ from lmtune.config.groups import ExampleSettings
 from lmtune.config.marks import PNG_METADATA
 from lmtune.config.mixture import parse_weights, source_names
 from lmtune.data.chat import end_of_turn_ids
-from lmtune.data.dataset import held_out_count
+from lmtune.data.dataset import held_out_count, held_per_source
 from lmtune.data.formats import CHAT_FORMATS, FieldMap, ensure_chat_template
-from lmtune.data.mixture import Mixture, mixture_of, mixture_order
+from lmtune.data.mixture import Mixture, SourceIndex, mixture_of, mixture_order
 from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
 from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, largest_global_batch, rank_indices
@@ -48,6 +48,8 @@ class AuditReport:
     skip_bad_lines: bool = False  # training would skip bad lines (else it stops at the first)
     pairs: PairAudit | None = None  # preference data
     mixture: Mixture | None = None  # --data-weights: the sources, each of lengths[starts:+sizes]
+    # The examples' lengths less what --eval-split holds out (the mixture's, once it is held out).
+    trained_lengths: np.ndarray | None = None
     global_batch_size: int = 1  # train stops when the data holds less than one global batch
     micro_batch_size: int | None = None  # with the processes, what a global batch must be a multiple of
     nproc_per_node: int = 1
@@ -179,13 +181,25 @@ def rank_imbalance(
     )
 
 
-def holding_out(report: AuditReport, eval_split: float | None) -> AuditReport:
+def holding_out(
+    report: AuditReport, eval_split: float | None, seed: int = 42, weights: str | None = None
+) -> AuditReport:
     """``report`` with what --eval-split holds out as training would: its share of each source of a
-    mixture, else of the whole."""
+    mixture (the very examples: the mixture is then of what is left), else of the whole."""
     if eval_split is None:
         return report
-    sizes = report.mixture.sizes if report.mixture is not None else (report.stats.examples,)
-    return replace(report, held_out=sum(held_out_count(eval_split, n) for n in sizes))
+    m = report.mixture
+    if m is None or weights is None:
+        return replace(report, held_out=held_out_count(eval_split, report.stats.examples))
+    sources = SourceIndex(m.names, (*m.starts, m.starts[-1] + m.sizes[-1]))
+    held = held_per_source(sources, eval_split, seed)
+    sizes = [n - held_out_count(eval_split, n) for n in m.sizes]
+    return replace(
+        report,
+        held_out=len(held),
+        mixture=mixture_of(list(m.names), sizes, parse_weights(weights, len(sizes))),
+        trained_lengths=np.delete(report.lengths, held),
+    )
 
 
 def audit(
@@ -367,7 +381,8 @@ def format_report(report: AuditReport) -> str:
     if report.pairs is not None:
         lines += pair_lines(report.pairs)
     if report.mixture is not None:
-        lines += mixture_lines(report.mixture, report.lengths)
+        trained = report.trained_lengths
+        lines += mixture_lines(report.mixture, report.lengths if trained is None else trained)
     if report.imbalance is not None:
         im = report.imbalance
         lines.append(

@@ -339,7 +339,7 @@ def split_off(data: TokenizedDataset, share: float, seed: int) -> tuple[SplitVie
     """
     n = len(data)
     if data.sources is not None:
-        held = _held_per_source(data.sources, share, seed)
+        held = held_per_source(data.sources, share, seed)
     else:
         count = held_out_count(share, n)
         if not 1 <= count < n:
@@ -349,7 +349,7 @@ def split_off(data: TokenizedDataset, share: float, seed: int) -> tuple[SplitVie
     return SplitView(data, kept), SplitView(data, held)
 
 
-def _held_per_source(sources: SourceIndex, share: float, seed: int) -> np.ndarray:
+def held_per_source(sources: SourceIndex, share: float, seed: int) -> np.ndarray:
     """A data set kept per source holds out ``share`` of each source (a fraction of it, or a count
     from each), chosen within the source by the seed and its place."""
     held = []

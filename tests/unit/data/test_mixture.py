@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -223,6 +224,18 @@ def test_the_audit_shows_the_mixture(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert rows[1] == "code 12 examples 158 tokens -> 4 per epoch ( 25.0%), x0.33 each"
     assert main(["data", "audit", str(a), str(b), "--data-weights", "1", "--model", "tiny"]) == 2
     assert "--data-weights: 1 weight for 2 --data sources" in capsys.readouterr().err
+    # --eval-split: the mixture of what is left, the very examples train holds out (its mixture line).
+    split = [*weighted, "--eval-split", "0.25"]
+    assert main(["data", "audit", str(a), f"code={b}", *split]) == 0
+    said = capsys.readouterr().out
+    rows = re.findall(r"(\w+) +(\d+) examples .* -> +(\d+) per epoch \( *([\d.]+%)\)", said)
+    assert len(rows) == 2
+    out = ["--output-dir", str(tmp_path / "run"), "--max-steps", "1", "--no-progress", "--save-every", "0"]
+    assert main(["train", "--data", f"{a},code={b}", *split, *out]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("mixture (an epoch of"))
+    assert line.startswith("mixture (an epoch of 12)")  # 16 less a quarter of each source
+    for name, examples, draws, share in rows:
+        assert f"{name} {examples} examples -> {draws} ({share}" in line
 
 
 def test_recorded_samples_name_their_sources(tmp_path: Path) -> None:
