@@ -308,6 +308,12 @@ def test_an_adapter_folder_loads_as_a_model_through_its_base(runs: dict[str, Pat
         assert float((merged(input_ids=ids).logits - adapted(input_ids=ids).logits).abs().max()) <= 1e-4
     export(runs["lora_folder_base"] / "checkpoints" / "step-000006", tmp_path / "adapter")
     assert _max_diff(_weights(tmp_path / "adapter"), _weights(final)) == 0.0
+    # Its last checkpoint, an adapter beside the base's config, loads as final/ does (generate, --model).
+    checkpoint = load_model(
+        str(runs["lora_folder_base"] / "checkpoints" / "step-000006"), seed=0
+    ).model.eval()
+    with torch.no_grad():
+        assert torch.equal(checkpoint(input_ids=ids).logits, merged(input_ids=ids).logits)
     with pytest.raises(UserError, match="names no base model"):
         load_model(str(runs["lora_single"] / "final"), seed=0)
 

@@ -381,9 +381,11 @@ def model_description(name: str) -> str:
 
 
 def is_adapter_folder(name: str) -> bool:
-    """Whether ``name`` is a LoRA adapter folder (PEFT format, as a LoRA run's final/)."""
+    """Whether ``name`` is a LoRA adapter folder (PEFT format): a LoRA run's final/, or its training
+    checkpoint (its manifest.json; the base's config.json beside the adapter is for `export`)."""
     path = Path(name).expanduser()
-    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+    checkpoint = (path / "manifest.json").is_file()
+    return (path / "adapter_config.json").is_file() and (checkpoint or not (path / "config.json").is_file())
 
 
 def _adapter_base(name: str) -> str | None:

@@ -86,3 +86,7 @@ def test_a_training_checkpoint_given_as_a_model_says_what_it_is(tmp_path: Path) 
         UserError, match=r"could not load the local folder: .*it is a training checkpoint: `lmtune export"
     ):
         load_model(str(tmp_path), seed=0)
+    # A LoRA run's checkpoint is an adapter folder (the base's config beside it is for export).
+    (tmp_path / "adapter_config.json").write_text('{"base_model_name_or_path": null}')
+    with pytest.raises(UserError, match=r"a LoRA adapter folder that names no base model .*lmtune export"):
+        load_model(str(tmp_path), seed=0)
