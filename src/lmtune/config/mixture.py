@@ -37,8 +37,16 @@ def source_names(spec: str, option: str) -> list[str]:
     Raises:
         UserError: naming ``option`` and the name given twice.
     """
-    names = [name for name, _ in named_items(spec)]
-    for name in names:
+    items = named_items(spec)
+    names = [name for name, _ in items]
+    for name, item in items:
+        if len(items) > 1 and not _NAME.fullmatch(
+            name
+        ):  # a glob's or an odd file's stem: metric names hold it
+            raise UserError(
+                f"{option}: the source {brief(item)} has no usable name ({brief(name)}: a name is letters, "
+                f"digits, '_', '.', '-'); name it as NAME={brief(item)}"
+            )
         if names.count(name) > 1:
             raise UserError(
                 f"{option}: two sources are named {name!r}; name them apart as NAME=PATH (e.g. {name}_a=PATH)"

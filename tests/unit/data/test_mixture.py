@@ -147,6 +147,8 @@ def test_one_and_two_ranks_train_on_the_same_steps_and_resume_exactly() -> None:
         ("a.jsonl,b.jsonl", "1,", r"--data-weights: '?'? is not a number"),
         ("x/a.jsonl,y/a.jsonl", "1,1", r"--data: two sources are named 'a'"),
         ("a=x.jsonl,a=y.jsonl", "1,1", r"--data: two sources are named 'a'"),
+        # A glob's stem is no name for a metric (eval_loss/NAME): it is asked for.
+        ("x/a*.jsonl,b.jsonl", "1,1", r"--data: the source 'x/a\*\.jsonl' has no usable name .*NAME="),
         ("a.jsonl", "1", r"--data-weights: applies to a mixture of two or more --data sources only"),
     ],
 )
@@ -157,6 +159,7 @@ def test_bad_weights_and_names_are_refused_naming_the_option(data: str, weights:
 
 def test_named_sources_and_distinct_eval_names() -> None:
     check_settings(TrainConfig(data="x/a.jsonl,y/a.jsonl"), 1)  # no mixture: names do not matter
+    check_settings(TrainConfig(data="x/a*.jsonl,y/[ab].jsonl"), 1)
     check_settings(TrainConfig(data="one=x/a.jsonl,two=y/a.jsonl", data_weights="1,3"), 1)
     with pytest.raises(UserError, match=r"--eval-data: two sources are named 'e'"):
         check_settings(TrainConfig(eval_data="x/e.jsonl,y/e.jsonl"), 1)
