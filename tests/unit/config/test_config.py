@@ -96,6 +96,12 @@ def test_invalid_settings_name_the_option(values: dict[str, object], needle: str
         validate(build_config(values), world_size=1)
 
 
+def test_a_switch_is_named_without_its_value() -> None:
+    with pytest.raises(UserError) as refused:
+        validate(build_config({"merge_lora": True}), world_size=1)
+    assert str(refused.value).startswith("--merge-lora: needs --lora") and "got" not in str(refused.value)
+
+
 def test_settings_that_apply_are_accepted_at_any_value() -> None:
     for values in (
         {"lora": True, "lora_rank": 8, "lora_target_modules": "q_proj"},
