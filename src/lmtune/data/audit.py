@@ -192,7 +192,10 @@ def holding_out(
     if m is None or weights is None:
         return replace(report, held_out=held_out_count(eval_split, report.stats.examples))
     sources = SourceIndex(m.names, (*m.starts, m.starts[-1] + m.sizes[-1]))
-    held = held_per_source(sources, eval_split, seed)
+    try:
+        held = held_per_source(sources, eval_split, seed)
+    except ValueError as e:  # as train refuses it
+        raise UserError(f"--eval-split {eval_split:g}: {e}") from None
     sizes = [n - held_out_count(eval_split, n) for n in m.sizes]
     return replace(
         report,

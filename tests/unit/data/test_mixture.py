@@ -239,6 +239,8 @@ def test_the_audit_shows_the_mixture(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert line.startswith("mixture (an epoch of 12)")  # 16 less a quarter of each source
     for name, examples, draws, share in rows:
         assert f"{name} {examples} examples -> {draws} ({share}" in line
+    assert main(["data", "audit", str(a), f"code={b}", *weighted, "--eval-split", "4"]) == 2  # as train
+    assert "--eval-split 4: holds out 4 of the 4 examples of source 'chat'" in capsys.readouterr().err
 
 
 def test_recorded_samples_name_their_sources(tmp_path: Path) -> None:
