@@ -40,9 +40,8 @@ def source_names(spec: str, option: str) -> list[str]:
     items = named_items(spec)
     names = [name for name, _ in items]
     for name, item in items:
-        if len(items) > 1 and not _NAME.fullmatch(
-            name
-        ):  # a glob's or an odd file's stem: metric names hold it
+        # A glob's or an odd file's stem: the metric names of a mixture's sources hold it.
+        if len(items) > 1 and not _NAME.fullmatch(name):
             raise UserError(
                 f"{option}: the source {brief(item)} has no usable name ({brief(name)}: a name is letters, "
                 f"digits, '_', '.', '-'); name it as NAME={brief(item)}"

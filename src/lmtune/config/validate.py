@@ -47,10 +47,10 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
 
     def need(ok: bool, name: str, why: str) -> None:
         if not ok:
-            s = setting_named(name)
-            value = value_of(cfg, s)
+            setting = setting_named(name)
+            value = value_of(cfg, setting)
             # A switch's value is the option itself: "--merge-lora: needs --lora", not "(got True)".
-            got = "" if s.type is bool and value is True else f" (got {brief(value)})"
+            got = "" if setting.type is bool and value is True else f" (got {brief(value)})"
             raise SettingError(name, option_name(name), f"{why}{got}")
 
     for s in config_fields():

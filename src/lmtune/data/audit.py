@@ -17,6 +17,7 @@ from lmtune.data.dataset import held_out_count, held_per_source
 from lmtune.data.formats import CHAT_FORMATS, FieldMap, ensure_chat_template
 from lmtune.data.mixture import Mixture, SourceIndex, mixture_of, mixture_order
 from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
+from lmtune.data.pairs import examples_noun
 from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, largest_global_batch, rank_indices
 from lmtune.data.sources import BadLines, resolve_components
@@ -133,10 +134,9 @@ def stops_lost_warning(lost: int, kept: int, chat: bool, unit: str, examples: Ex
         why = f" ({cut} it off; --truncation left keeps the ends)"
     else:
         why = ""
-    noun = "pairs" if unit == "pairs" else "examples"
     return (
-        f"warning: {lost:,} of {kept:,} training {noun} train no stop token{why}, so the model may not "
-        "learn to stop (lmtune data audit shows which)"
+        f"warning: {lost:,} of {kept:,} training {examples_noun(unit)} train no stop token{why}, so the "
+        "model may not learn to stop (lmtune data audit shows which)"
     )
 
 

@@ -268,6 +268,11 @@ def answer_texts(record: Record, names: FieldMap) -> tuple[str, str]:
     return str(fields.get("chosen", "")), str(fields.get("rejected", ""))
 
 
+def examples_noun(unit: str) -> str:
+    """What the log calls the examples of an objective with this ``unit``: pairs, or examples."""
+    return "pairs" if unit == "pairs" else "examples"
+
+
 def counted_as(meta: dict[str, Any]) -> str:
     """What a tokenized data set's (its cache meta's) examples are called in the log."""
     return "pairs" if {"preference", "preference_messages"} & set(meta["formats"]) else "examples"

@@ -224,11 +224,11 @@ def _build(
         lost = stats.dropped_too_long + stats.dropped_no_targets
         if lost + bad.count == 0:
             raise UserError(f"{wanted.option} {wanted.spec}: holds no records (empty)")
-        fixes = [f"a larger --max-length (now {settings.max_length}) keeps those too long"] * bool(
-            stats.dropped_too_long
-        )
-        # Whatever the length: an empty answer, or a conversation with no assistant turn.
-        fixes += ["those with no trainable tokens have no answer to train"] * bool(stats.dropped_no_targets)
+        fixes = []
+        if stats.dropped_too_long:
+            fixes.append(f"a larger --max-length (now {settings.max_length}) keeps those too long")
+        if stats.dropped_no_targets:  # whatever the length: an empty answer, a chat with no assistant turn
+            fixes.append("those with no trainable tokens have no answer to train")
         raise UserError(
             f"{wanted.option} {wanted.spec}: no examples left ({stats.dropped_too_long} longer than "
             f"--max-length, {stats.dropped_no_targets} with no trainable tokens, "

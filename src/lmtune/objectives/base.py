@@ -35,11 +35,6 @@ class LossSetup:
     neftune_alpha: float = 0.0  # NEFTune's noise on the input embeddings (lmtune.model.neftune); 0: none
 
 
-def examples_noun(unit: str) -> str:
-    """What the log calls the examples of an objective with this ``unit``: pairs, or examples."""
-    return "pairs" if unit == "pairs" else "examples"
-
-
 class Objective(Protocol):
     """A training objective; see the module docstring."""
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lmtune.checkpoint.state import TrainerState
+from lmtune.data.pairs import examples_noun
 from lmtune.errors import TrainingStopped
-from lmtune.objectives.base import examples_noun
 from lmtune.outputs.runlog import ExampleOrderLog, RunLog, read_metrics
 from lmtune.parallel.distributed import CollectiveTimeouts
 from lmtune.parallel.health import Heartbeat, StragglerWatch

@@ -18,10 +18,11 @@ from lmtune import __version__
 from lmtune.checkpoint.state import optimizer_state_bytes
 from lmtune.config.settings import TrainConfig, setting_named, to_dict
 from lmtune.config.threads import busy_at_start, thread_wait
+from lmtune.data.pairs import examples_noun
 from lmtune.model.attention import attention_description
 from lmtune.model.compiled import compile_record
 from lmtune.model.quantization import footprint, parameter_count
-from lmtune.objectives.base import Objective, examples_noun
+from lmtune.objectives.base import Objective
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.training.batch_layout import BatchLayout
 from lmtune.training.build import BATCHING_NAMES, Built
