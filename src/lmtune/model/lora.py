@@ -142,21 +142,26 @@ def _tied_head_handled() -> Iterator[None]:
 
 
 def _untie_adapted_head(base: nn.Module) -> bool:
-    """Give an adapted output head its own copy of a weight it shares with the input embeddings.
-    The adapter changed the head's product only; merged into the shared weight it would change
-    the embeddings too, and the merged model would not compute what base and adapter did."""
+    """Give the output head its own copy of a weight it shares with the input embeddings when an
+    adapter sits on either. The adapter changed that layer's product only (peft adapts the input
+    lookup or the head's product, never the shared weight); merged into the shared weight it would
+    change the other layer too, and the merged model would not compute what base and adapter did."""
     get_head, get_embed = (
         getattr(base, "get_output_embeddings", None),
         getattr(base, "get_input_embeddings", None),
     )
     if not callable(get_head) or not callable(get_embed):
         return False
-    head, embed = get_head(), get_embed()
-    inner = getattr(head, "base_layer", None)  # a peft LoRA layer wraps the head it adapts
-    if not isinstance(inner, nn.Module) or not isinstance(embed, nn.Module):
+    layers = [get_head(), get_embed()]
+    if not all(isinstance(layer, nn.Module) for layer in layers):
         return False
-    shared = inner.weight
+    # a peft LoRA layer wraps the layer it adapts
+    inner = [getattr(layer, "base_layer", None) for layer in layers]
+    if inner == [None, None]:
+        return False
+    head, embed = (own if isinstance(own, nn.Module) else one for own, one in zip(inner, layers, strict=True))
+    shared = head.weight
     if not isinstance(shared, nn.Parameter) or shared is not embed.weight:
         return False
-    inner.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+    head.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
     return True

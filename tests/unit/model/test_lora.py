@@ -1,5 +1,5 @@
 """LoRA through peft: the saved adapter holds the adapters only, and a merge computes what base
-and adapter computed, also where the adapted head shares its weight with the input embeddings."""
+and adapter computed, also where an adapted head or input embedding shares its weight with the other."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _trained_adapter(targets: str, folder: Path) -> torch.Tensor:
     model = add_lora(build_preset("tiny", 0).model, LoraSettings(enabled=True, target_modules=targets))
     torch.manual_seed(1)
     for name, p in model.named_parameters():
-        if "lora_B" in name:
+        if "lora_B" in name or "lora_embedding_B" in name:
             torch.nn.init.normal_(p, std=0.05)  # as training would leave them: away from zero
     state = adapter_state(model)
     assert state and all("lora_" in key for key in state), sorted(state)[:4]  # no embedding copies
@@ -32,7 +32,14 @@ def _trained_adapter(targets: str, folder: Path) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("targets", "tied_after"), [("lm_head,q_proj", False), ("q_proj,v_proj", True)], ids=["head", "no-head"]
+    ("targets", "tied_after"),
+    [
+        ("lm_head,q_proj", False),
+        ("q_proj,v_proj", True),
+        ("embed_tokens", False),
+        ("embed_tokens,lm_head", False),
+    ],
+    ids=["head", "no-head", "embeddings", "both"],
 )
 def test_merge_computes_what_base_and_adapter_did(targets: str, tied_after: bool, tmp_path: Path) -> None:
     expected = _trained_adapter(targets, tmp_path / "adapter")
