@@ -42,10 +42,12 @@ class Reference:
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Dropout off in the model (not in a LoRA adapter's own): with it the policy's log-probs would
-    differ from the reference's by noise, and the first loss would not be ln 2 (TRL does the same)."""
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Dropout) and "lora_dropout" not in name:
+    """Dropout off in the model, a LoRA adapter's included: with it the policy's log-probs would
+    differ from the reference's by noise, and the first loss would not be ln 2. TRL's DPOTrainer
+    (disable_dropout, on by default) zeroes every ``nn.Dropout`` after wrapping the model in peft,
+    so the same LoRA settings train the same way here."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
             module.p = 0.0
     config = getattr(model, "config", None)
     for key in ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop"):

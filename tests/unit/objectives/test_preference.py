@@ -197,6 +197,18 @@ def test_lora_reference_is_the_base_model_with_the_adapter_disabled() -> None:
     assert torch.equal(live(*batch.model_inputs())[0], _precomputed_loss(lora, batch))
 
 
+def test_dropout_is_off_in_the_model_and_its_adapter_as_trl_turns_it_off() -> None:
+    lora = add_lora(load_model("tiny", seed=3).model, LoraSettings(enabled=True, rank=4, dropout=0.5))
+    dropouts = [m for m in lora.modules() if isinstance(m, torch.nn.Dropout)]
+    assert any(m.p > 0 for m in dropouts)
+    _objective("dpo").loss_module(lora, LossSetup(loss_chunk=8))
+    assert all(m.p == 0 for m in dropouts)
+    lora.train()
+    ids = torch.arange(1, 20)[None]
+    with torch.no_grad():
+        assert torch.equal(lora(input_ids=ids).logits, lora(input_ids=ids).logits)
+
+
 def _precomputed_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     module = _objective("dpo").loss_module(model, LossSetup(loss_chunk=8))
     return module(*batch.model_inputs())[0]
