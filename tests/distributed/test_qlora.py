@@ -170,10 +170,11 @@ def test_the_adapter_loads_with_peft_on_the_unquantized_base(runs: dict[str, Any
     AutoTokenizer.from_pretrained(final).decode(out[0])
 
 
-def test_merged_is_the_dequantized_base_with_the_adapter(runs: dict[str, Any]) -> None:
+def test_merged_is_the_dequantized_base_with_the_adapter(runs: dict[str, Any], tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from lmtune.checkpoint.export import export
     from lmtune.model.modeling import load_model
     from lmtune.model.quantization import Quantization, dequantized
 
@@ -188,6 +189,13 @@ def test_merged_is_the_dequantized_base_with_the_adapter(runs: dict[str, Any]) -
         m, t, o = (x(input_ids=ids).logits for x in (merged, trained, original))
     assert float((m - t).abs().max()) <= 1e-4
     assert float((m - o).abs().max()) > 1e-3  # merged into the 4-bit values, not the original weights
+    # The adapter folders as --model (generate, a reference model) merge as --merge-lora did, and
+    # an exported adapter too.
+    export(runs["qlora"] / "checkpoints" / "step-000006", tmp_path / "exported")
+    for folder in ("final", "checkpoints/step-000006", str(tmp_path / "exported")):
+        loaded = load_model(str(runs["qlora"] / folder), 5).model.eval()
+        with torch.no_grad():
+            assert float((loaded(input_ids=ids).logits - m).abs().max()) <= 1e-4, folder
 
 
 def test_export_of_a_qlora_checkpoint_is_the_adapter(runs: dict[str, Any], tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ from lmtune.errors import UserError
 from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, save_adapter
 from lmtune.model.loss import WRAPPED_PREFIX
 from lmtune.model.modeling import merged_into_base
-from lmtune.model.quantization import quantization_of
+from lmtune.model.quantization import BASE_QUANTIZATION_FILE, quantization_of
 from lmtune.parallel.distributed import DistEnv, barrier, broadcast_object
 
 
@@ -65,7 +65,7 @@ def save_final(parts: ModelParts, tokenizer: Any, folder: Path, env: DistEnv) ->
         if env.is_main:
 
             def write(tmp: Path) -> None:
-                save_adapter(parts.model, tmp, adapter)
+                save_adapter(parts.model, tmp, adapter, parts.quantization)
                 save_configs(parts.model, tmp, architecture=False)
                 tokenizer.save_pretrained(tmp)
 
@@ -246,7 +246,7 @@ def export(
     if ADAPTER_FILE in listed and not merge_lora:
 
         def write_adapter(tmp: Path) -> None:
-            for name in (ADAPTER_FILE, ADAPTER_CONFIG, GENERATION_CONFIG):
+            for name in (ADAPTER_FILE, ADAPTER_CONFIG, GENERATION_CONFIG, BASE_QUANTIZATION_FILE):
                 if name in listed:
                     shutil.copy2(checkpoint / name, tmp / name)
             tokenizer.save_pretrained(tmp)

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from lmtune.model.quantization import Quantization
+
 
 @dataclass(frozen=True)
 class TrainerState:
@@ -62,6 +64,7 @@ class ModelParts:
     root: nn.Module  # the module the strategy wrapped: the FSDP root under --strategy fsdp
     sharded: bool  # FSDP2: every rank holds a shard; state goes through torch.distributed.checkpoint
     lora: bool  # only the adapter trains; the frozen base is rebuilt from --model
+    quantization: Quantization | None = None  # the frozen base's (QLoRA), recorded beside the adapter
 
 
 def rng_state() -> dict[str, Any]:

@@ -192,7 +192,7 @@ def _save_model(parts: ModelParts, adapter: dict[str, torch.Tensor], folder: Pat
     from safetensors.torch import save_model
 
     if parts.lora:
-        save_adapter(parts.model, folder, adapter)
+        save_adapter(parts.model, folder, adapter, parts.quantization)
     elif not parts.sharded:
         save_model(parts.model, str(folder / MODEL_FILE))
 

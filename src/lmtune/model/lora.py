@@ -13,6 +13,7 @@ from torch import nn
 from lmtune.config.groups import LoraSettings
 from lmtune.config.verbosity import quiet_calls
 from lmtune.errors import UserError
+from lmtune.model.quantization import Quantization, write_base_quantization
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -102,8 +103,11 @@ def load_adapter_state(model: nn.Module, folder: Path) -> None:
         raise UserError(f"{folder / ADAPTER_FILE} does not fit this model's adapters: {unexpected[:3]}")
 
 
-def save_adapter(model: nn.Module, folder: Path, state: dict[str, Any]) -> None:
-    """PEFT format: ``adapter_config.json`` + ``adapter_model.safetensors`` (``PeftModel`` loads it)."""
+def save_adapter(
+    model: nn.Module, folder: Path, state: dict[str, Any], quantization: Quantization | None = None
+) -> None:
+    """PEFT format: ``adapter_config.json`` + ``adapter_model.safetensors`` (``PeftModel`` loads it),
+    and the base's ``quantization`` (QLoRA) recorded beside them."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -111,6 +115,7 @@ def save_adapter(model: nn.Module, folder: Path, state: dict[str, Any]) -> None:
     config.save_pretrained(str(folder))
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
+    write_base_quantization(folder, quantization)
 
 
 def merged_model(base: nn.Module, adapter_folder: Path) -> nn.Module:

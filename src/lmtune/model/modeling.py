@@ -14,7 +14,15 @@ from lmtune.config.environment import hub_offline, hub_reachable
 from lmtune.config.files import read_json_object
 from lmtune.errors import UserError, brief
 from lmtune.model.configs import CONFIG_BYTES, check_config, check_folder
-from lmtune.model.quantization import DTYPE_NAMES, Quantization, dequantized, load_quantized, quantize_built
+from lmtune.model.quantization import (
+    BASE_QUANTIZATION_FILE,
+    DTYPE_NAMES,
+    Quantization,
+    base_quantization,
+    dequantized,
+    load_quantized,
+    quantize_built,
+)
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 
@@ -333,14 +341,20 @@ def merged_into_base(
 
 
 def _merged_adapter(name: str, base: str, seed: int, trust_remote_code: bool) -> LoadedModel:
-    """The LoRA adapter folder ``name`` merged into ``base``, the model it names."""
+    """The LoRA adapter folder ``name`` merged into ``base``, the model it names: into the base
+    quantized and dequantized again where the adapter was trained on a quantized base (QLoRA), the
+    values training saw, as ``--merge-lora`` merges it."""
     from lmtune.model.lora import merged_model
 
+    folder = Path(name).expanduser()
+    q = base_quantization(folder)
+    device = torch.device("cuda", torch.cuda.current_device()) if q and torch.cuda.is_available() else None
     try:
-        loaded = load_model(base, seed, trust_remote_code)
+        loaded = load_model(base, seed, trust_remote_code, q, device)
     except UserError as e:
-        raise UserError(f"--model {name}: its base model (adapter_config.json): {e}") from None
-    merged = merged_model(loaded.model, Path(name).expanduser())
+        trained_on = f", {q.bits}-bit as the adapter trained on it ({BASE_QUANTIZATION_FILE})" if q else ""
+        raise UserError(f"--model {name}: its base model (adapter_config.json){trained_on}: {e}") from None
+    merged = merged_model(dequantized(loaded.model, q.compute_dtype) if q else loaded.model, folder)
     return LoadedModel(
         model=merged,
         tokenizer=load_tokenizer(name, trust_remote_code),

@@ -147,6 +147,39 @@ def return_freed_buffers(device: torch.device) -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 1 << 20))
 
 
+BASE_QUANTIZATION_FILE = "base_quantization.json"  # beside an adapter trained on a quantized base
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+def write_base_quantization(folder: Path, q: Quantization | None) -> None:
+    """Record beside an adapter (``final/``, a LoRA checkpoint) the quantized base it was trained
+    on, so that loading the folder as a model merges it as ``--merge-lora`` does (nothing without)."""
+    if q is None:
+        return
+    record = {"written_by": "lmtune", "bits": q.bits, "quant_type": q.quant_type}
+    record["compute_dtype"] = DTYPE_NAMES[q.compute_dtype]
+    (folder / BASE_QUANTIZATION_FILE).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+
+
+def base_quantization(folder: Path) -> Quantization | None:
+    """The quantization :func:`write_base_quantization` recorded in ``folder``; None without a record
+    (an adapter of a full-precision base, or one lmtune did not write)."""
+    path = folder / BASE_QUANTIZATION_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        bits, quant_type, compute = record["bits"], record["quant_type"], _DTYPES[record["compute_dtype"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = f"{type(e).__name__}: {e}"
+        raise UserError(
+            f"{path}: damaged, not lmtune's record of the adapter's quantized base ({problem})"
+        ) from None
+    if (bits, quant_type) not in {(4, "nf4"), (4, "fp4"), (8, "int8")}:
+        raise UserError(f"{path}: an unknown quantization of the adapter's base ({bits} bits, {quant_type})")
+    return Quantization(bits=bits, quant_type=quant_type, compute_dtype=compute, storage_dtype=torch.uint8)
+
+
 def bnb_config(q: Quantization) -> Any:
     """transformers' ``BitsAndBytesConfig`` for ``q``; the output head is never quantized."""
     from transformers import BitsAndBytesConfig as Config
