@@ -279,12 +279,14 @@ def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -
     label = "message" if field in ("messages", SHAREGPT_TURNS["messages"]) else f"'{shown}' message"
     turns = []
     for i, m in enumerate(raw):
-        if not isinstance(m, Mapping) or not isinstance(m.get(content_key), str) or role_key not in m:
+        where = f"{label} {i + 1}"
+        content = _text_content(record, m.get(content_key), where) if isinstance(m, Mapping) else None
+        if content is None or role_key not in m:
             sharegpt = isinstance(m, Mapping) and {"from", "value"} <= set(m) and role_key != "from"
             hint = "; ShareGPT turns name them with --field-map role=from,content=value" if sharegpt else ""
             raise UserError(
-                f"{record.where}: {label} {i + 1} must be an object with a '{role_key}' and a string "
-                f"'{content_key}'{hint}"
+                f"{record.where}: {where} must be an object with a '{role_key}' and a '{content_key}' "
+                f"that is a string or a list of text parts{hint}"
             )
         role = roles.get(m[role_key]) if isinstance(m[role_key], str) else None
         if role is None:
@@ -293,8 +295,27 @@ def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -
                 f"{', '.join(ROLES)}; ShareGPT's {', '.join(SHAREGPT_ROLES)}; name others with "
                 f"--field-map ROLE=VALUE, such as assistant={one_line(str(m[role_key]), 40)})"
             )
-        turns.append({"role": role, "content": m[content_key]})
+        turns.append({"role": role, "content": content})
     return turns
+
+
+def _text_content(record: Record, content: Any, what: str) -> str | None:
+    """A message's content as text: a string, or a list of text parts (``{"type": "text", "text":
+    ...}``, as multimodal chat data and TRL's conversational data write it) joined, as transformers'
+    chat templates render them one after another; None when it is neither."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content or not all(isinstance(p, Mapping) for p in content):
+        return None
+    other = next((p for p in content if p.get("type") != "text" or not isinstance(p.get("text"), str)), None)
+    if other is not None:
+        kind = other.get("type")
+        raise UserError(
+            f"{record.where}: {what} has a content part that is not text "
+            f"({'type ' + brief(kind) if kind is not None else 'no type'}); lmtune trains on text: "
+            'give only {"type": "text", "text": ...} parts, or a string'
+        )
+    return "".join(p["text"] for p in content)
 
 
 def messages_field(record: Record, name: str, names: FieldMap) -> list[dict[str, str]]:

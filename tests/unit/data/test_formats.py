@@ -47,6 +47,34 @@ def test_sharegpt_trains_exactly_as_the_same_messages() -> None:
     assert forced == ours
 
 
+def test_content_as_text_parts_trains_as_the_same_strings() -> None:
+    """Multimodal-style and TRL conversational data write a message's content as a list of parts."""
+    parts = [
+        {
+            **t,
+            "content": [
+                {"type": "text", "text": t["content"][:2]},
+                {"type": "text", "text": t["content"][2:]},
+            ],
+        }
+        for t in CHAT
+    ]
+    assert _encoded([{"messages": parts}]) == _encoded([{"messages": CHAT}])
+    image = [
+        CHAT[0],
+        {"role": "user", "content": [{"type": "image", "url": "x.png"}, {"type": "text", "text": "?"}]},
+    ]
+    for content, kind in ((image, "type 'image'"), ([CHAT[0], {"role": "user", "content": None}], None)):
+        with pytest.raises(UserError, match=r"d\.jsonl:1: message 2 ") as e:
+            render(
+                Record("d.jsonl", 1, {"messages": content}),
+                "auto",
+                FieldMap.of(ExampleSettings()),
+                byte_tokenizer(),
+            )
+        assert (kind or "a string or a list of text parts") in str(e.value)
+
+
 def test_sharegpt_unknown_role_names_file_line_and_the_way_out() -> None:
     row = {"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "x"}]}
     with pytest.raises(
