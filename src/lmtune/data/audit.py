@@ -361,7 +361,9 @@ def format_report(report: AuditReport) -> str:
         )
     lines += [f"    {m}" for m in _grouped(report.bad.messages)]
     if report.bad.count > len(report.bad.messages):
-        lines.append(f"    ... and {report.bad.count - len(report.bad.messages):,} more")
+        listed = len(report.bad.messages)
+        later = _count(report.bad.count - listed, "later bad line")
+        lines.append(f"    ... and {later} (the first {listed} are above)")
     lines += [
         f"  over --max-length   {s.truncated:,} truncated, {s.dropped_too_long:,} dropped "
         f"(--max-length {report.max_length}; dropped: too long, or left with nothing to train, as a "

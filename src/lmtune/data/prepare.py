@@ -232,7 +232,7 @@ def _build(
         raise UserError(
             f"{wanted.option} {wanted.spec}: no examples left ({stats.dropped_too_long} longer than "
             f"--max-length, {stats.dropped_no_targets} with no trainable tokens, "
-            f"{bad.count} bad lines skipped)" + "".join(f"; {fix}" for fix in fixes)
+            f"{bad.count} bad line{'s' * (bad.count != 1)} skipped)" + "".join(f"; {fix}" for fix in fixes)
         )
     writer.close(
         {

@@ -317,7 +317,11 @@ def prepare_data(
             f"{meta['tokens']:,} tokens ({how}); "
             f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long, "
             f"{meta['dropped_no_targets']} dropped with no trainable tokens"
-            + (f", {meta['bad_lines']} bad lines skipped" if meta["bad_lines"] else "")
+            + (
+                f", {meta['bad_lines']} bad line{'s' * (meta['bad_lines'] != 1)} skipped"
+                if meta["bad_lines"]
+                else ""
+            )
             + pair_counts(meta)
         )
         if (
