@@ -338,12 +338,14 @@ def resolve_names(
             is unknown, or a setting given twice (under its name and an alias).
     """
     accepted = set(known)
-    values = _hub_switch(values, where, style)
+    values = _adapter_switch(_hub_switch(values, where, style), where, style)
     out: dict[str, Any] = {}
     given_as: dict[str, str] = {}
     unknown: list[str] = []  # all of them at once: a config from another tool has several
     for key, value in values.items():
         name = lmtune_name(key, accepted)
+        if name not in accepted and value is None:
+            continue  # another tool's key left empty (unset, as Axolotl's configs leave many) asks nothing
         if name not in accepted:
             why = explain_unknown(key, accepted, style, "lmtune train", value)
             unknown.append(where(key) + why + accumulation_here(key, value, values, style))
@@ -355,6 +357,29 @@ def resolve_names(
     if unknown:
         raise UserError("\n".join(unknown))
     return out
+
+
+def _adapter_switch(
+    values: dict[str, Any], where: Callable[[str], str], style: Callable[[str], str]
+) -> dict[str, Any]:
+    """Axolotl's ``adapter: lora`` is lmtune's ``lora: true``, ``adapter: qlora`` that and
+    ``load_in_4bit: true`` (which Axolotl's QLoRA configs also give themselves). Another value is
+    left to be refused with the hint.
+
+    Raises:
+        UserError: the file also switches one of them off.
+    """
+    key = next((k for k in values if canonical(k) == "adapter"), None)
+    kind = values.get(key, "") if key is not None else ""
+    if key is None or not isinstance(kind, str) or kind.lower() not in ("lora", "qlora"):
+        return values
+    switches = ["lora", *(["load_in_4bit"] if kind.lower() == "qlora" else [])]
+    given = {canonical(k): v for k, v in values.items()}
+    for name in switches:
+        if given.get(name, True) is not True:
+            raise UserError(f"{where(key)}adapter: {kind} switches {style(name)} on, which the file sets off")
+    out = {k: v for k, v in values.items() if k != key}
+    return {**out, **{name: True for name in switches if name not in given}}
 
 
 def _hub_switch(

@@ -71,9 +71,12 @@ def _coerce(s: Setting, value: Any) -> Any:
     name, kind = s.name, s.type
     value = peer_unset(name, value)
     if value is None:
-        if not s.optional:
-            raise UserError(f"{option_name(name)}: needs a value (got null)")
-        return None
+        # An empty key is unset in Axolotl's configs (they list many); where lmtune's default is
+        # "none" (0, off) that is what it means here too. Elsewhere (the model, the data, a rate)
+        # an empty value is more likely a value left out.
+        if s.optional or (s.default == 0 and s.type in (int, float, bool)):
+            return s.default
+        raise UserError(f"{option_name(name)}: needs a value (got null)")
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -204,7 +207,7 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     for key, value in settings.items():
         name = lmtune_name(key, known)
         places[name] = f"{where(key)}{one_line(key, 60)}"
-        if resolved.get(name) is value:
+        if name in resolved and resolved[name] is value:
             try:
                 _coerce(setting_named(name), value)
             except UserError as e:

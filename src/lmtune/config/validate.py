@@ -60,13 +60,12 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
         # range checks below, and fail later as a non-finite loss.
         need(s.type is not float or value is None or _finite(value), s.name, "must be a finite number")
         if s.choices and value is not None and value not in s.choices:
-            # Another tool's name for one of them (Axolotl's adamw_bnb_8bit) is close to it.
+            # Another tool's name for one of them: named, else the closest (a typo).
+            theirs = _FOREIGN_CHOICES.get(s.name, {}).get(str(value).lower())
             close = difflib.get_close_matches(str(value), [str(c) for c in s.choices], n=1, cutoff=0.6)
-            need(
-                False,
-                s.name,
-                f"must be one of {', '.join(s.choices)}" + (f"; the closest is {close[0]}" if close else ""),
-            )
+            hint = f"; transformers' {value} is {theirs} here" if theirs else ""
+            hint = hint or (f"; the closest is {close[0]}" if close else "")
+            need(False, s.name, f"must be one of {', '.join(s.choices)}{hint}")
     need(0 <= cfg.seed < 2**32, "seed", "must be in [0, 2**32)")
     _check_optim(cfg.optim, need)
     _check_schedule(cfg.schedule, need)
@@ -98,6 +97,17 @@ def _typed(value: object, kind: type, optional: bool) -> bool:
     if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+# transformers' names (TrainingArguments.optim, which Axolotl and TRL take) of lmtune's choices.
+_FOREIGN_CHOICES = {
+    "optimizer": {
+        **dict.fromkeys(("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused"), "adamw"),
+        **dict.fromkeys(("adamw_bnb_8bit", "adamw_8bit", "bnb_adamw_8bit"), "adamw8bit"),
+        "paged_adamw_8bit": "paged_adamw8bit",
+        "paged_adamw_32bit": "adamw (32-bit state, not paged)",
+    }
+}
 
 
 def _check_optim(o: OptimSettings, need: Need) -> None:

@@ -279,6 +279,52 @@ def test_push_to_hub_yes_without_a_repository_is_refused(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(
+    ("lines", "lora", "four_bit"),
+    [
+        ("adapter: lora\n", True, False),
+        ("adapter: qlora\nload_in_4bit: true\n", True, True),  # Axolotl's QLoRA configs say both
+        ("adapter: qlora\n", True, True),
+        ("adapter:\n", False, False),  # left empty: no adapter, as in Axolotl
+    ],
+)
+def test_axolotls_adapter_switches_lora(tmp_path: Path, lines: str, lora: bool, four_bit: bool) -> None:
+    yaml_file = tmp_path / "axolotl.yaml"
+    yaml_file.write_text(lines)
+    cfg = build_config(load_yaml(str(yaml_file)))
+    assert (cfg.lora.enabled, cfg.model.load_in_4bit) == (lora, four_bit)
+
+
+def test_axolotls_adapter_against_the_files_own_switch_is_refused(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "axolotl.yaml"
+    yaml_file.write_text("max_steps: 3\nadapter: qlora\nload_in_4bit: false\n")
+    with pytest.raises(
+        UserError, match=r":2: adapter: qlora switches load_in_4bit on, which the file sets off"
+    ):
+        load_yaml(str(yaml_file))
+
+
+def test_empty_keys_are_unset_as_axolotl_reads_them(tmp_path: Path) -> None:
+    """Another tool's key left empty asks nothing; lmtune's own takes its default where that is
+    "none" (0, off), and is refused where a value was more likely left out (the model)."""
+    yaml_file = tmp_path / "axolotl.yaml"
+    yaml_file.write_text(
+        "fp16:\nxformers_attention:\nearly_stopping_patience:\nwarmup_steps:\nmax_steps: 3\n"
+    )
+    cfg = build_config(load_yaml(str(yaml_file)))
+    assert cfg.model.precision == "fp32" and cfg.eval.early_stopping_patience == 0
+    yaml_file.write_text("base_model:\n")
+    with pytest.raises(UserError, match="needs a value"):
+        build_config(load_yaml(str(yaml_file)))
+
+
+def test_transformers_optimizer_names_are_answered(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--optimizer", "adamw_torch_fused"]) == 2
+    assert "transformers' adamw_torch_fused is adamw here" in capsys.readouterr().err
+    assert main(["train", "--optimizer", "adamw_bnb_8bit"]) == 2
+    assert "transformers' adamw_bnb_8bit is adamw8bit here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("argv", "expected"),
     [
         (["--push_to_hub", "--hub_model_id", "me/t", "--lr", "1"], ["--lr", "1", "--push-to-hub", "me/t"]),
