@@ -100,6 +100,9 @@ HINTS: dict[str, str] = {
         "runs it in every step"
     ),
     "ref_model": "name the reference with {reference_model} (default: the starting model)",
+    "sync_ref_model": (
+        "lmtune's reference stays the model it starts as (or {reference_model}); it has no TR-DPO syncing"
+    ),
     "deepspeed": "lmtune shards parameters, gradients and optimizer state with {strategy} fsdp (FSDP2)",
     "fsdp": "use {strategy} fsdp (FSDP2)",
     "local_rank": (
@@ -194,20 +197,22 @@ _SCHEDULES = {
 _BY_VALUE: dict[str, dict[str, str]] = {
     "bf16": {"false": "lmtune's default {precision} is fp32 already: remove it"},
     "fp16": {"false": "lmtune's default {precision} is fp32 already: remove it"},
+    # A --config file's TRL values that lmtune's settings say are taken (_VALUE_SWITCHES); flags
+    # are answered.
     "loss_type": {
         "sigmoid": "TRL's sigmoid loss is {objective} dpo",
         "ipo": "TRL's ipo loss is {objective} ipo",
         "*": "lmtune's preference losses are {objective} dpo (TRL's sigmoid) | ipo | simpo | orpo; "
         "TRL's {value} is none of them",
     },
+    "precompute_ref_log_probs": {
+        "true": "lmtune precomputes the reference's log-probs by default ({reference} logprobs): remove it",
+        "false": "{reference} live runs the reference in every step",
+    },
     "eval_strategy": {"no": "lmtune evaluates only when given {eval_data} or {eval_split}: remove it"},
     "evaluation_strategy": {"no": "lmtune evaluates only when given {eval_data} or {eval_split}: remove it"},
     "save_strategy": {
         "no": "{save_every} 0 saves no checkpoint during training (final/ is saved at the end)"
-    },
-    "precompute_ref_log_probs": {
-        "true": "lmtune precomputes the reference's log-probs by default ({reference} logprobs): remove it",
-        "false": "{reference} live runs the reference in every step",
     },
     "lr_scheduler": _SCHEDULES,
     "lr_scheduler_type": _SCHEDULES,
@@ -338,7 +343,7 @@ def resolve_names(
             is unknown, or a setting given twice (under its name and an alias).
     """
     accepted = set(known)
-    values = _adapter_switch(_hub_switch(values, where, style), where, style)
+    values = _value_switches(_hub_switch(values, where, style), where, style)
     out: dict[str, Any] = {}
     given_as: dict[str, str] = {}
     unknown: list[str] = []  # all of them at once: a config from another tool has several
@@ -359,27 +364,42 @@ def resolve_names(
     return out
 
 
-def _adapter_switch(
+# Another tool's key whose value says what lmtune settings do: (its key, value as text) -> ours.
+_VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
+    "adapter": {"lora": {"lora": True}, "qlora": {"lora": True, "load_in_4bit": True}},  # Axolotl
+    "loss_type": {"sigmoid": {"objective": "dpo"}, "ipo": {"objective": "ipo"}},  # TRL
+    "precompute_ref_log_probs": {"true": {"reference": "logprobs"}, "false": {"reference": "live"}},  # TRL
+}
+
+
+def _value_switches(
     values: dict[str, Any], where: Callable[[str], str], style: Callable[[str], str]
 ) -> dict[str, Any]:
-    """Axolotl's ``adapter: lora`` is lmtune's ``lora: true``, ``adapter: qlora`` that and
-    ``load_in_4bit: true`` (which Axolotl's QLoRA configs also give themselves). Another value is
-    left to be refused with the hint.
+    """Another tool's key whose value lmtune's settings say (:data:`_VALUE_SWITCHES`: Axolotl's
+    ``adapter: qlora`` is ``lora: true`` and ``load_in_4bit: true``, TRL's ``loss_type: sigmoid`` is
+    ``objective: dpo``) becomes them; the same setting given by the file too is fine when it agrees
+    (Axolotl's QLoRA configs give ``load_in_4bit: true`` beside ``adapter: qlora``). Another value
+    is left to be refused with its hint.
 
     Raises:
-        UserError: the file also switches one of them off.
+        UserError: the file gives one of those settings another value.
     """
-    key = next((k for k in values if canonical(k) == "adapter"), None)
-    kind = values.get(key, "") if key is not None else ""
-    if key is None or not isinstance(kind, str) or kind.lower() not in ("lora", "qlora"):
-        return values
-    switches = ["lora", *(["load_in_4bit"] if kind.lower() == "qlora" else [])]
-    given = {canonical(k): v for k, v in values.items()}
-    for name in switches:
-        if given.get(name, True) is not True:
-            raise UserError(f"{where(key)}adapter: {kind} switches {style(name)} on, which the file sets off")
-    out = {k: v for k, v in values.items() if k != key}
-    return {**out, **{name: True for name in switches if name not in given}}
+    out = dict(values)
+    for key, value in values.items():
+        switched = _VALUE_SWITCHES.get(canonical(key), {}).get(str(value).lower())
+        if switched is None or isinstance(value, (list, dict)):
+            continue
+        given = {canonical(k): v for k, v in out.items()}
+        del out[key]
+        for name, ours in switched.items():
+            if name not in given:
+                out[name] = ours
+            elif str(given[name]).lower() != str(ours).lower():
+                raise UserError(
+                    f"{where(key)}{key}: {one_line(str(value), 40)} is {style(name)} {str(ours).lower()} in "
+                    f"lmtune, which the file sets to {one_line(str(given[name]), 40)}"
+                )
+    return out
 
 
 def _hub_switch(

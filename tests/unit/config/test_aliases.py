@@ -294,11 +294,29 @@ def test_axolotls_adapter_switches_lora(tmp_path: Path, lines: str, lora: bool, 
     assert (cfg.lora.enabled, cfg.model.load_in_4bit) == (lora, four_bit)
 
 
+@pytest.mark.parametrize(
+    ("lines", "objective", "reference"),
+    [
+        ("loss_type: sigmoid\n", "dpo", "logprobs"),
+        ("loss_type: ipo\nobjective: ipo\n", "ipo", "logprobs"),
+        ("objective: dpo\nprecompute_ref_log_probs: false\n", "dpo", "live"),
+        ("objective: dpo\nprecompute_ref_log_probs: true\n", "dpo", "logprobs"),
+    ],
+)
+def test_trls_values_that_lmtune_settings_say_are_taken(
+    tmp_path: Path, lines: str, objective: str, reference: str
+) -> None:
+    yaml_file = tmp_path / "trl.yaml"
+    yaml_file.write_text(lines)
+    cfg = build_config(load_yaml(str(yaml_file)))
+    assert (cfg.objective.name, cfg.objective.reference) == (objective, reference)
+
+
 def test_axolotls_adapter_against_the_files_own_switch_is_refused(tmp_path: Path) -> None:
     yaml_file = tmp_path / "axolotl.yaml"
     yaml_file.write_text("max_steps: 3\nadapter: qlora\nload_in_4bit: false\n")
     with pytest.raises(
-        UserError, match=r":2: adapter: qlora switches load_in_4bit on, which the file sets off"
+        UserError, match=r":2: adapter: qlora is load_in_4bit true in lmtune, which the file sets to False"
     ):
         load_yaml(str(yaml_file))
 
