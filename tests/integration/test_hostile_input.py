@@ -34,6 +34,11 @@ from tests.conftest import write_jsonl
         ("seed: 1\nlearning_rate: abc\n", "run.yaml:2: learning_rate: expected float, got 'abc'"),
         ("lora:\n  enabled: true\n  rank: x\n", "run.yaml:1: lora_rank: expected int, got 'x'"),
         ("seed: 1\nepochs: -1\n", "run.yaml:2: epochs: must be >= 1 (got -1)"),  # a range, checked later
+        # Checked as the run starts (the template read, the data split, the model's layers): still
+        # named by the file's line.
+        ("seed: 1\nchat_template: tokenizer_default\n", "run.yaml:2: chat_template: the tokenizer's own"),
+        ("seed: 1\nval_set_size: 20000\n", "run.yaml:2: val_set_size: holds out 20000 of"),
+        ("lora: true\nlora_target_modules: [qproj]\n", "run.yaml:2: lora_target_modules: qproj matched no"),
         # Another setting the reason names is named as the file would name it.
         (
             "warmup_steps: 5\nwarmup_ratio: 0.1\n",

@@ -22,7 +22,7 @@ from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, largest_global_batch, rank_indices
 from lmtune.data.sources import BadLines, resolve_components
 from lmtune.data.tokenize import Encoded, EncodeStats
-from lmtune.errors import UserError
+from lmtune.errors import SettingError, UserError
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def holding_out(
     try:
         held = held_per_source(sources, eval_split, seed)
     except ValueError as e:  # as train refuses it
-        raise UserError(f"--eval-split {eval_split:g}: {e}") from None
+        raise SettingError("eval_split", f"--eval-split {eval_split:g}", str(e)) from None
     sizes = [n - held_out_count(eval_split, n) for n in m.sizes]
     return replace(
         report,

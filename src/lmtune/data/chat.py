@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtune.config.files import TooLarge, read_text
-from lmtune.errors import UserError, brief, one_line
+from lmtune.errors import SettingError, UserError, brief, one_line
 
 _PROBE = "lmtune-end-of-turn-probe"
 
@@ -78,19 +78,25 @@ def read_template(choice: str) -> ChatTemplate:
     if choice in TEMPLATES:
         return TEMPLATES[choice]
     option = f"--chat-template {choice}"
+
+    def refused(reason: str) -> SettingError:
+        return SettingError("chat_template", option, reason)
+
+    if choice.startswith("tokenizer_default"):  # Axolotl's
+        raise refused("the tokenizer's own template is what lmtune uses when none is given: remove it")
     path = Path(choice).expanduser()
     if path.suffix != ".jinja":
-        raise UserError(f"{option}: must be one of {', '.join(TEMPLATES)} or a .jinja file")
+        raise refused(f"must be one of {', '.join(TEMPLATES)} or a .jinja file")
     try:
         source = read_text(path, limit=MAX_TEMPLATE_BYTES)
     except FileNotFoundError:
-        raise UserError(f"{option}: no such file") from None
+        raise refused("no such file") from None
     except TooLarge:
-        raise UserError(f"{option}: over {MAX_TEMPLATE_BYTES // 1024} KiB, not a chat template") from None
+        raise refused(f"over {MAX_TEMPLATE_BYTES // 1024} KiB, not a chat template") from None
     except UserError as e:
-        raise UserError(f"{option}: {str(e).removeprefix(f'{path}: ')}") from None
+        raise refused(str(e).removeprefix(f"{path}: ")) from None
     if "messages" not in source:
-        raise UserError(f"{option}: the template never reads 'messages', so it renders no conversation")
+        raise refused("the template never reads 'messages', so it renders no conversation")
     trial_render(source, option)
     return ChatTemplate(source, tuple(dict.fromkeys(_MARKER.findall(source))))
 

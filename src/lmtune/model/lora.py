@@ -12,7 +12,7 @@ from torch import nn
 
 from lmtune.config.groups import LoraSettings
 from lmtune.config.verbosity import quiet_calls
-from lmtune.errors import UserError
+from lmtune.errors import SettingError, UserError
 from lmtune.model.quantization import Quantization, write_base_quantization
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -56,7 +56,7 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     except ValueError as e:  # peft's message names the modules it could not find
         if isinstance(targets, list):  # none matched: the model's own names say what would
             _check_every_target(model, [], targets, names)
-        raise UserError(f"--lora-target-modules {names}: {e}") from None
+        raise SettingError("lora_target_modules", f"--lora-target-modules {names}", str(e)) from None
     if isinstance(targets, list):
         adapted = [name for name, m in wrapped.named_modules() if hasattr(m, "lora_A")]
         _check_every_target(wrapped, adapted, targets, names)
@@ -77,9 +77,11 @@ def _check_every_target(model: nn.Module, adapted: list[str], targets: list[str]
             and not name.endswith("base_layer")
         ]
         layers = sorted({name.rpartition(".")[2] for name in [*adapted, *linear]})
-        raise UserError(
-            f"--lora-target-modules {option}: {', '.join(missing)} matched no layer of this model "
-            f"(its linear layers: {', '.join(layers)}; all-linear takes those of its blocks)"
+        raise SettingError(
+            "lora_target_modules",
+            f"--lora-target-modules {option}",
+            f"{', '.join(missing)} matched no layer of this model (its linear layers: {', '.join(layers)}; "
+            "all-linear takes those of its blocks)",
         )
 
 

@@ -26,7 +26,7 @@ from lmtune.data.pairs import counted_as, pair_counts
 from lmtune.data.prepare import Wanted, cache_root, default_cache_dir, prepare
 from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
 from lmtune.data.tokenize import EncodeStats
-from lmtune.errors import UserError
+from lmtune.errors import SettingError, UserError
 from lmtune.model.attention import supports_varlen, use_varlen
 from lmtune.model.chunked_loss import LossChoice
 from lmtune.model.chunked_loss import choose as choose_loss
@@ -339,7 +339,7 @@ def prepare_data(
         try:
             prepared["train"], prepared["eval"] = split_off(prepared["train"], cfg.data.eval_split, cfg.seed)
         except ValueError as e:
-            raise UserError(f"--eval-split {cfg.data.eval_split:g}: {e}") from None
+            raise SettingError("eval_split", f"--eval-split {cfg.data.eval_split:g}", str(e)) from None
         info["eval"] = {"spec": f"--eval-split {cfg.data.eval_split:g}", "examples": len(prepared["eval"])}
         # ``examples`` stays the data's count (its cache entry's); this is what trains.
         info["train"]["held_out"] = len(prepared["eval"])
