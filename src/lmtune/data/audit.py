@@ -21,7 +21,7 @@ from lmtune.data.pairs import examples_noun
 from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, largest_global_batch, rank_indices
 from lmtune.data.sources import BadLines, resolve_components
-from lmtune.data.tokenize import Encoded, EncodeStats
+from lmtune.data.tokenize import Encoded, EncodeStats, blank_answer
 from lmtune.errors import SettingError, UserError
 
 
@@ -289,12 +289,7 @@ class _Lengths:
         for e in examples:
             if e.parts is not None:
                 continue  # a pair: the pairs audit counts its empty answers
-            trained = e.ids[e.trainable]
-            if len(trained) > 8:  # a blank answer is a few tokens at most: the rest is not decoded
-                continue
-            answer = [int(t) for t in trained if int(t) not in self.stops]
-            if not self.tokenizer.decode(answer).strip():
-                self.empty_answers += 1
+            self.empty_answers += blank_answer(e.ids[e.trainable], self.tokenizer, self.stops)
 
 
 def _histogram(lengths: np.ndarray, max_length: int, bins: int = 12) -> list[tuple[int, int, int]]:

@@ -279,10 +279,16 @@ def counted_as(meta: dict[str, Any]) -> str:
 
 
 def pair_counts(meta: dict[str, Any]) -> str:
-    """What truncation did to preference pairs, and how many have the same answer twice, for the
-    data line of the log."""
+    """What truncation did to preference pairs, and how many have the same answer twice or an empty
+    one, for the data line of the log; of single examples, how many have an empty answer."""
     if counted_as(meta) != "pairs":
-        return ""
+        blank = meta.get("empty_answers", 0)
+        return (
+            f"; {blank:,} with an empty answer (only the stop trains, so the model learns to say nothing: "
+            "most often a data error)"
+            if blank
+            else ""
+        )
     cut = (
         f" (pairs: {meta.get('prompts_truncated', 0)} prompts cut from the left, "
         f"{meta.get('answers_truncated', 0)} with answers cut from the right)"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -49,6 +49,7 @@ class EncodeStats:
     answers_truncated: int = 0
     identical_pairs: int = 0  # kept pairs whose answers are the same tokens: no preference in them
     empty_answer_pairs: int = 0  # kept pairs with an answer of no text (a data error, most often)
+    empty_answers: int = 0  # kept single examples that train their stop alone (an empty answer)
 
     def merge(self, other: EncodeStats) -> None:
         for f in fields(self):
@@ -222,8 +223,17 @@ def _encode_examples(
         stats.tokens += len(ids)
         stats.target_tokens += targets
         stats.eos_trained += bool((trainable & np.isin(ids, stops)).any())
+        stats.empty_answers += blank_answer(ids[trainable], tokenizer, stops)
         out.append(Encoded(ids, trainable))
     return out, stats
+
+
+def blank_answer(trained: np.ndarray, tokenizer: Any, stops: Collection[int]) -> bool:
+    """Whether an example's trained tokens are its stop alone, with an empty or blank answer
+    before it: the model learns to say nothing."""
+    if len(trained) > 8:  # a blank answer is a few tokens at most: the rest is not decoded
+        return False
+    return not tokenizer.decode([int(t) for t in trained if int(t) not in stops]).strip()
 
 
 def _is_pair(record: Record, fmt: str, names: FieldMap) -> bool:

@@ -353,3 +353,21 @@ def test_training_counts_pairs_with_the_same_or_an_empty_answer() -> None:
         "; 1 with the same answer as chosen and rejected (no preference to learn); 2 with an empty "
         "answer (most often a data error); lmtune data audit lists them"
     )
+
+
+def test_training_counts_single_examples_with_an_empty_answer() -> None:
+    """As the audit does for supervised data: a blank completion trains the stop alone, and the data
+    line says how many (they trained in silence)."""
+    from lmtune.data.pairs import pair_counts
+
+    rows = [
+        {"prompt": "q", "completion": ""},
+        {"prompt": "q", "completion": " \n"},
+        {"prompt": "q", "completion": " an answer"},
+        {"text": "plain text trains whole"},
+    ]
+    _, stats, _ = encode(rows, byte_tokenizer())
+    assert (stats.examples, stats.empty_answers) == (4, 2)
+    said = pair_counts({"formats": stats.formats, "empty_answers": stats.empty_answers})
+    assert said.startswith("; 2 with an empty answer (only the stop trains")
+    assert pair_counts({"formats": {"text": 1}}) == ""
