@@ -117,7 +117,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 def _run(run: RunContext) -> TrainResult:
     cfg, env, log, output_dir = run.cfg, run.env, run.log, run.output_dir
     started = time.time()
-    check_same_settings(cfg, env)
+    check_same_settings(cfg, env, run.strategy)
     prepare_output(
         output_dir,
         resume=cfg.checkpoint.resume,

@@ -163,7 +163,7 @@ def _device(device: str) -> torch.device:
 _PER_PROCESS = frozenset({"progress", "doctor", "cache_dir", "cache_per_node", "num_workers"})
 
 
-def check_same_settings(cfg: TrainConfig, env: DistEnv) -> None:
+def check_same_settings(cfg: TrainConfig, env: DistEnv, strategy: str) -> None:
     """Every process of a job runs the same settings (collective): two nodes started with different
     commands or configs would train apart silently (a different --lr) or hang (a different
     --max-steps: one rank stops stepping while the others wait for it).
@@ -176,6 +176,9 @@ def check_same_settings(cfg: TrainConfig, env: DistEnv) -> None:
         for s in config_fields()
         if s.group != "launch" and s.name not in _PER_PROCESS
     }
+    # How each node launches may differ (its processes, its rank); the strategy it runs (``auto``
+    # resolved) may not: DDP and FSDP ranks waited on each other's collectives for 30 minutes.
+    mine["strategy"] = strategy
     problems = settings_differences(all_gather_object(mine, env))
     if problems:
         raise UserError(
@@ -184,6 +187,10 @@ def check_same_settings(cfg: TrainConfig, env: DistEnv) -> None:
             + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             + " (every process must run the same: one command, or the same config on every node)"
         )
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else str(value)
 
 
 def settings_differences(by_rank: list[dict[str, Any]]) -> list[str]:
@@ -196,7 +203,7 @@ def settings_differences(by_rank: list[dict[str, Any]]) -> list[str]:
             ranks.setdefault(repr(values.get(name)), []).append(rank)
         if len(ranks) > 1:
             shown = ", ".join(
-                f"{by_rank[r[0]].get(name)} on rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}"
+                f"{_shown(by_rank[r[0]].get(name))} on rank{'s' * (len(r) > 1)} {','.join(map(str, r))}"
                 for r in ranks.values()
             )
             found.append(f"{option_name(name)} {shown}")

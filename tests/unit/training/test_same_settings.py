@@ -23,7 +23,7 @@ def test_differences_name_the_setting_and_the_ranks_of_each_value() -> None:
 
 
 def test_one_process_agrees_with_itself() -> None:
-    check_same_settings(TrainConfig(lr=1e-3), ENV)
+    check_same_settings(TrainConfig(lr=1e-3), ENV, "single")
 
 
 def test_the_python_api_refuses_what_needs_a_launcher() -> None:
@@ -33,3 +33,18 @@ def test_the_python_api_refuses_what_needs_a_launcher() -> None:
         with pytest.raises(UserError, match=r"lmtune\.train runs in this process: use `lmtune train`"):
             validate(TrainConfig(**settings, rdzv_endpoint="h:1"), 1, in_process=True)
         validate(TrainConfig(**settings, rdzv_endpoint="h:1"), 2)  # the launcher's own check
+
+
+def test_nodes_with_another_strategy_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """How each node launches may differ (--nproc-per-node, --node-rank); the strategy may not: DDP
+    and FSDP ranks waited on each other's collectives for 30 minutes."""
+    import lmtune.training.preflight as preflight
+
+    monkeypatch.setattr(
+        preflight,
+        "all_gather_object",
+        lambda mine, env: [mine, {**mine, "strategy": "fsdp"}, {**mine, "lr": None}],
+    )
+    with pytest.raises(UserError, match="--strategy ddp on ranks 0,2, fsdp on rank 1") as e:
+        check_same_settings(TrainConfig(lr=1e-3), ENV, "ddp")
+    assert "--lr 0.001 on ranks 0,1, unset on rank 2" in str(e.value)
