@@ -19,7 +19,10 @@ from tests.conftest import one_line_error, run_lmtune, write_jsonl
         (["--global-batch-size", "8", "--micro-batch-size", "4", "--nproc-per-node", "3"], "4 x 3 processes"),
         (["--strategy", "zero3"], "--strategy: must be one of"),
         # Another tool's name for a choice (Axolotl's optimizer: adamw_bnb_8bit) is answered with ours.
-        (["--optimizer", "adamw_bnb_8bit"], "sgd; the closest is adamw8bit (got 'adamw_bnb_8bit')"),
+        (
+            ["--optimizer", "adamw_bnb_8bit"],
+            "sgd; transformers' adamw_bnb_8bit is adamw8bit here (got 'adamw_bnb_8bit')",
+        ),
         (["--data", "missing.jsonl"], "--data: no such file or folder: missing.jsonl"),
         (["--model", "./no-such-model-folder"], "--model ./no-such-model-folder: no such folder"),
         (["--epochs", "two"], "--epochs: expected int"),

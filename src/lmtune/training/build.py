@@ -464,14 +464,8 @@ def build_model(
     setup = LossSetup(varlen, loss.chunk, products.fp32, products.bucketed, cfg.objective.neftune_alpha)
     loss_module = objective.loss_module(trained, setup)
     model = wrap_model(loss_module, strategy, env, low_precision_dtype(cfg.model.precision))
-    parts = ModelParts(
-        trained,
-        loss_module,
-        sharded=strategy == "fsdp",
-        lora=cfg.lora.enabled,
-        quantization=quantization_of(cfg.model, strategy),
-    )
-    return model, parts, loss
+    sharded, quantized = strategy == "fsdp", quantization_of(cfg.model, strategy)
+    return model, ModelParts(trained, loss_module, sharded, cfg.lora.enabled, quantized), loss
 
 
 def apply_chat_template_option(cfg: TrainConfig, model: torch.nn.Module, tokenizer: Any, log: RunLog) -> None:
