@@ -129,6 +129,12 @@ def _earlier_run(folder: Path) -> None:
     (folder / "checkpoints" / "step-000002").mkdir(parents=True)
     (folder / "checkpoints" / "step-000002" / "manifest.json").write_text("{}")  # lmtune's, if damaged
     (folder / "checkpoints" / ".step-000004.tmp").mkdir()  # a save cut short
+    # A checkpoint lmtune saved, and a user's notes put into it since (its manifest lists no notes).
+    (folder / "checkpoints" / "step-000003" / "sharded").mkdir(parents=True)
+    (folder / "checkpoints" / "step-000003" / "sharded" / "0.distcp").write_text("weights")
+    (folder / "checkpoints" / "step-000003" / "NOTES.txt").write_text("mine")
+    listed = {"sharded/0.distcp": {"bytes": 7, "sha256": "x"}}
+    (folder / "checkpoints" / "step-000003" / "manifest.json").write_text(json.dumps(listed))
     (folder / "checkpoints" / "step-7").mkdir()  # a user's folder named as lmtune names its own
     (folder / "checkpoints" / "step-7" / "notes.txt").write_text("mine")
     (folder / "checkpoints" / "my-notes.txt").write_text("mine")
@@ -151,11 +157,22 @@ def _earlier_run(folder: Path) -> None:
 
 def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
     _earlier_run(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    # A user's step-N is in the way of this run's checkpoints: refused before anything is deleted.
+    with pytest.raises(UserError, match=r"--overwrite: .*step-7 is not one lmtune saved .* move it out"):
+        check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
+    assert sorted(tmp_path.rglob("*")) == before
+    (tmp_path / "checkpoints" / "step-7").rename(tmp_path / "step-7")
     check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == [
-        *("checkpoints", "checkpoints/my-notes.txt", "checkpoints/step-7", "checkpoints/step-7/notes.txt"),
-        *("notes.txt", "samples", "samples/list.txt"),
+        *(
+            "checkpoints",
+            "checkpoints/my-notes.txt",
+            "checkpoints/step-000003",
+            "checkpoints/step-000003/NOTES.txt",
+        ),
+        *("notes.txt", "samples", "samples/list.txt", "step-7", "step-7/notes.txt"),
         *("tensorboard", "tensorboard/events.out.tfevents.123.mine", "tensorboard/my_notes.txt"),
         *("wandb", "wandb/keep.txt"),
     ]

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 from lmtune.config.files import read_json
@@ -145,6 +146,48 @@ def lmtune_wrote(folder: Path) -> bool:
     user's folder named step-N is neither: never pruned, deleted by --overwrite or called damaged."""
     temporary = _TEMPORARY.fullmatch(folder.name) is not None
     return temporary or (folder / MANIFEST).is_file() or (folder / STATE_FILE).is_file()
+
+
+def remove_checkpoint(folder: Path) -> list[Path]:
+    """Delete a checkpoint lmtune wrote (:func:`lmtune_wrote`): the files its manifest lists and the
+    manifest; what else is in it was put there since (a user's notes) and is kept, and returned.
+    One without a manifest (being written, or damaged) is lmtune's alone, and goes whole; a folder
+    lmtune did not write is kept whole."""
+    if not lmtune_wrote(folder):
+        return [folder]
+    try:
+        listed = read_json(folder / MANIFEST, limit=MANIFEST_BYTES)
+    except (OSError, UserError):
+        listed = None
+    if not isinstance(listed, dict):
+        shutil.rmtree(folder, ignore_errors=True)
+        return []
+    for name in [*listed, MANIFEST]:
+        path = folder / name
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+    for sub in sorted((p for p in folder.rglob("*") if p.is_dir() and not p.is_symlink()), reverse=True):
+        if not any(sub.iterdir()):
+            sub.rmdir()
+    kept = sorted(folder.rglob("*"))
+    if not kept:
+        folder.rmdir()
+    return kept
+
+
+def refuse_users_steps(output_dir: Path, option: str) -> None:
+    """A user's own ``checkpoints/step-N`` folder (not :func:`lmtune_wrote`) is in the way of a run
+    that starts over there: its checkpoints would meet it, and a rerun would take it for one.
+
+    Raises:
+        UserError: naming the first, before anything is deleted.
+    """
+    theirs = [p for p in list_checkpoints(output_dir) if not lmtune_wrote(p)]
+    if theirs:
+        raise UserError(
+            f"{option}: {theirs[0]} is not one lmtune saved (no {MANIFEST} or {STATE_FILE}), and this run "
+            f"saves its checkpoints beside it: move it out of {theirs[0].parent} first"
+        )
 
 
 def holds_a_run(folder: Path) -> bool:

@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from lmtune.checkpoint.finished import recorded_finish
-from lmtune.checkpoint.layout import LOCK_FILE, enclosing_run, lmtune_wrote
+from lmtune.checkpoint.layout import LOCK_FILE, enclosing_run, refuse_users_steps, remove_checkpoint
 from lmtune.checkpoint.owned import users_files_said
 from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
@@ -306,6 +306,7 @@ def check_earlier_run(
                 "of one, nor a complete checkpoint), so they are not lmtune's to delete; move them or "
                 "choose another --output-dir"
             )
+        refuse_users_steps(output_dir, "--overwrite")  # before anything is deleted
         remove_own_entries(output_dir)
         return
     if continued or not ({"final", "metrics.jsonl"} & set(present)) or recorded_finish(output_dir):
@@ -339,10 +340,12 @@ def remove_own_entries(output_dir: Path) -> list[Path]:
         pattern = _OWN_ENTRIES.get(name)
         if pattern is not None and target.is_dir() and not target.is_symlink():
             for entry in target.iterdir():
-                if pattern.fullmatch(entry.name) and (name != "checkpoints" or lmtune_wrote(entry)):
-                    _remove(entry)
-                else:
+                if not pattern.fullmatch(entry.name):
                     kept.append(entry)
+                elif name == "checkpoints":
+                    kept += remove_checkpoint(entry)  # a user's step-N, or files put into one, stay
+                else:
+                    _remove(entry)
             if not any(target.iterdir()):
                 target.rmdir()
         else:

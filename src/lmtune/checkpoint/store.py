@@ -42,6 +42,7 @@ from lmtune.checkpoint.layout import (
     fsync_write,
     list_checkpoints,
     lmtune_wrote,
+    remove_checkpoint,
     step_folder,
     verify,
     write_manifest,
@@ -110,7 +111,7 @@ def prune(output_dir: Path, keep_last: int, protect: Path | None = None) -> None
     saved = [p for p in list_checkpoints(output_dir) if lmtune_wrote(p)]
     for old in saved[:-keep_last] if keep_last > 0 else []:
         if old != protect:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_checkpoint(old)  # a user's files put into it are kept
 
 
 def _write_checkpoint(

@@ -445,13 +445,16 @@ def test_store_prunes_to_keep_last_but_keeps_the_protected_and_export_loads(tmp_
         mine = step_folder(run.output_dir, 0)  # a user's folder named as lmtune names its own
         mine.mkdir()
         (mine / "notes.txt").write_text("mine")
+        (step_folder(run.output_dir, 2) / "notes.txt").write_text("mine, put into lmtune's")
         prune(run.output_dir, keep_last=2, protect=step_folder(run.output_dir, 1))
         assert [p.name for p in list_checkpoints(run.output_dir)] == [
             "step-000000",
             "step-000001",
+            "step-000002",  # what lmtune wrote in it is gone; the user's notes are not
             "step-000003",
             "step-000004",
         ]
+        assert [p.name for p in step_folder(run.output_dir, 2).iterdir()] == ["notes.txt"]
         export(step_folder(run.output_dir, 4), tmp_path / "exported")
         model = b.parts.model
     from transformers import AutoModelForCausalLM
