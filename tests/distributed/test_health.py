@@ -214,6 +214,20 @@ def test_a_node_that_never_joins_is_said_at_once_and_ends_the_wait(tmp_path: Pat
     assert "Traceback" not in proc.stderr
 
 
+def test_a_rendezvous_port_in_use_is_said_in_one_line() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["doctor", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        proc = subprocess.run(lmtune_cmd(args), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"--rdzv-endpoint 127.0.0.1:{port}: this node could not host the job's rendezvous" in proc.stderr
+    assert "choose another port" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_nodes_started_with_different_settings_stop_with_the_differences_named(tmp_path: Path) -> None:
     """One node's config says --max-steps 3, the other's 6: without the check, the first would stop
     stepping and the second wait for it until the collective timeout."""

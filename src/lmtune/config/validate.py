@@ -49,8 +49,11 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
         if not ok:
             setting = setting_named(name)
             value = value_of(cfg, setting)
-            # A switch's value is the option itself: "--merge-lora: needs --lora", not "(got True)".
-            got = "" if setting.type is bool and value is True else f" (got {brief(value)})"
+            # A switch's value is the option itself ("--merge-lora: needs --lora", not "(got True)"); an
+            # unset one has none to show.
+            got = (
+                "" if (setting.type is bool and value is True) or value is None else f" (got {brief(value)})"
+            )
             raise SettingError(name, option_name(name), f"{why}{got}")
 
     for s in config_fields():
@@ -280,8 +283,14 @@ def _check_launch(launch: LaunchSettings, health: HealthSettings, need: Need) ->
     need(launch.threads_per_process >= 0, "threads_per_process", "must be >= 0")
     need(launch.max_restarts >= 0, "max_restarts", "must be >= 0")
     need(launch.node_rank is None or launch.node_rank >= 0, "node_rank", "must be >= 0")
+    nodes = parse_nnodes(launch.nnodes)[1]
     need(
-        launch.rdzv_endpoint is not None or parse_nnodes(launch.nnodes)[1] == 1,
+        launch.node_rank is None or launch.node_rank < nodes,
+        "node_rank",
+        f"must be below --nnodes {launch.nnodes} (nodes count from 0)",
+    )
+    need(
+        launch.rdzv_endpoint is not None or nodes == 1,
         "rdzv_endpoint",
         "is needed when --nnodes is more than 1",
     )

@@ -142,7 +142,7 @@ def warn(message: str) -> None:
 def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
     error_dir = tempfile.mkdtemp(prefix="lmtune-errors-")
@@ -185,6 +185,8 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
             f"{waited}; check that every node was started with the same --rdzv-endpoint and --rdzv-id, "
             "and can reach it"
         ) from None
+    except RendezvousConnectionError as e:
+        raise UserError(_unreachable(cfg.launch, e)) from None
     except ChildFailedError as e:
         ended.set()
         return _failed(e, Path(error_dir), hung=watchdog is not None and bool(watchdog.hangs))
@@ -209,6 +211,24 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
         os.environ.pop(ERROR_DIR_ENV, None)
         os.environ.pop(HEALTH_DIR_ENV, None)
         shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def _unreachable(launch: LaunchSettings, e: BaseException) -> str:
+    """Why this launcher could not host or reach its job's rendezvous, in one line."""
+    text = str(e.__cause__ or e).strip()
+    cause = text.splitlines()[0].rstrip(".") if text else type(e).__name__
+    where = launch.rdzv_endpoint
+    if launch.node_rank == 0 or "EADDRINUSE" in cause:
+        return (
+            f"--rdzv-endpoint {where}: this node could not host the job's rendezvous there ({cause}); "
+            "another program (or an earlier run still going) holds that port: choose another port, the "
+            "same on every node"
+        )
+    return (
+        f"--rdzv-endpoint {where}: this node could not reach the job's rendezvous there ({cause}); "
+        "start node 0 (--node-rank 0) with the same --rdzv-endpoint, and check that this machine can "
+        "reach that address and port"
+    )
 
 
 def _launch_config(launch: LaunchSettings, run_id: str, single_node: bool) -> Any:
