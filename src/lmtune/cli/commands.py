@@ -75,11 +75,15 @@ def train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     # job of one process (--max-restarts with one process) has WORLD_SIZE 1 and is launched too:
     # its worker must train, not launch again.
     if launched_rank() is None:
+        from lmtune.config.settings import parse_nnodes
         from lmtune.parallel.launch import needs_launcher, world_size_bounds
 
         if needs_launcher(cfg.launch):
-            # Check in the launcher first: a bad option is then reported once, before N processes start.
-            for world_size in sorted(set(world_size_bounds(cfg.launch))):
+            # Check in the launcher first: a bad option is then reported once, before N processes
+            # start. Nodes may each run their own --nproc-per-node, so a job of several has its size
+            # only when they meet: its ranks check what depends on it then.
+            one_node = parse_nnodes(cfg.launch.nnodes)[1] == 1
+            for world_size in sorted(set(world_size_bounds(cfg.launch))) if one_node else [1]:
                 validate(cfg, world_size)
             return _launch_job(list(argv), cfg)
     from lmtune.train import train
