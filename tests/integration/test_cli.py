@@ -334,3 +334,14 @@ def test_a_max_length_that_cuts_off_the_stop_token_is_warned_of(
         "warning: 8 of 8 training examples train no stop token (--max-length 8 cut it off; --truncation "
         "left keeps the ends)"
     ) in capsys.readouterr().out
+
+
+def test_bench_under_a_launcher_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torchrun -m lmtune bench ran every combination on every rank, each in its own folder, and
+    blamed the user for the folders differing."""
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    assert main(["bench"]) == 2
+    assert "run it directly, not under torchrun" in capsys.readouterr().err

@@ -241,8 +241,14 @@ def _stdin_turns(interactive: bool) -> Iterator[str]:
 def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import json
 
+    from lmtune.parallel.distributed import launched_rank
     from lmtune.tools.bench import format_table, measure_peaks, run_bench, to_json
 
+    if launched_rank() is not None:  # each rank would run every combination, in folders of its own
+        raise UserError(
+            "lmtune bench starts the processes of each combination itself (--nproc-per-node N): run it "
+            "directly, not under torchrun or another launcher"
+        )
     if args.measure_peak:
         print("\n".join(measure_peaks(args.precisions.split(","), args.nproc_per_node, args.device)))
         return 0
