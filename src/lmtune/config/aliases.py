@@ -45,6 +45,7 @@ ALIASES: dict[str, str] = {
     "val_set_size": "eval_split",  # Axolotl
     "lora_r": "lora_rank",  # TRL, Axolotl
     "use_peft": "lora",  # TRL
+    "ddp_timeout": "collective_timeout",  # HF Trainer: seconds, as lmtune's
     "hub_model_id": "push_to_hub",  # HF Trainer: the repo that push_to_hub uploads to
     "hub_private_repo": "hub_private",  # HF Trainer
     "neftune_noise_alpha": "neftune_alpha",  # HF Trainer, TRL, Axolotl
@@ -52,6 +53,7 @@ ALIASES: dict[str, str] = {
 
 # Foreign name -> what to do instead. ``{name}`` becomes a setting's name in the style of the place
 # it was written: ``--global-batch-size`` on the command line, ``global_batch_size`` in YAML.
+_MEET = "the job meets at {rdzv_endpoint} HOST:PORT (node 0's address), with {nnodes} and {node_rank}"
 HINTS: dict[str, str] = {
     "gradient_accumulation_steps": (
         "lmtune derives gradient accumulation from {global_batch_size} (examples per optimizer step "
@@ -105,6 +107,13 @@ HINTS: dict[str, str] = {
     ),
     "deepspeed": "lmtune shards parameters, gradients and optimizer state with {strategy} fsdp (FSDP2)",
     "fsdp": "use {strategy} fsdp (FSDP2)",
+    "fsdp_config": "lmtune's {strategy} fsdp (FSDP2) takes no config: it shards each decoder block",
+    # torchrun's and the HF Trainer's launch settings.
+    "master_addr": _MEET,
+    "master_port": _MEET,
+    "ddp_backend": "lmtune uses NCCL between GPUs and gloo on CPUs; it takes no backend",
+    "no_cuda": "{device} cpu trains on the CPU",
+    "use_cpu": "{device} cpu trains on the CPU",
     "local_rank": (
         "lmtune reads the rank from the launcher's environment: start the processes with "
         "{nproc_per_node} N, or under torchrun"
