@@ -10,6 +10,7 @@ inside the folder, and every stored value goes through ``torch.load(weights_only
 from __future__ import annotations
 
 import io
+import warnings
 import pickle
 import re
 from pathlib import Path
@@ -121,7 +122,9 @@ def load(state: dict[str, Any], folder: Path, *, no_dist: bool, allow_partial: b
     read_index(folder)  # DCP turns a reader's error into a logged warning; ours is the message
     planner = SafeLoadPlanner(allow_partial_load=allow_partial)
     try:
-        dcp_load(state, storage_reader=SafeReader(str(folder)), planner=planner, no_dist=no_dist)
+        with warnings.catch_warnings():  # DCP warns of one process, which no_dist says we meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load(state, storage_reader=SafeReader(str(folder)), planner=planner, no_dist=no_dist)
     except CheckpointException:
         if planner.refused:
             raise UserError(f"{folder}: refused, {planner.refused}") from None
