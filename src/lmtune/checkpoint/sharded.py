@@ -10,9 +10,9 @@ inside the folder, and every stored value goes through ``torch.load(weights_only
 from __future__ import annotations
 
 import io
-import warnings
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
