@@ -405,7 +405,7 @@ def check_outside_inputs(folder: Path, what: str, inputs: dict[str, str]) -> Non
             if read_whole and (where == path or path in where.parents):
                 raise UserError(
                     f"{what} {folder} lies inside {option} {path}: the run would read its own files as "
-                    f"data; choose a {what.removeprefix('--')} outside it"
+                    f"data; choose another {what} outside it"
                 )
 
 
