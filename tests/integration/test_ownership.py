@@ -159,7 +159,9 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
     _earlier_run(tmp_path)
     before = sorted(tmp_path.rglob("*"))
     # A user's step-N is in the way of this run's checkpoints: refused before anything is deleted.
-    with pytest.raises(UserError, match=r"--overwrite: .*step-7 is not one lmtune saved .* move it out"):
+    with pytest.raises(
+        UserError, match=r"--overwrite: .*step-7 holds no checkpoint of lmtune.s .* move it out"
+    ):
         check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
     assert sorted(tmp_path.rglob("*")) == before
     (tmp_path / "checkpoints" / "step-7").rename(tmp_path / "step-7")

@@ -257,6 +257,12 @@ def test_a_damaged_newest_checkpoint_stops_the_run_and_is_kept(
     assert len(kept) == 1 and kept[0].startswith("step-000006.replaced-")
     final = {k: v for k, v in torch.load(out / "checkpoints" / "step-000006" / "optimizer.pt").items()}
     assert final["state"]  # a new, valid checkpoint of step 6 stands beside the kept one
+    # A file of the user's put into a whole checkpoint is named as such, not called damage.
+    noted = base["root"] / "noted"
+    shutil.copytree(base["out"] / "checkpoints", noted / "checkpoints")
+    (noted / "checkpoints" / "step-000006" / "NOTES.txt").write_text("mine")
+    said = _fails(_args(base["data"], noted), capsys, "holds NOTES.txt, which lmtune did not write")
+    assert "move NOTES.txt out of the checkpoint" in said and "damaged" not in said
 
 
 def test_an_earlier_run_without_checkpoints_is_not_replaced(

@@ -62,6 +62,9 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found, key=lambda item: item[0])]
 
 
+NOT_LISTED = "is not in the manifest"  # verify's reason for a file put into a checkpoint since
+
+
 def verify(folder: Path, hashes: bool = True) -> str | None:
     """Why ``folder`` is not a complete checkpoint, or None when its manifest checks out.
 
@@ -89,7 +92,7 @@ def verify(folder: Path, hashes: bool = True) -> str | None:
         if path.is_symlink():
             return f"{name} is a symbolic link"
         if path.is_file() and name != MANIFEST and name not in manifest:
-            return f"{name} is not in the manifest"
+            return f"{name} {NOT_LISTED}"
     root = folder.resolve()
     for name, entry in manifest.items():
         path = folder / name
@@ -184,9 +187,11 @@ def refuse_users_steps(output_dir: Path, option: str) -> None:
     """
     theirs = [p for p in list_checkpoints(output_dir) if not lmtune_wrote(p)]
     if theirs:
+        more = f" (and {len(theirs) - 1} more)" if len(theirs) > 1 else ""
         raise UserError(
-            f"{option}: {theirs[0]} is not one lmtune saved (no {MANIFEST} or {STATE_FILE}), and this run "
-            f"saves its checkpoints beside it: move it out of {theirs[0].parent} first"
+            f"{option}: {theirs[0]}{more} holds no checkpoint of lmtune's (no {MANIFEST} or {STATE_FILE}: "
+            "a folder of yours, or your files left where lmtune pruned its own), and this run saves its "
+            f"checkpoints beside it: move it out of {theirs[0].parent} first"
         )
 
 

@@ -22,6 +22,7 @@ from lmtune.checkpoint.layout import (
     CHECKPOINTS,
     FINGERPRINT_FILE,
     MANIFEST,
+    NOT_LISTED,
     STATE_FILE,
     list_checkpoints,
     lmtune_wrote,
@@ -275,6 +276,12 @@ def _check_valid(folder: Path, what: str, older: list[Path]) -> None:
         raise UserError(
             f"{what}, {folder}, is not one lmtune saved (no {MANIFEST} or {STATE_FILE}): move it out of "
             f"{folder.parent}; {_instead(older, 'or start afresh with another --output-dir')}"
+        )
+    if reason.endswith(NOT_LISTED):  # a file of the user's put into it: the checkpoint is whole
+        added = reason.removesuffix(NOT_LISTED).strip()
+        raise UserError(
+            f"{what}, {folder}, holds {added}, which lmtune did not write (it is not in the checkpoint's "
+            f"{MANIFEST}), and resumes only from what it saved: move {added} out of the checkpoint"
         )
     raise UserError(
         f"{what}, {folder}, is damaged: {reason}. It is left as it is; {_instead(older, 'remove it')}, or "

@@ -271,7 +271,7 @@ def explain_unknown(
     from lmtune.config.settings import config_fields  # it explains its own unknown names with this
 
     if key not in accepted and any(s.name == key for s in config_fields()):
-        plural = [c for c in sorted(accepted) if c.startswith(key)]  # bench's --precisions
+        plural = [c for c in sorted(accepted) if c == f"{key}s"]  # bench's --precisions
         instead = f"; it takes {style(plural[0])}" if plural else ""
         return f"{shown} is a setting of lmtune train, which {where} does not take{instead}"
     # The closest names: this place's own, and the foreign names of the table (a typo of one).
