@@ -34,7 +34,7 @@ from lmtune.config.verbosity import no_progress_bars
 from lmtune.errors import UserError
 from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, save_adapter
 from lmtune.model.loss import WRAPPED_PREFIX
-from lmtune.model.modeling import merged_into_base
+from lmtune.model.modeling import merge_device, merged_into_base
 from lmtune.model.quantization import BASE_QUANTIZATION_FILE, quantization_of
 from lmtune.parallel.distributed import DistEnv, barrier, broadcast_object
 
@@ -312,14 +312,13 @@ def _merged_checkpoint(checkpoint: Path, trust_remote_code: bool) -> nn.Module:
     # The adapter names a local base by its absolute path (--model may have been relative to the
     # directory training ran in); a preset's adapter names none.
     named = read_json_object(checkpoint / ADAPTER_CONFIG).get("base_model_name_or_path")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     merged, _ = merged_into_base(
         named if isinstance(named, str) and named else model.name,
         int(config["seed"]),
         checkpoint,
         trust_remote_code=trust_remote_code,
         quantization=quantization_of(model, "single"),
-        device=device,
+        device=merge_device(),
     )
     return merged
 

@@ -327,8 +327,7 @@ def merged_into_base(
     from lmtune.model.lora import merged_model
 
     q = quantization
-    loaded = load_model(name, seed, trust_remote_code, q, device if q is not None else None)
-    base = dequantized(loaded.model, q.compute_dtype) if q is not None else loaded.model
+    base = _base_to_merge_into(name, seed, trust_remote_code, q, device)
     what = (
         "the base model"
         if q is None
@@ -340,6 +339,21 @@ def merged_into_base(
     return merged_model(base, adapter_folder), what
 
 
+def _base_to_merge_into(
+    name: str, seed: int, trust_remote_code: bool, q: Quantization | None, device: torch.device | None
+) -> nn.Module:
+    """The base model ``name`` as an adapter trained on it saw it: quantized again onto ``device``
+    and dequantized to the compute dtype where ``q`` says so (QLoRA), else as it is."""
+    loaded = load_model(name, seed, trust_remote_code, q, device if q is not None else None)
+    return dequantized(loaded.model, q.compute_dtype) if q is not None else loaded.model
+
+
+def merge_device() -> torch.device | None:
+    """Where a quantized base loads to be merged: the GPU when there is one (bitsandbytes' own
+    device), else the CPU (None)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
 def _merged_adapter(name: str, base: str, seed: int, trust_remote_code: bool) -> LoadedModel:
     """The LoRA adapter folder ``name`` merged into ``base``, the model it names: into the base
     quantized and dequantized again where the adapter was trained on a quantized base (QLoRA), the
@@ -348,13 +362,12 @@ def _merged_adapter(name: str, base: str, seed: int, trust_remote_code: bool) ->
 
     folder = Path(name).expanduser()
     q = base_quantization(folder)
-    device = torch.device("cuda", torch.cuda.current_device()) if q and torch.cuda.is_available() else None
     try:
-        loaded = load_model(base, seed, trust_remote_code, q, device)
+        into = _base_to_merge_into(base, seed, trust_remote_code, q, merge_device())
     except UserError as e:
         trained_on = f", {q.bits}-bit as the adapter trained on it ({BASE_QUANTIZATION_FILE})" if q else ""
         raise UserError(f"--model {name}: its base model (adapter_config.json){trained_on}: {e}") from None
-    merged = merged_model(dequantized(loaded.model, q.compute_dtype) if q else loaded.model, folder)
+    merged = merged_model(into, folder)
     return LoadedModel(
         model=merged,
         tokenizer=load_tokenizer(name, trust_remote_code),
