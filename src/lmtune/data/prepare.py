@@ -26,7 +26,7 @@ from lmtune.config.groups import ExampleSettings
 from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
 from lmtune.data.formats import FieldMap, ensure_chat_template
 from lmtune.data.mixture import COMPONENTS_META
-from lmtune.data.sources import BadLines, Record, Source, iter_records, resolve_components
+from lmtune.data.sources import BadLines, Record, Source, iter_records, resolve_components, skipped_lines
 from lmtune.data.tokenize import Encoded, EncodeStats, chunks, encode_chunk
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, available_cores, broadcast_object
@@ -232,7 +232,7 @@ def _build(
         raise UserError(
             f"{wanted.option} {wanted.spec}: no examples left ({stats.dropped_too_long} longer than "
             f"--max-length, {stats.dropped_no_targets} with no trainable tokens, "
-            f"{bad.count} bad line{'s' * (bad.count != 1)} skipped)" + "".join(f"; {fix}" for fix in fixes)
+            f"{skipped_lines(bad.count)})" + "".join(f"; {fix}" for fix in fixes)
         )
     writer.close(
         {

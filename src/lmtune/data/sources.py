@@ -59,6 +59,11 @@ class BadLines:
             self.messages.append(message)
 
 
+def skipped_lines(count: int) -> str:
+    """How the log says ``count`` bad lines were passed over (--skip-bad-lines)."""
+    return f"{count} bad line{'s' * (count != 1)} skipped"
+
+
 @dataclass(frozen=True)
 class Source:
     """One input: a file (``kind`` is its reader), a saved data set folder, a hub data set or the sample."""

@@ -25,6 +25,7 @@ from lmtune.data.mixture import mixture_line, per_source, source_index, training
 from lmtune.data.pairs import counted_as, pair_counts
 from lmtune.data.prepare import Wanted, cache_root, default_cache_dir, prepare
 from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
+from lmtune.data.sources import skipped_lines
 from lmtune.data.tokenize import EncodeStats
 from lmtune.errors import SettingError, UserError
 from lmtune.model.attention import supports_varlen, use_varlen
@@ -317,11 +318,7 @@ def prepare_data(
             f"{meta['tokens']:,} tokens ({how}); "
             f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long, "
             f"{meta['dropped_no_targets']} dropped with no trainable tokens"
-            + (
-                f", {meta['bad_lines']} bad line{'s' * (meta['bad_lines'] != 1)} skipped"
-                if meta["bad_lines"]
-                else ""
-            )
+            + (f", {skipped_lines(meta['bad_lines'])}" if meta["bad_lines"] else "")
             + pair_counts(meta)
         )
         if (
