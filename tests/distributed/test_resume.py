@@ -332,9 +332,39 @@ def test_two_nodes_on_loopback_match_one_node(base: dict[str, Path]) -> None:
     results = [finish(nodes[0], timeout=420), node1]
     for node_rank, (code, output) in enumerate(results):
         assert code == 0, f"node {node_rank}:\n{output}\nother node:\n{results[1 - node_rank][1]}"
+    # The node without rank 0 (either: ranks follow the order the nodes joined in) ends with a line.
+    elsewhere = f"this node's ranks finished at step {SHORT}; rank 0's node printed the summary"
+    assert [elsewhere in output for _, output in results].count(True) == 1, results
     one_node = [r["loss"] for r in train_rows(base["two"])]
     assert [r["loss"] for r in train_rows(out)] == pytest.approx(one_node, abs=1e-6)
     assert max_diff(base["two"], out) <= 1e-6
+
+
+def test_a_signal_to_one_nodes_launcher_stops_every_node_with_a_checkpoint(base: dict[str, Path]) -> None:
+    """One machine's launcher gets SIGTERM (preempted): every rank stops at the same step, saved, and
+    the other node's launcher leaves at once with a line of its own, not after torch's exit
+    barrier has waited 300 s for the signalled agent."""
+    port = free_port()
+    out = base["root"] / "two-nodes-signal"
+    node = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "signal-test"]
+    nodes = [popen(args(base["data"], out, *node, "--node-rank", str(r))) for r in (0, 1)]
+    while len(train_rows(out)) < 20:
+        for proc in nodes:
+            assert proc.poll() is None, finish(proc)[1]
+        time.sleep(0.05)
+    nodes[1].send_signal(signal.SIGTERM)
+    signalled = finish(nodes[1], timeout=120)
+    other = finish(nodes[0], timeout=60)
+    assert signalled[0] == 0 and other[0] == 0, f"signalled:\n{signalled[1]}\nother:\n{other[1]}"
+    step = json.loads((out / "run.json").read_text())["result"]["steps"]
+    assert f"stopped by SIGTERM with a checkpoint of step {step}" in signalled[1]
+    # The other node says it in rank 0's words or, where rank 0 is not, in its launcher's.
+    assert (
+        f"the job was stopped by a signal with a checkpoint of step {step}" in other[1]
+        or f"stopped at step {step}; run the same command again to resume" in other[1]
+    ), other[1]
+    assert (out / "checkpoints" / f"step-{step:06d}").is_dir()
+    assert not (out / ".lmtune.lock").exists()  # node 0's launcher held it and gave it back
 
 
 def test_export_writes_a_loadable_model(base: dict[str, Path]) -> None:

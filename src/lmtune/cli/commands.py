@@ -104,7 +104,9 @@ def _launch_job(argv: list[str], cfg: Any) -> int:
     job = job_of(cfg.launch)
     lock = acquire(Path(cfg.checkpoint.output_dir), job.run_id, warn) if job.hosts else nullcontext()
     with lock as held:
-        return relaunch(argv, cfg, job, held.holder.token if held is not None else None)
+        if held is None:
+            return relaunch(argv, cfg, job, None, lambda: None)
+        return relaunch(argv, cfg, job, held.holder.token, held.release)
 
 
 def _prompt_from_stdin() -> str:

@@ -204,7 +204,11 @@ _SCHEDULES = {
 }
 # Foreign names whose answer depends on the value given (as text, lower case; "*": any other).
 _BY_VALUE: dict[str, dict[str, str]] = {
-    "bf16": {"false": "lmtune's default {precision} is fp32 already: remove it"},
+    "bf16": {
+        "false": "lmtune's default {precision} is fp32 already: remove it",
+        # Axolotl's: bf16 where the GPU has it.
+        "auto": "lmtune takes the precision as given: {precision} bf16 (GPUs, CPUs with bf16 units) or fp32",
+    },
     "fp16": {"false": "lmtune's default {precision} is fp32 already: remove it"},
     # A --config file's TRL values that lmtune's settings say are taken (_VALUE_SWITCHES); flags
     # are answered.
@@ -378,6 +382,9 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
     "adapter": {"lora": {"lora": True}, "qlora": {"lora": True, "load_in_4bit": True}},  # Axolotl
     "loss_type": {"sigmoid": {"objective": "dpo"}, "ipo": {"objective": "ipo"}},  # TRL
     "precompute_ref_log_probs": {"true": {"reference": "logprobs"}, "false": {"reference": "live"}},  # TRL
+    # HF Trainer's, TRL's and Axolotl's half-precision switches (false: not that one, asks nothing).
+    "bf16": {"true": {"precision": "bf16"}, "false": {}},
+    "fp16": {"true": {"precision": "fp16"}, "false": {}},
 }
 
 
@@ -404,8 +411,9 @@ def _value_switches(
             if name not in given:
                 out[name] = ours
             elif str(given[name]).lower() != str(ours).lower():
+                written = str(value).lower() if isinstance(value, bool) else one_line(str(value), 40)
                 raise UserError(
-                    f"{where(key)}{key}: {one_line(str(value), 40)} is {style(name)} {str(ours).lower()} in "
+                    f"{where(key)}{key}: {written} is {style(name)} {str(ours).lower()} in "
                     f"lmtune, which the file sets to {one_line(str(given[name]), 40)}"
                 )
     return out

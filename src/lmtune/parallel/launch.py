@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
@@ -44,14 +45,39 @@ def report_error(message: str, exit_code: int) -> None:
     print(f"{prefix}: {message}", file=sys.stderr, flush=True)
 
 
-def report_stopped(step: int) -> None:
-    """Tell the launcher that a signal stopped the job with a checkpoint of ``step`` saved."""
+def report_outcome(step: int, *, stopped: bool, local_rank: int, main: bool) -> None:
+    """Tell this node's launcher how the job ended (``stopped``: by a signal, with a checkpoint of
+    ``step`` saved). The first rank of every node does, so a node that does not run rank 0, or whose
+    launcher was not the one signalled, says so too."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
-    if error_dir and Path(error_dir).is_dir():
-        (Path(error_dir) / STOPPED_FILE).write_text(json.dumps({"step": step}), encoding="utf-8")
+    if local_rank == 0 and error_dir and Path(error_dir).is_dir():
+        record = {"step": step, "stopped": stopped, "main": main}
+        (Path(error_dir) / OUTCOME_FILE).write_text(json.dumps(record), encoding="utf-8")
 
 
-STOPPED_FILE = "stopped.json"
+def _outcome(error_dir: Path) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads((error_dir / OUTCOME_FILE).read_text(encoding="utf-8")))
+    except (OSError, ValueError):  # none (a failure), or being written right now
+        return None
+
+
+def _from_elsewhere(outcome: dict[str, Any] | None) -> str | None:
+    """The last line of a node whose ranks did not include rank 0 (rank 0 printed the summary)."""
+    if outcome is None or outcome["main"]:
+        return None
+    if outcome["stopped"]:
+        return (
+            f"lmtune: the job was stopped by a signal with a checkpoint of step {outcome['step']}; run the "
+            "same command again on every node to resume"
+        )
+    return f"lmtune: this node's ranks finished at step {outcome['step']}; rank 0's node printed the summary"
+
+
+OUTCOME_FILE = "outcome.json"
+# After a stop, how long a node's launcher waits for torch's agent to end by itself once its ranks
+# are gone, before leaving its exit barrier (below).
+_BARRIER_GRACE_S = 5.0
 _ELASTIC_LOG = "torch.distributed.elastic"
 _PR_SET_PDEATHSIG = 1
 
@@ -110,7 +136,9 @@ def job_of(launch: LaunchSettings) -> Job:
     )
 
 
-def relaunch(argv: list[str], cfg: TrainConfig, job: Job, lock_token: str | None) -> int:
+def relaunch(
+    argv: list[str], cfg: TrainConfig, job: Job, lock_token: str | None, release: Callable[[], None]
+) -> int:
     """Run ``lmtune <argv>`` as ``--nproc-per-node`` local workers of the job; return the exit code.
 
     One machine: the rendezvous endpoint is ``localhost:0`` so the OS picks a free port, and two
@@ -118,12 +146,13 @@ def relaunch(argv: list[str], cfg: TrainConfig, job: Job, lock_token: str | None
     When a worker fails the launcher stops the others, so no rank is left hanging; with
     ``--max-restarts`` it starts them all again and they resume from the newest checkpoint.
     ``lock_token``: the output folder's lock, taken by the caller for the workers (None: with
-    several nodes, rank 0 takes it where no launcher here did).
+    several nodes, rank 0 takes it where no launcher here did); ``release`` gives it back where the
+    launcher leaves without returning (after a stop on several nodes).
     """
     if lock_token is not None:
         os.environ[LOCK_TOKEN_ENV] = lock_token
     try:
-        return _launch(argv, cfg, job.run_id, job.single_node)
+        return _launch(argv, cfg, job.run_id, job.single_node, release)
     finally:
         os.environ.pop(LOCK_TOKEN_ENV, None)
 
@@ -131,7 +160,7 @@ def relaunch(argv: list[str], cfg: TrainConfig, job: Job, lock_token: str | None
 def relaunch_unlocked(argv: list[str], cfg: TrainConfig) -> int:
     """`relaunch` without taking the output folder: for commands that only look (lmtune doctor)."""
     job = job_of(cfg.launch)
-    return _launch(argv, cfg, job.run_id, job.single_node)
+    return _launch(argv, cfg, job.run_id, job.single_node, lambda: None)
 
 
 def warn(message: str) -> None:
@@ -139,7 +168,9 @@ def warn(message: str) -> None:
     print(f"lmtune: warning: {message}", file=sys.stderr, flush=True)
 
 
-def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -> int:
+def _launch(
+    argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool, release: Callable[[], None]
+) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
@@ -175,8 +206,13 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
     if not single_node:
         nodes = cfg.launch.nnodes
         print(f"lmtune: waiting for {nodes} nodes at {cfg.launch.rdzv_endpoint}", file=sys.stderr, flush=True)
+        if Path("/proc/self").is_dir():  # where this launcher can see whether its ranks are gone
+            leave = partial(_leave_after_a_stop, Path(error_dir), ended, release)
+            threading.Thread(target=leave, daemon=True, name="lmtune-leave").start()
     try:
         elastic_launch(config, sys.executable)("-m", "lmtune", *argv)
+        if line := _from_elsewhere(_outcome(Path(error_dir))):
+            print(line, file=sys.stderr, flush=True)
         return 0
     except RendezvousTimeoutError:
         waited = f"{environment.join_timeout_s():.0f}s ({environment.JOIN_TIMEOUT})"
@@ -197,10 +233,12 @@ def _launch(argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool) -
                 print(f"error: {message}", file=sys.stderr, flush=True)
             return USER_ERROR_EXIT_CODE
         # Ctrl+C or a scheduler's SIGTERM: the agent has passed it to the workers and waited for them.
-        stopped = Path(error_dir) / STOPPED_FILE
-        if stopped.is_file():
-            step = json.loads(stopped.read_text(encoding="utf-8"))["step"]
-            print(f"lmtune: stopped by {e.sigval.name} with a checkpoint of step {step}", file=sys.stderr)
+        outcome = _outcome(Path(error_dir))
+        if outcome is not None and outcome["stopped"]:
+            print(
+                f"lmtune: stopped by {e.sigval.name} with a checkpoint of step {outcome['step']}",
+                file=sys.stderr,
+            )
             return 0
         print(f"lmtune: stopped by {e.sigval.name}", file=sys.stderr)
         return 128 + int(e.sigval)
@@ -326,6 +364,35 @@ def _stop_on_user_error(error_dir: Path, seen: threading.Event, ended: threading
             seen.set()
             os.kill(os.getpid(), signal.SIGTERM)  # the agent stops its workers and raises in the launcher
             return
+
+
+def _leave_after_a_stop(error_dir: Path, ended: threading.Event, release: Callable[[], None]) -> None:
+    """Several nodes: end this launcher once its ranks have stopped on a signal, saved and left.
+    torch's agent then waits in an exit barrier for every node's agent, up to 300 s, and one
+    that the signal ended never comes: the job would sit silent for five minutes, then exit 0."""
+    while not ended.wait(0.5):
+        outcome = _outcome(error_dir)
+        if outcome is None or not outcome["stopped"] or _children():
+            continue
+        if ended.wait(_BARRIER_GRACE_S):  # the agent ended by itself (this node was signalled)
+            return
+        if line := _from_elsewhere(outcome):
+            print(line, file=sys.stderr, flush=True)
+        release()
+        shutil.rmtree(error_dir, ignore_errors=True)
+        sys.stderr.flush()
+        os._exit(0)  # the agent's main thread is blocked in the store's wait, where nothing reaches it
+
+
+def _children() -> bool:
+    """Whether a live process (a rank) was started by this one."""
+    me = os.getpid()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with suppress(OSError, ValueError, IndexError):
+            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            if int(parent) == me and state != "Z":
+                return True
+    return False
 
 
 def _reported_errors(error_dir: Path) -> list[tuple[str, int]]:

@@ -199,7 +199,7 @@ def test_max_steps_minus_one_is_hfs_unset(tmp_path: Path) -> None:
 
 def test_a_config_from_another_tool_has_all_its_unknown_keys_named_at_once(tmp_path: Path) -> None:
     yaml_file = tmp_path / "axolotl.yaml"
-    yaml_file.write_text("base_model: tiny\ndatasets: [x]\ngradient_accumulation_steps: 4\nbf16: true\n")
+    yaml_file.write_text("base_model: tiny\ndatasets: [x]\ngradient_accumulation_steps: 4\nbf16: auto\n")
     with pytest.raises(UserError) as refused:
         load_yaml(str(yaml_file))
     lines = str(refused.value).splitlines()
@@ -310,6 +310,47 @@ def test_trls_values_that_lmtune_settings_say_are_taken(
     yaml_file.write_text(lines)
     cfg = build_config(load_yaml(str(yaml_file)))
     assert (cfg.objective.name, cfg.objective.reference) == (objective, reference)
+
+
+@pytest.mark.parametrize(
+    ("lines", "precision"),
+    [
+        ("bf16: true\n", "bf16"),
+        ("bf16: true\nfp16: false\n", "bf16"),  # as Axolotl's and the Trainer's configs say both
+        ("fp16: true\nbf16: false\n", "fp16"),
+        ("bf16: false\nfp16: false\n", "fp32"),
+        ("bf16: true\nprecision: bf16\n", "bf16"),
+    ],
+)
+def test_half_precision_switches_in_a_config_set_the_precision(
+    tmp_path: Path, lines: str, precision: str
+) -> None:
+    yaml_file = tmp_path / "axolotl.yaml"
+    yaml_file.write_text(lines)
+    assert build_config(load_yaml(str(yaml_file))).model.precision == precision
+
+
+@pytest.mark.parametrize(
+    ("lines", "refusal"),
+    [
+        (
+            "bf16: true\nfp16: true\n",
+            r":2: fp16: true is precision fp16 in lmtune, which the file sets to bf16",
+        ),
+        (
+            "precision: fp32\nbf16: true\n",
+            r":2: bf16: true is precision bf16 in lmtune, which the file sets to fp32",
+        ),
+        ("bf16: auto\n", r":1: bf16: lmtune takes the precision as given: precision bf16"),
+    ],
+)
+def test_half_precision_switches_that_disagree_or_guess_are_refused(
+    tmp_path: Path, lines: str, refusal: str
+) -> None:
+    yaml_file = tmp_path / "axolotl.yaml"
+    yaml_file.write_text(lines)
+    with pytest.raises(UserError, match=refusal):
+        load_yaml(str(yaml_file))
 
 
 def test_axolotls_adapter_against_the_files_own_switch_is_refused(tmp_path: Path) -> None:
