@@ -175,13 +175,16 @@ def test_doctor_passes_on_two_ranks(tmp_path: Path) -> None:
     assert "sums right" in proc.stdout and "(ranks 0, 1)" in proc.stdout
 
 
-def _on_two_nodes(command: str, per_node: tuple[list[str], list[str]]) -> list[tuple[int, str]]:
-    """Two launchers of ``command`` on loopback, as two nodes, each with its own arguments."""
+def _on_two_nodes(
+    command: str, per_node: tuple[list[str], list[str]], envs: tuple[dict[str, str], ...] = ({}, {})
+) -> list[tuple[int, str]]:
+    """Two launchers of ``command`` on loopback, as two nodes, each with its own arguments (and
+    environment variables)."""
     port = free_port()
     nodes = []
     for node in (0, 1):
         args = [command, "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **envs[node]}
         nodes.append(
             subprocess.Popen(
                 lmtune_cmd([*args, *per_node[node]]),
@@ -196,9 +199,11 @@ def _on_two_nodes(command: str, per_node: tuple[list[str], list[str]]) -> list[t
 
 
 def _doctor_on_two_nodes(tmp_path: Path, folders: tuple[str, str]) -> list[tuple[int, str]]:
-    """Each node with its own --output-dir."""
+    """Each node with its own --output-dir, and lmtune's default cache under it."""
     return _on_two_nodes(
-        "doctor", (["--output-dir", str(tmp_path / folders[0])], ["--output-dir", str(tmp_path / folders[1])])
+        "doctor",
+        (["--output-dir", str(tmp_path / folders[0])], ["--output-dir", str(tmp_path / folders[1])]),
+        tuple({"LMTUNE_CACHE_DIR": str(tmp_path / folder / "cache")} for folder in folders),
     )
 
 
@@ -253,6 +258,8 @@ def test_doctor_on_two_nodes_passes_and_names_the_node_that_sees_another_output_
     assert [code for code, _ in shared] == [0, 0], shared
     table = next(output for _, output in shared if "lmtune doctor" in output)  # where rank 0 runs
     assert "ok    output folder" in table and "2 ranks" in table
+    # No --cache-dir: the cache train would use on every node, lmtune's default, is checked.
+    assert "ok    cache folder (lmtune's default)" in table
     apart = _doctor_on_two_nodes(tmp_path, ("node-0", "node-1"))
     assert [code for code, _ in apart] == [2, 2], apart
     table = next(output for _, output in apart if "lmtune doctor" in output)
@@ -261,6 +268,7 @@ def test_doctor_on_two_nodes_passes_and_names_the_node_that_sees_another_output_
         and "rank(s) 1 (" in table
         and "see another folder than rank 0" in table
     )
+    assert "FAIL  cache folder (lmtune's default)" in table and "or train --cache-per-node" in table
 
 
 def test_restarts_of_a_one_process_job_train_once(tmp_path: Path) -> None:

@@ -333,6 +333,7 @@ def push(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.config.settings import parse_nnodes
     from lmtune.config.validate import check_settings
+    from lmtune.data.prepare import default_cache_dir
     from lmtune.parallel.distributed import launched_rank, process_group, read_dist_env
     from lmtune.tools.doctor import DoctorSettings, check_or_fail
 
@@ -344,11 +345,15 @@ def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         return relaunch_unlocked(list(argv), cfg.replace(hang_timeout=0))
     env = read_dist_env(cfg.model.device)
+    # Several nodes share the cache train uses (lmtune's default, unless --cache-dir or
+    # --cache-per-node): with no --cache-dir named, that one is checked.
+    default_cache = args.check_cache_dir is None and env.world_size > env.local_world_size
     settings = DoctorSettings(
         output_dir=args.check_output_dir,
-        cache_dir=args.check_cache_dir,
+        cache_dir=str(default_cache_dir()) if default_cache else args.check_cache_dir,
         data=args.check_data,
         model=args.check_model,
+        default_cache=default_cache,
     )
     with process_group(env):
         check_or_fail(env, settings)

@@ -43,6 +43,7 @@ class DoctorSettings:
     cache_dir: str | None = None
     data: str | None = None
     model: str | None = None
+    default_cache: bool = False  # cache_dir is lmtune's default, not one the user named
 
 
 def _rank_facts(env: DistEnv) -> dict[str, Any]:
@@ -186,7 +187,7 @@ def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 2**20 else f"{n >> 10} KiB"
 
 
-def _shared_folder(env: DistEnv, folder: Path, name: str) -> Check:
+def _shared_folder(env: DistEnv, folder: Path, name: str, remedy: str = "") -> Check:
     """Writable on every rank, and the same folder on all: rank 0's token must be seen by all. The
     folders it makes for that (a run's output folder is made by the run) are removed after."""
     writable = True
@@ -227,7 +228,7 @@ def _shared_folder(env: DistEnv, folder: Path, name: str) -> Check:
             name,
             FAIL,
             f"{folder}: rank(s) {_ranks(blind)} ({', '.join(hosts)}) see another folder than rank 0 "
-            "(not shared storage); put it on a file system every node mounts",
+            f"(not shared storage); {remedy or 'put it on a file system every node mounts'}",
         )
     return Check(name, OK, f"{folder}: writable and the same folder on every rank")
 
@@ -296,7 +297,14 @@ def run_checks(env: DistEnv, settings: DoctorSettings) -> list[Check]:
     if settings.output_dir:
         checks.append(_shared_folder(env, Path(settings.output_dir).expanduser(), "output folder"))
         checks.append(_disk(env, Path(settings.output_dir).expanduser(), settings.model))
-    if settings.cache_dir:
+    if settings.cache_dir and settings.default_cache:
+        remedy = (
+            "train and doctor need --cache-dir on a file system every node mounts, or train --cache-per-node"
+        )
+        checks.append(
+            _shared_folder(env, Path(settings.cache_dir), "cache folder (lmtune's default)", remedy)
+        )
+    elif settings.cache_dir:
         checks.append(_shared_folder(env, Path(settings.cache_dir).expanduser(), "cache folder"))
     if settings.data:
         checks.append(_data(env, settings.data))
