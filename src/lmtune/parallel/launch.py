@@ -204,11 +204,7 @@ def _launch(
         )
         threading.Thread(target=watchdog.run, args=(ended,), daemon=True, name="lmtune-watchdog").start()
     if not single_node:
-        nodes = cfg.launch.nnodes
-        print(f"lmtune: waiting for {nodes} nodes at {cfg.launch.rdzv_endpoint}", file=sys.stderr, flush=True)
-        if Path("/proc/self").is_dir():  # where this launcher can see whether its ranks are gone
-            leave = partial(_leave_after_a_stop, Path(error_dir), ended, release)
-            threading.Thread(target=leave, daemon=True, name="lmtune-leave").start()
+        _meet_other_nodes(cfg.launch, Path(error_dir), ended, release)
     try:
         elastic_launch(config, sys.executable)("-m", "lmtune", *argv)
         if line := _from_elsewhere(_outcome(Path(error_dir))):
@@ -364,6 +360,15 @@ def _stop_on_user_error(error_dir: Path, seen: threading.Event, ended: threading
             seen.set()
             os.kill(os.getpid(), signal.SIGTERM)  # the agent stops its workers and raises in the launcher
             return
+
+
+def _meet_other_nodes(
+    launch: LaunchSettings, error_dir: Path, ended: threading.Event, release: Callable[[], None]
+) -> None:
+    print(f"lmtune: waiting for {launch.nnodes} nodes at {launch.rdzv_endpoint}", file=sys.stderr, flush=True)
+    if Path("/proc/self").is_dir():  # where this launcher can see whether its ranks are gone
+        leave = partial(_leave_after_a_stop, error_dir, ended, release)
+        threading.Thread(target=leave, daemon=True, name="lmtune-leave").start()
 
 
 def _leave_after_a_stop(error_dir: Path, ended: threading.Event, release: Callable[[], None]) -> None:
