@@ -165,15 +165,17 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
         check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
     assert sorted(tmp_path.rglob("*")) == before
     (tmp_path / "checkpoints" / "step-7").rename(tmp_path / "step-7")
+    # A user's file inside one of lmtune's checkpoints would outlive it as a step-N folder of
+    # theirs, which the new run would refuse after the old one was gone: refused first too.
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(UserError, match=r"--overwrite: .*step-000003 holds NOTES\.txt, which lmtune did not"):
+        check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
+    assert sorted(tmp_path.rglob("*")) == before
+    (tmp_path / "checkpoints" / "step-000003" / "NOTES.txt").rename(tmp_path / "NOTES.txt")
     check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == [
-        *(
-            "checkpoints",
-            "checkpoints/my-notes.txt",
-            "checkpoints/step-000003",
-            "checkpoints/step-000003/NOTES.txt",
-        ),
+        *("NOTES.txt", "checkpoints", "checkpoints/my-notes.txt"),
         *("notes.txt", "samples", "samples/list.txt", "step-7", "step-7/notes.txt"),
         *("tensorboard", "tensorboard/events.out.tfevents.123.mine", "tensorboard/my_notes.txt"),
         *("wandb", "wandb/keep.txt"),

@@ -193,6 +193,30 @@ def refuse_users_steps(output_dir: Path, option: str) -> None:
             "a folder of yours, or your files left where lmtune pruned its own), and this run saves its "
             f"checkpoints beside it: move it out of {theirs[0].parent} first"
         )
+    # Files of the user's inside one of lmtune's checkpoints would outlive it (only what its manifest
+    # lists is deleted) as a step-N folder of theirs, which the new run would then refuse.
+    for folder in list_checkpoints(output_dir):
+        if added := _not_listed(folder):
+            shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+            raise UserError(
+                f"{option}: {folder} holds {shown}, which lmtune did not write; it deletes that checkpoint "
+                f"and keeps what is yours: move it out of {folder} first"
+            )
+
+
+def _not_listed(folder: Path) -> list[str]:
+    """The files in lmtune's checkpoint ``folder`` that its manifest does not list (put there
+    since); none for a checkpoint without a readable manifest (it is lmtune's alone)."""
+    try:
+        listed = read_json(folder / MANIFEST, limit=MANIFEST_BYTES)
+    except (OSError, UserError):
+        return []
+    if not isinstance(listed, dict):
+        return []
+    found = (p for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    return sorted(
+        name for p in found if (name := p.relative_to(folder).as_posix()) not in (*listed, MANIFEST)
+    )
 
 
 def holds_a_run(folder: Path) -> bool:
