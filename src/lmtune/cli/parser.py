@@ -173,7 +173,7 @@ def hub_flags(argv: list[str]) -> list[str]:
             taken = 1
         i += taken
     if switch is None:
-        return argv  # lmtune's own spelling: --push-to-hub NAME/REPO (--hub_model_id an alias of it)
+        return argv  # lmtune's own spelling, --push-to-hub NAME/REPO (--hub_model_id alone is answered)
     if switch and repo is None:
         raise UserError(
             "--push-to-hub: takes the repository to upload to (NAME/REPO, HF Trainer's hub_model_id)"

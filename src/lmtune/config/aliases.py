@@ -46,7 +46,6 @@ ALIASES: dict[str, str] = {
     "lora_r": "lora_rank",  # TRL, Axolotl
     "use_peft": "lora",  # TRL
     "ddp_timeout": "collective_timeout",  # HF Trainer: seconds, as lmtune's
-    "hub_model_id": "push_to_hub",  # HF Trainer: the repo that push_to_hub uploads to
     "hub_private_repo": "hub_private",  # HF Trainer
     "neftune_noise_alpha": "neftune_alpha",  # HF Trainer, TRL, Axolotl
 }
@@ -86,6 +85,11 @@ HINTS: dict[str, str] = {
     ),
     "assistant_only_loss": (
         "lmtune trains only assistant turns of chat data by default; {train_on_prompt} trains every token"
+    ),
+    # HF Trainer's repository, uploaded to only with push_to_hub (taken together as lmtune's).
+    "hub_model_id": (
+        "the HF Trainer uploads there only with push_to_hub; lmtune's {push_to_hub} NAME/REPO names the "
+        "repository and uploads"
     ),
     "hub_token": (
         "lmtune reads the Hugging Face token as huggingface_hub does (HF_TOKEN, or `hf auth login`), "

@@ -390,11 +390,26 @@ def test_transformers_optimizer_names_are_answered(capsys: pytest.CaptureFixture
         (["--hub-model-id=me/t", "--push_to_hub", "True"], ["--push-to-hub", "me/t"]),
         (["--push_to_hub=false", "--hub_model_id", "me/t", "--lr", "1"], ["--lr", "1"]),
         (["--push-to-hub", "me/t", "--lr", "1"], ["--push-to-hub", "me/t", "--lr", "1"]),  # lmtune's own
-        (["--hub_model_id", "me/t"], ["--hub_model_id", "me/t"]),  # an alias of --push-to-hub
+        (["--hub_model_id", "me/t"], ["--hub_model_id", "me/t"]),  # alone: answered (below)
     ],
 )
 def test_hf_trainers_push_flags_become_lmtunes(argv: list[str], expected: list[str]) -> None:
     assert hub_flags(["train", *argv]) == ["train", *expected]
+
+
+def test_hub_model_id_alone_uploads_nothing_in_hf_so_it_is_answered(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--hub_model_id", "me/t", "--max-steps", "1"]) == 2
+    assert "--hub-model-id: the HF Trainer uploads there only with push_to_hub; lmtune's --push-to-hub" in (
+        capsys.readouterr().err
+    )
+    yaml_file = tmp_path / "hf.yaml"
+    yaml_file.write_text("max_steps: 3\nhub_model_id: me/tuned\n")
+    with pytest.raises(
+        UserError, match=r":2: hub_model_id: the HF Trainer uploads there only with push_to_hub"
+    ):
+        load_yaml(str(yaml_file))
 
 
 def test_a_yaml_key_given_twice_is_refused_not_last_wins(tmp_path: Path) -> None:
