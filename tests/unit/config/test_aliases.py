@@ -367,13 +367,17 @@ def test_empty_keys_are_unset_as_axolotl_reads_them(tmp_path: Path) -> None:
     "none" (0, off), and is refused where a value was more likely left out (the model)."""
     yaml_file = tmp_path / "axolotl.yaml"
     yaml_file.write_text(
-        "fp16:\nxformers_attention:\nearly_stopping_patience:\nwarmup_steps:\nmax_steps: 3\n"
+        "fp16:\nxformers_attention:\nearly_stopping_patience:\nwarmup_steps:\nmax_steps: 3\nlearning_rate:\n"
     )
     cfg = build_config(load_yaml(str(yaml_file)))
     assert cfg.model.precision == "fp32" and cfg.eval.early_stopping_patience == 0
-    yaml_file.write_text("base_model:\n")
-    with pytest.raises(UserError, match="needs a value"):
-        build_config(load_yaml(str(yaml_file)))
+    assert cfg.optim.lr is None  # lmtune's default for the model, as without the key
+    yaml_file.write_text("val_set_size: 0\n")  # Axolotl's default: no evaluation split
+    assert build_config(load_yaml(str(yaml_file))).data.eval_split is None
+    for left_out in ("base_model:\n", "lora_r:\n"):
+        yaml_file.write_text(left_out)
+        with pytest.raises(UserError, match="needs a value"):
+            build_config(load_yaml(str(yaml_file)))
 
 
 def test_transformers_optimizer_names_are_answered(capsys: pytest.CaptureFixture[str]) -> None:
