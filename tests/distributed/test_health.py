@@ -219,6 +219,32 @@ def test_a_node_that_never_joins_is_said_at_once_and_ends_the_wait(tmp_path: Pat
     assert "Traceback" not in proc.stderr
 
 
+def test_a_node_started_without_node_0_waits_the_join_timeout_and_no_longer() -> None:
+    """Node 1 alone: nothing at the endpoint, then a program there that accepts and never answers
+    (where torch's store client would wait without end). Each ends with exit 2 and one line."""
+    import socket
+
+    def node_1(port: int) -> tuple[subprocess.CompletedProcess[str], float]:
+        args = ["doctor", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        env = {**os.environ, "LMTUNE_JOIN_TIMEOUT": "5"}
+        started = time.monotonic()
+        proc = subprocess.run(lmtune_cmd(args), capture_output=True, text=True, env=env, timeout=120)
+        return proc, time.monotonic() - started
+
+    port = free_port()
+    proc, took = node_1(port)
+    assert proc.returncode == 2 and took < 45, (took, proc.stderr)
+    assert f"--rdzv-endpoint 127.0.0.1:{port}: this node could not reach the job's rendezvous" in proc.stderr
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        proc, took = node_1(port)
+    assert proc.returncode == 2 and took < 60, (took, proc.stderr)
+    assert f"error: the job's 2 nodes did not meet at 127.0.0.1:{port} within 20s" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_rendezvous_port_in_use_is_said_in_one_line() -> None:
     import socket
 

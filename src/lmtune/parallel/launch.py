@@ -270,7 +270,10 @@ def _launch_config(launch: LaunchSettings, run_id: str, single_node: bool) -> An
 
     min_nodes, max_nodes = parse_nnodes(launch.nnodes)
     # The same bound as the process group's (LMTUNE_JOIN_TIMEOUT): the nodes' launchers meet first.
-    rdzv_configs: dict[str, object] = {"join_timeout": int(environment.join_timeout_s())}
+    # And for reaching node 0's store (torch's read_timeout, 60 s, bounds connecting too, and torch
+    # tries twice): a node started before node 0 waits for it about as long as for the others.
+    wait = int(environment.join_timeout_s())
+    rdzv_configs: dict[str, object] = {"join_timeout": wait, "read_timeout": max(1, wait // 2)}
     if launch.node_rank is not None:
         # Every node may resolve the endpoint's host as its own (loopback tests, one-host setups):
         # say which one hosts the store instead of leaving it to a race.
@@ -369,6 +372,32 @@ def _meet_other_nodes(
     if Path("/proc/self").is_dir():  # where this launcher can see whether its ranks are gone
         leave = partial(_leave_after_a_stop, error_dir, ended, release)
         threading.Thread(target=leave, daemon=True, name="lmtune-leave").start()
+        bound = partial(_bound_the_meeting, launch, error_dir, ended, release)
+        threading.Thread(target=bound, daemon=True, name="lmtune-meeting").start()
+
+
+def _bound_the_meeting(
+    launch: LaunchSettings, error_dir: Path, ended: threading.Event, release: Callable[[], None]
+) -> None:
+    """End this launcher (exit 2) when its ranks have not started long after the nodes should have
+    met: torch's rendezvous gives up after the join timeout, but its store client can wait without
+    end on a port held by a program that accepts and never answers."""
+    waited = 2 * environment.join_timeout_s() + 10
+    deadline = time.monotonic() + waited
+    while not ended.wait(1.0):
+        if _children():
+            return  # the ranks started: the nodes met
+        if time.monotonic() > deadline:
+            print(
+                f"error: the job's {launch.nnodes} nodes did not meet at {launch.rdzv_endpoint} within "
+                f"{waited:.0f}s; start node 0 (--node-rank 0) with the same --rdzv-endpoint, and check that "
+                "no other program holds that port",
+                file=sys.stderr,
+                flush=True,
+            )
+            release()
+            shutil.rmtree(error_dir, ignore_errors=True)
+            os._exit(USER_ERROR_EXIT_CODE)
 
 
 def _leave_after_a_stop(error_dir: Path, ended: threading.Event, release: Callable[[], None]) -> None:
