@@ -97,14 +97,35 @@ def _coerce(s: Setting, value: Any) -> Any:
         or (kind is int and isinstance(value, float))
         or isinstance(value, (list, dict))
     ):
-        raise UserError(f"{option_name(name)}: expected {kind.__name__}, got {brief(value)}")
+        raise UserError(_expected(name, kind, value))
     try:
         converted = kind(value)
     except (TypeError, ValueError, OverflowError):
-        raise UserError(f"{option_name(name)}: expected {kind.__name__}, got {brief(value)}") from None
+        raise UserError(_expected(name, kind, value)) from None
     if kind is float and not math.isfinite(converted):
         raise UserError(f"{option_name(name)}: must be a finite number (got {brief(value)})")
     return converted
+
+
+# The HF Trainer takes a value below 1 of these as a share of the run's steps; lmtune counts steps.
+_STEPS_SHARE = " (the HF Trainer's share of the training steps: lmtune takes a number of optimizer steps)"
+_FRACTIONS = {
+    "save_every": _STEPS_SHARE,
+    "eval_every": _STEPS_SHARE,
+    "log_every": _STEPS_SHARE,
+    "epochs": " (lmtune trains whole epochs: --max-steps N stops within one)",
+}
+
+
+def _expected(name: str, kind: type, value: Any) -> str:
+    """The refusal of a value of another type, with what a share (0 < value < 1) means elsewhere
+    for a whole-number setting that takes none."""
+    try:
+        share = 0 < float(value) < 1 and not isinstance(value, bool)
+    except (TypeError, ValueError, OverflowError):
+        share = False
+    why = _FRACTIONS.get(name, "") if share else ""
+    return f"{option_name(name)}: expected {kind.__name__}, got {brief(value)}{why}"
 
 
 # A settings file has tens of values; aliases and merge keys that expand past this are a bomb.

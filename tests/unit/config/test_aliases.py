@@ -456,3 +456,18 @@ def test_a_name_in_capitals_is_shown_as_written_with_its_lower_case(
     yaml_file.write_text("LR: 0.1\n")
     with pytest.raises(UserError, match=f"--config {yaml_file}:1: LR: names are lower case; did you mean lr"):
         load_yaml(str(yaml_file))
+
+
+def test_hf_shares_of_the_run_below_1_are_answered(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The HF Trainer takes save_steps: 0.25 as a quarter of the run's steps; lmtune counts steps."""
+    yaml_file = tmp_path / "hf.yaml"
+    yaml_file.write_text("save_steps: 0.25\n")
+    with pytest.raises(UserError, match=r":1: save_steps: expected int, got 0.25 \(the HF Trainer's share"):
+        load_yaml(str(yaml_file))
+    yaml_file.write_text("num_epochs: 0.5\n")
+    with pytest.raises(UserError, match=r"got 0.5 \(lmtune trains whole epochs: --max-steps N stops within"):
+        load_yaml(str(yaml_file))
+    assert main(["train", "--eval_steps", "0.1"]) == 2
+    assert "--eval-every: expected int, got '0.1' (the HF Trainer's share" in capsys.readouterr().err
