@@ -213,10 +213,8 @@ def _not_listed(folder: Path) -> list[str]:
         return []
     if not isinstance(listed, dict):
         return []
-    found = (p for p in folder.rglob("*") if p.is_file() or p.is_symlink())
-    return sorted(
-        name for p in found if (name := p.relative_to(folder).as_posix()) not in (*listed, MANIFEST)
-    )
+    found = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    return sorted(name for name in found if name not in listed and name != MANIFEST)
 
 
 def holds_a_run(folder: Path) -> bool:
