@@ -11,6 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
+from lmtune.checkpoint.owned import listed as names_listed
 from lmtune.config.files import read_json
 from lmtune.errors import UserError
 from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE
@@ -197,10 +198,9 @@ def refuse_users_steps(output_dir: Path, option: str) -> None:
     # lists is deleted) as a step-N folder of theirs, which the new run would then refuse.
     for folder in list_checkpoints(output_dir):
         if added := _not_listed(folder):
-            shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
             raise UserError(
-                f"{option}: {folder} holds {shown}, which lmtune did not write; it deletes that checkpoint "
-                f"and keeps what is yours: move it out of {folder} first"
+                f"{option}: {folder} holds {names_listed(added, 3)}, which lmtune did not write; it deletes "
+                f"that checkpoint and keeps what is yours: move it out of {folder} first"
             )
 
 
@@ -208,13 +208,13 @@ def _not_listed(folder: Path) -> list[str]:
     """The files in lmtune's checkpoint ``folder`` that its manifest does not list (put there
     since); none for a checkpoint without a readable manifest (it is lmtune's alone)."""
     try:
-        listed = read_json(folder / MANIFEST, limit=MANIFEST_BYTES)
+        manifest = read_json(folder / MANIFEST, limit=MANIFEST_BYTES)
     except (OSError, UserError):
         return []
-    if not isinstance(listed, dict):
+    if not isinstance(manifest, dict):
         return []
     found = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
-    return sorted(name for name in found if name not in listed and name != MANIFEST)
+    return sorted(name for name in found if name not in manifest and name != MANIFEST)
 
 
 def holds_a_run(folder: Path) -> bool:

@@ -388,16 +388,12 @@ def _bound_the_meeting(
         if _children():
             return  # the ranks started: the nodes met
         if time.monotonic() > deadline:
-            print(
+            line = (
                 f"error: the job's {launch.nnodes} nodes did not meet at {launch.rdzv_endpoint} within "
                 f"{waited:.0f}s; start node 0 (--node-rank 0) with the same --rdzv-endpoint, and check that "
-                "no other program holds that port",
-                file=sys.stderr,
-                flush=True,
+                "no other program holds that port"
             )
-            release()
-            shutil.rmtree(error_dir, ignore_errors=True)
-            os._exit(USER_ERROR_EXIT_CODE)
+            _end_launcher(line, USER_ERROR_EXIT_CODE, error_dir, release)
 
 
 def _leave_after_a_stop(error_dir: Path, ended: threading.Event, release: Callable[[], None]) -> None:
@@ -410,12 +406,19 @@ def _leave_after_a_stop(error_dir: Path, ended: threading.Event, release: Callab
             continue
         if ended.wait(_BARRIER_GRACE_S):  # the agent ended by itself (this node was signalled)
             return
-        if line := _from_elsewhere(outcome):
-            print(line, file=sys.stderr, flush=True)
-        release()
-        shutil.rmtree(error_dir, ignore_errors=True)
-        sys.stderr.flush()
-        os._exit(0)  # the agent's main thread is blocked in the store's wait, where nothing reaches it
+        _end_launcher(_from_elsewhere(outcome), 0, error_dir, release)
+
+
+def _end_launcher(line: str | None, code: int, error_dir: Path, release: Callable[[], None]) -> None:
+    """Say ``line``, give the output folder's lock back, remove the workers' report folder and exit
+    with ``code`` from a watcher thread: the agent's main thread is blocked in torch's store, where
+    neither an exception nor a signal handler reaches it."""
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    release()
+    shutil.rmtree(error_dir, ignore_errors=True)
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _children() -> bool:
