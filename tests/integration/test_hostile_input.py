@@ -39,6 +39,11 @@ from tests.conftest import write_jsonl
         ("seed: 1\nchat_template: tokenizer_default\n", "run.yaml:2: chat_template: the tokenizer's own"),
         ("seed: 1\nval_set_size: 20000\n", "run.yaml:2: val_set_size: holds out 20000 of"),
         ("lora: true\nlora_target_modules: [qproj]\n", "run.yaml:2: lora_target_modules: qproj matched no"),
+        # A batch that does not divide: named by the micro batch's line, the global batch as the file has it.
+        (
+            "global_batch_size: 32\nmicro_batch_size: 5\n",
+            "run.yaml:2: micro_batch_size: global_batch_size 32 does not divide into 5 x 1 process",
+        ),
         # Another setting the reason names is named as the file would name it.
         (
             "warmup_steps: 5\nwarmup_ratio: 0.1\n",

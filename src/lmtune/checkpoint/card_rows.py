@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmtune.config.validate import PREFERENCE
 from lmtune.data.formats import CHAT_FORMATS
 
 
@@ -175,9 +176,11 @@ def _quantization_line(resolved: dict[str, Any]) -> str:
 
 
 def _lora_line(config: dict[str, Any], resolved: dict[str, Any]) -> str:
+    # A preference objective turns LoRA's dropout off, whatever the setting's default says.
+    dropout = "off" if config.get("objective") in PREFERENCE else config.get("lora_dropout")
     line = (
-        f"rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, dropout "
-        f"{config.get('lora_dropout')}, targets {config.get('lora_target_modules')}"
+        f"rank {config.get('lora_rank')}, alpha {config.get('lora_alpha')}, dropout {dropout}, "
+        f"targets {config.get('lora_target_modules')}"
     )
     total, trainable = resolved.get("parameters"), resolved.get("trainable_parameters")
     if total and trainable:

@@ -48,6 +48,9 @@ ALIASES: dict[str, str] = {
     "ddp_timeout": "collective_timeout",  # HF Trainer: seconds, as lmtune's
     "hub_private_repo": "hub_private",  # HF Trainer
     "neftune_noise_alpha": "neftune_alpha",  # HF Trainer, TRL, Axolotl
+    "rl_beta": "beta",  # Axolotl
+    "dpo_beta": "beta",  # Axolotl (before rl_beta)
+    "orpo_alpha": "orpo_lambda",  # Axolotl: ORPO's weight, which it passes as TRL's ORPOConfig.beta
 }
 
 # Foreign name -> what to do instead. ``{name}`` becomes a setting's name in the style of the place
@@ -130,10 +133,10 @@ HINTS: dict[str, str] = {
     "lora_target_linear": "every linear layer is lmtune's default ({lora_target_modules} all-linear)",
     "sample_packing": "packing is {packing} on | off | auto",
     "datasets": (
-        "give the files with {data} (comma-separated; each record's format is detected from its "
+        "give the files as lmtune's {data} (comma-separated; each record's format is detected from its "
         "fields) and rename fields with {field_map}"
     ),
-    "dataset": "give the files with {data}",
+    "dataset": "give the files as lmtune's {data}",
     "field_messages": "map field names with {field_map} messages=FIELD,role=FIELD,content=FIELD",
     "message_property_mappings": "map field names with {field_map} messages=FIELD,role=FIELD,content=FIELD",
     "formatting_func": "map field names with {field_map} (for example prompt=question,completion=answer)",
@@ -384,6 +387,12 @@ def resolve_names(
 # Another tool's key whose value says what lmtune settings do: (its key, value as text) -> ours.
 _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
     "adapter": {"lora": {"lora": True}, "qlora": {"lora": True, "load_in_4bit": True}},  # Axolotl
+    "rl": {  # Axolotl ("true": its first releases' DPO)
+        **{name: {"objective": name} for name in ("dpo", "ipo", "simpo", "orpo")},
+        "true": {"objective": "dpo"},
+        "false": {},
+    },
+    "lora_target_linear": {"true": {"lora_target_modules": "all-linear"}, "false": {}},  # Axolotl
     "loss_type": {"sigmoid": {"objective": "dpo"}, "ipo": {"objective": "ipo"}},  # TRL
     "precompute_ref_log_probs": {"true": {"reference": "logprobs"}, "false": {"reference": "live"}},  # TRL
     # HF Trainer's, TRL's and Axolotl's half-precision switches (false: not that one, asks nothing).

@@ -37,7 +37,7 @@ from lmtune.config.settings import (
     setting_named,
     value_of,
 )
-from lmtune.errors import SettingError, UserError, brief
+from lmtune.errors import SettingError, brief
 
 Need = Callable[[bool, str, str], None]
 
@@ -234,7 +234,13 @@ def _check_applicable(cfg: TrainConfig, need: Need) -> None:
     applies = {
         "lora_rank": (lora.enabled, "applies with --lora only (LoRA is off: every weight would train)"),
         "lora_alpha": (lora.enabled, "applies with --lora only"),
-        "lora_dropout": (lora.enabled, "applies with --lora only"),
+        "lora_dropout": (
+            lora.enabled and (o.name not in PREFERENCE or lora.dropout == 0),
+            "applies with --lora only"
+            if not lora.enabled
+            else f"has no effect under --objective {o.name}, which turns all dropout off (as TRL's "
+            "disable_dropout)",
+        ),
         "lora_target_modules": (lora.enabled, "applies with --lora only"),
         "merge_lora": (lora.enabled, "needs --lora"),
         "bnb_4bit_quant_type": (cfg.model.load_in_4bit, "needs --load-in-4bit"),
@@ -378,15 +384,20 @@ def _check_batch(batch: BatchSettings, world_size: int, need: Need) -> None:
     need(batch.global_batch_size >= 1, "global_batch_size", "must be >= 1")
     need(batch.micro_batch_size is None or batch.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
     processes = f"{world_size} process{'es' if world_size > 1 else ''}"
+    size = batch.global_batch_size
+    # SettingErrors: a --config file's value is named by its line (the micro batch's when set).
     if batch.micro_batch_size is None:
-        if batch.global_batch_size % world_size:
-            raise UserError(
-                f"--global-batch-size {batch.global_batch_size} does not divide over {processes}; "
-                f"use a multiple of {world_size}"
+        if size % world_size:
+            raise SettingError(
+                "global_batch_size",
+                f"--global-batch-size {size}",
+                f"does not divide over {processes}; use a multiple of {world_size}",
             )
-    elif batch.global_batch_size % (batch.micro_batch_size * world_size):
+    elif size % (batch.micro_batch_size * world_size):
         per_step = batch.micro_batch_size * world_size
-        raise UserError(
-            f"--global-batch-size {batch.global_batch_size} does not divide into "
-            f"--micro-batch-size {batch.micro_batch_size} x {processes}; use a multiple of {per_step}"
+        raise SettingError(
+            "micro_batch_size",
+            f"--micro-batch-size {batch.micro_batch_size}",
+            f"--global-batch-size {size} does not divide into {batch.micro_batch_size} x {processes}; "
+            f"use a global batch that is a multiple of {per_step}",
         )

@@ -78,6 +78,18 @@ def _answer_messages(record: Record, name: str, names: FieldMap) -> list[dict[st
     return messages_field(record, name, names)
 
 
+def _no_prompt(chosen: list[dict[str, str]], rejected: list[dict[str, str]]) -> str:
+    """Why two answers given as whole conversations leave no prompt and two answers after it."""
+    if chosen == rejected:
+        return "its chosen and rejected messages are the same"
+    for name, short, other in (("chosen", chosen, rejected), ("rejected", rejected, chosen)):
+        if short == other[: len(short)]:
+            return (
+                f"its {name} messages are turns the other answer starts with: {name} has no answer after them"
+            )
+    return "its chosen and rejected messages share no leading turn to take as one"
+
+
 def conversation(
     record: Record, names: FieldMap
 ) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
@@ -99,8 +111,7 @@ def conversation(
             prompt = [{"role": "user", "content": text}]
         else:
             raise UserError(
-                f"{record.where}: preference record has no 'prompt', and its chosen and rejected messages "
-                "share no leading turn to take as one"
+                f"{record.where}: preference record has no 'prompt', and {_no_prompt(chosen, rejected)}"
             )
     for name, answer in (("chosen", chosen), ("rejected", rejected)):
         _check_answer(record, names.name(name), answer)

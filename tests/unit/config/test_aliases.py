@@ -301,6 +301,9 @@ def test_axolotls_adapter_switches_lora(tmp_path: Path, lines: str, lora: bool, 
         ("loss_type: ipo\nobjective: ipo\n", "ipo", "logprobs"),
         ("objective: dpo\nprecompute_ref_log_probs: false\n", "dpo", "live"),
         ("objective: dpo\nprecompute_ref_log_probs: true\n", "dpo", "logprobs"),
+        ("rl: dpo\n", "dpo", "logprobs"),  # Axolotl's
+        ("rl: orpo\norpo_alpha: 0.2\n", "orpo", "logprobs"),
+        ("rl: true\n", "dpo", "logprobs"),  # Axolotl's first releases
     ],
 )
 def test_trls_values_that_lmtune_settings_say_are_taken(
@@ -350,6 +353,25 @@ def test_half_precision_switches_that_disagree_or_guess_are_refused(
     yaml_file = tmp_path / "axolotl.yaml"
     yaml_file.write_text(lines)
     with pytest.raises(UserError, match=refusal):
+        load_yaml(str(yaml_file))
+
+
+def test_axolotls_preference_keys_set_lmtunes(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "axolotl.yaml"
+    for beta in ("rl_beta", "dpo_beta"):
+        yaml_file.write_text(f"rl: ipo\n{beta}: 0.25\nadapter: lora\nlora_target_linear: true\n")
+        cfg = build_config(load_yaml(str(yaml_file)))
+        assert (cfg.objective.name, cfg.objective.beta, cfg.lora.target_modules) == (
+            "ipo",
+            0.25,
+            "all-linear",
+        )
+    yaml_file.write_text("rl: orpo\norpo_alpha: 0.3\n")
+    assert build_config(load_yaml(str(yaml_file))).objective.orpo_lambda == 0.3
+    yaml_file.write_text("rl: kto\n")  # not one of lmtune's: answered with the ones it has
+    with pytest.raises(
+        UserError, match=r":1: rl: preference tuning is objective dpo \| ipo \| simpo \| orpo"
+    ):
         load_yaml(str(yaml_file))
 
 

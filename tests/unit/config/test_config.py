@@ -80,6 +80,11 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"objective": "simpo", "orpo_lambda": 0.5}, "--orpo-lambda: applies to --objective orpo only"),
         ({"objective": "orpo", "reference": "live"}, "--reference: applies to --objective dpo and ipo only"),
         ({"objective": "dpo", "neftune_alpha": 5.0}, "--neftune-alpha: applies to --objective sft only"),
+        # A preference objective turns dropout off: a nonzero LoRA dropout would be recorded, not applied.
+        (
+            {"objective": "dpo", "lora": True, "lora_dropout": 0.1},
+            "--lora-dropout: has no effect under --objective dpo, which turns all dropout off",
+        ),
         (
             {"objective": "orpo", "train_on_prompt": True},
             "--train-on-prompt: applies to --objective sft only",
@@ -108,6 +113,7 @@ def test_settings_that_apply_are_accepted_at_any_value() -> None:
         {"objective": "simpo", "beta": 2.0, "simpo_gamma": 1.0},
         {"objective": "orpo", "orpo_lambda": 0.5},
         {"objective": "ipo", "reference": "live"},
+        {"objective": "dpo", "lora": True, "lora_dropout": 0.0},
         {"neftune_alpha": 5.0},
         {"lora_rank": 16, "beta": 0.1},  # the defaults, spelled out: nothing changes, nothing refused
     ):

@@ -197,6 +197,17 @@ def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
             },
             "pairs.jsonl:1: the 'rejected' answer ends with a user turn",
         ),
+        (  # whole conversations whose chosen one stops before the answer: no prompt and answers to split
+            {
+                "chosen": [{"role": "user", "content": "q"}],
+                "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}],
+            },
+            "pairs.jsonl:1: .*chosen messages are turns the other answer starts with: chosen has no answer",
+        ),
+        (
+            {"chosen": [{"role": "user", "content": "q"}], "rejected": [{"role": "user", "content": "x"}]},
+            "pairs.jsonl:1: .*chosen and rejected messages share no leading turn",
+        ),
     ],
 )
 def test_bad_pairs_name_file_and_line(row: dict[str, Any], message: str) -> None:
