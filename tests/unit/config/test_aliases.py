@@ -251,6 +251,8 @@ def test_a_train_setting_another_command_does_not_take_says_so(capsys: pytest.Ca
     assert (
         "--lr is a setting of lmtune train, which lmtune data audit does not take" in capsys.readouterr().err
     )
+    assert main(["data", "audit", "--data", "x.jsonl"]) == 2  # train's way of naming the files
+    assert "(give it as arguments: lmtune data audit DATA ...)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
