@@ -67,19 +67,16 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
     """One line on what ``parser`` (a subcommand's) did not take: for each unknown option the
     lmtune name of a peer's option, a hint, or the closest names; then stray arguments.
     ``parsed``: the options it did take, by destination."""
-    from lmtune.config.aliases import accumulation_here, canonical, explain_unknown
+    from lmtune.config.aliases import accumulation_here, as_arguments, canonical, explain_unknown
     from lmtune.config.settings import option_name
 
     known = {canonical(o) for o in parser._option_string_actions if o.startswith("--")}
     options = [a for a in extra if a.startswith("--") or (a.startswith("-") and not _is_number(a))]
-    # A command that takes a setting as its arguments (data audit's files) says so.
-    positional = {x.dest: x.metavar for x in parser._actions if not x.option_strings}
     problems = [
         explain_unknown(a, known, option_name, parser.prog, _value_of(a, extra))
         + accumulation_here(a, _value_of(a, extra), parsed, option_name)
-        + (f" (give it as arguments: {parser.prog} {positional[key]} ...)" if key in positional else "")
+        + as_arguments(a, parser)
         for a in options
-        for key in [canonical(a.split("=", 1)[0])]
     ]
     stray = [a for a in extra if not a.startswith("-")]
     if stray and not options:

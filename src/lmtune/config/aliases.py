@@ -260,6 +260,14 @@ def aliases_of(setting: str) -> list[str]:
 _SHORT = {"o": ("out", "output_dir", "json", "plot"), "m": ("model",), "c": ("config",), "d": ("data",)}
 
 
+def as_arguments(option: str, parser: Any) -> str:
+    """How ``parser``'s command takes ``option``'s values instead, as its arguments (data audit's
+    files, report's output folders), or ""."""
+    key = canonical(option.split("=", 1)[0])
+    takes = {canonical(x.dest): x.metavar for x in parser._actions if not x.option_strings}
+    return f" (give it as arguments: {parser.prog} {takes[key]} ...)" if key in takes else ""
+
+
 def explain_unknown(
     name: str, known: Iterable[str], style: Callable[[str], str], where: str, value: Any = None
 ) -> str:
