@@ -18,7 +18,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from lmtune.config import environment
 from lmtune.config.run_groups import LaunchSettings
@@ -409,7 +409,7 @@ def _leave_after_a_stop(error_dir: Path, ended: threading.Event, release: Callab
         _end_launcher(_from_elsewhere(outcome), 0, error_dir, release)
 
 
-def _end_launcher(line: str | None, code: int, error_dir: Path, release: Callable[[], None]) -> None:
+def _end_launcher(line: str | None, code: int, error_dir: Path, release: Callable[[], None]) -> NoReturn:
     """Say ``line``, give the output folder's lock back, remove the workers' report folder and exit
     with ``code`` from a watcher thread: the agent's main thread is blocked in torch's store, where
     neither an exception nor a signal handler reaches it."""

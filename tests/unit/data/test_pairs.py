@@ -208,6 +208,10 @@ def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
             {"chosen": [{"role": "user", "content": "q"}], "rejected": [{"role": "user", "content": "x"}]},
             "pairs.jsonl:1: .*chosen and rejected messages share no leading turn",
         ),
+        (
+            {"chosen": [{"role": "user", "content": "q"}], "rejected": [{"role": "user", "content": "q"}]},
+            "pairs.jsonl:1: .*chosen and rejected messages are the same",
+        ),
     ],
 )
 def test_bad_pairs_name_file_and_line(row: dict[str, Any], message: str) -> None:
