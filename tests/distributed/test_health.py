@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _wait(job: Job) -> None:
+    job.output, _ = job.process.communicate(timeout=400)
+    job.ended_at = time.time()
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
     root = tmp_path_factory.mktemp("health")
@@ -96,9 +102,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
             job.workers = _workers(job)
             os.kill(job.workers[rank], signal.SIGSTOP)
             job.stopped_at = time.time()
-        for job in started.values():
-            job.output, _ = job.process.communicate(timeout=400)
-            job.ended_at = time.time()
+        # Each job's end is taken as it happens: waiting for them one after another would date a
+        # job's end by the slowest job before it.
+        with ThreadPoolExecutor(len(started)) as pool:
+            list(pool.map(_wait, started.values()))
     finally:
         for job in started.values():  # never leave a stopped process behind, whatever happened
             for pid in (job.workers or {}).values():
