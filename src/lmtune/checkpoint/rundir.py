@@ -398,14 +398,15 @@ def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) 
 
 def check_outside_inputs(folder: Path, what: str, inputs: dict[str, str]) -> None:
     """Refuse a folder lmtune writes (``what``: --output-dir, --cache-dir) inside a folder the run
-    reads whole (``--data DIR``, a glob's fixed part): it would read its own files as data."""
+    reads whole (``--data DIR``, ``--model DIR``, a glob's fixed part): it would read its own files
+    as its input."""
     where = folder.expanduser().resolve()
     for option, spec in inputs.items():
         for path, read_whole in _input_paths(spec):
             if read_whole and (where == path or path in where.parents):
                 raise UserError(
-                    f"{what} {folder} lies inside {option} {path}: the run would read its own files as "
-                    f"data; choose another {what} outside it"
+                    f"{what} {folder} lies inside {option} {path}, which the run reads: it would read its "
+                    f"own files as its input; choose another {what} outside it"
                 )
 
 

@@ -26,7 +26,7 @@ import torch
 from lmtune.config.io import MEASURING_RUN, to_argv
 from lmtune.config.settings import SAMPLE_DATA, TrainConfig
 from lmtune.errors import UserError
-from lmtune.parallel.wrap import effective_strategy
+from lmtune.parallel.wrap import effective_strategy, resolve_strategy
 from lmtune.tools.memory import (
     Estimate,
     Host,
@@ -358,7 +358,9 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
 
     config = load_config(cfg.model.name, cfg.model.trust_remote_code)
     world = cfg.launch.nproc_per_node * parse_nnodes(cfg.launch.nnodes)[1]
-    device = read_dist_env(cfg.model.device).device.type
+    env = read_dist_env(cfg.model.device)
+    resolve_strategy(cfg.launch.strategy, env)  # dp without GPUs is refused now, not after calibrating
+    device = env.device.type
     length, padded, reason = row_length(cfg)
     lora = cfg.lora
     facts: dict[tuple[int, bool, str], ModelFacts] = {}

@@ -130,6 +130,24 @@ def test_plan_rejects_a_bad_size() -> None:
     assert proc.returncode == 2 and "--memory-per-device" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_dp_without_gpus_is_refused_before_any_measuring_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU plan measures the machine with real runs (seconds); a setup that cannot run here is
+    refused first, not by the measuring run's failure."""
+    import subprocess
+
+    from lmtune.config.settings import TrainConfig
+    from lmtune.tools import plan as plan_module
+
+    def measuring_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a measuring run was started")
+
+    monkeypatch.setattr(subprocess, "run", measuring_run)
+    with pytest.raises(UserError, match=r"^--strategy dp \(nn.DataParallel\) needs CUDA GPUs"):
+        plan_module.plan(TrainConfig(strategy="dp"), None, True, tmp_path)
+
+
 @pytest.mark.e2e
 def test_calibrate_fits_two_real_runs(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
