@@ -143,6 +143,30 @@ def test_more_steps_continue_a_finished_run_from_its_final_state(
     assert "finished at step 9" in capsys.readouterr().out
 
 
+def test_a_finished_run_whose_last_checkpoint_is_damaged_continues_from_the_one_named(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The refusal names the checkpoint before the damaged one; the command it suggests, in the
+    same folder, continues from there (an explicit --resume of this folder's checkpoint is the
+    user's choice of step), and the damaged one is kept aside."""
+    out = _finished_copy(base, "finished-damaged", (SAVE, STEPS))
+    (out / "checkpoints" / "step-000006" / "optimizer.pt").unlink()
+    older = out / "checkpoints" / "step-000003"
+    said = _fails(_args(base["data"], out, "--max-steps", "9"), capsys, "is damaged", f"--resume {older}")
+    assert "another --output-dir" in said
+    assert main(_args(base["data"], out, "--max-steps", "9", "--resume", str(older))) == 0
+    assert "resuming from" in capsys.readouterr().out
+    assert [r["step"] for r in train_rows(out)] == list(range(1, 10))
+    finished = json.loads((out / "run.json").read_text())["result"]["finished"]
+    assert (finished["step"], finished["total_steps"]) == (9, 9)
+    assert any(p.name.startswith("step-000006.replaced-") for p in (out / "checkpoints").iterdir())
+    # Another folder's checkpoint into a finished run's folder is still refused.
+    other = _finished_copy(base, "finished-other", (SAVE, STEPS))
+    _fails(
+        _args(base["data"], other, "--max-steps", "9", "--resume", str(older)), capsys, "finished at step 6"
+    )
+
+
 def test_an_early_stopped_run_is_finished(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = write_jsonl(tmp_path / "a.jsonl", uneven_texts(60, seed=4))
     argv = _args(data, tmp_path / "early", "--eval-split", "12", "--eval-every", "1")

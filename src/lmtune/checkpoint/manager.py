@@ -112,7 +112,16 @@ class CheckpointManager:
         :meth:`resume` need it."""
         folder = resume_point(self.settings.resume, self.output_dir, self.env)
         earlier = self._earlier
-        return self._final_state_of(earlier, folder) if earlier is not None else folder
+        if earlier is None or (folder is not None and self._chosen_here(folder)):
+            return folder
+        return self._final_state_of(earlier, folder)
+
+    def _chosen_here(self, folder: Path) -> bool:
+        """Whether --resume names a checkpoint of this folder: an earlier step of a finished run
+        is the user's choice (the way on when its last checkpoint is damaged), not a rewind by
+        mistake."""
+        given = self.settings.resume not in ("auto", "never")
+        return given and folder.resolve().parent.parent == self.output_dir.resolve()
 
     def finished_record(self, step: int, total_steps: int) -> dict[str, Any]:
         """What run.json records of this run once it finished (:meth:`finished_already` reads it)."""

@@ -223,26 +223,36 @@ def resume_point(resume: str, output_dir: Path, env: DistEnv) -> Path | None:
     A newest checkpoint that does not check out stops the run rather than falling back in silence:
     the user decides which earlier one to continue (``--resume PATH``).
     """
-    chosen = ""
+    chosen, problem = "", ""
     if env.is_main:
-        found = list_checkpoints(output_dir)
-        if resume == "never":
-            if found:
-                raise UserError(
-                    f"--resume never, but {output_dir / CHECKPOINTS} holds checkpoints of an earlier "
-                    "run; remove them, choose another --output-dir, or --overwrite"
-                )
-        elif resume == "auto":
-            if found:
-                _check_valid(found[-1], "the newest checkpoint in --output-dir", found[:-1])
-                chosen = str(found[-1])
-        else:
-            given = Path(resume)  # a damaged one points at the one saved before it in its run, if any
-            saved = list_checkpoints(given.parent.parent) if given.parent.name == CHECKPOINTS else []
-            _check_valid(given, "--resume", saved[: saved.index(given)] if given in saved else [])
-            chosen = resume
-    chosen = broadcast_object(chosen, env)
+        try:
+            chosen = _chosen_checkpoint(resume, output_dir)
+        except UserError as e:  # every rank stops with it: the others wait in the broadcast below
+            problem = str(e)
+    chosen, problem = broadcast_object((chosen, problem), env)
+    if problem:
+        raise UserError(problem)
     return Path(chosen) if chosen else None
+
+
+def _chosen_checkpoint(resume: str, output_dir: Path) -> str:
+    found = list_checkpoints(output_dir)
+    if resume == "never":
+        if found:
+            raise UserError(
+                f"--resume never, but {output_dir / CHECKPOINTS} holds checkpoints of an earlier "
+                "run; remove them, choose another --output-dir, or --overwrite"
+            )
+        return ""
+    if resume == "auto":
+        if not found:
+            return ""
+        _check_valid(found[-1], "the newest checkpoint in --output-dir", found[:-1])
+        return str(found[-1])
+    given = Path(resume)  # a damaged one points at the one saved before it in its run, if any
+    saved = list_checkpoints(given.parent.parent) if given.parent.name == CHECKPOINTS else []
+    _check_valid(given, "--resume", saved[: saved.index(given)] if given in saved else [])
+    return resume
 
 
 def rerun_outcome(output_dir: Path, resume: Any) -> str:

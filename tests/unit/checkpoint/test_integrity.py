@@ -10,6 +10,7 @@ import pickle
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +213,33 @@ def _state(step: int) -> TrainerState:
     return TrainerState(
         step=step, epoch=0, step_in_epoch=step, global_batch_size=8, world_size=1, seed=0, examples=100
     )
+
+
+def test_a_refused_checkpoint_stops_every_rank_with_rank_0s_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 judges the checkpoint to continue; its refusal goes through the broadcast the other
+    ranks wait in, so they stop with the same message rather than see rank 0 leave (which gloo
+    reports as a traceback on their side)."""
+    from lmtune.checkpoint import resume
+
+    parts, tokenizer, optimizer = _tiny_parts()
+    save_checkpoint(tmp_path, _state(1), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
+    (step_folder(tmp_path, 1) / "optimizer.pt").unlink()
+    sent: list[object] = []
+
+    def broadcast(obj: object, env: DistEnv) -> object:
+        if env.is_main:
+            sent.append(obj)
+        return sent[-1]
+
+    monkeypatch.setattr(resume, "broadcast_object", broadcast)
+    said = []
+    for rank in (0, 1):
+        with pytest.raises(UserError) as refused:
+            resume.resume_point("auto", tmp_path, replace(ONE, rank=rank, world_size=2, backend="gloo"))
+        said.append(str(refused.value))
+    assert said[0] == said[1] and "is damaged: optimizer.pt is missing" in said[0]
 
 
 def test_a_full_disk_is_a_user_error_and_loses_nothing(
