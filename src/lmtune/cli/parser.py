@@ -64,14 +64,14 @@ def _hidden_names(name: str) -> list[str]:
 
 
 def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed: dict[str, Any]) -> str:
-    """One line on what ``parser`` (a subcommand's) did not take: for each unknown option the
-    lmtune name of a peer's option, a hint, or the closest names; then stray arguments.
-    ``parsed``: the options it did take, by destination."""
+    """What ``parser`` (a subcommand's) did not take, in one line: per unknown option a peer's name in
+    lmtune, a hint or the closest names; then stray arguments. ``parsed``: what it took, by destination."""
     from lmtune.config.aliases import accumulation_here, as_arguments, canonical, explain_unknown
     from lmtune.config.settings import option_name
 
     known = {canonical(o) for o in parser._option_string_actions if o.startswith("--")}
     options = [a for a in extra if a.startswith("--") or (a.startswith("-") and not _is_number(a))]
+    parsed = {**parsed, **{o: _value_of(o, extra) for o in options}}  # torchtune's --batch_size too
     problems = [
         explain_unknown(a, known, option_name, parser.prog, _value_of(a, extra))
         + accumulation_here(a, _value_of(a, extra), parsed, option_name)

@@ -194,6 +194,19 @@ HINTS: dict[str, str] = {
         "lmtune pads with the tokenizer's padding token, or its end-of-sequence token when it has none "
         "(padding never trains)"
     ),
+    # torchtune's and litgpt's
+    "max_steps_per_epoch": (
+        "{max_steps} N ends the run after N optimizer steps in all; lmtune has no cap per epoch"
+    ),
+    "dtype": "trained weights are kept in fp32; {precision} bf16 | fp16 computes in half precision",
+    "clip_grad_norm": (
+        "{max_grad_norm} N clips the global gradient norm (1.0 by default; 0 turns clipping off)"
+    ),
+    "devices": "start processes with {nproc_per_node} N (and {nnodes} N for several machines)",
+    "checkpoint_dir": (
+        "{model} names the model to start from (a folder or a hub id); {output_dir} is where lmtune writes "
+        "its checkpoints"
+    ),
     "max_completion_length": (
         "a preference pair keeps prompt and answer within {max_length}: the prompt is cut from the left "
         "(keeping at least half of {max_length}), the answers from the right"
@@ -309,7 +322,11 @@ def explain_unknown(
     if given is not None and (answer := answers.get(given, answers.get("*"))):
         return f"{shown}: {_styled(answer, lambda n: one_line(given, 40) if n == 'value' else style(n))}"
     if close and close[0] in HINTS:
-        return f"{shown}: {_styled(HINTS[close[0]], style)}"
+        hint = _styled(HINTS[close[0]], style)
+        if close[0] == key:
+            return f"{shown}: {hint}"
+        # A near name's answer, not this one's: torchtune's max_steps_per_epoch is not saves_per_epoch.
+        return f"unknown {kind} {shown}; did you mean {style(close[0])}? ({style(close[0])}: {hint})"
     suggestions = [ALIASES.get(c, c) for c in close if c not in HINTS]
     suggestions = [s for s in dict.fromkeys(suggestions) if s in accepted]
     if not suggestions:
@@ -331,8 +348,8 @@ def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Calla
     # Flags arrive as text, YAML values as numbers.
     value, micro, batch = (
         int(v) if isinstance(v, str) and v.isdigit() else v
-        for v in (value, given("micro_batch_size"), given("global_batch_size"))
-    )
+        for v in (value, given("micro_batch_size") or given("batch_size"), given("global_batch_size"))
+    )  # torchtune's batch_size is per device, as micro_batch_size
     if not (type(value) is int and value > 0):
         value = 4
     # A flag takes its value after a space, a YAML key after a colon.

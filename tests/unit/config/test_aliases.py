@@ -112,6 +112,16 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
             ["train", "--gradient_accumulation_steps", "2", "--global-batch-size", "4"],
             "--global-batch-size 4 with 2 accumulation on one device is --micro-batch-size 2",
         ),
+        # torchtune's per-device batch_size is the micro-batch of its accumulation.
+        (
+            ["train", "--batch_size", "16", "--gradient_accumulation_steps", "2"],
+            "16 per device x 2 accumulation on one device is --global-batch-size 32, --micro-batch-size 16",
+        ),
+        # A near name's hint is offered as that name's, not as this one's meaning.
+        (
+            ["train", "--saves-per-epoc", "2"],
+            "--saves-per-epoc; did you mean --saves-per-epoch? (--saves-per-epoch: --save-every N saves",
+        ),
     ],
 )
 def test_unknown_options_are_explained_in_one_line(
@@ -217,6 +227,18 @@ def test_accumulation_in_a_config_is_translated_with_its_own_numbers(tmp_path: P
         match="; 4 per device x 2 accumulation on one device is global_batch_size: 8, micro_batch_size: 4",
     ):
         load_yaml(str(yaml_file))
+
+
+def test_torchtunes_batch_size_is_the_micro_batch_of_its_accumulation(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "torchtune.yaml"
+    yaml_file.write_text("batch_size: 16\ngradient_accumulation_steps: 2\nmax_steps_per_epoch: 10\n")
+    with pytest.raises(UserError) as refused:
+        load_yaml(str(yaml_file))
+    said = str(refused.value)
+    assert (
+        "16 per device x 2 accumulation on one device is global_batch_size: 32, micro_batch_size: 16" in said
+    )
+    assert "max_steps_per_epoch: max_steps N ends the run after N optimizer steps in all" in said
 
 
 @pytest.mark.parametrize(
