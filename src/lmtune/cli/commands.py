@@ -334,7 +334,12 @@ def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.config.settings import parse_nnodes
     from lmtune.config.validate import check_settings
     from lmtune.data.prepare import default_cache_dir
-    from lmtune.parallel.distributed import launched_rank, process_group, read_dist_env
+    from lmtune.parallel.distributed import (
+        cpu_threads_per_process,
+        launched_rank,
+        process_group,
+        read_dist_env,
+    )
     from lmtune.tools.doctor import DoctorSettings, check_or_fail
 
     cfg = train_config(args)
@@ -345,6 +350,10 @@ def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         return relaunch_unlocked(list(argv), cfg.replace(hang_timeout=0))
     env = read_dist_env(cfg.model.device)
+    if env.device.type == "cpu":  # the threads each of train's processes runs, checked as train runs
+        import torch
+
+        torch.set_num_threads(cpu_threads_per_process(env, launch.threads_per_process))
     # Several nodes share the cache train uses (lmtune's default, unless --cache-dir or
     # --cache-per-node): with no --cache-dir named, that one is checked.
     default_cache = args.check_cache_dir is None and env.world_size > env.local_world_size
