@@ -347,3 +347,39 @@ def test_a_checkpoints_card_dates_the_evaluation_it_shows(tmp_path: Path) -> Non
         "loss 0.5000, reward accuracy 0.7500 (8 pairs)"
     )
     assert "evaluation" in dict(result_rows(checkpoint_record(checkpoint.with_name("step-000004"), 4) or {}))
+
+
+@pytest.mark.parametrize(
+    ("micro", "batch"),
+    [
+        (2, "8 examples = 2 per micro-batch x 2 processes x 2 accumulation"),
+        (None, "8 examples over 2 processes"),
+    ],
+)
+def test_a_checkpoints_card_shows_the_layout_that_trained_it(
+    tmp_path: Path, micro: int | None, batch: str
+) -> None:
+    """A run trained to step 3 on 2 FSDP ranks, then resumed on 1 process: the step-3 checkpoint's
+    card names the 2 ranks and FSDP, not the last attempt's layout that run.json describes (with
+    --micro-batch-size auto the checkpoint's split is not known, and not guessed)."""
+    from lmtune.checkpoint.card import checkpoint_record
+    from lmtune.checkpoint.card_rows import training_rows
+
+    out = tmp_path / "run"
+    checkpoint = out / "checkpoints" / "step-000003"
+    checkpoint.mkdir(parents=True)
+    state = {"step": 3, "epoch": 0, "step_in_epoch": 3, "global_batch_size": 8, "world_size": 2}
+    (checkpoint / "trainer.json").write_text(json.dumps({**state, "seed": 0, "examples": 100}))
+    (checkpoint / "manifest.json").write_text(json.dumps({"sharded/.metadata": {"bytes": 1}}))
+    resolved = {"global_batch_size": 8, "micro_batch_size": 2, "accumulation": 4}
+    run = {
+        "config": {"model": "tiny", "micro_batch_size": micro},
+        "resolved": {**resolved, "world_size": 1, "strategy": "single"},
+        "environment": {"world_size": 1, "device": "cpu"},
+    }
+    (out / "run.json").write_text(json.dumps(run))
+    rows = dict(training_rows(checkpoint_record(checkpoint, 3) or {}))
+    assert rows["hardware"] == "2 CPU processes, strategy fsdp"
+    assert rows["global batch"] == batch
+    (checkpoint / "manifest.json").write_text(json.dumps({"model.safetensors": {"bytes": 1}}))
+    assert dict(training_rows(checkpoint_record(checkpoint, 3) or {}))["hardware"].endswith("strategy ddp")

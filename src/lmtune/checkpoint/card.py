@@ -113,7 +113,7 @@ def checkpoint_record(checkpoint: Path, step: int) -> dict[str, Any] | None:
             if isinstance(c, dict)
         ]
         run = {**run, "resolved": {**resolved, "changed_on_resume": marked}}
-    return {**_saved_settings(checkpoint, run), "result": result}
+    return {**_saved_layout(checkpoint, _saved_settings(checkpoint, run)), "result": result}
 
 
 def _saved_settings(checkpoint: Path, run: dict[str, Any]) -> dict[str, Any]:
@@ -140,6 +140,35 @@ def _saved_settings(checkpoint: Path, run: dict[str, Any]) -> dict[str, Any]:
         if label in adjustable:
             resolved[key] = adjustable[label]
     return {**run, "config": config, "resolved": resolved}
+
+
+def _saved_layout(checkpoint: Path, run: dict[str, Any]) -> dict[str, Any]:
+    """``run`` with the processes and strategy that trained the checkpoint, where a later resume ran
+    another layout (run.json describes the last attempt). The micro-batch is the checkpoint's
+    when it was given as a number; ``auto`` was resolved for that layout, and is not known here."""
+    from lmtune.checkpoint.layout import MANIFEST, SHARDED_METADATA
+    from lmtune.checkpoint.store import read_state
+    from lmtune.errors import UserError
+
+    resolved = dict(run.get("resolved") or {})
+    try:
+        world = read_state(checkpoint).world_size
+        sharded = SHARDED_METADATA in (_read_json(checkpoint / MANIFEST) or {})
+    except (UserError, OSError):  # unreadable: the card keeps run.json's layout
+        return run
+    if world == resolved.get("world_size") and sharded == (resolved.get("strategy") == "fsdp"):
+        return run
+    micro = run.get("config", {}).get("micro_batch_size")
+    share = resolved.get("global_batch_size", 0) // max(world, 1)
+    known = isinstance(micro, int) and micro > 0 and share % micro == 0
+    resolved |= {
+        "world_size": world,
+        "strategy": "fsdp" if sharded else "ddp" if world > 1 else "single",
+        "micro_batch_size": micro if known else None,
+        "accumulation": share // micro if known else None,
+    }
+    environment = {**(run.get("environment") or {}), "world_size": world}
+    return {**run, "resolved": resolved, "environment": environment}
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

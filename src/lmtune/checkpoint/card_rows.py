@@ -83,12 +83,17 @@ def training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("evaluation data", _data_line(data["eval"], config.get("max_length"))))
     if resolved:
         rows.append(("steps", _steps(run.get("result", {}).get("steps"), resolved)))
+        processes = plural(resolved.get("world_size"), "process", "processes")
+        split = (  # unknown for a checkpoint of an earlier layout whose micro-batch was auto
+            f" = {resolved['micro_batch_size']} per micro-batch x {processes} x "
+            f"{resolved.get('accumulation')} accumulation"
+            if resolved.get("micro_batch_size") is not None
+            else f" over {processes}"
+        )
         rows.append(
             (
                 "global batch",
-                f"{resolved.get('global_batch_size')} examples = {resolved.get('micro_batch_size')} per "
-                f"micro-batch x {plural(resolved.get('world_size'), 'process', 'processes')} x "
-                f"{resolved.get('accumulation')} accumulation"
+                f"{resolved.get('global_batch_size')} examples{split}"
                 + _left_out(resolved.get("left_out_per_epoch")),
             )
         )
