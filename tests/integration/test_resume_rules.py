@@ -266,6 +266,14 @@ def test_a_damaged_newest_checkpoint_stops_the_run_and_is_kept(
         ": not a checkpoint (no manifest",
     )
     assert "remove" not in said and "damaged" not in said
+    part = out / "checkpoints" / "step-000003" / "sharded"  # where torch's DCP tools read an FSDP one
+    part.mkdir()
+    resumed = _args(base["data"], base["root"] / "other-out", "--resume", str(part))
+    for command in (["export", str(part), str(base["root"] / "exported")], resumed):
+        _fails(
+            command, capsys, f"a part of the checkpoint {part.parent}, not a checkpoint: give {part.parent}"
+        )
+    part.rmdir()
     newest = out / "checkpoints" / "step-000099"  # the same, as a run folder's newest checkpoint
     shutil.copytree(mine, newest)
     _fails(_args(base["data"], out), capsys, "step-000099, is not one lmtune saved", "move it out of")

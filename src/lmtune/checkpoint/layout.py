@@ -233,6 +233,8 @@ def not_a_checkpoint(folder: Path) -> str:
     weights = any(name.endswith((".safetensors", ".bin")) for name in has)
     if ("config.json" in has and weights) or {ADAPTER_FILE, ADAPTER_CONFIG} <= has:
         return "a model folder (a run's final/ or an export), not a training checkpoint"
+    if lmtune_wrote(folder.parent):  # a part of one (FSDP's sharded/, as torch's DCP tools take it)
+        return f"a part of the checkpoint {folder.parent}, not a checkpoint: give {folder.parent}"
     if holds_a_run(folder):
         run = folder
     elif folder.name == "checkpoints" and holds_a_run(folder.parent):
