@@ -208,10 +208,13 @@ def _load_error(name: str, tried: str, e: Exception) -> UserError:
     folder = Path(name).expanduser()
     if folder.is_dir():  # a folder it is: what it holds is the problem
         # A training checkpoint (its manifest.json) holds training state, not a model folder.
-        checkpoint = (folder / "manifest.json").is_file() and (folder / "trainer.json").is_file()
-        hint = "; it is a training checkpoint: `lmtune export CHECKPOINT DIR` writes a model folder from it"
-        reason = _reason(e).rstrip(".") + (hint if checkpoint else "")
-        return UserError(f"--model {name}: could not load the local folder: {reason}")
+        # transformers' reason (no model.safetensors in an FSDP one) would only be noise before it.
+        if (folder / "manifest.json").is_file() and (folder / "trainer.json").is_file():
+            return UserError(
+                f"--model {name}: a training checkpoint, not a model folder: `lmtune export {name} DIR` "
+                "writes a model folder from it"
+            )
+        return UserError(f"--model {name}: could not load the local folder: {_reason(e)}")
     return UserError(
         f"--model {name}: could not load it as a preset ({', '.join(PRESETS)}), a local folder, "
         f"or {tried}: {_reason(e)}"
