@@ -239,7 +239,7 @@ class Evaluator:
             for name, value in ev.metrics.items()
             if name != "eval_loss" and not (suffixes and name.endswith(suffixes))
         )
-        counts = f"{ev.examples} {self.noun}, {ev.target_tokens} tokens"
+        counts = f"{ev.examples} {self.noun}, {ev.target_tokens:,} target tokens"
         per_source = ", ".join(f"{name} {ev.metrics[f'eval_loss/{name}']:.4f}" for name in ev.sources)
         more += f"; per source: {per_source}" if per_source else ""
         self.log.info(f"step {state.step}: eval loss {ev.loss:.4f}{more} ({counts})")
