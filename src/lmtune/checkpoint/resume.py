@@ -37,7 +37,7 @@ from lmtune.errors import UserError, one_line
 from lmtune.model.paths import PATHS_FILE
 from lmtune.model.quantization import fingerprint_value
 from lmtune.outputs.runlog import InfoLog
-from lmtune.parallel.distributed import DistEnv, broadcast_object
+from lmtune.parallel.distributed import DistEnv, decided_by_main
 
 # Config entries that describe how a model runs here, not what it is. (A quantized base's
 # quantization_config names its compute and storage dtypes, which follow --precision and the
@@ -223,15 +223,7 @@ def resume_point(resume: str, output_dir: Path, env: DistEnv) -> Path | None:
     A newest checkpoint that does not check out stops the run rather than falling back in silence:
     the user decides which earlier one to continue (``--resume PATH``).
     """
-    chosen, problem = "", ""
-    if env.is_main:
-        try:
-            chosen = _chosen_checkpoint(resume, output_dir)
-        except UserError as e:  # every rank stops with it: the others wait in the broadcast below
-            problem = str(e)
-    chosen, problem = broadcast_object((chosen, problem), env)
-    if problem:
-        raise UserError(problem)
+    chosen = decided_by_main(lambda: _chosen_checkpoint(resume, output_dir), "", env)
     return Path(chosen) if chosen else None
 
 
@@ -366,9 +358,13 @@ def recorded_paths(resume: str, output_dir: Path, env: DistEnv) -> dict[str, Any
     None for a fresh run or a checkpoint saved before paths were recorded. Read before the model
     exists, so before :func:`resume_point` checks the checkpoint (a damaged one stops the run
     there); read by rank 0 for all."""
-    record: dict[str, Any] | None = None
-    if env.is_main and resume != "never":
-        found = list_checkpoints(output_dir) if resume == "auto" else [Path(resume)]
+
+    def recorded() -> dict[str, Any] | None:
+        found = (
+            [] if resume == "never" else list_checkpoints(output_dir) if resume == "auto" else [Path(resume)]
+        )
         if found and (found[-1] / PATHS_FILE).is_file():
-            record = read_json_object(found[-1] / PATHS_FILE)
-    return broadcast_object(record, env) if env.world_size > 1 else record
+            return read_json_object(found[-1] / PATHS_FILE)
+        return None
+
+    return decided_by_main(recorded, None, env)

@@ -29,7 +29,7 @@ from lmtune.data.mixture import COMPONENTS_META
 from lmtune.data.sources import BadLines, Record, Source, iter_records, resolve_components, skipped_lines
 from lmtune.data.tokenize import Encoded, EncodeStats, chunks, encode_chunk
 from lmtune.errors import UserError
-from lmtune.parallel.distributed import DistEnv, available_cores, broadcast_object
+from lmtune.parallel.distributed import DistEnv, available_cores, decided_by_main
 from lmtune.parallel.launch import warn
 
 CACHE_VERSION = 1
@@ -307,12 +307,17 @@ def prepare(
         raise UserError(f"{wanted.option}: no data given")
     vocab = len(tokenizer)
     builder = env.is_main or (per_node and env.local_rank == 0)
-    key, nonce, dataset = "", "", None
-    if env.is_main:  # hashes the inputs once; a nonce per run keeps error markers of runs apart
+    dataset: TokenizedDataset | None = None
+
+    def verdict() -> tuple[str, str]:  # rank 0's: the others wait for it (and its errors) here
+        nonlocal dataset
+        # The inputs hashed once; a nonce per run keeps error markers of runs apart.
         split = [len(part) for part in components] if wanted.per_source else None
         key, nonce = cache_key(sources, tokenizer, settings, split), uuid.uuid4().hex[:8]
         dataset = _reuse(cache_dir, key, vocab, nonce)
-    key, nonce = broadcast_object((key, nonce), env)  # the others wait for rank 0's verdict here
+        return key, nonce
+
+    key, nonce = decided_by_main(verdict, ("", ""), env)
     folder, error_file = cache_dir / key, cache_dir / f"{key}.error-{nonce}"
     if builder and not env.is_main:  # a node's own builder (--cache-per-node)
         dataset = _reuse(cache_dir, key, vocab, nonce)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -298,6 +298,22 @@ def broadcast_object(obj: T, env: DistEnv) -> T:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def decided_by_main(decide: Callable[[], T], fallback: T, env: DistEnv) -> T:
+    """``decide()`` on rank 0, its answer on every rank (``fallback`` stands in elsewhere). A
+    UserError it raises is raised on every rank: the others wait in the broadcast, and would
+    otherwise see rank 0 leave (a closed connection, which gloo reports with a traceback)."""
+    value, problem = fallback, ""
+    if env.is_main:
+        try:
+            value = decide()
+        except UserError as e:
+            problem = str(e)
+    value, problem = broadcast_object((value, problem), env)
+    if problem:
+        raise UserError(problem)
+    return value
 
 
 def all_gather_object(obj: T, env: DistEnv) -> list[T]:

@@ -222,6 +222,7 @@ def test_a_refused_checkpoint_stops_every_rank_with_rank_0s_message(
     ranks wait in, so they stop with the same message rather than see rank 0 leave (which gloo
     reports as a traceback on their side)."""
     from lmtune.checkpoint import resume
+    from lmtune.parallel import distributed
 
     parts, tokenizer, optimizer = _tiny_parts()
     save_checkpoint(tmp_path, _state(1), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
@@ -233,7 +234,7 @@ def test_a_refused_checkpoint_stops_every_rank_with_rank_0s_message(
             sent.append(obj)
         return sent[-1]
 
-    monkeypatch.setattr(resume, "broadcast_object", broadcast)
+    monkeypatch.setattr(distributed, "broadcast_object", broadcast)
     said = []
     for rank in (0, 1):
         with pytest.raises(UserError) as refused:
