@@ -371,9 +371,11 @@ def test_a_checkpoints_card_shows_the_layout_that_trained_it(
     state = {"step": 3, "epoch": 0, "step_in_epoch": 3, "global_batch_size": 8, "world_size": 2}
     (checkpoint / "trainer.json").write_text(json.dumps({**state, "seed": 0, "examples": 100}))
     (checkpoint / "manifest.json").write_text(json.dumps({"sharded/.metadata": {"bytes": 1}}))
+    adjustable = {"--micro-batch-size": micro or "auto"}  # what the checkpoint was saved under
+    (checkpoint / "fingerprint.json").write_text(json.dumps({"fixed": {}, "adjustable": adjustable}))
     resolved = {"global_batch_size": 8, "micro_batch_size": 2, "accumulation": 4}
-    run = {
-        "config": {"model": "tiny", "micro_batch_size": micro},
+    run = {  # the resume on 1 process, with --micro-batch-size 2 given
+        "config": {"model": "tiny", "micro_batch_size": 2},
         "resolved": {**resolved, "world_size": 1, "strategy": "single"},
         "environment": {"world_size": 1, "device": "cpu"},
     }

@@ -147,6 +147,7 @@ def _saved_layout(checkpoint: Path, run: dict[str, Any]) -> dict[str, Any]:
     another layout (run.json describes the last attempt). The micro-batch is the checkpoint's
     when it was given as a number; ``auto`` was resolved for that layout, and is not known here."""
     from lmtune.checkpoint.layout import MANIFEST, SHARDED_METADATA
+    from lmtune.checkpoint.resume import read_fingerprint
     from lmtune.checkpoint.store import read_state
     from lmtune.errors import UserError
 
@@ -154,11 +155,12 @@ def _saved_layout(checkpoint: Path, run: dict[str, Any]) -> dict[str, Any]:
     try:
         world = read_state(checkpoint).world_size
         sharded = SHARDED_METADATA in (_read_json(checkpoint / MANIFEST) or {})
+        recorded = read_fingerprint(checkpoint)
     except (UserError, OSError):  # unreadable: the card keeps run.json's layout
         return run
     if world == resolved.get("world_size") and sharded == (resolved.get("strategy") == "fsdp"):
         return run
-    micro = run.get("config", {}).get("micro_batch_size")
+    micro = recorded.adjustable.get("--micro-batch-size") if recorded is not None else None
     share = resolved.get("global_batch_size", 0) // max(world, 1)
     known = isinstance(micro, int) and micro > 0 and share % micro == 0
     resolved |= {

@@ -304,13 +304,15 @@ def decided_by_main(decide: Callable[[], T], fallback: T, env: DistEnv) -> T:
     """``decide()`` on rank 0, its answer on every rank (``fallback`` stands in elsewhere). A
     UserError it raises is raised on every rank: the others wait in the broadcast, and would
     otherwise see rank 0 leave (a closed connection, which gloo reports with a traceback)."""
-    value, problem = fallback, ""
+    value, problem, error = fallback, "", None
     if env.is_main:
         try:
             value = decide()
         except UserError as e:
-            problem = str(e)
+            problem, error = str(e), e
     value, problem = broadcast_object((value, problem), env)
+    if error is not None:
+        raise error  # rank 0's own, with its kind (a SettingError names its file and line)
     if problem:
         raise UserError(problem)
     return value
