@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -23,6 +23,9 @@ from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS
 from lmtune.data.sources import EXTENSIONS
 from lmtune.model.lora import ADAPTER_CONFIG
 from lmtune.model.modeling import PRESETS
+
+if TYPE_CHECKING:
+    from lmtune.checkpoint.resume import Fingerprint
 
 CARD_FILE = "README.md"
 RUN_FILE = "run.json"
@@ -113,12 +116,6 @@ def checkpoint_record(checkpoint: Path, step: int) -> dict[str, Any] | None:
             if isinstance(c, dict)
         ]
         run = {**run, "resolved": {**resolved, "changed_on_resume": marked}}
-    return {**_saved_layout(checkpoint, _saved_settings(checkpoint, run)), "result": result}
-
-
-def _saved_settings(checkpoint: Path, run: dict[str, Any]) -> dict[str, Any]:
-    """``run`` with the settings a resume may change as the checkpoint's fingerprint holds them: the
-    ones it was saved under, where run.json holds the last resume's."""
     from lmtune.checkpoint.resume import read_fingerprint
     from lmtune.errors import UserError
 
@@ -126,6 +123,12 @@ def _saved_settings(checkpoint: Path, run: dict[str, Any]) -> dict[str, Any]:
         recorded = read_fingerprint(checkpoint)
     except UserError:  # unreadable: the card keeps run.json's settings
         recorded = None
+    return {**_saved_layout(checkpoint, recorded, _saved_settings(recorded, run)), "result": result}
+
+
+def _saved_settings(recorded: Fingerprint | None, run: dict[str, Any]) -> dict[str, Any]:
+    """``run`` with the settings a resume may change as the checkpoint's fingerprint holds them: the
+    ones it was saved under, where run.json holds the last resume's."""
     if recorded is None or not isinstance(run.get("config"), dict):
         return run  # saved before fingerprints
     adjustable = recorded.adjustable
@@ -142,12 +145,11 @@ def _saved_settings(checkpoint: Path, run: dict[str, Any]) -> dict[str, Any]:
     return {**run, "config": config, "resolved": resolved}
 
 
-def _saved_layout(checkpoint: Path, run: dict[str, Any]) -> dict[str, Any]:
+def _saved_layout(checkpoint: Path, recorded: Fingerprint | None, run: dict[str, Any]) -> dict[str, Any]:
     """``run`` with the processes and strategy that trained the checkpoint, where a later resume ran
     another layout (run.json describes the last attempt). The micro-batch is the checkpoint's
     when it was given as a number; ``auto`` was resolved for that layout, and is not known here."""
     from lmtune.checkpoint.layout import MANIFEST, SHARDED_METADATA
-    from lmtune.checkpoint.resume import read_fingerprint
     from lmtune.checkpoint.store import read_state
     from lmtune.errors import UserError
 
@@ -155,7 +157,6 @@ def _saved_layout(checkpoint: Path, run: dict[str, Any]) -> dict[str, Any]:
     try:
         world = read_state(checkpoint).world_size
         sharded = SHARDED_METADATA in (_read_json(checkpoint / MANIFEST) or {})
-        recorded = read_fingerprint(checkpoint)
     except (UserError, OSError):  # unreadable: the card keeps run.json's layout
         return run
     if world == resolved.get("world_size") and sharded == (resolved.get("strategy") == "fsdp"):

@@ -35,7 +35,7 @@ from lmtune.config.files import KIB, is_int, read_json_object
 from lmtune.config.mixture import named_items
 from lmtune.config.settings import option_name
 from lmtune.errors import UserError
-from lmtune.parallel.distributed import DistEnv, broadcast_object
+from lmtune.parallel.distributed import DistEnv, decided_by_main
 from lmtune.parallel.launch import LOCK_TOKEN_ENV
 
 # What an earlier run leaves; none of it is written through a symbolic link.
@@ -484,16 +484,11 @@ def prepare_output(
     (``--overwrite`` deletes them). Every rank raises the same error, so none is left waiting."""
     from lmtune.checkpoint.layout import list_checkpoints
 
-    problem = ""
-    if env.is_main:
-        try:
-            for path in remove_leftovers(output_dir):
-                warn(f"removed {path}, left by a save that did not finish")
-            # A checkpoint here (--resume never then refuses it by itself), or one named by --resume.
-            continued = resume not in ("auto", "never") or bool(list_checkpoints(output_dir))
-            check_earlier_run(output_dir, continued, overwrite, config, warn)
-        except UserError as e:
-            problem = str(e)
-    problem = broadcast_object(problem, env)
-    if problem:
-        raise UserError(problem)
+    def prepare() -> None:
+        for path in remove_leftovers(output_dir):
+            warn(f"removed {path}, left by a save that did not finish")
+        # A checkpoint here (--resume never then refuses it by itself), or one named by --resume.
+        continued = resume not in ("auto", "never") or bool(list_checkpoints(output_dir))
+        check_earlier_run(output_dir, continued, overwrite, config, warn)
+
+    decided_by_main(prepare, None, env)
