@@ -19,8 +19,8 @@ from lmtune.cli.parser import (
     negative_values,
     spelled_out_flags,
     spelled_twice,
-    unknown_arguments,
 )
+from lmtune.cli.unknown import unknown_arguments
 from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 from lmtune.config.threads import choose_thread_wait
 from lmtune.errors import USER_ERROR_EXIT_CODE, SettingError, StoppedBySignal, TrainingStopped, UserError

@@ -63,38 +63,6 @@ def _hidden_names(name: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed: dict[str, Any]) -> str:
-    """What ``parser`` (a subcommand's) did not take, in one line: per unknown option a peer's name in
-    lmtune, a hint or the closest names; then stray arguments. ``parsed``: what it took, by destination."""
-    from lmtune.config.aliases import accumulation_here, as_arguments, canonical, explain_unknown
-    from lmtune.config.settings import option_name
-
-    known = {canonical(o) for o in parser._option_string_actions if o.startswith("--")}
-    options = [a for a in extra if a.startswith("--") or (a.startswith("-") and not _is_number(a))]
-    parsed = {**parsed, **{o: _value_of(o, extra) for o in options}}  # torchtune's --batch_size too
-    problems = [
-        explain_unknown(a, known, option_name, parser.prog, _value_of(a, extra))
-        + accumulation_here(a, _value_of(a, extra), parsed, option_name)
-        + as_arguments(a, parser)
-        for a in options
-    ]
-    stray = [a for a in extra if not a.startswith("-")]
-    if stray and not options:
-        problems.append(
-            f"unexpected argument{'s' if len(stray) > 1 else ''} {' '.join(stray)} (an option takes one "
-            "value; give a list comma-separated, as --lora-target-modules q_proj,v_proj)"
-        )
-    return f"{parser.prog}: " + "; ".join(problems)
-
-
-def _value_of(option: str, extra: list[str]) -> str | None:
-    """The value given to an unknown ``option``: ``--name=V`` or ``--name V``."""
-    if "=" in option:
-        return option.split("=", 1)[1]
-    after = extra.index(option) + 1
-    return extra[after] if after < len(extra) and not extra[after].startswith("--") else None
-
-
 YES, NO = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
@@ -217,14 +185,6 @@ LIST_SETTINGS = {
     "field_map": "prompt=question,completion=answer",
     "report_to": "tensorboard,wandb",
 }
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _command(sub: Any, name: str, **options: Any) -> argparse.ArgumentParser:

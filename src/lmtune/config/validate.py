@@ -64,9 +64,9 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
         need(s.type is not float or value is None or _finite(value), s.name, "must be a finite number")
         if s.choices and value is not None and value not in s.choices:
             # Another tool's name for one of them: named, else the closest (a typo).
-            theirs = _FOREIGN_CHOICES.get(s.name, {}).get(str(value).lower())
+            whose, theirs = _FOREIGN_CHOICES.get(s.name, {}).get(str(value).lower(), ("", ""))
             close = difflib.get_close_matches(str(value), [str(c) for c in s.choices], n=1, cutoff=0.6)
-            hint = f"; transformers' {value} is {theirs} here" if theirs else ""
+            hint = f"; {whose} {value} is {theirs}" if theirs else ""
             hint = hint or (f"; the closest is {close[0]}" if close else "")
             need(False, s.name, f"must be one of {', '.join(s.choices)}{hint}")
     need(0 <= cfg.seed < 2**32, "seed", "must be in [0, 2**32)")
@@ -103,13 +103,28 @@ def _typed(value: object, kind: type, optional: bool) -> bool:
 
 
 # transformers' names (TrainingArguments.optim, which Axolotl and TRL take) of lmtune's choices.
+_TRANSFORMERS, _LIGHTNING = "transformers'", "Lightning's (litgpt's)"
 _FOREIGN_CHOICES = {
     "optimizer": {
-        **dict.fromkeys(("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused"), "adamw"),
-        **dict.fromkeys(("adamw_bnb_8bit", "adamw_8bit", "bnb_adamw_8bit"), "adamw8bit"),
-        "paged_adamw_8bit": "paged_adamw8bit",
-        "paged_adamw_32bit": "adamw (32-bit state, not paged)",
-    }
+        **dict.fromkeys(
+            ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused"),
+            (_TRANSFORMERS, "adamw here"),
+        ),
+        **dict.fromkeys(
+            ("adamw_bnb_8bit", "adamw_8bit", "bnb_adamw_8bit"), (_TRANSFORMERS, "adamw8bit here")
+        ),
+        "paged_adamw_8bit": (_TRANSFORMERS, "paged_adamw8bit here"),
+        "paged_adamw_32bit": (_TRANSFORMERS, "adamw here (32-bit state, not paged)"),
+    },
+    # lmtune's half precisions are Lightning's mixed ones: fp32 weights and optimizer state.
+    "precision": {
+        "bf16-mixed": (_LIGHTNING, "bf16 here"),
+        "16-mixed": (_LIGHTNING, "fp16 here"),
+        **dict.fromkeys(("32-true", "32"), (_LIGHTNING, "fp32 here")),
+        "bf16-true": (_LIGHTNING, "bf16 here, which keeps the weights in fp32"),
+        "16-true": (_LIGHTNING, "fp16 here, which keeps the weights in fp32"),
+        "no": ("accelerate's", "fp32 here"),
+    },
 }
 
 

@@ -99,6 +99,18 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
         (["bench", "--precision", "fp32"], "which lmtune bench does not take; it takes --precisions"),
         (["train", "--bnb_4bit_compute_dtype", "bfloat16"], "4-bit layers compute in --precision's dtype"),
         (["train", "stray.jsonl"], "unexpected argument stray.jsonl"),
+        # torchtune's key=value overrides: the option to give, or what the name is here.
+        (
+            ["train", "epochs=1"],
+            "epochs=1: options are --name value here, not key=value overrides (give --epochs 1)",
+        ),
+        (["train", "optimizer.lr=2e-5"], "optimizer.lr=2e-5: options are --name value here, not key=value"),
+        (["train", "--lr", "1", "optimizer.lr=2e-5"], "not key=value overrides (give --lr 2e-5)"),
+        (["train", "max_steps_per_epoch=10"], "not key=value overrides (--max-steps N ends the run after N"),
+        (
+            ["train", "batch_size=2", "gradient_accumulation_steps=8"],
+            "2 per device x 8 accumulation on one device is --global-batch-size 16, --micro-batch-size 2",
+        ),
         # What the value given asks for: lmtune's default already, TRL's name of an objective, none.
         (["train", "--bf16", "false"], "--bf16: lmtune's default --precision is fp32 already: remove it"),
         (["train", "--bf16"], "--bf16: set the precision with --precision bf16"),
@@ -426,11 +438,17 @@ def test_empty_keys_are_unset_as_axolotl_reads_them(tmp_path: Path) -> None:
             build_config(load_yaml(str(yaml_file)))
 
 
-def test_transformers_optimizer_names_are_answered(capsys: pytest.CaptureFixture[str]) -> None:
+def test_other_tools_names_of_choices_are_answered(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--optimizer", "adamw_torch_fused"]) == 2
     assert "transformers' adamw_torch_fused is adamw here" in capsys.readouterr().err
     assert main(["train", "--optimizer", "adamw_bnb_8bit"]) == 2
     assert "transformers' adamw_bnb_8bit is adamw8bit here" in capsys.readouterr().err
+    # litgpt's and Lightning's precisions: lmtune's bf16 and fp16 are their mixed ones.
+    for theirs, ours in (("bf16-mixed", "bf16 here"), ("16-mixed", "fp16 here"), ("32-true", "fp32 here")):
+        assert main(["train", "--precision", theirs]) == 2
+        assert f"Lightning's (litgpt's) {theirs} is {ours} (got" in capsys.readouterr().err
+    assert main(["train", "--precision", "bf16-true"]) == 2
+    assert "bf16-true is bf16 here, which keeps the weights in fp32" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

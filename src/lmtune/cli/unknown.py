@@ -1,0 +1,67 @@
+"""What a command did not take, explained in one line: other tools' option names, hints, the
+closest names, and torchtune's ``key=value`` overrides."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+# torchtune's command-line overrides: batch_size=4, optimizer.lr=2e-5 (a dotted key names a field
+# of a component; its last part is the setting).
+OVERRIDE = re.compile(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*=")
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed: dict[str, Any]) -> str:
+    """What ``parser`` (a subcommand's) did not take, in one line: per unknown option a peer's name in
+    lmtune, a hint or the closest names; then stray arguments. ``parsed``: what it took, by destination."""
+    from lmtune.config.aliases import accumulation_here, as_arguments, canonical, explain_unknown
+    from lmtune.config.settings import option_name
+
+    known = {canonical(o) for o in parser._option_string_actions if o.startswith("--")}
+    options = [a for a in extra if a.startswith("--") or (a.startswith("-") and not _is_number(a))]
+    overrides = {a: "--" + a.split("=", 1)[0].rsplit(".", 1)[-1] for a in extra if OVERRIDE.match(a)}
+    values = {o: _value_of(o, extra) for o in options}
+    values |= {flag: a.split("=", 1)[1] for a, flag in overrides.items()}
+    parsed = {**parsed, **values}  # torchtune's --batch_size or batch_size=4 too
+
+    def explained(option: str, value: str | None) -> str:
+        return (
+            explain_unknown(option, known, option_name, parser.prog, value)
+            + accumulation_here(option, value, parsed, option_name)
+            + as_arguments(option, parser)
+        )
+
+    problems = [explained(a, values[a]) for a in options]
+    for given, flag in overrides.items():
+        value = values[flag]
+        ours = canonical(flag)
+        said = (
+            f"give {flag.replace('_', '-')} {value}"
+            if ours in known
+            else explained(flag, value).removeprefix(f"{option_name(ours)}: ")
+        )
+        problems.append(f"{given}: options are --name value here, not key=value overrides ({said})")
+    stray = [a for a in extra if not a.startswith("-") and a not in overrides]
+    if stray and not options:
+        problems.append(
+            f"unexpected argument{'s' if len(stray) > 1 else ''} {' '.join(stray)} (an option takes one "
+            "value; give a list comma-separated, as --lora-target-modules q_proj,v_proj)"
+        )
+    return f"{parser.prog}: " + "; ".join(problems)
+
+
+def _value_of(option: str, extra: list[str]) -> str | None:
+    """The value given to an unknown ``option``: ``--name=V`` or ``--name V``."""
+    if "=" in option:
+        return option.split("=", 1)[1]
+    after = extra.index(option) + 1
+    return extra[after] if after < len(extra) and not extra[after].startswith("--") else None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
