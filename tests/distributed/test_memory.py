@@ -202,6 +202,10 @@ def test_fsdp_checkpoint_resumes_in_one_process(runs: dict[str, Path]) -> None:
     assert [r["step"] for r in resumed] == [4, 5, 6]
     expected = [r["loss"] for r in train_rows(runs["fsdp"])[3:]]
     assert [r["loss"] for r in resumed] == pytest.approx(expected, abs=1e-6)
+    # The steps before ran on 2 sharding ranks: run.json's layout is the last attempt's.
+    record = json.loads((runs["fsdp_resumed_single"] / "run.json").read_text())["resolved"]
+    moved = ["processes 2 -> 1", "sharding fsdp -> none"]
+    assert record["changed_on_resume"] == [{"step": 3, "changes": moved}]
 
 
 def test_export_of_a_sharded_checkpoint_equals_final(runs: dict[str, Path], tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lmtune.tools.report import _summary, load_run
 from tests.conftest import (
     child_pids,
     free_port,
@@ -163,6 +164,11 @@ def test_resume_on_another_world_size(base: dict[str, Path], source: str, target
         i for s in sorted(resumed) for i in resumed[s]
     ]
     assert len(seen) == len(set(seen)) == SHORT * 8  # within the epoch: no repeat, no gap
+    # Recorded as a change of the resume, which the report names beside the last attempt's layout.
+    moved = "processes 2 -> 1" if source == "two" else "processes 1 -> 2"
+    assert f"changed since the checkpoint, applied from step {SHORT_SAVE + 1}: {moved}" in proc.stdout
+    said = _summary(load_run(out))["strategy"]
+    assert said.endswith(f"(the last attempt's; changed on resume: after step {SHORT_SAVE}: {moved})")
 
 
 def test_resume_mid_run_on_another_world_size_keeps_the_data_order(base: dict[str, Path]) -> None:

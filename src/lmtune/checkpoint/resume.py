@@ -23,6 +23,7 @@ from lmtune.checkpoint.layout import (
     FINGERPRINT_FILE,
     MANIFEST,
     NOT_LISTED,
+    SHARDED_METADATA,
     STATE_FILE,
     list_checkpoints,
     lmtune_wrote,
@@ -324,8 +325,15 @@ def continue_from(
     if read_fingerprint(folder) is None:
         log.info(f"{folder} predates run fingerprints: only the batch, seed and example count are checked")
     changes = check_continuable(folder, now, parts)
+    was_sharded = SHARDED_METADATA in check_layout(folder, parts)
     saved = load_checkpoint(folder, parts, optimizer, env, scaler)
     state = replace(saved, world_size=env.world_size)
+    # Not the training's numbers (N processes train as one), but what run.json and reports describe
+    # is the last attempt's layout: the change says which steps ran on another.
+    if saved.world_size != env.world_size:
+        changes.append(f"{LAYOUT_CHANGES[0]} {saved.world_size} -> {env.world_size}")
+    if was_sharded != parts.sharded:
+        changes.append(f"{LAYOUT_CHANGES[1]} {_sharding(was_sharded)} -> {_sharding(parts.sharded)}")
     log.info(
         f"resuming from {folder}: step {state.step}, epoch {state.epoch + 1}, sample "
         f"{state.samples_in_epoch} of its order (saved by {saved.world_size} rank"
@@ -334,6 +342,13 @@ def continue_from(
     if changes:
         log.info(f"changed since the checkpoint, applied from step {state.step + 1}: " + "; ".join(changes))
     return state, changes
+
+
+LAYOUT_CHANGES = ("processes", "sharding")  # the names of a resume's changes of layout
+
+
+def _sharding(sharded: bool) -> str:
+    return "fsdp" if sharded else "none"
 
 
 def read_changes(record: dict[str, Any] | None) -> list[dict[str, Any]]:
