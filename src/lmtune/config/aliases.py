@@ -51,6 +51,8 @@ ALIASES: dict[str, str] = {
     "rl_beta": "beta",  # Axolotl
     "dpo_beta": "beta",  # Axolotl (before rl_beta)
     "orpo_alpha": "orpo_lambda",  # Axolotl: ORPO's weight, which it passes as TRL's ORPOConfig.beta
+    "log_every_n_steps": "log_every",  # torchtune
+    "enable_activation_checkpointing": "activation_checkpointing",  # torchtune
 }
 
 # Foreign name -> what to do instead. ``{name}`` becomes a setting's name in the style of the place
@@ -199,6 +201,11 @@ HINTS: dict[str, str] = {
         "{max_steps} N ends the run after N optimizer steps in all; lmtune has no cap per epoch"
     ),
     "dtype": "trained weights are kept in fp32; {precision} bf16 | fp16 computes in half precision",
+    "batch_size": (  # torchtune's is per device
+        "{micro_batch_size} is the examples per process in one forward; {global_batch_size} the examples "
+        "of an optimizer step over all processes"
+    ),
+    "shuffle": "the training data is shuffled every epoch, by {seed}, the same for any number of processes",
     "clip_grad_norm": (
         "{max_grad_norm} N clips the global gradient norm (1.0 by default; 0 turns clipping off)"
     ),

@@ -14,6 +14,7 @@ import yaml
 from lmtune.config.aliases import lmtune_name, resolve_names
 from lmtune.config.files import SETTINGS_BYTES, read_text
 from lmtune.config.mixture import yaml_sources
+from lmtune.config.recipes import COMPONENT, refuse_components
 from lmtune.config.settings import (
     GROUPS,
     Setting,
@@ -191,9 +192,23 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
         return {}, {}
     if not isinstance(loaded, dict):
         raise UserError(f"--config: {path}: expected a mapping of settings, got {type(loaded).__name__}")
+    lines = _key_lines(text, path)
+
+    def at(key: str) -> str:
+        return f"--config {path}" + (f":{lines[key]}" if key in lines else "") + ": "
+
+    # torchtune's recipe: its component groups and its other keys are answered in one message.
+    others = {k: v for k, v in loaded.items() if not (isinstance(v, dict) and COMPONENT in v)}
+    known = {s.name for s in config_fields()}
+    refuse_components(loaded, at, known, lambda: _named_settings(others, path, lines))
+    return _named_settings(loaded, path, lines)
+
+
+def _named_settings(
+    loaded: dict[Any, Any], path: str, lines: dict[str, int]
+) -> tuple[dict[str, Any], dict[str, str]]:
     settings: dict[str, Any] = {}
     origin: dict[str, str] = {}  # flat name -> the key that gave it
-    lines = _key_lines(text, path)
     for key, value in loaded.items():
         name = str(key).replace("-", "_")
         group = GROUPS.get(name)

@@ -535,3 +535,61 @@ def test_hf_shares_of_the_run_below_1_are_answered(
         load_yaml(str(yaml_file))
     assert main(["train", "--eval_steps", "0.1"]) == 2
     assert "--eval-every: expected int, got '0.1' (the HF Trainer's share" in capsys.readouterr().err
+
+
+TORCHTUNE_RECIPE = """\
+model:
+  _component_: torchtune.models.llama3_2.lora_llama3_2_1b
+  lora_rank: 64
+  apply_lora_to_mlp: True
+tokenizer:
+  _component_: torchtune.models.llama3.llama3_tokenizer
+  max_seq_len: null
+optimizer:
+  _component_: torch.optim.AdamW
+  lr: 3e-4
+  weight_decay: 0.01
+profiler:
+  _component_: torchtune.training.setup_torch_profiler
+custom:
+  _component_: my.module.Thing
+batch_size: 4
+epochs: 1
+enable_activation_checkpointing: false
+"""
+
+
+def test_a_torchtune_recipe_is_answered_group_by_group_at_once(tmp_path: Path) -> None:
+    """A recipe's _component_ groups name Python objects torchtune builds: each is answered with
+    lmtune's settings (its entries that are lmtune's named), and the file's other keys in the same
+    message; nothing a file names is imported."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(TORCHTUNE_RECIPE)
+    with pytest.raises(UserError) as refused:
+        load_yaml(str(recipe))
+    lines = str(refused.value).splitlines()
+    assert lines[0].startswith(
+        f"--config {recipe}:1: model: 'torchtune.models.llama3_2.lora_llama3_2_1b' is a torchtune component; "
+        "model: a Hugging Face model folder or hub id"
+    )
+    assert lines[0].endswith("; lora_rank: lmtune's settings, given at the top level")
+    assert (
+        lines[1].startswith(f"--config {recipe}:5: tokenizer: ") and "max_seq_len is max_length" in lines[1]
+    )
+    assert lines[2].endswith("| sgd; lr, weight_decay: lmtune's settings, given at the top level")
+    assert lines[3].endswith(
+        "profiler: 'torchtune.training.setup_torch_profiler' is a torchtune component; "
+        "profile: true times each step's phases"
+    )
+    assert lines[4].endswith(
+        "custom: 'my.module.Thing' is a torchtune component; lmtune takes settings by "
+        "name (lmtune train --help), not components"
+    )
+    # The other keys: torchtune's per-device batch_size is answered; its aliases are taken.
+    assert lines[5:] == [
+        f"--config {recipe}:16: batch_size: micro_batch_size is the examples per process "
+        "in one forward; global_batch_size the examples of an optimizer step over all processes"
+    ]
+    recipe.write_text("enable_activation_checkpointing: true\nlog_every_n_steps: 5\nmodel:\n  name: tiny\n")
+    cfg = build_config(load_yaml(str(recipe)))
+    assert cfg.model.activation_checkpointing and cfg.logging.log_every == 5 and cfg.model.name == "tiny"
