@@ -351,6 +351,17 @@ def _sharding(sharded: bool) -> str:
     return "fsdp" if sharded else "none"
 
 
+def earlier_layouts(changed: Any) -> str:
+    """The resumes that changed the processes or the sharding, from a run.json's
+    ``changed_on_resume`` (read as hostile data), as a note to the last attempt's layout; "" if none."""
+    moves = []
+    for entry in read_changes({"resumes": changed}):
+        layout = [c for c in entry["changes"] if c.startswith(LAYOUT_CHANGES)]
+        if layout:
+            moves.append(f"after step {entry['step']}: {', '.join(layout)}")
+    return f" (the last attempt's; changed on resume: {'; '.join(moves)})" if moves else ""
+
+
 def read_changes(record: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The resumes' changes a checkpoint carries (``{"resumes": [{"step", "changes"}, ...]}``); what
     is not of that shape is left out (a record read as hostile data)."""

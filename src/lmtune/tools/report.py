@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtune.checkpoint.card_rows import past_max_steps
-from lmtune.checkpoint.resume import LAYOUT_CHANGES, rerun_outcome
+from lmtune.checkpoint.resume import earlier_layouts, rerun_outcome
 from lmtune.checkpoint.rundir import lock_status
 from lmtune.config.files import decode_json, read_bytes, read_json
 from lmtune.config.marks import HTML_HEAD, PNG_METADATA
@@ -371,7 +371,7 @@ def _summary(run: RecordedRun) -> dict[str, str]:
         "status": _status(run),
         "model": str((run.info.get("config") or {}).get("model", "?")),
         "strategy": f"{resolved.get('strategy', '?')} on {env.get('world_size', '?')} "
-        f"x {env.get('device', '?')}{_earlier_layouts(resolved)}",
+        f"x {env.get('device', '?')}{earlier_layouts(resolved.get('changed_on_resume'))}",
         "steps": past_max_steps(done, total) or f"{done} of {total}",
         "last train loss": f"{last['loss']:.4f}" if is_number(last.get("loss")) else "-",
         "objective": str(resolved.get("objective", "sft"))
@@ -394,19 +394,6 @@ def _summary(run: RecordedRun) -> dict[str, str]:
         "loss": str(resolved.get("loss", "-")),
         "attention": str(resolved.get("attention", "-")),
     }
-
-
-def _earlier_layouts(resolved: dict[str, Any]) -> str:
-    """The resumes that changed the processes or the sharding: the run's earlier steps ran so."""
-    changed = resolved.get("changed_on_resume")
-    moves = []
-    for entry in changed if isinstance(changed, list) else []:
-        found = entry.get("changes") if isinstance(entry, dict) else None
-        found = found if isinstance(found, list) else []
-        layout = [c for c in found if isinstance(c, str) and c.startswith(LAYOUT_CHANGES)]
-        if layout:
-            moves.append(f"after step {entry.get('step')}: {', '.join(layout)}")
-    return f" (the last attempt's; changed on resume: {'; '.join(moves)})" if moves else ""
 
 
 def _data_summary(run: RecordedRun) -> dict[str, str]:
