@@ -36,7 +36,7 @@ from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, save_
 from lmtune.model.loss import WRAPPED_PREFIX
 from lmtune.model.modeling import merge_device, merged_into_base
 from lmtune.model.quantization import BASE_QUANTIZATION_FILE, quantization_of
-from lmtune.parallel.distributed import DistEnv, barrier, broadcast_object
+from lmtune.parallel.distributed import DistEnv, barrier, refused_by_main
 
 
 def save_hf_folder(model: nn.Module, tokenizer: Any, folder: Path) -> None:
@@ -56,10 +56,7 @@ def save_final(parts: ModelParts, tokenizer: Any, folder: Path, env: DistEnv) ->
     Raises:
         UserError: on every rank when the disk has too little room for it (checked before writing).
     """
-    problem = (_users_files_problem(folder) or _space_problem(parts, folder)) if env.is_main else ""
-    problem = broadcast_object(problem, env)
-    if problem:
-        raise UserError(problem)
+    refused_by_main(lambda: _users_files_problem(folder) or _space_problem(parts, folder), env)
     if parts.lora:
         adapter = gathered_adapter(parts)
         if env.is_main:

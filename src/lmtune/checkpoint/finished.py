@@ -12,7 +12,7 @@ from typing import Any
 from lmtune.checkpoint.layout import list_checkpoints
 from lmtune.config.files import read_json_object
 from lmtune.errors import UserError
-from lmtune.parallel.distributed import DistEnv, broadcast_object
+from lmtune.parallel.distributed import DistEnv, decided_by_main
 
 
 @dataclass(frozen=True)
@@ -58,20 +58,19 @@ def read_finished(output_dir: Path, fixed: dict[str, Any], env: DistEnv) -> Fini
     Raises:
         UserError: when the folder holds another run, finished, and no checkpoint of it.
     """
-    found: Finished | None = None
-    problem = ""
-    if env.is_main:
+
+    def judged() -> Finished | None:
         record = recorded_finish(output_dir)
-        if record is not None:
-            same = record["fingerprint"] == fingerprint_hash(fixed)
-            found = Finished(step=record["step"], total_steps=record["total_steps"], same_run=same)
-            if not same and not list_checkpoints(output_dir):
-                problem = (
-                    f"--output-dir {output_dir} holds an earlier run (final, finished at step "
-                    f"{found.step}) that differs from this one; choose another --output-dir, or "
-                    "--overwrite to replace it"
-                )
-    found, problem = broadcast_object((found, problem), env)
-    if problem:
-        raise UserError(problem)
-    return found
+        if record is None:
+            return None
+        same = record["fingerprint"] == fingerprint_hash(fixed)
+        found = Finished(step=record["step"], total_steps=record["total_steps"], same_run=same)
+        if not same and not list_checkpoints(output_dir):
+            raise UserError(
+                f"--output-dir {output_dir} holds an earlier run (final, finished at step "
+                f"{found.step}) that differs from this one; choose another --output-dir, or "
+                "--overwrite to replace it"
+            )
+        return found
+
+    return decided_by_main(judged, None, env)

@@ -51,7 +51,7 @@ from lmtune.checkpoint.state import ModelParts, TrainerState, rng_state, set_rng
 from lmtune.config.files import is_int, read_json_object
 from lmtune.errors import UserError, one_line
 from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
-from lmtune.parallel.distributed import DistEnv, barrier, broadcast_object
+from lmtune.parallel.distributed import DistEnv, barrier, refused_by_main
 
 
 def save_checkpoint(
@@ -78,10 +78,7 @@ def save_checkpoint(
     """
     final = step_folder(output_dir, state.step)
     tmp = final.with_name(f".{final.name}.tmp")
-    problem = _space_problem(output_dir, state.step, parts, optimizer, env) if env.is_main else ""
-    problem = broadcast_object(problem, env)
-    if problem:
-        raise UserError(problem)
+    refused_by_main(lambda: _space_problem(output_dir, state.step, parts, optimizer, env), env)
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -318,6 +318,16 @@ def decided_by_main(decide: Callable[[], T], fallback: T, env: DistEnv) -> T:
     return value
 
 
+def refused_by_main(problem: Callable[[], str], env: DistEnv) -> None:
+    """Raise on every rank the UserError of what ``problem()`` finds on rank 0 ("": nothing)."""
+
+    def decide() -> None:
+        if found := problem():
+            raise UserError(found)
+
+    decided_by_main(decide, None, env)
+
+
 def all_gather_object(obj: T, env: DistEnv) -> list[T]:
     if not env.distributed:
         return [obj]
