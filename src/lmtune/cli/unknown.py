@@ -16,14 +16,16 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
     """What ``parser`` (a subcommand's) did not take, in one line: per unknown option a peer's name in
     lmtune, a hint or the closest names; then stray arguments. ``parsed``: what it took, by destination."""
     from lmtune.config.aliases import accumulation_here, as_arguments, canonical, explain_unknown
+    from lmtune.config.recipes import COMPONENT, component_answer
     from lmtune.config.settings import option_name
 
     known = {canonical(o) for o in parser._option_string_actions if o.startswith("--")}
     options = [a for a in extra if a.startswith("--") or (a.startswith("-") and not _is_number(a))]
     overrides = {a: "--" + a.split("=", 1)[0].rsplit(".", 1)[-1] for a in extra if OVERRIDE.match(a)}
     values = {o: _value_of(o, extra) for o in options}
-    values |= {flag: a.split("=", 1)[1] for a, flag in overrides.items()}
-    parsed = {**parsed, **values}  # torchtune's --batch_size or batch_size=4 too
+    given = {a: a.split("=", 1)[1] for a in overrides}
+    # torchtune's --batch_size or batch_size=4 too
+    parsed = {**parsed, **values, **{flag: given[a] for a, flag in overrides.items()}}
 
     def explained(option: str, value: str | None) -> str:
         return (
@@ -33,15 +35,16 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
         )
 
     problems = [explained(a, values[a]) for a in options]
-    for given, flag in overrides.items():
-        value = values[flag]
-        ours = canonical(flag)
-        said = (
-            f"give {flag.replace('_', '-')} {value}"
-            if ours in known
-            else explained(flag, value).removeprefix(f"{option_name(ours)}: ")
-        )
-        problems.append(f"{given}: options are --name value here, not key=value overrides ({said})")
+    for token, flag in overrides.items():
+        value, ours = given[token], canonical(flag)
+        if flag == f"--{COMPONENT}":  # dataset._component_=...: a recipe's component
+            said = component_answer(token.split(".", 1)[0] if "." in token else "")
+        elif ours in known:
+            lora = "--lora " if ours.startswith("lora_") else ""  # torchtune's model.lora_rank=8
+            said = f"give {lora}{flag.replace('_', '-')} {value or 'VALUE'}"
+        else:
+            said = explained(flag, value).removeprefix(f"{option_name(ours)}: ")
+        problems.append(f"{token}: options are --name value here, not key=value overrides ({said})")
     stray = [a for a in extra if not a.startswith("-") and a not in overrides]
     if stray and not options:
         problems.append(

@@ -23,7 +23,13 @@ _GROUPS = {
     "metric_logger": "report_to: tensorboard | wandb | mlflow (metrics.jsonl is always written)",
     "profiler": "profile: true times each step's phases",
 }
+LORA_ON = "LoRA is switched on by lora: true; lora_target_modules names the layers by the model's names"
 _OTHER = "lmtune takes settings by name (lmtune train --help), not components"
+
+
+def component_answer(group: str) -> str:
+    """What lmtune takes instead of a torchtune recipe's ``group`` (model, optimizer, ...)."""
+    return _GROUPS.get(group, _OTHER)
 
 
 def refuse_components(
@@ -39,12 +45,14 @@ def refuse_components(
     answers = []
     for key in groups:
         group = loaded[key]
-        said = f"{key}: {brief(group[COMPONENT])} is a torchtune component; {_GROUPS.get(key, _OTHER)}"
+        said = f"{key}: {brief(group[COMPONENT])} is a torchtune component; {component_answer(key)}"
         ours = {name: lmtune_name(str(name), known) for name in group if name != COMPONENT}
         settings = [f"{name} ({ours[name]})" if ours[name] != name else str(name) for name in ours]
         settings = [s for name, s in zip(ours, settings, strict=True) if ours[name] in known]
         if settings:
             said += f"; {', '.join(settings)}: lmtune's settings, given at the top level"
+        if any(str(name).startswith("lora_") for name in group):  # torchtune's lora_* models
+            said += f" ({LORA_ON})"
         answers.append(where(key) + said)
     try:
         rest()

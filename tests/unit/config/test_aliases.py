@@ -108,6 +108,15 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
         (["train", "--lr", "1", "optimizer.lr=2e-5"], "not key=value overrides (give --lr 2e-5)"),
         (["train", "max_steps_per_epoch=10"], "not key=value overrides (--max-steps N ends the run after N"),
         (
+            ["train", "optimizer.lr=2e-5", "lr=1e-3"],
+            "optimizer.lr=2e-5: options are --name value here, not "
+            "key=value overrides (give --lr 2e-5); lr=1e-3: ",
+        ),
+        (["train", "dataset._component_=my.Data"], "not key=value overrides (data: a JSONL file (text"),
+        (["train", "epochs="], "not key=value overrides (give --epochs VALUE)"),
+        (["train", "model.lora_rank=8"], "not key=value overrides (give --lora --lora-rank 8)"),
+        (["train", "--betas", "0.9,0.95"], "--betas: AdamW's betas are --adam-beta1 and --adam-beta2"),
+        (
             ["train", "batch_size=2", "gradient_accumulation_steps=8"],
             "2 per device x 8 accumulation on one device is --global-batch-size 16, --micro-batch-size 2",
         ),
@@ -572,7 +581,10 @@ def test_a_torchtune_recipe_is_answered_group_by_group_at_once(tmp_path: Path) -
         f"--config {recipe}:1: model: 'torchtune.models.llama3_2.lora_llama3_2_1b' is a torchtune component; "
         "model: a Hugging Face model folder or hub id"
     )
-    assert lines[0].endswith("; lora_rank: lmtune's settings, given at the top level")
+    assert lines[0].endswith(
+        "; lora_rank: lmtune's settings, given at the top level (LoRA is switched on by "
+        "lora: true; lora_target_modules names the layers by the model's names)"
+    )
     assert (
         lines[1].startswith(f"--config {recipe}:5: tokenizer: ") and "max_seq_len is max_length" in lines[1]
     )
