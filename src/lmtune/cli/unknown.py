@@ -41,17 +41,32 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
             said = component_answer(token.split(".", 1)[0] if "." in token else "")
         elif ours in known:
             lora = "--lora " if ours.startswith("lora_") else ""  # torchtune's model.lora_rank=8
-            said = f"give {lora}{flag.replace('_', '-')} {value or 'VALUE'}"
+            said = f"give {lora}{flag.replace('_', '-')} {_shown(ours, value)}"
         else:
             said = explained(flag, value).removeprefix(f"{option_name(ours)}: ")
         problems.append(f"{token}: options are --name value here, not key=value overrides ({said})")
-    stray = [a for a in extra if not a.startswith("-") and a not in overrides]
-    if stray and not options:
+    taken = {i + 1 for i, a in enumerate(extra) if a in options and "=" not in a}  # --bogus 1: its value
+    stray = [a for i, a in enumerate(extra) if not (a.startswith("-") or a in overrides or i in taken)]
+    if stray:
+        # litgpt's `finetune checkpoints/x` takes the model as an argument; lmtune's train takes options.
+        paths = "the model is --model PATH, the data --data FILE; " if parser.prog.endswith(" train") else ""
         problems.append(
-            f"unexpected argument{'s' if len(stray) > 1 else ''} {' '.join(stray)} (an option takes one "
-            "value; give a list comma-separated, as --lora-target-modules q_proj,v_proj)"
+            f"unexpected argument{'s' if len(stray) > 1 else ''} {' '.join(stray)} ({paths}an option takes "
+            "one value; give a list comma-separated, as --lora-target-modules q_proj,v_proj)"
         )
     return f"{parser.prog}: " + "; ".join(problems)
+
+
+def _shown(name: str, value: str) -> str:
+    """An override's value as the option would take it: a value the option does not take (litgpt's
+    precision=bf16-mixed) is shown as its choices."""
+    from lmtune.config.aliases import ALIASES
+    from lmtune.config.settings import config_fields
+
+    choices = next((s.choices for s in config_fields() if s.name == ALIASES.get(name, name)), ())
+    if not value:
+        return "VALUE"
+    return value if not choices or value in choices else " | ".join(choices)
 
 
 def _value_of(option: str, extra: list[str]) -> str | None:

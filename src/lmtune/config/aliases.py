@@ -207,7 +207,7 @@ HINTS: dict[str, str] = {
     ),
     "shuffle": "the training data is shuffled every epoch, by {seed}, the same for any number of processes",
     "betas": "AdamW's betas are {adam_beta1} and {adam_beta2} (0.9 and 0.999 by default)",
-    "min_lr": "{min_lr_ratio} is where the schedule ends, as a fraction of {lr} (min_lr / lr; 0.1 by default)",
+    "min_lr": "{min_lr_ratio} is where the schedule ends as a fraction of {lr} (min_lr / lr; 0.1 by default)",
     "clip_grad_norm": (
         "{max_grad_norm} N clips the global gradient norm (1.0 by default; 0 turns clipping off)"
     ),

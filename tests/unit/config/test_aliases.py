@@ -114,6 +114,10 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
         ),
         (["train", "dataset._component_=my.Data"], "not key=value overrides (data: a JSONL file (text"),
         (["train", "epochs="], "not key=value overrides (give --epochs VALUE)"),
+        (["train", "precision=bf16-mixed"], "not key=value overrides (give --precision fp32 | bf16 | fp16)"),
+        # litgpt takes the model as an argument; an unknown option's value is not a stray argument.
+        (["train", "ckpt/x"], "unexpected argument ckpt/x (the model is --model PATH, the data --data FILE"),
+        (["train", "foo", "--bogus", "1"], "lists them); unexpected argument foo (the model is --model PATH"),
         (["train", "model.lora_rank=8"], "not key=value overrides (give --lora --lora-rank 8)"),
         (["train", "--betas", "0.9,0.95"], "--betas: AdamW's betas are --adam-beta1 and --adam-beta2"),
         (
