@@ -23,7 +23,7 @@ _GROUPS = {
     "metric_logger": "report_to: tensorboard | wandb | mlflow (metrics.jsonl is always written)",
     "profiler": "profile: true times each step's phases",
 }
-LORA_ON = "LoRA is switched on by lora: true; lora_target_modules names the layers by the model's names"
+_LORA_ON = "LoRA is switched on by lora: true; lora_target_modules names the layers by the model's names"
 _OTHER = "lmtune takes settings by name (lmtune train --help), not components"
 
 
@@ -52,7 +52,7 @@ def refuse_components(
         if settings:
             said += f"; {', '.join(settings)}: lmtune's settings, given at the top level"
         if any(str(name).startswith("lora_") for name in group):  # torchtune's lora_* models
-            said += f" ({LORA_ON})"
+            said += f" ({_LORA_ON})"
         answers.append(where(key) + said)
     try:
         rest()
