@@ -224,8 +224,8 @@ def test_a_micro_batch_alone_says_the_global_batch_is_the_default(
     assert main([*common, "--per_device_train_batch_size", "4", "--output-dir", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "global batch 32 = 4 x 1 x 8 accumulation" in out
-    assert "global batch 32 is the default: --micro-batch-size (HF's per_device_train_batch_size)" in out
-    assert "give --global-batch-size 4 for one per step" in out
+    assert "global batch 32 (lmtune's default when not given): --micro-batch-size (HF's" in out
+    assert "--global-batch-size 4 gives one per step" in out
     argv = [
         *common,
         "--micro-batch-size",

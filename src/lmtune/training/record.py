@@ -185,10 +185,13 @@ def _default_batch_note(layout: BatchLayout, cfg: TrainConfig) -> str | None:
         or layout.accumulation == 1
     ):
         return None
+    # Said as a fact either way: the config does not say whether 32 was given or defaulted (a
+    # torchtune translation gives it with accumulation on purpose).
     return (
-        f"global batch {default} is the default: --micro-batch-size (HF's per_device_train_batch_size) "
-        f"sets only the micro-batch, so each step accumulates {layout.accumulation * layout.world_size} of "
-        f"them; give --global-batch-size {layout.micro_batch_size * layout.world_size} for one per step"
+        f"global batch {default} (lmtune's default when not given): --micro-batch-size (HF's "
+        f"per_device_train_batch_size) sets only the micro-batch, so each step accumulates "
+        f"{layout.accumulation * layout.world_size} of them; --global-batch-size "
+        f"{layout.micro_batch_size * layout.world_size} gives one per step"
     )
 
 
