@@ -53,6 +53,8 @@ ALIASES: dict[str, str] = {
     "orpo_alpha": "orpo_lambda",  # Axolotl: ORPO's weight, which it passes as TRL's ORPOConfig.beta
     "log_every_n_steps": "log_every",  # torchtune
     "enable_activation_checkpointing": "activation_checkpointing",  # torchtune
+    "out_dir": "output_dir",  # litgpt
+    "num_nodes": "nnodes",  # litgpt
 }
 
 # Foreign name -> what to do instead. ``{name}`` becomes a setting's name in the style of the place
@@ -207,6 +209,11 @@ HINTS: dict[str, str] = {
     ),
     "shuffle": "the training data is shuffled every epoch, by {seed}, the same for any number of processes",
     "betas": "AdamW's betas are {adam_beta1} and {adam_beta2} (0.9 and 0.999 by default)",
+    **dict.fromkeys(  # litgpt's
+        [f"lora_{layer}" for layer in ("query", "key", "value", "projection", "mlp", "head")],
+        "{lora_target_modules} names the layers {lora} adapts, as the model names them (q_proj,v_proj)",
+    ),
+    "logger_name": "{report_to} tensorboard | wandb | mlflow (metrics.jsonl is always written)",
     "min_lr": "{min_lr_ratio} is where the schedule ends as a fraction of {lr} (min_lr / lr; 0.1 by default)",
     "clip_grad_norm": (
         "{max_grad_norm} N clips the global gradient norm (1.0 by default; 0 turns clipping off)"
@@ -265,6 +272,11 @@ _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 def _styled(text: str, style: Callable[[str], str]) -> str:
     return _PLACEHOLDER.sub(lambda m: style(m.group(1)), text)
+
+
+def yaml_hint(name: str) -> str:
+    """The answer to another tool's ``name`` (in :data:`HINTS`), in a YAML file's names."""
+    return _styled(HINTS[name], lambda setting: setting)
 
 
 def canonical(name: str) -> str:

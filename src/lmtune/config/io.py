@@ -14,7 +14,7 @@ import yaml
 from lmtune.config.aliases import lmtune_name, resolve_names
 from lmtune.config.files import SETTINGS_BYTES, read_text
 from lmtune.config.mixture import yaml_sources
-from lmtune.config.recipes import COMPONENT, refuse_components
+from lmtune.config.recipes import recipe_groups, refuse_recipe
 from lmtune.config.settings import (
     GROUPS,
     Setting,
@@ -197,10 +197,11 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     def at(key: str) -> str:
         return f"--config {path}" + (f":{lines[key]}" if key in lines else "") + ": "
 
-    # torchtune's recipe: its component groups and its other keys are answered in one message.
-    others = {k: v for k, v in loaded.items() if not (isinstance(v, dict) and COMPONENT in v)}
+    # torchtune's or litgpt's recipe: its groups and its other keys are answered in one message.
+    groups = recipe_groups(loaded)
+    others = {k: v for k, v in loaded.items() if str(k) not in groups}
     known = {s.name for s in config_fields()}
-    refuse_components(loaded, at, known, lambda: _named_settings(others, path, lines))
+    refuse_recipe(loaded, at, known, lambda: _named_settings(others, path, lines))
     return _named_settings(loaded, path, lines)
 
 

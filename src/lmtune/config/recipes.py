@@ -1,6 +1,8 @@
-"""torchtune's recipes in a ``--config`` file: groups built from a ``_component_`` (a Python path
-torchtune instantiates). lmtune builds the model, data, optimizer and loss from its own settings and
-runs nothing a file names, so each such group is answered with lmtune's settings, all at once."""
+"""Other tools' recipes in a ``--config`` file: torchtune's groups built from a ``_component_`` and
+litgpt's from a ``class_path`` (Python paths those tools instantiate), and litgpt's ``train:`` and
+``eval:`` groups. lmtune builds the model, data, optimizer and loss from its own settings, given at
+the top level, and runs nothing a file names: each such group is answered with lmtune's settings,
+all at once, with what the file's other keys need."""
 
 from __future__ import annotations
 
@@ -9,53 +11,83 @@ from typing import Any
 
 from lmtune.errors import UserError, brief
 
-COMPONENT = "_component_"
+COMPONENT = "_component_"  # torchtune's
+CLASS_PATH, INIT_ARGS = "class_path", "init_args"  # litgpt's (jsonargparse)
+_BUILT = (COMPONENT, CLASS_PATH)
 
-# By the group's name (torchtune's recipes name them so), what lmtune takes instead.
+# By the group's name (torchtune's and litgpt's recipes name them so), what lmtune takes instead.
 _GROUPS = {
     "model": "model: a Hugging Face model folder or hub id (torchtune's checkpointer.checkpoint_dir is one)",
     "checkpointer": "model: the Hugging Face folder of checkpoint_dir; lmtune reads its safetensors files",
     "tokenizer": "the model folder's own tokenizer is used (max_seq_len is max_length)",
     "dataset": "data: a JSONL file (text, prompt/completion or chat messages) or a hub data set name",
+    "data": "data: a JSONL file (text, prompt/completion or chat messages) or a hub data set name",
     "optimizer": "optimizer: adamw (the default) | adamw8bit | paged_adamw8bit | sgd",
     "lr_scheduler": "lr_schedule: cosine (the default) | linear | constant | wsd, with warmup_steps",
     "loss": "lmtune's loss is a chunked linear cross-entropy by default: remove it",
     "metric_logger": "report_to: tensorboard | wandb | mlflow (metrics.jsonl is always written)",
     "profiler": "profile: true times each step's phases",
 }
+# litgpt's plain groups, and its names in them that are lmtune's settings under another name.
+_LITGPT_GROUPS = {
+    "train": {
+        "save_interval": "save_every",
+        "log_interval": "log_every",
+        "lr_warmup_steps": "warmup_steps",
+        "max_norm": "max_grad_norm",
+    },
+    "eval": {"interval": "eval_every"},
+}
 _LORA_ON = "LoRA is switched on by lora: true; lora_target_modules names the layers by the model's names"
 _OTHER = "lmtune takes settings by name (lmtune train --help), not components"
 
 
 def component_answer(group: str) -> str:
-    """What lmtune takes instead of a torchtune recipe's ``group`` (model, optimizer, ...)."""
+    """What lmtune takes instead of a recipe's ``group`` (model, optimizer, ...)."""
     return _GROUPS.get(group, _OTHER)
 
 
-def refuse_components(
+def recipe_groups(loaded: dict[Any, Any]) -> list[str]:
+    """The keys of ``loaded`` (a YAML file's top level) that are another tool's groups."""
+    built = [str(k) for k, v in loaded.items() if isinstance(v, dict) and any(b in v for b in _BUILT)]
+    litgpt = any(CLASS_PATH in loaded[k] for k in built) or isinstance(loaded.get("train"), dict)
+    plain = [k for k in _LITGPT_GROUPS if litgpt and isinstance(loaded.get(k), dict) and k not in built]
+    return [str(k) for k in loaded if str(k) in built or str(k) in plain]
+
+
+def refuse_recipe(
     loaded: dict[Any, Any], where: Callable[[str], str], known: set[str], rest: Callable[[], object]
 ) -> None:
-    """Refuse a file with ``_component_`` groups, answering each group and, in the same message,
-    what ``rest`` (reading the file's other keys) refuses. ``where(key)``: the file and line."""
-    groups = [str(k) for k, v in loaded.items() if isinstance(v, dict) and COMPONENT in v]
+    """Refuse a file with another tool's groups (:func:`recipe_groups`), answering each group and,
+    in the same message, what ``rest`` (reading the file's other keys) refuses. ``where(key)``:
+    the file and line."""
+    groups = recipe_groups(loaded)
     if not groups:
         return
-    from lmtune.config.aliases import lmtune_name
-
-    answers = []
-    for key in groups:
-        group = loaded[key]
-        said = f"{key}: {brief(group[COMPONENT])} is a torchtune component; {component_answer(key)}"
-        ours = {name: lmtune_name(str(name), known) for name in group if name != COMPONENT}
-        settings = [f"{name} ({ours[name]})" if ours[name] != name else str(name) for name in ours]
-        settings = [s for name, s in zip(ours, settings, strict=True) if ours[name] in known]
-        if settings:
-            said += f"; {', '.join(settings)}: lmtune's settings, given at the top level"
-        if any(str(name).startswith("lora_") for name in group):  # torchtune's lora_* models
-            said += f" ({_LORA_ON})"
-        answers.append(where(key) + said)
+    answers = [where(key) + _group_answer(key, loaded[key], known) for key in groups]
     try:
         rest()
     except UserError as e:
         answers.append(str(e))
     raise UserError("\n".join(answers))
+
+
+def _group_answer(key: str, group: dict[Any, Any], known: set[str]) -> str:
+    from lmtune.config.aliases import HINTS, lmtune_name, yaml_hint
+
+    built = group.get(COMPONENT, group.get(CLASS_PATH))
+    inner: Any = group.get(INIT_ARGS) if CLASS_PATH in group else group
+    if built is None:
+        said = f"{key}: litgpt's group of settings"
+    else:
+        tool = "torchtune" if COMPONENT in group else "litgpt"
+        said = f"{key}: {brief(built)} is a {tool} component; {component_answer(key)}"
+    entries = [str(n) for n in (inner if isinstance(inner, dict) else {}) if n not in (*_BUILT, INIT_ARGS)]
+    ours = {n: _LITGPT_GROUPS.get(key, {}).get(n) or lmtune_name(n, known) for n in entries}
+    settings = [f"{n} ({ours[n]})" if ours[n] != n else n for n in entries if ours[n] in known]
+    if settings:
+        said += f"; {', '.join(settings)}: lmtune's settings, given at the top level"
+    said += "".join(f"; {n}: {yaml_hint(n)}" for n in entries if n in HINTS)
+    if any(n.startswith("lora_") for n in entries):  # torchtune's lora_* models
+        said += f" ({_LORA_ON})"
+    return said

@@ -609,3 +609,52 @@ def test_a_torchtune_recipe_is_answered_group_by_group_at_once(tmp_path: Path) -
     recipe.write_text("enable_activation_checkpointing: true\nlog_every_n_steps: 5\nmodel:\n  name: tiny\n")
     cfg = build_config(load_yaml(str(recipe)))
     assert cfg.model.activation_checkpointing and cfg.logging.log_every == 5 and cfg.model.name == "tiny"
+
+
+LITGPT_CONFIG = """\
+out_dir: out/finetune
+lora_query: true
+data:
+  class_path: litgpt.data.Alpaca2k
+  init_args:
+    seed: 42
+train:
+  save_interval: 800
+  micro_batch_size: 1
+  min_lr: 6.0e-05
+eval:
+  interval: 100
+optimizer:
+  class_path: torch.optim.AdamW
+  init_args:
+    lr: 0.0002
+    betas: [0.9, 0.95]
+"""
+
+
+def test_a_litgpt_config_is_answered_group_by_group_at_once(tmp_path: Path) -> None:
+    """litgpt's class_path groups and its train: and eval: groups (whose names collide with lmtune's
+    own data and eval groups) are answered with lmtune's names, with the other keys, at once."""
+    config = tmp_path / "lora.yaml"
+    config.write_text(LITGPT_CONFIG)
+    with pytest.raises(UserError) as refused:
+        load_yaml(str(config))
+    lines = [line.removeprefix(f"--config {config}:") for line in str(refused.value).splitlines()]
+    assert lines == [
+        "3: data: 'litgpt.data.Alpaca2k' is a litgpt component; data: a JSONL file (text, prompt/completion "
+        "or chat messages) or a hub data set name; seed: lmtune's settings, given at the top level",
+        "7: train: litgpt's group of settings; save_interval (save_every), micro_batch_size: lmtune's "
+        "settings, given at the top level; min_lr: min_lr_ratio is where the schedule ends as a fraction "
+        "of lr (min_lr / lr; 0.1 by default)",
+        "11: eval: litgpt's group of settings; interval (eval_every): lmtune's settings, given at the "
+        "top level",
+        "13: optimizer: 'torch.optim.AdamW' is a litgpt component; optimizer: adamw (the default) | "
+        "adamw8bit | paged_adamw8bit | sgd; lr: lmtune's settings, given at the top level; betas: "
+        "AdamW's betas are adam_beta1 and adam_beta2 (0.9 and 0.999 by default)",
+        "2: lora_query: lora_target_modules names the layers lora adapts, as the model names them "
+        "(q_proj,v_proj)",
+    ]
+    # Without those groups, lmtune's own eval group is read as before; out_dir is output_dir.
+    config.write_text("out_dir: out/x\neval:\n  every: 5\n")
+    cfg = build_config(load_yaml(str(config)))
+    assert str(cfg.checkpoint.output_dir) == "out/x" and cfg.eval.every == 5
