@@ -126,6 +126,9 @@ def _expected(name: str, kind: type, value: Any) -> str:
     except (TypeError, ValueError, OverflowError):
         share = False
     why = _FRACTIONS.get(name, "") if share else ""
+    if name == "resume" and isinstance(value, bool):  # litgpt's resume: true | false
+        meant = "auto continues the newest checkpoint" if value else "never starts anew"
+        why = f" (auto | never | PATH; {meant})"
     return f"{option_name(name)}: expected {kind.__name__}, got {brief(value)}{why}"
 
 
