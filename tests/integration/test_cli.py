@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmtune.cli import main
 from tests.conftest import one_line_error, run_lmtune, write_jsonl
@@ -150,7 +151,16 @@ def test_resume_never_refuses_to_overwrite_checkpoints(
 
 def test_fp16_on_cpu_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--precision", "fp16", "--device", "cpu", "--output-dir", str(tmp_path)]) == 2
-    assert "--precision fp16 needs a CUDA GPU" in capsys.readouterr().err
+    assert "--precision: fp16 needs a CUDA GPU" in capsys.readouterr().err
+    # From a --config file, the file's line names it, as for the values checked before the run.
+    config = tmp_path / "run.yaml"
+    config.write_text("seed: 3\nprecision: fp16\n")
+    assert main(["train", "--config", str(config), "--output-dir", str(tmp_path)]) == 2
+    assert f"--config {config}:2: precision: fp16 needs a CUDA GPU" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        config.write_text("device: cuda\n")
+        assert main(["train", "--config", str(config), "--output-dir", str(tmp_path)]) == 2
+        assert f"--config {config}:1: device: cuda: no CUDA device is available" in capsys.readouterr().err
 
 
 def test_train_doctor_checks_before_training(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lmtune.errors import UserError
+from lmtune.errors import SettingError
 from lmtune.model.products import Fp32Products
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -24,8 +24,11 @@ def low_precision_dtype(precision: str) -> torch.dtype | None:
 
 def check_device(precision: str, device: torch.device) -> None:
     if precision == "fp16" and device.type != "cuda":
-        raise UserError(
-            "--precision fp16 needs a CUDA GPU (its gradient scaler is for GPUs); use bf16 on CPU"
+        # A SettingError: a --config file's value is named by its line.
+        raise SettingError(
+            "precision",
+            "--precision",
+            "fp16 needs a CUDA GPU (its gradient scaler is for GPUs); use bf16 on CPU",
         )
 
 

@@ -20,7 +20,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed import DistError
 
 from lmtune.config import environment
-from lmtune.errors import UserError
+from lmtune.errors import SettingError, UserError
 
 T = TypeVar("T")
 
@@ -134,7 +134,7 @@ def read_dist_env(device: str = "auto") -> DistEnv:
     local_rank, local_world_size = launched.local_rank, launched.local_world_size
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available on this machine")
+        raise SettingError("device", "--device", "cuda: no CUDA device is available on this machine")
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
             raise UserError(
