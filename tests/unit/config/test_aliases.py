@@ -654,6 +654,9 @@ def test_a_litgpt_config_is_answered_group_by_group_at_once(tmp_path: Path) -> N
         "2: lora_query: lora_target_modules names the layers lora adapts, as the model names them "
         "(q_proj,v_proj)",
     ]
+    config.write_text("seed: null\n")  # torchtune's: a random seed
+    with pytest.raises(UserError, match=r"seed: needs a value \(got null\) \(torchtune's null seed"):
+        load_yaml(str(config))
     config.write_text("resume: false\n")  # litgpt's
     with pytest.raises(UserError, match=r"resume: expected str, got False \(auto \| never \| PATH; never"):
         load_yaml(str(config))
