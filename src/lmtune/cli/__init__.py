@@ -25,6 +25,19 @@ from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 from lmtune.config.threads import choose_thread_wait
 from lmtune.errors import USER_ERROR_EXIT_CODE, SettingError, StoppedBySignal, TrainingStopped, UserError
 
+# Other tools' commands (litgpt's, torchtune's `tune run`), and lmtune's way to do what they do.
+OTHER_COMMANDS = {
+    "finetune": "lmtune train fine-tunes (full, or --lora; --load-in-4bit for QLoRA)",
+    "finetune_lora": "lmtune train --lora fine-tunes with LoRA",
+    "pretrain": "lmtune train fine-tunes an existing model (--model); it does not pretrain",
+    "run": "lmtune train takes the settings of a recipe as options or a --config file",
+    "download": "lmtune train --model ORG/NAME loads a hub model (downloaded on first use)",
+    "chat": "lmtune generate --model FOLDER --prompt TEXT completes a prompt",
+    "evaluate": "lmtune train --eval-data FILE (or --eval-split) evaluates during and after training",
+    "merge_lora": "lmtune export --merge-lora writes a merged model folder",
+    "convert_from_litgpt": "lmtune writes Hugging Face folders already (final/, lmtune export)",
+}
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
@@ -32,6 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = None
     try:
+        if argv and argv[0] in OTHER_COMMANDS:  # litgpt's and torchtune's commands
+            raise UserError(f"lmtune {argv[0]}: not a command of lmtune; {OTHER_COMMANDS[argv[0]]}")
         argv = negative_values(hub_flags(argv))  # HF's --push_to_hub [True] --hub_model_id NAME/REPO
         # Options a command does not take are ours to explain (argparse would print the top-level usage).
         parser = build_parser()

@@ -114,6 +114,9 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
         ),
         (["train", "dataset._component_=my.Data"], "not key=value overrides (data: a JSONL file (text"),
         (["train", "epochs="], "not key=value overrides (give --epochs VALUE)"),
+        # litgpt's and torchtune's commands: lmtune's way to do the same.
+        (["finetune", "checkpoints/x"], "lmtune finetune: not a command of lmtune; lmtune train fine-tunes"),
+        (["run", "lora_finetune_single_device"], "lmtune run: not a command of lmtune; lmtune train takes"),
         (["train", "precision=bf16-mixed"], "not key=value overrides (give --precision fp32 | bf16 | fp16)"),
         # litgpt takes the model as an argument; an unknown option's value is not a stray argument.
         (["train", "ckpt/x"], "unexpected argument ckpt/x (the model is --model PATH, the data --data FILE"),
