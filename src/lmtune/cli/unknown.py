@@ -21,9 +21,12 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
 
     known = {canonical(o) for o in parser._option_string_actions if o.startswith("--")}
     options = [a for a in extra if a.startswith("--") or (a.startswith("-") and not _is_number(a))]
-    overrides = {a: "--" + a.split("=", 1)[0].rsplit(".", 1)[-1] for a in extra if OVERRIDE.match(a)}
+    overrides = {a: _leaf(a) for a in extra if OVERRIDE.match(a)}
     values = {o: _value_of(o, extra) for o in options}
     given = {a: a.split("=", 1)[1] for a in overrides}
+    # torchtune's and litgpt's dotted names (--optimizer.lr, --train.save_interval): the last part's.
+    dotted = {a: _leaf(a) for a in options if "." in a.split("=", 1)[0]}
+    given |= {a: values[a] or "" for a in dotted}
     # torchtune's --batch_size or batch_size=4 too
     parsed = {**parsed, **values, **{flag: given[a] for a, flag in overrides.items()}}
 
@@ -34,8 +37,8 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
             + as_arguments(option, parser)
         )
 
-    problems = [explained(a, values[a]) for a in options]
-    for token, flag in overrides.items():
+    problems = [explained(a, values[a]) for a in options if a not in dotted]
+    for token, flag in [*overrides.items(), *dotted.items()]:
         value, ours = given[token], canonical(flag)
         if flag == f"--{COMPONENT}":  # dataset._component_=...: a recipe's component
             said = component_answer(token.split(".", 1)[0] if "." in token else "")
@@ -44,7 +47,8 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
             said = f"give {lora}{flag.replace('_', '-')} {_shown(ours, value)}"
         else:
             said = explained(flag, value).removeprefix(f"{option_name(ours)}: ")
-        problems.append(f"{token}: options are --name value here, not key=value overrides ({said})")
+        how = "options are --name value here, not key=value overrides"
+        problems.append(f"{token}: {how if token in overrides else 'options are not dotted here'} ({said})")
     taken = {i + 1 for i, a in enumerate(extra) if a in options and "=" not in a}  # --bogus 1: its value
     stray = [a for i, a in enumerate(extra) if not (a.startswith("-") or a in overrides or i in taken)]
     if stray:
@@ -55,6 +59,15 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
             "one value; give a list comma-separated, as --lora-target-modules q_proj,v_proj)"
         )
     return f"{parser.prog}: " + "; ".join(problems)
+
+
+def _leaf(token: str) -> str:
+    """The option a dotted name means: its last part, by lmtune's name where litgpt's group names it
+    otherwise (train.save_interval: --save_every)."""
+    from lmtune.config.recipes import in_group
+
+    group, _, name = token.lstrip("-").split("=", 1)[0].rpartition(".")
+    return "--" + (in_group(group.rsplit(".", 1)[-1], name) or name)
 
 
 def _shown(name: str, value: str) -> str:

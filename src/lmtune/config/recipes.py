@@ -42,6 +42,11 @@ _LORA_ON = "LoRA is switched on by lora: true; lora_target_modules names the lay
 _OTHER = "lmtune takes settings by name (lmtune train --help), not components"
 
 
+def in_group(group: str, name: str) -> str | None:
+    """lmtune's name of litgpt's ``name`` in its ``group`` (train's save_interval: save_every)."""
+    return _LITGPT_GROUPS.get(group, {}).get(name)
+
+
 def component_answer(group: str) -> str:
     """What lmtune takes instead of a recipe's ``group`` (model, optimizer, ...)."""
     return _GROUPS.get(group, _OTHER)
@@ -83,7 +88,7 @@ def _group_answer(key: str, group: dict[Any, Any], known: set[str]) -> str:
         tool = "torchtune" if COMPONENT in group else "litgpt"
         said = f"{key}: {brief(built)} is a {tool} component; {component_answer(key)}"
     entries = [str(n) for n in (inner if isinstance(inner, dict) else {}) if n not in (*_BUILT, INIT_ARGS)]
-    ours = {n: _LITGPT_GROUPS.get(key, {}).get(n) or lmtune_name(n, known) for n in entries}
+    ours = {n: in_group(key, n) or lmtune_name(n, known) for n in entries}
     settings = [f"{n} ({ours[n]})" if ours[n] != n else n for n in entries if ours[n] in known]
     if settings:
         said += f"; {', '.join(settings)}: lmtune's settings, given at the top level"

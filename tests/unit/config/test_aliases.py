@@ -114,6 +114,13 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
         ),
         (["train", "dataset._component_=my.Data"], "not key=value overrides (data: a JSONL file (text"),
         (["train", "epochs="], "not key=value overrides (give --epochs VALUE)"),
+        # Dotted names, as torchtune's and litgpt's command lines take them: the last part's option.
+        (["train", "--optimizer.lr", "2e-5"], "--optimizer.lr: options are not dotted here (give --lr 2e-5)"),
+        (
+            ["train", "--train.save_interval=8"],
+            "--train.save_interval=8: options are not dotted here (give --save-every 8)",
+        ),
+        (["train", "eval.interval=100"], "not key=value overrides (give --eval-every 100)"),
         # litgpt's and torchtune's commands: lmtune's way to do the same.
         (["finetune", "checkpoints/x"], "lmtune finetune: not a command of lmtune; lmtune train fine-tunes"),
         (["run", "lora_finetune_single_device"], "lmtune run: not a command of lmtune; lmtune train takes"),
