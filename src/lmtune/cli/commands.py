@@ -151,6 +151,8 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"--temperature must be >= 0 (got {args.temperature})")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1] (got {args.top_p})")
+    if args.top_k is not None and args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (got {args.top_k})")
     if args.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device must be auto, cpu or cuda (got {args.device!r})")
     if args.prompt == "-" or (args.prompt is None and not args.chat and not sys.stdin.isatty()):
@@ -167,6 +169,7 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "top_k": args.top_k,
         "seed": args.seed,
     }
     with torch.inference_mode():

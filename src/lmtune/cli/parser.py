@@ -269,6 +269,13 @@ def _generate_parser(sub: Any) -> None:
         "--temperature", type=float, default=0.0, help="0 for greedy decoding, above 0 to sample (default: 0)"
     )
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0)")
+    gen.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="sample from the K likeliest tokens only; 0: from all (default: the model's generation "
+        "config, where transformers' default is 50)",
+    )
     gen.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")

@@ -20,15 +20,19 @@ def complete(
     top_p: float = 1.0,
     seed: int = 0,
     add_special_tokens: bool = True,
+    top_k: int | None = None,
 ) -> str:
     """Continue ``prompt`` until a stop token (EOS, or a chat model's end of turn, as its generation
-    config lists them) or ``max_new_tokens``: greedy at temperature 0, else sampled."""
+    config lists them) or ``max_new_tokens``: greedy at temperature 0, else sampled (``top_k``: the
+    model's generation config's when None)."""
     device = next(model.parameters()).device
     encoded = tokenizer(prompt, add_special_tokens=add_special_tokens, return_tensors="pt").to(device)
     sampled = temperature > 0
     options: dict[str, Any] = {"do_sample": sampled}
     if sampled:
         options.update(temperature=temperature, top_p=top_p)
+        if top_k is not None:
+            options["top_k"] = top_k
     was_training = model.training
     model.eval()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
