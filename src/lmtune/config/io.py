@@ -205,7 +205,7 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
 
     # torchtune's or litgpt's recipe: its groups and its other keys are answered in one message.
     groups = recipe_groups(loaded)
-    others = {k: v for k, v in loaded.items() if str(k) not in groups}
+    others = {k: v for k, v in loaded.items() if k not in groups}
     known = {s.name for s in config_fields()}
     refuse_recipe(loaded, at, known, lambda: _named_settings(others, path, lines))
     return _named_settings(loaded, path, lines)

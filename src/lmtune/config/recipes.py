@@ -52,12 +52,12 @@ def component_answer(group: str) -> str:
     return _GROUPS.get(group, _OTHER)
 
 
-def recipe_groups(loaded: dict[Any, Any]) -> list[str]:
+def recipe_groups(loaded: dict[Any, Any]) -> list[Any]:
     """The keys of ``loaded`` (a YAML file's top level) that are another tool's groups."""
-    built = [str(k) for k, v in loaded.items() if isinstance(v, dict) and any(b in v for b in _BUILT)]
-    litgpt = any(CLASS_PATH in loaded[k] for k in built) or isinstance(loaded.get("train"), dict)
-    plain = [k for k in _LITGPT_GROUPS if litgpt and isinstance(loaded.get(k), dict) and k not in built]
-    return [str(k) for k in loaded if str(k) in built or str(k) in plain]
+    groups = {k: v for k, v in loaded.items() if isinstance(v, dict)}
+    built = [k for k, v in groups.items() if any(b in v for b in _BUILT)]
+    litgpt = any(CLASS_PATH in groups[k] for k in built) or "train" in groups
+    return [k for k in groups if k in built or (litgpt and k in _LITGPT_GROUPS)]
 
 
 def refuse_recipe(
@@ -69,7 +69,7 @@ def refuse_recipe(
     groups = recipe_groups(loaded)
     if not groups:
         return
-    answers = [where(key) + _group_answer(key, loaded[key], known) for key in groups]
+    answers = [where(str(key)) + _group_answer(str(key), loaded[key], known) for key in groups]
     try:
         rest()
     except UserError as e:

@@ -664,6 +664,9 @@ def test_a_litgpt_config_is_answered_group_by_group_at_once(tmp_path: Path) -> N
         "2: lora_query: lora_target_modules names the layers lora adapts, as the model names them "
         "(q_proj,v_proj)",
     ]
+    config.write_text("1:\n  class_path: x\n")  # keys of any type, as a hostile file has them
+    with pytest.raises(UserError, match=r"1: 1: 'x' is a litgpt component; lmtune takes settings by name"):
+        load_yaml(str(config))
     config.write_text("seed: null\n")  # torchtune's: a random seed
     with pytest.raises(UserError, match=r"seed: needs a value \(got null\) \(torchtune's null seed"):
         load_yaml(str(config))
