@@ -165,12 +165,11 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     loaded = load_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code)
     _check_answer_length(loaded, None if args.chat else args.prompt, args.max_new_tokens)
     model = loaded.model.to(device)
+    from lmtune.model.generate import Sampling
+
     options = {
         "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "seed": args.seed,
+        "sampling": Sampling(args.temperature, args.top_p, args.top_k, args.seed),
     }
     with torch.inference_mode():
         if args.chat:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,33 +11,40 @@ from torch import nn
 from lmtune.model.tokens import stop_ids
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How :func:`complete` picks each token: greedy at temperature 0, else sampled, reproducibly
+    by ``seed``."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None  # None: the model's generation config's (transformers' default: 50)
+    seed: int = 0
+
+
 @torch.no_grad()
 def complete(
     model: nn.Module,
     tokenizer: Any,
     prompt: str,
     max_new_tokens: int = 32,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    sampling: Sampling = Sampling(),
     add_special_tokens: bool = True,
-    top_k: int | None = None,
 ) -> str:
     """Continue ``prompt`` until a stop token (EOS, or a chat model's end of turn, as its generation
-    config lists them) or ``max_new_tokens``: greedy at temperature 0, else sampled (``top_k``: the
-    model's generation config's when None)."""
+    config lists them) or ``max_new_tokens``."""
     device = next(model.parameters()).device
     encoded = tokenizer(prompt, add_special_tokens=add_special_tokens, return_tensors="pt").to(device)
-    sampled = temperature > 0
+    sampled = sampling.temperature > 0
     options: dict[str, Any] = {"do_sample": sampled}
     if sampled:
-        options.update(temperature=temperature, top_p=top_p)
-        if top_k is not None:
-            options["top_k"] = top_k
+        options.update(temperature=sampling.temperature, top_p=sampling.top_p)
+        if sampling.top_k is not None:
+            options["top_k"] = sampling.top_k
     was_training = model.training
     model.eval()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
+        torch.manual_seed(sampling.seed)
         out = model.generate(  # type: ignore[operator]
             **encoded,
             max_new_tokens=max_new_tokens,

@@ -113,12 +113,13 @@ def test_prompt_files_are_read_strictly(tmp_path: Path) -> None:
 def test_top_k_cuts_sampling_to_the_likeliest_tokens() -> None:
     """--top-k 1 samples the likeliest token at every step: greedy decoding, whatever the seed and
     temperature; without it the model's generation config (transformers' 50) decides."""
-    from lmtune.model.generate import complete
+    from lmtune.model.generate import Sampling, complete
 
     loaded = load_model("tiny", 3)
     model, tok = loaded.model, loaded.tokenizer
     greedy = complete(model, tok, "12+7=", max_new_tokens=12)
     for seed in (0, 1, 2):
-        assert complete(model, tok, "12+7=", max_new_tokens=12, temperature=5.0, seed=seed, top_k=1) == greedy
-    sampled = {complete(model, tok, "12+7=", max_new_tokens=12, temperature=5.0, seed=s) for s in (0, 1, 2)}
-    assert greedy not in sampled
+        top_1 = Sampling(temperature=5.0, top_k=1, seed=seed)
+        assert complete(model, tok, "12+7=", max_new_tokens=12, sampling=top_1) == greedy
+    hot = [Sampling(temperature=5.0, seed=s) for s in (0, 1, 2)]
+    assert greedy not in {complete(model, tok, "12+7=", max_new_tokens=12, sampling=h) for h in hot}
