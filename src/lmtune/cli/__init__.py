@@ -32,7 +32,7 @@ OTHER_COMMANDS = {
     "pretrain": "lmtune train fine-tunes an existing model (--model); it does not pretrain",
     "run": "lmtune train takes the settings of a recipe as options or a --config file",
     "download": "lmtune train --model ORG/NAME loads a hub model (downloaded on first use)",
-    "chat": "lmtune generate --model FOLDER --prompt TEXT completes a prompt",
+    "chat": "lmtune generate --model FOLDER --chat talks with a chat model (one turn per line)",
     "evaluate": "lmtune train --eval-data FILE (or --eval-split) evaluates during and after training",
     "merge_lora": "lmtune export --merge-lora writes a merged model folder",
     "convert_from_litgpt": "lmtune writes Hugging Face folders already (final/, lmtune export)",

@@ -153,6 +153,9 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"--top-p must be in (0, 1] (got {args.top_p})")
     if args.top_k is not None and args.top_k < 0:
         raise UserError(f"--top-k must be >= 0 (got {args.top_k})")
+    if args.temperature == 0 and (args.top_k is not None or args.top_p != 1.0):
+        cut = "--top-k" if args.top_k is not None else "--top-p"
+        raise UserError(f"{cut} applies when sampling: give --temperature T > 0 (else decoding is greedy)")
     if args.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device must be auto, cpu or cuda (got {args.device!r})")
     if args.prompt == "-" or (args.prompt is None and not args.chat and not sys.stdin.isatty()):

@@ -276,7 +276,9 @@ def _generate_parser(sub: Any) -> None:
         help="sample from the K likeliest tokens only; 0: from all (default: the model's generation "
         "config, where transformers' default is 50)",
     )
-    gen.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")
+    gen.add_argument(
+        "--seed", type=int, default=0, help="seed of sampling and of a preset's random weights (default: 0)"
+    )
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
     gen.set_defaults(run=commands.generate)

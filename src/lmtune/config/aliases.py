@@ -211,7 +211,7 @@ HINTS: dict[str, str] = {
     "betas": "AdamW's betas are {adam_beta1} and {adam_beta2} (0.9 and 0.999 by default)",
     **dict.fromkeys(  # litgpt's
         [f"lora_{layer}" for layer in ("query", "key", "value", "projection", "mlp", "head")],
-        "{lora_target_modules} names the layers {lora} adapts, as the model names them (q_proj,v_proj)",
+        "{lora} switches LoRA on; {lora_target_modules} names its layers as the model does (q_proj,v_proj)",
     ),
     "logger_name": "{report_to} tensorboard | wandb | mlflow (metrics.jsonl is always written)",
     "min_lr": "{min_lr_ratio} is where the schedule ends as a fraction of {lr} (min_lr / lr; 0.1 by default)",

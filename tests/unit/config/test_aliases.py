@@ -121,6 +121,9 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
             "--train.save_interval=8: options are not dotted here (give --save-every 8)",
         ),
         (["train", "eval.interval=100"], "not key=value overrides (give --eval-every 100)"),
+        # A cut of the sampling without sampling would do nothing: refused, as train refuses such settings.
+        (["generate", "--model", "tiny", "--prompt", "x", "--top-k", "5"], "--top-k applies when sampling"),
+        (["chat"], "lmtune chat: not a command of lmtune; lmtune generate --model FOLDER --chat talks"),
         # litgpt's and torchtune's commands: lmtune's way to do the same.
         (["finetune", "checkpoints/x"], "lmtune finetune: not a command of lmtune; lmtune train fine-tunes"),
         (["run", "lora_finetune_single_device"], "lmtune run: not a command of lmtune; lmtune train takes"),
@@ -661,7 +664,7 @@ def test_a_litgpt_config_is_answered_group_by_group_at_once(tmp_path: Path) -> N
         "13: optimizer: 'torch.optim.AdamW' is a litgpt component; optimizer: adamw (the default) | "
         "adamw8bit | paged_adamw8bit | sgd; lr: lmtune's settings, given at the top level; betas: "
         "AdamW's betas are adam_beta1 and adam_beta2 (0.9 and 0.999 by default)",
-        "2: lora_query: lora_target_modules names the layers lora adapts, as the model names them "
+        "2: lora_query: lora switches LoRA on; lora_target_modules names its layers as the model does "
         "(q_proj,v_proj)",
     ]
     config.write_text("1:\n  class_path: x\n")  # keys of any type, as a hostile file has them
