@@ -121,8 +121,6 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
             "--train.save_interval=8: options are not dotted here (give --save-every 8)",
         ),
         (["train", "eval.interval=100"], "not key=value overrides (give --eval-every 100)"),
-        # A cut of the sampling without sampling would do nothing: refused, as train refuses such settings.
-        (["generate", "--model", "tiny", "--prompt", "x", "--top-k", "5"], "--top-k applies when sampling"),
         (["chat"], "lmtune chat: not a command of lmtune; lmtune generate --model FOLDER --chat talks"),
         # litgpt's and torchtune's commands: lmtune's way to do the same.
         (["finetune", "checkpoints/x"], "lmtune finetune: not a command of lmtune; lmtune train fine-tunes"),

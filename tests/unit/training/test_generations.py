@@ -123,3 +123,13 @@ def test_top_k_cuts_sampling_to_the_likeliest_tokens() -> None:
         assert complete(model, tok, "12+7=", max_new_tokens=12, sampling=top_1) == greedy
     hot = [Sampling(temperature=5.0, seed=s) for s in (0, 1, 2)]
     assert greedy not in {complete(model, tok, "12+7=", max_new_tokens=12, sampling=h) for h in hot}
+
+
+def test_a_cut_of_the_sampling_without_sampling_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--top-k or --top-p at temperature 0 would do nothing (decoding is greedy): refused, as train
+    refuses settings that do not apply."""
+    from lmtune.cli import main
+
+    for cut in (["--top-k", "5"], ["--top-p", "0.9"]):
+        assert main(["generate", "--model", "tiny", "--prompt", "x", *cut]) == 2
+        assert f"{cut[0]} applies when sampling: give --temperature T > 0" in capsys.readouterr().err
