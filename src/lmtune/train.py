@@ -68,8 +68,9 @@ class TrainResult:
     stopped_by: str | None = None  # signal | early_stopping: ended before its last step
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Fine-tune ``cfg.model.name`` on ``cfg.data.train`` in this process (a rank of a job, or alone).
+def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
+    """Fine-tune ``cfg.model.name`` on ``cfg.data.train`` in this process (a rank of a job, or alone);
+    ``given``: the settings the user gave, for the start's notes (None: not known, as from Python).
 
     Raises:
         UserError: for invalid settings, data or paths.
@@ -102,6 +103,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 log=log,
                 stop=stop,
                 heartbeat=heartbeat,
+                given=given,
             )
             if cfg.health.doctor:
                 cache = None if cfg.data.cache_per_node else str(data_cache_dir(cfg.data))  # node-local
@@ -173,9 +175,7 @@ def _run(run: RunContext) -> TrainResult:
     log.info("peak memory per rank: " + ", ".join(f"{p / 2**20:,.0f} MiB" for p in peaks))
     log.write_json("run.json", run_info)
     last_eval = result.evals[-1] if result.evals else None
-    done = TrainResult(
-        output_dir=output_dir, steps=result.state.step, last_loss=result.last_loss, eval=last_eval
-    )
+    done = TrainResult(output_dir, result.state.step, result.last_loss, last_eval)
     if result.stop == "signal":
         log.info(f"stopped at step {result.state.step}; run the same command again to resume")
         report_outcome(result.state.step, stopped=True, local_rank=env.local_rank, main=env.is_main)

@@ -234,19 +234,15 @@ def test_a_micro_batch_alone_says_the_global_batch_is_the_default(
     assert main([*common, "--per_device_train_batch_size", "4", "--output-dir", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "global batch 32 = 4 x 1 x 8 accumulation" in out
-    assert "global batch 32 (lmtune's default when not given): --micro-batch-size (HF's" in out
-    assert "--global-batch-size 4 gives one per step" in out
-    argv = [
-        *common,
-        "--micro-batch-size",
-        "4",
-        "--global-batch-size",
-        "8",
-        "--output-dir",
-        str(tmp_path / "b"),
-    ]
-    assert main(argv) == 0
-    assert "is the default" not in capsys.readouterr().out
+    assert "global batch 32 is the default: --micro-batch-size (HF's per_device_train_batch_size)" in out
+    assert "give --global-batch-size 4 for one per step" in out
+    # A global batch given, also the default's 32 (in the file or as a flag), is the user's choice.
+    config = tmp_path / "run.yaml"
+    config.write_text("global_batch_size: 32\n")
+    for given in (["--global-batch-size", "8"], ["--global-batch-size", "32"], ["--config", str(config)]):
+        out_dir = ["--output-dir", str(tmp_path / f"b{len(given[1])}")]
+        assert main([*common, "--micro-batch-size", "4", *given, *out_dir, "--overwrite"]) == 0
+        assert "is the default" not in capsys.readouterr().out
 
 
 def test_max_prompt_length_is_for_preference_pairs(

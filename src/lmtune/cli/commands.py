@@ -88,8 +88,17 @@ def train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             return _launch_job(list(argv), cfg)
     from lmtune.train import train
 
-    train(cfg)  # a run stopped by a signal has saved a checkpoint and exits cleanly too
+    train(cfg, given=_given(args))  # a run stopped by a signal has saved a checkpoint and exits cleanly too
     return 0
+
+
+def _given(args: argparse.Namespace) -> frozenset[str]:
+    """The settings given by flag or in the --config file (by lmtune's names)."""
+    from lmtune.config.io import load_yaml
+    from lmtune.config.settings import config_fields
+
+    in_file = set(load_yaml(args.config)) if hasattr(args, "config") else set()
+    return frozenset(in_file | {f.name for f in config_fields() if hasattr(args, f.name)})
 
 
 def _launch_job(argv: list[str], cfg: Any) -> int:

@@ -26,6 +26,7 @@ class RunContext:
     log: RunLog
     stop: StopRequest
     heartbeat: Heartbeat
+    given: frozenset[str] | None = None  # the settings the user gave; None: not known (Python API)
 
     @property
     def output_dir(self) -> Path:

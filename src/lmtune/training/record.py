@@ -121,7 +121,7 @@ def run_record(
         + f"; loss: {built.loss.description}"
         + (f"; NEFTune noise alpha {cfg.objective.neftune_alpha:g}" if cfg.objective.neftune_alpha else "")
     )
-    for note in (_default_batch_note(layout, cfg), _left_out_note(layout, built.objective.unit)):
+    for note in (_default_batch_note(layout, cfg, run.given), _left_out_note(layout, built.objective.unit)):
         if note:
             run.log.info(note)
     if env.device.type == "cpu" and busy_at_start():
@@ -175,23 +175,21 @@ def _batch_line(layout: BatchLayout) -> str:
     )
 
 
-def _default_batch_note(layout: BatchLayout, cfg: TrainConfig) -> str | None:
+def _default_batch_note(layout: BatchLayout, cfg: TrainConfig, given: frozenset[str] | None) -> str | None:
     """Where only the micro-batch was given: HF's per_device_train_batch_size alone means one
     micro-batch per step there, while here the global batch rules and its default is easy to miss."""
     default = setting_named("global_batch_size").default
     if (
-        cfg.batch.micro_batch_size is None
-        or cfg.batch.global_batch_size != default
+        given is None  # a TrainConfig from Python: whether 32 was given is not known
+        or "global_batch_size" in given
+        or cfg.batch.micro_batch_size is None
         or layout.accumulation == 1
     ):
         return None
-    # Said as a fact either way: the config does not say whether 32 was given or defaulted (a
-    # torchtune translation gives it with accumulation on purpose).
     return (
-        f"global batch {default} (lmtune's default when not given): --micro-batch-size (HF's "
-        f"per_device_train_batch_size) sets only the micro-batch, so each step accumulates "
-        f"{layout.accumulation * layout.world_size} of them; --global-batch-size "
-        f"{layout.micro_batch_size * layout.world_size} gives one per step"
+        f"global batch {default} is the default: --micro-batch-size (HF's per_device_train_batch_size) "
+        f"sets only the micro-batch, so each step accumulates {layout.accumulation * layout.world_size} of "
+        f"them; give --global-batch-size {layout.micro_batch_size * layout.world_size} for one per step"
     )
 
 
