@@ -199,9 +199,7 @@ HINTS: dict[str, str] = {
         "(padding never trains)"
     ),
     # torchtune's and litgpt's
-    "max_steps_per_epoch": (
-        "{max_steps} N ends the run after N optimizer steps in all; lmtune has no cap per epoch"
-    ),
+    "max_steps_per_epoch": "{max_steps} N ends the run after N optimizer steps; lmtune has no cap per epoch",
     "dtype": "trained weights are kept in fp32; {precision} bf16 | fp16 computes in half precision",
     "batch_size": (  # torchtune's is per device
         "{micro_batch_size} is the examples per process in one forward; {global_batch_size} the examples "
@@ -214,10 +212,9 @@ HINTS: dict[str, str] = {
         "{lora} switches LoRA on; {lora_target_modules} names its layers as the model does (q_proj,v_proj)",
     ),
     "logger_name": "{report_to} tensorboard | wandb | mlflow (metrics.jsonl is always written)",
+    "quantize": "{load_in_4bit} loads the base in 4 bits (NF4: litgpt's bnb.nf4), {load_in_8bit} in 8",
     "min_lr": "{min_lr_ratio} is where the schedule ends as a fraction of {lr} (min_lr / lr; 0.1 by default)",
-    "clip_grad_norm": (
-        "{max_grad_norm} N clips the global gradient norm (1.0 by default; 0 turns clipping off)"
-    ),
+    "clip_grad_norm": "{max_grad_norm} N clips the global gradient norm (1.0 by default; 0: no clipping)",
     "devices": "start processes with {nproc_per_node} N (and {nnodes} N for several machines)",
     "checkpoint_dir": (
         "{model} names the model to start from (a folder or a hub id); {output_dir} is where lmtune writes "
