@@ -16,7 +16,7 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
     """What ``parser`` (a subcommand's) did not take, in one line: per unknown option a peer's name in
     lmtune, a hint or the closest names; then stray arguments. ``parsed``: what it took, by destination."""
     from lmtune.config.aliases import accumulation_here, as_arguments, canonical, explain_unknown
-    from lmtune.config.recipes import COMPONENT, component_answer
+    from lmtune.config.recipes import COMPONENT, component_answer, group_entry_answer
     from lmtune.config.settings import option_name
 
     known = {canonical(o) for o in parser._option_string_actions if o.startswith("--")}
@@ -40,8 +40,11 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
     problems = [explained(a, values[a]) for a in options if a not in dotted]
     for token, flag in [*overrides.items(), *dotted.items()]:
         value, ours = given[token], canonical(flag)
+        group, _, name = token.lstrip("-").split("=", 1)[0].rpartition(".")
         if flag == f"--{COMPONENT}":  # dataset._component_=...: a recipe's component
-            said = component_answer(token.split(".", 1)[0] if "." in token else "")
+            said = component_answer(group.split(".", 1)[0])
+        elif answer := group_entry_answer(group.rsplit(".", 1)[-1], name):  # --eval.max_iters
+            said = answer
         elif ours in known:
             lora = "--lora " if ours.startswith("lora_") else ""  # torchtune's model.lora_rank=8
             said = f"give {lora}{flag.replace('_', '-')} {_shown(ours, value)}"

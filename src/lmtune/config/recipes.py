@@ -38,6 +38,17 @@ _LITGPT_GROUPS = {
     },
     "eval": {"interval": "eval_every"},
 }
+# Names inside other tools' groups that lmtune answers (it has no setting of that name).
+_IN_GROUP_ANSWERS = {
+    ("eval", "max_iters"): "lmtune evaluates on all of eval_data (or eval_split)",
+    ("eval", "max_new_tokens"): "sample_max_new_tokens, with sample_prompts, generates during training",
+    ("eval", "initial_validation"): "lmtune evaluates every eval_every steps and at the end",
+    ("eval", "final_validation"): "lmtune evaluates every eval_every steps and at the end",
+    ("data", "mask_prompt"): "prompts are out of the loss by default (train_on_prompt: true trains them)",
+    ("data", "prompt_style"): "records are trained as written; chat messages take the model's chat template",
+    ("model", "lora_attn_modules"): "lora_target_modules, by the model's names (q_proj,k_proj,v_proj,o_proj)",
+    ("model", "apply_lora_to_mlp"): "lora_target_modules: all-linear adapts the MLP's layers too",
+}
 _LORA_ON = "LoRA is switched on by lora: true; lora_target_modules names the layers by the model's names"
 _OTHER = "lmtune takes settings by name (lmtune train --help), not components"
 
@@ -45,6 +56,11 @@ _OTHER = "lmtune takes settings by name (lmtune train --help), not components"
 def in_group(group: str, name: str) -> str | None:
     """lmtune's name of litgpt's ``name`` in its ``group`` (train's save_interval: save_every)."""
     return _LITGPT_GROUPS.get(group, {}).get(name)
+
+
+def group_entry_answer(group: str, name: str) -> str | None:
+    """What lmtune does instead of ``name`` in another tool's ``group`` (eval's max_iters), or None."""
+    return _IN_GROUP_ANSWERS.get((group, name))
 
 
 def component_answer(group: str) -> str:
@@ -93,6 +109,7 @@ def _group_answer(key: str, group: dict[Any, Any], known: set[str]) -> str:
     if settings:
         said += f"; {', '.join(settings)}: lmtune's settings, given at the top level"
     said += "".join(f"; {n}: {yaml_hint(n)}" for n in entries if n in HINTS)
+    said += "".join(f"; {n}: {_IN_GROUP_ANSWERS[key, n]}" for n in entries if (key, n) in _IN_GROUP_ANSWERS)
     if any(n.startswith("lora_") for n in entries):  # torchtune's lora_* models
         said += f" ({_LORA_ON})"
     return said

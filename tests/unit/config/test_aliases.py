@@ -121,6 +121,7 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
             "--train.save_interval=8: options are not dotted here (give --save-every 8)",
         ),
         (["train", "eval.interval=100"], "not key=value overrides (give --eval-every 100)"),
+        (["train", "--eval.max_iters", "9"], "not dotted here (lmtune evaluates on all of eval_data"),
         (["chat"], "lmtune chat: not a command of lmtune; lmtune generate --model FOLDER --chat talks"),
         # litgpt's and torchtune's commands: lmtune's way to do the same.
         (["finetune", "checkpoints/x"], "lmtune finetune: not a command of lmtune; lmtune train fine-tunes"),
@@ -597,7 +598,8 @@ def test_a_torchtune_recipe_is_answered_group_by_group_at_once(tmp_path: Path) -
         "model: a Hugging Face model folder or hub id"
     )
     assert lines[0].endswith(
-        "; lora_rank: lmtune's settings, given at the top level (LoRA is switched on by "
+        "; lora_rank: lmtune's settings, given at the top level; apply_lora_to_mlp: lora_target_modules: "
+        "all-linear adapts the MLP's layers too (LoRA is switched on by "
         "lora: true; lora_target_modules names the layers by the model's names)"
     )
     assert (
@@ -635,6 +637,7 @@ train:
   min_lr: 6.0e-05
 eval:
   interval: 100
+  max_iters: 10
 optimizer:
   class_path: torch.optim.AdamW
   init_args:
@@ -658,8 +661,8 @@ def test_a_litgpt_config_is_answered_group_by_group_at_once(tmp_path: Path) -> N
         "settings, given at the top level; min_lr: min_lr_ratio is where the schedule ends as a fraction "
         "of lr (min_lr / lr; 0.1 by default)",
         "11: eval: litgpt's group of settings; interval (eval_every): lmtune's settings, given at the "
-        "top level",
-        "13: optimizer: 'torch.optim.AdamW' is a litgpt component; optimizer: adamw (the default) | "
+        "top level; max_iters: lmtune evaluates on all of eval_data (or eval_split)",
+        "14: optimizer: 'torch.optim.AdamW' is a litgpt component; optimizer: adamw (the default) | "
         "adamw8bit | paged_adamw8bit | sgd; lr: lmtune's settings, given at the top level; betas: "
         "AdamW's betas are adam_beta1 and adam_beta2 (0.9 and 0.999 by default)",
         "2: lora_query: lora switches LoRA on; lora_target_modules names its layers as the model does "
