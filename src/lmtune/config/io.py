@@ -77,7 +77,9 @@ def _coerce(s: Setting, value: Any) -> Any:
         # an empty value is more likely a value left out.
         if s.optional or (s.default == 0 and s.type in (int, float, bool)):
             return s.default
-        raise UserError(f"{option_name(name)}: needs a value (got null){_NULL.get(name, '')}")
+        # Another tool's null (torchtune's max_seq_len: null): lmtune's default is one value to give.
+        default = f"; remove it for the default, {s.default}" if name not in ("model", "data") else ""
+        raise UserError(f"{option_name(name)}: needs a value (got null){_NULL.get(name, '')}{default}")
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -109,7 +111,7 @@ def _coerce(s: Setting, value: Any) -> Any:
 
 
 # What an empty value means in other tools' configs, where lmtune needs one.
-_NULL = {"seed": " (torchtune's null seed is a random one; lmtune's runs are seeded: 42 when not given)"}
+_NULL = {"seed": " (torchtune's null seed is a random one; lmtune's runs are seeded)"}
 
 # The HF Trainer takes a value below 1 of these as a share of the run's steps; lmtune counts steps.
 _STEPS_SHARE = " (the HF Trainer's share of the training steps: lmtune takes a number of optimizer steps)"

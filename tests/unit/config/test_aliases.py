@@ -674,6 +674,9 @@ def test_a_litgpt_config_is_answered_group_by_group_at_once(tmp_path: Path) -> N
     config.write_text("seed: null\n")  # torchtune's: a random seed
     with pytest.raises(UserError, match=r"seed: needs a value \(got null\) \(torchtune's null seed"):
         load_yaml(str(config))
+    config.write_text("max_length: null\n")  # as torchtune's max_seq_len: null, lmtune's default is named
+    with pytest.raises(UserError, match=r"max_length: needs a value \(got null\); remove it for the default"):
+        load_yaml(str(config))
     config.write_text("resume: false\n")  # litgpt's
     with pytest.raises(UserError, match=r"resume: expected str, got False \(auto \| never \| PATH; never"):
         load_yaml(str(config))
