@@ -299,7 +299,18 @@ def test_generate_reads_a_piped_prompt(
 
 
 def test_other_commands_take_snake_case_options_as_train_does(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["generate", "--model", "tiny", "--prompt", "1+2=", "--max_new_tokens", "2", "--top_p=0.5"]
+    argv = [
+        "generate",
+        "--model",
+        "tiny",
+        "--prompt",
+        "1+2=",
+        "--max_new_tokens",
+        "2",
+        "--top_p=0.5",
+        "--temperature",
+        "1",
+    ]
     assert main(argv) == 0 and capsys.readouterr().out.startswith("1+2=")
     assert "unknown option --max-new-tokenz" in one_line_error([*argv, "--max_new_tokenz", "1"], capsys)
 
