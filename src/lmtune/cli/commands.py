@@ -54,6 +54,11 @@ def _outside_run_entries(folder: Path, option: str, given: str) -> None:
 
 
 def train_config(args: argparse.Namespace) -> Any:
+    return _train_config_given(args)[0]
+
+
+def _train_config_given(args: argparse.Namespace) -> tuple[Any, frozenset[str]]:
+    """The run's config, and the settings given by flag or in the --config file (lmtune's names)."""
     from lmtune.config.io import build_config, load_yaml
     from lmtune.config.settings import config_fields
 
@@ -63,14 +68,14 @@ def train_config(args: argparse.Namespace) -> Any:
         values.update(load_yaml(args.config))
         source = args.config
     values.update({f.name: getattr(args, f.name) for f in config_fields() if hasattr(args, f.name)})
-    return build_config(values, source)
+    return build_config(values, source), frozenset(values)
 
 
 def train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.parallel.distributed import launched_rank
     from lmtune.training.preflight import validate
 
-    cfg = train_config(args)
+    cfg, given = _train_config_given(args)
     # Not started by a launcher (no RANK): this command launches the job when it needs one. A
     # job of one process (--max-restarts with one process) has WORLD_SIZE 1 and is launched too:
     # its worker must train, not launch again.
@@ -88,17 +93,8 @@ def train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             return _launch_job(list(argv), cfg)
     from lmtune.train import train
 
-    train(cfg, given=_given(args))  # a run stopped by a signal has saved a checkpoint and exits cleanly too
+    train(cfg, given=given)  # a run stopped by a signal has saved a checkpoint and exits cleanly too
     return 0
-
-
-def _given(args: argparse.Namespace) -> frozenset[str]:
-    """The settings given by flag or in the --config file (by lmtune's names)."""
-    from lmtune.config.io import load_yaml
-    from lmtune.config.settings import config_fields
-
-    in_file = set(load_yaml(args.config)) if hasattr(args, "config") else set()
-    return frozenset(in_file | {f.name for f in config_fields() if hasattr(args, f.name)})
 
 
 def _launch_job(argv: list[str], cfg: Any) -> int:

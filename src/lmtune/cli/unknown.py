@@ -40,7 +40,7 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
     problems = [explained(a, values[a]) for a in options if a not in dotted]
     for token, flag in [*overrides.items(), *dotted.items()]:
         value, ours = given[token], canonical(flag)
-        group, _, name = token.lstrip("-").split("=", 1)[0].rpartition(".")
+        group, name = _dotted(token)
         if flag == f"--{COMPONENT}":  # dataset._component_=...: a recipe's component
             said = component_answer(group.split(".", 1)[0])
         elif answer := group_entry_answer(group.rsplit(".", 1)[-1], name):  # --eval.max_iters
@@ -69,8 +69,14 @@ def _leaf(token: str) -> str:
     otherwise (train.save_interval: --save_every)."""
     from lmtune.config.recipes import in_group
 
-    group, _, name = token.lstrip("-").split("=", 1)[0].rpartition(".")
+    group, name = _dotted(token)
     return "--" + (in_group(group.rsplit(".", 1)[-1], name) or name)
+
+
+def _dotted(token: str) -> tuple[str, str]:
+    """``--train.save_interval=8`` or ``train.save_interval=8`` as ("train", "save_interval")."""
+    group, _, name = token.lstrip("-").split("=", 1)[0].rpartition(".")
+    return group, name
 
 
 def _shown(name: str, value: str) -> str:

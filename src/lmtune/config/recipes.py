@@ -15,13 +15,15 @@ COMPONENT = "_component_"  # torchtune's
 CLASS_PATH, INIT_ARGS = "class_path", "init_args"  # litgpt's (jsonargparse)
 _BUILT = (COMPONENT, CLASS_PATH)
 
+_DATA = "data: a JSONL file (text, prompt/completion or chat messages) or a hub data set name"
+_EVALUATES = "lmtune evaluates every eval_every steps and at the end"
 # By the group's name (torchtune's and litgpt's recipes name them so), what lmtune takes instead.
 _GROUPS = {
     "model": "model: a Hugging Face model folder or hub id (torchtune's checkpointer.checkpoint_dir is one)",
     "checkpointer": "model: the Hugging Face folder of checkpoint_dir; lmtune reads its safetensors files",
     "tokenizer": "the model folder's own tokenizer is used (max_seq_len is max_length)",
-    "dataset": "data: a JSONL file (text, prompt/completion or chat messages) or a hub data set name",
-    "data": "data: a JSONL file (text, prompt/completion or chat messages) or a hub data set name",
+    "dataset": _DATA,
+    "data": _DATA,
     "optimizer": "optimizer: adamw (the default) | adamw8bit | paged_adamw8bit | sgd",
     "lr_scheduler": "lr_schedule: cosine (the default) | linear | constant | wsd, with warmup_steps",
     "loss": "lmtune's loss is a chunked linear cross-entropy by default: remove it",
@@ -42,8 +44,8 @@ _LITGPT_GROUPS = {
 _IN_GROUP_ANSWERS = {
     ("eval", "max_iters"): "lmtune evaluates on all of eval_data (or eval_split)",
     ("eval", "max_new_tokens"): "sample_max_new_tokens, with sample_prompts, generates during training",
-    ("eval", "initial_validation"): "lmtune evaluates every eval_every steps and at the end",
-    ("eval", "final_validation"): "lmtune evaluates every eval_every steps and at the end",
+    ("eval", "initial_validation"): _EVALUATES,
+    ("eval", "final_validation"): _EVALUATES,
     ("data", "mask_prompt"): "prompts are out of the loss by default (train_on_prompt: true trains them)",
     ("data", "prompt_style"): "records are trained as written; chat messages take the model's chat template",
     ("model", "lora_attn_modules"): "lora_target_modules, by the model's names (q_proj,k_proj,v_proj,o_proj)",
