@@ -158,3 +158,31 @@ def test_a_run_continuing_another_folders_checkpoint_takes_the_best_from_there(
         else:
             assert result["final_step"] == steps and "(this is that model)" not in card
             assert "is in no checkpoint here or in the run this one continued" in said
+
+
+def test_a_continued_run_resumed_again_still_finds_the_best_in_the_run_it_continued(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Continued from another folder's checkpoint, then stopped and resumed from its own: the best
+    is still found in the other folder (its checkpoints record the runs they continued)."""
+    best = json.loads((run / "run.json").read_text())["result"]["best"]
+    newest = sorted((run / "checkpoints").iterdir())[-1]
+    steps = int(newest.name.removeprefix("step-"))
+    out = tmp_path / "continued"
+    argv = ["train", "--data", str(run.parent / "d.jsonl"), "--eval-split", "40", "--no-progress"]
+    argv += ["--metric-for-best", "eval_loss", "--eval-every", "2", "--load-best-at-end", "--seed", "2"]
+    # A rate far higher than the first run's: the eval loss only rises, so the best stays there.
+    argv += ["--save-every", "2", "--global-batch-size", "8", "--lr", "1.0", "--output-dir", str(out)]
+    assert main([*argv, "--resume", str(newest), "--max-steps", str(steps + 2)]) == 0
+    assert (out / f"checkpoints/step-{steps + 2:06d}").is_dir()
+    capsys.readouterr()
+    assert main([*argv, "--max-steps", str(steps + 4)]) == 0  # resumed from this folder's own
+    result = json.loads((out / "run.json").read_text())["result"]
+    said = "".join(capsys.readouterr())
+    assert f"resuming from {out / 'checkpoints' / f'step-{steps + 2:06d}'}" in said
+    assert result["best"]["step"] == best["step"]
+    assert result["final_step"] == best["step"]
+    assert result["best"]["checkpoint"] == str(run / best["checkpoint"])
+    kept = load_file(out / "final" / "model.safetensors")
+    want = load_file(run / best["checkpoint"] / "model.safetensors")
+    assert all((kept[k] == want[k]).all() for k in kept.keys() & want.keys())

@@ -29,6 +29,7 @@ from lmtune.checkpoint.resume import (
     check_continuable,
     continue_from,
     read_changes,
+    read_continued,
     resume_point,
 )
 from lmtune.checkpoint.state import ModelParts, TrainerState
@@ -78,6 +79,9 @@ class CheckpointManager:
     resumed_from: Path | None = None  # the checkpoint this run continues (after resume())
     # The settings changed by each resume of the run so far, oldest first: {"step", "changes"}.
     changed: list[dict[str, Any]] = field(default_factory=list)
+    # The checkpoints folders of other runs this one continued (--resume of their checkpoint),
+    # oldest first: kept across resumes, so that a best checkpoint there is found at the end.
+    continued: list[Path] = field(default_factory=list)
     _saved_step: int = -1
     _start_step: int = 0
 
@@ -158,7 +162,8 @@ class CheckpointManager:
             saved = _read_record(folder / record.file_name)
             if saved is not None:
                 record.restore(saved)
-        self.changed = read_changes(_read_record(folder / CHANGES_FILE))
+        history = _read_record(folder / CHANGES_FILE)
+        self.changed, self.continued = read_changes(history), read_continued(history)
         if changes:
             self.changed.append({"step": state.step, "changes": changes})
         self._start_step = state.step
@@ -166,6 +171,8 @@ class CheckpointManager:
         # that a longer run continues in this folder even when this one trained nothing.
         here = folder.resolve().parent.parent == self.output_dir.resolve()
         self._saved_step = state.step if here else -1
+        if not here:
+            self.continued.append(folder.resolve().parent)
         return state
 
     def _final_state_of(self, earlier: Finished, newest: Path | None) -> Path:
@@ -200,8 +207,8 @@ class CheckpointManager:
         records |= {r.file_name: r.to_json() for r in self.records}
         if t.scaler is not None:
             records[SCALER_FILE] = t.scaler.state_dict()
-        if self.changed:
-            records[CHANGES_FILE] = {"resumes": self.changed}
+        if self.changed or self.continued:
+            records[CHANGES_FILE] = {"resumes": self.changed, "continued": [str(c) for c in self.continued]}
         with self.patient():
             path = save_checkpoint(
                 self.output_dir,
@@ -222,11 +229,11 @@ class CheckpointManager:
         return path
 
     def holding(self, step: int) -> Path | None:
-        """The checkpoint of ``step``: this folder's, else that of the run this one continued (a
-        --resume of another folder's checkpoint), else None (pruned, removed, or never saved)."""
+        """The checkpoint of ``step``: this folder's, else that of a run this one continued (a
+        --resume of another folder's checkpoint, before this run's own resumes), the latest first,
+        else None (pruned, removed, or never saved)."""
         places = [step_folder(self.output_dir, step)]
-        if self.resumed_from is not None:
-            places.append(self.resumed_from.parent / places[0].name)
+        places += [c / places[0].name for c in reversed(self.continued)]
         found = next((p for p in places if (p / MANIFEST).is_file()), None)
         return broadcast_object(found, self.env)  # rank 0's view: every rank loads, or none does
 

@@ -378,6 +378,17 @@ def read_changes(record: dict[str, Any] | None) -> list[dict[str, Any]]:
     ]
 
 
+def read_continued(record: dict[str, Any] | None) -> list[Path]:
+    """The checkpoints folders of other runs a checkpoint's run continued (``{"continued": [...]}``),
+    absolute paths; a checkpoint is looked for there only where its manifest is (and verified
+    when loaded). What is not of that shape is left out (a record read as hostile data)."""
+    folders = record.get("continued") if record is not None else None
+    if not isinstance(folders, list):
+        return []
+    named = [f for f in folders[:100] if isinstance(f, str) and 0 < len(f) < 4096]
+    return [Path(f) for f in named if Path(f).is_absolute()]
+
+
 def recorded_paths(resume: str, output_dir: Path, env: DistEnv) -> dict[str, Any] | None:
     """The CPU bf16 paths (``paths.json``, see lmtune.model.paths) that the run of the checkpoint
     this run would continue took, which the model is built with again instead of deciding anew;
