@@ -120,7 +120,7 @@ def _run(run: RunContext) -> TrainResult:
     cfg, env, log, output_dir = run.cfg, run.env, run.log, run.output_dir
     started = time.time()
     check_same_settings(cfg, env, run.strategy)
-    prepare_output(
+    replace_earlier_run = prepare_output(
         output_dir,
         resume=cfg.checkpoint.resume,
         overwrite=cfg.checkpoint.overwrite,
@@ -128,8 +128,8 @@ def _run(run: RunContext) -> TrainResult:
         env=env,
         warn=warn,
     )
-    # A resumed run is built with the CPU bf16 paths its checkpoint took, so it stays bit-identical.
-    built = build_parts(run, recorded_paths=recorded_paths(cfg.checkpoint.resume, output_dir, env))
+    built = build_parts(run, recorded_paths=recorded_paths(cfg.checkpoint, env))
+    replace_earlier_run()  # --overwrite: only now that the model and data are loaded
     best = best_tracker(cfg.eval)
     timeouts = CollectiveTimeouts(env, cfg.health.collective_timeout)
     checkpoints = _checkpoints(run, built, best, timeouts)

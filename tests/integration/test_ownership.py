@@ -13,9 +13,10 @@ import pytest
 from lmtune.checkpoint.export import EXPORT_MARKER
 from lmtune.checkpoint.layout import verify
 from lmtune.checkpoint.owned import WRITTEN_RECORD, file_stats, users_files
-from lmtune.checkpoint.rundir import LOCK_FILE, check_earlier_run, check_output_dir
+from lmtune.checkpoint.rundir import LOCK_FILE, check_earlier_run, check_output_dir, replace_earlier_run
 from lmtune.cli import main
 from lmtune.errors import UserError
+from lmtune.parallel.distributed import read_dist_env
 from tests.conftest import one_line_error as _error
 from tests.conftest import tiny_run_with_checkpoint, write_jsonl
 
@@ -172,7 +173,10 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
         check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
     assert sorted(tmp_path.rglob("*")) == before
     (tmp_path / "checkpoints" / "step-000003" / "NOTES.txt").rename(tmp_path / "NOTES.txt")
+    before = sorted(tmp_path.rglob("*"))
     check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
+    assert sorted(tmp_path.rglob("*")) == before  # checked only: deleted once the new run is built
+    replace_earlier_run(tmp_path, read_dist_env("cpu"))
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == [
         *("NOTES.txt", "checkpoints", "checkpoints/my-notes.txt"),
@@ -379,3 +383,24 @@ def test_what_marks_a_file_as_lmtunes(tmp_path: Path) -> None:
     f.write_bytes(b"\xff\xfe not text")
     assert not written_by_lmtune(f, "plan")
     assert not written_by_lmtune(tmp_path, "report") and not written_by_lmtune(tmp_path / "none.png", "png")
+
+
+def test_overwrite_deletes_the_earlier_run_only_once_the_new_one_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo in an --overwrite command (model, data, batch) is refused with the earlier run intact."""
+    out = tmp_path / "out"
+    data = write_jsonl(tmp_path / "d.jsonl", [f"text {i}" for i in range(16)])
+    (tmp_path / "bad.jsonl").write_text('{"text": "a text"}\n{not json\n')
+    argv = ["train", "--output-dir", str(out), "--max-steps", "1", "--no-progress", "--overwrite"]
+    assert main([*argv, "--data", str(data), "--global-batch-size", "8"]) == 0
+    before = _files(out)
+    for wrong, said in (
+        (["--model", "tiny-typo", "--data", str(data)], "--model tiny-typo"),
+        (["--data", str(tmp_path / "bad.jsonl")], "bad.jsonl:2"),
+        (["--data", str(data), "--global-batch-size", "64"], "64"),
+    ):
+        assert said in _error([*argv, *wrong], capsys)
+        assert _files(out) == before
+    assert main([*argv, "--data", str(data), "--global-batch-size", "4", "--seed", "3"]) == 0
+    assert json.loads((out / "run.json").read_text())["config"]["seed"] == 3  # replaced now

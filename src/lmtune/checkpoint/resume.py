@@ -33,6 +33,7 @@ from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
 from lmtune.config.files import read_json_object
 from lmtune.config.mixture import named_items, parse_weights
+from lmtune.config.run_groups import CheckpointSettings
 from lmtune.config.settings import TrainConfig, config_fields, option_name, warmup_steps
 from lmtune.errors import UserError, one_line
 from lmtune.model.paths import PATHS_FILE
@@ -389,12 +390,16 @@ def read_continued(record: dict[str, Any] | None) -> list[Path]:
     return [Path(f) for f in named if Path(f).is_absolute()]
 
 
-def recorded_paths(resume: str, output_dir: Path, env: DistEnv) -> dict[str, Any] | None:
+def recorded_paths(settings: CheckpointSettings, env: DistEnv) -> dict[str, Any] | None:
     """The CPU bf16 paths (``paths.json``, see lmtune.model.paths) that the run of the checkpoint
-    this run would continue took, which the model is built with again instead of deciding anew;
-    None for a fresh run or a checkpoint saved before paths were recorded. Read before the model
-    exists, so before :func:`resume_point` checks the checkpoint (a damaged one stops the run
-    there); read by rank 0 for all."""
+    this run would continue took, which the model is built with again instead of deciding anew, so
+    that a resume stays bit-identical; None for a fresh run (``--overwrite`` of this folder's run
+    included) or a checkpoint saved before paths were recorded. Read before the model exists, so
+    before :func:`resume_point` checks the checkpoint (a damaged one stops the run there); read by
+    rank 0 for all."""
+    resume, output_dir = settings.resume, Path(settings.output_dir)
+    if resume == "auto" and settings.overwrite:  # its checkpoints are deleted once the run is built
+        resume = "never"
 
     def recorded() -> dict[str, Any] | None:
         found = (

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -286,8 +287,9 @@ def check_earlier_run(
     config: dict[str, Any],
     warn: Callable[[str], None] = lambda message: None,
 ) -> None:
-    """Refuse to replace an earlier run's results that no checkpoint continues; ``--overwrite``
-    deletes them (and the checkpoints) instead: lmtune's own entries only. Call with the lock held.
+    """Refuse to replace an earlier run's results that no checkpoint continues. Under
+    ``--overwrite``, check that they may be deleted (lmtune's own entries only), which
+    :func:`replace_earlier_run` does once the new run is built. Call with the lock held.
 
     The same run stopped before its first checkpoint (its run.json has this very ``config``, and it
     has no ``final/``) starts over, saying so: what it leaves is its own and is written again.
@@ -307,7 +309,6 @@ def check_earlier_run(
                 "choose another --output-dir"
             )
         refuse_users_steps(output_dir, "--overwrite")  # before anything is deleted
-        remove_own_entries(output_dir)
         return
     if continued or not ({"final", "metrics.jsonl"} & set(present)) or recorded_finish(output_dir):
         return  # a finished run's record: the checkpoint manager judges it once the run is built
@@ -327,6 +328,18 @@ def check_earlier_run(
         f"--output-dir {output_dir} holds an earlier run ({', '.join(results)}) with no checkpoint to "
         "continue from; choose another --output-dir, or --overwrite to replace it"
     )
+
+
+def replace_earlier_run(output_dir: Path, env: DistEnv) -> None:
+    """``--overwrite``: delete what an earlier run wrote, by rank 0 with the lock held, once the new
+    run's model and data are loaded (a typo in the command must not cost the earlier run), and
+    checked again (:func:`check_earlier_run` checked it before): a user's files are kept."""
+
+    def replace() -> None:
+        refuse_users_steps(output_dir, "--overwrite")
+        remove_own_entries(output_dir)
+
+    decided_by_main(replace, None, env)
 
 
 def remove_own_entries(output_dir: Path) -> list[Path]:
@@ -479,9 +492,10 @@ def prepare_output(
     config: dict[str, Any],
     env: DistEnv,
     warn: Callable[[str], None],
-) -> None:
-    """Rank 0, holding the lock: clear unfinished saves, refuse to replace an earlier run's results
-    (``--overwrite`` deletes them). Every rank raises the same error, so none is left waiting."""
+) -> Callable[[], None]:
+    """Rank 0, holding the lock: clear unfinished saves, refuse to replace an earlier run's results.
+    Every rank raises the same error, so none is left waiting. Returns what each rank calls once
+    the run is built: under ``--overwrite``, the earlier run's deletion (:func:`replace_earlier_run`)."""
     from lmtune.checkpoint.layout import list_checkpoints
 
     def prepare() -> None:
@@ -492,3 +506,4 @@ def prepare_output(
         check_earlier_run(output_dir, continued, overwrite, config, warn)
 
     decided_by_main(prepare, None, env)
+    return partial(replace_earlier_run, output_dir, env) if overwrite else lambda: None

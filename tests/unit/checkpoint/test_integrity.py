@@ -19,12 +19,19 @@ import torch
 
 from lmtune.checkpoint import sharded, store
 from lmtune.checkpoint.layout import MANIFEST, list_checkpoints, step_folder, verify
-from lmtune.checkpoint.rundir import LOCK_FILE, LOCK_TOKEN_ENV, acquire, check_earlier_run, remove_leftovers
+from lmtune.checkpoint.rundir import (
+    LOCK_FILE,
+    LOCK_TOKEN_ENV,
+    acquire,
+    check_earlier_run,
+    remove_leftovers,
+    replace_earlier_run,
+)
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import save_checkpoint
 from lmtune.config.groups import ExampleSettings
 from lmtune.errors import UserError
-from lmtune.parallel.distributed import DistEnv
+from lmtune.parallel.distributed import DistEnv, read_dist_env
 
 
 class Payload:
@@ -191,6 +198,8 @@ def test_an_earlier_run_is_not_replaced_without_overwrite(tmp_path: Path) -> Non
     with pytest.raises(UserError, match=r"holds an earlier run \(metrics.jsonl\)"):
         check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 2.0})
     check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
+    assert (tmp_path / "run.json").exists()  # deleted once the new run is built
+    replace_earlier_run(tmp_path, read_dist_env("cpu"))
     assert not (tmp_path / "run.json").exists() and not (tmp_path / "metrics.jsonl").exists()
     (tmp_path / "checkpoints" / ".step-000004.tmp").mkdir(parents=True)
     assert [p.name for p in remove_leftovers(tmp_path)] == [".step-000004.tmp"]
