@@ -1,5 +1,6 @@
 """run.json's record of a finished run: a run run again with no more steps asked for has nothing
-to do, and another run finished in the same folder is refused rather than mixed with it."""
+to do (and the settings it changed apply to nothing), and another run finished in the same folder
+is refused rather than mixed with it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from lmtune.checkpoint.layout import list_checkpoints
 from lmtune.config.files import read_json_object
+from lmtune.config.settings import option_name
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, decided_by_main
 
@@ -74,3 +76,39 @@ def read_finished(output_dir: Path, fixed: dict[str, Any], env: DistEnv) -> Fini
         return found
 
     return decided_by_main(judged, None, env)
+
+
+def earlier_record(output_dir: Path) -> dict[str, Any]:
+    """The folder's run.json, or {} where there is none lmtune can read."""
+    try:
+        return read_json_object(output_dir / "run.json")
+    except (OSError, UserError):
+        return {}
+
+
+# Settings that say where and how a command runs, not what it trains.
+_NOT_THE_RUN = frozenset({"output_dir", "resume", "overwrite", "progress", "doctor", "cache_dir"})
+
+
+def changed_settings(output_dir: Path, config: dict[str, Any]) -> list[str]:
+    """This command's settings that differ from those run.json recorded (``--lr 2e-4, was
+    0.0001``), for a finished run that will not train again: changing them does nothing there."""
+    record = earlier_record(output_dir)
+    recorded, resolved = record.get("config"), record.get("resolved")
+    if not isinstance(recorded, dict):
+        return []
+    resolved = resolved if isinstance(resolved, dict) else {}  # what an unset setting took (--lr)
+
+    def shown(name: str, value: Any, was: bool) -> str:
+        if value is not None:
+            return str(value)
+        return f"unset (it took {resolved[name]})" if was and name in resolved else "unset"
+
+    def same(name: str, value: Any) -> bool:  # the value given now is what an unset one took
+        return recorded[name] == value or (recorded[name] is None and resolved.get(name, None) == value)
+
+    return [
+        f"{option_name(name)} {shown(name, value, False)}, was {shown(name, recorded.get(name), True)}"
+        for name, value in config.items()
+        if name not in _NOT_THE_RUN and name in recorded and not same(name, value)
+    ]

@@ -28,13 +28,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from lmtune.checkpoint.finished import recorded_finish
+from lmtune.checkpoint.finished import earlier_record, recorded_finish
 from lmtune.checkpoint.layout import LOCK_FILE, enclosing_run, refuse_users_steps, remove_checkpoint
 from lmtune.checkpoint.owned import users_files_said
 from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
 from lmtune.config.mixture import named_items
-from lmtune.config.settings import option_name
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, decided_by_main
 from lmtune.parallel.launch import LOCK_TOKEN_ENV
@@ -274,7 +273,7 @@ def _ran_here(folder: Path) -> bool:
     lmtune's names (``final/``, ``metrics.jsonl``, ``checkpoints/step-1/``): a user's may."""
     from lmtune.checkpoint.layout import list_checkpoints, verify
 
-    record = _run_record(folder)
+    record = earlier_record(folder)
     if isinstance(record.get("config"), dict) and isinstance(record.get("environment"), dict):
         return True
     return any(verify(p) is None for p in list_checkpoints(folder))
@@ -312,7 +311,7 @@ def check_earlier_run(
         return
     if continued or not ({"final", "metrics.jsonl"} & set(present)) or recorded_finish(output_dir):
         return  # a finished run's record: the checkpoint manager judges it once the run is built
-    if "final" not in present and _recorded_config(output_dir) == config:
+    if "final" not in present and earlier_record(output_dir).get("config") == config:
         warn(
             f"{output_dir} holds this run, stopped before its first checkpoint: starting it again from "
             "step 0 (--save-every N keeps a stopped run's progress)"
@@ -433,46 +432,6 @@ def _input_paths(spec: str) -> Iterator[tuple[Path, bool]]:
             yield root.resolve(), True
         elif path.exists():
             yield path.resolve(), path.is_dir()
-
-
-def _run_record(output_dir: Path) -> dict[str, Any]:
-    """The folder's run.json, or {} where there is none lmtune can read."""
-    try:
-        return read_json_object(output_dir / "run.json")
-    except (OSError, UserError):
-        return {}
-
-
-def _recorded_config(output_dir: Path) -> Any:
-    return _run_record(output_dir).get("config")
-
-
-# Settings that say where and how a command runs, not what it trains.
-_NOT_THE_RUN = frozenset({"output_dir", "resume", "overwrite", "progress", "doctor", "cache_dir"})
-
-
-def changed_settings(output_dir: Path, config: dict[str, Any]) -> list[str]:
-    """This command's settings that differ from those run.json recorded (``--lr 2e-4, was
-    0.0001``), for a finished run that will not train again: changing them does nothing there."""
-    record = _run_record(output_dir)
-    recorded, resolved = record.get("config"), record.get("resolved")
-    if not isinstance(recorded, dict):
-        return []
-    resolved = resolved if isinstance(resolved, dict) else {}  # what an unset setting took (--lr)
-
-    def shown(name: str, value: Any, was: bool) -> str:
-        if value is not None:
-            return str(value)
-        return f"unset (it took {resolved[name]})" if was and name in resolved else "unset"
-
-    def same(name: str, value: Any) -> bool:  # the value given now is what an unset one took
-        return recorded[name] == value or (recorded[name] is None and resolved.get(name, None) == value)
-
-    return [
-        f"{option_name(name)} {shown(name, value, False)}, was {shown(name, recorded.get(name), True)}"
-        for name, value in config.items()
-        if name not in _NOT_THE_RUN and name in recorded and not same(name, value)
-    ]
 
 
 def remove_leftovers(output_dir: Path) -> list[Path]:

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from lmtune.config.hints import BY_VALUE, HINTS
 from lmtune.errors import UserError, one_line
 
 # Foreign name -> the lmtune setting of the same meaning.
@@ -57,212 +58,6 @@ ALIASES: dict[str, str] = {
     "num_nodes": "nnodes",  # litgpt
 }
 
-# Foreign name -> what to do instead. ``{name}`` becomes a setting's name in the style of the place
-# it was written: ``--global-batch-size`` on the command line, ``global_batch_size`` in YAML.
-_MEET = "the job meets at {rdzv_endpoint} HOST:PORT (node 0's address), with {nnodes} and {node_rank}"
-HINTS: dict[str, str] = {
-    "gradient_accumulation_steps": (
-        "lmtune derives gradient accumulation from {global_batch_size} (examples per optimizer step "
-        "over all processes) = {micro_batch_size} x processes x accumulation"
-    ),
-    "per_device_eval_batch_size": "evaluation runs micro-batches of {micro_batch_size}",
-    # Axolotl's: lmtune counts in optimizer steps (the start line says how many an epoch has).
-    "evals_per_epoch": "{eval_every} N evaluates every N optimizer steps",
-    "saves_per_epoch": "{save_every} N saves a checkpoint every N optimizer steps",
-    "bf16": "set the precision with {precision} bf16",
-    # QLoRA's other bitsandbytes settings (peft, TRL, Axolotl): lmtune decides them.
-    "bnb_4bit_compute_dtype": "4-bit layers compute in {precision}'s dtype (bf16 with {precision} bf16)",
-    "bnb_4bit_use_double_quant": "{load_in_4bit} always quantizes the quantization constants too",
-    "fp16": "set the precision with {precision} fp16",
-    "optim": "lmtune's optimizers: {optimizer} adamw | adamw8bit | paged_adamw8bit | sgd",
-    "lr_scheduler_type": (
-        "lmtune's schedules: {lr_schedule} cosine | linear | constant | wsd (its cosine decays to lr x "
-        "{min_lr_ratio}, 0.1 by default; transformers' cosine decays to 0: add {min_lr_ratio} 0)"
-    ),
-    "lr_scheduler": "lmtune's schedules: {lr_schedule} cosine | linear | constant | wsd",
-    "eval_strategy": "{eval_every} N evaluates every N optimizer steps (0: at the end only)",
-    "evaluation_strategy": "{eval_every} N evaluates every N optimizer steps (0: at the end only)",
-    "save_strategy": "{save_every} N saves a checkpoint every N optimizer steps",
-    "logging_strategy": "{log_every} N writes a metrics line every N optimizer steps",
-    "resume_from_checkpoint": (
-        "{resume} auto (the default: continue from the newest checkpoint in {output_dir}) | never | PATH"
-    ),
-    "completion_only_loss": (
-        "lmtune trains only completions and assistant turns by default; {train_on_prompt} trains every token"
-    ),
-    "assistant_only_loss": (
-        "lmtune trains only assistant turns of chat data by default; {train_on_prompt} trains every token"
-    ),
-    # HF Trainer's repository, uploaded to only with push_to_hub (taken together as lmtune's).
-    "hub_model_id": (
-        "the HF Trainer uploads there only with push_to_hub; lmtune's {push_to_hub} NAME/REPO names the "
-        "repository and uploads"
-    ),
-    "hub_token": (
-        "lmtune reads the Hugging Face token as huggingface_hub does (HF_TOKEN, or `hf auth login`), "
-        "never from an option, so it stays out of run.json and the process list"
-    ),
-    "rl": "preference tuning is {objective} dpo | ipo | simpo | orpo",  # Axolotl
-    "stage": "supervised is {objective} sft; preference tuning {objective} dpo | ipo | simpo | orpo",
-    "loss_type": (  # TRL's DPOConfig
-        "the preference loss is {objective}: TRL's sigmoid is dpo, ipo is ipo (SimPO and ORPO are "
-        "{objective} simpo | orpo)"
-    ),
-    "precompute_ref_log_probs": (
-        "{reference} logprobs (the default) precomputes the reference's log-probs once, {reference} live "
-        "runs it in every step"
-    ),
-    "ref_model": "name the reference with {reference_model} (default: the starting model)",
-    "sync_ref_model": (
-        "lmtune's reference stays the model it starts as (or {reference_model}); it has no TR-DPO syncing"
-    ),
-    "deepspeed": "lmtune shards parameters, gradients and optimizer state with {strategy} fsdp (FSDP2)",
-    "fsdp": "use {strategy} fsdp (FSDP2)",
-    "fsdp_config": "lmtune's {strategy} fsdp (FSDP2) takes no config: it shards each decoder block",
-    # torchrun's and the HF Trainer's launch settings.
-    "master_addr": _MEET,
-    "master_port": _MEET,
-    "ddp_backend": "lmtune uses NCCL between GPUs and gloo on CPUs; it takes no backend",
-    "no_cuda": "{device} cpu trains on the CPU",
-    "use_cpu": "{device} cpu trains on the CPU",
-    "local_rank": (
-        "lmtune reads the rank from the launcher's environment: start the processes with "
-        "{nproc_per_node} N, or under torchrun"
-    ),
-    "adapter": (
-        "LoRA is switched on by {lora} (with {lora_rank}, {lora_alpha}, {lora_target_modules}); QLoRA "
-        "by {load_in_4bit} as well"
-    ),
-    # Axolotl's
-    "lora_target_linear": "every linear layer is lmtune's default ({lora_target_modules} all-linear)",
-    "sample_packing": "packing is {packing} on | off | auto",
-    "datasets": (
-        "give the files as lmtune's {data} (comma-separated; each record's format is detected from its "
-        "fields) and rename fields with {field_map}"
-    ),
-    "dataset": "give the files as lmtune's {data}",
-    "field_messages": "map field names with {field_map} messages=FIELD,role=FIELD,content=FIELD",
-    "message_property_mappings": "map field names with {field_map} messages=FIELD,role=FIELD,content=FIELD",
-    "formatting_func": "map field names with {field_map} (for example prompt=question,completion=answer)",
-    "wandb_project": "set WANDB_PROJECT in the environment and give {report_to} wandb",
-    "logging_dir": ("metrics go to OUTPUT/metrics.jsonl; {report_to} tensorboard writes OUTPUT/tensorboard"),
-    "attn_implementation": (
-        "lmtune chooses attention itself (per-example flash attention where the model allows); "
-        "run.json's resolved.attention says which"
-    ),
-    "flash_attention": (
-        "lmtune chooses attention itself (per-example flash attention where the model allows); "
-        "run.json's resolved.attention says which"
-    ),
-    "num_processes": "start processes with {nproc_per_node} N",
-    # HF Trainer's and TRL's names that lmtune has no setting for (what they do is lmtune's way, or
-    # does not apply), so a config brought from there is answered line by line, not with a guess.
-    "eval_accumulation_steps": (
-        "evaluation runs micro-batches of {micro_batch_size} and keeps only sums: nothing to accumulate"
-    ),
-    "data_seed": "the data order follows {seed} (shuffled with seed + epoch, the same on every process)",
-    "logging_first_step": "metrics.jsonl has every {log_every} steps and the last",
-    "log_level": (
-        "lmtune prints its own lines and warnings; `lmtune train -v` shows other packages' warnings too"
-    ),
-    "disable_tqdm": "turn the progress bar off with {progress} false",
-    "hub_strategy": "{push_to_hub} uploads the final model once, when training ends",
-    "tf32": (
-        "lmtune leaves TF32 at PyTorch's default (off for matrix products); {precision} bf16 runs them "
-        "in bf16"
-    ),
-    "torch_dtype": "trained weights are kept in fp32; {precision} bf16 | fp16 computes in half precision",
-    "run_name": "a run is named by its {output_dir} (W&B and MLflow runs take that folder's name)",
-    "use_liger_kernel": (
-        "lmtune's chunked linear cross-entropy ({loss_chunk_size}, on by default) never holds the full "
-        "logits, as Liger's fused loss does"
-    ),
-    "padding_free": "lmtune trains without padding by default: per-example attention on packed rows",
-    "full_determinism": (
-        "lmtune has no switch for PyTorch's deterministic GPU kernels; a run follows {seed}, and a "
-        "resume repeats the uninterrupted run exactly"
-    ),
-    "gradient_checkpointing_kwargs": "{activation_checkpointing} true is non-reentrant already",
-    "ddp_find_unused_parameters": "lmtune sets DDP up itself: remove it",
-    "remove_unused_columns": "lmtune reads only the fields its data format uses: remove it",
-    "dataset_num_proc": "lmtune tokenizes in its own worker processes: remove it",
-    "do_train": "lmtune train trains: remove it",
-    "do_eval": "evaluation runs when there is {eval_data} or {eval_split}: remove it",
-    "save_safetensors": "lmtune saves safetensors always: remove it",
-    "save_only_model": (
-        "a checkpoint holds what an exact resume needs; the model alone is OUTPUT/final (and {keep_last} "
-        "limits the checkpoints kept)"
-    ),
-    "eos_token": "lmtune uses the tokenizer's own end-of-sequence token; a chat template ends turns with it",
-    "pad_token": (
-        "lmtune pads with the tokenizer's padding token, or its end-of-sequence token when it has none "
-        "(padding never trains)"
-    ),
-    # torchtune's and litgpt's
-    "max_steps_per_epoch": "{max_steps} N ends the run after N optimizer steps; lmtune has no cap per epoch",
-    "dtype": "trained weights are kept in fp32; {precision} bf16 | fp16 computes in half precision",
-    "batch_size": (  # torchtune's is per device
-        "{micro_batch_size} is the examples per process in one forward; {global_batch_size} the examples "
-        "of an optimizer step over all processes"
-    ),
-    "shuffle": "the training data is shuffled every epoch, by {seed}, the same for any number of processes",
-    "betas": "AdamW's betas are {adam_beta1} and {adam_beta2} (0.9 and 0.999 by default)",
-    **dict.fromkeys(  # litgpt's
-        [f"lora_{layer}" for layer in ("query", "key", "value", "projection", "mlp", "head")],
-        "{lora} switches LoRA on; {lora_target_modules} names its layers as the model does (q_proj,v_proj)",
-    ),
-    "logger_name": "{report_to} tensorboard | wandb | mlflow (metrics.jsonl is always written)",
-    "quantize": "{load_in_4bit} loads the base in 4 bits (NF4: litgpt's bnb.nf4), {load_in_8bit} in 8",
-    "min_lr": "{min_lr_ratio} is where the schedule ends as a fraction of {lr} (min_lr / lr; 0.1 by default)",
-    "clip_grad_norm": "{max_grad_norm} N clips the global gradient norm (1.0 by default; 0: no clipping)",
-    "devices": "start processes with {nproc_per_node} N (and {nnodes} N for several machines)",
-    "checkpoint_dir": (
-        "{model} names the model to start from (a folder or a hub id); {output_dir} is where lmtune writes "
-        "its checkpoints"
-    ),
-    "max_completion_length": (
-        "a preference pair keeps prompt and answer within {max_length}: the prompt is cut from the left "
-        "(keeping at least half of {max_length}), the answers from the right"
-    ),
-}
-
-_SCHEDULES = {
-    "cosine": (
-        "{lr_schedule} cosine is lmtune's default; it decays to lr x {min_lr_ratio} (0.1 by default), "
-        "transformers' and Axolotl's to 0: add {min_lr_ratio} 0 for theirs"
-    ),
-    "linear": "{lr_schedule} linear (warmup, then linear decay to 0)",
-    "constant_with_warmup": "{lr_schedule} constant (constant after the warmup)",
-    "warmup_stable_decay": "{lr_schedule} wsd",
-}
-# Foreign names whose answer depends on the value given (as text, lower case; "*": any other).
-_BY_VALUE: dict[str, dict[str, str]] = {
-    "bf16": {
-        "false": "lmtune's default {precision} is fp32 already: remove it",
-        # Axolotl's: bf16 where the GPU has it.
-        "auto": "lmtune takes the precision as given: {precision} bf16 (GPUs, CPUs with bf16 units) or fp32",
-    },
-    "fp16": {"false": "lmtune's default {precision} is fp32 already: remove it"},
-    # A --config file's TRL values that lmtune's settings say are taken (_VALUE_SWITCHES); flags
-    # are answered.
-    "loss_type": {
-        "sigmoid": "TRL's sigmoid loss is {objective} dpo",
-        "ipo": "TRL's ipo loss is {objective} ipo",
-        "*": "lmtune's preference losses are {objective} dpo (TRL's sigmoid) | ipo | simpo | orpo; "
-        "TRL's {value} is none of them",
-    },
-    "precompute_ref_log_probs": {
-        "true": "lmtune precomputes the reference's log-probs by default ({reference} logprobs): remove it",
-        "false": "{reference} live runs the reference in every step",
-    },
-    "eval_strategy": {"no": "lmtune evaluates only when given {eval_data} or {eval_split}: remove it"},
-    "evaluation_strategy": {"no": "lmtune evaluates only when given {eval_data} or {eval_split}: remove it"},
-    "save_strategy": {
-        "no": "{save_every} 0 saves no checkpoint during training (final/ is saved at the end)"
-    },
-    "lr_scheduler": _SCHEDULES,
-    "lr_scheduler_type": _SCHEDULES,
-}
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
@@ -336,7 +131,7 @@ def explain_unknown(
     )
     close = list(dict.fromkeys([*close, *prefixed[:3], *extends, *short]))
     given = str(value).lower() if isinstance(value, (str, bool, int, float)) else None
-    answers = _BY_VALUE.get(key, {})
+    answers = BY_VALUE.get(key, {})
     if given is not None and (answer := answers.get(given, answers.get("*"))):
         return f"{shown}: {_styled(answer, lambda n: one_line(given, 40) if n == 'value' else style(n))}"
     if close and close[0] in HINTS:

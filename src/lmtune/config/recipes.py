@@ -96,7 +96,8 @@ def refuse_recipe(
 
 
 def _group_answer(key: str, group: dict[Any, Any], known: set[str]) -> str:
-    from lmtune.config.aliases import HINTS, lmtune_name, yaml_hint
+    from lmtune.config.aliases import lmtune_name, yaml_hint
+    from lmtune.config.hints import HINTS
 
     built = group.get(COMPONENT, group.get(CLASS_PATH))
     inner: Any = group.get(INIT_ARGS) if CLASS_PATH in group else group

@@ -8,10 +8,9 @@ from typing import Any
 
 from lmtune.checkpoint.card import write_run_cards
 from lmtune.checkpoint.export import save_hf_folder
-from lmtune.checkpoint.finished import RUN_RECORD_BYTES
+from lmtune.checkpoint.finished import RUN_RECORD_BYTES, changed_settings
 from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.owned import record_written
-from lmtune.checkpoint.rundir import changed_settings
 from lmtune.config.settings import SAMPLE_DATA, to_dict
 from lmtune.errors import UserError
 from lmtune.model.modeling import merged_into_base

@@ -349,7 +349,7 @@ def test_a_saved_folder_shows_no_progress_bar_and_leaves_the_setting_as_it_was(
 
 
 def test_a_setting_left_to_its_default_is_named_by_the_value_it_took(tmp_path: Path) -> None:
-    from lmtune.checkpoint.rundir import changed_settings
+    from lmtune.checkpoint.finished import changed_settings
 
     record = {"config": {"lr": None, "seed": 1}, "resolved": {"lr": 0.001}, "environment": {}}
     (tmp_path / "run.json").write_text(json.dumps(record))

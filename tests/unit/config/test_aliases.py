@@ -12,7 +12,8 @@ import pytest
 from lmtune.cli import main
 from lmtune.cli.commands import train_config
 from lmtune.cli.parser import build_parser, hub_flags
-from lmtune.config.aliases import ALIASES, HINTS
+from lmtune.config.aliases import ALIASES
+from lmtune.config.hints import HINTS
 from lmtune.config.io import build_config, load_yaml
 from lmtune.config.settings import TrainConfig, config_fields, setting_named, to_dict
 from lmtune.errors import UserError
