@@ -231,7 +231,12 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
         "false": {},
     },
     "lora_target_linear": {"true": {"lora_target_modules": "all-linear"}, "false": {}},  # Axolotl
-    "loss_type": {"sigmoid": {"objective": "dpo"}, "ipo": {"objective": "ipo"}},  # TRL
+    "loss_type": {  # TRL's DPOConfig (sigmoid, ipo) and CPOConfig (simpo)
+        "sigmoid": {"objective": "dpo"},
+        "ipo": {"objective": "ipo"},
+        "simpo": {"objective": "simpo"},
+    },
+    "sample_packing": {"true": {"packing": "on"}, "false": {"packing": "off"}},  # Axolotl
     "precompute_ref_log_probs": {"true": {"reference": "logprobs"}, "false": {"reference": "live"}},  # TRL
     # HF Trainer's, TRL's and Axolotl's half-precision switches (false: not that one, asks nothing).
     "bf16": {"true": {"precision": "bf16"}, "false": {}},

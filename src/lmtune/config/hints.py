@@ -60,6 +60,26 @@ HINTS: dict[str, str] = {
         "runs it in every step"
     ),
     "ref_model": "name the reference with {reference_model} (default: the starting model)",
+    # TRL's DPOConfig and CPOConfig settings that lmtune has no setting for.
+    "disable_dropout": (
+        "a preference objective turns all dropout off (LoRA's too), as TRL's default true does; "
+        "supervised training keeps the model's: remove it"
+    ),
+    "reference_free": (
+        "{objective} dpo | ipo compare with a reference ({reference_model}, default the starting model); "
+        "{objective} simpo | orpo use none"
+    ),
+    "rpo_alpha": "lmtune's DPO adds no NLL term on the chosen answers; {objective} orpo has one",
+    "cpo_alpha": "{objective} simpo is SimPO without the NLL term (TRL's cpo_alpha: 0); lmtune has no CPO",
+    "use_weighting": "lmtune's DPO does not weight pairs (no WPO): remove it",
+    "generate_during_eval": "{sample_prompts} FILE generates from those prompts every {sample_every} steps",
+    "truncation_mode": (
+        "{truncation} right | left | drop | error; for pairs right and left both cut the prompt from "
+        "the left (TRL's keep_end) and the answers from the right"
+    ),
+    "lora_modules_to_save": "lmtune's LoRA trains and saves the adapters only: no module is trained whole",
+    "lora_fan_in_fan_out": "peft sets it from the layer's kind (GPT-2's Conv1D layers take it)",
+    "lora_task_type": "lmtune's LoRA is for causal language modelling (peft's CAUSAL_LM) always",
     "sync_ref_model": (
         "lmtune's reference stays the model it starts as (or {reference_model}); it has no TR-DPO syncing"
     ),
@@ -83,6 +103,10 @@ HINTS: dict[str, str] = {
     # Axolotl's
     "lora_target_linear": "every linear layer is lmtune's default ({lora_target_modules} all-linear)",
     "sample_packing": "packing is {packing} on | off | auto",
+    "strict": "lmtune checks every key of a config file and refuses unknown ones: remove it",
+    "special_tokens": (
+        "lmtune keeps the tokenizer's special tokens; a {chat_template} preset adds the ones it needs"
+    ),
     "datasets": (
         "give the files as lmtune's {data} (comma-separated; each record's format is detected from its "
         "fields) and rename fields with {field_map}"
@@ -195,6 +219,7 @@ BY_VALUE: dict[str, dict[str, str]] = {
     "loss_type": {
         "sigmoid": "TRL's sigmoid loss is {objective} dpo",
         "ipo": "TRL's ipo loss is {objective} ipo",
+        "simpo": "TRL's simpo loss (CPOConfig) is {objective} simpo",
         "*": "lmtune's preference losses are {objective} dpo (TRL's sigmoid) | ipo | simpo | orpo; "
         "TRL's {value} is none of them",
     },

@@ -339,7 +339,8 @@ def _check_data(cfg: TrainConfig, need: Need) -> None:
         need(sources > 1, "data_weights", "applies to a mixture of two or more --data sources only")
     need(cfg.examples.max_length >= 2, "max_length", "must be >= 2")
     m = cfg.examples.max_prompt_length
-    need(m is None or 1 <= m < cfg.examples.max_length, "max_prompt_length", "must be in [1, --max-length)")
+    limit = cfg.examples.max_length
+    need(m is None or 1 <= m < limit, "max_prompt_length", f"must be in [1, --max-length), here [1, {limit})")
     need(bool(cfg.examples.text_field), "text_field", "must not be empty")
     need(cfg.data.num_workers >= 0, "num_workers", "must be >= 0")
     need(

@@ -361,6 +361,7 @@ def test_axolotls_adapter_switches_lora(tmp_path: Path, lines: str, lora: bool, 
     [
         ("loss_type: sigmoid\n", "dpo", "logprobs"),
         ("loss_type: ipo\nobjective: ipo\n", "ipo", "logprobs"),
+        ("loss_type: simpo\n", "simpo", "logprobs"),  # TRL's CPOConfig
         ("objective: dpo\nprecompute_ref_log_probs: false\n", "dpo", "live"),
         ("objective: dpo\nprecompute_ref_log_probs: true\n", "dpo", "logprobs"),
         ("rl: dpo\n", "dpo", "logprobs"),  # Axolotl's
@@ -685,3 +686,10 @@ def test_a_litgpt_config_is_answered_group_by_group_at_once(tmp_path: Path) -> N
     config.write_text("out_dir: out/x\neval:\n  every: 5\n")
     cfg = build_config(load_yaml(str(config)))
     assert str(cfg.checkpoint.output_dir) == "out/x" and cfg.eval.every == 5
+
+
+@pytest.mark.parametrize(("value", "packing"), [("true", "on"), ("false", "off")])
+def test_axolotls_sample_packing_is_packing(tmp_path: Path, value: str, packing: str) -> None:
+    yaml_file = tmp_path / "axolotl.yaml"
+    yaml_file.write_text(f"sample_packing: {value}\n")
+    assert build_config(load_yaml(str(yaml_file))).batch.packing == packing
