@@ -201,7 +201,8 @@ def _left_out_note(layout: BatchLayout, unit: str) -> str | None:
         return None
     return (
         f"each epoch trains {per_epoch:,} of the {per_epoch + left:,} {noun} ({layout.steps_per_epoch:,} "
-        f"steps of {layout.global_batch_size}): the {left:,} left over, fewer than one global batch, sit "
+        f"step{'s' if layout.steps_per_epoch != 1 else ''} of {layout.global_batch_size}): the {left:,} "
+        "left over, fewer than one global batch, sit "
         "that epoch out (other ones each epoch: the order is reshuffled); a --global-batch-size that "
         "divides the data trains them all"
     )
