@@ -196,8 +196,8 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     except UserError as e:
         raise UserError(f"--config: {e}") from None
     loaded = parse_yaml(text, f"--config: {path}")
-    if loaded is None:
-        return {}, {}
+    if loaded is None:  # a run of the built-in demo, which the user surely did not mean
+        raise UserError(f"--config: {path}: holds no settings (empty, or only comments)")
     if not isinstance(loaded, dict):
         raise UserError(f"--config: {path}: expected a mapping of settings, got {type(loaded).__name__}")
     lines = _key_lines(text, path)

@@ -162,6 +162,11 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(UserError, match="expected a mapping"):
         load_yaml(str(listy))
+    empty = tmp_path / "empty.yaml"
+    for text in ("", "# lr: 1e-4\n"):  # not a run of the built-in demo
+        empty.write_text(text)
+        with pytest.raises(UserError, match=r"empty\.yaml: holds no settings \(empty, or only comments\)"):
+            load_yaml(str(empty))
 
 
 def test_every_shipped_config_parses() -> None:
