@@ -39,6 +39,8 @@ def test_export_never_replaces_what_it_did_not_write(
     notes.mkdir()
     (notes / "ideas.txt").write_text("mine")
     assert "not empty and not an earlier export" in _error(["export", str(ckpt), str(notes)], capsys)
+    said = _error(["export", str(ckpt), str(notes / "ideas.txt" / "model")], capsys)
+    assert f"cannot write the export there ({notes / 'ideas.txt'} is a file, not a folder)" in said
     assert "not empty and not an earlier export" in _error(
         ["export", str(ckpt), str(notes), "--overwrite"], capsys
     )

@@ -366,10 +366,15 @@ def _write_export(out: Path, write: Callable[[Path], None], checkpoint: Path) ->
     """Write into a temporary sibling, then swap it in; what was at ``out`` (empty, or an earlier
     export) is removed only once the new folder is complete."""
     out = out.expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
     nonce = uuid.uuid4().hex[:8]
     tmp, aside = out.with_name(f".{out.name}.tmp-{nonce}"), out.with_name(f".{out.name}.old-{nonce}")
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:  # named as given: the temporary sibling is no name the user knows
+        blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        why = f"{blocking} is a file, not a folder" if blocking is not None else e.strerror
+        raise UserError(f"{out}: cannot write the export there ({why})") from None
     try:
         with no_progress_bars():
             write(tmp)
