@@ -26,6 +26,11 @@ class UnknownSetting(UserError, TypeError):
     ``TypeError``, as Python's own for an unexpected keyword."""
 
 
+class WrongType(SettingError, TypeError):
+    """A value of the wrong type given to ``TrainConfig`` (``beta="x"``): a :class:`SettingError`,
+    and a ``TypeError``, as Python's own for a wrong argument."""
+
+
 USER_ERROR_EXIT_CODE = 2
 
 

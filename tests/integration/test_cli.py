@@ -170,7 +170,9 @@ def test_train_doctor_checks_before_training(tmp_path: Path, capsys: pytest.Capt
     assert "lmtune doctor" in printed and "ok    output folder" in printed
     assert "CPU threads" in printed and "threads, waiting" in printed
     assert printed.index("lmtune doctor") < printed.index("lmtune: preset tiny")
-    assert "; 1 step; precision fp32; loss: " in printed  # the start line names what the run computes in
+    assert (
+        "; 1 step at lr 0.001 (cosine, the preset's default); precision fp32; loss: " in printed
+    )  # the start line names what the run computes in
     assert main(["doctor", "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "FAIL  data" in capsys.readouterr().out
     # A folder it had to make to check (with the ones above it) is gone after the check.
@@ -255,6 +257,11 @@ def test_max_prompt_length_is_for_preference_pairs(
     config.write_text("lr: 1.0e-4\nmax_prompt_length: 16\n")
     assert main(["train", "--config", str(config), "--output-dir", str(tmp_path / "o")]) == 2
     assert "sft.yaml:2: max_prompt_length: applies to preference pairs" in capsys.readouterr().err
+    # A key whose value says an lmtune setting (TRL's precompute_ref_log_probs: false is --reference
+    # live) is named by its own line, not by the flag the file never wrote.
+    config.write_text("lr: 1.0e-4\nprecompute_ref_log_probs: false\n")
+    assert main(["train", "--config", str(config), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "sft.yaml:2: precompute_ref_log_probs: applies to objective dpo" in capsys.readouterr().err
 
 
 def test_ddp_or_fsdp_in_one_process_says_it_runs_the_single_path(

@@ -27,7 +27,7 @@ from tests.conftest import write_jsonl
         ("model: ~\n", "run.yaml:1: model: needs a value (got null)"),
         ("data: null\n", "run.yaml:1: data: needs a value"),
         ("output_dir: null\n", "run.yaml:1: output_dir: needs a value"),
-        ("max_steps: 3\nmax-steps: 4\n", "--max-steps is set twice (as max_steps and max-steps)"),
+        ("max_steps: 3\nmax-steps: 4\n", "run.yaml:2: max_steps is set twice (as max_steps and max-steps)"),
         ("lr: .inf\n", "run.yaml:1: lr: must be a finite number"),
         ("epochs: [1, 2]\n", "run.yaml:1: epochs: expected int"),
         # Named as the file has it (an alias, a nested group), with its line.
@@ -39,6 +39,7 @@ from tests.conftest import write_jsonl
         ("seed: 1\nchat_template: tokenizer_default\n", "run.yaml:2: chat_template: the tokenizer's own"),
         ("seed: 1\nval_set_size: 20000\n", "run.yaml:2: val_set_size: holds out 20000 of"),
         ("lora: true\nlora_target_modules: [qproj]\n", "run.yaml:2: lora_target_modules: qproj matched no"),
+        ("seed: 1\ndata: nothing-*.jsonl\n", "run.yaml:2: data: nothing-*.jsonl: no file matches"),
         # A batch that does not divide: named by the micro batch's line, the global batch as the file has it.
         (
             "global_batch_size: 32\nmicro_batch_size: 5\n",

@@ -43,11 +43,9 @@ def finished_record(step: int, total_steps: int, fixed: dict[str, Any]) -> dict[
 
 def recorded_finish(output_dir: Path) -> dict[str, Any] | None:
     """run.json's ``result.finished`` in ``output_dir`` when it is well-formed, else None."""
-    try:
-        record = read_json_object(output_dir / "run.json", limit=RUN_RECORD_BYTES)["result"][FINISHED_KEY]
-    except (UserError, OSError, KeyError, TypeError):
-        return None  # no run.json, or not one lmtune wrote: no finished run is recorded
-    if not isinstance(record, dict):
+    result = earlier_record(output_dir).get("result")
+    record = result.get(FINISHED_KEY) if isinstance(result, dict) else None
+    if not isinstance(record, dict):  # no run.json, or not one lmtune wrote: no finished run is recorded
         return None
     numbers = all(type(record.get(k)) is int and record[k] >= 0 for k in ("step", "total_steps"))
     return record if numbers and isinstance(record.get("fingerprint"), str) else None
@@ -81,7 +79,7 @@ def read_finished(output_dir: Path, fixed: dict[str, Any], env: DistEnv) -> Fini
 def earlier_record(output_dir: Path) -> dict[str, Any]:
     """The folder's run.json, or {} where there is none lmtune can read."""
     try:
-        return read_json_object(output_dir / "run.json")
+        return read_json_object(output_dir / "run.json", limit=RUN_RECORD_BYTES)
     except (OSError, UserError):
         return {}
 

@@ -244,6 +244,13 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+def value_switched(key: str, value: Any) -> list[str]:
+    """The settings another tool's ``key: value`` sets (:data:`_VALUE_SWITCHES`), if it is one."""
+    if isinstance(value, (list, dict)):
+        return []
+    return list(_VALUE_SWITCHES.get(canonical(key), {}).get(str(value).lower(), {}))
+
+
 def _value_switches(
     values: dict[str, Any], where: Callable[[str], str], style: Callable[[str], str]
 ) -> dict[str, Any]:
@@ -261,7 +268,15 @@ def _value_switches(
         switched = _VALUE_SWITCHES.get(canonical(key), {}).get(str(value).lower())
         if switched is None or isinstance(value, (list, dict)):
             continue
-        given = {canonical(k): v for k, v in out.items()}
+        given = {ALIASES.get(canonical(k), canonical(k)): v for k, v in out.items()}
+        if canonical(key) == "lora_target_linear" and not switched and "lora_target_modules" not in given:
+            # Axolotl adapts the layers its lora_target_modules names; with none named, lmtune's
+            # default (every linear layer) is what "false" turned off.
+            modules, sep = style("lora_target_modules"), " " if style("x").startswith("-") else ": "
+            raise UserError(
+                f"{where(key)}{key}: false adapts the layers {modules} names, and the file names none "
+                f"(lmtune's default is every linear layer; name them, as {modules}{sep}[q_proj, v_proj])"
+            )
         del out[key]
         for name, ours in switched.items():
             if name not in given:

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from lmtune.config.aliases import lmtune_name, resolve_names
+from lmtune.config.aliases import lmtune_name, resolve_names, value_switched
 from lmtune.config.files import SETTINGS_BYTES, read_text
 from lmtune.config.mixture import yaml_sources
 from lmtune.config.recipes import recipe_groups, refuse_recipe
@@ -225,8 +225,8 @@ def _named_settings(
         entries = _group_entries(name, value, place) if group and isinstance(value, dict) else {name: value}
         for flat, item in entries.items():
             if flat in settings:
-                both = f"as {flat} and {one_line(str(key), 60)}"
-                raise UserError(f"--config: {path}: {option_name(flat)} is set twice ({both})")
+                both = f"as {one_line(origin[flat], 60)} and {one_line(str(key), 60)}"
+                raise UserError(f"{place}: {flat} is set twice ({both})")
             settings[flat], origin[flat] = item, str(key)
 
     def where(flat: str) -> str:
@@ -252,6 +252,8 @@ def _named_settings(
     for key, value in settings.items():
         name = lmtune_name(key, known)
         places[name] = f"{where(key)}{one_line(key, 60)}"
+        for switched in value_switched(key, value):  # TRL's precompute_ref_log_probs: false is reference
+            places.setdefault(switched, places[name])
         if name in resolved and resolved[name] is value:
             try:
                 _coerce(setting_named(name), value)

@@ -43,7 +43,7 @@ from lmtune.config.run_groups import (
     LoggingSettings,
     SampleSettings,
 )
-from lmtune.errors import UnknownSetting, UserError, brief
+from lmtune.errors import UnknownSetting, UserError, WrongType, brief
 
 __all__ = [
     "DEFAULT_EPOCHS",
@@ -200,6 +200,16 @@ def peer_unset(name: str, value: Any) -> Any:
     return value
 
 
+def typed_as(value: object, kind: type, optional: bool) -> bool:
+    """Whether ``value`` is of a setting's type: the CLI and YAML convert values, the Python API
+    (``TrainConfig(lr="abc")``) does not, and a wrong type would fail later with a traceback."""
+    if value is None:
+        return optional
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
 def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) -> dict[str, Any]:
     """TrainConfig's attributes from flat settings and groups, over ``start`` (else the defaults)."""
     values: dict[str, Any] = dict(start) if start else {n: k() for n, k in GROUPS.items()}
@@ -228,6 +238,11 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
             values[key] = value
         elif key in _BY_NAME:
             s = _BY_NAME[key]
+            if s.type is not str and not typed_as(value, s.type, s.optional):
+                # Refused where it is given (a traceback's line in the user's script), as Python
+                # refuses an unknown keyword, not when train() starts.
+                expected = f"expected {s.type.__name__} (got {brief(value)})"
+                raise WrongType(key, f"TrainConfig: {key}", expected)
             flat.setdefault(s.group or "", {})[s.field] = as_text(value) if s.type is str else value
         else:
             from lmtune.config.aliases import explain_unknown

@@ -35,6 +35,7 @@ from lmtune.config.settings import (
     option_name,
     parse_nnodes,
     setting_named,
+    typed_as,
     value_of,
 )
 from lmtune.errors import SettingError, brief
@@ -58,7 +59,7 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
 
     for s in config_fields():
         value = value_of(cfg, s)
-        need(_typed(value, s.type, s.optional), s.name, f"expected {s.type.__name__}")
+        need(typed_as(value, s.type, s.optional), s.name, f"expected {s.type.__name__}")
         # As the CLI and YAML refuse them (the Python API converts nothing): inf and nan pass some
         # range checks below, and fail later as a non-finite loss.
         need(s.type is not float or value is None or _finite(value), s.name, "must be a finite number")
@@ -90,16 +91,6 @@ def _finite(value: object) -> bool:
         return math.isfinite(value)  # type: ignore[arg-type]
     except OverflowError:  # an int past float's range: TrainConfig(lr=10**400)
         return False
-
-
-def _typed(value: object, kind: type, optional: bool) -> bool:
-    """Whether ``value`` is of a setting's type: the CLI and YAML convert values, the Python API
-    (``TrainConfig(lr="abc")``) does not, and a wrong type would fail later with a traceback."""
-    if value is None:
-        return optional
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
 
 
 # transformers' names (TrainingArguments.optim, which Axolotl and TRL take) of lmtune's choices.

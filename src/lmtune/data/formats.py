@@ -134,13 +134,15 @@ def unused_names(settings: ExampleSettings, formats: Collection[str]) -> list[st
 
 # The template for tokenizers that have none (and for the presets). Assistant turns end with EOS so
 # the model learns to stop; the newline comes before a turn, so nothing trainable follows the EOS.
+# The newline between turns is an expression: transformers renders with trim_blocks, which drops
+# a newline written right after a block tag.
 BUILTIN_CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
-    "{%- if not loop.first %}\n{% endif -%}"
+    "{%- if not loop.first %}{{ '\\n' }}{% endif -%}"
     "<|{{ m['role'] }}|>\n{{ m['content'] }}"
     "{%- if m['role'] == 'assistant' %}{{ eos_token }}{% endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt %}{% if messages %}\n{% endif %}<|assistant|>\n{% endif -%}"
+    "{%- if add_generation_prompt %}{% if messages %}{{ '\\n' }}{% endif %}<|assistant|>\n{% endif -%}"
 )
 
 

@@ -97,9 +97,9 @@ def _is_saved_dataset(folder: Path) -> bool:
 def _file_source(path: Path, option: str) -> Source:
     suffix = path.suffix.lower()
     if suffix not in EXTENSIONS:
-        raise UserError(
-            f"{option} {path}: unsupported file type '{suffix or '(none)'}'; "
-            f"use one of {', '.join(EXTENSIONS)}"
+        raise _refused(
+            option,
+            f"{path}: unsupported file type '{suffix or '(none)'}'; use one of {', '.join(EXTENSIONS)}",
         )
     kind = "jsonl" if suffix == ".ndjson" else suffix[1:]
     return Source(kind, str(path))
@@ -130,14 +130,14 @@ def _item_sources(item: str, option: str) -> list[Source]:
     if any(ch in item for ch in "*?["):
         matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         if not matches:
-            raise UserError(f"{option} {item}: no file matches")
+            raise _refused(option, f"{item}: no file matches")
         return [_file_source(p, option) for p in matches]
     if path.is_dir():
         if _is_saved_dataset(path):
             return [Source("hf_disk", str(path))]
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in EXTENSIONS)
         if not files:
-            raise UserError(f"{option} {item}: folder has no {', '.join(EXTENSIONS)} files")
+            raise _refused(option, f"{item}: folder has no {', '.join(EXTENSIONS)} files")
         return [_file_source(p, option) for p in files]
     if path.is_file():
         return [_file_source(path, option)]
@@ -149,12 +149,15 @@ def _item_sources(item: str, option: str) -> list[Source]:
         hint = f" (did you mean {' or '.join(near)}?)" if near else ""
         if not path.is_absolute() and not item.startswith("~"):  # a --config file's too: not beside it
             hint += f" (in the working folder {Path.cwd()})"
-        reason = f"no such file or folder: {item}{hint}"
-        setting = {"--data": "data", "--eval-data": "eval_data"}.get(option)
-        # A setting's error: the CLI names the --config file's line when the path came from there.
-        raise SettingError(setting, option, reason) if setting else UserError(f"{option}: {reason}")
+        raise _refused(option, f"no such file or folder: {item}{hint}")
     name, _, split = item.partition(":")
     return [Source("hf_hub", name, split or "train")]
+
+
+def _refused(option: str, reason: str) -> UserError:
+    """A data setting's error: the CLI names the --config file's line when the value came from there."""
+    setting = {"--data": "data", "--eval-data": "eval_data"}.get(option)
+    return SettingError(setting, option, reason) if setting else UserError(f"{option}: {reason}")
 
 
 def _near_names(path: Path) -> list[str]:

@@ -8,11 +8,10 @@ from typing import Any
 
 from lmtune.checkpoint.card import write_run_cards
 from lmtune.checkpoint.export import save_hf_folder
-from lmtune.checkpoint.finished import RUN_RECORD_BYTES, changed_settings
+from lmtune.checkpoint.finished import changed_settings, earlier_record
 from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.owned import record_written
 from lmtune.config.settings import SAMPLE_DATA, to_dict
-from lmtune.errors import UserError
 from lmtune.model.modeling import merged_into_base
 from lmtune.outputs.hub import push_final
 from lmtune.parallel.distributed import barrier
@@ -75,14 +74,12 @@ def finish(
 def recorded_result(output_dir: Path) -> tuple[float, EvalResult | None]:
     """A finished run's last loss and last evaluation, as its run.json recorded them (nan and
     None where it holds none, or not in lmtune's form)."""
-    from lmtune.config.files import read_json_object
-
+    result: Any = earlier_record(output_dir).get("result")
     try:
-        result: dict[str, Any] = read_json_object(output_dir / "run.json", limit=RUN_RECORD_BYTES)["result"]
         loss = float(result["last_loss"])
         evaluated = result.get("eval")
         return loss, EvalResult.from_record(evaluated) if isinstance(evaluated, dict) else None
-    except (OSError, UserError, AttributeError, KeyError, TypeError, ValueError):
+    except (AttributeError, KeyError, TypeError, ValueError):
         return float("nan"), None
 
 

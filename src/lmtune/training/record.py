@@ -116,7 +116,8 @@ def run_record(
         + f", {run.strategy}{_one_process_note(cfg.launch.strategy, run.strategy)} on "
         f"{env.world_size} x {env.device.type}{units}; global batch {_batch_line(layout)} "
         f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} "
-        f"step{'s' if layout.total_steps != 1 else ''}; precision {cfg.model.precision}"
+        f"step{'s' if layout.total_steps != 1 else ''} at lr {built.lr:.3g} "
+        f"({cfg.schedule.name}{_lr_note(cfg, built.loaded.source)}); precision {cfg.model.precision}"
         + ("; activation checkpointing" if cfg.model.activation_checkpointing else "")
         + f"; loss: {built.loss.description}"
         + (f"; NEFTune noise alpha {cfg.objective.neftune_alpha:g}" if cfg.objective.neftune_alpha else "")
@@ -211,6 +212,15 @@ def _left_out_note(layout: BatchLayout, unit: str) -> str | None:
 def _base_bytes(model: torch.nn.Module) -> dict[str, int]:
     quantized, full_precision, adapters = footprint(model)
     return {"quantized": quantized, "full_precision": full_precision, "adapters": adapters}
+
+
+def _lr_note(cfg: TrainConfig, source: str) -> str:
+    """Where the learning rate came from when --lr was not given."""
+    if cfg.optim.lr is not None:
+        return ""
+    if source.startswith("preset "):
+        return ", the preset's default"
+    return ", the default for LoRA" if cfg.lora.enabled else ", the default for a pretrained model"
 
 
 def _one_process_note(asked: str, runs: str) -> str:

@@ -438,6 +438,17 @@ def test_axolotls_preference_keys_set_lmtunes(tmp_path: Path) -> None:
         load_yaml(str(yaml_file))
 
 
+def test_axolotls_lora_target_linear_false_takes_the_named_layers(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "axolotl.yaml"
+    yaml_file.write_text("adapter: lora\nlora_target_linear: false\nlora_target_modules: [q_proj, v_proj]\n")
+    assert build_config(load_yaml(str(yaml_file))).lora.target_modules == "q_proj,v_proj"
+    yaml_file.write_text("adapter: lora\nlora_target_linear: false\n")  # not lmtune's default quietly
+    with pytest.raises(
+        UserError, match=r":2: lora_target_linear: false adapts the layers lora_target_modules"
+    ):
+        load_yaml(str(yaml_file))
+
+
 def test_axolotls_adapter_against_the_files_own_switch_is_refused(tmp_path: Path) -> None:
     yaml_file = tmp_path / "axolotl.yaml"
     yaml_file.write_text("max_steps: 3\nadapter: qlora\nload_in_4bit: false\n")

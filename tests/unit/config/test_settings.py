@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +17,7 @@ from lmtune.cli.commands import train_config
 from lmtune.cli.parser import build_parser
 from lmtune.config.io import to_argv
 from lmtune.config.settings import PLAN_SETTINGS, TrainConfig, choices, config_fields, field_type, option_name
-from lmtune.errors import UserError
+from lmtune.errors import UserError, WrongType
 from lmtune.training.preflight import validate
 
 
@@ -55,19 +56,28 @@ def test_allowed_values_live_in_the_field_and_are_checked_and_shown() -> None:
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"lr": "abc"}, "--lr: expected float (got 'abc')"),
-        ({"max_steps": "3"}, "--max-steps: expected int (got '3')"),
-        ({"lora": True, "lora_rank": 8.0}, "--lora-rank: expected int (got 8.0)"),
-        ({"packing": True}, "--packing: expected str (got True)"),
-        ({"lora": "yes"}, "--lora: expected bool (got 'yes')"),
+        ({"lr": "abc"}, "TrainConfig: lr: expected float (got 'abc')"),
+        ({"max_steps": "3"}, "TrainConfig: max_steps: expected int (got '3')"),
+        ({"lora": True, "lora_rank": 8.0}, "TrainConfig: lora_rank: expected int (got 8.0)"),
+        ({"lora": "yes"}, "TrainConfig: lora: expected bool (got 'yes')"),
+        ({"beta": "x"}, "TrainConfig: beta: expected float (got 'x')"),
     ],
 )
-def test_the_python_api_refuses_a_value_of_the_wrong_type(settings: dict[str, Any], message: str) -> None:
-    """The CLI and YAML convert values; TrainConfig takes them as given, so the check names them
-    instead of a TypeError deep in the run."""
-    with pytest.raises(UserError) as refused:
-        validate(TrainConfig(**settings), 1)
-    assert str(refused.value) == message
+def test_the_python_api_refuses_a_value_of_the_wrong_type_where_it_is_given(
+    settings: dict[str, Any], message: str
+) -> None:
+    """The CLI and YAML convert values; TrainConfig takes them as given, so it refuses a wrong type
+    at once (the user's line in the traceback), a TypeError as Python's own, not deep in the run."""
+    with pytest.raises(WrongType) as refused:
+        TrainConfig(**settings)
+    assert str(refused.value) == message and isinstance(refused.value, (TypeError, UserError))
+    with pytest.raises(WrongType, match=re.escape(message)):
+        TrainConfig().replace(**settings)
+
+
+def test_a_wrong_type_set_on_a_group_is_refused_before_the_run() -> None:
+    with pytest.raises(UserError, match=r"^--packing: expected str \(got True\)$"):
+        validate(replace(TrainConfig(), packing=True), 1)
 
 
 def test_the_python_api_takes_lists_and_mappings_as_yaml_does() -> None:

@@ -12,7 +12,7 @@ import pytest
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.addition import addition_examples, split_prompt
 from lmtune.data.collate import Collator
-from lmtune.data.formats import PLAIN_FIELDS, render
+from lmtune.data.formats import PLAIN_FIELDS, ensure_chat_template, render
 from lmtune.data.prepare import encode_in_memory, records
 from lmtune.data.sources import BadLines, Record, resolve_sources
 from lmtune.data.tokenize import IGNORE_INDEX
@@ -205,6 +205,20 @@ def test_messages_train_only_assistant_turns_with_the_builtin_template() -> None
     data, stats, tok = encode([{"messages": conv}])
     assert trained_text(data, 0, tok) == f"hello{tok.eos_token}4{tok.eos_token}"
     assert stats.eos_trained == 1
+
+
+def test_the_builtin_template_puts_each_turn_on_its_own_line() -> None:
+    conv = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    tok = byte_tokenizer()
+    ensure_chat_template(tok)
+    rendered = render(Record("m", 1, {"messages": conv}), "auto", PLAIN_FIELDS, tok)
+    eos = tok.eos_token
+    assert rendered.text == f"<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\nhello{eos}\n<|user|>\n2+2?"
 
 
 def test_messages_under_a_real_chat_template() -> None:
