@@ -31,7 +31,7 @@ from lmtune.parallel.distributed import (
     read_dist_env,
 )
 from lmtune.parallel.health import Heartbeat
-from lmtune.parallel.launch import report_outcome, warn
+from lmtune.parallel.launch import report_outcome, resume_advice, warn
 from lmtune.parallel.wrap import resolve_strategy, unwrap
 from lmtune.testing.faults import requested as faults_requested
 from lmtune.tools.doctor import DoctorSettings, check_or_fail
@@ -177,13 +177,13 @@ def _run(run: RunContext) -> TrainResult:
     last_eval = result.evals[-1] if result.evals else None
     done = TrainResult(output_dir, result.state.step, result.last_loss, last_eval)
     if result.stop == "signal":
-        log.info(f"stopped at step {result.state.step}; run the same command again to resume")
-        report_outcome(result.state.step, stopped=True, local_rank=env.local_rank, main=env.is_main)
+        log.info(f"stopped at step {result.state.step}; {resume_advice(cfg.checkpoint.overwrite)}")
+        report_outcome(result.state.step, stopped=True, env=env, overwrite=cfg.checkpoint.overwrite)
         return replace(done, stopped_by="signal")
     finish(run, built, result, checkpoints, trained_from=state.step, record=run_info)
     run_info["result"]["finished"] = checkpoints.finished_record(result.state.step, built.layout.total_steps)
     log.write_json("run.json", run_info)
-    report_outcome(result.state.step, stopped=False, local_rank=env.local_rank, main=env.is_main)
+    report_outcome(result.state.step, stopped=False, env=env)
     return replace(done, stopped_by=run_info["result"]["stopped_by"])
 
 

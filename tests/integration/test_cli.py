@@ -261,7 +261,8 @@ def test_max_prompt_length_is_for_preference_pairs(
     # live) is named by its own line, not by the flag the file never wrote.
     config.write_text("lr: 1.0e-4\nprecompute_ref_log_probs: false\n")
     assert main(["train", "--config", str(config), "--output-dir", str(tmp_path / "o")]) == 2
-    assert "sft.yaml:2: precompute_ref_log_probs: applies to objective dpo" in capsys.readouterr().err
+    said = "sft.yaml:2: precompute_ref_log_probs (reference live in lmtune): applies to objective dpo"
+    assert said in capsys.readouterr().err
 
 
 def test_ddp_or_fsdp_in_one_process_says_it_runs_the_single_path(

@@ -30,6 +30,10 @@ from tests.conftest import write_jsonl
         ("max_steps: 3\nmax-steps: 4\n", "run.yaml:2: max_steps is set twice (as max_steps and max-steps)"),
         ("lr: .inf\n", "run.yaml:1: lr: must be a finite number"),
         ("epochs: [1, 2]\n", "run.yaml:1: epochs: expected int"),
+        (
+            "num_epochs: 2.5\n",
+            "run.yaml:1: num_epochs: expected int, got 2.5 (lmtune trains whole epochs: --max-steps",
+        ),
         # Named as the file has it (an alias, a nested group), with its line.
         ("seed: 1\nlearning_rate: abc\n", "run.yaml:2: learning_rate: expected float, got 'abc'"),
         ("lora:\n  enabled: true\n  rank: x\n", "run.yaml:1: lora_rank: expected int, got 'x'"),

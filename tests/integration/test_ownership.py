@@ -406,3 +406,35 @@ def test_overwrite_deletes_the_earlier_run_only_once_the_new_one_is_built(
         assert _files(out) == before
     assert main([*argv, "--data", str(data), "--global-batch-size", "4", "--seed", "3"]) == 0
     assert json.loads((out / "run.json").read_text())["config"]["seed"] == 3  # replaced now
+
+
+def test_a_run_stopped_under_overwrite_says_to_resume_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ "The same command again" would start it over: --overwrite deletes the checkpoint just saved."""
+    import signal
+
+    import torch
+
+    original = torch.optim.AdamW.step
+    steps: list[int] = []
+
+    def step(self: torch.optim.AdamW, *args: object, **kwargs: object) -> object:
+        steps.append(1)
+        if len(steps) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl+C early in a run of 4 steps
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    out = tmp_path / "out"
+    argv = ["train", "--max-steps", "4", "--no-progress", "--output-dir", str(out), "--overwrite"]
+    main(argv)
+    printed = capsys.readouterr()
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert len(saved) == 1 and len(steps) < 4  # stopped early, with a checkpoint
+    assert "; run the same command without --overwrite to resume (with it, the run starts over)" in (
+        printed.out + printed.err
+    )
+    monkeypatch.setattr(torch.optim.AdamW, "step", original)
+    assert main(argv[:-1]) == 0  # as it said: without --overwrite, it resumes
+    assert f"resuming from {out / 'checkpoints' / saved[0]}" in capsys.readouterr().out

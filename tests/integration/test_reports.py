@@ -239,3 +239,10 @@ def test_report_tells_a_killed_run_from_a_running_one(tmp_path: Path) -> None:
     (out / "run.json").write_text(json.dumps({"result": {"stopped_by": "signal", "steps": 2}}))
     status = _summary(load_run(out))["status"]
     assert status == "stopped (by a signal; the same command resumes from step-000002)"
+    # Given --overwrite, the same command would start over: the report says to drop it.
+    stopped = {"stopped_by": "signal", "steps": 2}
+    (out / "run.json").write_text(json.dumps({"result": stopped, "config": {"overwrite": True}}))
+    assert _summary(load_run(out))["status"] == (
+        "stopped (by a signal; the same command starts over (--overwrite); without --overwrite, it resumes "
+        "from step-000002)"
+    )

@@ -249,11 +249,19 @@ def _chosen_checkpoint(resume: str, output_dir: Path) -> str:
     return resume
 
 
-def rerun_outcome(output_dir: Path, resume: Any) -> str:
+def rerun_outcome(output_dir: Path, resume: Any, overwrite: bool = False) -> str:
     """What the same command does in a stopped run's folder, by :func:`resume_point`'s rules (for
     ``lmtune report``): continue the checkpoint its --resume names, else the folder's newest one,
     refused when that one is damaged (checked by the sizes its manifest lists: hashing every file
-    is too slow for a report)."""
+    is too slow for a report). With --overwrite it starts over, and the rest is what it does
+    without."""
+    without = rerun_outcome(output_dir, resume) if overwrite else ""
+    if overwrite and not without.endswith("starts over"):
+        rest = without.removeprefix("the same command ")
+        said = f"it {rest}" if rest != without else without
+        return f"the same command starts over (--overwrite); without --overwrite, {said}"
+    if without:
+        return without
     if isinstance(resume, str) and resume not in ("auto", "never"):
         return f"the same command resumes from --resume {resume} again"
     saved = list_checkpoints(output_dir)

@@ -15,7 +15,13 @@ OVERRIDE = re.compile(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*=")
 def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed: dict[str, Any]) -> str:
     """What ``parser`` (a subcommand's) did not take, in one line: per unknown option a peer's name in
     lmtune, a hint or the closest names; then stray arguments. ``parsed``: what it took, by destination."""
-    from lmtune.config.aliases import accumulation_here, as_arguments, canonical, explain_unknown
+    from lmtune.config.aliases import (
+        accumulation_here,
+        as_arguments,
+        canonical,
+        explain_unknown,
+        switch_given,
+    )
     from lmtune.config.recipes import COMPONENT, component_answer, group_entry_answer
     from lmtune.config.settings import option_name
 
@@ -34,6 +40,7 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
         return (
             explain_unknown(option, known, option_name, parser.prog, value)
             + accumulation_here(option, value, parsed, option_name)
+            + switch_given(option, value, parsed, option_name)
             + as_arguments(option, parser)
         )
 

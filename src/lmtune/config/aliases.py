@@ -147,6 +147,18 @@ def explain_unknown(
     return f"unknown {kind} {shown}; did you mean {' or '.join(style(s) for s in suggestions)}?"
 
 
+def switch_given(key: str, value: Any, values: dict[str, Any], style: Callable[[str], str]) -> str:
+    """For another tool's switch whose lmtune settings are all given (in ``values``) as it means
+    them (TRL's --loss_type sigmoid beside --objective dpo): it adds nothing, so say to drop it."""
+    said = "true" if value is None else str(value).lower()  # a bare --bf16
+    switched = _VALUE_SWITCHES.get(canonical(key), {}).get(said)
+    given = {ALIASES.get(canonical(k), canonical(k)): v for k, v in values.items()}
+    if not switched or any(str(given.get(n)).lower() != str(v).lower() for n, v in switched.items()):
+        return ""
+    shown = ", ".join(f"{style(n)} {str(v).lower()}" for n, v in switched.items())
+    return f"; {shown} {'is' if len(switched) == 1 else 'are'} given, so drop {style(canonical(key))}"
+
+
 def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Callable[[str], str]) -> str:
     """For gradient_accumulation_steps beside a micro-batch size (in ``values``): the global batch
     they make on one device, in this place's names."""
@@ -244,11 +256,11 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def value_switched(key: str, value: Any) -> list[str]:
-    """The settings another tool's ``key: value`` sets (:data:`_VALUE_SWITCHES`), if it is one."""
+def value_switched(key: str, value: Any) -> dict[str, Any]:
+    """The settings another tool's ``key: value`` sets, and their values (:data:`_VALUE_SWITCHES`)."""
     if isinstance(value, (list, dict)):
-        return []
-    return list(_VALUE_SWITCHES.get(canonical(key), {}).get(str(value).lower(), {}))
+        return {}
+    return dict(_VALUE_SWITCHES.get(canonical(key), {}).get(str(value).lower(), {}))
 
 
 def _value_switches(
@@ -278,6 +290,14 @@ def _value_switches(
                 f"(lmtune's default is every linear layer; name them, as {modules}{sep}[q_proj, v_proj])"
             )
         del out[key]
+        if canonical(key) == "lora_target_linear" and switched:
+            # Axolotl adds every linear layer to the ones lora_target_modules names: all of them.
+            out = {
+                k: v
+                for k, v in out.items()
+                if ALIASES.get(canonical(k), canonical(k)) != "lora_target_modules"
+            }
+            given.pop("lora_target_modules", None)
         for name, ours in switched.items():
             if name not in given:
                 out[name] = ours

@@ -294,7 +294,10 @@ class OptimSettings:
     )
     lr: float | None = setting(
         None,
-        "Peak learning rate. Default: 1e-3 for a preset trained from scratch, 2e-5 for a pretrained model.",
+        (
+            "Peak learning rate. Default: 1e-3 for a preset trained from scratch; for a pretrained model "
+            "2e-5 (2e-4 with --lora), and under a preference objective TRL's 1e-6 (1e-5 with --lora)."
+        ),
     )
     weight_decay: float = setting(
         0.01, "AdamW weight decay on matrices; biases, norms and other 1-d tensors get none."

@@ -27,7 +27,7 @@ from lmtune.config.settings import (
     to_dict,
     value_of,
 )
-from lmtune.errors import UserError, brief, one_line
+from lmtune.errors import SettingError, UserError, WrongType, brief, one_line
 
 # How a run that lmtune starts to measure something (plan --calibrate, bench) differs from the
 # user's settings: alone on this machine, and nothing reported, sampled, saved, resumed or restarted.
@@ -127,9 +127,11 @@ def _expected(name: str, kind: type, value: Any) -> str:
     """The refusal of a value of another type, with what a share (0 < value < 1) means elsewhere
     for a whole-number setting that takes none."""
     try:
-        share = 0 < float(value) < 1 and not isinstance(value, bool)
+        number = float(value) if not isinstance(value, bool) else math.nan
     except (TypeError, ValueError, OverflowError):
-        share = False
+        number = math.nan
+    # HF's and Axolotl's epochs may be fractional (2.5): any part of one, not only a share.
+    share = 0 < number < 1 or (name == "epochs" and math.isfinite(number) and not number.is_integer())
     why = _FRACTIONS.get(name, "") if share else ""
     if name == "resume" and isinstance(value, bool):  # litgpt's resume: true | false
         meant = "auto continues the newest checkpoint" if value else "never starts anew"
@@ -252,8 +254,8 @@ def _named_settings(
     for key, value in settings.items():
         name = lmtune_name(key, known)
         places[name] = f"{where(key)}{one_line(key, 60)}"
-        for switched in value_switched(key, value):  # TRL's precompute_ref_log_probs: false is reference
-            places.setdefault(switched, places[name])
+        for switched, ours in value_switched(key, value).items():  # TRL's precompute_ref_log_probs
+            places.setdefault(switched, f"{places[name]} ({switched} {str(ours).lower()} in lmtune)")
         if name in resolved and resolved[name] is value:
             try:
                 _coerce(setting_named(name), value)
@@ -306,7 +308,10 @@ def build_config(values: dict[str, Any], source: str = "") -> TrainConfig:
         values, (s.name for s in config_fields()), lambda _: f"{source}: " if source else ""
     )
     kwargs = {k: _coerce(setting_named(k), v) for k, v in values.items()}
-    return TrainConfig(**kwargs)
+    try:
+        return TrainConfig(**kwargs)
+    except WrongType as e:  # named by the flag (or the file's line), not as the Python API's keyword
+        raise SettingError(e.setting, option_name(e.setting), e.reason) from None
 
 
 def dump_yaml(cfg: TrainConfig) -> str:

@@ -210,6 +210,20 @@ def typed_as(value: object, kind: type, optional: bool) -> bool:
     return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
 
 
+def _check_given(s: Setting, key: str, value: Any) -> None:
+    """A value given to TrainConfig is refused where it is given (a traceback's line in the user's
+    script), as Python refuses an unknown keyword, not when train() starts. Text settings take
+    what converts to text (a path), as the CLI and YAML do."""
+    from lmtune.config.validate import value_problem  # it reads these settings
+
+    if s.type is str and value is None:
+        return  # an unset path or name: refused, where it needs one, by the run's checks
+    problem = value_problem(s, as_text(value) if s.type is str else value)
+    if problem is not None:
+        got = "" if value is None else f" (got {brief(value)})"
+        raise WrongType(key, f"TrainConfig: {key}", problem + got)
+
+
 def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) -> dict[str, Any]:
     """TrainConfig's attributes from flat settings and groups, over ``start`` (else the defaults)."""
     values: dict[str, Any] = dict(start) if start else {n: k() for n, k in GROUPS.items()}
@@ -238,11 +252,7 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
             values[key] = value
         elif key in _BY_NAME:
             s = _BY_NAME[key]
-            if s.type is not str and not typed_as(value, s.type, s.optional):
-                # Refused where it is given (a traceback's line in the user's script), as Python
-                # refuses an unknown keyword, not when train() starts.
-                expected = f"expected {s.type.__name__} (got {brief(value)})"
-                raise WrongType(key, f"TrainConfig: {key}", expected)
+            _check_given(s, key, value)
             flat.setdefault(s.group or "", {})[s.field] = as_text(value) if s.type is str else value
         else:
             from lmtune.config.aliases import explain_unknown

@@ -30,6 +30,7 @@ from lmtune.config.run_groups import (
 )
 from lmtune.config.settings import (
     SAMPLE_DATA,
+    Setting,
     TrainConfig,
     config_fields,
     option_name,
@@ -58,18 +59,8 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
             raise SettingError(name, option_name(name), f"{why}{got}")
 
     for s in config_fields():
-        value = value_of(cfg, s)
-        need(typed_as(value, s.type, s.optional), s.name, f"expected {s.type.__name__}")
-        # As the CLI and YAML refuse them (the Python API converts nothing): inf and nan pass some
-        # range checks below, and fail later as a non-finite loss.
-        need(s.type is not float or value is None or _finite(value), s.name, "must be a finite number")
-        if s.choices and value is not None and value not in s.choices:
-            # Another tool's name for one of them: named, else the closest (a typo).
-            whose, theirs = _FOREIGN_CHOICES.get(s.name, {}).get(str(value).lower(), ("", ""))
-            close = difflib.get_close_matches(str(value), [str(c) for c in s.choices], n=1, cutoff=0.6)
-            hint = f"; {whose} {value} is {theirs}" if theirs else ""
-            hint = hint or (f"; the closest is {close[0]}" if close else "")
-            need(False, s.name, f"must be one of {', '.join(s.choices)}{hint}")
+        problem = value_problem(s, value_of(cfg, s))
+        need(problem is None, s.name, problem or "")
     need(0 <= cfg.seed < 2**32, "seed", "must be in [0, 2**32)")
     _check_optim(cfg.optim, need)
     _check_schedule(cfg.schedule, need)
@@ -84,6 +75,25 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
     _check_evaluation_data(cfg, need)
     _check_batch(cfg.batch, world_size, need)
     _check_applicable(cfg, need)
+
+
+def value_problem(s: Setting, value: object) -> str | None:
+    """What is wrong with ``value`` for setting ``s`` by itself (its type, finiteness, choices),
+    or None; the checks across settings follow in :func:`check_settings`."""
+    if not typed_as(value, s.type, s.optional):
+        return f"expected {s.type.__name__}"
+    # As the CLI and YAML refuse them (the Python API converts nothing): inf and nan pass some
+    # range checks below, and fail later as a non-finite loss.
+    if s.type is float and value is not None and not _finite(value):
+        return "must be a finite number"
+    if s.choices and value is not None and value not in s.choices:
+        # Another tool's name for one of them: named, else the closest (a typo).
+        whose, theirs = _FOREIGN_CHOICES.get(s.name, {}).get(str(value).lower(), ("", ""))
+        close = difflib.get_close_matches(str(value), [str(c) for c in s.choices], n=1, cutoff=0.6)
+        hint = f"; {whose} {value} is {theirs}" if theirs else ""
+        hint = hint or (f"; the closest is {close[0]}" if close else "")
+        return f"must be one of {', '.join(s.choices)}{hint}"
+    return None
 
 
 def _finite(value: object) -> bool:

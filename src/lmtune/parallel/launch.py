@@ -18,13 +18,16 @@ from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from lmtune.config import environment
 from lmtune.config.run_groups import LaunchSettings
 from lmtune.config.settings import TrainConfig, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
 from lmtune.parallel.health import HANG_EXIT_CODE, HEALTH_DIR_ENV, Watchdog, read_beats
+
+if TYPE_CHECKING:
+    from lmtune.parallel.distributed import DistEnv
 
 # Workers started by `relaunch` leave their error messages here instead of printing them, so the
 # launcher prints each distinct message once rather than once per rank.
@@ -45,13 +48,22 @@ def report_error(message: str, exit_code: int) -> None:
     print(f"{prefix}: {message}", file=sys.stderr, flush=True)
 
 
-def report_outcome(step: int, *, stopped: bool, local_rank: int, main: bool) -> None:
+def resume_advice(overwrite: bool, where: str = "") -> str:
+    """How to continue a run stopped by a signal: its command again, less --overwrite (which
+    would start it over, deleting the checkpoint it just saved)."""
+    if overwrite:
+        return f"run the same command without --overwrite{where} to resume (with it, the run starts over)"
+    return f"run the same command again{where} to resume"
+
+
+def report_outcome(step: int, *, stopped: bool, env: DistEnv, overwrite: bool = False) -> None:
     """Tell this node's launcher how the job ended (``stopped``: by a signal, with a checkpoint of
-    ``step`` saved). The first rank of every node does, so a node that does not run rank 0, or whose
-    launcher was not the one signalled, says so too."""
+    ``step`` saved; ``overwrite``: the run was given --overwrite). The first rank of every node
+    does, so a node that does not run rank 0, or whose launcher was not the one signalled, says so
+    too."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
-    if local_rank == 0 and error_dir and Path(error_dir).is_dir():
-        record = {"step": step, "stopped": stopped, "main": main}
+    if env.local_rank == 0 and error_dir and Path(error_dir).is_dir():
+        record = {"step": step, "stopped": stopped, "main": env.is_main, "overwrite": overwrite}
         (Path(error_dir) / OUTCOME_FILE).write_text(json.dumps(record), encoding="utf-8")
 
 
@@ -67,9 +79,9 @@ def _from_elsewhere(outcome: dict[str, Any] | None) -> str | None:
     if outcome is None or outcome["main"]:
         return None
     if outcome["stopped"]:
+        advice = resume_advice(outcome.get("overwrite") is True, " on every node")
         return (
-            f"lmtune: the job was stopped by a signal with a checkpoint of step {outcome['step']}; run the "
-            "same command again on every node to resume"
+            f"lmtune: the job was stopped by a signal with a checkpoint of step {outcome['step']}; {advice}"
         )
     return f"lmtune: this node's ranks finished at step {outcome['step']}; rank 0's node printed the summary"
 

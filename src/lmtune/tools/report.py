@@ -352,7 +352,8 @@ def _status(run: RecordedRun) -> str:
     folder, result = run.folder, run.info.get("result") or {}
     if (folder / "final").is_dir():
         return "finished"
-    then = rerun_outcome(folder, (run.info.get("config") or {}).get("resume"))
+    config = run.info.get("config") or {}
+    then = rerun_outcome(folder, config.get("resume"), config.get("overwrite") is True)
     if result:
         return f"stopped ({'by a signal; ' if result.get('stopped_by') == 'signal' else ''}{then})"
     status = lock_status(folder)

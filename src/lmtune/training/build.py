@@ -57,12 +57,9 @@ from lmtune.parallel.wrap import wrap_model
 from lmtune.training.batch_layout import BatchLayout, batch_layout
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
-from lmtune.training.optim import build_schedule, optimizer_for
+from lmtune.training.optim import build_schedule, default_lr, optimizer_for
 from lmtune.training.preflight import warn_unused_names
 from lmtune.training.reference import attach_references, model_digest, precomputes, with_live_reference
-
-# Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
-LORA_MIN_DEFAULT_LR = 2e-4
 
 
 @dataclass(frozen=True)
@@ -138,8 +135,7 @@ def build_parts(
     if stopping < kept / 2:
         log.info(stops_lost_warning(kept - stopping, kept, chat, objective.unit, cfg.examples))
     layout = batch_layout(cfg, env.world_size, len(train_data))
-    default_lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora.enabled else loaded.default_lr
-    lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr
+    lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr(cfg, loaded, objective.unit)[0]
     batching = batching_of(cfg, data_info["train"]["formats"])
     paths = choose_paths(run, loaded.model, _shapes(cfg, train_data, layout, batching), recorded_paths)
     products = products_of(paths, cfg.model.precision)

@@ -10,8 +10,32 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from lmtune.config.groups import OptimSettings
+from lmtune.config.settings import TrainConfig
 from lmtune.config.verbosity import quiet_calls
 from lmtune.errors import UserError
+from lmtune.model.modeling import LoadedModel
+
+# Adapters start at zero and need a larger step than full fine-tuning of pretrained weights.
+LORA_MIN_DEFAULT_LR = 2e-4
+# TRL's default for DPOConfig, CPOConfig (SimPO) and ORPOConfig: preference tuning moves a tuned
+# model a little; ten times that for adapters (as 2e-5 and 2e-4 for supervised tuning).
+PREFERENCE_DEFAULT_LR = 1e-6
+
+
+def default_lr(cfg: TrainConfig, loaded: LoadedModel, unit: str) -> tuple[float, str]:
+    """The learning rate when --lr is not given, and where it comes from (for the start line).
+    ``unit``: the objective's ("pairs" for preference tuning)."""
+    if loaded.source.startswith("preset "):  # built from a config: trained from scratch
+        return max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora.enabled else loaded.default_lr, (
+            "the preset's default"
+        )
+    if unit == "pairs":
+        if cfg.lora.enabled:
+            return 10 * PREFERENCE_DEFAULT_LR, "ten times TRL's preference-tuning default, for LoRA"
+        return PREFERENCE_DEFAULT_LR, "TRL's default for preference tuning"
+    if cfg.lora.enabled:
+        return max(loaded.default_lr, LORA_MIN_DEFAULT_LR), "the default for LoRA"
+    return loaded.default_lr, "the default for a pretrained model"
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:

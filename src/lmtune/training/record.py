@@ -28,6 +28,7 @@ from lmtune.training.batch_layout import BatchLayout
 from lmtune.training.build import BATCHING_NAMES, Built
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitResult
+from lmtune.training.optim import default_lr
 from lmtune.training.perf import peak_memory_bytes
 from lmtune.training.reference import needs_reference
 
@@ -117,7 +118,7 @@ def run_record(
         f"{env.world_size} x {env.device.type}{units}; global batch {_batch_line(layout)} "
         f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} "
         f"step{'s' if layout.total_steps != 1 else ''} at lr {built.lr:.3g} "
-        f"({cfg.schedule.name}{_lr_note(cfg, built.loaded.source)}); precision {cfg.model.precision}"
+        f"({cfg.schedule.name}{_lr_note(cfg, built)}); precision {cfg.model.precision}"
         + ("; activation checkpointing" if cfg.model.activation_checkpointing else "")
         + f"; loss: {built.loss.description}"
         + (f"; NEFTune noise alpha {cfg.objective.neftune_alpha:g}" if cfg.objective.neftune_alpha else "")
@@ -214,13 +215,9 @@ def _base_bytes(model: torch.nn.Module) -> dict[str, int]:
     return {"quantized": quantized, "full_precision": full_precision, "adapters": adapters}
 
 
-def _lr_note(cfg: TrainConfig, source: str) -> str:
+def _lr_note(cfg: TrainConfig, built: Built) -> str:
     """Where the learning rate came from when --lr was not given."""
-    if cfg.optim.lr is not None:
-        return ""
-    if source.startswith("preset "):
-        return ", the preset's default"
-    return ", the default for LoRA" if cfg.lora.enabled else ", the default for a pretrained model"
+    return "" if cfg.optim.lr is not None else ", " + default_lr(cfg, built.loaded, built.objective.unit)[1]
 
 
 def _one_process_note(asked: str, runs: str) -> str:

@@ -141,6 +141,17 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
         (["train", "--bf16", "false"], "--bf16: lmtune's default --precision is fp32 already: remove it"),
         (["train", "--bf16"], "--bf16: set the precision with --precision bf16"),
         (["train", "--loss-type", "sigmoid"], "--loss-type: TRL's sigmoid loss is --objective dpo"),
+        (["train", "--adapter", "qlora"], "--adapter: Axolotl's adapter qlora is --lora with --load-in-4bit"),
+        (
+            ["train", "--adapter", "lorra"],
+            "are lora and qlora (here --lora, and --load-in-4bit for qlora); lorra",
+        ),
+        # ... and beside the setting it means: it adds nothing.
+        (
+            ["train", "--objective", "dpo", "--loss_type", "sigmoid"],
+            "--objective dpo; --objective dpo is given, so drop --loss-type",
+        ),
+        (["train", "--bf16", "--precision", "bf16"], "--precision bf16 is given, so drop --bf16"),
         (["train", "--loss_type=hinge"], "(TRL's sigmoid) | ipo | simpo | orpo; TRL's hinge is none of them"),
         (["train", "--eval-strategy", "no"], "evaluates only when given --eval-data or --eval-split"),
         (["train", "--evals-per-epoch", "2"], "--evals-per-epoch: --eval-every N evaluates every N"),
@@ -438,10 +449,13 @@ def test_axolotls_preference_keys_set_lmtunes(tmp_path: Path) -> None:
         load_yaml(str(yaml_file))
 
 
-def test_axolotls_lora_target_linear_false_takes_the_named_layers(tmp_path: Path) -> None:
+def test_axolotls_lora_target_linear_with_the_named_layers(tmp_path: Path) -> None:
     yaml_file = tmp_path / "axolotl.yaml"
     yaml_file.write_text("adapter: lora\nlora_target_linear: false\nlora_target_modules: [q_proj, v_proj]\n")
     assert build_config(load_yaml(str(yaml_file))).lora.target_modules == "q_proj,v_proj"
+    # true adds every linear layer to the named ones, as in Axolotl: all of them
+    yaml_file.write_text("adapter: lora\nlora_target_linear: true\nlora_target_modules: [q_proj, v_proj]\n")
+    assert build_config(load_yaml(str(yaml_file))).lora.target_modules == "all-linear"
     yaml_file.write_text("adapter: lora\nlora_target_linear: false\n")  # not lmtune's default quietly
     with pytest.raises(
         UserError, match=r":2: lora_target_linear: false adapts the layers lora_target_modules"

@@ -8,7 +8,7 @@ import pytest
 from lmtune.cli.commands import train_config as _train_config
 from lmtune.cli.parser import build_parser
 from lmtune.config.io import build_config, load_yaml
-from lmtune.config.settings import TrainConfig, config_fields, option_name
+from lmtune.config.settings import TrainConfig, config_fields, option_name, setting_named
 from lmtune.errors import UserError
 from lmtune.training.batch_layout import epochs, micro_batch_size
 from lmtune.training.preflight import validate
@@ -221,8 +221,16 @@ def test_evaluation_settings_without_evaluation_data_are_refused(
 @pytest.mark.parametrize("name", ["lr", "neftune_alpha", "max_grad_norm"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_the_python_api_refuses_what_the_cli_refuses_as_not_finite(name: str, value: float) -> None:
-    with pytest.raises(UserError, match=f"{option_name(name)}: must be a finite number"):
-        validate(TrainConfig(**{name: value}), world_size=1)  # type: ignore[arg-type]
+    with pytest.raises(UserError, match=f"TrainConfig: {name}: must be a finite number"):
+        TrainConfig(**{name: value})  # type: ignore[arg-type]
+    group = setting_named(name).group
+    assert group is not None
+    cfg = TrainConfig()
+    on_group = TrainConfig(
+        **{group: dataclasses.replace(getattr(cfg, group), **{setting_named(name).field: value})}
+    )
+    with pytest.raises(UserError, match=f"{option_name(name)}: must be a finite number"):  # set on a group
+        validate(on_group, world_size=1)
 
 
 def test_hf_trainers_null_neftune_noise_alpha_is_off(tmp_path: Path) -> None:

@@ -15,8 +15,16 @@ import pytest
 from lmtune.cli import main
 from lmtune.cli.commands import train_config
 from lmtune.cli.parser import build_parser
-from lmtune.config.io import to_argv
-from lmtune.config.settings import PLAN_SETTINGS, TrainConfig, choices, config_fields, field_type, option_name
+from lmtune.config.io import build_config, to_argv
+from lmtune.config.settings import (
+    PLAN_SETTINGS,
+    TrainConfig,
+    choices,
+    config_fields,
+    field_type,
+    option_name,
+    setting_named,
+)
 from lmtune.errors import UserError, WrongType
 from lmtune.training.preflight import validate
 
@@ -49,8 +57,10 @@ def test_allowed_values_live_in_the_field_and_are_checked_and_shown() -> None:
     help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()  # type: ignore[union-attr]
     for name in with_choices:
         assert "{" + ",".join(choices(name)) + "}" in help_text
+        with pytest.raises(UserError, match=f"TrainConfig: {name}: must be one of"):
+            TrainConfig(**{name: "nonsense"})
         with pytest.raises(UserError, match=f"{option_name(name)}: must be one of"):
-            validate(replace(TrainConfig(), **{name: "nonsense"}), 1)
+            build_config({name: "nonsense"})
 
 
 @pytest.mark.parametrize(
@@ -76,8 +86,11 @@ def test_the_python_api_refuses_a_value_of_the_wrong_type_where_it_is_given(
 
 
 def test_a_wrong_type_set_on_a_group_is_refused_before_the_run() -> None:
+    packing = setting_named("packing")
+    assert packing.group is not None
+    group = replace(getattr(TrainConfig(), packing.group), **{packing.field: True})
     with pytest.raises(UserError, match=r"^--packing: expected str \(got True\)$"):
-        validate(replace(TrainConfig(), packing=True), 1)
+        validate(TrainConfig(**{packing.group: group}), 1)
 
 
 def test_the_python_api_takes_lists_and_mappings_as_yaml_does() -> None:
@@ -251,7 +264,7 @@ def test_settings_live_in_groups_with_flat_names(tmp_path: Path) -> None:
     assert build_config(load_yaml(str(flat))) == cfg
     twice = tmp_path / "twice.yaml"
     twice.write_text("lora: {rank: 8}\nlora_rank: 4\n")
-    with pytest.raises(UserError, match="--lora-rank is set twice"):
+    with pytest.raises(UserError, match=r"twice.yaml:2: lora_rank is set twice \(as lora and lora_rank\)"):
         load_yaml(str(twice))
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text("model: small\noptim: {learning_rate: 1.0}\n")

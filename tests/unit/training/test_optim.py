@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from lmtune.checkpoint.state import optimizer_state_bytes
-from lmtune.training.optim import build_optimizer, build_schedule, param_groups, warmup_cosine
+from lmtune.config.settings import TrainConfig
+from lmtune.model.modeling import FINETUNE_LR, LoadedModel
+from lmtune.training.optim import build_optimizer, build_schedule, default_lr, param_groups, warmup_cosine
 
 
 def test_schedule_warms_up_then_decays_to_the_floor() -> None:
@@ -146,3 +148,24 @@ def test_each_schedule_follows_its_formula_and_resumes_exactly(name: str) -> Non
 
     assert _lrs(name, total) == pytest.approx([expected(s) for s in range(total)])
     assert _lrs(name, total, start=9) == _lrs(name, total)[9:]  # rebuilt at a resume step: the same
+
+
+@pytest.mark.parametrize(
+    ("source", "settings", "unit", "expected"),
+    [
+        ("preset tiny", {}, "pairs", (1e-3, "the preset's default")),  # from scratch, whatever the objective
+        ("preset tiny", {"lora": True}, "tokens", (1e-3, "the preset's default")),
+        ("Qwen/Qwen2.5-0.5B", {}, "tokens", (2e-5, "the default for a pretrained model")),
+        ("Qwen/Qwen2.5-0.5B", {"lora": True}, "tokens", (2e-4, "the default for LoRA")),
+        # A TRL user's DPO without a learning rate: TRL's DPOConfig default, not supervised tuning's.
+        ("Qwen/Qwen2.5-0.5B", {"objective": "dpo"}, "pairs", (1e-6, "TRL's default for preference tuning")),
+        ("runs/sft/final", {"objective": "orpo", "lora": True}, "pairs", (1e-5, "ten times TRL's")),
+    ],
+)
+def test_the_default_learning_rate_follows_the_model_and_the_objective(
+    source: str, settings: dict[str, object], unit: str, expected: tuple[float, str]
+) -> None:
+    default = 1e-3 if source.startswith("preset ") else FINETUNE_LR
+    loaded = LoadedModel(model=torch.nn.Linear(1, 1), tokenizer=None, default_lr=default, source=source)
+    lr, note = default_lr(TrainConfig(**settings), loaded, unit)
+    assert lr == pytest.approx(expected[0]) and note.startswith(expected[1])
