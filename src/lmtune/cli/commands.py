@@ -7,10 +7,13 @@ import argparse
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmtune.config.marks import Kind, check_replaceable, json_marked, write_output
 from lmtune.errors import UserError
+
+if TYPE_CHECKING:
+    from lmtune.config.settings import TrainConfig
 
 
 def _output_file(given: str, option: str, kind: Kind) -> Path:
@@ -425,25 +428,56 @@ def _write_pngs(folder: Path, pngs: dict[str, bytes], empty: list[str]) -> str:
     return ", ".join(path.name for path in stale)
 
 
-def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def _data_and_tokenizer(args: argparse.Namespace, command: str) -> tuple[TrainConfig, Any]:
+    """The settings of a ``lmtune data`` command (its DATA arguments are its --data) and the
+    tokenizer training would use, with its chat template."""
     from lmtune.config.validate import check_settings
-    from lmtune.data.audit import audit, format_report, holding_out, plot_histogram
     from lmtune.model.modeling import load_tokenizer
 
     if not hasattr(args, "data") and not hasattr(args, "config"):
-        raise UserError("lmtune data audit: name the DATA to audit, or a --config file whose data it audits")
-    cfg = train_config(args)  # the DATA arguments are its --data
+        raise UserError(
+            f"lmtune data {command}: name the DATA to {command}, or a --config file whose data it reads"
+        )
+    cfg = train_config(args)
     check_settings(cfg, cfg.launch.nproc_per_node)
     if not hasattr(args, "data"):  # the --config file's: a missing one is named by its line
         from lmtune.data.sources import resolve_components
 
         resolve_components(cfg.data.train)
-    plot = _output_file(args.plot, "--plot", "png") if args.plot else None
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
     if cfg.examples.chat_template is not None:
         from lmtune.data.chat import use_chat_template
 
         use_chat_template(tokenizer, cfg.examples.chat_template)
+    return cfg, tokenizer
+
+
+def show_data(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from lmtune.data.show import Marks, shown_records
+
+    if args.start < 1 or args.count < 1:
+        raise UserError(f"lmtune data show: {'--start' if args.start < 1 else '--count'} must be >= 1")
+    cfg, tokenizer = _data_and_tokenizer(args, "show")
+    marks = Marks.choose(sys.stdout.isatty())
+    blocks = shown_records(
+        cfg.data.train, tokenizer, cfg.examples, args.start, args.count, marks, args.tokens
+    )
+    shown = 0
+    for block in blocks:
+        if shown == 0 and not args.tokens:
+            print(f"({marks.legend})")
+        print(block, flush=True)
+        shown += 1
+    if not shown:
+        raise UserError(f"lmtune data show: --start {args.start}: the data holds fewer records")
+    return 0
+
+
+def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from lmtune.data.audit import audit, format_report, holding_out, plot_histogram
+
+    cfg, tokenizer = _data_and_tokenizer(args, "audit")
+    plot = _output_file(args.plot, "--plot", "png") if args.plot else None
     report = audit(
         cfg.data.train,
         tokenizer,

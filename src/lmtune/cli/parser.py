@@ -467,3 +467,27 @@ def _data_parser(sub: Any) -> None:
     _add_train_options(aud, AUDIT_SETTINGS, config_file=True)
     aud.add_argument("--plot", metavar="PNG", default=None, help="also write the length histogram as a PNG")
     aud.set_defaults(run=commands.audit)
+    show = _command(
+        data,
+        "show",
+        help="print records as training sees them, the trained tokens marked",
+        description="Render, tokenize and truncate records as training does, and print them with the "
+        "tokens that train marked (green on a terminal, between [[ and ]] elsewhere); a record training "
+        "would drop says why. Takes train's settings that decide what a record becomes.",
+    )
+    show.add_argument("data", nargs="*", default=argparse.SUPPRESS, metavar="DATA", help=what)
+    _add_train_options(show, AUDIT_SETTINGS, config_file=True)
+    show.add_argument(
+        "--start",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the first record shown, counted from 1 (default: 1)",
+    )
+    show.add_argument(
+        "-n", "--count", type=int, default=3, metavar="N", help="how many records to show (default: 3)"
+    )
+    show.add_argument(
+        "--tokens", action="store_true", help="one line per token: position, id, piece, trained or not"
+    )
+    show.set_defaults(run=commands.show_data)

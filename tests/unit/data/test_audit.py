@@ -74,7 +74,7 @@ def test_audit_reads_the_data_of_a_train_config_file(
     assert main(["data", "audit", str(other), "--config", str(config)]) == 0
     assert f"audit of {other}\n  records             3 read, 3 kept" in capsys.readouterr().out
     assert main(["data", "audit"]) == 2
-    assert "name the DATA to audit, or a --config file" in capsys.readouterr().err
+    assert "name the DATA to audit, or a --config file whose data it reads" in capsys.readouterr().err
     config.write_text("seed: 1\ndata: missing.jsonl\n")  # named by the file's line, as train names it
     assert main(["data", "audit", "--config", str(config)]) == 2
     assert (

@@ -1,0 +1,104 @@
+"""``lmtune data show``: records as training sees them, after rendering (chat templates, prompt and
+completion), tokenizing and truncation, with the tokens that train marked (Axolotl's preprocess
+--debug does the same for its data)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lmtune.config.groups import ExampleSettings
+from lmtune.data.formats import FieldMap, ensure_chat_template
+from lmtune.data.prepare import records
+from lmtune.data.sources import BadLines, Record, resolve_sources
+from lmtune.data.tokenize import Encoded, EncodeStats, encode_chunk
+
+
+@dataclass(frozen=True)
+class Marks:
+    """How trained text is set apart: colour on a terminal, brackets elsewhere (a file, a pipe)."""
+
+    start: str
+    end: str
+
+    @classmethod
+    def choose(cls, terminal: bool) -> Marks:
+        return cls("\x1b[32m", "\x1b[0m") if terminal else cls("[[", "]]")
+
+    @property
+    def legend(self) -> str:
+        if self.start.startswith("\x1b"):
+            return f"trained tokens are {self.start}green{self.end}"
+        return f"trained tokens are between {self.start} and {self.end}"
+
+
+def shown_records(
+    spec: str, tokenizer: Any, settings: ExampleSettings, start: int, count: int, marks: Marks, tokens: bool
+) -> Iterator[str]:
+    """The records ``start`` (1-based, in the order training reads the sources) to ``start + count
+    - 1`` of ``spec``, each as a block of text. A record training would drop says why instead.
+
+    Raises:
+        UserError: a bad line among them (naming its file and line), unless bad lines are skipped.
+    """
+    ensure_chat_template(tokenizer)
+    bad = BadLines(skip=settings.skip_bad_lines)
+    names = FieldMap.of(settings)
+    # One record at a time, as training encodes it; a too-long one is shown as --truncation treats it.
+    for number, record in enumerate(records(resolve_sources(spec), settings, bad), start=1):
+        if number >= start + count:
+            break
+        if number < start:
+            continue
+        kept, stats = encode_chunk([record], tokenizer, settings, names, bad)
+        yield _block(record, kept[0] if kept else None, stats, tokenizer, marks, tokens)
+
+
+def _block(
+    record: Record, example: Encoded | None, stats: EncodeStats, tokenizer: Any, marks: Marks, tokens: bool
+) -> str:
+    fmt = next(iter(stats.formats), "?")
+    if example is None:
+        why = "longer than --max-length" if stats.dropped_too_long else "nothing to train in it"
+        return f"== {record.where} ({fmt}): not trained: {why}"
+    trained = int(example.trainable.sum())
+    cut = ", truncated" if stats.truncated else ""
+    head = f"== {record.where} ({fmt}, {len(example.ids)} tokens, {trained} trained{cut})"
+    if tokens:
+        return "\n".join([head, *_token_rows(example, tokenizer)])
+    if example.parts is None:
+        return f"{head}\n{_marked(example.ids, example.trainable, tokenizer, marks)}"
+    prompt, chosen = example.parts
+    parts = {
+        "prompt": (0, prompt),
+        "chosen": (prompt, prompt + chosen),
+        "rejected": (prompt + chosen, len(example.ids)),
+    }
+    lines = [head]
+    for name, (a, b) in parts.items():
+        lines.append(f"-- {name}:\n{_marked(example.ids[a:b], example.trainable[a:b], tokenizer, marks)}")
+    return "\n".join(lines)
+
+
+def _marked(ids: np.ndarray, trainable: np.ndarray, tokenizer: Any, marks: Marks) -> str:
+    """The text of ``ids``, each run of trained tokens between the marks (runs decoded whole, so a
+    character of several byte tokens shows as itself)."""
+    out: list[str] = []
+    edges = [0, *(np.flatnonzero(np.diff(trainable.astype(np.int8))) + 1).tolist(), len(ids)]
+    for a, b in itertools.pairwise(edges):
+        text = tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False)
+        out.append(f"{marks.start}{text}{marks.end}" if trainable[a] else text)
+    return "".join(out)
+
+
+def _token_rows(example: Encoded, tokenizer: Any) -> list[str]:
+    """One line per token: position, id, the token as the vocabulary writes it, trained or not."""
+    pieces = tokenizer.convert_ids_to_tokens(example.ids.tolist())
+    return [
+        f"{i:6d} {int(t):8d}  {'train' if example.trainable[i] else '     '}  {piece!r}"
+        for i, (t, piece) in enumerate(zip(example.ids, pieces, strict=True))
+    ]

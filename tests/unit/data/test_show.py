@@ -1,0 +1,79 @@
+"""`lmtune data show`: records as training sees them, the trained tokens marked as the examples
+training builds from them have them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lmtune.cli import main
+from lmtune.config.groups import ExampleSettings
+from lmtune.data.prepare import encode_in_memory
+from lmtune.data.sources import Record
+from lmtune.data.tokenize import IGNORE_INDEX
+from lmtune.model.modeling import byte_tokenizer
+
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "6."},
+    ]
+}
+ROWS = [CHAT, {"prompt": "Q: capital of France?\nA:", "completion": " Paris"}, {"text": "all of it"}]
+
+
+def _write(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_show_marks_exactly_the_tokens_training_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = _write(tmp_path / "d.jsonl", ROWS)
+    assert main(["data", "show", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("(trained tokens are between [[ and ]])\n")
+    assert f"== {data}:1 (messages, " in out and f"== {data}:3 (text, " in out
+    # Each turn on its own line; only the replies and their end of turn train.
+    assert "<|user|>\nWhat is 2+2?\n<|assistant|>\n[[4.<|eos|>]]\n<|user|>\nAnd 3+3?" in out
+    assert "A:[[ Paris<|eos|>]]" in out and "<|bos|>[[all of it<|eos|>]]" in out
+    # Token by token, the same positions as the examples training builds.
+    tok = byte_tokenizer()
+    data_set, _ = encode_in_memory([Record(str(data), 2, ROWS[1])], tok, ExampleSettings())
+    ids, trainable = data_set[0].input_ids, data_set[0].labels != IGNORE_INDEX
+    assert main(["data", "show", str(data), "--start", "2", "-n", "1", "--tokens"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0] == f"== {data}:2 (prompt_completion, {len(ids)} tokens, {int(trainable.sum())} trained)"
+    assert [int(r.split()[1]) for r in rows[1:]] == ids.tolist()
+    assert [" train " in r for r in rows[1:]] == trainable.astype(bool).tolist()
+
+
+def test_show_pairs_and_what_training_drops(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pairs = _write(tmp_path / "p.jsonl", [{"prompt": "Q?", "chosen": "good", "rejected": "bad"}])
+    assert main(["data", "show", str(pairs)]) == 0
+    out = capsys.readouterr().out
+    assert "-- prompt:\n<|bos|>Q?\n-- chosen:\n[[good<|eos|>]]\n-- rejected:\n[[bad<|eos|>]]" in out
+    long = _write(tmp_path / "long.jsonl", [{"text": "x" * 50}])
+    assert main(["data", "show", str(long), "--max-length", "8", "--truncation", "drop"]) == 0
+    assert f"== {long}:1 (text): not trained: longer than --max-length" in capsys.readouterr().out
+    assert main(["data", "show", str(long), "--max-length", "8"]) == 0  # cut on the right, as training does
+    assert "(text, 8 tokens, 7 trained, truncated)" in capsys.readouterr().out
+
+
+def test_show_refuses_what_it_cannot_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _write(tmp_path / "d.jsonl", ROWS)
+    assert main(["data", "show", str(data), "--start", "4"]) == 2
+    assert "--start 4: the data holds fewer records" in capsys.readouterr().err
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(ROWS[2]) + "\n{broken\n")
+    assert main(["data", "show", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert f"{broken}:2" in err and "Traceback" not in err
+    assert main(["data", "show"]) == 2
+    assert "name the DATA to show, or a --config file" in capsys.readouterr().err
