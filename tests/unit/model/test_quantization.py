@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lmtune.checkpoint.resume import Fingerprint, compare, fingerprint
+from lmtune.config.io import build_config
 from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
 from lmtune.model.modeling import build_preset, byte_tokenizer, load_model, preset_config
@@ -64,7 +65,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 )
 def test_quantization_settings_name_the_option(values: dict[str, Any], needle: str) -> None:
     with pytest.raises(UserError, match=needle):
-        validate(TrainConfig(**values), world_size=1)
+        validate(build_config(values), world_size=1)  # as the CLI and YAML build it
 
 
 def test_missing_bitsandbytes_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
