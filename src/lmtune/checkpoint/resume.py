@@ -255,13 +255,15 @@ def rerun_outcome(output_dir: Path, resume: Any, overwrite: bool = False) -> str
     refused when that one is damaged (checked by the sizes its manifest lists: hashing every file
     is too slow for a report). With --overwrite it starts over, and the rest is what it does
     without."""
-    without = rerun_outcome(output_dir, resume) if overwrite else ""
-    if overwrite and not without.endswith("starts over"):
-        rest = without.removeprefix("the same command ")
-        said = f"it {rest}" if rest != without else without
-        return f"the same command starts over (--overwrite); without --overwrite, {said}"
-    if without:
+    without = _rerun_without_overwrite(output_dir, resume)
+    if not overwrite or without.endswith("starts over"):
         return without
+    rest = without.removeprefix("the same command ")
+    said = f"it {rest}" if rest != without else without
+    return f"the same command starts over (--overwrite); without --overwrite, {said}"
+
+
+def _rerun_without_overwrite(output_dir: Path, resume: Any) -> str:
     if isinstance(resume, str) and resume not in ("auto", "never"):
         return f"the same command resumes from --resume {resume} again"
     saved = list_checkpoints(output_dir)
