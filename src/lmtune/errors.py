@@ -31,6 +31,11 @@ class WrongType(SettingError, TypeError):
     and a ``TypeError``, as Python's own for a wrong argument."""
 
 
+class WrongValue(SettingError, ValueError):
+    """A value of the right type that the setting does not take, given to ``TrainConfig``
+    (``objective="dpoo"``, ``lr=float("nan")``): a :class:`SettingError`, and a ``ValueError``."""
+
+
 USER_ERROR_EXIT_CODE = 2
 
 

@@ -27,7 +27,10 @@ from tests.conftest import write_jsonl
         ("model: ~\n", "run.yaml:1: model: needs a value (got null)"),
         ("data: null\n", "run.yaml:1: data: needs a value"),
         ("output_dir: null\n", "run.yaml:1: output_dir: needs a value"),
-        ("max_steps: 3\nmax-steps: 4\n", "run.yaml:2: max_steps is set twice (as max_steps and max-steps)"),
+        (
+            "max_steps: 3\nmax-steps: 4\n",
+            "run.yaml:2: max_steps is set twice (as max_steps on line 1 and max-steps); give it once",
+        ),
         ("lr: .inf\n", "run.yaml:1: lr: must be a finite number"),
         ("epochs: [1, 2]\n", "run.yaml:1: epochs: expected int"),
         (

@@ -462,14 +462,10 @@ def show_data(args: argparse.Namespace, argv: Sequence[str]) -> int:
     blocks = shown_records(
         cfg.data.train, tokenizer, cfg.examples, args.start, args.count, marks, args.tokens
     )
-    shown = 0
-    for block in blocks:
-        if shown == 0 and not args.tokens:
+    for i, block in enumerate(blocks):
+        if i == 0 and not args.tokens:
             print(f"({marks.legend})")
         print(block, flush=True)
-        shown += 1
-    if not shown:
-        raise UserError(f"lmtune data show: --start {args.start}: the data holds fewer records")
     return 0
 
 

@@ -227,7 +227,7 @@ def resolve_names(
             continue
         if name in out:
             both = f"as {one_line(given_as[name], 60)} and {one_line(key, 60)}"
-            raise UserError(f"{where(key)}{style(name)} is set twice ({both})")
+            raise UserError(f"{where(key)}{style(name)} is set twice ({both}); give it once")
         out[name], given_as[name] = value, key
     if unknown:
         raise UserError("\n".join(unknown))

@@ -27,7 +27,7 @@ from lmtune.config.settings import (
     to_dict,
     value_of,
 )
-from lmtune.errors import SettingError, UserError, WrongType, brief, one_line
+from lmtune.errors import SettingError, UserError, WrongType, WrongValue, brief, one_line
 
 # How a run that lmtune starts to measure something (plan --calibrate, bench) differs from the
 # user's settings: alone on this machine, and nothing reported, sampled, saved, resumed or restarted.
@@ -227,8 +227,10 @@ def _named_settings(
         entries = _group_entries(name, value, place) if group and isinstance(value, dict) else {name: value}
         for flat, item in entries.items():
             if flat in settings:
-                both = f"as {one_line(origin[flat], 60)} and {one_line(str(key), 60)}"
-                raise UserError(f"{place}: {flat} is set twice ({both})")
+                first = lines.get(origin[flat])
+                at = f" on line {first}" if first else ""
+                both = f"as {one_line(origin[flat], 60)}{at} and {one_line(str(key), 60)}"
+                raise UserError(f"{place}: {flat} is set twice ({both}); give it once")
             settings[flat], origin[flat] = item, str(key)
 
     def where(flat: str) -> str:
@@ -310,7 +312,7 @@ def build_config(values: dict[str, Any], source: str = "") -> TrainConfig:
     kwargs = {k: _coerce(setting_named(k), v) for k, v in values.items()}
     try:
         return TrainConfig(**kwargs)
-    except WrongType as e:  # named by the flag (or the file's line), not as the Python API's keyword
+    except (WrongType, WrongValue) as e:  # named by the flag (or the file's line), not by the API's keyword
         raise SettingError(e.setting, option_name(e.setting), e.reason) from None
 
 

@@ -43,7 +43,7 @@ from lmtune.config.run_groups import (
     LoggingSettings,
     SampleSettings,
 )
-from lmtune.errors import UnknownSetting, UserError, WrongType, brief
+from lmtune.errors import UnknownSetting, UserError, WrongType, WrongValue, brief
 
 __all__ = [
     "DEFAULT_EPOCHS",
@@ -218,10 +218,11 @@ def _check_given(s: Setting, key: str, value: Any) -> None:
 
     if s.type is str and value is None:
         return  # an unset path or name: refused, where it needs one, by the run's checks
-    problem = value_problem(s, as_text(value) if s.type is str else value)
+    value = as_text(value) if s.type is str else value
+    problem = value_problem(s, value)
     if problem is not None:
-        got = "" if value is None else f" (got {brief(value)})"
-        raise WrongType(key, f"TrainConfig: {key}", problem + got)
+        wrong = WrongType if not typed_as(value, s.type, s.optional) else WrongValue
+        raise wrong(key, f"TrainConfig: {key}", f"{problem} (got {brief(value)})")
 
 
 def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from lmtune.data.formats import FieldMap, ensure_chat_template
 from lmtune.data.prepare import records
 from lmtune.data.sources import BadLines, Record, resolve_sources
 from lmtune.data.tokenize import Encoded, EncodeStats, encode_chunk
+from lmtune.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -40,39 +41,67 @@ def shown_records(
     spec: str, tokenizer: Any, settings: ExampleSettings, start: int, count: int, marks: Marks, tokens: bool
 ) -> Iterator[str]:
     """The records ``start`` (1-based, in the order training reads the sources) to ``start + count
-    - 1`` of ``spec``, each as a block of text. A record training would drop says why instead.
+    - 1`` of ``spec``, each as a block of text. A record training would drop says why instead, and
+    a bad line passed over (--skip-bad-lines) is said where it was.
 
     Raises:
-        UserError: a bad line among them (naming its file and line), unless bad lines are skipped.
+        UserError: a bad line among them (naming its file and line), unless bad lines are skipped;
+            fewer records than ``start``.
     """
     ensure_chat_template(tokenizer)
-    bad = BadLines(skip=settings.skip_bad_lines)
+    bad = BadLines(skip=settings.skip_bad_lines, keep=100)
     names = FieldMap.of(settings)
+    number, said = 0, 0
     # One record at a time, as training encodes it; a too-long one is shown as --truncation treats it.
     for number, record in enumerate(records(resolve_sources(spec), settings, bad), start=1):
-        if number >= start + count:
-            break
         if number < start:
+            bad.messages.clear()  # lines passed over before the records shown are not shown
             continue
+        if number >= start + count:
+            return
+        yield from _passed_over(bad, said)
+        said = len(bad.messages)
         kept, stats = encode_chunk([record], tokenizer, settings, names, bad)
-        yield _block(record, kept[0] if kept else None, stats, tokenizer, marks, tokens)
+        if len(bad.messages) > said:  # the record itself is a bad line
+            yield f"== {record.where}: not trained: {bad.messages[-1].removeprefix(record.where + ': ')}"
+            said = len(bad.messages)
+            continue
+        yield _block(record, kept[0] if kept else None, stats, tokenizer, settings, marks, tokens)
+    yield from _passed_over(bad, said)
+    if number < start:
+        held = f"holds {number} record{'s' * (number != 1)}" if number else "holds no records"
+        raise UserError(f"lmtune data show: --start {start}: {spec} {held}")
+
+
+def _passed_over(bad: BadLines, said: int) -> Iterator[str]:
+    for message in bad.messages[said:]:
+        yield f"== skipped (--skip-bad-lines): {message}"
 
 
 def _block(
-    record: Record, example: Encoded | None, stats: EncodeStats, tokenizer: Any, marks: Marks, tokens: bool
+    record: Record,
+    example: Encoded | None,
+    stats: EncodeStats,
+    tokenizer: Any,
+    settings: ExampleSettings,
+    marks: Marks,
+    tokens: bool,
 ) -> str:
     fmt = next(iter(stats.formats), "?")
     if example is None:
-        why = "longer than --max-length" if stats.dropped_too_long else "nothing to train in it"
-        return f"== {record.where} ({fmt}): not trained: {why}"
+        return f"== {record.where} ({fmt}): not trained: {_dropped(stats, settings)}"
     trained = int(example.trainable.sum())
     cut = ", truncated" if stats.truncated else ""
-    head = f"== {record.where} ({fmt}, {len(example.ids)} tokens, {trained} trained{cut})"
+    if example.parts is None:
+        size = f"{len(example.ids)} tokens"
+    else:  # --max-length holds the prompt and the longer answer
+        prompt, chosen = example.parts
+        size = f"prompt {prompt} + chosen {chosen} + rejected {len(example.ids) - prompt - chosen} tokens"
+    head = f"== {record.where} ({fmt}, {size}, {trained} trained{cut})"
     if tokens:
         return "\n".join([head, *_token_rows(example, tokenizer)])
     if example.parts is None:
         return f"{head}\n{_marked(example.ids, example.trainable, tokenizer, marks)}"
-    prompt, chosen = example.parts
     parts = {
         "prompt": (0, prompt),
         "chosen": (prompt, prompt + chosen),
@@ -82,6 +111,16 @@ def _block(
     for name, (a, b) in parts.items():
         lines.append(f"-- {name}:\n{_marked(example.ids[a:b], example.trainable[a:b], tokenizer, marks)}")
     return "\n".join(lines)
+
+
+def _dropped(stats: EncodeStats, settings: ExampleSettings) -> str:
+    """Why training drops a record that encoded to nothing."""
+    if not stats.dropped_too_long:
+        return "nothing to train in it (no answer, or an empty one)"
+    if settings.truncation == "drop":
+        return f"longer than --max-length {settings.max_length} (--truncation drop)"
+    cut = f"--max-length {settings.max_length} (--truncation {settings.truncation})"
+    return f"cut to {cut}, nothing to train is left"
 
 
 def _marked(ids: np.ndarray, trainable: np.ndarray, tokenizer: Any, marks: Marks) -> str:

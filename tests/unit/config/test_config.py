@@ -221,7 +221,7 @@ def test_evaluation_settings_without_evaluation_data_are_refused(
 @pytest.mark.parametrize("name", ["lr", "neftune_alpha", "max_grad_norm"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_the_python_api_refuses_what_the_cli_refuses_as_not_finite(name: str, value: float) -> None:
-    with pytest.raises(UserError, match=f"TrainConfig: {name}: must be a finite number"):
+    with pytest.raises(ValueError, match=f"TrainConfig: {name}: must be a finite number"):
         TrainConfig(**{name: value})  # type: ignore[arg-type]
     group = setting_named(name).group
     assert group is not None

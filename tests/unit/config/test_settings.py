@@ -25,7 +25,7 @@ from lmtune.config.settings import (
     option_name,
     setting_named,
 )
-from lmtune.errors import UserError, WrongType
+from lmtune.errors import UserError, WrongType, WrongValue
 from lmtune.training.preflight import validate
 
 
@@ -57,7 +57,7 @@ def test_allowed_values_live_in_the_field_and_are_checked_and_shown() -> None:
     help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()  # type: ignore[union-attr]
     for name in with_choices:
         assert "{" + ",".join(choices(name)) + "}" in help_text
-        with pytest.raises(UserError, match=f"TrainConfig: {name}: must be one of"):
+        with pytest.raises(WrongValue, match=f"TrainConfig: {name}: must be one of"):  # a ValueError
             TrainConfig(**{name: "nonsense"})
         with pytest.raises(UserError, match=f"{option_name(name)}: must be one of"):
             build_config({name: "nonsense"})
@@ -80,7 +80,8 @@ def test_the_python_api_refuses_a_value_of_the_wrong_type_where_it_is_given(
     at once (the user's line in the traceback), a TypeError as Python's own, not deep in the run."""
     with pytest.raises(WrongType) as refused:
         TrainConfig(**settings)
-    assert str(refused.value) == message and isinstance(refused.value, (TypeError, UserError))
+    assert str(refused.value) == message and isinstance(refused.value, TypeError)
+    assert isinstance(refused.value, UserError)
     with pytest.raises(WrongType, match=re.escape(message)):
         TrainConfig().replace(**settings)
 
@@ -264,7 +265,10 @@ def test_settings_live_in_groups_with_flat_names(tmp_path: Path) -> None:
     assert build_config(load_yaml(str(flat))) == cfg
     twice = tmp_path / "twice.yaml"
     twice.write_text("lora: {rank: 8}\nlora_rank: 4\n")
-    with pytest.raises(UserError, match=r"twice.yaml:2: lora_rank is set twice \(as lora and lora_rank\)"):
+    with pytest.raises(
+        UserError,
+        match=r"twice.yaml:2: lora_rank is set twice \(as lora on line 1 and lora_rank\); give it once",
+    ):
         load_yaml(str(twice))
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text("model: small\noptim: {learning_rate: 1.0}\n")

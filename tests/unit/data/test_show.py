@@ -58,22 +58,36 @@ def test_show_pairs_and_what_training_drops(tmp_path: Path, capsys: pytest.Captu
     pairs = _write(tmp_path / "p.jsonl", [{"prompt": "Q?", "chosen": "good", "rejected": "bad"}])
     assert main(["data", "show", str(pairs)]) == 0
     out = capsys.readouterr().out
+    assert "(preference, prompt 3 + chosen 5 + rejected 4 tokens, 9 trained)" in out
     assert "-- prompt:\n<|bos|>Q?\n-- chosen:\n[[good<|eos|>]]\n-- rejected:\n[[bad<|eos|>]]" in out
     long = _write(tmp_path / "long.jsonl", [{"text": "x" * 50}])
     assert main(["data", "show", str(long), "--max-length", "8", "--truncation", "drop"]) == 0
     assert f"== {long}:1 (text): not trained: longer than --max-length" in capsys.readouterr().out
     assert main(["data", "show", str(long), "--max-length", "8"]) == 0  # cut on the right, as training does
     assert "(text, 8 tokens, 7 trained, truncated)" in capsys.readouterr().out
+    prompt = _write(tmp_path / "prompt.jsonl", [{"prompt": "x" * 50, "completion": "y"}])
+    assert main(["data", "show", str(prompt), "--max-length", "8"]) == 0  # the cut leaves only prompt
+    said = "(prompt_completion): not trained: cut to --max-length 8 (--truncation right), nothing to train"
+    assert said in capsys.readouterr().out
 
 
 def test_show_refuses_what_it_cannot_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = _write(tmp_path / "d.jsonl", ROWS)
     assert main(["data", "show", str(data), "--start", "4"]) == 2
-    assert "--start 4: the data holds fewer records" in capsys.readouterr().err
+    assert f"--start 4: {data} holds 3 records" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(["data", "show", str(tmp_path / "empty.jsonl")]) == 2
+    assert "empty.jsonl holds no records" in capsys.readouterr().err
     broken = tmp_path / "broken.jsonl"
-    broken.write_text(json.dumps(ROWS[2]) + "\n{broken\n")
-    assert main(["data", "show", str(broken)]) == 2
+    broken.write_text(json.dumps(ROWS[2]) + '\n{broken\n{"nottext": 5}\n' + json.dumps(ROWS[1]) + "\n")
+    assert main(["data", "show", str(broken)]) == 2  # as training stops there
     err = capsys.readouterr().err
-    assert f"{broken}:2" in err and "Traceback" not in err
+    assert f"{broken}:2: not valid JSON" in err and "Traceback" not in err
+    # Passed over with --skip-bad-lines: said where, as training would pass them over.
+    assert main(["data", "show", str(broken), "--skip-bad-lines"]) == 0
+    out = capsys.readouterr().out
+    assert f"== skipped (--skip-bad-lines): {broken}:2: not valid JSON" in out
+    assert f"== {broken}:3: not trained: cannot tell the format (fields found: 'nottext'" in out
+    assert f"== {broken}:4 (prompt_completion, " in out
     assert main(["data", "show"]) == 2
     assert "name the DATA to show, or a --config file" in capsys.readouterr().err
