@@ -150,8 +150,7 @@ def explain_unknown(
 def switch_given(key: str, value: Any, values: dict[str, Any], style: Callable[[str], str]) -> str:
     """For another tool's switch whose lmtune settings are all given (in ``values``) as it means
     them (TRL's --loss_type sigmoid beside --objective dpo): it adds nothing, so say to drop it."""
-    said = "true" if value is None else str(value).lower()  # a bare --bf16
-    switched = _VALUE_SWITCHES.get(canonical(key), {}).get(said)
+    switched = value_switched(key, True if value is None else value)  # None: a bare --bf16
     given = {ALIASES.get(canonical(k), canonical(k)): v for k, v in values.items()}
     if not switched or any(str(given.get(n)).lower() != str(v).lower() for n, v in switched.items()):
         return ""

@@ -210,19 +210,21 @@ def typed_as(value: object, kind: type, optional: bool) -> bool:
     return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
 
 
-def _check_given(s: Setting, key: str, value: Any) -> None:
-    """A value given to TrainConfig is refused where it is given (a traceback's line in the user's
-    script), as Python refuses an unknown keyword, not when train() starts. Text settings take
-    what converts to text (a path), as the CLI and YAML do."""
+def _given(s: Setting, key: str, value: Any) -> Any:
+    """A value given to TrainConfig as the setting holds it (text settings take what converts to
+    text, a path, as the CLI and YAML do), refused where it is given (a traceback's line in the
+    user's script), as Python refuses an unknown keyword, not when train() starts."""
     from lmtune.config.validate import value_problem  # it reads these settings
 
     if s.type is str and value is None:
-        return  # an unset path or name: refused, where it needs one, by the run's checks
-    value = as_text(value) if s.type is str else value
+        return None  # an unset path or name: refused, where it needs one, by the run's checks
+    if s.type is str:
+        value = as_text(value)
     problem = value_problem(s, value)
     if problem is not None:
         wrong = WrongType if not typed_as(value, s.type, s.optional) else WrongValue
         raise wrong(key, f"TrainConfig: {key}", f"{problem} (got {brief(value)})")
+    return value
 
 
 def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -253,8 +255,7 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
             values[key] = value
         elif key in _BY_NAME:
             s = _BY_NAME[key]
-            _check_given(s, key, value)
-            flat.setdefault(s.group or "", {})[s.field] = as_text(value) if s.type is str else value
+            flat.setdefault(s.group or "", {})[s.field] = _given(s, key, value)
         else:
             from lmtune.config.aliases import explain_unknown
 

@@ -25,17 +25,15 @@ PREFERENCE_DEFAULT_LR = 1e-6
 def default_lr(cfg: TrainConfig, loaded: LoadedModel, unit: str) -> tuple[float, str]:
     """The learning rate when --lr is not given, and where it comes from (for the start line).
     ``unit``: the objective's ("pairs" for preference tuning)."""
-    if loaded.source.startswith("preset "):  # built from a config: trained from scratch
-        return max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora.enabled else loaded.default_lr, (
-            "the preset's default"
-        )
-    if unit == "pairs":
+    preset = loaded.source.startswith("preset ")  # built from a config: trained from scratch
+    if unit == "pairs" and not preset:
         if cfg.lora.enabled:
             return 10 * PREFERENCE_DEFAULT_LR, "ten times TRL's preference-tuning default, for LoRA"
         return PREFERENCE_DEFAULT_LR, "TRL's default for preference tuning"
-    if cfg.lora.enabled:
-        return max(loaded.default_lr, LORA_MIN_DEFAULT_LR), "the default for LoRA"
-    return loaded.default_lr, "the default for a pretrained model"
+    lr = max(loaded.default_lr, LORA_MIN_DEFAULT_LR) if cfg.lora.enabled else loaded.default_lr
+    if preset:
+        return lr, "the preset's default"
+    return lr, "the default for LoRA" if cfg.lora.enabled else "the default for a pretrained model"
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:

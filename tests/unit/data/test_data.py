@@ -194,29 +194,25 @@ def test_instruction_alias() -> None:
     assert tok.decode(data[0][0][1:]).startswith("Add.\n\n2 2\n\n4")
 
 
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
 def test_messages_train_only_assistant_turns_with_the_builtin_template() -> None:
-    conv = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "4"},
-    ]
-    data, stats, tok = encode([{"messages": conv}])
+    data, stats, tok = encode([{"messages": CONVERSATION}])
     assert trained_text(data, 0, tok) == f"hello{tok.eos_token}4{tok.eos_token}"
     assert stats.eos_trained == 1
 
 
 def test_the_builtin_template_puts_each_turn_on_its_own_line() -> None:
-    conv = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "2+2?"},
-    ]
     tok = byte_tokenizer()
     ensure_chat_template(tok)
-    rendered = render(Record("m", 1, {"messages": conv}), "auto", PLAIN_FIELDS, tok)
+    rendered = render(Record("m", 1, {"messages": CONVERSATION[:4]}), "auto", PLAIN_FIELDS, tok)
     eos = tok.eos_token
     assert rendered.text == f"<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\nhello{eos}\n<|user|>\n2+2?"
 
