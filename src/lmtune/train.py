@@ -244,7 +244,7 @@ def _evaluator(
                 root, eval_loader, run.env, built.autocast(), sharded, beat, built.objective, sources
             )
 
-    return cb.Evaluator(run_eval, run.log, run.cfg.eval.every, best, unit=built.objective.unit)
+    return cb.Evaluator(run_eval, run.log, run.cfg.eval, best, unit=built.objective.unit)
 
 
 sys.modules[__name__].__class__ = CallableModule  # lmtune.train(cfg) runs train(cfg)

@@ -186,3 +186,33 @@ def test_a_continued_run_resumed_again_still_finds_the_best_in_the_run_it_contin
     kept = load_file(out / "final" / "model.safetensors")
     want = load_file(run / best["checkpoint"] / "model.safetensors")
     assert all((kept[k] == want[k]).all() for k in kept.keys() & want.keys())
+
+
+def test_eval_on_start_logs_the_starting_model_as_step_0_and_changes_no_step(tmp_path: Path) -> None:
+    """--eval-on-start (HF's eval_on_start, litgpt's initial_validation): the starting model's eval
+    figures as step 0. The same run without it trains the same steps; a learning rate too small to
+    move a weight ends where the baseline began; a resumed run does not log a second step 0."""
+    data = write_jsonl(tmp_path / "d.jsonl", uneven_texts(48, seed=5))
+    base = ["train", "--data", str(data), "--eval-split", "16", "--global-batch-size", "8", "--no-progress"]
+    base += ["--save-every", "1"]
+
+    def run(name: str, *more: str) -> Path:
+        assert main([*base, "--output-dir", str(tmp_path / name), *more]) == 0
+        return tmp_path / name
+
+    with_start = run("start", "--eval-on-start", "--max-steps", "2")
+    without = run("plain", "--max-steps", "2")
+    evals = train_rows(with_start, kind="eval")
+    assert [r["step"] for r in evals] == [0, 2]
+    assert evals[1]["eval_loss"] != evals[0]["eval_loss"]
+
+    def steps(out: Path) -> list[tuple[float, ...]]:
+        return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in train_rows(out)]
+
+    assert steps(with_start) == steps(without)
+    assert train_rows(without, kind="eval")[-1]["eval_loss"] == evals[1]["eval_loss"]
+    still = train_rows(run("still", "--eval-on-start", "--max-steps", "1", "--lr", "1e-12"), kind="eval")
+    assert still[0]["eval_loss"] == evals[0]["eval_loss"]
+    assert still[1]["eval_loss"] == pytest.approx(still[0]["eval_loss"], abs=1e-6)
+    run("start", "--eval-on-start", "--max-steps", "3")  # resumes from step 2
+    assert [r["step"] for r in train_rows(with_start, kind="eval")] == [0, 2, 3]

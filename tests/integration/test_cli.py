@@ -306,6 +306,21 @@ def test_generate_reads_a_piped_prompt(
     assert "nothing came on stdin" in one_line_error(argv, capsys)
 
 
+@pytest.mark.parametrize("chat", [[], ["--chat"]], ids=["completion", "chat"])
+def test_an_empty_answer_is_explained(
+    chat: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A blank line alone reads as the tool failing: the note says the model stopped at once."""
+    monkeypatch.setattr("lmtune.model.generate.complete", lambda *a, **k: " ")
+    assert main(["generate", "--model", "tiny", "--prompt", "1+2=", *chat]) == 0
+    said = capsys.readouterr()
+    assert said.out.strip() == ("" if chat else "1+2=")
+    assert "the model's answer is empty: the first token it generated was a stop token" in said.err
+    monkeypatch.setattr("lmtune.model.generate.complete", lambda *a, **k: "3")
+    assert main(["generate", "--model", "tiny", "--prompt", "1+2=", *chat]) == 0
+    assert "empty" not in capsys.readouterr().err
+
+
 def test_other_commands_take_snake_case_options_as_train_does(capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
         "generate",
@@ -329,7 +344,7 @@ def test_generate_past_the_models_positions(capsys: pytest.CaptureFixture[str]) 
 
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from lmtune.cli.commands import _check_answer_length
+    from lmtune.cli.generation import _check_answer_length
     from lmtune.errors import UserError
     from lmtune.model.modeling import byte_tokenizer
 

@@ -6,7 +6,7 @@ import argparse
 import re
 from typing import Any
 
-from lmtune.cli import commands
+from lmtune.cli import commands, generation
 from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 from lmtune.errors import UserError
 
@@ -281,7 +281,7 @@ def _generate_parser(sub: Any) -> None:
     )
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
-    gen.set_defaults(run=commands.generate)
+    gen.set_defaults(run=generation.generate)
 
 
 def _bench_parser(sub: Any) -> None:

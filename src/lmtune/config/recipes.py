@@ -38,13 +38,12 @@ _LITGPT_GROUPS = {
         "lr_warmup_steps": "warmup_steps",
         "max_norm": "max_grad_norm",
     },
-    "eval": {"interval": "eval_every"},
+    "eval": {"interval": "eval_every", "initial_validation": "eval_on_start"},
 }
 # Names inside other tools' groups that lmtune answers (it has no setting of that name).
 _IN_GROUP_ANSWERS = {
     ("eval", "max_iters"): "lmtune evaluates on all of eval_data (or eval_split)",
     ("eval", "max_new_tokens"): "sample_max_new_tokens, with sample_prompts, generates during training",
-    ("eval", "initial_validation"): _EVALUATES,
     ("eval", "final_validation"): _EVALUATES,
     ("data", "mask_prompt"): "prompts are out of the loss by default (train_on_prompt: true trains them)",
     ("data", "prompt_style"): "records are trained as written; chat messages take the model's chat template",

@@ -18,6 +18,14 @@ class EvalSettings:
     every: int = setting(
         0, "Evaluate every N optimizer steps; 0 evaluates only at the end.", flag="eval_every"
     )
+    on_start: bool = setting(
+        False,
+        (
+            "Also evaluate before the first step: the starting model's figures, as step 0 (a baseline; a "
+            "resumed run has it already)."
+        ),
+        flag="eval_on_start",
+    )
     metric_for_best: str | None = setting(
         None,
         (

@@ -384,6 +384,7 @@ def _check_evaluation_data(cfg: TrainConfig, need: Need) -> None:
         ("load_best_at_end", cfg.eval.load_best_at_end),
         ("metric_for_best", cfg.eval.metric_for_best is not None),
         ("eval_every", cfg.eval.every),
+        ("eval_on_start", cfg.eval.on_start),
     ):
         need(not given or evaluates, name, "needs --eval-data or --eval-split (nothing to evaluate)")
 

@@ -20,8 +20,8 @@ from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
 from lmtune.data.pairs import examples_noun
 from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, largest_global_batch, rank_indices
-from lmtune.data.sources import BadLines, resolve_components
-from lmtune.data.tokenize import Encoded, EncodeStats, blank_answer
+from lmtune.data.sources import BadLines, first_places, in_parentheses, resolve_components
+from lmtune.data.tokenize import Encoded, EncodeStats
 from lmtune.errors import SettingError, UserError
 
 
@@ -54,7 +54,6 @@ class AuditReport:
     global_batch_size: int = 1  # train stops when the data holds less than one global batch
     micro_batch_size: int | None = None  # with the processes, what a global batch must be a multiple of
     nproc_per_node: int = 1
-    empty_answers: int = 0  # examples whose only trained token is the stop: an empty or blank answer
     held_out: int = 0  # --eval-split's examples: evaluated, never trained on
 
     @property
@@ -96,20 +95,28 @@ class AuditReport:
         if self.stops_lost:
             found.append(
                 f"{self.stops_lost:,} of {_count(s.examples, 'example')} lose their stop token's label"
+                + self._at("no_stop", self.stops_lost)
             )
-        if self.empty_answers:
+        if s.empty_answers:
             found.append(
-                f"{_count(self.empty_answers, 'example')} with an empty or blank answer (only the stop "
-                "token trains: the model learns to say nothing)"
+                f"{_count(s.empty_answers, 'example')} with an empty or blank answer"
+                f"{self._at('empty_answer', s.empty_answers)}: only the stop token trains, so the model "
+                "learns to say nothing"
             )
         if s.dropped_no_targets:
-            found.append(f"{_count(s.dropped_no_targets, 'example')} with nothing to train")
+            found.append(
+                f"{_count(s.dropped_no_targets, 'example')} with nothing to train"
+                + self._at("no_targets", s.dropped_no_targets)
+            )
         if self.bad.count and self.skip_bad_lines:
             found.append(f"{_count(self.bad.count, 'bad line')} skipped")
         p = self.pairs
         if p is not None and p.useless:
             found.append(f"{_count(p.useless, 'pair')} with identical or empty answers")
         return found
+
+    def _at(self, kind: str, count: int) -> str:
+        return in_parentheses(first_places(self.stats.where, kind, count))
 
     @property
     def exit_code(self) -> int:
@@ -138,6 +145,10 @@ def stops_lost_warning(lost: int, kept: int, chat: bool, unit: str, examples: Ex
         f"warning: {lost:,} of {kept:,} training {examples_noun(unit)} train no stop token{why}, so the "
         "model may not learn to stop (lmtune data audit shows which)"
     )
+
+
+def _also(text: str) -> str:
+    return f"; {text}" if text else ""
 
 
 def _count(n: int, thing: str) -> str:
@@ -226,7 +237,7 @@ def audit(
     mode = "drop" if settings.truncation == "error" else settings.truncation
     counting = replace(settings, truncation=mode, skip_bad_lines=True)
     ensure_chat_template(tokenizer)
-    sink = _Lengths(tokenizer)
+    sink = _Lengths()
     stats, sizes = EncodeStats(), list[int]()
     for part in components if weights is not None else [sources]:
         stats.merge(encode_into(records(part, counting, bad), tokenizer, counting, sink, bad))
@@ -270,26 +281,17 @@ def audit(
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,
         nproc_per_node=nproc_per_node,
-        empty_answers=sink.empty_answers,
     )
 
 
 class _Lengths:
-    """Keeps each example's length (the audit needs no token arrays), and counts the examples whose
-    answer is empty or blank: only their stop token trains, so the model learns to say nothing."""
+    """Keeps each example's length: the audit needs no token arrays."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self) -> None:
         self.lengths: list[int] = []
-        self.empty_answers = 0
-        self.tokenizer = tokenizer
-        self.stops = {tokenizer.eos_token_id, *end_of_turn_ids(tokenizer)}
 
     def write(self, examples: list[Encoded]) -> None:
         self.lengths += [len(e.ids) for e in examples]
-        for e in examples:
-            if e.parts is not None:
-                continue  # a pair: the pairs audit counts its empty answers
-            self.empty_answers += blank_answer(e.ids[e.trainable], self.tokenizer, self.stops)
 
 
 def _histogram(lengths: np.ndarray, max_length: int, bins: int = 12) -> list[tuple[int, int, int]]:
@@ -362,8 +364,9 @@ def format_report(report: AuditReport) -> str:
     lines += [
         f"  over --max-length   {s.truncated:,} truncated, {s.dropped_too_long:,} dropped "
         f"(--max-length {report.max_length}; dropped: too long, or left with nothing to train, as a "
-        "prompt that fills it)",
-        f"  no trainable tokens {s.dropped_no_targets:,} (dropped: they would train on nothing)",
+        f"prompt that fills it{_also(first_places(s.where, 'too_long', s.dropped_too_long))})",
+        f"  no trainable tokens {s.dropped_no_targets:,} (dropped: they would train on nothing"
+        f"{_also(first_places(s.where, 'no_targets', s.dropped_no_targets))})",
         _stop_line(report),
         f"  tokens              {s.tokens:,} ({s.target_tokens:,} trained)",
     ]

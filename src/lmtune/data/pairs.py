@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from lmtune.data.formats import FieldMap, chat_text, field_kind, messages_field
-from lmtune.data.sources import BadLines, Record
+from lmtune.data.sources import BadLines, Record, first_places, in_parentheses
 from lmtune.errors import UserError
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
@@ -295,8 +295,9 @@ def pair_counts(meta: dict[str, Any]) -> str:
     if counted_as(meta) != "pairs":
         blank = meta.get("empty_answers", 0)
         return (
-            f"; {blank:,} with an empty answer (only the stop trains, so the model learns to say nothing: "
-            "most often a data error)"
+            f"; {blank:,} with an empty answer"
+            f"{in_parentheses(first_places(meta.get('where', {}), 'empty_answer', blank))}: only the stop "
+            "trains, so the model learns to say nothing (most often a data error)"
             if blank
             else ""
         )

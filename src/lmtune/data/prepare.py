@@ -26,7 +26,16 @@ from lmtune.config.groups import ExampleSettings
 from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
 from lmtune.data.formats import FieldMap, ensure_chat_template
 from lmtune.data.mixture import COMPONENTS_META
-from lmtune.data.sources import BadLines, Record, Source, iter_records, resolve_components, skipped_lines
+from lmtune.data.sources import (
+    BadLines,
+    Record,
+    Source,
+    first_places,
+    in_parentheses,
+    iter_records,
+    resolve_components,
+    skipped_lines,
+)
 from lmtune.data.tokenize import Encoded, EncodeStats, chunks, encode_chunk
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, available_cores, decided_by_main
@@ -231,7 +240,9 @@ def _build(
             fixes.append("those with no trainable tokens have no answer to train")
         raise UserError(
             f"{wanted.option} {wanted.spec}: no examples left ({stats.dropped_too_long} longer than "
-            f"--max-length, {stats.dropped_no_targets} with no trainable tokens, "
+            f"--max-length{in_parentheses(first_places(stats.where, 'too_long', stats.dropped_too_long))}, "
+            f"{stats.dropped_no_targets} with no trainable tokens"
+            f"{in_parentheses(first_places(stats.where, 'no_targets', stats.dropped_no_targets))}, "
             f"{skipped_lines(bad.count)})" + "".join(f"; {fix}" for fix in fixes)
         )
     writer.close(

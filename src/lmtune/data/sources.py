@@ -14,7 +14,7 @@ import glob
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +62,21 @@ class BadLines:
 def skipped_lines(count: int) -> str:
     """How the log says ``count`` bad lines were passed over (--skip-bad-lines)."""
     return f"{count} bad line{'s' * (count != 1)} skipped"
+
+
+def first_places(where: Mapping[str, list[str]], kind: str, count: int) -> str:
+    """``at f.jsonl:3, f.jsonl:9 and 4 more``: where the first of ``count`` examples of a ``kind``
+    of loss are (:attr:`EncodeStats.where`, or a cache's meta of it), or "" when none is known."""
+    places = where.get(kind, [])
+    if not places or not count:
+        return ""
+    more = f" and {count - len(places):,} more" if count > len(places) else ""
+    return f"at {', '.join(places)}{more}"
+
+
+def in_parentheses(text: str) -> str:
+    """`` (text)``, or "" for no text."""
+    return f" ({text})" if text else ""
 
 
 @dataclass(frozen=True)

@@ -50,13 +50,27 @@ class EncodeStats:
     identical_pairs: int = 0  # kept pairs whose answers are the same tokens: no preference in them
     empty_answer_pairs: int = 0  # kept pairs with an answer of no text (a data error, most often)
     empty_answers: int = 0  # kept single examples that train their stop alone (an empty answer)
+    # Where the first examples of each kind of loss are (``file:line``), so a message can name them:
+    # "no_targets", "too_long", "empty_answer", "no_stop".
+    where: dict[str, list[str]] = field(default_factory=dict)
+
+    def note(self, kind: str, where: str) -> None:
+        kept = self.where.setdefault(kind, [])
+        if len(kept) < WHERE_KEPT:
+            kept.append(where)
 
     def merge(self, other: EncodeStats) -> None:
         for f in fields(self):
-            if f.name != "formats":
+            if f.name not in ("formats", "where"):
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         for k, v in other.formats.items():
             self.formats[k] = self.formats.get(k, 0) + v
+        for kind, places in other.where.items():
+            for where in places:
+                self.note(kind, where)
+
+
+WHERE_KEPT = 3  # locations kept per kind of loss: enough to find the pattern, few enough for one line
 
 
 @dataclass(frozen=True)
@@ -209,21 +223,29 @@ def _encode_examples(
                 continue
             if kept is None:
                 stats.dropped_too_long += 1
+                stats.note("too_long", rec.where)
                 continue
             ids, trainable = kept
         targets = int(trainable[1:].sum())  # position 0 is never predicted
         if targets == 0:  # would train as a loss of 0 on nothing
             if kept is not None:  # the prompt alone fills --max-length: dropped for being too long
                 stats.dropped_too_long += 1
+                stats.note("too_long", rec.where)
             else:
                 stats.dropped_no_targets += 1
+                stats.note("no_targets", rec.where)
             continue
         stats.examples += 1
         stats.truncated += bool(kept is not None)
         stats.tokens += len(ids)
         stats.target_tokens += targets
-        stats.eos_trained += bool((trainable & np.isin(ids, stops)).any())
-        stats.empty_answers += blank_answer(ids[trainable], tokenizer, stops)
+        stopped = bool((trainable & np.isin(ids, stops)).any())
+        stats.eos_trained += stopped
+        if not stopped:
+            stats.note("no_stop", rec.where)
+        if blank_answer(ids[trainable], tokenizer, stops):
+            stats.empty_answers += 1
+            stats.note("empty_answer", rec.where)
         out.append(Encoded(ids, trainable))
     return out, stats
 
@@ -292,6 +314,7 @@ def encode_pairs(
         if p + longer > max_length:
             if truncation == "drop":
                 stats.dropped_too_long += 1
+                stats.note("too_long", record.where)
                 continue
             if truncation == "error":
                 bad.report(
@@ -305,6 +328,7 @@ def encode_pairs(
         targets = answer_targets(pair)
         if min(targets) == 0:  # an answer with nothing to train: no pair to compare
             stats.dropped_no_targets += 1
+            stats.note("no_targets", record.where)
             continue
         stats.examples += 1
         stats.truncated += cut is not None or prompt_cut
@@ -316,7 +340,10 @@ def encode_pairs(
         stats.target_tokens += sum(targets)
         # Anywhere in each answer, as for single examples: chat templates put a newline after the
         # end of turn (ChatML, Qwen), so it need not be the last token.
-        stats.eos_trained += bool(np.isin(pair.chosen, stops).any() and np.isin(pair.rejected, stops).any())
+        stopped = bool(np.isin(pair.chosen, stops).any() and np.isin(pair.rejected, stops).any())
+        stats.eos_trained += stopped
+        if not stopped:
+            stats.note("no_stop", record.where)
         out.append(_encoded_pair(pair))
     return out, stats
 

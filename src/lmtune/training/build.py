@@ -25,7 +25,7 @@ from lmtune.data.mixture import mixture_line, per_source, source_index, training
 from lmtune.data.pairs import counted_as, pair_counts
 from lmtune.data.prepare import Wanted, cache_root, default_cache_dir, prepare
 from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
-from lmtune.data.sources import skipped_lines
+from lmtune.data.sources import first_places, in_parentheses, skipped_lines
 from lmtune.data.tokenize import EncodeStats
 from lmtune.errors import SettingError, UserError
 from lmtune.model.attention import supports_varlen, use_varlen
@@ -305,15 +305,21 @@ def prepare_data(
             "key": p.key,
             "built_by_ranks": builders,
             # .get: a cache built before a count existed lacks it
-            **{k: meta.get(k, 0) for k in (*(f.name for f in fields(EncodeStats)), "bad_lines")},
+            **{
+                k: meta.get(k, {} if k == "where" else 0)
+                for k in (*(f.name for f in fields(EncodeStats)), "bad_lines")
+            },
         }
         how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
+        where = meta.get("where", {})  # a cache built before it was kept lacks it
         shown = {SAMPLE_DATA: "the built-in sample", SAMPLE_EVAL: "the built-in sample's held-out split"}
         log.info(
             f"{name} data {shown.get(spec, spec)}: {meta['examples']:,} {counted_as(meta)}, "
             f"{meta['tokens']:,} tokens ({how}); "
-            f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long, "
+            f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long"
+            f"{in_parentheses(first_places(where, 'too_long', meta['dropped_too_long']))}, "
             f"{meta['dropped_no_targets']} dropped with no trainable tokens"
+            f"{in_parentheses(first_places(where, 'no_targets', meta['dropped_no_targets']))}"
             + (f", {skipped_lines(meta['bad_lines'])}" if meta["bad_lines"] else "")
             + pair_counts(meta)
         )

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmtune.checkpoint.state import TrainerState
+from lmtune.config.run_groups import EvalSettings
 from lmtune.data.pairs import examples_noun
 from lmtune.errors import TrainingStopped
 from lmtune.outputs.runlog import ExampleOrderLog, RunLog, read_metrics
@@ -198,20 +199,29 @@ class NanPolicy(Callback):
 
 
 class Evaluator:
-    """Evaluation every ``every`` steps and at the end; with a best-model tracker, a checkpoint of
-    each new best is asked for, and the run stops early when the metric stops improving. The loop
-    runs it after the components and before saving, and keeps what it returns."""
+    """Evaluation every ``every`` steps and at the end (with ``on_start``, also before the first
+    step); with a best-model tracker, a checkpoint of each new best is asked for, and the run stops
+    early when the metric stops improving. The loop runs it after the components and before saving,
+    and keeps what it returns."""
 
     def __init__(
         self,
         run_eval: Callable[[], EvalResult],
         log: RunLog,
-        every: int,
+        when: EvalSettings,  # its every and on_start
         best: BestTracker | None,
         unit: str = "target_tokens",  # the objective's: a preference objective's eval line counts pairs
     ):
-        self.run_eval, self.log, self.every, self.best = run_eval, log, every, best
+        self.run_eval, self.log, self.every, self.best = run_eval, log, when.every, best
         self.noun = examples_noun(unit)
+        self.on_start = when.on_start
+
+    def at_start(self, state: TrainerState) -> EvalResult | None:
+        """The starting model's figures, as step 0: a baseline for the curve, not a candidate for the
+        best checkpoint (there is no checkpoint of step 0). A resumed run logged them already."""
+        if not self.on_start or state.step:
+            return None
+        return self._evaluate(state, Control(), baseline=True)
 
     def after_step(self, step: StepEnd, control: Control) -> EvalResult | None:
         if self.every and step.state.step % self.every == 0 and not step.finished:
@@ -221,7 +231,7 @@ class Evaluator:
     def at_end(self, state: TrainerState, control: Control) -> EvalResult | None:
         return self._evaluate(state, control) if control.stop is None else None
 
-    def _evaluate(self, state: TrainerState, control: Control) -> EvalResult:
+    def _evaluate(self, state: TrainerState, control: Control, baseline: bool = False) -> EvalResult:
         ev = self.run_eval()
         self.log.record(
             {
@@ -242,9 +252,10 @@ class Evaluator:
         counts = f"{ev.examples} {self.noun}, {ev.target_tokens:,} target tokens"
         per_source = ", ".join(f"{name} {ev.metrics[f'eval_loss/{name}']:.4f}" for name in ev.sources)
         more += f"; per source: {per_source}" if per_source else ""
-        self.log.info(f"step {state.step}: eval loss {ev.loss:.4f}{more} ({counts})")
+        when = "before training" if baseline else f"step {state.step}"
+        self.log.info(f"{when}: eval loss {ev.loss:.4f}{more} ({counts})")
         best = self.best
-        if best is None:
+        if best is None or baseline:
             return ev
         control.save |= best.observe(state.step, ev.value(best.metric))
         if best.should_stop and control.stop is None:  # all ranks evaluated alike: all stop here

@@ -94,6 +94,8 @@ def fit(
     control, evals = Control(), []
     state, last_loss = start, float("nan")
     trainee.model.train()
+    if parts.evaluator is not None and (ev := parts.evaluator.at_start(start)) is not None:
+        evals.append(ev)
     started = last = time.perf_counter()
     while state.step < layout.total_steps and control.stop is None:
         data.sampler.set_epoch(state.epoch, state.step_in_epoch)

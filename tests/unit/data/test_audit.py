@@ -216,7 +216,32 @@ def test_an_empty_or_blank_answer_is_found(tmp_path: Path, capsys: pytest.Captur
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["data", "audit", str(f), "--global-batch-size", "1"]) == 1
-    assert "3 examples with an empty or blank answer (only the stop token trains" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"3 examples with an empty or blank answer (at {f}:1, {f}:2, {f}:4): only the stop" in said
+
+
+def test_the_examples_training_drops_or_leaves_without_a_stop_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Their lines, the first few of each kind and how many more: a count alone leaves the user to
+    search the file for them."""
+    rows = [
+        {"prompt": "1+3=", "completion": "4"},
+        {"messages": [{"role": "user", "content": "no reply"}]},  # nothing to train
+        {"prompt": "p" * 40, "completion": "long"},  # the prompt alone fills --max-length
+        {"prompt": "1+4=", "completion": "5" * 30},  # cut: its stop is lost
+        *[{"messages": [{"role": "user", "content": f"{i}"}]} for i in range(4)],
+    ]
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["data", "audit", str(f), "--global-batch-size", "1", "--max-length", "20"]) == 1
+    said = capsys.readouterr().out
+    assert (
+        f"no trainable tokens 5 (dropped: they would train on nothing; at {f}:2, {f}:5, {f}:6 and 2 more)"
+        in said
+    )
+    assert f"dropped: too long, or left with nothing to train, as a prompt that fills it; at {f}:3)" in said
+    assert f"1 of 2 examples lose their stop token's label (at {f}:4)" in said
 
 
 def test_the_stop_token_warning_names_the_likely_cause() -> None:

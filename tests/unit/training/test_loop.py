@@ -21,6 +21,7 @@ from lmtune.checkpoint.layout import list_checkpoints, step_folder, verify
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
 from lmtune.checkpoint.state import TrainerState
 from lmtune.checkpoint.store import load_checkpoint, prune, save_checkpoint
+from lmtune.config.run_groups import EvalSettings
 from lmtune.config.settings import TrainConfig
 from lmtune.data.collate import StepCollator
 from lmtune.errors import TrainingStopped
@@ -356,7 +357,7 @@ def test_evaluator_asks_to_save_each_best_and_stops_after_the_patience(tmp_path:
     with RunLog(ENV, tmp_path, progress=False) as log:
         log.open_metrics(0)
         best = BestTracker(metric="eval_loss", greater_is_better=False, patience=2, threshold=0.0)
-        evaluator = Evaluator(run_eval, log, every=2, best=best)
+        evaluator = Evaluator(run_eval, log, EvalSettings(every=2), best=best)
         decisions, evals = [], []
         for step in range(1, 9):
             control = Control()
@@ -376,7 +377,7 @@ def test_the_early_stop_line_says_what_too_small_an_improvement_is(
     with RunLog(ENV, tmp_path, progress=False) as log:
         log.open_metrics(0)
         best = BestTracker(metric="eval_loss", greater_is_better=False, patience=1, threshold=0.5)
-        evaluator = Evaluator(run_eval, log, every=1, best=best)
+        evaluator = Evaluator(run_eval, log, EvalSettings(every=1), best=best)
         for step in (1, 2):
             evaluator.after_step(_end(step), Control())
     assert (
@@ -416,7 +417,7 @@ def test_after_each_step_components_then_evaluation_then_the_save_then_the_stop(
 
     with _built(tmp_path, "order") as (run, b):
         best = BestTracker(metric="eval_loss", greater_is_better=False, patience=1, threshold=0.0)
-        evaluator = Evaluator(run_eval, run.log, every=2, best=best)
+        evaluator = Evaluator(run_eval, run.log, EvalSettings(every=2), best=best)
         result = _fit(run, b, _fresh_state(b), [Component()], SaveRecorder(log=order), evaluator)
     # Step 2's evaluation is the first best: saved after it. Step 4's does not improve, so the
     # patience of 1 stops the run: the save of step 4 comes after that evaluation, then fit stops.

@@ -1,0 +1,161 @@
+"""`lmtune generate`: complete a prompt, or chat, with a trained model folder."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from lmtune.errors import UserError
+
+
+def _prompt_from_stdin() -> str:
+    """The text piped in (``echo "1+2=" | lmtune generate ...``), less the newline echo ends it with."""
+    text = sys.stdin.read()
+    text = text[:-1] if text.endswith("\n") else text
+    if not text:
+        raise UserError("--prompt: nothing came on stdin; give the text with --prompt TEXT")
+    return text
+
+
+def _check_answer_length(loaded: Any, prompt: str | None, new_tokens: int) -> None:
+    """A prompt and answer past the model's positions: refused for a learned position table (the
+    answer would fail there), a warning otherwise (it never saw positions that far)."""
+    from lmtune.model.tokens import position_limit
+
+    limit, learned = position_limit(loaded.model)
+    prompt_tokens = len(loaded.tokenizer(prompt)["input_ids"]) if prompt is not None else 0
+    if limit is None or prompt_tokens + new_tokens <= limit:
+        return
+    said = (
+        f"--max-new-tokens {new_tokens}: with the prompt's {prompt_tokens} tokens, past the model's "
+        f"{limit} positions"
+    )
+    if learned:
+        room = max(limit - prompt_tokens, 0)
+        raise UserError(f"{said} (a learned table: it cannot run past it); give {room} or fewer")
+    from lmtune.parallel.launch import warn
+
+    warn(f"{said}: it never saw positions that far, so its answer may come apart there")
+
+
+def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import torch
+
+    from lmtune.model.modeling import load_model
+    from lmtune.parallel.distributed import read_dist_env
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (got {args.temperature})")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1] (got {args.top_p})")
+    if args.top_k is not None and args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (got {args.top_k})")
+    if args.temperature == 0 and (args.top_k is not None or args.top_p != 1.0):
+        cut = "--top-k" if args.top_k is not None else "--top-p"
+        raise UserError(f"{cut} applies when sampling: give --temperature T > 0 (else decoding is greedy)")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device must be auto, cpu or cuda (got {args.device!r})")
+    if args.prompt == "-" or (args.prompt is None and not args.chat and not sys.stdin.isatty()):
+        args.prompt = _prompt_from_stdin()
+    if args.prompt is None and not args.chat:
+        raise UserError("--prompt is needed (or piped input, or --chat, which reads turns from stdin)")
+    if args.system is not None and not args.chat:
+        raise UserError("--system needs --chat")
+    device = read_dist_env(args.device).device
+    loaded = load_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code)
+    _check_answer_length(loaded, None if args.chat else args.prompt, args.max_new_tokens)
+    model = loaded.model.to(device)
+    from lmtune.model.generate import Sampling
+
+    options = {
+        "max_new_tokens": args.max_new_tokens,
+        "sampling": Sampling(args.temperature, args.top_p, args.top_k, args.seed),
+    }
+    with torch.inference_mode():
+        if args.chat:
+            problem = _untrained_template(args.model, loaded.tokenizer)
+            if problem is not None:
+                from lmtune.parallel.launch import warn
+
+                # Its replies follow a format it never saw: likely text that rambles past the turn.
+                warn(
+                    f"{problem}; fine-tune it on conversations (messages records) first, or drop --chat to "
+                    "complete plain text"
+                )
+            _chat(model, loaded.tokenizer, args.prompt, args.system, options)
+        else:
+            from lmtune.model.generate import complete
+
+            text = complete(model, loaded.tokenizer, args.prompt, **options)
+            print(args.prompt + text)
+            _note_if_empty(text)
+    return 0
+
+
+def _note_if_empty(reply: str) -> None:
+    """An empty answer looks like a failure of the tool; say what the model did."""
+    if not reply.strip():
+        from lmtune.parallel.launch import warn
+
+        warn(
+            "the model's answer is empty: the first token it generated was a stop token (a model trained "
+            "on empty answers, or not trained enough, does this; lmtune data audit finds empty answers)"
+        )
+
+
+def _chat(
+    model: Any, tokenizer: Any, prompt: str | None, system: str | None, options: dict[str, Any]
+) -> None:
+    """One reply to --prompt, or a conversation over stdin's lines (interactive on a terminal)."""
+    from lmtune.data.formats import ensure_chat_template
+    from lmtune.model.generate import chat_reply
+
+    ensure_chat_template(tokenizer)
+    messages = [{"role": "system", "content": system}] if system else []
+    interactive = prompt is None and sys.stdin.isatty()
+    turns = [prompt] if prompt is not None else _stdin_turns(interactive)
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        reply = chat_reply(model, tokenizer, messages, **options)
+        messages.append({"role": "assistant", "content": reply})
+        print(f"assistant> {reply}" if interactive else reply, flush=True)
+        _note_if_empty(reply)
+
+
+def _untrained_template(model: str, tokenizer: Any) -> str | None:
+    """Why --chat would render turns in a format ``model`` never learned, if it would: it has no
+    chat template (the built-in one stands in), or lmtune gave it the built-in one (every model it
+    saves has a template) and its run trained on no conversations."""
+    from lmtune.checkpoint.card import run_record_near, trained_formats
+    from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS
+
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return "the model has no chat template, so --chat renders the turns with lmtune's built-in one"
+    folder = Path(model).expanduser()
+    run = run_record_near(folder) if template == BUILTIN_CHAT_TEMPLATE and folder.is_dir() else None
+    formats = trained_formats(run)
+    if formats and not set(CHAT_FORMATS) & formats:
+        return (
+            "the model's chat template is lmtune's built-in one, and the run that saved it trained on "
+            f"{', '.join(sorted(formats))} records, not on conversations in it"
+        )
+    return None
+
+
+def _stdin_turns(interactive: bool) -> Iterator[str]:
+    while True:
+        try:
+            line = input("you> ") if interactive else sys.stdin.readline()
+        except EOFError:  # Ctrl+D at the prompt
+            print()
+            return
+        if not interactive and not line:
+            return
+        if line.strip():
+            yield line.strip()
