@@ -23,3 +23,8 @@ def __getattr__(name: str) -> Any:
 
         return train
     raise AttributeError(f"module 'lmtune' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazy names too, so a REPL's or an IDE's completion offers them.
+    return sorted({*globals(), *__all__})

@@ -20,7 +20,7 @@ from lmtune.checkpoint.resume import recorded_paths
 from lmtune.checkpoint.rundir import acquire, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig, to_dict
-from lmtune.data.prepare import cache_root
+from lmtune.data.prepare import cache_root, data_cache_dir
 from lmtune.model.precision import check_device
 from lmtune.outputs.reporters import open_reporters, parse_report_to
 from lmtune.outputs.runlog import ExampleOrderLog, RunLog, read_metrics
@@ -37,7 +37,7 @@ from lmtune.testing.faults import requested as faults_requested
 from lmtune.tools.doctor import DoctorSettings, check_or_fail
 from lmtune.training import callbacks as cb
 from lmtune.training.best import BestTracker, best_tracker
-from lmtune.training.build import Built, build_parts, data_cache_dir, loaders, schedule
+from lmtune.training.build import Built, build_parts, loaders, schedule
 from lmtune.training.context import CallableModule, RunContext
 from lmtune.training.evaluate import EvalResult, evaluate
 from lmtune.training.finish import finish, recorded_result, say_finished

@@ -106,6 +106,7 @@ def test_a_hostile_lock_file_is_one_line(kind: str, tmp_path: Path) -> None:
         ("LMTUNE_ERROR_DIR", "/nonexistent/errors"),
         ("LMTUNE_HEALTH_DIR", "/dev/null"),
         ("LMTUNE_CACHE_DIR", "/dev/null"),
+        ("LMTUNE_CACHE_DIR", "/dev/null/cache"),  # under a file: it could never be created
         ("LMTUNE_VERBOSE", "loud"),
     ],
 )
@@ -116,6 +117,33 @@ def test_every_lmtune_variable_is_strict(
     err = _error(["train", "--output-dir", str(tmp_path / "o"), "--max-steps", "1"], capsys)
     assert f"environment variable {name}=" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_cache_folder_that_cannot_be_created_is_named_by_what_chose_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The option, the variable or lmtune's default: an OSError's path alone leaves the user to
+    guess which setting put it there."""
+    from lmtune.config.groups import DataSettings
+    from lmtune.data.prepare import data_cache_dir
+    from lmtune.errors import SettingError
+
+    def refuse(path: Path, *_: object, **__: object) -> None:
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(
+        SettingError, match=r"--cache-dir: /x/cache: cannot create it \(Operation not permitted\)"
+    ):
+        data_cache_dir(DataSettings(cache_dir="/x/cache"))
+    monkeypatch.setenv("LMTUNE_CACHE_DIR", str(tmp_path / "mine"))
+    with pytest.raises(UserError, match=rf"LMTUNE_CACHE_DIR: {tmp_path}/mine/data: cannot create it"):
+        data_cache_dir(DataSettings())
+    monkeypatch.delenv("LMTUNE_CACHE_DIR")
+    with pytest.raises(
+        UserError, match=r"lmtune's cache \(LMTUNE_CACHE_DIR chooses another\): .*/data: cannot"
+    ):
+        data_cache_dir(DataSettings())
 
 
 @pytest.fixture

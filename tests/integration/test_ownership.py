@@ -200,13 +200,29 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not lmtune's to delete"):
         check_earlier_run(other, continued=False, overwrite=True, config={})
     # Without --overwrite, the refusal does not suggest it: it would refuse them too.
-    with pytest.raises(UserError, match=r"holds final, metrics\.jsonl but no lmtune run") as refused:
+    with pytest.raises(
+        UserError, match=r"holds final, metrics\.jsonl, run\.json but no lmtune run"
+    ) as refused:
         check_earlier_run(other, continued=False, overwrite=False, config={})
     assert "--overwrite" not in str(refused.value)
     assert sorted(p.name for p in other.iterdir()) == sorted(
         ["wandb", "final", "checkpoints", "metrics.jsonl", "run.json", LOCK_FILE]
     )
     assert (other / "checkpoints" / "step-000001" / "keep.txt").is_file()
+    # A file a run writes whole, of a user's, alone in the folder: refused too, whatever else is
+    # asked (a continued checkpoint from elsewhere would write over it as well).
+    for name in ("run.json", "samples/rank-0.jsonl", "reporting.json"):
+        alone = tmp_path / "alone" / name.replace("/", "-")
+        (alone / name).parent.mkdir(parents=True, exist_ok=True)
+        (alone / name).write_text("my own notes")
+        for continued in (False, True):
+            with pytest.raises(UserError, match=f"holds {name} but no lmtune run"):
+                check_earlier_run(alone, continued=continued, overwrite=False, config={})
+        assert (alone / name).read_text() == "my own notes"
+    hung = tmp_path / "hung"  # a run that hung before its run.json: its rerun starts
+    hung.mkdir()
+    (hung / "hang-report.txt").write_text("rank 1 waited in all_reduce")
+    check_earlier_run(hung, continued=False, overwrite=False, config={})
 
 
 def test_output_folders_that_would_lose_or_reread_inputs_are_refused(

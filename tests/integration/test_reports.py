@@ -246,3 +246,26 @@ def test_report_tells_a_killed_run_from_a_running_one(tmp_path: Path) -> None:
         "stopped (by a signal; the same command starts over (--overwrite); without --overwrite, it resumes "
         "from step-000002)"
     )
+
+
+def test_report_says_which_settings_a_resume_changed(tmp_path: Path) -> None:
+    """The configuration shown is the last attempt's: the steps before a resume that changed --lr
+    ran with the earlier value, and the summary says so (a hostile entry is left out)."""
+    from lmtune.tools.report import _summary, build_html, load_run
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 6, "loss": 2.0}) + "\n")
+    changes = [
+        {"step": 4, "changes": ["--lr 0.001 -> 0.0005", "total steps 4 -> 6"]},
+        {"step": "x", "changes": [1]},
+    ]
+    (out / "run.json").write_text(
+        json.dumps({"config": {"lr": 5e-4}, "resolved": {"changed_on_resume": changes}})
+    )
+    run = load_run(out)
+    said = "after step 4: --lr 0.001 -> 0.0005, total steps 4 -> 6"
+    assert _summary(run)["changed on resume"] == said
+    assert f"<td>changed on resume</td><td>{said.replace('>', '&gt;')}</td>" in build_html([run], {})
+    (out / "run.json").write_text(json.dumps({"config": {"lr": 5e-4}}))
+    assert "changed on resume" not in build_html([load_run(out)], {})

@@ -373,6 +373,13 @@ def earlier_layouts(changed: Any) -> str:
     return f" (the last attempt's; changed on resume: {'; '.join(moves)})" if moves else ""
 
 
+def resume_changes(changed: Any) -> str:
+    """Every resume's changes, from a run.json's ``changed_on_resume`` (read as hostile data), as
+    ``after step 4: --lr 0.001 -> 0.0005, ...``; "" if none."""
+    entries = read_changes({"resumes": changed})
+    return "; ".join(f"after step {e['step']}: {', '.join(e['changes'])}" for e in entries)
+
+
 def read_changes(record: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The resumes' changes a checkpoint carries (``{"resumes": [{"step", "changes"}, ...]}``); what
     is not of that shape is left out (a record read as hostile data)."""

@@ -30,6 +30,7 @@ from typing import Any
 
 from lmtune.checkpoint.finished import earlier_record, recorded_finish
 from lmtune.checkpoint.layout import LOCK_FILE, enclosing_run, refuse_users_steps, remove_checkpoint
+from lmtune.checkpoint.owned import listed as names_listed
 from lmtune.checkpoint.owned import users_files_said
 from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
@@ -309,6 +310,17 @@ def check_earlier_run(
             )
         refuse_users_steps(output_dir, "--overwrite")  # before anything is deleted
         return
+    # Entries a run writes whole by these names: a user's own would be replaced (--overwrite refuses
+    # them too, so it is not suggested). Not hang-report.txt: a run that hung before its run.json
+    # leaves one, and its rerun must start.
+    written = ("final", "metrics.jsonl", "run.json", "reporting.json")
+    at_stake = [n for n in present if n in written] + _samples_files(output_dir)
+    if at_stake and not _ran_here(output_dir):
+        raise UserError(
+            f"--output-dir {output_dir} holds {names_listed(at_stake)} but no lmtune run (no run.json of "
+            "one, nor a complete checkpoint), and this run writes entries of those names; choose another "
+            "--output-dir, or move them"
+        )
     if continued or not ({"final", "metrics.jsonl"} & set(present)) or recorded_finish(output_dir):
         return  # a finished run's record: the checkpoint manager judges it once the run is built
     if "final" not in present and earlier_record(output_dir).get("config") == config:
@@ -318,15 +330,18 @@ def check_earlier_run(
         )
         return
     results = [n for n in present if n in ("final", "metrics.jsonl")]
-    if not _ran_here(output_dir):  # --overwrite would refuse them too
-        raise UserError(
-            f"--output-dir {output_dir} holds {', '.join(results)} but no lmtune run (no run.json of one, "
-            "nor a complete checkpoint); choose another --output-dir, or move them"
-        )
     raise UserError(
         f"--output-dir {output_dir} holds an earlier run ({', '.join(results)}) with no checkpoint to "
         "continue from; choose another --output-dir, or --overwrite to replace it"
     )
+
+
+def _samples_files(output_dir: Path) -> list[str]:
+    """--record-samples' files in ``output_dir``, as ``samples/rank-0.jsonl``."""
+    named = _OWN_ENTRIES["samples"].fullmatch
+    return [
+        f"samples/{p.name}" for p in sorted((output_dir / "samples").glob("rank-*.jsonl")) if named(p.name)
+    ]
 
 
 def replace_earlier_run(output_dir: Path, env: DistEnv) -> None:

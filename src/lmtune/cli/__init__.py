@@ -12,14 +12,8 @@ from collections.abc import Sequence
 from contextlib import suppress
 from typing import Any, NoReturn
 
-from lmtune.cli.parser import (
-    build_parser,
-    hub_flags,
-    hyphenated,
-    negative_values,
-    spelled_out_flags,
-    spelled_twice,
-)
+from lmtune.cli.argv import hub_flags, hyphenated, negative_values, spelled_out_flags, spelled_twice
+from lmtune.cli.parser import build_parser
 from lmtune.cli.unknown import unknown_arguments
 from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 from lmtune.config.threads import choose_thread_wait
@@ -33,7 +27,8 @@ OTHER_COMMANDS = {
     "run": "lmtune train takes the settings of a recipe as options or a --config file",
     "download": "lmtune train --model ORG/NAME loads a hub model (downloaded on first use)",
     "chat": "lmtune generate --model FOLDER --chat talks with a chat model (one turn per line)",
-    "evaluate": "lmtune train --eval-data FILE (or --eval-split) evaluates during and after training",
+    "evaluate": "lmtune eval DATA --model M scores a model on data (lmtune train --eval-data FILE "
+    "evaluates during training)",
     "merge_lora": "lmtune export --merge-lora writes a merged model folder",
     "convert_from_litgpt": "lmtune writes Hugging Face folders already (final/, lmtune export)",
 }

@@ -171,6 +171,30 @@ def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import json
+
+    from lmtune.tools.evaluation import evaluate_model
+
+    cfg = _data_settings(args, "eval")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1 (got {args.batch_size})")
+    out = _json_output(args.json, "eval") if args.json else None
+    done = evaluate_model(cfg, args.batch_size)
+    r, meta = done.result, done.data
+    dropped = meta.get("dropped_too_long", 0) + meta.get("dropped_no_targets", 0)
+    print(
+        f"eval of {cfg.data.train} with {done.model}: loss {r.loss:.4f}, perplexity "
+        f"{r.metrics['eval_perplexity']:.3f} ({r.examples:,} examples, {r.target_tokens:,} target tokens; "
+        f"{meta.get('truncated', 0):,} truncated, {dropped:,} dropped)",
+        file=sys.stderr if args.json == "-" else sys.stdout,
+    )
+    if args.json:
+        record = {"model": cfg.model.name, "data": cfg.data.train, **r.record(), "dropped": dropped}
+        _write_json(out, json.dumps(json_marked(record, "eval"), indent=2))
+    return 0
+
+
 def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from pathlib import Path
 
@@ -295,19 +319,9 @@ def _write_pngs(folder: Path, pngs: dict[str, bytes], empty: list[str]) -> str:
 def _data_and_tokenizer(args: argparse.Namespace, command: str) -> tuple[TrainConfig, Any]:
     """The settings of a ``lmtune data`` command (its DATA arguments are its --data) and the
     tokenizer training would use, with its chat template."""
-    from lmtune.config.validate import check_settings
     from lmtune.model.modeling import load_tokenizer
 
-    if not hasattr(args, "data") and not hasattr(args, "config"):
-        raise UserError(
-            f"lmtune data {command}: name the DATA to {command}, or a --config file whose data it reads"
-        )
-    cfg = train_config(args)
-    check_settings(cfg, cfg.launch.nproc_per_node)
-    if not hasattr(args, "data"):  # the --config file's: a missing one is named by its line
-        from lmtune.data.sources import resolve_components
-
-        resolve_components(cfg.data.train)
+    cfg = _data_settings(args, command)
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
     if cfg.examples.chat_template is not None:
         from lmtune.data.chat import use_chat_template
@@ -316,12 +330,28 @@ def _data_and_tokenizer(args: argparse.Namespace, command: str) -> tuple[TrainCo
     return cfg, tokenizer
 
 
+def _data_settings(args: argparse.Namespace, command: str) -> TrainConfig:
+    """The settings of a command that reads DATA arguments as its --data (or a --config file's)."""
+    from lmtune.config.validate import check_settings
+
+    if not hasattr(args, "data") and not hasattr(args, "config"):
+        verb = command.split()[-1]
+        raise UserError(f"lmtune {command}: name the DATA to {verb}, or a --config file whose data it reads")
+    cfg: TrainConfig = train_config(args)
+    check_settings(cfg, cfg.launch.nproc_per_node)
+    if not hasattr(args, "data"):  # the --config file's: a missing one is named by its line
+        from lmtune.data.sources import resolve_components
+
+        resolve_components(cfg.data.train)
+    return cfg
+
+
 def show_data(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.data.show import Marks, shown_records
 
     if args.start < 1 or args.count < 1:
         raise UserError(f"lmtune data show: {'--start' if args.start < 1 else '--count'} must be >= 1")
-    cfg, tokenizer = _data_and_tokenizer(args, "show")
+    cfg, tokenizer = _data_and_tokenizer(args, "data show")
     marks = Marks.choose(sys.stdout.isatty())
     blocks = shown_records(
         cfg.data.train, tokenizer, cfg.examples, args.start, args.count, marks, args.tokens
@@ -336,7 +366,7 @@ def show_data(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.data.audit import audit, format_report, holding_out, plot_histogram
 
-    cfg, tokenizer = _data_and_tokenizer(args, "audit")
+    cfg, tokenizer = _data_and_tokenizer(args, "data audit")
     plot = _output_file(args.plot, "--plot", "png") if args.plot else None
     report = audit(
         cfg.data.train,

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
 from lmtune.cli import commands, generation
 from lmtune.config.environment import VERBOSE as VERBOSE_ENV
-from lmtune.errors import UserError
 
 
 def _add_train_options(
@@ -63,130 +61,6 @@ def _hidden_names(name: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-YES, NO = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
-def hyphenated(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """``argv`` with ``--snake_case`` options as ``--kebab-case`` where only that spelling is one of
-    ``parser``'s (train takes both; generate, plan and the others take the second)."""
-    known = set(parser._option_string_actions)
-    out = []
-    for token in argv:
-        name, eq, value = token.partition("=")
-        dashed = name.replace("_", "-")
-        ours = name.startswith("--") and name not in known and dashed in known
-        out.append(dashed + eq + value if ours else token)
-    return out
-
-
-def spelled_out_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """``argv`` with ``--flag True`` / ``--flag False`` (how HF Trainer's examples write yes/no
-    options) as ``--flag`` / ``--no-flag``, for the yes/no options ``parser`` has."""
-    flags = {
-        o for o, a in parser._option_string_actions.items() if isinstance(a, argparse.BooleanOptionalAction)
-    }
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        token, value = argv[i], argv[i + 1].lower() if i + 1 < len(argv) else ""
-        if token in flags and not token.startswith("--no-") and value in YES + NO:
-            out.append(token if value in YES else "--no-" + token[2:])
-            i += 2
-            continue
-        out.append(token)
-        i += 1
-    return out
-
-
-def negative_values(argv: list[str]) -> list[str]:
-    """``--data-weights -1,2`` as ``--data-weights=-1,2``: argparse takes a value that starts with a
-    dash and is not a plain number for an option, and says only "expected one argument"; lmtune
-    then names what is wrong with the value."""
-    out: list[str] = []
-    for token in argv:
-        if (
-            out
-            and out[-1].startswith("--")
-            and "=" not in out[-1]
-            and re.fullmatch(r"-[\d.][\d.,eE+-]*", token)
-        ):
-            out[-1] = f"{out[-1]}={token}"
-        else:
-            out.append(token)
-    return out
-
-
-PUSH_FLAGS, HUB_ID_FLAGS = ("--push-to-hub", "--push_to_hub"), ("--hub-model-id", "--hub_model_id")
-
-
-def hub_flags(argv: list[str]) -> list[str]:
-    """``argv`` with HF Trainer's upload flags as lmtune's: there ``--push_to_hub`` is yes/no (bare,
-    or True/False) and ``--hub_model_id`` names the repository; lmtune's ``--push-to-hub`` takes
-    the repository. Yes with a repository becomes ``--push-to-hub NAME/REPO``, no drops both.
-
-    Raises:
-        UserError: yes without a repository.
-    """
-    switch, repo, out, i = None, None, [], 0
-    while i < len(argv):
-        name, eq, inline = argv[i].partition("=")
-        following = argv[i + 1] if i + 1 < len(argv) else "-"
-        value = inline if eq else ("" if following.startswith("-") else following)
-        taken = 1 if eq or not value else 2
-        if name in PUSH_FLAGS and value.lower() in ("", *YES, *NO):
-            switch = value.lower() not in NO
-        elif name in HUB_ID_FLAGS and value:
-            repo = value
-        else:
-            out.append(argv[i])
-            taken = 1
-        i += taken
-    if switch is None:
-        return argv  # lmtune's own spelling, --push-to-hub NAME/REPO (--hub_model_id alone is answered)
-    if switch and repo is None:
-        raise UserError(
-            "--push-to-hub: takes the repository to upload to (NAME/REPO, HF Trainer's hub_model_id)"
-        )
-    return [*out, "--push-to-hub", repo] if switch and repo else out
-
-
-def spelled_twice(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
-    """A setting given under two of its names (``--lr 1e-4 --learning-rate 2e-4``): which value
-    was meant is not for lmtune to guess (a YAML file that does so is refused too). The same name
-    repeated, or a yes/no option with its ``--no-`` form, is argparse's rule: the last one wins
-    (a later flag overrides a script's); not for a list (``--data a.jsonl --data b.jsonl`` would
-    train on b alone), which takes its items comma-separated."""
-    from lmtune.config.settings import option_name
-
-    first: dict[str, str] = {}
-    for token in argv:
-        option = token.split("=", 1)[0]
-        action = parser._option_string_actions.get(option) if option.startswith("--") else None
-        if action is None or action.dest in ("help", "config", "verbose"):
-            continue
-        name = option.replace("_", "-").removeprefix("--no-").removeprefix("--")
-        if action.dest in LIST_SETTINGS and action.dest in first:
-            return (
-                f"{option_name(action.dest)} is given twice; give its items once, comma-separated "
-                f"({option_name(action.dest)} {LIST_SETTINGS[action.dest]})"
-            )
-        earlier = first.setdefault(action.dest, name)
-        if earlier != name:
-            return f"{option_name(action.dest)} is set twice (as --{earlier} and {option}); give it once"
-    return None
-
-
-# Settings that hold several items, and an example of them.
-LIST_SETTINGS = {
-    "data": "a.jsonl,b.jsonl",
-    "eval_data": "a.jsonl,b.jsonl",
-    "data_weights": "3,1",
-    "lora_target_modules": "q_proj,v_proj",
-    "field_map": "prompt=question,completion=answer",
-    "report_to": "tensorboard,wandb",
-}
-
-
 def _command(sub: Any, name: str, **options: Any) -> argparse.ArgumentParser:
     """A subcommand's parser: no abbreviated options, -v, and itself as ``args.parser`` (for the
     message about options it does not take)."""
@@ -214,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _train_parser(sub)
     _generate_parser(sub)
+    _eval_parser(sub)
     _bench_parser(sub)
     _plan_parser(sub)
     _export_parser(sub)
@@ -225,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DOCTOR_RDZV_ID = "lmtune-doctor"
+_DATA_HELP = "files, globs, folders, data set names, or 'sample' (default: a --config file's data)"
 # What `lmtune data audit` reads of train's settings: the model's tokenizer, how records become
 # examples (every setting of that group), and how a step's examples are dealt to the ranks.
 _AUDIT = (
@@ -233,6 +109,12 @@ _AUDIT = (
     "nproc_per_node data_weights eval_split"
 )
 AUDIT_SETTINGS = tuple(_AUDIT.split())
+# What `lmtune eval` reads: how records become examples, as training reads them, and how it runs.
+_EVAL = (
+    "model trust_remote_code data_format text_field field_map train_on_prompt chat_template max_length "
+    "truncation skip_bad_lines txt_mode precision device loss_chunk_size cache_dir seed"
+)
+EVAL_SETTINGS = tuple(_EVAL.split())
 
 
 def _train_parser(sub: Any) -> None:
@@ -317,6 +199,31 @@ def _bench_parser(sub: Any) -> None:
     )
     bench.add_argument("--device", default="auto", help="with --measure-peak: auto | cpu | cuda")
     bench.set_defaults(run=commands.bench)
+
+
+def _eval_parser(sub: Any) -> None:
+    ev = _command(
+        sub,
+        "eval",
+        help="a model's loss and perplexity on data, without training",
+        description="Score a model (a folder, a run's final/, an export, a hub id or a preset) on DATA as "
+        "a training run's evaluation does: records rendered, tokenized and truncated by train's "
+        "settings, the loss per target token over the whole set. Compare the base model with the "
+        "tuned one on the same held-out data.",
+    )
+    ev.add_argument("data", nargs="*", default=argparse.SUPPRESS, metavar="DATA", help=_DATA_HELP)
+    ev.add_argument(
+        "--json", metavar="PATH", default=None, help="also write the figures as JSON (- for stdout)"
+    )
+    ev.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        metavar="N",
+        help="examples a forward (default: 8); the figures are the same for any",
+    )
+    _add_train_options(ev, EVAL_SETTINGS, config_file=True)
+    ev.set_defaults(run=commands.evaluate)
 
 
 def _plan_parser(sub: Any) -> None:
@@ -458,11 +365,12 @@ def _data_parser(sub: Any) -> None:
         help="report what training would make of a data set",
         description="Read every record and report formats, bad lines, token lengths, truncation, "
         "untrainable examples, stop-token labels and rank imbalance. Exit 0 when clean; 1 when it would "
-        "train badly (an example loses its stop token's label, an example trains nothing, nothing to "
-        "train on); 2 when training would stop on it (bad lines).",
+        "train badly (an example loses its stop token's label, trains nothing, or has an empty answer; "
+        "bad lines --skip-bad-lines skips); 2 when training would stop on it (bad lines without "
+        "--skip-bad-lines, an over-long example under --truncation error, no example to train on, fewer "
+        "examples than one --global-batch-size).",
     )
-    what = "files, globs, folders, data set names, or 'sample' (default: a --config file's data)"
-    aud.add_argument("data", nargs="*", default=argparse.SUPPRESS, metavar="DATA", help=what)
+    aud.add_argument("data", nargs="*", default=argparse.SUPPRESS, metavar="DATA", help=_DATA_HELP)
     # Train's settings that decide what training makes of the data: the same names and defaults.
     _add_train_options(aud, AUDIT_SETTINGS, config_file=True)
     aud.add_argument("--plot", metavar="PNG", default=None, help="also write the length histogram as a PNG")
@@ -475,7 +383,7 @@ def _data_parser(sub: Any) -> None:
         "tokens that train marked (green on a terminal, between [[ and ]] elsewhere); a record training "
         "would drop says why. Takes train's settings that decide what a record becomes.",
     )
-    show.add_argument("data", nargs="*", default=argparse.SUPPRESS, metavar="DATA", help=what)
+    show.add_argument("data", nargs="*", default=argparse.SUPPRESS, metavar="DATA", help=_DATA_HELP)
     _add_train_options(show, AUDIT_SETTINGS, config_file=True)
     show.add_argument(
         "--start",

@@ -61,7 +61,23 @@ def folder(name: str, must_exist: bool) -> Path | None:
         raise _bad(name, raw, "a folder (it names something that is not one)")
     if must_exist and not path.is_dir():
         raise _bad(name, raw, "an existing folder")
+    if (problem := folder_problem(path)) is not None:
+        raise _bad(name, raw, f"a folder lmtune can write ({problem})")
     return path
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why lmtune could not create or write the folder ``path`` (not created here), or None."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:  # a relative path's parents end at the working folder, which exists
+        return None
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return (
+            f"{existing} is not writable" if existing == path else f"{existing} does not let it create {path}"
+        )
+    return None
 
 
 def token(name: str) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from lmtune.config.files import MIB, decode_json, read_text
 from lmtune.errors import UserError
 
-Kind = Literal["report", "png", "bench", "plan"]
+Kind = Literal["report", "png", "bench", "plan", "eval"]
 GENERATOR = "lmtune"
 # A report begins with these bytes exactly: a page that merely quotes the tag is not one.
 HTML_HEAD = (
@@ -25,7 +25,13 @@ HTML_HEAD = (
 )
 PNG_METADATA = {"Software": GENERATOR}  # matplotlib's savefig(metadata=...): a PNG tEXt chunk
 JSON_FIELD = "written_by"
-_WHAT = {"report": "an HTML report", "png": "a PNG plot", "bench": "a bench table", "plan": "a plan"}
+_WHAT = {
+    "report": "an HTML report",
+    "png": "a PNG plot",
+    "bench": "a bench table",
+    "plan": "a plan",
+    "eval": "an evaluation",
+}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _PNG_CHUNK = b"tEXtSoftware\x00" + GENERATOR.encode()
 # Text chunks come before a PNG's image data; a JSON table is read whole.

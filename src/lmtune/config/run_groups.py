@@ -167,7 +167,9 @@ class LoggingSettings:
     """What the run records: progress, metrics, profiles, dashboards."""
 
     log_every: int = setting(1, "Write a metrics.jsonl line every N optimizer steps.")
-    progress: bool = setting(True, "Show a progress bar on rank 0.")
+    progress: bool = setting(
+        True, "Show a progress bar on rank 0, on a terminal (in a file or pipe the step lines show progress)."
+    )
     profile: bool = setting(
         False, "Time each step's data wait, forward, backward and optimizer into metrics.jsonl."
     )

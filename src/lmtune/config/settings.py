@@ -231,11 +231,11 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
     """TrainConfig's attributes from flat settings and groups, over ``start`` (else the defaults)."""
     values: dict[str, Any] = dict(start) if start else {n: k() for n, k in GROUPS.items()}
     values.setdefault("seed", _BY_NAME["seed"].default)
-    flat: dict[str, dict[str, Any]] = {}
+    flat = _Fields()
     from lmtune.config.aliases import ALIASES  # it reads the settings for its own messages
 
     for key, value in settings.items():
-        kind = GROUPS.get(key)
+        kind, written = GROUPS.get(key), key
         if key not in _BY_NAME and ALIASES.get(key) in _BY_NAME:
             if ALIASES[key] in settings:
                 raise UnknownSetting(
@@ -250,18 +250,19 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
         ):
             value = _sources(key, value, flat)
         if kind is not None and isinstance(value, dict):  # a group as YAML nests it: lora={"rank": 8}
-            flat.setdefault(key, {}).update(_group_fields(key, value))
+            for name, field_value in _group_fields(key, value).items():
+                flat.set(key, name, field_value, f"{key}={{{name!r}: ...}}")
         elif kind is not None and isinstance(value, kind):
             values[key] = value
         elif key in _BY_NAME:
             s = _BY_NAME[key]
-            flat.setdefault(s.group or "", {})[s.field] = _given(s, key, value)
+            flat.set(s.group or "", s.field, _given(s, key, value), written)
         else:
             from lmtune.config.aliases import explain_unknown
 
             known = [*_BY_NAME, *GROUPS]
             raise UnknownSetting(f"TrainConfig: {explain_unknown(key, known, repr, 'TrainConfig')}")
-    for group, changes in flat.items():
+    for group, changes in flat.by_group.items():
         if group:
             values[group] = dataclasses.replace(values[group], **changes)
         else:
@@ -269,14 +270,34 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
     return values
 
 
-def _sources(key: str, entries: list[Any], flat: dict[str, dict[str, Any]]) -> str:
+@dataclasses.dataclass
+class _Fields:
+    """The fields given to TrainConfig, per group ("" for the top level), and how each was written."""
+
+    by_group: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    given_as: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+
+    def set(self, group: str, name: str, value: Any, given_as: str) -> None:
+        """Refused when given already (a group's mapping and a flat name: ``lora={"rank": 8},
+        lora_r=4``), as YAML refuses it."""
+        if (group, name) in self.given_as:
+            setting = next(s.name for s in SETTINGS if (s.group or "", s.field) == (group, name))
+            first = self.given_as[group, name]
+            raise UnknownSetting(
+                f"TrainConfig: {setting} is set twice (as {first} and {given_as}); give it once"
+            )
+        self.by_group.setdefault(group, {})[name] = value
+        self.given_as[group, name] = given_as
+
+
+def _sources(key: str, entries: list[Any], flat: _Fields) -> str:
     """``data=[{"path": ..., "weight": ...}, ...]`` as YAML writes it: the sources, and their
     weights into ``flat``."""
     from lmtune.config.mixture import yaml_sources
 
     spec, weights = yaml_sources(entries, option_name(key), "TrainConfig: ")
     if weights is not None:
-        flat.setdefault("data", {})["weights"] = weights
+        flat.set("data", "weights", weights, f"{key}=[{{..., 'weight': ...}}]")
     return spec
 
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from lmtune.config import environment
 from lmtune.config.files import read_text
-from lmtune.config.groups import ExampleSettings
+from lmtune.config.groups import DataSettings, ExampleSettings
 from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
 from lmtune.data.formats import FieldMap, ensure_chat_template
 from lmtune.data.mixture import COMPONENTS_META
@@ -37,7 +37,7 @@ from lmtune.data.sources import (
     skipped_lines,
 )
 from lmtune.data.tokenize import Encoded, EncodeStats, chunks, encode_chunk
-from lmtune.errors import UserError
+from lmtune.errors import SettingError, UserError
 from lmtune.parallel.distributed import DistEnv, available_cores, decided_by_main
 from lmtune.parallel.launch import warn
 
@@ -82,6 +82,22 @@ def cache_root() -> Path:
 
 def default_cache_dir() -> Path:
     return cache_root() / "data"
+
+
+def data_cache_dir(data: DataSettings) -> Path:
+    """--cache-dir, else lmtune's default cache of tokenized data; created here, so a folder that
+    cannot be is named by what chose it (a traceback from deep in the build would not)."""
+    path = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if data.cache_dir:
+            raise SettingError(
+                "cache_dir", "--cache-dir", f"{path}: cannot create it ({e.strerror})"
+            ) from None
+        chosen = CACHE_ENV if os.environ.get(CACHE_ENV) else f"lmtune's cache ({CACHE_ENV} chooses another)"
+        raise UserError(f"{chosen}: {path}: cannot create it ({e.strerror})") from None
+    return path
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -42,14 +42,15 @@ def shown_records(
 ) -> Iterator[str]:
     """The records ``start`` (1-based, in the order training reads the sources) to ``start + count
     - 1`` of ``spec``, each as a block of text. A record training would drop says why instead, and
-    a bad line passed over (--skip-bad-lines) is said where it was.
+    a bad line among them is said where it is (training stops there, or passes over it with
+    --skip-bad-lines); bad lines before them are not read as far as shown.
 
     Raises:
-        UserError: a bad line among them (naming its file and line), unless bad lines are skipped;
-            fewer records than ``start``.
+        UserError: fewer records than ``start``.
     """
     ensure_chat_template(tokenizer)
-    bad = BadLines(skip=settings.skip_bad_lines, keep=100)
+    bad = BadLines(skip=True, keep=100)
+    label = _bad_label(settings.skip_bad_lines)
     names = FieldMap.of(settings)
     number, said = 0, 0
     # One record at a time, as training encodes it; a too-long one is shown as --truncation treats it.
@@ -59,23 +60,29 @@ def shown_records(
             continue
         if number >= start + count:
             return
-        yield from _passed_over(bad, said)
+        yield from _passed_over(bad, said, label)
         said = len(bad.messages)
         kept, stats = encode_chunk([record], tokenizer, settings, names, bad)
         if len(bad.messages) > said:  # the record itself is a bad line
-            yield f"== {record.where}: not trained: {bad.messages[-1].removeprefix(record.where + ': ')}"
+            yield from _passed_over(bad, said, label)
             said = len(bad.messages)
             continue
         yield _block(record, kept[0] if kept else None, stats, tokenizer, settings, marks, tokens)
-    yield from _passed_over(bad, said)
+    yield from _passed_over(bad, said, label)
     if number < start:
         held = f"holds {number} record{'s' * (number != 1)}" if number else "holds no records"
         raise UserError(f"lmtune data show: --start {start}: {spec} {held}")
 
 
-def _passed_over(bad: BadLines, said: int) -> Iterator[str]:
+def _bad_label(skipped: bool) -> str:
+    if skipped:
+        return "skipped (--skip-bad-lines)"
+    return "a bad line: training stops here (--skip-bad-lines passes over it)"
+
+
+def _passed_over(bad: BadLines, said: int, label: str) -> Iterator[str]:
     for message in bad.messages[said:]:
-        yield f"== skipped (--skip-bad-lines): {message}"
+        yield f"== {label}: {message}"
 
 
 def _block(

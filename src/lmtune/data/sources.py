@@ -134,8 +134,23 @@ def resolve_sources(spec: str, option: str = "--data") -> list[Source]:
 
 
 def resolve_components(spec: str, option: str = "--data") -> list[tuple[str, list[Source]]]:
-    """Each named item of ``spec`` (lmtune.config.mixture.named_items) with its sources."""
-    return [(name, _item_sources(item, option)) for name, item in named_items(spec)]
+    """Each named item of ``spec`` (lmtune.config.mixture.named_items) with its sources; a source
+    reached twice (``a.jsonl,a.jsonl``, a file and a glob that matches it) is refused: each of its
+    examples would count twice, unasked."""
+    parts = [(name, _item_sources(item, option)) for name, item in named_items(spec)]
+    seen: set[tuple[str, str, str | None]] = set()
+    for source in (s for _, part in parts for s in part):
+        local = source.kind not in ("hf_hub", "sample")
+        key = (source.kind, str(Path(source.name).resolve()) if local else source.name, source.split)
+        if key in seen:
+            twice = "trained twice an epoch" if option != "--eval-data" else "evaluated twice"
+            raise _refused(
+                option,
+                f"{source.name} is named twice (each of its examples would be {twice}); give it once"
+                + (", and --data-weights to draw it more often" if option == "--data" else ""),
+            )
+        seen.add(key)
+    return parts
 
 
 def _item_sources(item: str, option: str) -> list[Source]:

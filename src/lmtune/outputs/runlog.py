@@ -7,8 +7,12 @@ never branch on the rank themselves.
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
@@ -17,6 +21,7 @@ from tqdm import tqdm
 
 from lmtune.config.files import read_bytes
 from lmtune.data.mixture import SourceIndex
+from lmtune.errors import brief
 from lmtune.outputs.reporters import Reporter
 from lmtune.parallel.distributed import DistEnv
 
@@ -69,12 +74,65 @@ class ExampleOrderLog:
         self._file.close()
 
 
+@dataclass
+class ProgressLines:
+    """Progress where a bar cannot be redrawn (a job's log file, a pipe): a line at the first step,
+    then at most one every ``every_s`` seconds, and at the last."""
+
+    total: int
+    done: int
+    desc: str
+    unit: str
+    every_s: float = 30.0
+    shown: dict[str, str] = field(default_factory=dict)
+    started: float = field(default_factory=lambda: time.monotonic())
+    last: float = -math.inf
+
+    def __post_init__(self) -> None:
+        self.first = self.done
+
+    def advance(self, postfix: dict[str, str] | None) -> str | None:
+        """The line to print after one more step, or None."""
+        self.done += 1
+        self.shown = postfix or self.shown
+        now = time.monotonic()
+        if now - self.last < self.every_s and self.done < self.total:
+            return None
+        self.last = now
+        elapsed = now - self.started
+        left = (self.total - self.done) * elapsed / max(self.done - self.first, 1)
+        figures = "".join(f", {k} {v}" for k, v in self.shown.items())
+        share = 100 * self.done / max(self.total, 1)
+        return (
+            f"{self.desc}: {self.unit} {self.done:,}/{self.total:,} ({share:.0f}%){figures}; "
+            f"{_clock(elapsed)} elapsed, {_clock(left)} left"
+        )
+
+
+def _clock(seconds: float) -> str:
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{s:02d}"
+
+
+def _draws_in_place(stream: Any) -> bool:
+    """Whether a progress bar on ``stream`` is redrawn in place: a terminal, or a stream with no
+    file behind it (a notebook's). In a file or a pipe (a job's log) each redraw would be kept, one
+    long line of them; the step lines say the progress there."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return True
+    return os.isatty(fd)
+
+
 class RunLog:
     def __init__(self, env: DistEnv, output_dir: Path, progress: bool):
         self.active = env.is_main
         self.output_dir = output_dir
-        self.progress = progress and self.active
+        self.wants_progress = progress and self.active
+        self.progress = self.wants_progress and _draws_in_place(sys.stderr)  # a bar, else lines
         self._bar: tqdm[Any] | None = None
+        self._lines: ProgressLines | None = None
         self._metrics: Any = None
         self._reporters: list[Reporter] = []
         if self.active:
@@ -117,11 +175,14 @@ class RunLog:
     def start_progress(self, total: int, initial: int = 0, desc: str = "train", unit: str = "step") -> None:
         if self.progress:
             self._bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True)
+        elif self.wants_progress:
+            self._lines = ProgressLines(total, initial, desc, unit)
 
     def end_progress(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        self._lines = None
 
     def record(self, row: dict[str, Any]) -> None:
         """Append one JSON object to metrics.jsonl."""
@@ -136,10 +197,13 @@ class RunLog:
                 self.info(f"warning: {type(reporter).__name__} stopped: {type(e).__name__}: {e}")
 
     def advance(self, postfix: dict[str, str] | None = None) -> None:
+        """One more step (or batch) done; ``postfix``: the figures to show with it, when new."""
         if self._bar is not None:
             if postfix:
                 self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(1)
+        if self._lines is not None and (line := self._lines.advance(postfix)) is not None:
+            print(line, flush=True)
 
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
         if self.active:
@@ -172,3 +236,34 @@ def tokens_per_second(train_rows: list[dict[str, Any]], warmup: int = 0) -> floa
     timed = train_rows[warmup:]
     start = train_rows[warmup - 1]["elapsed_s"] if warmup else 0.0
     return float(sum(r["tokens"] for r in timed) / (timed[-1]["elapsed_s"] - start))
+
+
+MAX_MAGNITUDE = 1e18  # a measurement past this is an edited row (and would overflow a plot's scale)
+
+
+def row_problem(row: Any) -> str:
+    """Why a metrics row cannot be drawn ("" when it can): a step count, a known kind, and numbers
+    (or null) wherever lmtune writes a measurement."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    step = row.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= 2**53:
+        return f"step {brief(step)} is not a step count"
+    if row.get("kind") not in ("train", "eval", "sample"):
+        return f"unknown kind {brief(row.get('kind'))}"
+    for key, value in row.items():
+        if key in ("kind", "step", "prompt", "completion", "stopped") or value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        too_large = number and math.isfinite(value) and abs(value) > MAX_MAGNITUDE
+        if too_large or (not number and key in _MEASURED):
+            return f"{key} {brief(value)} is not a measurement"
+    return ""
+
+
+# What the plots and tables read from rows: numbers when present.
+_MEASURED = {
+    *("loss", "lr", "grad_norm", "tokens", "target_tokens", "tokens_per_s", "mfu", "peak_memory_bytes"),
+    *("eval_loss", "eval_perplexity", "eval_tokens", "eval_examples", "elapsed_s", "epoch"),
+    *("step_time_min_s", "step_time_max_s", "data_wait_max_s"),
+}

@@ -10,20 +10,20 @@ import base64
 import html
 import io
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lmtune.checkpoint.card_rows import past_max_steps
-from lmtune.checkpoint.resume import earlier_layouts, rerun_outcome
+from lmtune.checkpoint.resume import earlier_layouts, rerun_outcome, resume_changes
 from lmtune.checkpoint.rundir import lock_status
 from lmtune.config.files import decode_json, read_bytes, read_json
 from lmtune.config.marks import HTML_HEAD, PNG_METADATA
 from lmtune.data.pairs import counted_as
 from lmtune.errors import UserError, brief
 from lmtune.outputs.reporters import is_number
+from lmtune.outputs.runlog import row_problem
 from lmtune.parallel.launch import warn
 
 SMOOTHING = 0.9  # exponential moving average of the training loss (as TensorBoard's slider)
@@ -46,7 +46,6 @@ class RecordedRun:
 
 
 METRICS_BYTES = 1 << 30
-MAX_MAGNITUDE = 1e18  # a measurement past this is an edited row (and would overflow a plot's scale)
 
 
 def load_run(folder: Path) -> RecordedRun:
@@ -78,34 +77,6 @@ def load_run(folder: Path) -> RecordedRun:
     if skipped:
         warn(f"skipped {len(skipped)} rows that are not what lmtune writes (first: {brief(skipped[0], 200)})")
     return RecordedRun(name=folder.resolve().name, folder=folder, rows=rows, info=_run_info(folder))
-
-
-def row_problem(row: Any) -> str:
-    """Why a metrics row cannot be drawn ("" when it can): a step count, a known kind, and numbers
-    (or null) wherever lmtune writes a measurement."""
-    if not isinstance(row, dict):
-        return "not a JSON object"
-    step = row.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= 2**53:
-        return f"step {brief(step)} is not a step count"
-    if row.get("kind") not in ("train", "eval", "sample"):
-        return f"unknown kind {brief(row.get('kind'))}"
-    for key, value in row.items():
-        if key in ("kind", "step", "prompt", "completion", "stopped") or value is None:
-            continue
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        too_large = number and math.isfinite(value) and abs(value) > MAX_MAGNITUDE
-        if too_large or (not number and key in _MEASURED):
-            return f"{key} {brief(value)} is not a measurement"
-    return ""
-
-
-# What the plots and tables read from rows: numbers when present.
-_MEASURED = {
-    *("loss", "lr", "grad_norm", "tokens", "target_tokens", "tokens_per_s", "mfu", "peak_memory_bytes"),
-    *("eval_loss", "eval_perplexity", "eval_tokens", "eval_examples", "elapsed_s", "epoch"),
-    *("step_time_min_s", "step_time_max_s", "data_wait_max_s"),
-}
 
 
 def _run_info(folder: Path) -> dict[str, Any]:
@@ -374,6 +345,8 @@ def _summary(run: RecordedRun) -> dict[str, str]:
         "strategy": f"{resolved.get('strategy', '?')} on {env.get('world_size', '?')} "
         f"x {env.get('device', '?')}{earlier_layouts(resolved.get('changed_on_resume'))}",
         "steps": past_max_steps(done, total) or f"{done} of {total}",
+        # The settings below are the last attempt's: the earlier steps ran with these changed.
+        "changed on resume": resume_changes(resolved.get("changed_on_resume")) or "-",
         "last train loss": f"{last['loss']:.4f}" if is_number(last.get("loss")) else "-",
         "objective": str(resolved.get("objective", "sft"))
         + (f" (reference: {resolved['reference']})" if resolved.get("reference") else ""),

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +14,6 @@ from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.resume import Fingerprint, fingerprint
 from lmtune.checkpoint.state import ModelParts
-from lmtune.config.groups import DataSettings
 from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps
 from lmtune.data.audit import stops_lost_warning
 from lmtune.data.chat import end_of_turn_ids, use_chat_template
@@ -23,7 +21,7 @@ from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.formats import CHAT_FORMATS
 from lmtune.data.mixture import mixture_line, per_source, source_index, training_mixture
 from lmtune.data.pairs import counted_as, pair_counts
-from lmtune.data.prepare import Wanted, cache_root, default_cache_dir, prepare
+from lmtune.data.prepare import Wanted, cache_root, data_cache_dir, prepare
 from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
 from lmtune.data.sources import first_places, in_parentheses, skipped_lines
 from lmtune.data.tokenize import EncodeStats
@@ -269,11 +267,6 @@ def _eval_spec(cfg: TrainConfig) -> str | None:
     if cfg.data.eval is None and cfg.data.train == SAMPLE_DATA and cfg.data.eval_split is None:
         return SAMPLE_EVAL
     return cfg.data.eval
-
-
-def data_cache_dir(data: DataSettings) -> Path:
-    """--cache-dir, else lmtune's default cache of tokenized data."""
-    return Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
 
 
 def prepare_data(

@@ -88,6 +88,7 @@ class StepLogger(Callback):
 
     def on_step_end(self, step: StepEnd, control: Control) -> None:
         if step.state.step % self.every and not step.finished:
+            self.log.advance()  # the bar counts every step, the figures are the logged step's
             return
         r = step.result
         mfu = self.mfu(r.tokens, r.examples, step.seconds)

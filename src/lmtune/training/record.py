@@ -16,7 +16,7 @@ import torch
 
 from lmtune import __version__
 from lmtune.checkpoint.state import optimizer_state_bytes
-from lmtune.config.settings import TrainConfig, setting_named, to_dict
+from lmtune.config.settings import TrainConfig, setting_named, to_dict, warmup_steps
 from lmtune.config.threads import busy_at_start, thread_wait
 from lmtune.data.pairs import examples_noun
 from lmtune.model.attention import attention_description
@@ -123,7 +123,12 @@ def run_record(
         + f"; loss: {built.loss.description}"
         + (f"; NEFTune noise alpha {cfg.objective.neftune_alpha:g}" if cfg.objective.neftune_alpha else "")
     )
-    for note in (_default_batch_note(layout, cfg, run.given), _left_out_note(layout, built.objective.unit)):
+    notes = (
+        _default_batch_note(layout, cfg, run.given),
+        _left_out_note(layout, built.objective.unit),
+        _warmup_note(cfg, layout.total_steps, built.lr),
+    )
+    for note in notes:
         if note:
             run.log.info(note)
     if env.device.type == "cpu" and busy_at_start():
@@ -192,6 +197,18 @@ def _default_batch_note(layout: BatchLayout, cfg: TrainConfig, given: frozenset[
         f"global batch {default} is the default: --micro-batch-size (HF's per_device_train_batch_size) "
         f"sets only the micro-batch, so each step accumulates {layout.accumulation * layout.world_size} of "
         f"them; give --global-batch-size {layout.micro_batch_size * layout.world_size} for one per step"
+    )
+
+
+def _warmup_note(cfg: TrainConfig, total: int, lr: float) -> str | None:
+    """A warmup as long as the run or longer: the learning rate never reaches --lr (the HF Trainer
+    says nothing of it)."""
+    warmup = warmup_steps(cfg.schedule, total)
+    if warmup < total:
+        return None
+    return (
+        f"warning: the warmup ({warmup} steps) is as long as the run ({total}) or longer: the learning "
+        f"rate is still rising at the last step and never reaches {lr:.3g}"
     )
 
 

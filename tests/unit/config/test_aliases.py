@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from lmtune.cli import main
+from lmtune.cli.argv import hub_flags
 from lmtune.cli.commands import train_config
-from lmtune.cli.parser import build_parser, hub_flags
+from lmtune.cli.parser import build_parser
 from lmtune.config.aliases import ALIASES
 from lmtune.config.hints import HINTS
 from lmtune.config.io import build_config, load_yaml
@@ -225,7 +226,7 @@ def test_help_shows_lmtune_names_only(capsys: pytest.CaptureFixture[str]) -> Non
 def test_yes_no_options_take_true_and_false_as_hf_examples_write_them(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from lmtune.cli.parser import spelled_out_flags
+    from lmtune.cli.argv import spelled_out_flags
 
     parser = build_parser()
     argv = ["train", "--gradient_checkpointing", "True", "--lora", "false", "--load-best-at-end", "1"]

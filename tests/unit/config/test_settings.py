@@ -241,6 +241,12 @@ def test_settings_live_in_groups_with_flat_names(tmp_path: Path) -> None:
     assert TrainConfig(learning_rate=1.0, lora_r=4).optim.lr == 1.0 and TrainConfig(lora_r=4).lora.rank == 4
     with pytest.raises(TypeError, match=r"lr is set twice \(as learning_rate and lr\)"):
         TrainConfig(learning_rate=1.0, lr=2.0)
+    # In a group's mapping and by a flat name (one would be dropped without a word), in either order.
+    with pytest.raises(TypeError, match=r"lora_rank is set twice \(as lora=\{'rank': \.\.\.\} and lora_r\)"):
+        TrainConfig(lora={"enabled": True, "rank": 8}, lora_r=4)
+    with pytest.raises(TypeError, match=r"lr is set twice \(as lr and optim=\{'lr': \.\.\.\}\)"):
+        TrainConfig(lr=5e-4, optim={"lr": 1e-3})
+    assert TrainConfig(lora={"rank": 8}, lora_alpha=4).lora == LoraSettings(rank=8, alpha=4)
     with pytest.raises(TypeError, match="unknown setting 'lerning_rate'"):
         TrainConfig(lerning_rate=1.0)
     with pytest.raises(UserError, match="unknown setting 'lerning_rate'"):  # as the CLI's exit 2
@@ -288,3 +294,10 @@ def test_help_shows_the_groups(capsys: pytest.CaptureFixture[str]) -> None:
     assert titles == [*GROUPS, "run"]
     lora = shown.split("lora settings:")[1].split("eval settings:")[0]
     assert all(option_name(s.name) in lora for s in config_fields() if s.group == "lora")
+
+
+def test_the_lazy_names_are_offered_by_dir() -> None:
+    """Completion in a REPL or an IDE lists dir(lmtune): the API's names are loaded lazily."""
+    import lmtune
+
+    assert {"TrainConfig", "train", "__version__"} <= set(dir(lmtune))

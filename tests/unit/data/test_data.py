@@ -98,6 +98,30 @@ def test_a_typo_of_a_local_file_is_no_hub_data_set(tmp_path: Path, monkeypatch: 
     assert [s.kind for s in resolve_sources("org/dataset,squad")] == ["hf_hub", "hf_hub"]
 
 
+def test_a_source_reached_twice_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every example of it would count twice, unasked: named twice, or by a file and a glob (or a
+    folder) that holds it; --data-weights is how a source is drawn more often."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    for name in ("a.jsonl", "d/b.jsonl"):
+        (tmp_path / name).write_text('{"text": "x"}\n')
+    twice = r"is named twice \(each of its examples would be trained twice an epoch\); give it once, and "
+    for spec in (
+        "a.jsonl,a.jsonl",
+        f"a.jsonl,{tmp_path}/a.jsonl",
+        "d/b.jsonl,d",
+        "*.jsonl,./a.jsonl",
+        "x=a.jsonl,y=a.jsonl",
+    ):
+        with pytest.raises(UserError, match=twice):
+            resolve_sources(spec)
+    with pytest.raises(UserError, match=r"--eval-data: .* would be evaluated twice\); give it once$"):
+        resolve_sources("a.jsonl,a.jsonl", "--eval-data")
+    with pytest.raises(UserError, match="org/set is named twice"):
+        resolve_sources("org/set,org/set")
+    assert len(resolve_sources("a.jsonl,d,org/set,org/set:test")) == 4  # a split is another source
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

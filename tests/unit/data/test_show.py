@@ -80,14 +80,23 @@ def test_show_refuses_what_it_cannot_show(tmp_path: Path, capsys: pytest.Capture
     assert "empty.jsonl holds no records" in capsys.readouterr().err
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(ROWS[2]) + '\n{broken\n{"nottext": 5}\n' + json.dumps(ROWS[1]) + "\n")
-    assert main(["data", "show", str(broken)]) == 2  # as training stops there
-    err = capsys.readouterr().err
-    assert f"{broken}:2: not valid JSON" in err and "Traceback" not in err
-    # Passed over with --skip-bad-lines: said where, as training would pass them over.
+    # Shown where they are, with what training does there: it stops at the first...
+    assert main(["data", "show", str(broken), "-n", "5"]) == 0
+    out = capsys.readouterr().out
+    stops = "a bad line: training stops here (--skip-bad-lines passes over it)"
+    assert f"== {stops}: {broken}:2: not valid JSON" in out
+    assert f"== {stops}: {broken}:3: cannot tell the format (fields found: 'nottext'" in out
+    assert f"== {broken}:4 (prompt_completion, " in out
+    # ... or passes over them with --skip-bad-lines.
     assert main(["data", "show", str(broken), "--skip-bad-lines"]) == 0
     out = capsys.readouterr().out
     assert f"== skipped (--skip-bad-lines): {broken}:2: not valid JSON" in out
-    assert f"== {broken}:3: not trained: cannot tell the format (fields found: 'nottext'" in out
-    assert f"== {broken}:4 (prompt_completion, " in out
+    assert f"== skipped (--skip-bad-lines): {broken}:3: cannot tell the format" in out
+    # Bad lines before the records asked for are not in the way.
+    assert main(["data", "show", str(broken), "--start", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"== {broken}:4 (prompt_completion, " in out and "not valid JSON" not in out
+    assert main(["data", "show", str(broken), "--start", "9"]) == 2
+    assert f"--start 9: {broken} holds 3 records" in capsys.readouterr().err
     assert main(["data", "show"]) == 2
     assert "name the DATA to show, or a --config file" in capsys.readouterr().err

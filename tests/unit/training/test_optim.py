@@ -169,3 +169,17 @@ def test_the_default_learning_rate_follows_the_model_and_the_objective(
     loaded = LoadedModel(model=torch.nn.Linear(1, 1), tokenizer=None, default_lr=default, source=source)
     lr, note = default_lr(TrainConfig(**settings), loaded, unit)
     assert lr == pytest.approx(expected[0]) and note.startswith(expected[1])
+
+
+def test_a_warmup_as_long_as_the_run_is_said() -> None:
+    """The learning rate would never reach --lr; the HF Trainer accepts it in silence."""
+    from lmtune.training.record import _warmup_note
+
+    said = _warmup_note(TrainConfig(warmup_steps=100), 2, 1e-3)
+    assert said == (
+        "warning: the warmup (100 steps) is as long as the run (2) or longer: the learning rate is still "
+        "rising at the last step and never reaches 0.001"
+    )
+    assert _warmup_note(TrainConfig(warmup_steps=10), 10, 1e-3) is not None
+    assert _warmup_note(TrainConfig(warmup_steps=9), 10, 1e-3) is None
+    assert _warmup_note(TrainConfig(), 10, 1e-3) is None  # the default ratio: a share of the run

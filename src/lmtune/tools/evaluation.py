@@ -1,0 +1,70 @@
+"""`lmtune eval`: a model's loss and perplexity on data, as a training run's evaluation computes
+them (the same rendering, truncation and loss per target token over the whole set), without
+training: the base model against the tuned one on held-out data, or a checkpoint's export."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lmtune.config.settings import TrainConfig
+from lmtune.data.chat import use_chat_template
+from lmtune.data.pairs import counted_as
+from lmtune.data.prepare import data_cache_dir, prepare
+from lmtune.data.sampling import EvalSampler
+from lmtune.errors import SettingError, UserError
+from lmtune.model.attention import use_varlen
+from lmtune.model.chunked_loss import choose as choose_loss
+from lmtune.model.modeling import load_model
+from lmtune.model.precision import autocast_context, check_device
+from lmtune.objectives.base import LossSetup
+from lmtune.objectives.sft import SupervisedObjective
+from lmtune.parallel.distributed import read_dist_env
+from lmtune.training.build import make_loader
+from lmtune.training.evaluate import EvalResult, evaluate
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    result: EvalResult
+    data: dict[str, Any]  # the tokenized data's counts (examples, truncated, dropped, ...)
+    model: str  # what was loaded, as the start line of a run says it
+
+
+def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
+    """``cfg.model``'s figures on ``cfg.data.train`` (the DATA of `lmtune eval`), read with its
+    example settings, ``batch_size`` examples a forward.
+
+    Raises:
+        UserError: under several processes, on preference pairs, for a chat template whose markers
+            the model never learned, and for what loading the model or the data refuses.
+    """
+    env = read_dist_env(cfg.model.device)
+    if env.world_size > 1:
+        raise UserError("lmtune eval runs in one process: start it without torchrun")
+    check_device(cfg.model.precision, env.device)
+    loaded = load_model(cfg.model.name, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = loaded.tokenizer
+    if cfg.examples.chat_template is not None and (
+        added := use_chat_template(tokenizer, cfg.examples.chat_template)
+    ):
+        raise SettingError(
+            "chat_template",
+            "--chat-template",
+            f"its turn markers {', '.join(added)} are new to {cfg.model.name}'s vocabulary: the model "
+            "never learned them, so its loss on them says nothing (give the template it was tuned with)",
+        )
+    data = prepare(cfg.data.train, tokenizer, cfg.examples, env, data_cache_dir(cfg.data)).dataset
+    if counted_as(data.meta) == "pairs":
+        raise UserError(
+            f"{cfg.data.train}: preference pairs; lmtune eval scores supervised examples (a preference "
+            "objective's rewards need its reference: lmtune train --objective NAME --eval-data reports them)"
+        )
+    model = loaded.model.to(env.device)
+    objective = SupervisedObjective()
+    loss = choose_loss(model, cfg.model.loss_chunk_size, False)
+    loss_module = objective.loss_module(model, LossSetup(use_varlen(model, bucketed=False), loss.chunk))
+    collate = objective.eval_collator(tokenizer.pad_token_id)
+    loader = make_loader(data, EvalSampler(len(data), env.rank, 1), batch_size, collate, env, 0)
+    result = evaluate(loss_module, loader, env, autocast_context(cfg.model.precision, env.device))
+    return Evaluation(result, data.meta, loaded.source)

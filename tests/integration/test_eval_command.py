@@ -1,0 +1,61 @@
+"""`lmtune eval`: a model's loss on data as a training run's evaluation computes it. Compared with
+the run itself: its last evaluation (of final/) and its --eval-on-start baseline (of the model it
+started from) are what `lmtune eval` gives for those models on the same data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lmtune.cli import main
+from tests.conftest import one_line_error, train_rows
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("eval") / "run"
+    argv = ["train", "--max-steps", "4", "--eval-on-start", "--output-dir", str(out), "--no-progress"]
+    assert main(argv) == 0
+    return out
+
+
+def _eval(tmp_path: Path, model: str, *more: str) -> dict[str, float]:
+    figures = tmp_path / f"{Path(model).name}.json"
+    assert main(["eval", "sample:eval", "--model", model, "--json", str(figures), *more]) == 0
+    return json.loads(figures.read_text())
+
+
+def test_eval_gives_the_runs_own_figures_for_its_start_and_its_end(run: Path, tmp_path: Path) -> None:
+    start, end = train_rows(run, kind="eval")[0], train_rows(run, kind="eval")[-1]
+    assert start["step"] == 0 and end["step"] == 4
+    tuned = _eval(tmp_path, str(run / "final"))
+    base = _eval(tmp_path, "tiny")  # the preset, built from the run's seed as the run built it
+    for figures, row in ((tuned, end), (base, start)):
+        assert figures["loss"] == pytest.approx(row["eval_loss"], abs=1e-6)
+        assert (figures["examples"], figures["target_tokens"]) == (row["eval_examples"], row["eval_tokens"])
+        assert figures["written_by"] == "lmtune eval"
+    assert tuned["loss"] < base["loss"]
+    # The batch size changes how the sums are grouped, not what they are.
+    assert _eval(tmp_path, str(run / "final"), "--batch-size", "3")["loss"] == pytest.approx(
+        tuned["loss"], abs=1e-6
+    )
+
+
+def test_eval_refuses_what_it_cannot_score(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": "3"}) + "\n")
+    assert "preference pairs; lmtune eval scores supervised examples" in one_line_error(
+        ["eval", str(pairs)], capsys
+    )
+    said = one_line_error(["eval", "--data", str(pairs)], capsys)  # train's way of naming it
+    assert "give it as arguments: lmtune eval DATA" in said
+    assert "name the DATA to eval" in one_line_error(["eval"], capsys)
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"my": "notes"}')
+    assert "--json" in one_line_error(["eval", "sample:eval", "--json", str(mine)], capsys)
+    assert mine.read_text() == '{"my": "notes"}'
+    assert "lmtune eval DATA --model M" in one_line_error(["evaluate"], capsys)  # litgpt's, Axolotl's
