@@ -75,7 +75,8 @@ BAD_INPUTS = {
     "empty_after_filtering": (
         b'{"prompt": "a long prompt", "completion": "x"}\n' * 8,
         # The prompts alone fill --max-length: dropped for their length, with nothing left to train.
-        "bad.jsonl: no examples left (8 longer than --max-length, 0 with no trainable",
+        # Named where they are: the first few, and how many more.
+        "bad.jsonl:3 and 5 more), 0 with no trainable",
     ),
     "fewer_than_a_batch": (b'{"text": "a"}\n{"text": "b"}\n', "2 examples, fewer than one global batch"),
     "unknown_role": (
