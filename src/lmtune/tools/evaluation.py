@@ -11,7 +11,6 @@ from lmtune.config.settings import TrainConfig
 from lmtune.data.chat import use_chat_template
 from lmtune.data.pairs import counted_as
 from lmtune.data.prepare import data_cache_dir, prepare
-from lmtune.data.sampling import EvalSampler
 from lmtune.errors import SettingError, UserError
 from lmtune.model.attention import use_varlen
 from lmtune.model.chunked_loss import choose as choose_loss
@@ -20,7 +19,7 @@ from lmtune.model.precision import autocast_context, check_device
 from lmtune.objectives.base import LossSetup
 from lmtune.objectives.sft import SupervisedObjective
 from lmtune.parallel.distributed import read_dist_env
-from lmtune.training.build import make_loader
+from lmtune.training.build import make_eval_loader
 from lmtune.training.evaluate import EvalResult, evaluate
 
 
@@ -65,6 +64,6 @@ def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
     loss = choose_loss(model, cfg.model.loss_chunk_size, False)
     loss_module = objective.loss_module(model, LossSetup(use_varlen(model, bucketed=False), loss.chunk))
     collate = objective.eval_collator(tokenizer.pad_token_id)
-    loader = make_loader(data, EvalSampler(len(data), env.rank, 1), batch_size, collate, env, 0)
+    loader = make_eval_loader(data, collate, batch_size, env)
     result = evaluate(loss_module, loader, env, autocast_context(cfg.model.precision, env.device))
     return Evaluation(result, data.meta, loaded.source)

@@ -304,7 +304,7 @@ def prepare_data(
             },
         }
         how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
-        where = meta.get("where", {})  # a cache built before it was kept lacks it
+        where = info[name]["where"]
         shown = {SAMPLE_DATA: "the built-in sample", SAMPLE_EVAL: "the built-in sample's held-out split"}
         log.info(
             f"{name} data {shown.get(spec, spec)}: {meta['examples']:,} {counted_as(meta)}, "
@@ -411,14 +411,18 @@ def loaders(run: RunContext, built: Built) -> tuple[FitData, DataLoader[Any] | N
     eval_loader = None
     if built.eval_data is not None:
         collate = built.objective.eval_collator(pad)
-        if built.eval_data.sources is not None:  # evaluated per source: a batch holds one source's
-            sizes = built.eval_data.source_sizes()
-            batches = EvalBatches(sizes, env.rank, env.world_size, layout.micro_batch_size)
-            eval_loader = make_loader(built.eval_data, batches, None, collate, env, 0)
-        else:
-            eval_sampler = EvalSampler(len(built.eval_data), env.rank, env.world_size)
-            eval_loader = make_loader(built.eval_data, eval_sampler, layout.micro_batch_size, collate, env, 0)
+        eval_loader = make_eval_loader(built.eval_data, collate, layout.micro_batch_size, env)
     return FitData(loader, sampler, layout), eval_loader
+
+
+def make_eval_loader(
+    data: TokenizedDataset, collate: Callable[[Any], Any], batch_size: int, env: DistEnv
+) -> DataLoader[Any]:
+    """This rank's share of ``data``, each example once across ranks, ``batch_size`` a batch."""
+    if data.sources is not None:  # evaluated per source: a batch holds one source's
+        batches = EvalBatches(data.source_sizes(), env.rank, env.world_size, batch_size)
+        return make_loader(data, batches, None, collate, env, 0)
+    return make_loader(data, EvalSampler(len(data), env.rank, env.world_size), batch_size, collate, env, 0)
 
 
 def build_model(
