@@ -43,6 +43,22 @@ def test_eval_gives_the_runs_own_figures_for_its_start_and_its_end(run: Path, tm
     )
 
 
+def test_a_bf16_eval_takes_the_kernels_a_bf16_run_evaluates_with(tmp_path: Path) -> None:
+    # On a CPU, a bf16 run's evaluation multiplies with the products and attention its CPU's units
+    # decide (lmtune.model.paths); autocast's own bf16 products give other figures (and without
+    # bf16 units run ~30x slower), so `lmtune eval --precision bf16` takes the run's.
+    out = tmp_path / "bf16"
+    argv = ["train", "--max-steps", "2", "--eval-every", "2", "--precision", "bf16", "--output-dir", str(out)]
+    assert main([*argv, "--no-progress"]) == 0
+    last, resolved = train_rows(out, kind="eval")[-1], json.loads((out / "run.json").read_text())["resolved"]
+    # bf16 rounds each product's operands, so batches grouped otherwise differ in the last digits:
+    # the run's own micro-batch makes the same forwards.
+    batch = str(resolved["micro_batch_size"])
+    figures = _eval(tmp_path, str(out / "final"), "--precision", "bf16", "--batch-size", batch)
+    assert figures["loss"] == pytest.approx(last["eval_loss"], abs=1e-6)
+    assert figures["paths"] == resolved["paths"]
+
+
 def test_eval_refuses_what_it_cannot_score(
     run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -182,6 +182,8 @@ def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     out = _json_output(args.json, "eval") if args.json else None
     done = evaluate_model(cfg, args.batch_size)
     r, meta = done.result, done.data
+    if done.paths.products is not None:  # a CPU bf16 evaluation: the kernels it took, as a run says them
+        print(done.paths.line(), file=sys.stderr)
     dropped = meta.get("dropped_too_long", 0) + meta.get("dropped_no_targets", 0)
     print(
         f"eval of {cfg.data.train} with {done.model}: loss {r.loss:.4f}, perplexity "
@@ -191,6 +193,8 @@ def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     )
     if args.json:
         record = {"model": cfg.model.name, "data": cfg.data.train, **r.record(), "dropped": dropped}
+        if done.paths.products is not None:
+            record["paths"] = done.paths.to_json()
         _write_json(out, json.dumps(json_marked(record, "eval"), indent=2))
     return 0
 

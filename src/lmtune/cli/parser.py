@@ -220,7 +220,7 @@ def _eval_parser(sub: Any) -> None:
         type=int,
         default=8,
         metavar="N",
-        help="examples a forward (default: 8); the figures are the same for any",
+        help="examples a forward (default: 8); the figures are the same for any (bf16: to rounding)",
     )
     _add_train_options(ev, EVAL_SETTINGS, config_file=True)
     ev.set_defaults(run=commands.evaluate)

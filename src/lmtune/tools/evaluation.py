@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lmtune.config.settings import TrainConfig
 from lmtune.data.chat import use_chat_template
 from lmtune.data.pairs import counted_as
@@ -15,11 +17,12 @@ from lmtune.errors import SettingError, UserError
 from lmtune.model.attention import use_varlen
 from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.modeling import load_model
+from lmtune.model.paths import BF16, Paths, products_of, sample_micro_batches
 from lmtune.model.precision import autocast_context, check_device
 from lmtune.objectives.base import LossSetup
 from lmtune.objectives.sft import SupervisedObjective
-from lmtune.parallel.distributed import read_dist_env
-from lmtune.training.build import make_eval_loader
+from lmtune.parallel.distributed import cpu_threads_per_process, read_dist_env
+from lmtune.training.build import choose_paths, make_eval_loader
 from lmtune.training.evaluate import EvalResult, evaluate
 
 
@@ -28,6 +31,7 @@ class Evaluation:
     result: EvalResult
     data: dict[str, Any]  # the tokenized data's counts (examples, truncated, dropped, ...)
     model: str  # what was loaded, as the start line of a run says it
+    paths: Paths  # the CPU bf16 kernels it ran with, chosen as a run chooses its own
 
 
 def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
@@ -42,6 +46,9 @@ def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
     if env.world_size > 1:
         raise UserError("lmtune eval runs in one process: start it without torchrun")
     check_device(cfg.model.precision, env.device)
+    threads = cpu_threads_per_process(env)
+    if env.device.type == "cpu":
+        torch.set_num_threads(threads)  # as a run does: a timed paths decision is kept per thread count
     loaded = load_model(cfg.model.name, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code)
     tokenizer = loaded.tokenizer
     if cfg.examples.chat_template is not None and (
@@ -60,10 +67,19 @@ def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
             "objective's rewards need its reference: lmtune train --objective NAME --eval-data reports them)"
         )
     model = loaded.model.to(env.device)
+    # A CPU bf16 evaluation takes the products and attention a run would (by rule, or the timing
+    # cached for this machine and model): autocast's own bf16 products are reference loops on a
+    # CPU without bf16 units, ~30x slower, and would not give a run's figures.
+    micro_batches = sample_micro_batches(data.lengths().tolist(), batch_size, None)
+    paths = choose_paths(cfg, env, threads, model, micro_batches)
+    products = products_of(paths, cfg.model.precision)
+    varlen = use_varlen(model, bucketed=paths.attention is not None and paths.attention.choice == BF16)
     objective = SupervisedObjective()
     loss = choose_loss(model, cfg.model.loss_chunk_size, False)
-    loss_module = objective.loss_module(model, LossSetup(use_varlen(model, bucketed=False), loss.chunk))
+    setup = LossSetup(varlen, loss.chunk, products.fp32, products.bucketed)
+    loss_module = objective.loss_module(model, setup)
     collate = objective.eval_collator(tokenizer.pad_token_id)
     loader = make_eval_loader(data, collate, batch_size, env)
-    result = evaluate(loss_module, loader, env, autocast_context(cfg.model.precision, env.device))
-    return Evaluation(result, data.meta, loaded.source)
+    autocast = autocast_context(cfg.model.precision, env.device, products.fp32)
+    result = evaluate(loss_module, loader, env, autocast)
+    return Evaluation(result, data.meta, loaded.source, paths)

@@ -135,7 +135,8 @@ def build_parts(
     layout = batch_layout(cfg, env.world_size, len(train_data))
     lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr(cfg, loaded, objective.unit)[0]
     batching = batching_of(cfg, data_info["train"]["formats"])
-    paths = choose_paths(run, loaded.model, _shapes(cfg, train_data, layout, batching), recorded_paths)
+    micro_batches = _shapes(cfg, train_data, layout, batching)
+    paths = choose_paths(cfg, env, run.threads, loaded.model, micro_batches, recorded_paths)
     products = products_of(paths, cfg.model.precision)
     autocast = partial(autocast_context, cfg.model.precision, env.device, products.fp32)
     digest = _starting_digest(run, loaded.model, objective)  # before wrapping: FSDP2 shards it
@@ -206,17 +207,22 @@ def _shapes(cfg: TrainConfig, data: TokenizedDataset, layout: BatchLayout, batch
 
 
 def choose_paths(
-    run: RunContext, model: torch.nn.Module, micro_batches: list[list[int]], recorded: dict[str, Any] | None
+    cfg: TrainConfig,
+    env: DistEnv,
+    threads: int,
+    model: torch.nn.Module,
+    micro_batches: list[list[int]],
+    recorded: dict[str, Any] | None = None,
 ) -> Paths:
     """The run's CPU bf16 paths (lmtune.model.paths), timed where needed on its own micro-batches
-    (each as its examples' token counts)."""
-    cfg, env = run.cfg, run.env
+    (each as its examples' token counts) for ``threads`` threads; `lmtune eval` takes them too, so
+    it scores a model with the kernels a run's evaluation uses."""
     question = Question(
         cpu_bf16=env.device.type == "cpu" and cfg.model.precision == "bf16" and not cfg.model.compile,
         attention=not cfg.model.compile and supports_varlen(model),
         recorded=recorded,
         cache=cache_root() / PATHS_FILE if env.is_main else None,
-        threads=run.threads,
+        threads=threads,
     )
     return decide_paths(question, Workload(getattr(model, "config", None), micro_batches), env)
 
