@@ -169,7 +169,7 @@ def _run(run: RunContext) -> TrainResult:
     step = StepOptions(cfg.optim.max_grad_norm, built.autocast, timer, built.objective, built.token_seed)
     run_info = run_record(run, built, (checkpoints.resumed_from, checkpoints.changed), peak)
     log.write_json("run.json", run_info)
-    result = fit(trainee, data, state, loop, FitSettings(env=env, step=step, stop_requested=run.stop))
+    result = fit(trainee, data, state, loop, FitSettings(env, step, run.stop, run.stop.before_first_step))
     run_info["result"] = result_record(result, built, run) | {"wall_time_s": time.time() - started}
     peaks = run_info["result"]["peak_memory_per_rank"]
     log.info("peak memory per rank: " + ", ".join(f"{p / 2**20:,.0f} MiB" for p in peaks))

@@ -367,3 +367,31 @@ def test_a_resume_past_max_steps_trains_nothing_and_records_no_loss(
     assert (tmp_path / "again" / "checkpoints" / "step-000002").is_dir()
     assert main([*argv[:-4], "--max-steps", "3", "--output-dir", str(tmp_path / "again")]) == 0
     assert json.loads((tmp_path / "again" / "run.json").read_text())["result"]["steps"] == 3
+
+
+def test_a_signal_while_the_run_is_built_stops_it_before_any_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A preemption (or Ctrl+C) after the data is read and before the first step: no step is
+    trained and nothing saved, it exits as the signal would, and the same command then starts."""
+    import os
+    import signal
+
+    import lmtune.training.build as build
+
+    chosen = build.choose_paths
+
+    def signalled(*args: object, **kwargs: object) -> object:
+        os.kill(os.getpid(), signal.SIGTERM)  # while the model is being set up
+        return chosen(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(build, "choose_paths", signalled)
+    argv = ["train", "--max-steps", "2", "--output-dir", str(tmp_path / "out"), "--no-progress"]
+    assert main(argv) == 128 + signal.SIGTERM
+    said = capsys.readouterr().err
+    assert "stopping before training begins, with nothing to save" in said
+    assert "stopped by SIGTERM before training began" in said
+    assert train_rows(tmp_path / "out") == [] and not (tmp_path / "out" / "checkpoints").exists()
+    monkeypatch.setattr(build, "choose_paths", chosen)
+    assert main(argv) == 0
+    assert [r["step"] for r in train_rows(tmp_path / "out")] == [1, 2]

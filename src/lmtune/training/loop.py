@@ -69,6 +69,8 @@ class FitSettings:
     env: DistEnv
     step: StepOptions
     stop_requested: Callable[[], bool] = lambda: False  # this rank got SIGTERM/SIGINT
+    # Raises when a signal came before the first step (StopRequest.before_first_step): nothing to save.
+    stop_before_training: Callable[[], None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,9 @@ def fit(
     trainee.model.train()
     if parts.evaluator is not None and (ev := parts.evaluator.at_start(start)) is not None:
         evals.append(ev)
+    # A signal that came while the run was being built stops it here: a first step would delay a
+    # preemption's exit by a whole step (or an interrupted user's), for a checkpoint of one step.
+    settings.stop_before_training()
     started = last = time.perf_counter()
     while state.step < layout.total_steps and control.stop is None:
         data.sampler.set_epoch(state.epoch, state.step_in_epoch)

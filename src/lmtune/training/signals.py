@@ -35,6 +35,12 @@ class StopRequest:
         if self.requested:
             raise StoppedBySignal(self.signum)
 
+    def before_first_step(self) -> None:
+        """Fit's last look before it trains: a signal that came while the run was being built stops
+        it (nothing to save); one from now on finishes the step it comes in and saves."""
+        self.raise_if_requested()
+        self.stepping = True
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
@@ -45,8 +51,7 @@ class StopRequest:
         then = (
             "finishing this step and saving a checkpoint"
             if self.stepping
-            else "stopping before training begins, with nothing to save (or, if its first step has "
-            "begun by then, after that step, with a checkpoint)"
+            else "stopping before training begins, with nothing to save"
         )
         print(f"lmtune: {signal.Signals(signum).name} received: {then}", file=sys.stderr, flush=True)
 

@@ -24,7 +24,7 @@ from lmtune.checkpoint.store import load_checkpoint, prune, save_checkpoint
 from lmtune.config.run_groups import EvalSettings
 from lmtune.config.settings import TrainConfig
 from lmtune.data.collate import StepCollator
-from lmtune.errors import TrainingStopped
+from lmtune.errors import StoppedBySignal, TrainingStopped
 from lmtune.model.precision import autocast_context
 from lmtune.outputs.runlog import RunLog
 from lmtune.parallel.distributed import read_dist_env
@@ -280,6 +280,31 @@ def test_a_signal_saves_the_step_and_stops(tmp_path: Path) -> None:
         )
     assert (result.state.step, result.stop) == (3, "signal")
     assert saver.calls[-1] == ("after_step", 3, True) and "at_end" not in [c[0] for c in saver.calls]
+
+
+def test_a_signal_before_the_first_step_stops_fit_with_nothing_trained_or_saved(tmp_path: Path) -> None:
+    import signal
+
+    with _built(tmp_path, "early-signal") as (run, b):
+        before = _weights(b)
+        stop = StopRequest()
+        stop._handle(signal.SIGTERM, None)
+        saver = SaveRecorder()
+        with pytest.raises(StoppedBySignal, match="SIGTERM before training began"):
+            _fit(
+                run,
+                b,
+                _fresh_state(b),
+                [],
+                saver,
+                stop_requested=stop,
+                stop_before_training=stop.before_first_step,
+            )
+        assert saver.calls == [] and _same(before, _weights(b))
+    # Without a signal, fit's last look lets it train, and a signal from then on saves its step.
+    stop = StopRequest()
+    stop.before_first_step()
+    assert stop.stepping and not stop.requested
 
 
 def test_a_signal_says_what_it_will_do_once(
