@@ -71,7 +71,25 @@ def _train_config_given(args: argparse.Namespace) -> tuple[Any, frozenset[str]]:
         values.update(load_yaml(args.config))
         source = args.config
     values.update({f.name: getattr(args, f.name) for f in config_fields() if hasattr(args, f.name)})
+    if isinstance(values.get("data"), list):  # the DATA arguments of eval and data audit/show
+        values["data"] = _data_arguments(values["data"])
     return build_config(values, source), frozenset(values)
+
+
+def _data_arguments(items: list[str]) -> list[str]:
+    """DATA arguments as sources, one an argument; an argument that names no file but holds commas
+    is read as --data reads its value, a source between commas (`lmtune data audit a.jsonl,b.jsonl`
+    as train's `--data a.jsonl,b.jsonl`)."""
+    import re
+    from pathlib import Path
+
+    sources: list[str] = []
+    for item in items:
+        if "," in item and not Path(item).expanduser().exists():
+            sources += [part.replace("\\,", ",") for part in re.split(r"(?<!\\),", item) if part.strip()]
+        else:
+            sources.append(item)
+    return sources
 
 
 def train(args: argparse.Namespace, argv: Sequence[str]) -> int:

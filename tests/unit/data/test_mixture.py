@@ -243,6 +243,22 @@ def test_the_audit_shows_the_mixture(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "--eval-split 4: holds out 4 of the 4 examples of source 'chat'" in capsys.readouterr().err
 
 
+def test_a_data_argument_with_commas_lists_sources_as_data_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lmtune data audit a.jsonl,b.jsonl`, as train's --data reads it; a file whose own name holds
+    the comma stays one source."""
+    a = write_jsonl(tmp_path / "a.jsonl", [f"first {i}" for i in range(3)])
+    b = write_jsonl(tmp_path / "b.jsonl", [f"second {i}" for i in range(5)])
+    assert main(["data", "audit", f"{a},{b}", "--model", "tiny", "--global-batch-size", "2"]) == 0
+    listed = capsys.readouterr().out
+    assert main(["data", "audit", str(a), str(b), "--model", "tiny", "--global-batch-size", "2"]) == 0
+    assert listed == capsys.readouterr().out and "8 read, 8 kept" in listed
+    odd = write_jsonl(tmp_path / "a.jsonl,b.jsonl", ["one"])
+    assert main(["data", "audit", str(odd), "--model", "tiny", "--global-batch-size", "1"]) == 0
+    assert "1 read, 1 kept" in capsys.readouterr().out
+
+
 def test_recorded_samples_name_their_sources(tmp_path: Path) -> None:
     index = SourceIndex(("chat", "code"), (0, 3, 10))
     log = ExampleOrderLog(tmp_path, rank=0, resume_step=0, sources=index)
