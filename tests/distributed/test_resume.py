@@ -326,6 +326,20 @@ def test_sigterm_saves_and_the_rerun_finishes_the_same(base: dict[str, Path]) ->
     assert max_diff(base["one-long"], out) == 0.0
 
 
+def test_a_signal_to_one_rank_before_training_stops_every_rank_with_nothing_saved(
+    base: dict[str, Path],
+) -> None:
+    """A preemption that reaches one worker first, while the run is being built: every rank stops
+    before its first step (none waits in a collective for it), and the job exits as a signalled one."""
+    out = base["root"] / "early-signal"
+    proc = run_lmtune(
+        args(base["data"], out, *TWO), timeout=180, env_extra={"LMTUNE_FAULT_SIGNAL_AT_START": "1"}
+    )
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "the workers were stopped by SIGTERM before training began; nothing to save" in proc.stderr
+    assert train_rows(out) == [] and not (out / "checkpoints").exists()
+
+
 def test_two_nodes_on_loopback_match_one_node(base: dict[str, Path]) -> None:
     port = free_port()
     out = base["root"] / "two-nodes"

@@ -321,6 +321,16 @@ def _failed(e: Any, error_dir: Path, hung: bool) -> int:
     codes = {code for _, code in reported} | {f.exitcode for f in e.failures.values()}
     if USER_ERROR_EXIT_CODE in codes:
         return USER_ERROR_EXIT_CODE
+    # Workers that a signal reached before training (and not through this launcher) stop together,
+    # each exiting 128 + its number: the job ends as they did, not as a failure.
+    ended = {code for code in codes if code > 0}
+    if ended and all(code - 128 in (signal.SIGTERM, signal.SIGINT) for code in ended):
+        name = signal.Signals(max(ended) - 128).name
+        print(
+            f"lmtune: the workers were stopped by {name} before training began; nothing to save",
+            file=sys.stderr,
+        )
+        return max(ended)
     if not messages:
         # The first to end is the cause; the launcher then stops the others with SIGTERM (within
         # the second a failure's time is kept to, a SIGTERM is the later one).

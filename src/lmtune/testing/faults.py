@@ -14,6 +14,8 @@ process, and only when asked.
 - ``LMTUNE_FAULT_SLOW_RANK=r:s``: rank r sleeps s seconds in every forward (a straggler).
 - ``LMTUNE_FAULT_HANG=r:k``: rank r sleeps forever inside the forward of step k, in the job's first
   attempt only (a hang whose stack the watchdog's report must show, and that a restart gets past).
+- ``LMTUNE_FAULT_SIGNAL_AT_START=r``: rank r gets SIGTERM once its run is built, before the first
+  step (a preemption that reaches one rank first).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def install(model: nn.Module, rank: int, step: Callable[[], int]) -> None:
     the loss, ``step`` the optimizer step in progress."""
     _install_save_faults()
     _install_forward_faults(model, rank, step)
+    if _int_from_env("SIGNAL_AT_START") == rank:  # installed right before fit
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _install_save_faults() -> None:

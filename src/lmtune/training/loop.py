@@ -13,12 +13,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
+import torch
 from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.state import TrainerState
 from lmtune.data.batch import Batch
 from lmtune.data.sampling import TrainSampler
-from lmtune.parallel.distributed import DistEnv
+from lmtune.errors import StoppedBySignal
+from lmtune.parallel.distributed import DistEnv, all_reduce_max
 from lmtune.training.batch_layout import BatchLayout
 from lmtune.training.best import Best
 from lmtune.training.callbacks import Callback, Control, Evaluator, StepEnd
@@ -69,8 +71,8 @@ class FitSettings:
     env: DistEnv
     step: StepOptions
     stop_requested: Callable[[], bool] = lambda: False  # this rank got SIGTERM/SIGINT
-    # Raises when a signal came before the first step (StopRequest.before_first_step): nothing to save.
-    stop_before_training: Callable[[], None] = lambda: None
+    # The signal this rank got before its first step (StopRequest.before_first_step), 0 if none.
+    signal_before_training: Callable[[], int] = lambda: 0
 
 
 @dataclass(frozen=True)
@@ -98,9 +100,11 @@ def fit(
     trainee.model.train()
     if parts.evaluator is not None and (ev := parts.evaluator.at_start(start)) is not None:
         evals.append(ev)
-    # A signal that came while the run was being built stops it here: a first step would delay a
-    # preemption's exit by a whole step (or an interrupted user's), for a checkpoint of one step.
-    settings.stop_before_training()
+    # A signal that came while the run was being built stops it here, on every rank alike: a first
+    # step would delay a preemption's exit by a whole step, for a checkpoint of one step.
+    received = torch.tensor([float(settings.signal_before_training())], device=env.device)
+    if (signum := int(all_reduce_max(received, env).item())) > 0:
+        raise StoppedBySignal(signum)
     started = last = time.perf_counter()
     while state.step < layout.total_steps and control.stop is None:
         data.sampler.set_epoch(state.epoch, state.step_in_epoch)

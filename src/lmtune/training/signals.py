@@ -35,11 +35,11 @@ class StopRequest:
         if self.requested:
             raise StoppedBySignal(self.signum)
 
-    def before_first_step(self) -> None:
-        """Fit's last look before it trains: a signal that came while the run was being built stops
-        it (nothing to save); one from now on finishes the step it comes in and saves."""
-        self.raise_if_requested()
+    def before_first_step(self) -> int:
+        """Fit's last look before it trains: the signal that came while the run was being built (0
+        if none), which stops it with nothing to save; one from now on finishes its step and saves."""
         self.stepping = True
+        return self.signum if self.requested else 0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested and signum == signal.SIGINT:

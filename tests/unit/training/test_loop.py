@@ -298,13 +298,12 @@ def test_a_signal_before_the_first_step_stops_fit_with_nothing_trained_or_saved(
                 [],
                 saver,
                 stop_requested=stop,
-                stop_before_training=stop.before_first_step,
+                signal_before_training=stop.before_first_step,
             )
         assert saver.calls == [] and _same(before, _weights(b))
     # Without a signal, fit's last look lets it train, and a signal from then on saves its step.
     stop = StopRequest()
-    stop.before_first_step()
-    assert stop.stepping and not stop.requested
+    assert stop.before_first_step() == 0 and stop.stepping
 
 
 def test_a_signal_says_what_it_will_do_once(
