@@ -60,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lmtune.config.verbosity import verbose
 
         if not verbose():
+            _launcher_without_cpp_logs(args)  # before torch loads
             _quiet_libraries()
         if extra:
             raise UserError(unknown_arguments(args.parser, extra, vars(args)))
@@ -160,6 +161,29 @@ def exit_quickly(code: int) -> NoReturn:
             with suppress(Exception):  # a closed or broken pipe cannot take more output
                 stream.flush()
         os._exit(code)
+
+
+CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
+
+
+def _launcher_without_cpp_logs(args: Any) -> None:
+    """A job's launcher logs nothing of torch's C++ side: a rendezvous it cannot reach (node 0 not
+    started, a wrong --rdzv-endpoint) printed ~40 lines of C++ frames per attempt before lmtune's
+    one-line message. Its workers keep their own logs (NCCL's and gloo's errors are theirs), and so
+    does a launcher given TORCH_CPP_LOG_LEVEL or --verbose."""
+    from lmtune.cli import commands
+
+    launching = (commands.train, commands.doctor)  # the commands that start a job's processes
+    if CPP_LOG_ENV in os.environ or "RANK" in os.environ or getattr(args, "run", None) not in launching:
+        return
+    from lmtune.parallel.launch import needs_launcher
+
+    with suppress(UserError):  # a bad setting is reported by the command, as it would be anyway
+        if needs_launcher(commands.train_config(args).launch):
+            os.environ[CPP_LOG_ENV] = "FATAL"
+            import torch  # noqa: F401  (it reads the level as it loads)
+
+            del os.environ[CPP_LOG_ENV]  # not for the workers this launcher starts
 
 
 def _quiet_libraries() -> None:
