@@ -4,7 +4,7 @@ and optimizer. :func:`build` makes them all for one run; train.py composes the r
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any
@@ -27,6 +27,7 @@ from lmtune.data.sources import first_places, in_parentheses, skipped_lines
 from lmtune.data.tokenize import EncodeStats
 from lmtune.errors import SettingError, UserError
 from lmtune.model.attention import supports_varlen, use_varlen
+from lmtune.model.checkpointing import checkpoint_activations
 from lmtune.model.chunked_loss import LossChoice
 from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.compiled import compile_blocks, compiles_whole
@@ -44,7 +45,7 @@ from lmtune.model.paths import (
     sample_micro_batches,
 )
 from lmtune.model.precision import autocast_context, grad_scaler, low_precision_dtype
-from lmtune.model.products import Fp32Products, Products
+from lmtune.model.products import Products
 from lmtune.model.quantization import base_summary, quantization_of, return_freed_buffers
 from lmtune.model.tokens import check_positions, fit_embeddings, set_stop_tokens
 from lmtune.objectives import objective_for
@@ -244,29 +245,6 @@ def check_data_kind(
             f"{option}: holds preference pairs (prompt, chosen, rejected); tune on them with --objective "
             "dpo, ipo, simpo or orpo (--objective sft trains on single examples)"
         )
-
-
-def checkpoint_activations(model: torch.nn.Module, name: str, fp32_products: bool = False) -> None:
-    """Per-block activation checkpointing, non-reentrant: the reentrant variant runs backward
-    hooks twice and DDP then sees parameters "marked ready twice"."""
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise UserError(f"--activation-checkpointing: {name} does not support gradient checkpointing")
-    kwargs: dict[str, Any] = {"use_reentrant": False}
-    if fp32_products:
-        # The recomputation in backward runs outside the step's context: the checkpoint restores
-        # autocast, not the products' mode, and a block recomputed with PyTorch's bf16 kernels
-        # saves other tensors than its forward did (CheckpointError).
-        kwargs["context_fn"] = _recompute_with_fp32_products
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
-    if callable(enable):
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
-
-
-def _recompute_with_fp32_products() -> tuple[AbstractContextManager[object], AbstractContextManager[object]]:
-    """torch.utils.checkpoint's context_fn: (around the forward, around the recomputation)."""
-    return nullcontext(), Fp32Products()
 
 
 def _eval_spec(cfg: TrainConfig) -> str | None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers.models.llama import modeling_llama
 
+from lmtune.model.checkpointing import checkpoint_activations
 from lmtune.model.modeling import build_preset
-from lmtune.training.build import checkpoint_activations
 
 
 def _run(checkpointed: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, torch.Tensor]:
