@@ -71,8 +71,9 @@ class FitSettings:
     env: DistEnv
     step: StepOptions
     stop_requested: Callable[[], bool] = lambda: False  # this rank got SIGTERM/SIGINT
-    # The signal this rank got before its first step (StopRequest.before_first_step), 0 if none.
-    signal_before_training: Callable[[], int] = lambda: 0
+    # The signal this rank got before its first step, 0 if none (StopRequest.before_first_step; its
+    # argument: this is the last look, a signal from then on finishes its step and saves).
+    signal_before_training: Callable[[bool], int] = lambda last: 0
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,14 @@ def fit(
     control, evals = Control(), []
     state, last_loss = start, float("nan")
     trainee.model.train()
+    # A signal that came while the run was being built (or its baseline evaluated) stops it here, on
+    # every rank alike: a first step would delay a preemption's exit by a whole step, for a
+    # checkpoint of one step.
+    _stop_if_signalled(settings, last=False)
     if parts.evaluator is not None and (ev := parts.evaluator.at_start(start)) is not None:
         evals.append(ev)
-    # A signal that came while the run was being built stops it here, on every rank alike: a first
-    # step would delay a preemption's exit by a whole step, for a checkpoint of one step.
-    received = torch.tensor([float(settings.signal_before_training())], device=env.device)
-    if (signum := int(all_reduce_max(received, env).item())) > 0:
-        raise StoppedBySignal(signum)
+        _stop_if_signalled(settings, last=False)
+    _stop_if_signalled(settings, last=True)
     started = last = time.perf_counter()
     while state.step < layout.total_steps and control.stop is None:
         data.sampler.set_epoch(state.epoch, state.step_in_epoch)
@@ -120,7 +122,7 @@ def fit(
             lr = float(trainee.scheduler.get_last_lr()[0])
             step_input = StepInput(
                 micro,
-                stop_requested=settings.stop_requested(),
+                stop_requested=settings.stop_requested,
                 data_s=time.perf_counter() - data_started,
                 step=state.step + 1,
             )
@@ -143,9 +145,7 @@ def fit(
             control.save = False
             for c in callbacks:
                 c.on_step_end(end, control)
-            if parts.evaluator is not None and (ev := parts.evaluator.after_step(end, control)) is not None:
-                evals.append(ev)
-            parts.saver.after_step(state, asked=control.save or control.stop is not None, last=finished)
+            evals += _evaluate_and_save(end, control, parts, settings)
     control.save = False
     for c in callbacks:
         c.on_train_end(state, control)
@@ -155,6 +155,28 @@ def fit(
         parts.saver.at_end(state, asked=control.save)
     best = parts.evaluator.best if parts.evaluator is not None else None
     return FitResult(state, last_loss, control.stop, evals, best.best if best is not None else None)
+
+
+def _stop_if_signalled(settings: FitSettings, last: bool) -> None:
+    received = torch.tensor([float(settings.signal_before_training(last))], device=settings.env.device)
+    if (signum := int(all_reduce_max(received, settings.env).item())) > 0:
+        raise StoppedBySignal(signum)
+
+
+def _evaluate_and_save(
+    end: StepEnd, control: Control, parts: LoopParts, settings: FitSettings
+) -> list[EvalResult]:
+    """A step's evaluation and checkpoint. A signal that comes during either stops the run at this
+    step (saved), as one during the step does; agreed in one more all-reduce, only after them."""
+    ev = parts.evaluator.after_step(end, control) if parts.evaluator is not None else None
+    asked = control.save or control.stop is not None
+    saved = parts.saver.after_step(end.state, asked=asked, last=end.finished)
+    if control.stop is None and not end.finished and (ev is not None or saved is not None):
+        signalled = torch.tensor([float(settings.stop_requested())], device=settings.env.device)
+        if all_reduce_max(signalled, settings.env).item() > 0:
+            control.stop = "signal"
+            parts.saver.after_step(end.state, asked=True, last=False)
+    return [ev] if ev is not None else []
 
 
 def _advance(state: TrainerState, r: StepResult, layout: BatchLayout) -> TrainerState:

@@ -35,10 +35,11 @@ class StopRequest:
         if self.requested:
             raise StoppedBySignal(self.signum)
 
-    def before_first_step(self) -> int:
-        """Fit's last look before it trains: the signal that came while the run was being built (0
-        if none), which stops it with nothing to save; one from now on finishes its step and saves."""
-        self.stepping = True
+    def before_first_step(self, last: bool = True) -> int:
+        """Fit's looks before it trains: the signal that came while the run was being built (0 if
+        none), which stops it with nothing to save. After the last look, a signal finishes its step
+        and saves."""
+        self.stepping = last
         return self.signum if self.requested else 0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:

@@ -69,7 +69,9 @@ class StepInput:
     """One rank's share of one optimizer step."""
 
     micro_batches: list[Batch]
-    stop_requested: bool = False  # this rank got SIGTERM/SIGINT
+    # Whether this rank got SIGTERM/SIGINT, read once its micro-batches are done: a signal during
+    # them stops the run at this step.
+    stop_requested: Callable[[], bool] = lambda: False
     data_s: float = 0.0  # how long this rank waited for the batches
     step: int = 0  # the optimizer step this is, from 1 (NEFTune's noise and dropout are keyed by it)
 
@@ -125,7 +127,7 @@ def train_step(trainee: Trainee, step: StepInput, env: DistEnv, options: StepOpt
     with phase(timer, "optimizer"):
         tally = _Tally(
             sums=sums,
-            stop_requested=step.stop_requested,
+            stop_requested=step.stop_requested(),
             counts=(count, target_tokens, tokens, examples),
             times=(work_s, step.data_s),
         )

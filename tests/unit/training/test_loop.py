@@ -306,6 +306,85 @@ def test_a_signal_before_the_first_step_stops_fit_with_nothing_trained_or_saved(
     assert stop.before_first_step() == 0 and stop.stepping
 
 
+def test_a_signal_during_a_step_or_its_evaluation_stops_the_run_at_that_step(tmp_path: Path) -> None:
+    """The flag is read when the step's micro-batches are done (not when it begins), and once more
+    after an evaluation or a checkpoint: the run stops, saved, at the step the signal came in."""
+    import signal
+
+    began: list[int] = []
+
+    class Began(Callback):
+        def on_step_begin(self, step: int) -> None:
+            began.append(step)
+
+    def signal_in_step_2(stop: StopRequest) -> Callable[..., None]:
+        def send(*_: Any) -> None:
+            if began[-1] == 2 and not stop.requested:
+                stop._handle(signal.SIGTERM, None)
+
+        return send
+
+    with _built(tmp_path, "signal-in-step") as (run, b):
+        stop, saver = StopRequest(), SaveRecorder()
+        hook = b.model.register_forward_pre_hook(signal_in_step_2(stop))
+        in_step = _fit(run, b, _fresh_state(b), [Began(), SignalStop(run.log)], saver, stop_requested=stop)
+        hook.remove()
+    assert (in_step.state.step, in_step.stop) == (2, "signal")
+    assert saver.calls[-1] == ("after_step", 2, True)
+
+    stop = StopRequest()
+
+    def run_eval() -> EvalResult:
+        signal_in_step_2(stop)()
+        return EvalResult(loss=1.0, target_tokens=1, examples=1, count=1, metrics={"eval_loss": 1.0})
+
+    with _built(tmp_path, "signal-in-eval") as (run, b):
+        began.clear()
+        saver, evaluator = SaveRecorder(), Evaluator(run_eval, run.log, EvalSettings(every=2), best=None)
+        in_eval = _fit(
+            run, b, _fresh_state(b), [Began(), SignalStop(run.log)], saver, evaluator, stop_requested=stop
+        )
+    assert (in_eval.state.step, in_eval.stop, len(in_eval.evals)) == (2, "signal", 1)
+    assert saver.calls == [("after_step", 1, False), ("after_step", 2, False), ("after_step", 2, True)]
+
+
+def test_a_signal_before_a_baseline_evaluation_skips_it_and_one_during_it_trains_nothing(
+    tmp_path: Path,
+) -> None:
+    import signal
+
+    evaluated: list[int] = []
+
+    def evaluations(stop: StopRequest, signal_in_it: bool) -> Evaluator:
+        def run_eval() -> EvalResult:
+            evaluated.append(1)
+            if signal_in_it:
+                stop._handle(signal.SIGTERM, None)
+            return EvalResult(loss=1.0, target_tokens=1, examples=1, count=1, metrics={"eval_loss": 1.0})
+
+        return Evaluator(run_eval, run.log, EvalSettings(every=2, on_start=True), best=None)
+
+    for signal_in_it in (False, True):
+        with _built(tmp_path, f"baseline-{signal_in_it}") as (run, b):
+            stop, saver = StopRequest(), SaveRecorder()
+            if not signal_in_it:
+                stop._handle(signal.SIGTERM, None)  # while the run was built
+            before = _weights(b)
+            with pytest.raises(StoppedBySignal):
+                _fit(
+                    run,
+                    b,
+                    _fresh_state(b),
+                    [],
+                    saver,
+                    evaluations(stop, signal_in_it),
+                    stop_requested=stop,
+                    signal_before_training=stop.before_first_step,
+                )
+            assert saver.calls == [] and _same(before, _weights(b))
+    assert evaluated == [1]  # the baseline ran only where the signal came during it
+
+
 def test_a_signal_says_what_it_will_do_once(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
