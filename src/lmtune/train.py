@@ -29,11 +29,12 @@ from lmtune.parallel.distributed import (
     cpu_threads_per_process,
     process_group,
     read_dist_env,
+    stop_if_signalled,
 )
 from lmtune.parallel.health import Heartbeat
 from lmtune.parallel.launch import report_outcome, resume_advice, warn
 from lmtune.parallel.wrap import resolve_strategy, unwrap
-from lmtune.testing.faults import requested as faults_requested
+from lmtune.testing.faults import install as install_faults
 from lmtune.tools.doctor import DoctorSettings, check_or_fail
 from lmtune.training import callbacks as cb
 from lmtune.training.best import BestTracker, best_tracker
@@ -129,7 +130,7 @@ def _run(run: RunContext) -> TrainResult:
         warn=warn,
     )
     built = build_parts(run, recorded_paths=recorded_paths(cfg.checkpoint, env))
-    replace_earlier_run()  # --overwrite: only now that the model and data are loaded
+    replace_earlier_run(run.stop.pending())  # --overwrite: only now that the model and data are loaded
     best = best_tracker(cfg.eval)
     timeouts = CollectiveTimeouts(env, cfg.health.collective_timeout)
     checkpoints = _checkpoints(run, built, best, timeouts)
@@ -161,13 +162,11 @@ def _run(run: RunContext) -> TrainResult:
         evaluator=_evaluator(run, built, eval_loader, best, timeouts),
         saver=checkpoints,
     )
-    if faults_requested():
-        from lmtune.testing.faults import install
-
-        install(built.parts.root, env.rank, lambda: run.heartbeat.step)
+    install_faults(built.parts.root, env.rank, lambda: run.heartbeat.step)  # what LMTUNE_FAULT_* asks
     timer = PhaseTimer(env.device, timed=cfg.logging.profile, beat=run.heartbeat.beat)
     step = StepOptions(cfg.optim.max_grad_norm, built.autocast, timer, built.objective, built.token_seed)
     run_info = run_record(run, built, (checkpoints.resumed_from, checkpoints.changed), peak)
+    stop_if_signalled(run.stop.pending() if state.step else 0, env)  # a resume stopped now keeps run.json
     log.write_json("run.json", run_info)
     result = fit(trainee, data, state, loop, FitSettings(env, step, run.stop, run.stop.before_first_step))
     run_info["result"] = result_record(result, built, run) | {"wall_time_s": time.time() - started}

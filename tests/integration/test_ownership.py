@@ -178,7 +178,7 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
     before = sorted(tmp_path.rglob("*"))
     check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
     assert sorted(tmp_path.rglob("*")) == before  # checked only: deleted once the new run is built
-    replace_earlier_run(tmp_path, read_dist_env("cpu"))
+    replace_earlier_run(tmp_path, read_dist_env("cpu"), 0)
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == [
         *("NOTES.txt", "checkpoints", "checkpoints/my-notes.txt"),

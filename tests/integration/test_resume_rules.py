@@ -395,3 +395,31 @@ def test_a_signal_while_the_run_is_built_stops_it_before_any_step(
     monkeypatch.setattr(build, "choose_paths", chosen)
     assert main(argv) == 0
     assert [r["step"] for r in train_rows(tmp_path / "out")] == [1, 2]
+
+
+def test_a_signal_while_the_run_is_built_keeps_the_earlier_run_it_would_resume_or_replace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither --overwrite's deletion nor a resumed run's new run.json happens for a run that stops
+    before its first step: the folder is as the earlier run left it."""
+    import os
+    import signal
+
+    import lmtune.training.build as build
+
+    out = tmp_path / "out"
+    argv = ["train", "--max-steps", "2", "--save-every", "1", "--output-dir", str(out), "--no-progress"]
+    assert main(argv) == 0
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".lock"}
+    chosen = build.choose_paths
+
+    def signalled(*args: object, **kwargs: object) -> object:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return chosen(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(build, "choose_paths", signalled)
+    for more in (["--max-steps", "3"], ["--overwrite"]):  # a resume of step 2; a replacement
+        assert main([*argv, *more]) == 128 + signal.SIGTERM
+        after = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".lock"}
+        assert after.keys() == before.keys(), more
+        assert [p for p in before if before[p] != after[p]] == [], more

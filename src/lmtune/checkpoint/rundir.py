@@ -36,7 +36,7 @@ from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
 from lmtune.config.mixture import named_items
 from lmtune.errors import UserError
-from lmtune.parallel.distributed import DistEnv, decided_by_main
+from lmtune.parallel.distributed import DistEnv, decided_by_main, stop_if_signalled
 from lmtune.parallel.launch import LOCK_TOKEN_ENV
 
 # What an earlier run leaves; none of it is written through a symbolic link.
@@ -344,10 +344,12 @@ def _samples_files(output_dir: Path) -> list[str]:
     ]
 
 
-def replace_earlier_run(output_dir: Path, env: DistEnv) -> None:
+def replace_earlier_run(output_dir: Path, env: DistEnv, signum: int) -> None:
     """``--overwrite``: delete what an earlier run wrote, by rank 0 with the lock held, once the new
     run's model and data are loaded (a typo in the command must not cost the earlier run), and
-    checked again (:func:`check_earlier_run` checked it before): a user's files are kept."""
+    checked again (:func:`check_earlier_run` checked it before): a user's files are kept. Not when
+    a rank got a signal (``signum``, this rank's) while the run was built: it stops, nothing lost."""
+    stop_if_signalled(signum, env)
 
     def replace() -> None:
         refuse_users_steps(output_dir, "--overwrite")
@@ -466,10 +468,11 @@ def prepare_output(
     config: dict[str, Any],
     env: DistEnv,
     warn: Callable[[str], None],
-) -> Callable[[], None]:
+) -> Callable[[int], None]:
     """Rank 0, holding the lock: clear unfinished saves, refuse to replace an earlier run's results.
     Every rank raises the same error, so none is left waiting. Returns what each rank calls once
-    the run is built: under ``--overwrite``, the earlier run's deletion (:func:`replace_earlier_run`)."""
+    the run is built, with the signal it got (0: none): under ``--overwrite``, the earlier run's
+    deletion (:func:`replace_earlier_run`)."""
     from lmtune.checkpoint.layout import list_checkpoints
 
     def prepare() -> None:
@@ -480,4 +483,4 @@ def prepare_output(
         check_earlier_run(output_dir, continued, overwrite, config, warn)
 
     decided_by_main(prepare, None, env)
-    return partial(replace_earlier_run, output_dir, env) if overwrite else lambda: None
+    return partial(replace_earlier_run, output_dir, env) if overwrite else lambda signum: None

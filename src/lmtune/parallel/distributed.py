@@ -20,7 +20,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed import DistError
 
 from lmtune.config import environment
-from lmtune.errors import SettingError, UserError
+from lmtune.errors import SettingError, StoppedBySignal, UserError
 
 T = TypeVar("T")
 
@@ -282,6 +282,14 @@ def all_reduce_max(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     if env.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
+
+
+def stop_if_signalled(signum: int, env: DistEnv) -> None:
+    """Raise StoppedBySignal on every rank when any got a signal before training (``signum``: this
+    rank's, 0 if none), agreed in one all-reduce: a preemption may reach one rank first."""
+    received = all_reduce_max(torch.tensor([float(signum)], device=env.device), env)
+    if (agreed := int(received.item())) > 0:
+        raise StoppedBySignal(agreed)
 
 
 def broadcast(t: torch.Tensor, env: DistEnv) -> torch.Tensor:

@@ -53,7 +53,9 @@ def _rank_and_number(name: str) -> tuple[int, float] | None:
 
 def install(model: nn.Module, rank: int, step: Callable[[], int]) -> None:
     """Install every fault the environment asks for; ``model`` is the module whose forward computes
-    the loss, ``step`` the optimizer step in progress."""
+    the loss, ``step`` the optimizer step in progress. Nothing, unless asked."""
+    if not requested():
+        return
     _install_save_faults()
     _install_forward_faults(model, rank, step)
     if _int_from_env("SIGNAL_AT_START") == rank:  # installed right before fit

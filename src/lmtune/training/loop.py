@@ -19,8 +19,7 @@ from torch.utils.data import DataLoader
 from lmtune.checkpoint.state import TrainerState
 from lmtune.data.batch import Batch
 from lmtune.data.sampling import TrainSampler
-from lmtune.errors import StoppedBySignal
-from lmtune.parallel.distributed import DistEnv, all_reduce_max
+from lmtune.parallel.distributed import DistEnv, all_reduce_max, stop_if_signalled
 from lmtune.training.batch_layout import BatchLayout
 from lmtune.training.best import Best
 from lmtune.training.callbacks import Callback, Control, Evaluator, StepEnd
@@ -102,11 +101,11 @@ def fit(
     # A signal that came while the run was being built (or its baseline evaluated) stops it here, on
     # every rank alike: a first step would delay a preemption's exit by a whole step, for a
     # checkpoint of one step.
-    _stop_if_signalled(settings, last=False)
+    stop_if_signalled(settings.signal_before_training(False), env)
     if parts.evaluator is not None and (ev := parts.evaluator.at_start(start)) is not None:
         evals.append(ev)
-        _stop_if_signalled(settings, last=False)
-    _stop_if_signalled(settings, last=True)
+        stop_if_signalled(settings.signal_before_training(False), env)
+    stop_if_signalled(settings.signal_before_training(True), env)
     started = last = time.perf_counter()
     while state.step < layout.total_steps and control.stop is None:
         data.sampler.set_epoch(state.epoch, state.step_in_epoch)
@@ -155,12 +154,6 @@ def fit(
         parts.saver.at_end(state, asked=control.save)
     best = parts.evaluator.best if parts.evaluator is not None else None
     return FitResult(state, last_loss, control.stop, evals, best.best if best is not None else None)
-
-
-def _stop_if_signalled(settings: FitSettings, last: bool) -> None:
-    received = torch.tensor([float(settings.signal_before_training(last))], device=settings.env.device)
-    if (signum := int(all_reduce_max(received, settings.env).item())) > 0:
-        raise StoppedBySignal(signum)
 
 
 def _evaluate_and_save(

@@ -40,6 +40,10 @@ class StopRequest:
         none), which stops it with nothing to save. After the last look, a signal finishes its step
         and saves."""
         self.stepping = last
+        return self.pending()
+
+    def pending(self) -> int:
+        """The signal this rank got (0 if none)."""
         return self.signum if self.requested else 0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:

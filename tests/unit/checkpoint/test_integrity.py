@@ -199,7 +199,7 @@ def test_an_earlier_run_is_not_replaced_without_overwrite(tmp_path: Path) -> Non
         check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 2.0})
     check_earlier_run(tmp_path, continued=False, overwrite=True, config={})
     assert (tmp_path / "run.json").exists()  # deleted once the new run is built
-    replace_earlier_run(tmp_path, read_dist_env("cpu"))
+    replace_earlier_run(tmp_path, read_dist_env("cpu"), 0)
     assert not (tmp_path / "run.json").exists() and not (tmp_path / "metrics.jsonl").exists()
     (tmp_path / "checkpoints" / ".step-000004.tmp").mkdir(parents=True)
     assert [p.name for p in remove_leftovers(tmp_path)] == [".step-000004.tmp"]
