@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Callable
 
 from lmtune.config.groups import (
@@ -316,8 +317,22 @@ def _check_launch(launch: LaunchSettings, health: HealthSettings, need: Need) ->
         "rdzv_endpoint",
         "is needed when --nnodes is more than 1",
     )
+    if launch.rdzv_endpoint is not None:
+        why = "must be HOST:PORT (node 0's address) with a port from 1 to 65535"
+        need(_is_endpoint(launch.rdzv_endpoint), "rdzv_endpoint", why)
     need(health.hang_timeout >= 0, "hang_timeout", "must be >= 0 (0: no watchdog)")
     need(health.collective_timeout >= 10, "collective_timeout", "must be >= 10 seconds")
+
+
+def _is_endpoint(endpoint: str) -> bool:
+    """HOST or HOST:PORT as torchrun reads it (an IPv6 host in brackets, or before the last colon;
+    no port: 29400), checked before the launcher's rendezvous raises a ValueError with a traceback."""
+    text = endpoint.strip()
+    host, colon, port = text.rpartition(":")
+    if not colon or (text.startswith("[") and text.endswith("]")):
+        host, port = text, "29400"
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return bool(re.fullmatch(r"[\w.:-]+", host)) and port.isdigit() and 1 <= int(port) <= 65535
 
 
 def _check_outputs(c: CheckpointSettings, log_every: int, need: Need) -> None:

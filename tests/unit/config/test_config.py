@@ -186,6 +186,13 @@ def test_nnodes_and_resume_options(tmp_path: Path) -> None:
             parse_nnodes(bad)
     with pytest.raises(UserError, match="--rdzv-endpoint: is needed"):
         validate(build_config({"nnodes": "2"}), world_size=2)
+    # What torchrun reads (an IPv6 host in brackets or before the last colon; no port: its 29400),
+    # and nothing its rendezvous would refuse with a ValueError's traceback.
+    for good in ("node0:29500", "10.0.0.1:1", "node0", "[::1]:29500", "::1:29500", "[::1]"):
+        validate(build_config({"nnodes": "2", "rdzv_endpoint": good}), world_size=2)
+    for bad in ("node0:99999", "node0:abc", ":29500", "node0:", "node 0:1", "node0:0", ""):
+        with pytest.raises(UserError, match=r"--rdzv-endpoint: must be HOST:PORT .* from 1 to 65535"):
+            validate(build_config({"nnodes": "2", "rdzv_endpoint": bad}), world_size=2)
     with pytest.raises(UserError, match="--resume: no such checkpoint folder"):
         validate(build_config({"resume": str(tmp_path / "nope")}), world_size=1)
     (tmp_path / "train.jsonl").write_text("{}\n")  # a file is no checkpoint: said so, not "no such"
