@@ -43,13 +43,22 @@ def test_eval_gives_the_runs_own_figures_for_its_start_and_its_end(run: Path, tm
     )
 
 
-def test_a_bf16_eval_takes_the_kernels_a_bf16_run_evaluates_with(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_bf16_eval_takes_the_kernels_a_bf16_run_evaluates_with(tmp_path: Path, lora: bool) -> None:
     # On a CPU, a bf16 run's evaluation multiplies with the products and attention its CPU's units
     # decide (lmtune.model.paths); autocast's own bf16 products give other figures (and without
-    # bf16 units run ~30x slower), so `lmtune eval --precision bf16` takes the run's.
-    out = tmp_path / "bf16"
+    # bf16 units run ~30x slower), so `lmtune eval --precision bf16` takes the run's. An adapter is
+    # scored beside its base, as the run did: merged into it, bf16 rounds their sum, not each.
+    out, lora_args = tmp_path / "bf16", []
+    if lora:  # an adapter names its base: a model folder, not a preset
+        from lmtune.model.modeling import build_preset
+
+        base = build_preset("tiny", seed=0)
+        base.model.save_pretrained(tmp_path / "base")
+        base.tokenizer.save_pretrained(tmp_path / "base")
+        lora_args = ["--model", str(tmp_path / "base"), "--lora", "--lr", "1e-2"]
     argv = ["train", "--max-steps", "2", "--eval-every", "2", "--precision", "bf16", "--output-dir", str(out)]
-    assert main([*argv, "--no-progress"]) == 0
+    assert main([*argv, "--no-progress", *lora_args]) == 0
     last, resolved = train_rows(out, kind="eval")[-1], json.loads((out / "run.json").read_text())["resolved"]
     # bf16 rounds each product's operands, so batches grouped otherwise differ in the last digits:
     # the run's own micro-batch makes the same forwards.

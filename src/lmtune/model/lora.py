@@ -120,12 +120,16 @@ def save_adapter(
     write_base_quantization(folder, quantization)
 
 
-def merged_model(base: nn.Module, adapter_folder: Path) -> nn.Module:
-    """``base`` with the adapter saved in ``adapter_folder`` merged into its weights."""
+def merged_model(base: nn.Module, adapter_folder: Path, merge: bool = True) -> nn.Module:
+    """``base`` with the adapter saved in ``adapter_folder`` merged into its weights; with ``merge``
+    off, beside them (a PeftModel), as training computed with it: merged, a bf16 product rounds the
+    sum of base and adapter once instead of each product apart."""
     peft = _peft()
     with quiet_calls(), _tied_head_handled():
         model = peft.PeftModel.from_pretrained(base, str(adapter_folder))
         untied = _untie_adapted_head(model.get_base_model())
+        if not merge:
+            return model  # type: ignore[no-any-return]
         merged: nn.Module = model.merge_and_unload()
     # peft froze the base to train the adapter; merged, every weight is the model's own and trains
     # like a freshly loaded model's (a run from an adapter folder without --lora trains them all).

@@ -246,8 +246,10 @@ def load_model(
     trust_remote_code: bool = False,
     quantization: Quantization | None = None,
     device: torch.device | None = None,
+    merge_adapter: bool = True,
 ) -> LoadedModel:
-    """Load a model and tokenizer by preset name, local folder or hub id.
+    """Load a model and tokenizer by preset name, local folder or hub id; a LoRA adapter folder
+    loads into its base, merged unless ``merge_adapter`` is off.
 
     Weights load from safetensors when the folder has them; ``trust_remote_code`` stays off unless
     the user turns it on. With ``quantization`` the linear layers load quantized, straight onto
@@ -268,7 +270,7 @@ def load_model(
                 f"--model {name}: a LoRA adapter folder; {quantization.option} quantizes a full model, so "
                 "give the merged model folder (final/merged) instead"
             )
-        return _merged_adapter(name, base, seed, trust_remote_code)
+        return _merged_adapter(name, base, seed, trust_remote_code, merge_adapter)
     # A quantized base is checked against memory by plan's account of it, not as fp32 weights.
     config = load_config(name, trust_remote_code, fits_memory=quantization is None)
     where = _source(name, need_config=True)
@@ -357,7 +359,7 @@ def merge_device() -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
-def _merged_adapter(name: str, base: str, seed: int, trust_remote_code: bool) -> LoadedModel:
+def _merged_adapter(name: str, base: str, seed: int, trust_remote_code: bool, merge: bool) -> LoadedModel:
     """The LoRA adapter folder ``name`` merged into ``base``, the model it names: into the base
     quantized and dequantized again where the adapter was trained on a quantized base (QLoRA), the
     values training saw, as ``--merge-lora`` merges it."""
@@ -370,7 +372,7 @@ def _merged_adapter(name: str, base: str, seed: int, trust_remote_code: bool) ->
     except UserError as e:
         trained_on = f", {q.bits}-bit as the adapter trained on it ({BASE_QUANTIZATION_FILE})" if q else ""
         raise UserError(f"--model {name}: its base model (adapter_config.json){trained_on}: {e}") from None
-    merged = merged_model(into, folder)
+    merged = merged_model(into, folder, merge)
     return LoadedModel(
         model=merged,
         tokenizer=load_tokenizer(name, trust_remote_code),

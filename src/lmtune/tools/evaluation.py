@@ -49,7 +49,10 @@ def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
     threads = cpu_threads_per_process(env)
     if env.device.type == "cpu":
         torch.set_num_threads(threads)  # as a run does: a timed paths decision is kept per thread count
-    loaded = load_model(cfg.model.name, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code)
+    # A LoRA adapter stays beside its base, as the run evaluated it (merged, bf16 figures differ).
+    loaded = load_model(
+        cfg.model.name, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code, merge_adapter=False
+    )
     tokenizer = loaded.tokenizer
     if cfg.examples.chat_template is not None and (
         added := use_chat_template(tokenizer, cfg.examples.chat_template)
@@ -67,13 +70,15 @@ def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
             "objective's rewards need its reference: lmtune train --objective NAME --eval-data reports them)"
         )
     model = loaded.model.to(env.device)
+    adapted = getattr(model, "get_base_model", None)  # a PeftModel: attention is its base's
+    base: torch.nn.Module = adapted() if callable(adapted) else model
     # A CPU bf16 evaluation takes the products and attention a run would (by rule, or the timing
     # cached for this machine and model): autocast's own bf16 products are reference loops on a
     # CPU without bf16 units, ~30x slower, and would not give a run's figures.
     micro_batches = sample_micro_batches(data.lengths().tolist(), batch_size, None)
-    paths = choose_paths(cfg, env, threads, model, micro_batches)
+    paths = choose_paths(cfg, env, threads, base, micro_batches)
     products = products_of(paths, cfg.model.precision)
-    varlen = use_varlen(model, bucketed=paths.attention is not None and paths.attention.choice == BF16)
+    varlen = use_varlen(base, bucketed=paths.attention is not None and paths.attention.choice == BF16)
     objective = SupervisedObjective()
     loss = choose_loss(model, cfg.model.loss_chunk_size, False)
     setup = LossSetup(varlen, loss.chunk, products.fp32, products.bucketed)
