@@ -337,6 +337,7 @@ def test_a_signal_to_one_rank_before_training_stops_every_rank_with_nothing_save
     )
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "the workers were stopped by SIGTERM before training began; nothing to save" in proc.stderr
+    assert proc.stderr.count("before training began") == 1, proc.stderr  # the launcher's, not each rank's
     assert train_rows(out) == [] and not (out / "checkpoints").exists()
 
 

@@ -84,3 +84,16 @@ def test_eval_refuses_what_it_cannot_score(
     assert "--json" in one_line_error(["eval", "sample:eval", "--json", str(mine)], capsys)
     assert mine.read_text() == '{"my": "notes"}'
     assert "lmtune eval DATA --model M" in one_line_error(["evaluate"], capsys)  # litgpt's, Axolotl's
+    # Said in lmtune eval's own words: its DATA, its --batch-size, no training's gradient scaler.
+    said = one_line_error(["eval", "sample:eval", "--per_device_eval_batch_size", "4"], capsys)
+    assert said.rstrip().endswith("--per-device-eval-batch-size is --batch-size in lmtune eval")
+    said = one_line_error(["eval", str(tmp_path / "nope.jsonl")], capsys)
+    assert said.startswith("error: lmtune eval: no such file or folder:") and "--data" not in said
+    said = one_line_error(["eval", f"{pairs},{pairs}"], capsys)
+    assert "named twice (each of its examples would be counted twice); give it once" in said
+    assert "--data-weights" not in said
+    assert (
+        one_line_error(["eval", "sample:eval", "--precision", "fp16"], capsys)
+        .rstrip()
+        .endswith("--precision: fp16 needs a CUDA GPU; use bf16 on CPU")
+    )

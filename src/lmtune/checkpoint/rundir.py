@@ -324,10 +324,14 @@ def check_earlier_run(
     if continued or not ({"final", "metrics.jsonl"} & set(present)) or recorded_finish(output_dir):
         return  # a finished run's record: the checkpoint manager judges it once the run is built
     if "final" not in present and earlier_record(output_dir).get("config") == config:
-        warn(
-            f"{output_dir} holds this run, stopped before its first checkpoint: starting it again from "
-            "step 0 (--save-every N keeps a stopped run's progress)"
-        )
+        from lmtune.outputs.runlog import read_metrics
+
+        # Stopped before its first step, it lost nothing that --save-every would have kept.
+        if read_metrics(output_dir):
+            warn(
+                f"{output_dir} holds this run, stopped before its first checkpoint: starting it again "
+                "from step 0 (--save-every N keeps a stopped run's progress)"
+            )
         return
     results = [n for n in present if n in ("final", "metrics.jsonl")]
     raise UserError(

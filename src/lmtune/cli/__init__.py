@@ -83,7 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report_error(f"{e.filename}: {e.strerror}", USER_ERROR_EXIT_CODE)
         return USER_ERROR_EXIT_CODE
     except StoppedBySignal as e:
-        print(f"lmtune: {e}", file=sys.stderr, flush=True)
+        from lmtune.parallel.launch import report_stopped
+
+        report_stopped(str(e))
         return 128 + e.signum
     except TrainingStopped as e:
         from lmtune.parallel.launch import report_error

@@ -59,6 +59,14 @@ ALIASES: dict[str, str] = {
 }
 
 
+# Names whose meaning a command takes under a name of its own (lmtune eval's --batch-size is its
+# examples per forward), checked before the table's answer for lmtune train.
+_MEANT_HERE = dict.fromkeys(
+    ("per_device_eval_batch_size", "eval_batch_size", "per_device_train_batch_size", "micro_batch_size"),
+    "batch_size",
+)
+
+
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
@@ -111,6 +119,8 @@ def explain_unknown(
     meant = ALIASES.get(key, key)
     if upper and meant in accepted:  # names are matched exactly, as argparse matches options
         return f"{written}: names are lower case; did you mean {style(meant)}?"
+    if (here := _MEANT_HERE.get(key)) in accepted and key not in accepted:
+        return f"{shown} is {style(str(here))} in {where}"
     if key in ALIASES and ALIASES[key] not in accepted:
         return f"{shown} is {style(ALIASES[key])} in lmtune, which {where} does not take"
     from lmtune.config.settings import config_fields  # it explains its own unknown names with this

@@ -54,7 +54,8 @@ def shown_records(
     names = FieldMap.of(settings)
     number, said = 0, 0
     # One record at a time, as training encodes it; a too-long one is shown as --truncation treats it.
-    for number, record in enumerate(records(resolve_sources(spec), settings, bad), start=1):
+    sources = resolve_sources(spec, "lmtune data show")
+    for number, record in enumerate(records(sources, settings, bad), start=1):
         if number < start:
             bad.messages.clear()  # lines passed over before the records shown are not shown
             continue

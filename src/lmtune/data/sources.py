@@ -143,7 +143,9 @@ def resolve_components(spec: str, option: str = "--data") -> list[tuple[str, lis
         local = source.kind not in ("hf_hub", "sample")
         key = (source.kind, str(Path(source.name).resolve()) if local else source.name, source.split)
         if key in seen:
-            twice = "trained twice an epoch" if option != "--eval-data" else "evaluated twice"
+            twice = {"--data": "trained twice an epoch", "--eval-data": "evaluated twice"}.get(
+                option, "counted twice"
+            )
             raise _refused(
                 option,
                 f"{source.name} is named twice (each of its examples would be {twice}); give it once"
@@ -176,7 +178,10 @@ def _item_sources(item: str, option: str) -> list[Source]:
     # file that is there: said now, not after the hub's retries (seconds offline).
     filelike = "/" not in item and re.fullmatch(r".+\.[A-Za-z0-9]{1,5}", item) is not None
     if item.startswith((".", "/", "~")) or path.suffix.lower() in EXTENSIONS or filelike or near:
-        hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+        # Written as the value must be: a comma lists sources, and one inside a name is \,.
+        escaped = [name.replace(",", "\\,") for name in near]
+        commas = " A comma inside a name is written \\,." if escaped != near else ""
+        hint = f" (did you mean {' or '.join(escaped)}?{commas})" if near else ""
         if not path.is_absolute() and not item.startswith("~"):  # a --config file's too: not beside it
             hint += f" (in the working folder {Path.cwd()})"
         raise _refused(option, f"no such file or folder: {item}{hint}")

@@ -22,14 +22,13 @@ def low_precision_dtype(precision: str) -> torch.dtype | None:
     return None if precision == "fp32" else DTYPES[precision]
 
 
-def check_device(precision: str, device: torch.device) -> None:
+def check_device(precision: str, device: torch.device, training: bool = True) -> None:
+    """fp16 is a GPU's precision: training's gradient scaler is for GPUs, and lmtune evaluates as
+    it trains."""
     if precision == "fp16" and device.type != "cuda":
+        why = " (its gradient scaler is for GPUs)" if training else ""
         # A SettingError: a --config file's value is named by its line.
-        raise SettingError(
-            "precision",
-            "--precision",
-            "fp16 needs a CUDA GPU (its gradient scaler is for GPUs); use bf16 on CPU",
-        )
+        raise SettingError("precision", "--precision", f"fp16 needs a CUDA GPU{why}; use bf16 on CPU")
 
 
 def autocast_context(

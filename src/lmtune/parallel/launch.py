@@ -48,6 +48,17 @@ def report_error(message: str, exit_code: int) -> None:
     print(f"{prefix}: {message}", file=sys.stderr, flush=True)
 
 
+def report_stopped(message: str) -> None:
+    """A stop before training (every rank stops alike): said once, by lmtune's launcher for its
+    workers, else by rank 0 or a process run alone."""
+    from lmtune.parallel.distributed import launched_rank
+
+    rank = launched_rank()
+    if rank or (rank is not None and os.environ.get(ERROR_DIR_ENV)):
+        return
+    print(f"lmtune: {message}", file=sys.stderr, flush=True)
+
+
 def resume_advice(overwrite: bool, where: str = "") -> str:
     """How to continue a run stopped by a signal: its command again, less --overwrite (which
     would start it over, deleting the checkpoint it just saved)."""

@@ -45,7 +45,7 @@ def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
     env = read_dist_env(cfg.model.device)
     if env.world_size > 1:
         raise UserError("lmtune eval runs in one process: start it without torchrun")
-    check_device(cfg.model.precision, env.device)
+    check_device(cfg.model.precision, env.device, training=False)
     threads = cpu_threads_per_process(env)
     if env.device.type == "cpu":
         torch.set_num_threads(threads)  # as a run does: a timed paths decision is kept per thread count
@@ -63,7 +63,8 @@ def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
             f"its turn markers {', '.join(added)} are new to {cfg.model.name}'s vocabulary: the model "
             "never learned them, so its loss on them says nothing (give the template it was tuned with)",
         )
-    data = prepare(cfg.data.train, tokenizer, cfg.examples, env, data_cache_dir(cfg.data)).dataset
+    cache = data_cache_dir(cfg.data)
+    data = prepare(cfg.data.train, tokenizer, cfg.examples, env, cache, option="lmtune eval").dataset
     if counted_as(data.meta) == "pairs":
         raise UserError(
             f"{cfg.data.train}: preference pairs; lmtune eval scores supervised examples (a preference "

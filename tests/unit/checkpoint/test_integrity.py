@@ -191,10 +191,15 @@ def test_an_earlier_run_is_not_replaced_without_overwrite(tmp_path: Path) -> Non
         check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 1.0})
     check_earlier_run(tmp_path, continued=True, overwrite=False, config={})  # its checkpoints continue it
     (tmp_path / "final").rmdir()
-    # The same run, stopped before its first checkpoint, starts over, saying so; another is refused.
+    # The same run, stopped before its first step, starts over: it lost nothing, so nothing is said.
     said: list[str] = []
     check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 1.0}, warn=said.append)
+    assert said == []
+    # Stopped after some steps, before its first checkpoint, it starts over, saying so; another is refused.
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 1.0}, warn=said.append)
     assert len(said) == 1 and "stopped before its first checkpoint: starting it again from step 0" in said[0]
+    assert "--save-every N keeps a stopped run's progress" in said[0]
     with pytest.raises(UserError, match=r"holds an earlier run \(metrics.jsonl\)"):
         check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 2.0})
     check_earlier_run(tmp_path, continued=False, overwrite=True, config={})

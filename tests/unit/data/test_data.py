@@ -89,6 +89,12 @@ def test_a_typo_of_a_local_file_is_no_hub_data_set(tmp_path: Path, monkeypatch: 
         UserError, match=r"no such file or folder: train\.jsnl \(did you mean train\.jsonl\?\)"
     ):
         resolve_sources("train.jsnl")
+    # A name with a comma is meant as the value must be written: commas list sources.
+    (tmp_path / "a,b.jsonl").write_text('{"text": "x"}\n')
+    written = r"did you mean a\\,b\.jsonl\? A comma inside a name is written \\,\.\)"
+    with pytest.raises(UserError, match=written):
+        resolve_sources("a.jsonl,b.jsonl")
+    assert resolve_sources("a\\,b.jsonl")[0].name.endswith("a,b.jsonl")
     # A file's name, not a hub id; a relative path is looked for in the working folder (a --config
     # file's too, not beside that file), and the message says which.
     with pytest.raises(
