@@ -239,7 +239,7 @@ def _disk(env: DistEnv, folder: Path, model: str | None) -> Check:
     if model is None:
         return Check("free disk", OK, f"{free / 2**30:,.1f} GiB free in {folder}")
     from lmtune.model.modeling import load_config
-    from lmtune.tools.memory import fake_device, fake_model
+    from lmtune.tools.trace import fake_device, fake_model
 
     config = load_config(model)
     with fake_device("cpu"):

@@ -1,20 +1,19 @@
 """The memory model behind `lmtune plan`: a setup (strategy, optimizer, precision, LoRA,
 checkpointing, micro-batch) and the model's facts -> bytes per device, term by term.
 
-The model is built from its config alone under ``FakeTensorMode`` (tensors with shapes, dtypes and a
-device but no storage), so nothing of the model is allocated. Weights, gradients, optimizer state
-and communication buffers follow from the parameter list and the strategy. The activations are not
-guessed from a formula: a fake forward pass of one row records every tensor autograd saves for the
-backward pass, with the kernels and autocast rules of this device, once for a model cut to one
-decoder block and once to two; the difference is one block, the rest is embeddings, head and loss.
+The model is built from its config alone on a fake device (lmtune.tools.trace), so nothing of it is
+allocated. Weights, gradients, optimizer state and communication buffers follow from the parameter
+list and the strategy. The activations are not guessed from a formula: a fake forward pass records
+every tensor autograd saves for the backward pass, for a model cut to one decoder block and to two
+(the difference is one block; the rest is embeddings, head and loss), of one row and of two (what a
+second row adds is paid per row; the rest, such as autocast's low-precision copies of the weights,
+once per micro-batch whatever its rows).
 """
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,15 @@ from lmtune.errors import UserError
 from lmtune.model.precision import low_precision_dtype
 from lmtune.model.quantization import quantized_bytes
 from lmtune.parallel.wrap import decoder_blocks
+from lmtune.tools.trace import (
+    Saved,
+    cut_layers,
+    fake_device,
+    fake_model,
+    lora_targets,
+    quantizable_modules,
+    saved_bytes,
+)
 
 MIB = 2**20
 
@@ -122,112 +130,43 @@ class ModelFacts:
     block_elements: int  # parameters of one decoder block
     per_layer: int  # bytes saved for backward by one block, one row
     other: int  # bytes saved outside the blocks (embeddings, final norm), one row
+    # Saved once per micro-batch whatever its rows, by one block and by the rest: the weights' copies
+    # of autocast, and tensors every row shares (rotary tables).
+    block_once: Saved
+    other_once: Saved
     logits: int  # bytes of vocab-wide tensors saved for the loss, one row
     quantizable: list[tuple[int, int]]  # [out, in] of each linear layer bitsandbytes would quantize
 
 
-@contextmanager
-def fake_device(device: str) -> Iterator[None]:
-    """Tensors with shape, dtype and device but no storage: nothing is allocated or initialised."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.device(device):
-        yield
-
-
-def fake_model(config: Any) -> torch.nn.Module:
-    """Call inside ``_fake``."""
-    from transformers import AutoModelForCausalLM
-
-    model: torch.nn.Module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    return model
-
-
-def _lora_targets(model: torch.nn.Module, lora: LoraSettings) -> list[tuple[str, int, int]]:
-    """(name, in, out) of every linear layer LoRA would adapt: as peft's all-linear, those in the
-    decoder blocks; or those named by --lora-target-modules."""
-    names = {n.strip() for n in lora.target_modules.split(",") if n.strip()}
-    in_blocks = {id(m) for b in decoder_blocks(model) for m in b.modules()}
-    found = []
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if weight is None or weight.ndim != 2 or type(module).__name__ not in ("Linear", "Conv1D"):
-            continue
-        wanted = id(module) in in_blocks if names == {"all-linear"} else name.rsplit(".", 1)[-1] in names
-        if wanted:
-            rows, cols = weight.shape
-            # GPT-2's Conv1D stores the weight as [in, out], nn.Linear as [out, in].
-            found.append((name, rows, cols) if type(module).__name__ == "Conv1D" else (name, cols, rows))
-    return found
-
-
-def _saved_bytes(config: Any, precision: str, length: int, device: str) -> tuple[int, int]:
-    """Bytes autograd saves for the backward of one row of ``length`` tokens: all, and vocab-wide."""
-    from lmtune.model.loss import token_loss_sum
-
-    with fake_device(device):
-        model = fake_model(config)
-        params = {id(p) for p in model.parameters()}
-        saved: dict[int, tuple[int, bool]] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            base = t._base if t._base is not None else t
-            if id(t) in params or id(base) in params:
-                return t
-            shape = tuple(base.shape)
-            # The attention mask: transformers builds one here that an unpadded run does not have;
-            # padded and packed runs pay for theirs separately (see _mask_bytes).
-            if len(shape) == 4 and shape[-1] == shape[-2] == length and shape[1] == 1:
-                return t
-            wide = bool(shape) and shape[-1] == config.vocab_size
-            saved[id(base)] = (base.numel() * base.element_size(), wide)
-            return t
-
-        ids = torch.zeros(1, length, dtype=torch.long)
-        dtype = low_precision_dtype(precision)
-        with (
-            torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None),
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        ):
-            token_loss_sum(model(input_ids=ids, use_cache=False).logits, ids)
-    return sum(b for b, _ in saved.values()), sum(b for b, wide in saved.values() if wide)
-
-
-def cut_layers(config: Any, layers: int) -> Any:
-    """The same architecture with only ``layers`` decoder blocks."""
-    small = copy.deepcopy(config)
-    small.num_hidden_layers = layers
-    types = getattr(small, "layer_types", None)
-    if types:  # cut, or (for a cut of a cut) continued in the same pattern
-        small.layer_types = [types[i % len(types)] for i in range(layers)]
-    return small
-
-
 def model_facts(
-    config: Any, lora: LoraSettings | None, precision: str, length: int, device: str
+    config: Any, lora: LoraSettings | None, precision: str, length: int, device: str, quantized: bool = False
 ) -> ModelFacts:
-    """Parameters of the whole model; saved activations of a one-block and a two-block cut of it."""
-    one, logits = _saved_bytes(cut_layers(config, 1), precision, length, device)
-    two, _ = _saved_bytes(cut_layers(config, 2), precision, length, device)
-    per_layer = two - one
+    """Parameters of the whole model; saved activations of a one-block and a two-block cut of it
+    (with ``lora``, adapted; ``quantized``, its base as bitsandbytes packs it)."""
     with fake_device(device):
         full = fake_model(config)
         blocks = decoder_blocks(full)
         params = [(n, p.numel(), lora is None) for n, p in full.named_parameters()]
         block_elements = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
-        targets = _lora_targets(full, lora) if lora is not None else []
+        targets = lora_targets(full, lora) if lora is not None else []
         quantizable = _quantizable(full)
     if lora is not None:
         if not targets:
             raise UserError(
                 f"--lora-target-modules {lora.target_modules}: no linear layer of the model matches"
             )
-        # Adapter weights A [r, in] and B [out, r]; per row they save A's output (r wide) and, with
-        # dropout, the dropped input and its mask. The input itself was already saved for the
-        # base layer in the full fine-tuning trace.
         params += [(f"{n}.lora", lora.rank * (i + o), True) for n, i, o in targets]
-        extra = sum(length * (4 * lora.rank + (5 * i if lora.dropout > 0 else 0)) for _, i, _ in targets)
-        per_layer += extra // max(len(blocks), 1)
+
+    def trace(layers: int, rows: int) -> Saved:
+        return saved_bytes(cut_layers(config, layers), precision, length, device, rows, lora, quantized)
+
+    # A second row adds what each row saves; the rest is saved once per micro-batch.
+    one_once, two_once = trace(1, 1), trace(2, 1)
+    one_row, two_row = trace(1, 2).minus(one_once), trace(2, 2).minus(two_once)
+    one_once, two_once = one_once.minus(one_row), two_once.minus(two_row)
+    one, two, logits = one_row.total, two_row.total, one_row.wide
+    per_layer = two - one
+    block_once = two_once.minus(one_once)
     return ModelFacts(
         params=params,
         layers=len(blocks),
@@ -235,23 +174,19 @@ def model_facts(
         vocab=int(config.vocab_size),
         block_elements=block_elements,
         per_layer=per_layer,
-        other=one - per_layer - logits if lora is None else one - (two - one) - logits,
+        other=one - per_layer - logits,
         logits=logits,
         quantizable=quantizable,
+        block_once=block_once,
+        other_once=one_once.minus(block_once),
     )
 
 
 def _quantizable(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """[out, in] of the layers transformers' bitsandbytes integration quantizes: every linear layer
-    (GPT-2's Conv1D too) but the output head."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    """[out, in] of each layer :func:`quantizable_modules` names."""
     found = []
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if module is head or weight is None or type(module).__name__ not in ("Linear", "Conv1D"):
-            continue
-        rows, cols = weight.shape
+    for module in quantizable_modules(model):
+        rows, cols = module.get_parameter("weight").shape
         found.append((int(cols), int(rows)) if type(module).__name__ == "Conv1D" else (int(rows), int(cols)))
     return found
 
@@ -311,7 +246,7 @@ def estimate(setup: Setup, facts: ModelFacts, host: Host, padded: bool) -> Estim
         kept = facts.layers * setup.length * facts.hidden * 4 + facts.per_layer
     else:
         kept = facts.layers * facts.per_layer
-    activations = rows * (kept + facts.other) + _mask_bytes(setup, padded)
+    activations = rows * (kept + facts.other) + _once_bytes(setup, facts) + _mask_bytes(setup, padded)
     logits = _loss_bytes(setup, facts)
     return Estimate(
         setup=setup,
@@ -323,6 +258,18 @@ def estimate(setup: Setup, facts: ModelFacts, host: Host, padded: bool) -> Estim
         buffers=buffers,
         host=host,
     )
+
+
+def _once_bytes(setup: Setup, facts: ModelFacts) -> int:
+    """What a micro-batch saves once whatever its rows (see ModelFacts.block_once). Under FSDP the
+    gathered weights are already in the compute dtype, not copied (counted with its buffers); with
+    activation checkpointing only the block being recomputed holds its copies."""
+
+    def kept(saved: Saved) -> int:
+        return saved.total - saved.casts if setup.strategy == "fsdp" else saved.total
+
+    blocks = 1 if setup.activation_checkpointing else facts.layers
+    return kept(facts.other_once) + blocks * kept(facts.block_once)
 
 
 def _loss_bytes(setup: Setup, facts: ModelFacts) -> int:

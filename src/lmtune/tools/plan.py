@@ -32,11 +32,11 @@ from lmtune.tools.memory import (
     Host,
     ModelFacts,
     Setup,
-    cut_layers,
     estimate,
     loss_chunk,
     model_facts,
 )
+from lmtune.tools.trace import cut_layers
 from lmtune.training.batch_layout import micro_batch_size
 
 MIB = 2**20
@@ -363,13 +363,13 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
     device = env.device.type
     length, padded, reason = row_length(cfg)
     lora = cfg.lora
-    facts: dict[tuple[int, bool, str], ModelFacts] = {}
+    facts: dict[tuple[int, bool, str, bool], ModelFacts] = {}
 
     def predict_for(model_config: Any, setup: Setup, host: Host) -> Estimate:
-        key = (int(model_config.num_hidden_layers), setup.lora, setup.precision)
+        key = (int(model_config.num_hidden_layers), setup.lora, setup.precision, bool(setup.quantization))
         if key not in facts:
             adapters = lora if setup.lora else None
-            facts[key] = model_facts(model_config, adapters, setup.precision, length, device)
+            facts[key] = model_facts(model_config, adapters, setup.precision, length, device, key[3])
         return estimate(setup, facts[key], host, padded)
 
     requested = setup_from(cfg, world, length, loss_chunk(cfg, config))
