@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,7 +66,13 @@ def test_a_bf16_eval_takes_the_kernels_a_bf16_run_evaluates_with(tmp_path: Path,
     batch = str(resolved["micro_batch_size"])
     figures = _eval(tmp_path, str(out / "final"), "--precision", "bf16", "--batch-size", batch)
     assert figures["loss"] == pytest.approx(last["eval_loss"], abs=1e-6)
-    assert figures["paths"] == resolved["paths"]
+
+    # The same kernels; how they were decided may differ: a CPU that times a path (AVX-512 BF16
+    # without AMX: the products) finds the run's timing in the cache.
+    def chosen(paths: dict[str, Any]) -> dict[str, Any]:
+        return {k: v["choice"] if isinstance(v, dict) else v for k, v in paths.items()}
+
+    assert chosen(figures["paths"]) == chosen(resolved["paths"])
 
 
 def test_eval_refuses_what_it_cannot_score(

@@ -25,7 +25,7 @@ from lmtune.parallel.wrap import decoder_blocks
 @dataclass(frozen=True)
 class Saved:
     """Bytes autograd saves for the backward pass: in all, vocab-wide, and of the low-precision
-    copies autocast makes of trainable weights for the products."""
+    copies autocast makes of the weights for the products."""
 
     total: int
     wide: int = 0
@@ -163,11 +163,10 @@ def _adapt(model: torch.nn.Module, lora: LoraSettings, quantized: bool, dtype: t
         down = torch.nn.Linear(inputs, lora.rank, bias=False)
         up = torch.nn.Linear(lora.rank, outputs, bias=False)
         drop = torch.nn.Dropout(lora.dropout) if lora.dropout > 0 else torch.nn.Identity()
-        module.add_module("lora_trace", torch.nn.ModuleList([down, up, drop]))
+        parts = torch.nn.ModuleList([down, up, drop])  # the dropout replaced later: read at call time
+        module.add_module("lora_trace", parts)
 
-        def adapted(
-            x: torch.Tensor, base: Any = module.forward, parts: Any = (down, up, drop)
-        ) -> torch.Tensor:
+        def adapted(x: torch.Tensor, base: Any = module.forward, parts: Any = parts) -> torch.Tensor:
             out: torch.Tensor = base(x)
             a, b, dropout = parts
             delta: torch.Tensor = b(a(dropout(x.to(a.weight.dtype))))  # peft casts x to A's dtype
