@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ def test_parse_size() -> None:
         parse_size("lots")
 
 
-def _realsaved_bytes(model: torch.nn.Module, length: int, rows: int = 1) -> int:
+def _real_saved_bytes(model: torch.nn.Module, length: int, rows: int = 1) -> int:
     """The same measurement as the plan's, on real tensors of the real model."""
     from lmtune.model.loss import token_loss_sum
 
@@ -50,19 +51,42 @@ def _realsaved_bytes(model: torch.nn.Module, length: int, rows: int = 1) -> int:
 
 def test_fake_trace_saves_what_the_real_model_saves() -> None:
     config = load_config("tiny")
-    assert saved_bytes(config, "fp32", 64, "cpu").total == _realsaved_bytes(load_model("tiny", 0).model, 64)
+    assert saved_bytes(config, "fp32", 64, "cpu").total == _real_saved_bytes(load_model("tiny", 0).model, 64)
+
+
+def _gpt2_config() -> Any:
+    """GPT-2's layout (Conv1D layers, dropout on embeddings and residuals) at the tiny preset's size."""
+    from transformers import GPT2Config
+
+    from lmtune.model.modeling import byte_tokenizer
+
+    tok = byte_tokenizer()
+    return GPT2Config(
+        vocab_size=len(tok),
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
+        attn_pdrop=0.0,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("variant", ["full", "lora", "qlora"])
-def test_the_plan_counts_what_a_micro_batch_saves_exactly(variant: str, precision: str) -> None:
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_plan_counts_what_a_micro_batch_saves_exactly(arch: str, variant: str, precision: str) -> None:
     """The fake trace against the real model's saved tensors, at 1 and 4 rows: LoRA (peft, with
     dropout) beside a frozen base, and QLoRA (bitsandbytes' 4-bit layers, whose outputs come back in
-    the input's dtype). Under autocast the products save bf16 copies of the weights once per
-    micro-batch, not per row: counted per row, and LoRA as a formula added to the full model's
-    trace, the plan over-predicted a GPU's bf16 peak by 22% (full), 30% (LoRA), 32% (QLoRA)."""
+    the input's dtype); dropout keyed by example, as training runs it. Under autocast the products
+    save bf16 copies of the weights once per micro-batch, not per row: counted per row, and LoRA as
+    a formula added to the full model's trace, the plan over-predicted a GPU's bf16 peak by 22%
+    (full), 30% (LoRA), 32% (QLoRA)."""
+    from transformers import AutoModelForCausalLM
+
     from lmtune.model.dropout import TokenRuns, key_dropout, set_token_runs
-    from lmtune.model.quantization import Quantization
+    from lmtune.model.quantization import Quantization, quantize_built
 
     lora = None if variant == "full" else replace(LORA, dropout=0.05)
     quantization = None
@@ -70,21 +94,31 @@ def test_the_plan_counts_what_a_micro_batch_saves_exactly(variant: str, precisio
         pytest.importorskip("bitsandbytes")
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         quantization = Quantization(bits=4, quant_type="nf4", compute_dtype=dtype, storage_dtype=torch.uint8)
-    model = load_model("tiny", 0, quantization=quantization).model
+    if arch == "llama":
+        config, model = load_config("tiny"), load_model("tiny", 0, quantization=quantization).model
+    else:
+        config = _gpt2_config()
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        if quantization is not None:
+            model = quantize_built(model, quantization, torch.device("cpu"))
     if lora is not None:
         model = add_lora(model, lora)
-        key_dropout(model)  # as training runs it: masks keyed by example
-    facts = model_facts(load_config("tiny"), lora, precision, 32, "cpu", quantization is not None)
+    key_dropout(model)
+    model.train()
+    facts = model_facts(config, lora, precision, 32, "cpu", quantization is not None)
     for rows in (1, 4):
         set_token_runs(model, TokenRuns((rows, 32), tuple((i, 32 * i, 32 * (i + 1)) for i in range(rows))))
         setup = Setup("single", "adamw", lora is not None, False, precision, rows, 32, 1, 1)
         planned = estimate(setup, facts, Host(), padded=False).activations + rows * facts.logits
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            assert _realsaved_bytes(model, 32, rows) == planned, rows
+            assert _real_saved_bytes(model, 32, rows) == planned, rows
     # What a block saves once is the weights' copies, which FSDP's bf16 gathers make unnecessary: of
     # the adapters and the base, or (bitsandbytes saves its packed weights) of the adapters alone.
     once = facts.block_once
-    adapters = 2 * sum(n for name, n, _ in facts.params if ".layers.0." in name and name.endswith(".lora"))
+    first = (".layers.0.", ".h.0.")  # the first block's parameters
+    adapters = 2 * sum(
+        n for name, n, _ in facts.params if any(b in name for b in first) and name.endswith(".lora")
+    )
     assert once.total == once.casts
     if precision == "fp32":
         assert once.casts == 0
