@@ -18,6 +18,9 @@ from contextlib import contextmanager
 from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 from lmtune.config.environment import switch
 
+# What bitsandbytes' import logs through: its own loggers, and on an AVX-512 BF16 CPU the `kernels`
+# package it asks for a faster 4-bit kernel from the hub (offline: a skipped trust check).
+BITSANDBYTES_LOGGERS = ("bitsandbytes", "kernels._internals.hf_hub")
 # Warning categories other packages use for their own plans (deprecations, renamed properties).
 _FOREIGN_CATEGORIES = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
 

@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from lmtune.config.groups import LoraSettings
-from lmtune.config.verbosity import quiet_calls
+from lmtune.config.verbosity import BITSANDBYTES_LOGGERS, quiet_calls
 from lmtune.errors import SettingError, UserError
 from lmtune.model.quantization import Quantization, write_base_quantization
 
@@ -21,7 +21,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 def _peft() -> Any:
     try:
-        with quiet_calls("bitsandbytes"):  # peft imports bitsandbytes when installed
+        with quiet_calls(*BITSANDBYTES_LOGGERS):  # peft imports bitsandbytes when installed
             import peft
     except ImportError as e:
         raise UserError(

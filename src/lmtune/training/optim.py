@@ -11,7 +11,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from lmtune.config.groups import OptimSettings
 from lmtune.config.settings import TrainConfig
-from lmtune.config.verbosity import quiet_calls
+from lmtune.config.verbosity import BITSANDBYTES_LOGGERS, quiet_calls
 from lmtune.errors import UserError
 from lmtune.model.modeling import LoadedModel
 
@@ -90,7 +90,7 @@ def build_optimizer(
 def _bitsandbytes_optim(name: str) -> Any:
     try:
         # On CPU it logs that optional 4-bit kernels are missing; the 8-bit optimizer never uses them.
-        with quiet_calls("bitsandbytes"):
+        with quiet_calls(*BITSANDBYTES_LOGGERS):
             import bitsandbytes.optim as bnb_optim
     except ImportError as e:
         raise UserError(
@@ -137,7 +137,7 @@ def build_schedule(
         )
     # transformers.optimization imports its trainer's helpers, and with them peft and bitsandbytes
     # where installed: only the schedules that need it pay for that (and are kept quiet).
-    with quiet_calls("bitsandbytes"):
+    with quiet_calls(*BITSANDBYTES_LOGGERS):
         from transformers import optimization as hf
     made: Any
     if name == "linear":
