@@ -20,7 +20,8 @@ from lmtune.config.environment import switch
 
 # What bitsandbytes' import logs through: its own loggers, and on an AVX-512 BF16 CPU the `kernels`
 # package it asks for a faster 4-bit kernel from the hub (offline: a skipped trust check).
-BITSANDBYTES_LOGGERS = ("bitsandbytes", "kernels._internals.hf_hub")
+KERNELS_HUB_LOGGER = "kernels._internals.hf_hub"
+BITSANDBYTES_LOGGERS = ("bitsandbytes", KERNELS_HUB_LOGGER)
 # Warning categories other packages use for their own plans (deprecations, renamed properties).
 _FOREIGN_CATEGORIES = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lmtune.config.groups import ModelSettings
-from lmtune.config.verbosity import BITSANDBYTES_LOGGERS, verbose
+from lmtune.config.verbosity import KERNELS_HUB_LOGGER, verbose
 from lmtune.errors import UserError
 from lmtune.model.precision import low_precision_dtype
 
@@ -53,7 +53,7 @@ def quiet_bitsandbytes() -> None:
     if verbose():
         return
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    logging.getLogger(BITSANDBYTES_LOGGERS[1]).setLevel(logging.ERROR)
+    logging.getLogger(KERNELS_HUB_LOGGER).setLevel(logging.ERROR)
     # A logger's record in bitsandbytes 0.50, a warning in earlier versions.
     logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
