@@ -241,7 +241,8 @@ def _plan_parser(sub: Any) -> None:
         "--memory-per-device",
         default=None,
         metavar="SIZE",
-        help="memory of one device, such as 80GiB (default: this GPU's, or this machine's RAM per process)",
+        help="memory of one device, such as 80GiB (binary units: 80GB is read as 80GiB; default: this GPU's, "
+        "or this machine's RAM per process)",
     )
     pl.add_argument(
         "--calibrate",

@@ -55,15 +55,15 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
             wrapped: nn.Module = peft.get_peft_model(model, config)
     except ValueError as e:  # peft's message names the modules it could not find
         if isinstance(targets, list):  # none matched: the model's own names say what would
-            _check_every_target(model, [], targets, names)
+            check_every_target(model, [], targets, names)
         raise SettingError("lora_target_modules", f"--lora-target-modules {names}", str(e)) from None
     if isinstance(targets, list):
         adapted = [name for name, m in wrapped.named_modules() if hasattr(m, "lora_A")]
-        _check_every_target(wrapped, adapted, targets, names)
+        check_every_target(wrapped, adapted, targets, names)
     return wrapped
 
 
-def _check_every_target(model: nn.Module, adapted: list[str], targets: list[str], option: str) -> None:
+def check_every_target(model: nn.Module, adapted: list[str], targets: list[str], option: str) -> None:
     """peft refuses a list that matches no module (in its own words), and drops a misspelled name
     beside one that matches (``q_proj,v_prj`` adapts q_proj alone): each name must adapt some
     module of ``adapted``; the message names ``model``'s linear layers."""

@@ -22,6 +22,7 @@ import torch
 from lmtune.config.groups import LoraSettings
 from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
+from lmtune.model.lora import check_every_target
 from lmtune.model.precision import low_precision_dtype
 from lmtune.model.quantization import quantized_bytes
 from lmtune.parallel.wrap import decoder_blocks
@@ -150,11 +151,9 @@ def model_facts(
         block_elements = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
         targets = lora_targets(full, lora) if lora is not None else []
         quantizable = _quantizable(full)
+        if lora is not None:
+            _check_targets(full, lora, [name for name, _, _ in targets])
     if lora is not None:
-        if not targets:
-            raise UserError(
-                f"--lora-target-modules {lora.target_modules}: no linear layer of the model matches"
-            )
         params += [(f"{n}.lora", lora.rank * (i + o), True) for n, i, o in targets]
 
     def trace(layers: int, rows: int) -> Saved:
@@ -180,6 +179,15 @@ def model_facts(
         block_once=block_once,
         other_once=one_once.minus(block_once),
     )
+
+
+def _check_targets(model: torch.nn.Module, lora: LoraSettings, adapted: list[str]) -> None:
+    """What training would refuse: a --lora-target-modules name that adapts no layer."""
+    names = [n.strip() for n in lora.target_modules.split(",") if n.strip()]
+    if names != ["all-linear"]:
+        check_every_target(model, adapted, names, lora.target_modules)
+    elif not adapted:
+        raise UserError(f"--lora-target-modules {lora.target_modules}: no linear layer of the model matches")
 
 
 def _quantizable(model: torch.nn.Module) -> list[tuple[int, int]]:

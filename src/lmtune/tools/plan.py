@@ -26,6 +26,7 @@ import torch
 from lmtune.config.io import MEASURING_RUN, to_argv
 from lmtune.config.settings import SAMPLE_DATA, TrainConfig
 from lmtune.errors import UserError
+from lmtune.model.precision import check_device
 from lmtune.parallel.wrap import effective_strategy, resolve_strategy
 from lmtune.tools.memory import (
     Estimate,
@@ -40,15 +41,21 @@ from lmtune.tools.trace import cut_layers
 from lmtune.training.batch_layout import micro_batch_size
 
 MIB = 2**20
-UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+UNITS = {"b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def parse_size(text: str) -> int:
-    """``"24GiB"``, ``"80GB"``, ``"512M"`` -> bytes (binary units: G = GiB)."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgtKMGT]?)(i?[bB])?\s*", text)
+    """``"24GiB"``, ``"80GB"``, ``"512M"`` -> bytes (binary units: G = GiB). A bare number is refused:
+    24 is more likely 24 GiB than 24 bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(?:([kmgtKMGT])(?:i?[bB])?|([bB]))\s*", text)
     if not match:
-        raise UserError(f"--memory-per-device: expected a size such as 24GiB or 512MiB, got {text!r}")
-    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+        raise UserError(
+            f"--memory-per-device: expected a size with its unit, such as 24GiB or 512MiB, got {text!r}"
+        )
+    size = int(float(match.group(1)) * UNITS[(match.group(2) or match.group(3)).lower()])
+    if size <= 0:
+        raise UserError(f"--memory-per-device: must be more than 0, got {text!r}")
+    return size
 
 
 def measure_host(
@@ -360,6 +367,7 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
     world = cfg.launch.nproc_per_node * parse_nnodes(cfg.launch.nnodes)[1]
     env = read_dist_env(cfg.model.device)
     resolve_strategy(cfg.launch.strategy, env)  # dp without GPUs is refused now, not after calibrating
+    check_device(cfg.model.precision, env.device)  # as train would, before the measuring runs
     device = env.device.type
     length, padded, reason = row_length(cfg)
     lora = cfg.lora

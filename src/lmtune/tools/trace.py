@@ -54,15 +54,19 @@ def fake_model(config: Any) -> torch.nn.Module:
 
 def lora_targets(model: torch.nn.Module, lora: LoraSettings) -> list[tuple[str, int, int]]:
     """(name, in, out) of every linear layer LoRA would adapt: as peft's all-linear, those in the
-    decoder blocks; or those named by --lora-target-modules."""
-    names = {n.strip() for n in lora.target_modules.split(",") if n.strip()}
+    decoder blocks; or those named by --lora-target-modules (a name or its dotted end, as peft
+    matches them)."""
+    names = [n.strip() for n in lora.target_modules.split(",") if n.strip()]
     in_blocks = {id(m) for b in decoder_blocks(model) for m in b.modules()}
     found = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if weight is None or weight.ndim != 2 or type(module).__name__ not in ("Linear", "Conv1D"):
             continue
-        wanted = id(module) in in_blocks if names == {"all-linear"} else name.rsplit(".", 1)[-1] in names
+        if names == ["all-linear"]:
+            wanted = id(module) in in_blocks
+        else:
+            wanted = any(name == n or name.endswith("." + n) for n in names)
         if wanted:
             rows, cols = weight.shape
             # GPT-2's Conv1D stores the weight as [in, out], nn.Linear as [out, in].

@@ -26,8 +26,10 @@ def test_parse_size() -> None:
     assert parse_size("24GiB") == 24 * 2**30
     assert parse_size("512M") == 512 * 2**20
     assert parse_size("1.5 GB") == int(1.5 * 2**30)
-    with pytest.raises(UserError, match="--memory-per-device"):
-        parse_size("lots")
+    assert parse_size("4096b") == 4096
+    for wrong in ("lots", "24", "0GiB", "-1GiB", "1e3"):  # a bare number is not taken as bytes
+        with pytest.raises(UserError, match="--memory-per-device"):
+            parse_size(wrong)
 
 
 def _real_saved_bytes(model: torch.nn.Module, length: int, rows: int = 1) -> int:
@@ -291,3 +293,24 @@ def test_without_data_the_host_is_measured_on_rows_of_the_planned_length(tmp_pat
     records = [Record("planned-rows.jsonl", i + 1, r) for i, r in enumerate(rows[:2])]
     dataset, stats = encode_in_memory(records, tokenizer, cfg.examples)
     assert dataset.lengths().tolist() == [96, 96] and stats.truncated == 2
+
+
+def test_plan_refuses_what_train_would_before_measuring(tmp_path: Path) -> None:
+    """fp16 on a CPU and a --lora-target-modules name that adapts nothing are refused as train
+    refuses them, before the runs that measure this machine (they took 8-12 s to say so)."""
+    from lmtune.config.settings import TrainConfig
+    from lmtune.tools.plan import plan
+
+    with pytest.raises(UserError, match="fp16 needs a CUDA GPU"):
+        plan(TrainConfig(model="tiny", precision="fp16"), None, False, tmp_path)
+    config = load_config("tiny")
+    wrong = replace(LORA, target_modules="q_proj,nonexistent_proj")
+    with pytest.raises(
+        UserError, match=r"nonexistent_proj matched no layer of this model \(its linear layers: "
+    ):
+        model_facts(config, wrong, "fp32", 16, "cpu")
+    # As peft matches them: a name, or its dotted end.
+    dotted = model_facts(config, replace(LORA, target_modules="self_attn.q_proj,v_proj"), "fp32", 16, "cpu")
+    adapted = [name for name, _, _ in dotted.params if name.endswith(".lora")]
+    assert len(adapted) == 2 * config.num_hidden_layers and all("_proj.lora" in n for n in adapted)
+    assert not list(tmp_path.iterdir())  # nothing was trained to find out
