@@ -356,6 +356,7 @@ class PlanReport:
     memory: int
     length_reason: str
     calibration: Calibration | None
+    micro_limit: int  # the largest micro-batch tried: the global batch per device
 
 
 def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Path) -> PlanReport:
@@ -406,6 +407,7 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
         memory=budget,
         length_reason=reason,
         calibration=calibration,
+        micro_limit=limit,
     )
 
 
@@ -437,7 +439,9 @@ def format_report(report: PlanReport) -> str:
         ]
     lines += [
         "",
-        f"setups that fit {report.memory / 2**30:,.1f} GiB per device (largest micro-batch for each):",
+        f"setups that fit {report.memory / 2**30:,.1f} GiB per device, each with its largest micro-batch "
+        f"(at most {report.micro_limit}, the global batch per device)"
+        + (", with the CPU process's own memory measured for the setup above:" if r.host.runtime else ":"),
         HEADER,
     ]
     fitting = sorted((x for x in report.candidates if x[1] > 0), key=lambda x: (-x[1], x[0].total))
