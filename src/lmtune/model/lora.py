@@ -30,6 +30,18 @@ def _peft() -> Any:
     return peft
 
 
+def target_modules(settings: LoraSettings) -> str | list[str]:
+    """``--lora-target-modules`` as peft takes it: ``all-linear``, or the module names listed."""
+    names = settings.target_modules.strip()
+    return "all-linear" if names == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
+
+
+def is_target(name: str, target: str) -> bool:
+    """Whether the module called ``name`` is one ``target`` names, as peft matches: whole, or its
+    dotted end (``self_attn.q_proj``)."""
+    return name == target or name.endswith("." + target)
+
+
 def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """Freeze ``model`` and wrap it with trainable LoRA adapters (a ``PeftModelForCausalLM``).
 
@@ -39,9 +51,7 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """
     peft = _peft()
     names = settings.target_modules.strip()
-    targets: str | list[str] = (
-        "all-linear" if names == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
-    )
+    targets = target_modules(settings)
     config = peft.LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
@@ -67,7 +77,7 @@ def check_every_target(model: nn.Module, adapted: list[str], targets: list[str],
     """peft refuses a list that matches no module (in its own words), and drops a misspelled name
     beside one that matches (``q_proj,v_prj`` adapts q_proj alone): each name must adapt some
     module of ``adapted``; the message names ``model``'s linear layers."""
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in adapted)]
+    missing = [t for t in targets if not any(is_target(n, t) for n in adapted)]
     if missing:
         linear = [
             name

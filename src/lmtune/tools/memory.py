@@ -22,7 +22,7 @@ import torch
 from lmtune.config.groups import LoraSettings
 from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
-from lmtune.model.lora import check_every_target
+from lmtune.model.lora import check_every_target, target_modules
 from lmtune.model.precision import low_precision_dtype
 from lmtune.model.quantization import quantized_bytes
 from lmtune.parallel.wrap import decoder_blocks
@@ -183,8 +183,8 @@ def model_facts(
 
 def _check_targets(model: torch.nn.Module, lora: LoraSettings, adapted: list[str]) -> None:
     """What training would refuse: a --lora-target-modules name that adapts no layer."""
-    names = [n.strip() for n in lora.target_modules.split(",") if n.strip()]
-    if names != ["all-linear"]:
+    names = target_modules(lora)
+    if isinstance(names, list):
         check_every_target(model, adapted, names, lora.target_modules)
     elif not adapted:
         raise UserError(f"--lora-target-modules {lora.target_modules}: no linear layer of the model matches")

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmtune.config.groups import LoraSettings
+from lmtune.model.lora import is_target, target_modules
 from lmtune.model.precision import low_precision_dtype
 from lmtune.parallel.wrap import decoder_blocks
 
@@ -56,17 +57,14 @@ def lora_targets(model: torch.nn.Module, lora: LoraSettings) -> list[tuple[str, 
     """(name, in, out) of every linear layer LoRA would adapt: as peft's all-linear, those in the
     decoder blocks; or those named by --lora-target-modules (a name or its dotted end, as peft
     matches them)."""
-    names = [n.strip() for n in lora.target_modules.split(",") if n.strip()]
+    names = target_modules(lora)
     in_blocks = {id(m) for b in decoder_blocks(model) for m in b.modules()}
     found = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if weight is None or weight.ndim != 2 or type(module).__name__ not in ("Linear", "Conv1D"):
             continue
-        if names == ["all-linear"]:
-            wanted = id(module) in in_blocks
-        else:
-            wanted = any(name == n or name.endswith("." + n) for n in names)
+        wanted = id(module) in in_blocks if names == "all-linear" else any(is_target(name, n) for n in names)
         if wanted:
             rows, cols = weight.shape
             # GPT-2's Conv1D stores the weight as [in, out], nn.Linear as [out, in].
