@@ -71,6 +71,11 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument(
+        "--chunk-sizes",
+        default="",
+        help="comma-separated --loss-chunk-size values to run too, beside the default's (e.g. 1024,4096)",
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lmtune-vocab-"))
@@ -95,7 +100,9 @@ def main() -> None:
         *("--cache-dir", str(work / "cache")),
     ]
     results = {}
-    for name, extra in (("full logits", ["--loss-chunk-size", "0"]), ("chunked", [])):
+    runs = [("full logits", ["--loss-chunk-size", "0"]), ("chunked", [])]
+    runs += [(f"chunks of {n}", ["--loss-chunk-size", n]) for n in args.chunk_sizes.split(",") if n.strip()]
+    for name, extra in runs:
         out = work / name.replace(" ", "-")
         lmtune(
             [
@@ -128,11 +135,11 @@ def main() -> None:
         f"Qwen2.5-0.5B vocabulary and width, {args.layers} blocks, {args.micro_batch_size} x {args.length} "
         f"tokens, {args.precision}"
     )
-    print(f"{'':14}{'peak MiB':>10}{'plan MiB':>10}{'plan err':>10}{'step s':>9}  loss")
+    print(f"{'':16}{'peak MiB':>10}{'plan MiB':>10}{'plan err':>10}{'step s':>9}  loss")
     for name, r in results.items():
         err = r["planned_peak_bytes"] / r["measured_peak_bytes"] - 1
         print(
-            f"{name:14}{r['measured_peak_bytes'] / 2**20:>10,.0f}{r['planned_peak_bytes'] / 2**20:>10,.0f}"
+            f"{name:16}{r['measured_peak_bytes'] / 2**20:>10,.0f}{r['planned_peak_bytes'] / 2**20:>10,.0f}"
             f"{100 * err:>9.1f}%{r['step_s']:>9.2f}  {r['loss']}"
         )
     saved = 1 - chunked["measured_peak_bytes"] / full["measured_peak_bytes"]

@@ -78,12 +78,14 @@ class Setup:
 
 @dataclass(frozen=True)
 class Host:
-    """What a CPU process holds besides the tensors the plan counts (a GPU allocator counts none of
-    it): a fixed footprint (Python, torch, transformers, kernel code) and the allocator's resident
-    bytes per live tensor byte (freed activations stay resident in the C heap)."""
+    """What a CPU process holds besides the tensors the plan counts: a fixed footprint (Python,
+    torch, transformers, kernel code) and the allocator's resident bytes per live tensor byte (freed
+    activations stay resident in the C heap). On a GPU the allocator counts none of that, only the
+    CUDA libraries' workspaces it holds beside the tensors (``gpu``)."""
 
     runtime: int = 0
     allocator: float = 1.0
+    gpu: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 from lmtune.config.io import MEASURING_RUN, to_argv
 from lmtune.config.settings import SAMPLE_DATA, TrainConfig
 from lmtune.errors import UserError
-from lmtune.model.precision import check_device
+from lmtune.model.precision import check_device, low_precision_dtype
 from lmtune.parallel.wrap import effective_strategy, resolve_strategy
 from lmtune.tools.memory import (
     Estimate,
@@ -102,6 +102,24 @@ def measure_host(
     (t1, m1), (t2, m2) = points
     allocator = min(max((m2 - m1) / max(t2 - t1, 1), 1.0), 3.0)
     return Host(runtime=max(0, int(m1 - allocator * t1)), allocator=allocator)
+
+
+def cuda_workspaces(precision: str) -> Host:
+    """What the CUDA allocator holds beside the tensors: cuBLAS's workspace for each thread that
+    multiplies (the forward's, and autograd's device thread for the backward). Measured by one small
+    product and its backward, all tensors freed after: the size depends on the GPU, the torch
+    version and CUBLAS_WORKSPACE_CONFIG."""
+    dtype = low_precision_dtype(precision)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    layer = torch.nn.Linear(64, 64, device="cuda")
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        y = layer(x) @ layer.weight  # addmm and mm: cuBLASLt and cuBLAS, where they differ
+    y.float().sum().backward()
+    torch.cuda.synchronize()
+    del layer, x, y
+    return Host(runtime=max(0, torch.cuda.memory_allocated() - base), gpu=True)
 
 
 def _planned_rows(cfg: TrainConfig, setup: Setup, workdir: Path) -> TrainConfig:
@@ -385,6 +403,8 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
     host = Host()
     if device == "cpu":
         host = measure_host(cfg, requested, config, lambda c, s: predict_for(c, s, Host()), workdir)
+    elif device == "cuda":
+        host = cuda_workspaces(cfg.model.precision)
 
     def predict(setup: Setup) -> Estimate:
         return predict_for(config, setup, host)
@@ -421,7 +441,12 @@ def format_report(report: PlanReport) -> str:
         HEADER,
         format_row(r),
     ]
-    if r.host.runtime:
+    if r.host.gpu:
+        lines += [
+            f"CUDA: {r.host.runtime / MIB:,.0f} MiB of cuBLAS workspaces in the allocator (one for each "
+            "thread that multiplies: the forward's and the backward's; measured)"
+        ]
+    elif r.host.runtime:
         lines += [
             f"CPU process: {r.host.runtime / MIB:,.0f} MiB of its own, and {r.host.allocator:.2f} "
             "resident bytes per tensor byte (measured on 1- and 3-block cuts of the model)"
@@ -441,7 +466,11 @@ def format_report(report: PlanReport) -> str:
         "",
         f"setups that fit {report.memory / 2**30:,.1f} GiB per device, each with its largest micro-batch "
         f"(at most {report.micro_limit}, the global batch per device)"
-        + (", with the CPU process's own memory measured for the setup above:" if r.host.runtime else ":"),
+        + (
+            ", with the CPU process's own memory measured for the setup above:"
+            if r.host.runtime and not r.host.gpu
+            else ":"
+        ),
         HEADER,
     ]
     fitting = sorted((x for x in report.candidates if x[1] > 0), key=lambda x: (-x[1], x[0].total))
