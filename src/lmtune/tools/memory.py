@@ -297,10 +297,11 @@ def _loss_bytes(setup: Setup, facts: ModelFacts) -> int:
     return chunk + head + 4 * tokens * facts.hidden
 
 
-def loss_chunk(cfg: TrainConfig, config: Any) -> int:
-    """The chunk lmtune train would use (chunked_loss.choose decides it on the real model)."""
+def loss_chunk(cfg: TrainConfig, config: Any, device_type: str) -> int:
+    """The chunk lmtune train would use on this device (chunked_loss.choose decides it on the real
+    model)."""
     from lmtune.model.chunked_loss import default_chunk_size
 
     if cfg.model.loss_chunk_size == 0 or getattr(config, "final_logit_softcapping", None):
         return 0
-    return cfg.model.loss_chunk_size or default_chunk_size(int(config.vocab_size))
+    return cfg.model.loss_chunk_size or default_chunk_size(int(config.vocab_size), device_type)

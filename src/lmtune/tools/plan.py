@@ -399,7 +399,7 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
             facts[key] = model_facts(model_config, adapters, setup.precision, length, device, key[3])
         return estimate(setup, facts[key], host, padded)
 
-    requested = setup_from(cfg, world, length, loss_chunk(cfg, config))
+    requested = setup_from(cfg, world, length, loss_chunk(cfg, config, device))
     host = Host()
     if device == "cpu":
         host = measure_host(cfg, requested, config, lambda c, s: predict_for(c, s, Host()), workdir)
