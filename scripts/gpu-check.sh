@@ -89,6 +89,8 @@ if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; t
     step fsdp-nccl python3 -m lmtune train --max-steps 30 --nproc-per-node 2 --strategy fsdp --precision bf16 \
         --no-progress --output-dir "$OUT/fsdp" --overwrite
 fi
+# The output layer and its loss alone at Qwen2.5-0.5B's head: full logits and chunk sizes (seconds).
+step chunked-head python3 benchmarks/chunked_head.py --device cuda
 # The chunked loss on a Qwen2.5-0.5B-shaped model at 4 x 2048 tokens: allocator peak and step time
 # with full logits, the default chunk and larger ones (a GPU's default is chosen from these), plan.
 step vocab-memory python3 benchmarks/vocab_memory.py --layers 24 --micro-batch-size 4 --length 2048 \
