@@ -111,6 +111,10 @@ def cuda_workspaces(precision: str) -> Host:
     version and CUBLAS_WORKSPACE_CONFIG."""
     dtype = low_precision_dtype(precision)
     torch.cuda.synchronize()
+    # Freed first: in a process that has multiplied before (the Python API) they would not be new.
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
     base = torch.cuda.memory_allocated()
     layer = torch.nn.Linear(64, 64, device="cuda")
     x = torch.randn(8, 64, device="cuda", requires_grad=True)
