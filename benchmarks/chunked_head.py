@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from lmtune.model.chunked_loss import default_chunk_size, linear_cross_entropy_sum
+from lmtune.model.chunked_loss import default_chunk_size, linear_cross_entropy_sum, targets_of
 
 
 def main() -> None:
@@ -50,7 +50,7 @@ def main() -> None:
         def run() -> None:
             h = hidden.detach().requires_grad_()
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = linear_cross_entropy_sum(h, head, labels, chunk)
+                loss = linear_cross_entropy_sum(h, head, targets_of(labels), chunk)
             loss.backward()
 
         return run

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmtune.data.tokenize import IGNORE_INDEX
-from lmtune.model.chunked_loss import linear_cross_entropy_sum, split_head
+from lmtune.model.chunked_loss import linear_cross_entropy_sum, split_head, targets_of
 from lmtune.model.dropout import TokenRuns, set_token_runs
 from lmtune.model.neftune import example_runs
 from lmtune.model.products import token_bucket
@@ -175,9 +175,10 @@ class LossModule(nn.Module):
         split = split_head(self.model) if self.loss_chunk else None
         if split is None:
             return token_loss_sum(self.model(**inputs, use_cache=False).logits, labels)[0]
+        targets = targets_of(labels)  # before the decoder runs: see targets_of
         hidden = split.decoder(**inputs, use_cache=False).last_hidden_state
         return linear_cross_entropy_sum(
-            hidden, split.head, labels, self.loss_chunk, self.fp32_products, self.bucket_tokens
+            hidden, split.head, targets, self.loss_chunk, self.fp32_products, self.bucket_tokens
         )
 
     def _flat(

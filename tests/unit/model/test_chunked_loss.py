@@ -161,30 +161,3 @@ def test_default_chunk_sizes() -> None:
     assert default_chunk_size(300) == 16384
     assert default_chunk_size(151_936, "cuda") == 1664  # a GPU: 1 GiB of fp32 logits per chunk
     assert default_chunk_size(32_000, "cuda") == 8320
-
-
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
-def test_masked_positions_equal_selected_rows(dtype: torch.dtype | None) -> None:
-    """A GPU's way (every position projected, the ignored ones masked: no wait for the device)
-    gives the loss and gradients of a CPU's (only the rows with a target)."""
-    from lmtune.model.chunked_loss import linear_cross_entropy_sum
-
-    torch.manual_seed(0)
-    head = torch.nn.Linear(24, VOCAB, bias=True)
-    hidden = torch.randn(3, 21, 24)
-    _, _, labels = _batch()
-    results = []
-    for select in (True, False):
-        head.zero_grad(set_to_none=True)
-        h = hidden.clone().requires_grad_()
-        autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext()
-        with autocast:
-            loss = linear_cross_entropy_sum(h, head, labels, chunk=16, select=select)
-        loss.backward()
-        assert h.grad is not None and head.weight.grad is not None and head.bias.grad is not None
-        results.append((loss.detach(), {"h": h.grad, "w": head.weight.grad, "b": head.bias.grad}))
-    (selected, grads_s), (masked, grads_m) = results
-    assert float(masked) == pytest.approx(float(selected), rel=1e-6)
-    _close(grads_m, grads_s, 1e-6 if dtype is None else 1e-2)
-    ignored = (torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) == IGNORE_INDEX).reshape(-1)
-    assert float(grads_m["h"].reshape(-1, 24)[ignored].abs().max()) == 0.0  # no gradient where no target
