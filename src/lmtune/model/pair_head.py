@@ -37,6 +37,10 @@ class Answers:
     targets: torch.Tensor  # the target tokens
     seq: torch.Tensor  # their answers: 2 * pair for the chosen one, 2 * pair + 1 the rejected one
     pairs: int
+    # Where each pair's targets start, and the end. Read from the device here, before the model
+    # runs: read after its forward, a GPU's CPU would wait for the whole forward (see
+    # chunked_loss.targets_of).
+    bounds: list[int]
 
     @classmethod
     def of(cls, labels: torch.Tensor, part: torch.Tensor, pair: torch.Tensor, pairs: int) -> Answers:
@@ -55,7 +59,8 @@ class Answers:
         source = torch.where(first_rejected, prompt_end[pair.clamp(min=0)], index - 1)
         keep = labels != IGNORE_INDEX
         seq = 2 * pair + (part == 2).long()
-        return cls(source[keep], labels[keep], seq[keep], pairs)
+        seq = seq[keep]
+        return cls(source[keep], labels[keep], seq, pairs, _pair_bounds(seq, pairs))
 
     def counts(self) -> torch.Tensor:
         """Target tokens per answer, ``[pairs, 2]`` float64."""
@@ -101,6 +106,7 @@ class _Pass:
     targets: torch.Tensor
     seq: torch.Tensor
     pairs: int
+    bounds: list[int]
     chunk: int
     dtypes: Products
 
@@ -118,7 +124,7 @@ class _Pass:
         counts = torch.bincount(seq, minlength=2 * self.pairs)[: 2 * self.pairs].reshape(-1, 2).double()
         logps = torch.zeros(2 * self.pairs, dtype=torch.float64, device=self.hidden.device)
         total = torch.zeros((), dtype=torch.float64, device=self.hidden.device)
-        bounds = _pair_bounds(seq, self.pairs)
+        bounds = self.bounds
         w, b = operand(weight, dtypes), operand(bias, dtypes)
         assert w is not None
         for first, end in _groups(bounds, chunk):
@@ -199,6 +205,7 @@ def _head_pass(
         targets=answers.targets,
         seq=answers.seq,
         pairs=answers.pairs,
+        bounds=answers.bounds,
         chunk=chunk,
         dtypes=_dtypes(hidden, head, fp32_products),
     )
