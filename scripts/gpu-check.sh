@@ -42,23 +42,6 @@ for name in ("transformers", "peft", "accelerate", "bitsandbytes", "datasets"):
     except m.PackageNotFoundError:
         print(name, "not installed")
 EOF
-# What the allocator holds that no tensor of the model does: cuBLAS's workspaces (one per thread
-# that multiplies; the plan does not count them yet, and came out ~75-85 MiB under the peak).
-step cublas-workspaces python3 -c "
-import torch
-a = torch.randn(512, 512, device='cuda', requires_grad=True)
-b = torch.randn(512, 512, device='cuda')
-base = torch.cuda.memory_allocated()
-with torch.autocast('cuda', dtype=torch.bfloat16):
-    out = a @ b
-tensors = out.numel() * out.element_size()
-fwd = torch.cuda.memory_allocated() - base - tensors
-out.float().sum().backward()
-torch.cuda.synchronize()
-del out
-both = torch.cuda.memory_allocated() - base - a.grad.numel() * 4
-print(f'cuBLAS workspaces: {fwd / 2**20:.1f} MiB after a forward product, {both / 2**20:.1f} MiB after its backward')
-"
 # Single GPU, bf16, DataParallel (2+ GPUs), LoRA, plan vs the allocator peak, the varlen kernel.
 step gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -k 'not plan_predicts'
 step gpu-plan python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu -k plan_predicts

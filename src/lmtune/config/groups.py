@@ -57,7 +57,8 @@ class ModelSettings:
             "Compute the output layer and the loss this many tokens at a time, so the logits of a "
             "micro-batch "
             "(tokens x vocabulary) never exist whole; 0 computes full logits. Default: sized from the "
-            "vocabulary (about 128 MiB of fp32 logits per chunk). Models whose output is not a plain linear "
+            "vocabulary and the device (about 128 MiB of fp32 logits per chunk on a CPU, 1 GiB on a GPU). "
+            "Models whose output is not a plain linear "
             "layer (a logit soft-cap) keep full logits."
         ),
     )

@@ -23,9 +23,9 @@ from lmtune.model.products import token_bucket
 
 # Default chunk: about this many bytes of fp32 logits (big enough for efficient products). A GPU
 # takes larger ones: each chunk adds weight-sized passes (its part of the head's gradient). On an
-# H200 at Qwen2.5-0.5B's shape (4 x 2048 tokens, bf16) the head and loss took 1.9x the full
-# logits' time in chunks of 256 tokens, 1.18x in 1024, 1.0x in 4096; the peak was 12.4, 11.6 and
-# 6.4 GiB under the full logits' 32.7 GiB.
+# H200 at Qwen2.5-0.5B's shape (4 x 2048 tokens, bf16) the head and loss alone took 1.9x the full
+# logits' time in chunks of 256 tokens, 1.18x in 1024, 1.0x in 4096; a whole step's peak (24
+# blocks) was 12.4, 11.6 and 6.4 GiB under the full logits' 32.7 GiB with those chunks.
 CHUNK_BYTES = {"cpu": 128 * 2**20, "cuda": 2**30}
 MIN_CHUNK, MAX_CHUNK = 256, 16384
 
@@ -182,6 +182,7 @@ class Targets:
 
     index: torch.Tensor
     tokens: torch.Tensor
+    positions: int  # of the micro-batch: its hidden states must have as many
 
 
 def targets_of(labels: torch.Tensor) -> Targets:
@@ -191,7 +192,7 @@ def targets_of(labels: torch.Tensor) -> Targets:
     launching the backward ahead of the GPU (a step 1.3x as long at Qwen2.5-0.5B's shape)."""
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
     index = (targets != IGNORE_INDEX).nonzero().squeeze(1)
-    return Targets(index, targets[index])
+    return Targets(index=index, tokens=targets[index], positions=targets.numel())
 
 
 def linear_cross_entropy_sum(
@@ -208,7 +209,10 @@ def linear_cross_entropy_sum(
     ``fp32_products``: a CPU bf16 run's products in fp32 (lmtune.model.products); ``bucketed``: the
     rows of each chunk's products padded to a bucketed count (``token_bucket``), where the number
     of targets would otherwise give the head's products a new shape at every step."""
-    rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, targets.index)
+    flat = hidden.reshape(-1, hidden.size(-1))
+    if flat.size(0) != targets.positions:
+        raise ValueError(f"{flat.size(0)} hidden states for the targets of {targets.positions} positions")
+    rows = flat.index_select(0, targets.index)
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
     product_dtype = torch.float32 if fp32_products else dtype
@@ -217,7 +221,9 @@ def linear_cross_entropy_sum(
         head.weight,
         head.bias,
         targets.tokens,
-        _HeadPlan(chunk, dtype, product_dtype, token_bucket if bucketed else None),
+        _HeadPlan(
+            chunk=chunk, dtype=dtype, product_dtype=product_dtype, bucket=token_bucket if bucketed else None
+        ),
     )
     return loss
 
@@ -269,7 +275,7 @@ class LossChoice:
     description: str  # for the log and run.json's resolved.loss
 
 
-def choose(model: nn.Module, requested: int | None, compiled: bool, device_type: str) -> LossChoice:
+def choose(model: nn.Module, requested: int | None, compiled: bool, *, device_type: str) -> LossChoice:
     """The chunked loss where its math is exactly the model's, else full logits and why; its
     default chunk is the one for the device the model will run on (it may not be there yet)."""
     if requested == 0:

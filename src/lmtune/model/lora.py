@@ -32,8 +32,8 @@ def _peft() -> Any:
 
 def target_modules(settings: LoraSettings) -> str | list[str]:
     """``--lora-target-modules`` as peft takes it: ``all-linear``, or the module names listed."""
-    names = settings.target_modules.strip()
-    return "all-linear" if names == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
+    names = [n.strip() for n in settings.target_modules.split(",") if n.strip()]
+    return "all-linear" if names == ["all-linear"] else names
 
 
 def is_target(name: str, target: str) -> bool:

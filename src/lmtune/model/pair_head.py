@@ -37,10 +37,10 @@ class Answers:
     targets: torch.Tensor  # the target tokens
     seq: torch.Tensor  # their answers: 2 * pair for the chosen one, 2 * pair + 1 the rejected one
     pairs: int
-    # Where each pair's targets start, and the end. Read from the device here, before the model
-    # runs: read after its forward, a GPU's CPU would wait for the whole forward (see
-    # chunked_loss.targets_of).
-    bounds: list[int]
+    # Read from the device here, before the model runs (a count is data): read after its forward,
+    # a GPU's CPU would wait for the whole forward (see chunked_loss.targets_of).
+    counts: torch.Tensor  # target tokens per answer, [pairs, 2] float64
+    bounds: list[int]  # where each pair's targets start in seq, and the end
 
     @classmethod
     def of(cls, labels: torch.Tensor, part: torch.Tensor, pair: torch.Tensor, pairs: int) -> Answers:
@@ -60,12 +60,15 @@ class Answers:
         keep = labels != IGNORE_INDEX
         seq = 2 * pair + (part == 2).long()
         seq = seq[keep]
-        return cls(source[keep], labels[keep], seq, pairs, _pair_bounds(seq, pairs))
-
-    def counts(self) -> torch.Tensor:
-        """Target tokens per answer, ``[pairs, 2]`` float64."""
-        n = 2 * self.pairs
-        return torch.bincount(self.seq, minlength=n)[:n].reshape(self.pairs, 2).double()
+        n = 2 * pairs
+        return cls(
+            source=source[keep],
+            targets=labels[keep],
+            seq=seq,
+            pairs=pairs,
+            counts=torch.bincount(seq, minlength=n)[:n].reshape(pairs, 2).double(),
+            bounds=_pair_bounds(seq, pairs),
+        )
 
     def rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """The hidden states (or logits) that predict the targets."""
@@ -106,6 +109,7 @@ class _Pass:
     targets: torch.Tensor
     seq: torch.Tensor
     pairs: int
+    counts: torch.Tensor
     bounds: list[int]
     chunk: int
     dtypes: Products
@@ -120,8 +124,7 @@ class _Pass:
         """(the summed loss of the pairs under ``loss`` = (function, reference), 0 without; their
         summed log-probs ``[2 * pairs]``), adding the loss's gradients to ``grads``. The log-probs
         are the same with or without a loss: the chunks are the same."""
-        seq, targets, chunk, dtypes = self.seq, self.targets, self.chunk, self.dtypes
-        counts = torch.bincount(seq, minlength=2 * self.pairs)[: 2 * self.pairs].reshape(-1, 2).double()
+        seq, targets, chunk, dtypes, counts = self.seq, self.targets, self.chunk, self.dtypes, self.counts
         logps = torch.zeros(2 * self.pairs, dtype=torch.float64, device=self.hidden.device)
         total = torch.zeros((), dtype=torch.float64, device=self.hidden.device)
         bounds = self.bounds
@@ -205,6 +208,7 @@ def _head_pass(
         targets=answers.targets,
         seq=answers.seq,
         pairs=answers.pairs,
+        counts=answers.counts,
         bounds=answers.bounds,
         chunk=chunk,
         dtypes=_dtypes(hidden, head, fp32_products),

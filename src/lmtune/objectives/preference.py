@@ -120,7 +120,7 @@ class PreferenceLoss(LossModule):
             ref = torch.zeros(pairs, 2, dtype=torch.float64, device=input_ids.device)
             ref = reference.double() if reference is not None else ref
         loss_sum, logps = self._policy(answers, inputs, ref)
-        metrics = self.loss.metrics(logps, answers.counts(), ref).sum(0)
+        metrics = self.loss.metrics(logps, answers.counts, ref).sum(0)
         return torch.cat([loss_sum.reshape(1).double(), metrics])
 
     def _policy(
@@ -130,7 +130,7 @@ class PreferenceLoss(LossModule):
         split = split_head(self.model) if self.loss_chunk else None
         if split is None:
             logps = logps_from_logits(self.model(**inputs, use_cache=False).logits, answers)
-            return self.loss.losses(logps, answers.counts(), reference).sum(), logps.detach()
+            return self.loss.losses(logps, answers.counts, reference).sum(), logps.detach()
         hidden = split.decoder(**inputs, use_cache=False).last_hidden_state
         return pair_loss_chunked(
             hidden, split.head, answers, reference, self.loss.losses, self.loss_chunk, self.fp32_products

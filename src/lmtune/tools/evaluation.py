@@ -81,7 +81,7 @@ def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
     products = products_of(paths, cfg.model.precision)
     varlen = use_varlen(base, bucketed=paths.attention is not None and paths.attention.choice == BF16)
     objective = SupervisedObjective()
-    loss = choose_loss(model, cfg.model.loss_chunk_size, False, env.device.type)
+    loss = choose_loss(model, cfg.model.loss_chunk_size, False, device_type=env.device.type)
     setup = LossSetup(varlen, loss.chunk, products.fp32, products.bucketed)
     loss_module = objective.loss_module(model, setup)
     collate = objective.eval_collator(tokenizer.pad_token_id)

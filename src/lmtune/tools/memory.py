@@ -183,6 +183,32 @@ def model_facts(
     )
 
 
+def cuda_workspaces(precision: str) -> Host:
+    """What the CUDA allocator holds beside the tensors: cuBLAS's workspace for each thread that
+    multiplies (the forward's, and autograd's device thread for the backward). Measured by one small
+    product and its backward, all tensors freed after: the size depends on the GPU, the torch
+    version and CUBLAS_WORKSPACE_CONFIG."""
+    dtype = low_precision_dtype(precision)
+    torch.cuda.synchronize()
+    # Freed first: in a process that has multiplied before (the Python API) they would not be new.
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    base = torch.cuda.memory_allocated()
+    layer = torch.nn.Linear(64, 64, device="cuda")
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        y = layer(x) @ layer.weight  # addmm and mm: cuBLASLt and cuBLAS, where they differ
+    y.float().sum().backward()
+    torch.cuda.synchronize()
+    del layer, x, y
+    workspaces = max(0, torch.cuda.memory_allocated() - base)
+    if clear is not None:  # --calibrate's runs share this GPU: hold nothing while they run
+        clear()
+    torch.cuda.empty_cache()
+    return Host(runtime=workspaces, gpu=True)
+
+
 def _check_targets(model: torch.nn.Module, lora: LoraSettings, adapted: list[str]) -> None:
     """What training would refuse: a --lora-target-modules name that adapts no layer."""
     names = target_modules(lora)

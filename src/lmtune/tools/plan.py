@@ -1,7 +1,8 @@
 """`lmtune plan`: predict the peak memory per device of a training setup before loading any weight,
 and list the setups that fit (the memory model is :mod:`lmtune.tools.memory`).
 
-On a GPU the allocator's peak counts exactly the tensors the model predicts. On CPU the measured
+On a GPU the allocator's peak counts the tensors the model predicts and cuBLAS's workspaces, which
+are measured (``memory.cuda_workspaces``). On CPU the measured
 peak is the resident size, which adds the process itself (Python, torch, transformers, kernel code)
 and the C heap's habit of keeping freed activations resident; both are measured, not assumed, by
 training two real steps of the same setup on the model cut to 1 and to 3 blocks (``measure_host``).
@@ -26,13 +27,14 @@ import torch
 from lmtune.config.io import MEASURING_RUN, to_argv
 from lmtune.config.settings import SAMPLE_DATA, TrainConfig
 from lmtune.errors import UserError
-from lmtune.model.precision import check_device, low_precision_dtype
+from lmtune.model.precision import check_device
 from lmtune.parallel.wrap import effective_strategy, resolve_strategy
 from lmtune.tools.memory import (
     Estimate,
     Host,
     ModelFacts,
     Setup,
+    cuda_workspaces,
     estimate,
     loss_chunk,
     model_facts,
@@ -102,28 +104,6 @@ def measure_host(
     (t1, m1), (t2, m2) = points
     allocator = min(max((m2 - m1) / max(t2 - t1, 1), 1.0), 3.0)
     return Host(runtime=max(0, int(m1 - allocator * t1)), allocator=allocator)
-
-
-def cuda_workspaces(precision: str) -> Host:
-    """What the CUDA allocator holds beside the tensors: cuBLAS's workspace for each thread that
-    multiplies (the forward's, and autograd's device thread for the backward). Measured by one small
-    product and its backward, all tensors freed after: the size depends on the GPU, the torch
-    version and CUBLAS_WORKSPACE_CONFIG."""
-    dtype = low_precision_dtype(precision)
-    torch.cuda.synchronize()
-    # Freed first: in a process that has multiplied before (the Python API) they would not be new.
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-    base = torch.cuda.memory_allocated()
-    layer = torch.nn.Linear(64, 64, device="cuda")
-    x = torch.randn(8, 64, device="cuda", requires_grad=True)
-    with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-        y = layer(x) @ layer.weight  # addmm and mm: cuBLASLt and cuBLAS, where they differ
-    y.float().sum().backward()
-    torch.cuda.synchronize()
-    del layer, x, y
-    return Host(runtime=max(0, torch.cuda.memory_allocated() - base), gpu=True)
 
 
 def _planned_rows(cfg: TrainConfig, setup: Setup, workdir: Path) -> TrainConfig:

@@ -436,7 +436,10 @@ def build_model(
     # A rank-specific stream from here on: for what draws from it (dropout outside token activations).
     torch.manual_seed(cfg.seed + env.rank)
     loss = choose_loss(
-        trained, cfg.model.loss_chunk_size, cfg.model.compile and compiles_whole(trained), env.device.type
+        trained,
+        cfg.model.loss_chunk_size,
+        cfg.model.compile and compiles_whole(trained),
+        device_type=env.device.type,
     )
     if cfg.model.loss_chunk_size and not loss.chunk:
         log.info(f"--loss-chunk-size {cfg.model.loss_chunk_size}: not used; {loss.description}")

@@ -138,7 +138,7 @@ def reference_module(
     device, sharded under FSDP2 (its own root: called whole, it gathers its parameters)."""
     cfg = run.cfg
     # False: a reference runs without gradients, so eagerly even in a --compile run (model.compiled).
-    chunk = choose_loss(frozen, cfg.model.loss_chunk_size, False, run.env.device.type).chunk
+    chunk = choose_loss(frozen, cfg.model.loss_chunk_size, False, device_type=run.env.device.type).chunk
     setup = LossSetup(varlen, chunk, products.fp32, products.bucketed)
     module = PreferenceLoss(frozen, setup, PairLoss(name=cfg.objective.name)).reference_mode()
     return wrap_model(
@@ -329,7 +329,7 @@ class _ReferenceSource:
             assert isinstance(policy, nn.Module)
             self._model = reference_model(self.run, policy)
             self.chunk = choose_loss(
-                self._model, self.run.cfg.model.loss_chunk_size, False, self.run.env.device.type
+                self._model, self.run.cfg.model.loss_chunk_size, False, device_type=self.run.env.device.type
             ).chunk
         return self._model
 

@@ -161,3 +161,37 @@ def test_default_chunk_sizes() -> None:
     assert default_chunk_size(300) == 16384
     assert default_chunk_size(151_936, "cuda") == 1664  # a GPU: 1 GiB of fp32 logits per chunk
     assert default_chunk_size(32_000, "cuda") == 8320
+
+
+def test_targets_are_the_shifted_labels_with_a_target() -> None:
+    from lmtune.model.chunked_loss import linear_cross_entropy_sum, targets_of
+
+    _, _, labels = _batch()
+    targets = targets_of(labels)
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    assert targets.positions == labels.numel()
+    assert targets.index.tolist() == [i for i, t in enumerate(shifted.tolist()) if t != IGNORE_INDEX]
+    assert torch.equal(targets.tokens, shifted[targets.index])
+    head = torch.nn.Linear(8, VOCAB)
+    with pytest.raises(ValueError, match="hidden states"):  # rows of another layout than the labels
+        linear_cross_entropy_sum(torch.zeros(1, labels.numel() - 3, 8), head, targets, 16)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_the_plan_sizes_the_chunk_train_takes(device_type: str) -> None:
+    """lmtune plan's chunk (from the config) is the one training chooses on the real model, for
+    the device it will run on (a GPU's is larger), here at Qwen2.5's vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    from lmtune.config.settings import TrainConfig
+    from lmtune.model.chunked_loss import choose
+    from lmtune.tools.memory import loss_chunk
+
+    config = _config("qwen2")
+    config.vocab_size = 151_936
+    model = AutoModelForCausalLM.from_config(config).eval()
+    chosen = choose(model, None, False, device_type=device_type).chunk
+    assert (
+        chosen == loss_chunk(TrainConfig(), config, device_type) == default_chunk_size(151_936, device_type)
+    )
+    assert chosen == (1664 if device_type == "cuda" else 256)

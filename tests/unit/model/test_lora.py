@@ -75,3 +75,18 @@ def test_a_target_name_that_matches_nothing_is_refused_beside_one_that_does() ->
         UserError, match=r"q_prj, v_prj matched no layer of this model \(its linear layers: down_proj"
     ):
         add_lora(build_preset("tiny", 0).model, LoraSettings(enabled=True, target_modules="q_prj,v_prj"))
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        ("all-linear", "all-linear"),
+        (" all-linear, ", "all-linear"),
+        ("q_proj, v_proj,", ["q_proj", "v_proj"]),
+    ],
+)
+def test_target_modules_as_peft_takes_them(written: str, expected: str | list[str]) -> None:
+    """A trailing comma (accepted by the settings' check) leaves all-linear what it means."""
+    from lmtune.model.lora import target_modules
+
+    assert target_modules(LoraSettings(enabled=True, target_modules=written)) == expected
