@@ -22,7 +22,7 @@ import torch
 from lmtune.config.groups import LoraSettings
 from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
-from lmtune.model.lora import check_every_target, target_modules
+from lmtune.model.lora import check_every_target, is_target, target_modules
 from lmtune.model.precision import low_precision_dtype
 from lmtune.model.quantization import quantized_bytes
 from lmtune.parallel.wrap import decoder_blocks
@@ -325,9 +325,20 @@ def _loss_bytes(setup: Setup, facts: ModelFacts) -> int:
 
 def loss_chunk(cfg: TrainConfig, config: Any, device_type: str) -> int:
     """The chunk lmtune train would use on this device (chunked_loss.choose decides it on the real
-    model)."""
+    model): none for a soft-capped head, one LoRA adapts, or a --compile run that compiles the
+    model whole (it lists no decoder blocks)."""
     from lmtune.model.chunked_loss import default_chunk_size
 
     if cfg.model.loss_chunk_size == 0 or getattr(config, "final_logit_softcapping", None):
         return 0
+    names = target_modules(cfg.lora)
+    if cfg.model.compile or (cfg.lora.enabled and isinstance(names, list)):
+        with fake_device("cpu"):
+            model = fake_model(config)
+        head = model.get_output_embeddings()  # type: ignore[operator]
+        adapted = cfg.lora.enabled and any(
+            m is head and any(is_target(n, t) for t in names) for n, m in model.named_modules()
+        )
+        if adapted or (cfg.model.compile and not decoder_blocks(model)):
+            return 0
     return cfg.model.loss_chunk_size or default_chunk_size(int(config.vocab_size), device_type)

@@ -314,3 +314,24 @@ def test_plan_refuses_what_train_would_before_measuring(tmp_path: Path) -> None:
     adapted = [name for name, _, _ in dotted.params if name.endswith(".lora")]
     assert len(adapted) == 2 * config.num_hidden_layers and all("_proj.lora" in n for n in adapted)
     assert not list(tmp_path.iterdir())  # nothing was trained to find out
+
+
+@pytest.mark.parametrize(
+    ("lora", "compiled"), [("lm_head,q_proj", False), ("q_proj,v_proj", False), ("", True), ("", False)]
+)
+def test_the_plan_keeps_full_logits_where_training_does(lora: str, compiled: bool) -> None:
+    """An adapted head is not a plain linear layer: training keeps full logits, and the plan must
+    size them so. A --compile run of a model with decoder blocks keeps the chunked loss."""
+    from lmtune.config.settings import TrainConfig
+    from lmtune.model.chunked_loss import choose
+    from lmtune.model.compiled import compiles_whole
+    from lmtune.model.lora import add_lora
+    from lmtune.model.modeling import build_preset
+    from lmtune.tools.memory import loss_chunk
+
+    model = build_preset("tiny", 0).model
+    cfg = TrainConfig(lora=bool(lora), lora_target_modules=lora or "all-linear", compile=compiled)
+    trained = add_lora(model, cfg.lora) if lora else model
+    chosen = choose(trained, None, compiled and compiles_whole(trained), device_type="cpu").chunk
+    assert loss_chunk(cfg, model.config, "cpu") == chosen
+    assert (chosen == 0) == lora.startswith("lm_head")
