@@ -22,7 +22,8 @@ import torch
 from lmtune.config.groups import LoraSettings
 from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
-from lmtune.model.lora import check_every_target, is_target, target_modules
+from lmtune.model.compiled import compiles_whole
+from lmtune.model.lora import check_every_target, target_modules
 from lmtune.model.precision import low_precision_dtype
 from lmtune.model.quantization import quantized_bytes
 from lmtune.parallel.wrap import decoder_blocks
@@ -331,14 +332,13 @@ def loss_chunk(cfg: TrainConfig, config: Any, device_type: str) -> int:
 
     if cfg.model.loss_chunk_size == 0 or getattr(config, "final_logit_softcapping", None):
         return 0
-    names = target_modules(cfg.lora)
-    if cfg.model.compile or (cfg.lora.enabled and isinstance(names, list)):
+    # all-linear leaves the head alone; a list may name it.
+    if cfg.model.compile or (cfg.lora.enabled and isinstance(target_modules(cfg.lora), list)):
         with fake_device("cpu"):
             model = fake_model(config)
         head = model.get_output_embeddings()  # type: ignore[operator]
-        adapted = cfg.lora.enabled and any(
-            m is head and any(is_target(n, t) for t in names) for n, m in model.named_modules()
-        )
-        if adapted or (cfg.model.compile and not decoder_blocks(model)):
+        head_name = next((n for n, m in model.named_modules() if m is head), None)
+        adapted = cfg.lora.enabled and head_name in {n for n, _, _ in lora_targets(model, cfg.lora)}
+        if adapted or (cfg.model.compile and compiles_whole(model)):
             return 0
     return cfg.model.loss_chunk_size or default_chunk_size(int(config.vocab_size), device_type)
