@@ -76,6 +76,7 @@ def main() -> None:
         default="",
         help="comma-separated --loss-chunk-size values to run too, beside the default's (e.g. 1024,4096)",
     )
+    parser.add_argument("--no-plan", action="store_true", help="skip lmtune plan (its measuring runs)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lmtune-vocab-"))
@@ -100,6 +101,12 @@ def main() -> None:
         *("--cache-dir", str(work / "cache")),
     ]
     results = {}
+    # Each row is printed as its runs end, so that a run cut short by a device's time limit still reports.
+    print(
+        f"Qwen2.5-0.5B vocabulary and width, {args.layers} blocks, {args.micro_batch_size} x {args.length} "
+        f"tokens, {args.precision}"
+    )
+    print(f"{'':16}{'peak MiB':>10}{'plan MiB':>10}{'plan err':>10}{'step ms':>9}  loss", flush=True)
     runs = [("full logits", ["--loss-chunk-size", "0"]), ("chunked", [])]
     runs += [(f"chunks of {n}", ["--loss-chunk-size", n]) for n in args.chunk_sizes.split(",") if n.strip()]
     for name, extra in runs:
@@ -120,8 +127,10 @@ def main() -> None:
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         elapsed = [r["elapsed_s"] for r in rows if r["kind"] == "train"]
         steps = [b - a for a, b in itertools.pairwise(elapsed)]
-        lmtune(["plan", *common, *extra, "--json", str(out / "plan.json")])
-        plan = json.loads((out / "plan.json").read_text())["requested"]
+        plan = {"total": float("nan"), "logits": float("nan")}
+        if not args.no_plan:
+            lmtune(["plan", *common, *extra, "--json", str(out / "plan.json")])
+            plan = json.loads((out / "plan.json").read_text())["requested"]
         results[name] = {
             "loss": run["resolved"]["loss"],
             "measured_peak_bytes": max(run["result"]["peak_memory_per_rank"]),
@@ -130,18 +139,14 @@ def main() -> None:
             "step_s": statistics.median(steps),
             "last_loss": run["result"]["last_loss"],
         }
-    full, chunked = results["full logits"], results["chunked"]
-    print(
-        f"Qwen2.5-0.5B vocabulary and width, {args.layers} blocks, {args.micro_batch_size} x {args.length} "
-        f"tokens, {args.precision}"
-    )
-    print(f"{'':16}{'peak MiB':>10}{'plan MiB':>10}{'plan err':>10}{'step s':>9}  loss")
-    for name, r in results.items():
+        r = results[name]
         err = r["planned_peak_bytes"] / r["measured_peak_bytes"] - 1
         print(
             f"{name:16}{r['measured_peak_bytes'] / 2**20:>10,.0f}{r['planned_peak_bytes'] / 2**20:>10,.0f}"
-            f"{100 * err:>9.1f}%{r['step_s']:>9.2f}  {r['loss']}"
+            f"{100 * err:>9.1f}%{1000 * r['step_s']:>9.1f}  {r['loss']}",
+            flush=True,
         )
+    full, chunked = results["full logits"], results["chunked"]
     saved = 1 - chunked["measured_peak_bytes"] / full["measured_peak_bytes"]
     ratio = chunked["step_s"] / full["step_s"]
     print(

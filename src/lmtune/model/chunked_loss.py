@@ -72,12 +72,15 @@ class ChunkGrads:
         return self.h is not None or self.w is not None or self.b is not None
 
     def add(self, g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, start: int, dtypes: Products) -> None:
-        """Add a chunk's part: ``g`` is d(loss)/d(logits) of the rows from ``start`` (fp32), ``h``
-        and ``w`` the operands as the products took them."""
+        """Add a chunk's part: ``g`` is d(loss)/d(logits) of the rows from ``start`` (fp32; fp32
+        products round it in place), ``h`` and ``w`` the operands as the products took them."""
         dtype, product_dtype = dtypes
         if self.b is not None:
             self.b += g.sum(0)
-        g = g.to(dtype).to(product_dtype)
+        if product_dtype == dtype:
+            g = g.to(dtype)
+        else:  # rounded in place: a rounded fp32 copy would be a second chunk of fp32 at the peak
+            g.copy_(g.to(dtype))
         if self.h is not None:
             # A bucketed last chunk has zero rows past the hidden states' end: not written back.
             rows = min(g.size(0), self.h.size(0) - start)
@@ -86,8 +89,8 @@ class ChunkGrads:
             return
         if product_dtype == torch.float32:
             self.w.addmm_(g.t(), h)  # summed in fp32 over the chunks, in place
-        else:
-            self.w += (g.t() @ h).float()
+        else:  # the bf16 product added as it is, without an fp32 copy of a weight's size
+            self.w.add_(g.t() @ h)
 
     def finish(self, dtypes: Products) -> None:
         dtype, product_dtype = dtypes
@@ -115,6 +118,18 @@ def operand(t: torch.Tensor | None, dtypes: Products) -> torch.Tensor | None:
 def chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtypes: Products) -> torch.Tensor:
     """A chunk's logits in fp32, rounded as the autocast products would give them."""
     return F.linear(h, w, b).to(dtypes[0]).float()
+
+
+def exponentiate(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(the logits of ``targets``, the targets of the first rows; each row's log-sum-exp; each row's
+    sum of exponentials), turning ``logits`` into exp(logits - the row's max) in place, so that
+    ``logits / sums`` is the softmax. The log-sum-exp is torch.logsumexp's to the bit, without its
+    temporary of the chunk's size (fp32), and the softmax costs no second exp over the chunk."""
+    picked = logits[: targets.numel()].gather(1, targets[:, None]).squeeze(1)
+    top = logits.amax(dim=-1, keepdim=True)
+    top.masked_fill_(top.isinf(), 0.0)  # as logsumexp: a row of -inf gives -inf, not nan
+    sums = logits.sub_(top).exp_().sum(dim=-1)
+    return picked, sums.log() + top.squeeze(1), sums
 
 
 def scaled_grads(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -153,15 +168,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 h = operand(_rows(hidden[start : start + chunk], rows), dtypes)
                 assert h is not None
                 logits = chunk_logits(h, w, b, dtypes)
-                lse = torch.logsumexp(logits, dim=-1)
-                total += (lse[:real] - logits[:real].gather(1, t[:, None]).squeeze(1)).sum()
-                if not grads.any:
-                    continue
-                # d(loss)/d(logits) = softmax - one_hot(target), computed in place in the logits.
-                g = logits.sub_(lse[:, None]).exp_()
-                g[torch.arange(real, device=t.device), t] -= 1.0
-                g[real:] = 0.0  # bucketing's zero rows: no loss, no gradient
-                grads.add(g, h, w, start, dtypes)
+                picked, lse, sums = exponentiate(logits, t)
+                total += (lse[:real] - picked).sum()
+                if grads.any:
+                    logits.div_(sums[:, None])  # the softmax; minus one_hot(target): d(loss)/d(logits)
+                    logits[torch.arange(real, device=t.device), t] -= 1.0
+                    logits[real:] = 0.0  # bucketing's zero rows: no loss, no gradient
+                    grads.add(logits, h, w, start, dtypes)
+                # Kept bound, a chunk's logits would live on while the next chunk's are made: a
+                # second chunk of fp32 logits at the peak (1 GiB at a GPU's default chunk).
+                del logits
             grads.finish(dtypes)
         grads.save(ctx, hidden, weight)
         return total

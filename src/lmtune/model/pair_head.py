@@ -21,7 +21,14 @@ import torch
 from torch import nn
 
 from lmtune.data.tokenize import IGNORE_INDEX
-from lmtune.model.chunked_loss import ChunkGrads, Products, chunk_logits, operand, scaled_grads
+from lmtune.model.chunked_loss import (
+    ChunkGrads,
+    Products,
+    chunk_logits,
+    exponentiate,
+    operand,
+    scaled_grads,
+)
 
 # (summed log-probs [pairs, 2], answer tokens [pairs, 2], reference log-probs [pairs, 2]), float64,
 # chosen then rejected -> each pair's loss [pairs].
@@ -135,11 +142,12 @@ class _Pass:
             spans = [(s, min(s + chunk, hi)) for s in range(lo, hi, chunk)]
             kept = None
             for s, e in spans:
-                logits, lse, h = _recompute(self.hidden[s:e], w, b, dtypes)
-                logps.index_add_(
-                    0, seq[s:e], (logits.gather(1, targets[s:e, None]).squeeze(1) - lse).double()
-                )
-                kept = (logits, lse, h) if len(spans) == 1 else None
+                part = _recompute(self.hidden[s:e], targets[s:e], w, b, dtypes)
+                logps.index_add_(0, seq[s:e], (part.picked - part.lse).double())
+                # One span's chunk is kept for its gradient; of several, each is dropped before
+                # the next is made (two chunks of fp32 logits would be live at once).
+                kept = part if len(spans) == 1 else None
+                del part
             if loss is None:
                 continue
             loss_fn, reference = loss
@@ -152,12 +160,14 @@ class _Pass:
                 (d_logps,) = torch.autograd.grad(losses, mine)
             d_seq = d_logps.reshape(-1).float()
             for s, e in spans:
-                logits, lse, h = kept or _recompute(self.hidden[s:e], w, b, dtypes)
+                part = kept or _recompute(self.hidden[s:e], targets[s:e], w, b, dtypes)
+                kept = None
                 # d(token log-prob)/d(logits) = one_hot - softmax, times its sequence's derivative.
-                g = logits.sub_(lse[:, None]).exp_()
+                g = part.logits.div_(part.sums[:, None])
                 g[torch.arange(e - s, device=g.device), targets[s:e]] -= 1.0
                 g.mul_(-d_seq[seq[s:e] - 2 * first][:, None])
-                grads.add(g, h, w, s, dtypes)
+                grads.add(g, part.h, w, s, dtypes)
+                del part, g
         grads.finish(dtypes)
         return total, logps
 
@@ -185,13 +195,27 @@ class _PairHead(torch.autograd.Function):
         return (*scaled_grads(ctx, grad_total), None, None, None)
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """A chunk of answer rows through the head: ``logits`` exponentiated in place (see
+    chunked_loss.exponentiate), their row sums, log-sum-exps and target logits, and the rows as
+    the product took them."""
+
+    logits: torch.Tensor
+    sums: torch.Tensor
+    lse: torch.Tensor
+    picked: torch.Tensor
+    h: torch.Tensor
+
+
 def _recompute(
-    hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtypes: Products
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden: torch.Tensor, targets: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtypes: Products
+) -> _Chunk:
     h = operand(hidden, dtypes)
     assert h is not None
     logits = chunk_logits(h, w, b, dtypes)
-    return logits, torch.logsumexp(logits, dim=-1), h
+    picked, lse, sums = exponentiate(logits, targets)
+    return _Chunk(logits=logits, sums=sums, lse=lse, picked=picked, h=h)
 
 
 def _dtypes(hidden: torch.Tensor, head: nn.Linear, fp32_products: bool) -> Products:

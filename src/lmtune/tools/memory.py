@@ -313,14 +313,17 @@ def _loss_bytes(setup: Setup, facts: ModelFacts) -> int:
     """Bytes the loss holds at its peak."""
     tokens = setup.rows * setup.length
     if not setup.loss_chunk:
-        # The saved log-softmax plus, during the backward, the logits' gradient (fp32).
-        return setup.rows * facts.logits + 4 * tokens * facts.vocab
-    # One chunk's logits in the compute dtype, their fp32 copy (the softmax and its gradient are
-    # made in place) and the gradient cast back; kept from forward to backward: the gradients
-    # of the hidden states and, unless LoRA freezes it, of the output layer's weight (fp32).
+        # The saved log-softmax and, as its backward runs, two more fp32 copies: the gradient it
+        # gets from the loss and the one it gives the logits (all three live at the step's peak).
+        return setup.rows * facts.logits + 8 * tokens * facts.vocab
+    # One chunk's fp32 logits (the softmax and its gradient are made in place) and, in low
+    # precision, the logits as the product gave them or the gradient cast back to its dtype;
+    # kept from forward to backward: the gradients of the hidden states and, unless LoRA freezes
+    # it, of the output layer's weight (fp32; in low precision each chunk's part is a product of
+    # the weight's size before it is added).
     low = 2 if low_precision_dtype(setup.precision) is not None else 0
-    chunk = min(setup.loss_chunk, tokens) * facts.vocab * (4 + 2 * low)
-    head = 0 if setup.lora else 4 * facts.vocab * facts.hidden
+    chunk = min(setup.loss_chunk, tokens) * facts.vocab * (4 + low)
+    head = 0 if setup.lora else (4 + low) * facts.vocab * facts.hidden
     return chunk + head + 4 * tokens * facts.hidden
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from lmtune.config.groups import LoraSettings
 from lmtune.errors import UserError
@@ -335,3 +338,69 @@ def test_the_plan_keeps_full_logits_where_training_does(lora: str, compiled: boo
     chosen = choose(trained, None, compiled and compiles_whole(trained), device_type="cpu").chunk
     assert loss_chunk(cfg, model.config, "cpu") == chosen
     assert (chosen == 0) == lora.startswith("lm_head")
+
+
+class _LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The peak bytes of the tensors the dispatched operations made and that are alive together.
+    A kernel's own temporaries (torch.logsumexp's, say) are not seen: the loss must not call such
+    kernels on a chunk's size."""
+
+    def __init__(self, *inputs: torch.Tensor) -> None:
+        super().__init__()
+        # The inputs' storages are there before: their views (a weight's transpose) are not new.
+        self.live: dict[int, int] = {t.untyped_storage().data_ptr(): 0 for t in inputs}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.live:
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = storage.data_ptr()
+        self.live[key] = storage.nbytes()
+        self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+
+        def free() -> None:
+            self.now -= self.live.pop(key, 0)
+
+        weakref.finalize(storage, free)
+
+
+@pytest.mark.parametrize("chunk", [0, 48], ids=["full-logits", "chunked"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_plan_sizes_the_peak_the_loss_reaches(precision: str, chunk: int) -> None:
+    """What the loss holds at once beyond its inputs, forward and backward, is what the plan counts
+    for it: full logits, three fp32 copies as the log-softmax's backward runs (the plan had two: 12%
+    under an H200's peak at Qwen2.5's vocabulary); chunked, one chunk's fp32 logits and their
+    low-precision twin (a chunk's logits had outlived it, and logsumexp made a copy)."""
+    from transformers import LlamaConfig
+
+    from lmtune.model.chunked_loss import linear_cross_entropy_sum, targets_of
+    from lmtune.model.loss import token_loss_sum
+    from lmtune.tools.memory import _loss_bytes
+
+    vocab, hidden, rows, length = 4000, 16, 2, 80
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=32, num_attention_heads=2, num_hidden_layers=1
+    )
+    setup = Setup("single", "adamw", False, False, precision, rows, length, 1, 1, loss_chunk=chunk)
+    planned = _loss_bytes(setup, model_facts(config, None, precision, length, "cpu"))
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    states = torch.randn(rows, length, hidden, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows, length))
+    targets = targets_of(labels)
+    with _LiveBytes(head.weight, states, labels, targets.index, targets.tokens) as live:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            if chunk:
+                loss = linear_cross_entropy_sum(states, head, targets, chunk)
+            else:
+                loss = token_loss_sum(head(states), labels)[0]
+        loss.backward()
+    # Autocast's bf16 copy of the head's weight: the plan counts it with the model's weight copies.
+    cast = 2 * vocab * hidden if precision == "bf16" else 0
+    assert live.peak == pytest.approx(planned + cast, rel=0.02)
