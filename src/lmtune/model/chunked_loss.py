@@ -23,9 +23,9 @@ from lmtune.model.products import token_bucket
 
 # Default chunk: about this many bytes of fp32 logits (big enough for efficient products). A GPU
 # takes larger ones: each chunk adds weight-sized passes (its part of the head's gradient). On an
-# H200 at Qwen2.5-0.5B's shape (4 x 2048 tokens, bf16) the head and loss alone took 1.9x the full
-# logits' time in chunks of 256 tokens, 1.18x in 1024, 1.0x in 4096; a whole step's peak (24
-# blocks) was 12.4, 11.6 and 6.4 GiB under the full logits' 32.7 GiB with those chunks.
+# H200 at Qwen2.5-0.5B's shape (4 x 2048 tokens, bf16) the head and loss alone took 2.3x the full
+# logits' time in chunks of 256 tokens, 1.41x in 1024, 1.31x in 1664 (this default there), 1.2x in
+# 4096; whole steps (24 blocks) 1.13x in 1664, with a peak 10.5 GiB under the full logits' 32.7.
 CHUNK_BYTES = {"cpu": 128 * 2**20, "cuda": 2**30}
 MIN_CHUNK, MAX_CHUNK = 256, 16384
 
@@ -89,7 +89,7 @@ class ChunkGrads:
             return
         if product_dtype == torch.float32:
             self.w.addmm_(g.t(), h)  # summed in fp32 over the chunks, in place
-        else:  # the bf16 product added as it is, without an fp32 copy of a weight's size
+        else:  # the low-precision product added as it is, without an fp32 copy of a weight's size
             self.w.add_(g.t() @ h)
 
     def finish(self, dtypes: Products) -> None:
