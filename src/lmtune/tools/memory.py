@@ -87,6 +87,7 @@ class Host:
     runtime: int = 0
     allocator: float = 1.0
     gpu: bool = False
+    measured_on: str = ""  # on CPU, the runs the two above were solved from
 
 
 @dataclass(frozen=True)

@@ -404,3 +404,49 @@ def test_the_plan_sizes_the_peak_the_loss_reaches(precision: str, chunk: int) ->
     # Autocast's bf16 copy of the head's weight: the plan counts it with the model's weight copies.
     cast = 2 * vocab * hidden if precision == "bf16" else 0
     assert live.peak == pytest.approx(planned + cast, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    ("layers", "vocab", "design"), [(2, 32000, "micro-batches 8 and 4"), (6, 300, "1- and 3-block")]
+)
+def test_the_host_is_solved_from_the_runs_whose_tensors_differ_most(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layers: int, vocab: int, design: str
+) -> None:
+    """Two measuring runs whose tensors differ by a few MB (a 2-block model's cuts, its vocabulary
+    the bulk) gave a heap factor that was noise; the 1-block cut at two micro-batches differs by
+    the activations and logits. Measured peaks here are a known runtime plus a known factor, and
+    1 MiB of noise either way."""
+    from transformers import LlamaConfig
+
+    from lmtune.config.settings import TrainConfig
+    from lmtune.tools import plan as plan_module
+    from lmtune.tools.memory import estimate
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32 if layers == 2 else 256,
+        intermediate_size=64 if layers == 2 else 1024,
+        num_attention_heads=2,
+        num_hidden_layers=layers,
+        max_position_embeddings=128,
+    )
+    setup = Setup("single", "adamw", False, False, "fp32", 8, 64, 1, 1)
+
+    def predict_cut(cut: Any, s: Setup) -> Estimate:
+        return estimate(s, model_facts(cut, None, "fp32", 64, "cpu"), Host(), False)
+
+    runtime, factor = 300 * 2**20, 1.4
+    runs: list[tuple[str, int]] = []
+
+    def measured(cfg: Any, s: Setup, workdir: Path, model: str, run: str) -> int:
+        runs.append((Path(model).name, s.micro_batch_size))
+        cut = LlamaConfig.from_pretrained(model)
+        noise = 2**20 if len(runs) == 1 else -(2**20)
+        return int(runtime + factor * predict_cut(cut, s).tensors + noise)
+
+    monkeypatch.setattr(plan_module, "measure_peak", measured)
+    host = plan_module.measure_host(TrainConfig(model="tiny"), setup, config, predict_cut, tmp_path)
+    assert design in host.measured_on
+    assert len(runs) == 2 and (runs[0][0] == runs[1][0]) == ("micro-batches" in design)
+    assert abs(host.allocator - factor) < 0.1
+    assert host.runtime == pytest.approx(runtime, rel=0.1)
