@@ -50,7 +50,7 @@ from lmtune.training.perf import (
     PhaseTimer,
     Probe,
     best_peak_flops,
-    train_flops_per_token,
+    mfu_meter,
 )
 from lmtune.training.preflight import check_same_settings, checked, validate
 from lmtune.training.record import result_record, run_record
@@ -156,7 +156,7 @@ def _run(run: RunContext) -> TrainResult:
         cache_root() / PEAKS_FILE,
         store=env.is_main,
     )
-    mfu = MfuMeter(partial(train_flops_per_token, built.loaded.model), peak, env.world_size, log)
+    mfu = mfu_meter(built.loaded.model, bool(built.loss.chunk), peak, env.world_size, log)
     loop = LoopParts(
         callbacks=_components(run, built, state, mfu, timeouts),
         evaluator=_evaluator(run, built, eval_loader, best, timeouts),

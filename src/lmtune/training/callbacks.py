@@ -79,7 +79,11 @@ class StepLogger(Callback):
     """metrics.jsonl train rows (every ``every`` steps and the last) and the progress bar."""
 
     def __init__(
-        self, log: RunLog, every: int, mfu: Callable[[int, int, float], float | None], device: torch.device
+        self,
+        log: RunLog,
+        every: int,
+        mfu: Callable[[int, int, float, int], float | None],  # tokens, examples, seconds, targets
+        device: torch.device,
     ):
         self.log, self.every, self.mfu, self.device = log, every, mfu, device
 
@@ -91,7 +95,7 @@ class StepLogger(Callback):
             self.log.advance()  # the bar counts every step, the figures are the logged step's
             return
         r = step.result
-        mfu = self.mfu(r.tokens, r.examples, step.seconds)
+        mfu = self.mfu(r.tokens, r.examples, step.seconds, r.target_tokens)
         self.log.record(step_row(step, mfu, peak_memory_bytes(self.device)))
         shown = {"loss": f"{r.loss:.4f}", "lr": f"{step.lr:.2e}", "tok/s": f"{r.tokens / step.seconds:,.0f}"}
         if mfu is not None:

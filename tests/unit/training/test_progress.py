@@ -51,7 +51,7 @@ def test_the_log_counts_every_step_whatever_log_every(
         end = SimpleNamespace(
             state=SimpleNamespace(step=step),
             finished=step == 6,
-            result=SimpleNamespace(loss=1.0, tokens=10, examples=1),
+            result=SimpleNamespace(loss=1.0, tokens=10, examples=1, target_tokens=4),
             seconds=1.0,
             lr=1e-3,
         )
