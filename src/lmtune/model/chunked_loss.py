@@ -120,7 +120,9 @@ def chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype
     return F.linear(h, w, b).to(dtypes[0]).float()
 
 
-def exponentiate(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def exponentiate(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the logits of ``targets``, the targets of the first rows; each row's log-sum-exp; each row's
     sum of exponentials), turning ``logits`` into exp(logits - the row's max) in place, so that
     ``logits / sums`` is the softmax. The log-sum-exp is torch.logsumexp's to the bit, without its

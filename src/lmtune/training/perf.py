@@ -248,7 +248,7 @@ class MfuMeter:
         self.head_per_target = head_per_target
         self.over_peak: list[float] = []
 
-    def __call__(self, tokens: int, examples: int, seconds: float, targets: int = 0) -> float | None:
+    def __call__(self, tokens: int, examples: int, seconds: float, targets: int) -> float | None:
         mean_length = tokens / max(examples, 1)
         flops = self.flops_per_token(round(mean_length)) * tokens + self.head_per_target * targets
         value = flops / max(seconds, 1e-9) / (self.peak * self.devices)
