@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,22 @@ def train_rows(out: Path, kind: str = "train") -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             break
     return [r for r in rows if r["kind"] == kind]
+
+
+@contextmanager
+def mounted_tmpfs(folder: Path, options: str) -> Iterator[Path]:
+    """A small file system of its own at ``folder`` (a full or read-only disk, for real); the test
+    is skipped where this process may not mount one."""
+    import pytest
+
+    folder.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here: {done.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=False)
 
 
 def lmtune_cmd(args: list[str]) -> list[str]:

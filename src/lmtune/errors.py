@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import shutil
+from pathlib import Path
+
 
 class UserError(Exception):
     """A mistake in the user's options, data or paths.
@@ -36,6 +40,14 @@ class WrongValue(SettingError, ValueError):
     (``objective="dpoo"``, ``lr=float("nan")``): a :class:`SettingError`, and a ``ValueError``."""
 
 
+class NoSpace(UserError):
+    """The disk (or the user's quota) was full while lmtune wrote ``path``, a file of its own."""
+
+    def __init__(self, message: str, path: Path):
+        super().__init__(message)
+        self.path = path
+
+
 USER_ERROR_EXIT_CODE = 2
 
 
@@ -53,6 +65,26 @@ class StoppedBySignal(Exception):
 class TrainingStopped(Exception):
     """Training cannot go on (a non-finite loss under --on-nan stop); the message says why.
     Exit code 1: the last checkpoint is intact."""
+
+
+def out_of_space(e: BaseException, written: Path | None = None) -> bool:
+    """Whether ``e`` came of a full disk or an exhausted quota, as the OS, safetensors (Rust) or
+    torch report it. torch's writer names no cause ("unexpected pos 576 vs 534"), so a failure
+    while the disk holding ``written`` has under 1 MiB left counts too (ask before removing what
+    was half written: that frees the space again)."""
+    if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(words in str(e) for words in ("No space left", "Disk quota exceeded", "StorageFull")):
+        return True
+    if written is None:
+        return False
+    folder = written
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
 
 
 def brief(value: object, limit: int = 60) -> str:

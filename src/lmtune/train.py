@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
-from lmtune.checkpoint.resume import recorded_paths
+from lmtune.checkpoint.resume import recorded_paths, resumable_when_full
 from lmtune.checkpoint.rundir import acquire, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig, to_dict
@@ -95,6 +95,7 @@ def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
             process_group(env),
             RunLog(env, output_dir, cfg.logging.progress) as log,
             StopRequest() as stop,
+            resumable_when_full(output_dir),
         ):
             run = RunContext(
                 cfg=cfg,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +17,8 @@ from lmtune.data.prepare import encode_in_memory
 from lmtune.data.sources import BadLines, Record, Source, iter_records
 from lmtune.data.tokenize import CHARS_PER_TOKEN
 from lmtune.model.modeling import byte_tokenizer
+from tests.conftest import mounted_tmpfs, write_jsonl
 from tests.conftest import one_line_error as _error
-from tests.conftest import write_jsonl
 
 
 @pytest.mark.parametrize(
@@ -206,19 +206,10 @@ def test_a_huge_line_trains_in_bounded_time(tmp_path: Path, capsys: pytest.Captu
     assert os.path.getsize(out / "final" / "model.safetensors") > 0
 
 
-def _mount_tmpfs(folder: Path, options: str) -> None:
-    folder.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small file system here: {done.stderr.decode().strip()}")
-
-
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    disk = tmp_path / "disk"
-    _mount_tmpfs(disk, "size=20m")
-    yield disk
-    subprocess.run(["umount", str(disk)], check=False)
+    with mounted_tmpfs(tmp_path / "disk", "size=20m") as disk:
+        yield disk
 
 
 def test_a_full_disk_stops_with_a_message_and_keeps_the_last_checkpoint(
@@ -236,16 +227,40 @@ def test_a_full_disk_stops_with_a_message_and_keeps_the_last_checkpoint(
     assert verify(out / "checkpoints" / "step-000002") is None
 
 
+def test_a_disk_that_fills_during_training_stops_it_in_one_sentence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another job fills the disk while the run goes on: its next metrics row does not fit."""
+    data = write_jsonl(tmp_path / "d.jsonl", ["some text"] * 16)
+    with mounted_tmpfs(tmp_path / "disk", "size=1m") as disk:
+        # All but 24 KiB taken: room for run.json and ~40 rows.
+        (disk / "filler").write_bytes(bytes(shutil.disk_usage(disk).free - (24 << 10)))
+        out = disk / "out"
+        argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "400", "--log-every"]
+        err = _error([*argv, "1", "--global-batch-size", "8", "--no-progress"], capsys)
+        assert f"no space left on device while writing {out / 'metrics.jsonl'}; no earlier checkpoint" in err
+        assert json.loads((out / "run.json").read_text())["config"]["max_steps"] == 400
+
+
+def test_a_full_disk_for_the_data_cache_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [f"line {i} " * 12 for i in range(20_000)])  # ~8 MB of ids
+    with mounted_tmpfs(tmp_path / "disk", "size=1m") as disk:
+        argv = ["train", "--data", str(data), "--cache-dir", str(disk), "--output-dir", str(tmp_path / "out")]
+        err = _error([*argv, "--max-steps", "1", "--no-progress"], capsys)
+        assert f"no space left on device while caching the tokenized data in {disk}: free some space" in err
+        assert "--cache-dir (or LMTUNE_CACHE_DIR)" in err
+        assert [".error-" in p.name for p in disk.iterdir()] == [True]  # no half-built data left
+        assert shutil.disk_usage(disk).free > 900 << 10
+
+
 def test_a_read_only_output_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    disk = tmp_path / "ro"
-    _mount_tmpfs(disk, "ro,size=1m")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as disk:
         assert "cannot create it (Read-only file system)" in _error(
             ["train", "--output-dir", str(disk / "out")], capsys
         )
         assert "not writable" in _error(["train", "--output-dir", str(disk)], capsys)
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
+        said = _error(["report", str(tmp_path / "nothing"), "--out", str(disk / "r.html")], capsys)
+        assert f"--out {disk / 'r.html'}: cannot write in {disk} (a read-only file system)" in said
 
 
 def test_eval_split_settings_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -196,6 +197,24 @@ def test_a_reference_model_precomputed_or_live_gives_the_same_losses(tmp_path: P
         assert str(folder) in run["resolved"]["reference"]
     assert abs(losses["logprobs"][0] - 0.6931471805599453) > 1e-3
     assert losses["live"] == pytest.approx(losses["logprobs"], abs=1e-6)
+
+
+def test_a_reference_cache_that_cannot_be_written_costs_a_warning(
+    dpo_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full or read-only cache disk: this run trains; a later one computes the log-probs again."""
+    root = dpo_run.parent
+    cached = root / "cache" / "reference-logps"
+    shutil.rmtree(cached, ignore_errors=True)
+    cached.write_text("in the way")  # not a folder: nothing can be written under it
+    capsys.readouterr()
+    try:
+        assert main([*_dpo_args(root), "--output-dir", str(root / "uncached"), "--max-steps", "2"]) == 0
+    finally:
+        cached.unlink()
+    said = capsys.readouterr().out
+    assert f"warning: could not cache the reference log-probs at {cached}{os.sep}" in said, said
+    assert "a later run computes them again" in said
 
 
 def test_a_resume_that_cannot_match_is_refused_before_the_reference_pass(

@@ -4,7 +4,6 @@ adapter), the configs that make a folder loadable elsewhere (generation_config's
 
 from __future__ import annotations
 
-import errno
 import json
 import shutil
 import time
@@ -31,7 +30,7 @@ from lmtune.checkpoint.state import ModelParts
 from lmtune.config.files import read_json_object
 from lmtune.config.io import build_config
 from lmtune.config.verbosity import no_progress_bars
-from lmtune.errors import UserError
+from lmtune.errors import UserError, out_of_space
 from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, save_adapter
 from lmtune.model.loss import WRAPPED_PREFIX
 from lmtune.model.modeling import merge_device, merged_into_base
@@ -102,12 +101,6 @@ def _space_problem(parts: ModelParts, folder: Path) -> str:
     )
 
 
-def _out_of_space(e: BaseException) -> bool:
-    """A full disk, as the OS, safetensors (Rust) or torch report it."""
-    text = str(e)
-    return getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text or "StorageFull" in text
-
-
 def replace_folder(folder: Path, write: Callable[[Path], None]) -> None:
     """Write beside the final name and rename when complete, so a crash never leaves a half-written
     folder where a finished one is expected. Only for folders lmtune owns (``final/`` of a locked
@@ -121,8 +114,9 @@ def replace_folder(folder: Path, write: Callable[[Path], None]) -> None:
             write(tmp)
         open_to_umask(tmp)
     except Exception as e:
+        full = out_of_space(e, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        if _out_of_space(e):
+        if full:
             raise UserError(f"no space left on device while writing {folder}; free some space") from None
         raise
     if folder.exists():
@@ -392,10 +386,11 @@ def _write_export(out: Path, write: Callable[[Path], None], checkpoint: Path) ->
             out.rename(aside)
         tmp.rename(out)
     except Exception as e:
+        full = out_of_space(e, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         if aside.exists() and not out.exists():
             aside.rename(out)
-        if _out_of_space(e):
+        if full:
             raise UserError(f"no space left on device while writing {out}; nothing there changed") from None
         raise
     shutil.rmtree(aside, ignore_errors=True)

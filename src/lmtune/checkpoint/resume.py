@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,12 +32,12 @@ from lmtune.checkpoint.layout import (
     verify,
 )
 from lmtune.checkpoint.state import ModelParts, TrainerState
-from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state
+from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state, resume_note
 from lmtune.config.files import read_json_object
 from lmtune.config.mixture import named_items, parse_weights
 from lmtune.config.run_groups import CheckpointSettings
 from lmtune.config.settings import TrainConfig, config_fields, option_name, warmup_steps
-from lmtune.errors import UserError, one_line
+from lmtune.errors import NoSpace, UserError, one_line
 from lmtune.model.paths import PATHS_FILE
 from lmtune.model.quantization import fingerprint_value
 from lmtune.outputs.runlog import InfoLog
@@ -427,3 +429,15 @@ def recorded_paths(settings: CheckpointSettings, env: DistEnv) -> dict[str, Any]
         return None
 
     return decided_by_main(recorded, None, env)
+
+
+@contextmanager
+def resumable_when_full(output_dir: Path) -> Iterator[None]:
+    """A disk that fills while the run writes its records into ``output_dir``: the message also says
+    what the same command resumes from."""
+    try:
+        yield
+    except NoSpace as e:
+        if not e.path.is_relative_to(output_dir):
+            raise
+        raise NoSpace(f"{e}; {resume_note(output_dir)}", e.path) from None

@@ -16,7 +16,6 @@ Everything read back is data, verified first (:func:`lmtune.checkpoint.layout.ve
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import shutil
@@ -49,7 +48,7 @@ from lmtune.checkpoint.layout import (
 )
 from lmtune.checkpoint.state import ModelParts, TrainerState, rng_state, set_rng_state
 from lmtune.config.files import is_int, read_json_object
-from lmtune.errors import UserError, one_line
+from lmtune.errors import UserError, one_line, out_of_space
 from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
 from lmtune.parallel.distributed import DistEnv, barrier, refused_by_main
 
@@ -85,8 +84,8 @@ def save_checkpoint(
     barrier(env)
     try:
         _write_checkpoint(tmp, state, parts, tokenizer, optimizer, env, records)
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
+    except Exception as e:
+        if not out_of_space(e, tmp):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         needed, free = _estimate_bytes(parts, optimizer, env), shutil.disk_usage(output_dir).free
@@ -173,17 +172,23 @@ def _space_problem(
 
 
 def _no_space(step: int, final: Path, needed: int, free: int) -> str:
-    earlier = [p for p in list_checkpoints(final.parent.parent) if p != final and verify(p) is None]
-    after = (
-        f"{earlier[-1].name}, the newest checkpoint, is intact (free some space; the same command resumes "
-        "from it)"
-        if earlier
-        else "no earlier checkpoint was saved, so the run starts afresh once there is space"
-    )
     return (
         f"no space left on device while saving step {step} to {final}: about "
-        f"{needed / 2**20:,.0f} MB needed, {free / 2**20:,.0f} MB free; {after}"
+        f"{needed / 2**20:,.0f} MB needed, {free / 2**20:,.0f} MB free; "
+        f"{resume_note(final.parent.parent, final)}"
     )
+
+
+def resume_note(output_dir: Path, unfinished: Path | None = None) -> str:
+    """What a run stopped by a full disk can resume from: its newest intact checkpoint (other than
+    ``unfinished``, the one being written)."""
+    earlier = [p for p in list_checkpoints(output_dir) if p != unfinished and verify(p) is None]
+    if earlier:
+        return (
+            f"{earlier[-1].name}, the newest checkpoint, is intact (free some space; the same command "
+            "resumes from it)"
+        )
+    return "no earlier checkpoint was saved, so the run starts afresh once there is space"
 
 
 def _save_model(parts: ModelParts, adapter: dict[str, torch.Tensor], folder: Path) -> None:

@@ -88,7 +88,8 @@ def check_replaceable(path: Path, option: str, kind: Kind) -> None:
         )
     folder = next(f for f in (path.absolute().parent, *path.absolute().parents) if f.exists())  # made later
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"{where}: cannot write in {folder} (no permission)")
+        why = "a read-only file system" if os.statvfs(folder).f_flag & os.ST_RDONLY else "no permission"
+        raise UserError(f"{where}: cannot write in {folder} ({why})")
 
 
 def write_output(path: Path, data: bytes | str, option: str) -> None:

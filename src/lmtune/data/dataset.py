@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -272,6 +273,13 @@ class DatasetWriter:
         # Ranks waiting for this folder take a changing file time as the builder's sign of life.
         self._ids.flush()
         self._mask.flush()
+
+    def abandon(self) -> None:
+        """Close the files of a build that failed (open, they would keep a full disk's space taken
+        after the folder is removed)."""
+        for f in (self._ids, self._mask):
+            with suppress(OSError):
+                f.close()
 
     def close(self, meta: dict[str, Any]) -> None:
         """Finish the folder; ``meta.json`` is written last and marks it complete. Every file is

@@ -37,7 +37,7 @@ from lmtune.data.sources import (
     skipped_lines,
 )
 from lmtune.data.tokenize import Encoded, EncodeStats, chunks, encode_chunk
-from lmtune.errors import SettingError, UserError
+from lmtune.errors import SettingError, UserError, out_of_space
 from lmtune.parallel.distributed import DistEnv, available_cores, decided_by_main
 from lmtune.parallel.launch import warn
 
@@ -226,6 +226,28 @@ def encode_in_memory(
     return TokenizedDataset.from_encoded(sink.examples), stats
 
 
+def _build_or_say_full(
+    components: list[list[Source]],
+    tokenizer: Any,
+    settings: ExampleSettings,
+    folder: Path,
+    wanted: Wanted,
+    check_stop: Callable[[], None],
+) -> None:
+    """:func:`_build`, with a full disk said in a sentence (and what was written removed first, so
+    that the sentence can be recorded for the ranks that wait)."""
+    try:
+        _build(components, tokenizer, settings, folder, wanted, check_stop)
+    except OSError as e:
+        if not out_of_space(e, folder):
+            raise
+        shutil.rmtree(folder, ignore_errors=True)
+        raise UserError(
+            f"no space left on device while caching the tokenized data in {folder.parent}: free some "
+            "space there, or give --cache-dir (or LMTUNE_CACHE_DIR) a folder on a disk with room"
+        ) from None
+
+
 def _build(
     components: list[list[Source]],
     tokenizer: Any,
@@ -241,10 +263,14 @@ def _build(
     sources = [s for part in components for s in part]
     workers = build_workers(sources)
     stats, counts = EncodeStats(), list[int]()
-    for part in components:
-        recs = records(part, settings, bad)
-        stats.merge(encode_into(recs, tokenizer, settings, writer, bad, workers, check_stop))
-        counts.append(writer.examples - sum(counts))
+    try:
+        for part in components:
+            recs = records(part, settings, bad)
+            stats.merge(encode_into(recs, tokenizer, settings, writer, bad, workers, check_stop))
+            counts.append(writer.examples - sum(counts))
+    except BaseException:
+        writer.abandon()
+        raise
     if stats.examples == 0:
         lost = stats.dropped_too_long + stats.dropped_no_targets
         if lost + bad.count == 0:
@@ -355,7 +381,7 @@ def prepare(
         return Prepared(dataset=dataset, built=False, key=key, folder=folder)
     tmp = cache_dir / f"{key}.tmp-{nonce}-{env.rank}"
     try:
-        _build(components, tokenizer, settings, tmp, wanted, check_stop)
+        _build_or_say_full(components, tokenizer, settings, tmp, wanted, check_stop)
     except UserError as e:
         error_file.parent.mkdir(parents=True, exist_ok=True)
         # Renamed into place whole: a waiting rank that saw the file half written would report

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -21,7 +22,7 @@ from tqdm import tqdm
 
 from lmtune.config.files import read_bytes
 from lmtune.data.mixture import SourceIndex
-from lmtune.errors import brief
+from lmtune.errors import NoSpace, brief, out_of_space
 from lmtune.outputs.reporters import Reporter
 from lmtune.parallel.distributed import DistEnv
 
@@ -55,6 +56,23 @@ def open_jsonl(path: Path, keep_through_step: int) -> Any:
     return f
 
 
+def append_line(f: Any, line: str) -> None:
+    """Append ``line`` to a file :func:`open_jsonl` opened, now (a crash keeps what was written).
+
+    Raises:
+        NoSpace: the disk is full; ``f`` is closed (what it could not write would fail again).
+    """
+    try:
+        f.write(line + "\n")
+        f.flush()
+    except OSError as e:
+        if not out_of_space(e):
+            raise
+        with suppress(OSError):
+            f.close()
+        raise NoSpace(f"no space left on device while writing {f.name}", Path(f.name)) from None
+
+
 class ExampleOrderLog:
     """samples/rank-R.jsonl: the example ids each optimizer step consumed on this rank, and with a
     mixture (``sources``) the source each came from."""
@@ -67,8 +85,7 @@ class ExampleOrderLog:
         row: dict[str, Any] = {"step": step, "ids": example_ids}
         if self._sources is not None:
             row["sources"] = [self._sources.name(i) for i in example_ids]
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        append_line(self._file, json.dumps(row))
 
     def close(self) -> None:
         self._file.close()
@@ -158,7 +175,8 @@ class RunLog:
     def close(self) -> None:
         self.end_progress()
         if self._metrics is not None:
-            self._metrics.close()
+            with suppress(OSError):  # flushed at every row: a failure here repeats one already raised
+                self._metrics.close()
             self._metrics = None
         for reporter in self._reporters:
             reporter.close()
@@ -187,8 +205,7 @@ class RunLog:
     def record(self, row: dict[str, Any]) -> None:
         """Append one JSON object to metrics.jsonl."""
         if self._metrics is not None:
-            self._metrics.write(json.dumps(row) + "\n")
-            self._metrics.flush()
+            append_line(self._metrics, json.dumps(row))
         for reporter in list(self._reporters):
             try:
                 reporter.write(row)
@@ -209,7 +226,13 @@ class RunLog:
         if self.active:
             path = self.output_dir / name
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+            try:
+                tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                if out_of_space(e):
+                    raise NoSpace(f"no space left on device while writing {path}", path) from None
+                raise
             tmp.replace(path)
 
 

@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +42,7 @@ from lmtune.model.products import Products
 from lmtune.objectives.base import LossSetup, Objective
 from lmtune.objectives.pair_losses import PairLoss
 from lmtune.objectives.preference import PreferenceLoss, PreferenceObjective, Reference
+from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import all_reduce_sum, broadcast_object
 from lmtune.parallel.wrap import unwrap, wrap_model
 from lmtune.training.context import RunContext
@@ -217,11 +218,21 @@ def precompute(
     return all_reduce_sum(out, env).cpu().numpy()
 
 
-def _write(path: Path, values: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _write(path: Path, values: np.ndarray, log: InfoLog) -> None:
+    """Cache ``values`` at ``path``. A cache that cannot be written (a full or read-only disk)
+    costs the next run this computation again, not this run."""
     tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}.npy")
-    np.save(tmp, values)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(tmp, values)
+        os.replace(tmp, path)
+    except OSError as e:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        log.info(
+            f"warning: could not cache the reference log-probs at {path} ({e.strerror or e}); "
+            "a later run computes them again"
+        )
 
 
 def _read(path: Path, pairs: int) -> np.ndarray | None:
@@ -249,7 +260,7 @@ def cached_reference(
         run.log.info(f"computing the reference log-probs of {len(data):,} pairs before training")
         values = compute()
         if run.env.is_main:
-            _write(path, values)
+            _write(path, values, run.log)
     assert values is not None
     info = Precomputed(str(path), not found, len(data), time.perf_counter() - started)
     return values, info

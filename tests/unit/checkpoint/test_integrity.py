@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import torch
 
 from lmtune.checkpoint import sharded, store
 from lmtune.checkpoint.layout import MANIFEST, list_checkpoints, step_folder, verify
+from lmtune.checkpoint.resume import resumable_when_full
 from lmtune.checkpoint.rundir import (
     LOCK_FILE,
     LOCK_TOKEN_ENV,
@@ -30,8 +32,9 @@ from lmtune.checkpoint.rundir import (
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import save_checkpoint
 from lmtune.config.groups import ExampleSettings
-from lmtune.errors import UserError
+from lmtune.errors import NoSpace, UserError
 from lmtune.parallel.distributed import DistEnv, read_dist_env
+from tests.conftest import mounted_tmpfs
 
 
 class Payload:
@@ -287,6 +290,41 @@ def test_a_full_disk_is_a_user_error_and_loses_nothing(
         save_checkpoint(
             tmp_path / "new", _state(1), parts, tokenizer, optimizer, ONE, keep_last=0, records={}
         )
+
+
+def test_a_disk_that_fills_while_a_checkpoint_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real 5 MB disk: the first checkpoint (~3.5 MB) fits; the second, let past the free-space
+    check (as when another job fills the disk meanwhile), fails inside torch's or safetensors'
+    writer, which name no cause (torch: "unexpected pos ..."): still one sentence, and the
+    half-written folder is gone, its space with it."""
+    with mounted_tmpfs(tmp_path / "disk", "size=5m") as disk:
+        parts, tokenizer, optimizer = _tiny_parts()
+        save_checkpoint(disk, _state(1), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
+        monkeypatch.setattr(store, "free_bytes", lambda folder: 1 << 40)
+        with pytest.raises(UserError, match=r"saving step 2 to .*step-000002: about \d+ MB needed") as e:
+            save_checkpoint(disk, _state(2), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
+        assert "step-000001, the newest checkpoint, is intact" in str(e.value)
+        assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["step-000001"]
+        assert verify(step_folder(disk, 1)) is None
+        assert shutil.disk_usage(disk).free > 1 << 20
+
+
+def test_a_full_disk_while_the_run_writes_its_records_names_what_it_resumes_from(tmp_path: Path) -> None:
+    parts, tokenizer, optimizer = _tiny_parts()
+    full = NoSpace("no space left on device while writing the metrics", tmp_path / "metrics.jsonl")
+    said = r"^no space .* metrics; no earlier checkpoint was saved, so the run"
+    with pytest.raises(NoSpace, match=said), resumable_when_full(tmp_path):
+        raise full
+    save_checkpoint(tmp_path, _state(1), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
+    said = r"metrics; step-000001, the newest checkpoint, is intact \(free some"
+    with pytest.raises(NoSpace, match=said), resumable_when_full(tmp_path):
+        raise full
+    elsewhere = NoSpace("no space left on device while caching", tmp_path.parent / "cache")
+    said = r"^no space left on device while caching$"  # not the run's folder: nothing to add
+    with pytest.raises(NoSpace, match=said), resumable_when_full(tmp_path):
+        raise elsewhere
 
 
 def test_an_existing_checkpoint_of_the_same_step_is_kept_aside(tmp_path: Path) -> None:
