@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
-from lmtune.checkpoint.resume import recorded_paths, resumable_when_full
+from lmtune.checkpoint.resume import recorded_paths
 from lmtune.checkpoint.rundir import acquire, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig, to_dict
@@ -41,17 +41,11 @@ from lmtune.training.best import BestTracker, best_tracker
 from lmtune.training.build import Built, build_parts, loaders, schedule
 from lmtune.training.context import CallableModule, RunContext
 from lmtune.training.evaluate import EvalResult, evaluate
+from lmtune.training.failures import said_plainly
 from lmtune.training.finish import finish, recorded_result, say_finished
 from lmtune.training.loop import FitSettings, LoopParts, fit
 from lmtune.training.optim import set_hyperparameters
-from lmtune.training.perf import (
-    PEAKS_FILE,
-    MfuMeter,
-    PhaseTimer,
-    Probe,
-    best_peak_flops,
-    mfu_meter,
-)
+from lmtune.training.perf import PEAKS_FILE, MfuMeter, PhaseTimer, Probe, best_peak_flops, mfu_meter
 from lmtune.training.preflight import check_same_settings, checked, validate
 from lmtune.training.record import result_record, run_record
 from lmtune.training.reference import attach_references
@@ -95,7 +89,7 @@ def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
             process_group(env),
             RunLog(env, output_dir, cfg.logging.progress) as log,
             StopRequest() as stop,
-            resumable_when_full(output_dir),
+            said_plainly(cfg, env.device),
         ):
             run = RunContext(
                 cfg=cfg,

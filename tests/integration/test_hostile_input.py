@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from lmtune.data.prepare import encode_in_memory
 from lmtune.data.sources import BadLines, Record, Source, iter_records
 from lmtune.data.tokenize import CHARS_PER_TOKEN
 from lmtune.model.modeling import byte_tokenizer
-from tests.conftest import mounted_tmpfs, write_jsonl
+from tests.conftest import mounted_tmpfs, run_lmtune, write_jsonl
 from tests.conftest import one_line_error as _error
 
 
@@ -251,6 +253,29 @@ def test_a_full_disk_for_the_data_cache_is_named(tmp_path: Path, capsys: pytest.
         assert "--cache-dir (or LMTUNE_CACHE_DIR)" in err
         assert [".error-" in p.name for p in disk.iterdir()] == [True]  # no half-built data left
         assert shutil.disk_usage(disk).free > 900 << 10
+
+
+def test_memory_that_runs_out_names_the_step_and_what_to_lower(tmp_path: Path) -> None:
+    """A real allocation failure: the process may map 5 GB, the step needs ~9 GB (16 rows of 2,048
+    tokens of the `small` preset, unchunked by micro-batches)."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("no prlimit here")
+    data = write_jsonl(tmp_path / "long.jsonl", [f"word{i} " * 400 for i in range(16)])
+    args = ["train", "--model", "small", "--data", str(data), "--max-length", "2048", "--max-steps", "1"]
+    args += ["--global-batch-size", "16", "--packing", "off", "--output-dir", str(tmp_path / "out")]
+    limited = ["prlimit", f"--as={5 << 30}", sys.executable, "-m"]
+    proc = run_lmtune([*args, "--no-progress"], launcher=limited, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    said = proc.stderr.strip().splitlines()[-1]
+    assert said.startswith(
+        "error: out of memory on cpu in step 1, micro-batch 1 of 1 (16 rows of 2,048 positions)"
+    )
+    assert re.search(r"in its (forward|backward): it asked for [\d,]+ MiB more; to fit, try a smaller", said)
+    assert (
+        "--micro-batch-size (the global batch stays 16: more micro-batches a step, the same training)" in said
+    )
+    assert "--activation-checkpointing or a shorter --max-length (now 2,048)" in said
 
 
 def test_a_read_only_output_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from lmtune.parallel.launch import _failed
+from lmtune.parallel import failure_report
+from lmtune.parallel.failure_report import failed
 
 
 def _failure(exitcode: int, timestamp: int) -> SimpleNamespace:
@@ -24,9 +25,37 @@ def test_the_first_rank_to_end_is_named_with_its_signal(
     error = SimpleNamespace(
         failures={0: _failure(stopped, 100), 1: _failure(killed, 100), 2: _failure(3, 101)}
     )
-    assert _failed(error, tmp_path, hung=False) == 1
+    assert failed(error, tmp_path, hung=False) == 1
     assert capsys.readouterr().err.splitlines() == [
         "lmtune: rank 1 was killed by SIGKILL",
         "lmtune: rank 2 failed with exit code 3",
         "lmtune: the launcher then stopped rank(s) 0",
     ]
+
+
+def test_a_rank_the_out_of_memory_killer_took_is_named_with_what_to_lower(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vmstat, events = tmp_path / "vmstat", tmp_path / "memory.events"
+    vmstat.write_text("pgfault 123\noom_kill 4\nnr_dirty 0\n")
+    events.write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 1\n")
+    counters = ((vmstat, "oom_kill"), (events, "oom_kill"), (tmp_path / "absent", "oom_kill"))
+    monkeypatch.setattr(failure_report, "_OOM_COUNTERS", counters)
+    before = failure_report.oom_kills()
+    assert before == (4, 1)
+    assert not failure_report.out_of_memory_kills(before)
+    events.write_text("low 0\nhigh 0\nmax 9\noom 3\noom_kill 2\n")  # in this container's cgroup
+    killer = failure_report.out_of_memory_kills(before)
+    assert killer
+    killed = SimpleNamespace(failures={0: _failure(-int(signal.SIGTERM), 100), 1: _failure(-9, 100)})
+    assert failed(killed, tmp_path, hung=False, memory_killer=killer) == 1
+    said = capsys.readouterr().err.splitlines()
+    assert said[:2] == ["lmtune: rank 1 was killed by SIGKILL", "lmtune: the launcher then stopped rank(s) 0"]
+    assert said[2].startswith("lmtune: the kernel's out-of-memory killer killed a process while the job")
+    assert "a smaller --micro-batch-size (the same training" in said[2] and len(said) == 3
+    # SIGKILL with no such kill counted is said as before, and so is another way to end.
+    assert failed(killed, tmp_path, hung=False, memory_killer=False) == 1
+    assert len(capsys.readouterr().err.splitlines()) == 2
+    crashed = SimpleNamespace(failures={0: _failure(-int(signal.SIGSEGV), 100)})
+    assert failed(crashed, tmp_path, hung=False, memory_killer=True) == 1
+    assert capsys.readouterr().err.splitlines() == ["lmtune: rank 0 was killed by SIGSEGV"]

@@ -24,7 +24,8 @@ from lmtune.config import environment
 from lmtune.config.run_groups import LaunchSettings
 from lmtune.config.settings import TrainConfig, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
-from lmtune.parallel.health import HANG_EXIT_CODE, HEALTH_DIR_ENV, Watchdog, read_beats
+from lmtune.parallel.failure_report import failed, oom_kills, out_of_memory_kills, reported_errors
+from lmtune.parallel.health import HEALTH_DIR_ENV, Watchdog, read_beats
 
 if TYPE_CHECKING:
     from lmtune.parallel.distributed import DistEnv
@@ -228,6 +229,7 @@ def _launch(
         threading.Thread(target=watchdog.run, args=(ended,), daemon=True, name="lmtune-watchdog").start()
     if not single_node:
         _meet_other_nodes(cfg.launch, Path(error_dir), ended, release)
+    kills_before = oom_kills()
     try:
         elastic_launch(config, sys.executable)("-m", "lmtune", *argv)
         if line := _from_elsewhere(_outcome(Path(error_dir))):
@@ -244,11 +246,12 @@ def _launch(
         raise UserError(_unreachable(cfg.launch, e)) from None
     except ChildFailedError as e:
         ended.set()
-        return _failed(e, Path(error_dir), hung=watchdog is not None and bool(watchdog.hangs))
+        hung = watchdog is not None and bool(watchdog.hangs)
+        return failed(e, Path(error_dir), hung, out_of_memory_kills(kills_before))
     except SignalException as e:
         ended.set()
         if user_error.is_set():  # our own stop: a user error is not worth a restart
-            for message in dict.fromkeys(m for m, code in _reported_errors(Path(error_dir)) if code == 2):
+            for message in dict.fromkeys(m for m, code in reported_errors(Path(error_dir)) if code == 2):
                 print(f"error: {message}", file=sys.stderr, flush=True)
             return USER_ERROR_EXIT_CODE
         # Ctrl+C or a scheduler's SIGTERM: the agent has passed it to the workers and waited for them.
@@ -314,56 +317,6 @@ def _launch_config(launch: LaunchSettings, run_id: str, single_node: bool) -> An
     )
 
 
-def _failed(e: Any, error_dir: Path, hung: bool) -> int:
-    """The exit code of a job whose worker failed, with what the workers reported, said once."""
-    if hung:
-        print(
-            f"lmtune: ended the job after a hang (exit code {HANG_EXIT_CODE})",
-            file=sys.stderr,
-            flush=True,
-        )
-        return HANG_EXIT_CODE
-    reported = _reported_errors(error_dir)
-    messages = list(dict.fromkeys(message for message, _ in reported))
-    for message in messages:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    # By what the workers reported, not by which exit the agent saw first: a worker stopped
-    # while it tears down after the error can die of a signal instead.
-    codes = {code for _, code in reported} | {f.exitcode for f in e.failures.values()}
-    if USER_ERROR_EXIT_CODE in codes:
-        return USER_ERROR_EXIT_CODE
-    # Workers that a signal reached before training (and not through this launcher) stop together,
-    # each exiting 128 + its number: the job ends as they did, not as a failure.
-    ended = {code for code in codes if code > 0}
-    if ended and all(code - 128 in (signal.SIGTERM, signal.SIGINT) for code in ended):
-        name = signal.Signals(max(ended) - 128).name
-        print(
-            f"lmtune: the workers were stopped by {name} before training began; nothing to save",
-            file=sys.stderr,
-        )
-        return max(ended)
-    if not messages:
-        # The first to end is the cause; the launcher then stops the others with SIGTERM (within
-        # the second a failure's time is kept to, a SIGTERM is the later one).
-        order = sorted(e.failures.items(), key=lambda f: (f[1].timestamp, f[1].exitcode == -signal.SIGTERM))
-        first, *rest = order
-        stopped = [rank for rank, failure in rest if failure.exitcode == -signal.SIGTERM]
-        for rank, failure in [first, *((r, f) for r, f in rest if r not in stopped)]:
-            print(f"lmtune: rank {rank} {_ended(failure.exitcode)}", file=sys.stderr)
-        if stopped:
-            print(
-                f"lmtune: the launcher then stopped rank(s) {', '.join(map(str, stopped))}", file=sys.stderr
-            )
-    return 1
-
-
-def _ended(exitcode: int) -> str:
-    if exitcode < 0:
-        with suppress(ValueError):
-            return f"was killed by {signal.Signals(-exitcode).name}"
-    return f"failed with exit code {exitcode}"
-
-
 def flight_recorder(output_dir: Path) -> None:
     """NCCL's flight recorder for the workers (unless set already): the last collectives of every
     rank, dumped under OUTPUT/comm-traces/ when a collective times out (analysed with torchfrtrace).
@@ -392,7 +345,7 @@ def _stop_on_user_error(error_dir: Path, seen: threading.Event, ended: threading
     """Under --max-restarts, end the job when a worker reports a user error: the agent would start
     every worker again only to fail the same way."""
     while not ended.wait(0.2):
-        if any(code == USER_ERROR_EXIT_CODE for _, code in _reported_errors(error_dir)):
+        if any(code == USER_ERROR_EXIT_CODE for _, code in reported_errors(error_dir)):
             seen.set()
             os.kill(os.getpid(), signal.SIGTERM)  # the agent stops its workers and raises in the launcher
             return
@@ -463,15 +416,3 @@ def _children() -> bool:
             if int(parent) == me and state != "Z":
                 return True
     return False
-
-
-def _reported_errors(error_dir: Path) -> list[tuple[str, int]]:
-    """(message, exit code) of every worker that reported one, by rank."""
-    found = sorted(error_dir.glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-    reports = []
-    for p in found:
-        try:
-            reports.append(json.loads(p.read_text(encoding="utf-8")))
-        except ValueError:  # being written right now
-            continue
-    return [(r["message"], int(r["exit_code"])) for r in reports]

@@ -182,9 +182,11 @@ class PhaseTimer:
     def __init__(self, device: torch.device, timed: bool = True, beat: Callable[[str], None] | None = None):
         self.device, self.timed, self.beat = device, timed, beat
         self.seconds: dict[str, float] = {}
+        self.current = ""  # the phase entered last (an error names it)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        self.current = name
         if self.beat is not None:
             self.beat(name)
         if not self.timed:

@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from lmtune.objectives.base import Objective, split_output
 from lmtune.objectives.sft import SupervisedObjective
 from lmtune.parallel.distributed import DistEnv, all_reduce_max, all_reduce_sum
 from lmtune.parallel.wrap import is_sharded, no_sync
+from lmtune.training.failures import batch_words, naming_the_step
 from lmtune.training.perf import PhaseTimer, phase
 
 SUPERVISED = SupervisedObjective()
@@ -106,7 +108,8 @@ def train_step(trainee: Trainee, step: StepInput, env: DistEnv, options: StepOpt
     last = len(micro_batches) - 1
     work_s = step.data_s
     for i, batch in enumerate(micro_batches):
-        with no_sync(model, sync=i == last):
+        where = partial(_micro_step, env, step.step, i, len(micro_batches), batch, timer)
+        with no_sync(model, sync=i == last), naming_the_step(where, batch):
             started = time.perf_counter()
             keyed = (
                 {}
@@ -124,7 +127,8 @@ def train_step(trainee: Trainee, step: StepInput, env: DistEnv, options: StepOpt
                 backward.backward()  # type: ignore[no-untyped-call]
         sums[0] += micro_loss.detach().double()
         sums[1:] += metric_sums.detach().double()
-    with phase(timer, "optimizer"):
+    where = partial(_update_step, env, step.step)
+    with phase(timer, "optimizer"), naming_the_step(where):
         tally = _Tally(
             sums=sums,
             stop_requested=step.stop_requested(),
@@ -133,6 +137,17 @@ def train_step(trainee: Trainee, step: StepInput, env: DistEnv, options: StepOpt
         )
         result = _update(trainee, env, options, tally)
     return replace(result, phases=timer.take()) if timer is not None else result
+
+
+def _micro_step(env: DistEnv, step: int, i: int, n: int, batch: Batch, timer: PhaseTimer | None) -> str:
+    said = f"on {env.device} in step {step}, micro-batch {i + 1} of {n} ({batch_words(batch)})"
+    return said + (f", in its {timer.current}" if timer is not None and timer.current else "")
+
+
+def _update_step(env: DistEnv, step: int) -> str:
+    # The optimizer's state is allocated at its first update: two fp32 copies of the trained weights
+    # under AdamW.
+    return f"on {env.device} in step {step}'s optimizer update"
 
 
 def _lockstep(micro_batches: list[Batch], env: DistEnv) -> list[Batch]:

@@ -1,0 +1,115 @@
+"""What the launcher says when a worker of its job failed: the messages the workers reported (each
+once), else the rank that ended first and how; a worker killed by the kernel's out-of-memory killer
+is named as such, with what to lower."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+from lmtune.errors import USER_ERROR_EXIT_CODE
+from lmtune.parallel.health import HANG_EXIT_CODE
+
+
+def reported_errors(error_dir: Path) -> list[tuple[str, int]]:
+    """(message, exit code) of every worker that reported one, by rank."""
+    found = sorted(error_dir.glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    reports = []
+    for p in found:
+        try:
+            reports.append(json.loads(p.read_text(encoding="utf-8")))
+        except ValueError:  # being written right now
+            continue
+    return [(r["message"], int(r["exit_code"])) for r in reports]
+
+
+def failed(e: Any, error_dir: Path, hung: bool, memory_killer: bool = False) -> int:
+    """The exit code of a job whose worker failed, with what the workers reported, said once
+    (``memory_killer``: the kernel's out-of-memory killer killed a process meanwhile)."""
+    if hung:
+        print(
+            f"lmtune: ended the job after a hang (exit code {HANG_EXIT_CODE})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return HANG_EXIT_CODE
+    reported = reported_errors(error_dir)
+    messages = list(dict.fromkeys(message for message, _ in reported))
+    for message in messages:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    # By what the workers reported, not by which exit the agent saw first: a worker stopped
+    # while it tears down after the error can die of a signal instead.
+    codes = {code for _, code in reported} | {f.exitcode for f in e.failures.values()}
+    if USER_ERROR_EXIT_CODE in codes:
+        return USER_ERROR_EXIT_CODE
+    # Workers that a signal reached before training (and not through this launcher) stop together,
+    # each exiting 128 + its number: the job ends as they did, not as a failure.
+    ended = {code for code in codes if code > 0}
+    if ended and all(code - 128 in (signal.SIGTERM, signal.SIGINT) for code in ended):
+        name = signal.Signals(max(ended) - 128).name
+        print(
+            f"lmtune: the workers were stopped by {name} before training began; nothing to save",
+            file=sys.stderr,
+        )
+        return max(ended)
+    if not messages:
+        # The first to end is the cause; the launcher then stops the others with SIGTERM (within
+        # the second a failure's time is kept to, a SIGTERM is the later one).
+        order = sorted(e.failures.items(), key=lambda f: (f[1].timestamp, f[1].exitcode == -signal.SIGTERM))
+        first, *rest = order
+        stopped = [rank for rank, failure in rest if failure.exitcode == -signal.SIGTERM]
+        causes = [first, *((r, f) for r, f in rest if r not in stopped)]
+        for rank, failure in causes:
+            print(f"lmtune: rank {rank} {_ended(failure.exitcode)}", file=sys.stderr)
+        if stopped:
+            print(
+                f"lmtune: the launcher then stopped rank(s) {', '.join(map(str, stopped))}", file=sys.stderr
+            )
+        if memory_killer and any(f.exitcode == -signal.SIGKILL for _, f in causes):
+            print(f"lmtune: {OUT_OF_MEMORY_KILLS}", file=sys.stderr)
+    return 1
+
+
+OUT_OF_MEMORY_KILLS = (
+    "the kernel's out-of-memory killer killed a process while the job ran: the job needs more memory "
+    "than the machine (or its memory limit) has; to fit, try a smaller --micro-batch-size (the same "
+    "training: more micro-batches a step), --activation-checkpointing or a shorter --max-length "
+    "(`lmtune plan` with the same flags shows what fits)"
+)
+
+
+def _ended(exitcode: int) -> str:
+    if exitcode < 0:
+        with suppress(ValueError):
+            return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"failed with exit code {exitcode}"
+
+
+# Where Linux counts the processes its out-of-memory killer killed: the machine (or VM) as a whole,
+# and this process's memory cgroup (v2, then v1) as a container sees its own.
+_OOM_COUNTERS = (
+    (Path("/proc/vmstat"), "oom_kill"),
+    (Path("/sys/fs/cgroup/memory.events"), "oom_kill"),
+    (Path("/sys/fs/cgroup/memory/memory.oom_control"), "oom_kill"),
+)
+
+
+def oom_kills() -> tuple[int, ...]:
+    """The out-of-memory killer's counts, where this machine shows them."""
+    counts = []
+    for path, key in _OOM_COUNTERS:
+        with suppress(OSError, ValueError):
+            for line in path.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == key:
+                    counts.append(int(value))
+    return tuple(counts)
+
+
+def out_of_memory_kills(before: tuple[int, ...]) -> bool:
+    now = oom_kills()
+    return len(now) == len(before) and any(b > a for a, b in zip(before, now, strict=True))
