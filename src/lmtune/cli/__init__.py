@@ -73,6 +73,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         report_error(_placed(e, args), USER_ERROR_EXIT_CODE)
         return USER_ERROR_EXIT_CODE
+    except RuntimeError as e:  # lmtune train says its own, with the step; the other commands, here
+        from lmtune.training.failures import is_out_of_memory
+
+        if not is_out_of_memory(e) or args is None:
+            raise
+        from lmtune.parallel.launch import report_error
+
+        report_error(_out_of_memory(e, args), USER_ERROR_EXIT_CODE)
+        return USER_ERROR_EXIT_CODE
     except OSError as e:
         if not _a_path_problem(e):
             raise
@@ -134,6 +143,22 @@ def _placed(e: UserError, args: Any) -> str:
         if place is not None:
             return f"{place}: {re.sub(r'--([a-z][a-z0-9-]*)', as_key, e.reason)}"
     return str(e)
+
+
+def _out_of_memory(e: RuntimeError, args: Any) -> str:
+    """A command's memory that ran out, with the options it has that would lower it."""
+    from lmtune.training.failures import what_it_asked
+
+    lower = {
+        "batch_size": "a smaller --batch-size",
+        "micro_batch_size": "a smaller --micro-batch-size",
+        "max_length": "a shorter --max-length",
+        "max_new_tokens": "fewer --max-new-tokens",
+    }
+    ways = [f"{way} (now {getattr(args, name)})" for name, way in lower.items() if getattr(args, name, None)]
+    parser = getattr(args, "parser", None)
+    said = f"{parser.prog if parser is not None else 'lmtune'}: out of memory{what_it_asked(e)}"
+    return said + (f"; to fit, try {' or '.join(ways)}" if ways else "")
 
 
 def _a_path_problem(e: OSError) -> bool:

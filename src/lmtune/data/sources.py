@@ -109,6 +109,23 @@ def _is_saved_dataset(folder: Path) -> bool:
     return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
 
 
+# What makes a folder a model's (a run's final/, an export, a checkpoint, a PEFT adapter): its JSON
+# files are configs, not records.
+_MODEL_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "adapter_model.safetensors",
+    "adapter_config.json",
+)
+
+
+def _model_files(folder: Path) -> str:
+    """The model file ``folder`` holds beside a config ("" when none)."""
+    configs = (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file()
+    return next((name for name in _MODEL_FILES if configs and (folder / name).is_file()), "")
+
+
 def _file_source(path: Path, option: str) -> Source:
     suffix = path.suffix.lower()
     if suffix not in EXTENSIONS:
@@ -167,6 +184,9 @@ def _item_sources(item: str, option: str) -> list[Source]:
     if path.is_dir():
         if _is_saved_dataset(path):
             return [Source("hf_disk", str(path))]
+        if weights := _model_files(path):
+            said = f"{item}: a model folder (it holds {weights}), not data; a model is given with --model"
+            raise _refused(option, said)
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in EXTENSIONS)
         if not files:
             raise _refused(option, f"{item}: folder has no {', '.join(EXTENSIONS)} files")

@@ -146,6 +146,24 @@ def test_missing_inputs(tmp_path: Path, spec: str, message: str) -> None:
         resolve_sources(str(tmp_path / "empty"))
 
 
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin", "adapter_model.safetensors"])
+def test_a_model_folder_given_as_data_is_named_as_such(tmp_path: Path, weights: str) -> None:
+    """Its JSON files (config.json, tokenizer.json) are not records: said, not read as data."""
+    model = tmp_path / "final"
+    model.mkdir()
+    config = "adapter_config.json" if weights.startswith("adapter") else "config.json"
+    (model / config).write_text("{}")
+    (model / "tokenizer.json").write_text("{}")
+    (model / weights).write_bytes(b"")
+    said = rf"--data: {model}: a model folder \(it holds {weights}\), not data; a model is given with --model"
+    with pytest.raises(UserError, match=said):
+        resolve_sources(str(model))
+    if config == "config.json":  # a folder of JSON records that happens to hold a config.json stays data
+        (model / weights).unlink()
+        read = [s.name for s in resolve_sources(str(model))]
+        assert read == [str(model / config), str(model / "tokenizer.json")]
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

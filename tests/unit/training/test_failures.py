@@ -61,3 +61,19 @@ def test_outside_a_step_too(tmp_path: Path) -> None:
     cpu = torch.device("cpu")
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"), said_plainly(cfg, cpu):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")  # not ours to reword
+
+
+def test_the_other_commands_say_it_with_their_own_options() -> None:
+    from lmtune.cli import _out_of_memory
+    from lmtune.cli.parser import build_parser
+
+    argv = ["eval", "--batch-size", "64", "--max-length", "2048", "d.jsonl"]
+    args, _ = build_parser().parse_known_args(argv)
+    assert _out_of_memory(RuntimeError(CPU_SAYS), args) == (
+        "lmtune eval: out of memory: it asked for 256 MiB more; to fit, try a smaller --batch-size (now 64) "
+        "or a shorter --max-length (now 2048)"
+    )
+    args, _ = build_parser().parse_known_args(["generate", "--model", "m", "--max-new-tokens", "512"])
+    said = _out_of_memory(torch.OutOfMemoryError(CUDA_SAYS), args)
+    assert said.startswith("lmtune generate: out of memory: it asked for 2.00 GiB more with 1.06 GiB")
+    assert said.endswith("; to fit, try fewer --max-new-tokens (now 512)")
