@@ -87,6 +87,21 @@ def out_of_space(e: BaseException, written: Path | None = None) -> bool:
         return False
 
 
+def room(needed: int) -> int:
+    """The free bytes lmtune asks before writing ``needed`` bytes: 5% and 1 MiB to spare."""
+    return int(needed * 1.05) + (1 << 20)
+
+
+def sizes(needed: int, free: int) -> str:
+    """``about 11.6 MB needed, 10.2 MB free``: ``needed`` with its margin (:func:`room`), to a tenth
+    of a MB below 100 MB, so that the two figures of a refusal never read the same."""
+
+    def mb(n: int) -> str:
+        return f"{n / 2**20:,.1f} MB" if n < 100 << 20 else f"{n / 2**20:,.0f} MB"
+
+    return f"about {mb(room(needed))} needed, {mb(free)} free"
+
+
 def brief(value: object, limit: int = 60) -> str:
     """``value`` as an error message may show it: a bounded repr (a YAML alias bomb or a 100 MB
     string is never expanded), on one line, at most ``limit`` characters."""

@@ -242,6 +242,8 @@ def test_a_disk_that_fills_during_training_stops_it_in_one_sentence(
         err = _error([*argv, "1", "--global-batch-size", "8", "--no-progress"], capsys)
         assert f"no space left on device while writing {out / 'metrics.jsonl'}; no earlier checkpoint" in err
         assert json.loads((out / "run.json").read_text())["config"]["max_steps"] == 400
+        rows = (out / "metrics.jsonl").read_text()  # cut back to its last whole row
+        assert rows.endswith("\n") and all(json.loads(row)["kind"] for row in rows.splitlines())
 
 
 def test_a_full_disk_for_the_data_cache_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -283,7 +285,8 @@ def test_a_read_only_output_folder(tmp_path: Path, capsys: pytest.CaptureFixture
         assert "cannot create it (Read-only file system)" in _error(
             ["train", "--output-dir", str(disk / "out")], capsys
         )
-        assert "not writable" in _error(["train", "--output-dir", str(disk)], capsys)
+        said = _error(["train", "--output-dir", str(disk)], capsys)
+        assert "not writable (a read-only file system)" in said
         said = _error(["report", str(tmp_path / "nothing"), "--out", str(disk / "r.html")], capsys)
         assert f"--out {disk / 'r.html'}: cannot write in {disk} (a read-only file system)" in said
 

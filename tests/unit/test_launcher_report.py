@@ -45,17 +45,19 @@ def test_a_rank_the_out_of_memory_killer_took_is_named_with_what_to_lower(
     assert before == (4, 1)
     assert not failure_report.out_of_memory_kills(before)
     events.write_text("low 0\nhigh 0\nmax 9\noom 3\noom_kill 2\n")  # in this container's cgroup
-    killer = failure_report.out_of_memory_kills(before)
-    assert killer
+    assert failure_report.out_of_memory_kills(before)
     killed = SimpleNamespace(failures={0: _failure(-int(signal.SIGTERM), 100), 1: _failure(-9, 100)})
-    assert failed(killed, tmp_path, hung=False, memory_killer=killer) == 1
+    advice = "; to fit, try fewer --nproc-per-node (now 2; each holds the model and its optimizer)"
+    assert failed(killed, tmp_path, hung=False, memory_advice=advice) == 2  # as memory run out in a rank
     said = capsys.readouterr().err.splitlines()
     assert said[:2] == ["lmtune: rank 1 was killed by SIGKILL", "lmtune: the launcher then stopped rank(s) 0"]
-    assert said[2].startswith("lmtune: the kernel's out-of-memory killer killed a process while the job")
-    assert "a smaller --micro-batch-size (the same training" in said[2] and len(said) == 3
+    assert said[2] == (
+        "error: the kernel's out-of-memory killer killed a process while the job ran: the job needs more "
+        f"memory than the machine (or its memory limit) has{advice}"
+    )
     # SIGKILL with no such kill counted is said as before, and so is another way to end.
-    assert failed(killed, tmp_path, hung=False, memory_killer=False) == 1
+    assert failed(killed, tmp_path, hung=False) == 1
     assert len(capsys.readouterr().err.splitlines()) == 2
     crashed = SimpleNamespace(failures={0: _failure(-int(signal.SIGSEGV), 100)})
-    assert failed(crashed, tmp_path, hung=False, memory_killer=True) == 1
+    assert failed(crashed, tmp_path, hung=False, memory_advice=advice) == 1
     assert capsys.readouterr().err.splitlines() == ["lmtune: rank 0 was killed by SIGSEGV"]

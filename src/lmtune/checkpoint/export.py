@@ -5,6 +5,7 @@ adapter), the configs that make a folder loadable elsewhere (generation_config's
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 import uuid
@@ -30,7 +31,7 @@ from lmtune.checkpoint.state import ModelParts
 from lmtune.config.files import read_json_object
 from lmtune.config.io import build_config
 from lmtune.config.verbosity import no_progress_bars
-from lmtune.errors import UserError, out_of_space
+from lmtune.errors import UserError, out_of_space, room, sizes
 from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, save_adapter
 from lmtune.model.loss import WRAPPED_PREFIX
 from lmtune.model.modeling import merge_device, merged_into_base
@@ -93,11 +94,11 @@ def _space_problem(parts: ModelParts, folder: Path) -> str:
     )
     folder.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder.parent).free
-    if free >= needed * 1.05 + (1 << 20):
+    if free >= room(needed):
         return ""
     return (
-        f"no space left on device for {folder}: about {needed / 2**20:,.0f} MB needed, "
-        f"{free / 2**20:,.0f} MB free (free some space; the same command resumes from the last checkpoint)"
+        f"no space left on device for {folder}: {sizes(needed, free)} (free some space; the same command "
+        "resumes from the last checkpoint)"
     )
 
 
@@ -348,6 +349,11 @@ def check_destination(checkpoint: Path, out: Path, overwrite: bool) -> None:
         return
     if not dest.is_dir():
         raise UserError(f"{where}: exists and is not a folder")
+    if os.path.ismount(dest):  # it cannot be renamed, and the export is written beside it
+        raise UserError(
+            f"{where}: a mount point; an export is written beside its folder and renamed into place, so "
+            f"give a folder inside it ({dest / 'model'})"
+        )
     if not any(dest.iterdir()):
         return
     if not (dest / EXPORT_MARKER).is_file():
@@ -391,7 +397,10 @@ def _write_export(out: Path, write: Callable[[Path], None], checkpoint: Path) ->
         if aside.exists() and not out.exists():
             aside.rename(out)
         if full:
-            raise UserError(f"no space left on device while writing {out}; nothing there changed") from None
+            said = f"no space left on device while writing {out}; nothing there changed"
+            if (out / EXPORT_MARKER).is_file():
+                said += " (a new export is written beside the one it replaces: both must fit)"
+            raise UserError(said) from None
         raise
     shutil.rmtree(aside, ignore_errors=True)
 

@@ -33,7 +33,7 @@ from lmtune.checkpoint.layout import LOCK_FILE, enclosing_run, refuse_users_step
 from lmtune.checkpoint.owned import listed as names_listed
 from lmtune.checkpoint.owned import users_files_said
 from lmtune.config import environment
-from lmtune.config.files import KIB, is_int, read_json_object
+from lmtune.config.files import KIB, is_int, read_json_object, unwritable
 from lmtune.config.mixture import named_items
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, decided_by_main, stop_if_signalled
@@ -215,8 +215,14 @@ def acquire(output_dir: Path, run_id: str, warn: Callable[[str], None]) -> RunLo
                 continue
             except OSError as e:
                 raise UserError(f"--output-dir {output_dir}: cannot write there ({e.strerror})") from None
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(asdict(me), f)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(asdict(me), f)
+            except OSError as e:  # a full disk: an empty lock left here would block the next run
+                path.unlink(missing_ok=True)
+                if created:
+                    output_dir.rmdir()
+                raise UserError(f"--output-dir {output_dir}: cannot write there ({e.strerror})") from None
             return RunLock(path, me, owned=True, created=created)
     raise UserError(f"--output-dir {output_dir}: its lock keeps changing hands; is another run starting?")
 
@@ -243,7 +249,7 @@ def _check_folder(output_dir: Path) -> None:
     except OSError as e:
         raise UserError(f"--output-dir {output_dir}: cannot create it ({e.strerror})") from None
     if not os.access(output_dir, os.W_OK | os.X_OK):
-        raise UserError(f"--output-dir {output_dir}: not writable")
+        raise UserError(f"--output-dir {output_dir}: not writable ({unwritable(output_dir)})")
     for name in (*RUN_FILES, LOCK_FILE):
         problem = _entry_problem(output_dir / name, folder=name in RUN_FOLDERS)
         if problem:
@@ -291,9 +297,8 @@ def check_earlier_run(
     ``--overwrite``, check that they may be deleted (lmtune's own entries only), which
     :func:`replace_earlier_run` does once the new run is built. Call with the lock held.
 
-    The same run stopped before its first checkpoint (its run.json has this very ``config``, and it
-    has no ``final/``) starts over, saying so: what it leaves is its own and is written again.
-    """
+    The same run stopped before its first checkpoint (its run.json has this very ``config``, no
+    ``final/``), or any that ended before its first step, starts over, saying so."""
     final = output_dir / "final"
     if final.is_dir() and not final.is_symlink() and (theirs := users_files_said(final)):
         raise UserError(
@@ -323,16 +328,21 @@ def check_earlier_run(
         )
     if continued or not ({"final", "metrics.jsonl"} & set(present)) or recorded_finish(output_dir):
         return  # a finished run's record: the checkpoint manager judges it once the run is built
-    if "final" not in present and earlier_record(output_dir).get("config") == config:
+    if "final" not in present:
         from lmtune.outputs.runlog import read_metrics
 
-        # Stopped before its first step, it lost nothing that --save-every would have kept.
-        if read_metrics(output_dir):
-            warn(
-                f"{output_dir} holds this run, stopped before its first checkpoint: starting it again "
-                "from step 0 (--save-every N keeps a stopped run's progress)"
-            )
-        return
+        trained = read_metrics(output_dir)
+        if earlier_record(output_dir).get("config") == config:
+            # Stopped before its first step, it lost nothing that --save-every would have kept.
+            if trained:
+                warn(
+                    f"{output_dir} holds this run, stopped before its first checkpoint: starting it again "
+                    "from step 0 (--save-every N keeps a stopped run's progress)"
+                )
+            return
+        if not trained:  # ended before its first step (out of memory, say): nothing to lose
+            warn(f"{output_dir} holds a run that ended before its first step: starting this one in its place")
+            return
     results = [n for n in present if n in ("final", "metrics.jsonl")]
     raise UserError(
         f"--output-dir {output_dir} holds an earlier run ({', '.join(results)}) with no checkpoint to "

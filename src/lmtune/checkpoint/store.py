@@ -48,7 +48,7 @@ from lmtune.checkpoint.layout import (
 )
 from lmtune.checkpoint.state import ModelParts, TrainerState, rng_state, set_rng_state
 from lmtune.config.files import is_int, read_json_object
-from lmtune.errors import UserError, one_line, out_of_space
+from lmtune.errors import UserError, one_line, out_of_space, room, sizes
 from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
 from lmtune.parallel.distributed import DistEnv, barrier, refused_by_main
 
@@ -166,15 +166,16 @@ def _space_problem(
     folder.mkdir(parents=True, exist_ok=True)
     needed = _estimate_bytes(parts, optimizer, env)
     free = free_bytes(folder)
-    if free >= needed * 1.05 + (1 << 20):
+    if free >= room(needed):
         return ""
     return _no_space(step, step_folder(output_dir, step), needed, free)
 
 
 def _no_space(step: int, final: Path, needed: int, free: int) -> str:
+    # Past the check before writing, the disk filled meanwhile (another job's files).
+    meanwhile = "the disk filled while it was written, " if free >= room(needed) else ""
     return (
-        f"no space left on device while saving step {step} to {final}: about "
-        f"{needed / 2**20:,.0f} MB needed, {free / 2**20:,.0f} MB free; "
+        f"no space left on device while saving step {step} to {final}: {meanwhile}{sizes(needed, free)}; "
         f"{resume_note(final.parent.parent, final)}"
     )
 

@@ -103,3 +103,8 @@ def read_json_object(path: Path, *, limit: int = RECORD_BYTES, follow_links: boo
 def is_int(value: Any, low: int = 0, high: int = 2**53) -> bool:
     """An int (not a bool) in ``[low, high]``: a count read from a record."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def unwritable(folder: Path) -> str:
+    """Why this process may not write in ``folder``, in a few words (it checked that it may not)."""
+    return "a read-only file system" if os.statvfs(folder).f_flag & os.ST_RDONLY else "no permission"

@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 from typing import Any, Literal
 
-from lmtune.config.files import MIB, decode_json, read_text
+from lmtune.config.files import MIB, decode_json, read_text, unwritable
 from lmtune.errors import UserError
 
 Kind = Literal["report", "png", "bench", "plan", "eval"]
@@ -88,8 +88,7 @@ def check_replaceable(path: Path, option: str, kind: Kind) -> None:
         )
     folder = next(f for f in (path.absolute().parent, *path.absolute().parents) if f.exists())  # made later
     if not os.access(folder, os.W_OK | os.X_OK):
-        why = "a read-only file system" if os.statvfs(folder).f_flag & os.ST_RDONLY else "no permission"
-        raise UserError(f"{where}: cannot write in {folder} ({why})")
+        raise UserError(f"{where}: cannot write in {folder} ({unwritable(folder)})")
 
 
 def write_output(path: Path, data: bytes | str, option: str) -> None:

@@ -8,6 +8,7 @@ waiting in a collective, so tokenizing a large corpus never runs into the proces
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import multiprocessing
@@ -16,6 +17,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -239,6 +241,11 @@ def _build_or_say_full(
     try:
         _build(components, tokenizer, settings, folder, wanted, check_stop)
     except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise UserError(
+                f"--cache-dir {folder.parent}: cannot write the tokenized data there ({e.strerror}); give "
+                "--cache-dir (or LMTUNE_CACHE_DIR) a folder this process can write"
+            ) from None
         if not out_of_space(e, folder):
             raise
         shutil.rmtree(folder, ignore_errors=True)
@@ -383,12 +390,16 @@ def prepare(
     try:
         _build_or_say_full(components, tokenizer, settings, tmp, wanted, check_stop)
     except UserError as e:
-        error_file.parent.mkdir(parents=True, exist_ok=True)
         # Renamed into place whole: a waiting rank that saw the file half written would report
         # its own vaguer error next to this one.
         part = error_file.with_name(f"{error_file.name}.part-{env.rank}")  # node builders share a disk
-        part.write_text(str(e), encoding="utf-8")
-        part.replace(error_file)
+        try:
+            error_file.parent.mkdir(parents=True, exist_ok=True)
+            part.write_text(str(e), encoding="utf-8")
+            part.replace(error_file)
+        except OSError:  # a disk with no room even for this: the waiting ranks' own timeout says it
+            with suppress(OSError):
+                part.unlink(missing_ok=True)
         raise
     finally:
         if not (tmp / META_FILE).is_file():

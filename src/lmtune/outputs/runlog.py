@@ -60,8 +60,10 @@ def append_line(f: Any, line: str) -> None:
     """Append ``line`` to a file :func:`open_jsonl` opened, now (a crash keeps what was written).
 
     Raises:
-        NoSpace: the disk is full; ``f`` is closed (what it could not write would fail again).
+        NoSpace: the disk is full; ``f`` is closed (what it could not write would fail again) and
+            cut back to its last whole line (a reader would meet half a row).
     """
+    whole = os.fstat(f.fileno()).st_size
     try:
         f.write(line + "\n")
         f.flush()
@@ -70,6 +72,8 @@ def append_line(f: Any, line: str) -> None:
             raise
         with suppress(OSError):
             f.close()
+        with suppress(OSError):
+            os.truncate(f.name, whole)
         raise NoSpace(f"no space left on device while writing {f.name}", Path(f.name)) from None
 
 

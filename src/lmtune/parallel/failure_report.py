@@ -27,9 +27,10 @@ def reported_errors(error_dir: Path) -> list[tuple[str, int]]:
     return [(r["message"], int(r["exit_code"])) for r in reports]
 
 
-def failed(e: Any, error_dir: Path, hung: bool, memory_killer: bool = False) -> int:
+def failed(e: Any, error_dir: Path, hung: bool, memory_advice: str = "") -> int:
     """The exit code of a job whose worker failed, with what the workers reported, said once
-    (``memory_killer``: the kernel's out-of-memory killer killed a process meanwhile)."""
+    (``memory_advice``: the kernel's out-of-memory killer killed a process meanwhile, and this is
+    what the run can lower)."""
     if hung:
         print(
             f"lmtune: ended the job after a hang (exit code {HANG_EXIT_CODE})",
@@ -69,17 +70,14 @@ def failed(e: Any, error_dir: Path, hung: bool, memory_killer: bool = False) -> 
             print(
                 f"lmtune: the launcher then stopped rank(s) {', '.join(map(str, stopped))}", file=sys.stderr
             )
-        if memory_killer and any(f.exitcode == -signal.SIGKILL for _, f in causes):
-            print(f"lmtune: {OUT_OF_MEMORY_KILLS}", file=sys.stderr)
+        if memory_advice and any(f.exitcode == -signal.SIGKILL for _, f in causes):
+            print(
+                "error: the kernel's out-of-memory killer killed a process while the job ran: the job needs "
+                f"more memory than the machine (or its memory limit) has{memory_advice}",
+                file=sys.stderr,
+            )
+            return USER_ERROR_EXIT_CODE  # as memory that runs out inside a rank
     return 1
-
-
-OUT_OF_MEMORY_KILLS = (
-    "the kernel's out-of-memory killer killed a process while the job ran: the job needs more memory "
-    "than the machine (or its memory limit) has; to fit, try a smaller --micro-batch-size (the same "
-    "training: more micro-batches a step), --activation-checkpointing or a shorter --max-length "
-    "(`lmtune plan` with the same flags shows what fits)"
-)
 
 
 def _ended(exitcode: int) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from lmtune.config import environment
+from lmtune.config.advice import memory_advice
 from lmtune.config.run_groups import LaunchSettings
 from lmtune.config.settings import TrainConfig, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
@@ -247,7 +248,8 @@ def _launch(
     except ChildFailedError as e:
         ended.set()
         hung = watchdog is not None and bool(watchdog.hangs)
-        return failed(e, Path(error_dir), hung, out_of_memory_kills(kills_before))
+        advice = _memory_advice(cfg) if out_of_memory_kills(kills_before) else ""
+        return failed(e, Path(error_dir), hung, advice)
     except SignalException as e:
         ended.set()
         if user_error.is_set():  # our own stop: a user error is not worth a restart
@@ -271,6 +273,15 @@ def _launch(
         os.environ.pop(ERROR_DIR_ENV, None)
         os.environ.pop(HEALTH_DIR_ENV, None)
         shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def _memory_advice(cfg: TrainConfig) -> str:
+    import torch
+
+    on_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
+    world = cfg.launch.nproc_per_node * parse_nnodes(cfg.launch.nnodes)[1]
+    micro = cfg.batch.micro_batch_size or cfg.batch.global_batch_size // max(world, 1)
+    return memory_advice(cfg, on_gpu=on_gpu, batched=micro > 1, processes=cfg.launch.nproc_per_node)
 
 
 def _unreachable(launch: LaunchSettings, e: BaseException) -> str:

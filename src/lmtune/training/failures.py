@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from lmtune.checkpoint.resume import resumable_when_full
+from lmtune.config.advice import memory_advice
 from lmtune.config.settings import TrainConfig
 from lmtune.data.batch import Batch
 from lmtune.errors import UserError
@@ -71,23 +72,8 @@ def batch_words(batch: Batch) -> str:
 
 
 def what_to_lower(cfg: TrainConfig, device: torch.device, batched: bool) -> str:
-    """The settings that lower a run's memory, as this run has them (``batched``: what ran out
-    computed several examples at once)."""
-    ways = []
-    if batched:
-        ways.append(
-            f"a smaller --micro-batch-size (the global batch stays {cfg.batch.global_batch_size}: "
-            "more micro-batches a step, the same training)"
-        )
-    if not cfg.model.activation_checkpointing:
-        ways.append("--activation-checkpointing")
-    ways.append(f"a shorter --max-length (now {cfg.examples.max_length:,})")
-    if device.type == "cuda" and cfg.model.precision == "fp32":
-        ways.append("--precision bf16")
-    if device.type == "cuda" and not cfg.lora.enabled:
-        ways.append("--lora (or --optimizer adamw8bit)")
-    listed = ", ".join(ways[:-1]) + f" or {ways[-1]}" if len(ways) > 1 else ways[0]
-    return f"; to fit, try {listed} (`lmtune plan` with the same flags shows what fits)"
+    """The settings that lower this run's memory (``batched``: what ran out held several examples)."""
+    return memory_advice(cfg, on_gpu=device.type == "cuda", batched=batched)
 
 
 @contextmanager
@@ -101,5 +87,7 @@ def said_plainly(cfg: TrainConfig, device: torch.device) -> Iterator[None]:
         except RuntimeError as e:  # outside a step: loading, evaluating, generating
             if not is_out_of_memory(e):
                 raise
-            where = f"out of memory on {device} outside a training step (loading, evaluating or sampling)"
-            raise UserError(f"{where}{what_it_asked(e)}{what_to_lower(cfg, device, True)}") from None
+            outside = "outside a training step (loading, reference log-probs, evaluating, sampling)"
+            raise UserError(
+                f"out of memory on {device} {outside}{what_it_asked(e)}{what_to_lower(cfg, device, True)}"
+            ) from None

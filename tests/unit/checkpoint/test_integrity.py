@@ -198,6 +198,12 @@ def test_an_earlier_run_is_not_replaced_without_overwrite(tmp_path: Path) -> Non
     said: list[str] = []
     check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 1.0}, warn=said.append)
     assert said == []
+    # One with other settings that ended before its first step (out of memory, with a smaller
+    # --micro-batch-size now) is replaced too, saying so: it trained nothing.
+    check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 2.0}, warn=said.append)
+    replaced = f"{tmp_path} holds a run that ended before its first step: starting this one in its place"
+    assert said == [replaced]
+    said.clear()
     # Stopped after some steps, before its first checkpoint, it starts over, saying so; another is refused.
     (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
     check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 1.0}, warn=said.append)
@@ -272,7 +278,7 @@ def test_a_full_disk_is_a_user_error_and_loses_nothing(
 
     monkeypatch.setattr(torch, "save", no_space)
     with pytest.raises(
-        UserError, match=r"no space left on device while saving step 2 to .*step-000002: about"
+        UserError, match=r"saving step 2 to .*step-000002: the disk filled while it was written, about"
     ):
         save_checkpoint(tmp_path, _state(2), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
@@ -280,7 +286,7 @@ def test_a_full_disk_is_a_user_error_and_loses_nothing(
     # Checked before writing: too little room is refused at once, naming both sizes.
     monkeypatch.setattr(store, "free_bytes", lambda folder: 2**20)
     with pytest.raises(
-        UserError, match=r"MB needed, 1 MB free; step-000001, the newest checkpoint, is intact"
+        UserError, match=r"MB needed, 1.0 MB free; step-000001, the newest checkpoint, is intact"
     ):
         save_checkpoint(tmp_path, _state(3), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
     # The first save of a run has no earlier checkpoint to speak of.
@@ -303,7 +309,7 @@ def test_a_disk_that_fills_while_a_checkpoint_is_written(
         parts, tokenizer, optimizer = _tiny_parts()
         save_checkpoint(disk, _state(1), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
         monkeypatch.setattr(store, "free_bytes", lambda folder: 1 << 40)
-        with pytest.raises(UserError, match=r"saving step 2 to .*step-000002: about \d+ MB needed") as e:
+        with pytest.raises(UserError, match=r"step-000002: about [\d.]+ MB needed, [\d.]+ MB free") as e:
             save_checkpoint(disk, _state(2), parts, tokenizer, optimizer, ONE, keep_last=0, records={})
         assert "step-000001, the newest checkpoint, is intact" in str(e.value)
         assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["step-000001"]

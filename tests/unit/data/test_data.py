@@ -158,6 +158,11 @@ def test_a_model_folder_given_as_data_is_named_as_such(tmp_path: Path, weights: 
     said = rf"--data: {model}: a model folder \(it holds {weights}\), not data; a model is given with --model"
     with pytest.raises(UserError, match=said):
         resolve_sources(str(model))
+    run = tmp_path  # a run's output folder, its model in final/
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    said = rf"--data: {run}: holds a model \({model}\), not only data; a model is given with --model"
+    with pytest.raises(UserError, match=said):
+        resolve_sources(str(run))
     if config == "config.json":  # a folder of JSON records that happens to hold a config.json stays data
         (model / weights).unlink()
         read = [s.name for s in resolve_sources(str(model))]

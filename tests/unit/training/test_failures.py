@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmtune.config.advice import memory_advice
 from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
 from lmtune.training.failures import is_out_of_memory, said_plainly, what_it_asked, what_to_lower
@@ -46,7 +47,8 @@ def test_what_to_lower_is_what_this_run_can_still_lower(tmp_path: Path) -> None:
     assert "--precision bf16 or --lora (or --optimizer adamw8bit)" in on_gpu
     lean = plain.replace(activation_checkpointing=True, precision="bf16", lora=True)
     assert what_to_lower(lean, gpu, batched=False) == (
-        "; to fit, try a shorter --max-length (now 1,024) (`lmtune plan` with the same flags shows what fits)"
+        "; to fit, try a shorter --max-length (now 1,024) (`lmtune plan` with the same model, data and batch "
+        "flags shows what fits)"
     )
 
 
@@ -55,7 +57,8 @@ def test_outside_a_step_too(tmp_path: Path) -> None:
     with pytest.raises(UserError) as raised, said_plainly(cfg, torch.device("cpu")):
         raise RuntimeError(CPU_SAYS)  # as loading, evaluating or sampling would
     assert str(raised.value).startswith(
-        "out of memory on cpu outside a training step (loading, evaluating or sampling): it asked for "
+        "out of memory on cpu outside a training step (loading, reference log-probs, evaluating, sampling): "
+        "it asked for "
         "256 MiB more; to fit, try a smaller --micro-batch-size"
     )
     cpu = torch.device("cpu")
@@ -77,3 +80,13 @@ def test_the_other_commands_say_it_with_their_own_options() -> None:
     said = _out_of_memory(torch.OutOfMemoryError(CUDA_SAYS), args)
     assert said.startswith("lmtune generate: out of memory: it asked for 2.00 GiB more with 1.06 GiB")
     assert said.endswith("; to fit, try fewer --max-new-tokens (now 512)")
+
+
+def test_several_cpu_processes_are_told_to_start_fewer(tmp_path: Path) -> None:
+    cfg = TrainConfig(output_dir=str(tmp_path), micro_batch_size=1, global_batch_size=8)
+    said = memory_advice(cfg, on_gpu=False, batched=False, processes=2)
+    assert said == (
+        "; to fit, try --activation-checkpointing, a shorter --max-length (now 512) or fewer "
+        "--nproc-per-node (now 2; each holds the model and its optimizer) (`lmtune plan` with the same "
+        "model, data and batch flags shows what fits)"
+    )
