@@ -19,7 +19,7 @@ from lmtune.data.prepare import encode_in_memory
 from lmtune.data.sources import BadLines, Record, Source, iter_records
 from lmtune.data.tokenize import CHARS_PER_TOKEN
 from lmtune.model.modeling import byte_tokenizer
-from tests.conftest import mounted_tmpfs, run_lmtune, write_jsonl
+from tests.conftest import mounted_tmpfs, run_lmtune, tiny_run_with_checkpoint, write_jsonl
 from tests.conftest import one_line_error as _error
 
 
@@ -257,6 +257,20 @@ def test_a_full_disk_for_the_data_cache_is_named(tmp_path: Path, capsys: pytest.
         assert shutil.disk_usage(disk).free > 900 << 10
 
 
+def test_a_full_disk_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No room even for the run's lock or the data cache's error record: still one sentence, and
+    nothing left behind (an empty lock would block the next run)."""
+    data = write_jsonl(tmp_path / "d.jsonl", [f"line {i}" for i in range(64)])
+    with mounted_tmpfs(tmp_path / "disk", "size=1m") as disk:
+        (disk / "filler").write_bytes(bytes(shutil.disk_usage(disk).free))
+        argv = ["train", "--data", str(data), "--max-steps", "1", "--no-progress"]
+        err = _error([*argv, "--output-dir", str(disk / "run")], capsys)
+        assert f"--output-dir {disk / 'run'}: cannot write there (No space left on device)" in err
+        err = _error([*argv, "--output-dir", str(tmp_path / "out"), "--cache-dir", str(disk)], capsys)
+        assert f"no space left on device while caching the tokenized data in {disk}" in err
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+
 def test_memory_that_runs_out_names_the_step_and_what_to_lower(tmp_path: Path) -> None:
     """A real allocation failure: the process may map 5 GB, the step needs ~9 GB (16 rows of 2,048
     tokens of the `small` preset, unchunked by micro-batches)."""
@@ -289,6 +303,11 @@ def test_a_read_only_output_folder(tmp_path: Path, capsys: pytest.CaptureFixture
         assert "not writable (a read-only file system)" in said
         said = _error(["report", str(tmp_path / "nothing"), "--out", str(disk / "r.html")], capsys)
         assert f"--out {disk / 'r.html'}: cannot write in {disk} (a read-only file system)" in said
+        said = _error(["train", "--cache-dir", str(disk), "--output-dir", str(tmp_path / "out")], capsys)
+        assert f"--cache-dir {disk}: cannot write the tokenized data there (Read-only file system)" in said
+        checkpoint = tiny_run_with_checkpoint(tmp_path) / "checkpoints" / "step-000002"
+        said = _error(["export", str(checkpoint), str(disk)], capsys)
+        assert f"{disk}: a mount point; an export is written beside its folder" in said
 
 
 def test_eval_split_settings_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
