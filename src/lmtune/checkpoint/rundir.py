@@ -220,7 +220,7 @@ def acquire(output_dir: Path, run_id: str, warn: Callable[[str], None]) -> RunLo
                     json.dump(asdict(me), f)
             except OSError as e:  # a full disk: an empty lock left here would block the next run
                 path.unlink(missing_ok=True)
-                if created:
+                if created:  # empty again: it was this run's
                     output_dir.rmdir()
                 raise UserError(f"--output-dir {output_dir}: cannot write there ({e.strerror})") from None
             return RunLock(path, me, owned=True, created=created)
