@@ -12,7 +12,7 @@ HINTS: dict[str, str] = {
         "lmtune derives gradient accumulation from {global_batch_size} (examples per optimizer step "
         "over all processes) = {micro_batch_size} x processes x accumulation"
     ),
-    "per_device_eval_batch_size": "evaluation runs micro-batches of {micro_batch_size}",
+    "per_device_eval_batch_size": "evaluation runs micro-batches of {micro_batch_size}: set that one",
     # Axolotl's: lmtune counts in optimizer steps (the start line says how many an epoch has).
     "evals_per_epoch": "{eval_every} N evaluates every N optimizer steps",
     "saves_per_epoch": "{save_every} N saves a checkpoint every N optimizer steps",
