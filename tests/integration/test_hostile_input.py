@@ -271,6 +271,17 @@ def test_a_full_disk_before_anything_is_written(tmp_path: Path, capsys: pytest.C
         assert sorted(p.name for p in disk.iterdir()) == ["filler"]
 
 
+def test_report_pngs_that_do_not_fit_leave_no_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tiny_run_with_checkpoint(tmp_path)
+    with mounted_tmpfs(tmp_path / "disk", "size=64k") as disk:
+        argv = ["report", str(run), "--out", str(tmp_path / "r.html"), "--png", str(disk / "png")]
+        said = _error(argv, capsys)
+        assert f"--png {disk / 'png'}" in said and "cannot write it (No space left on device)" in said
+        assert list(disk.iterdir()) == []  # the folder it made, with the plots that fitted, is gone
+
+
 def test_memory_that_runs_out_names_the_step_and_what_to_lower(tmp_path: Path) -> None:
     """A real allocation failure: the process may map 5 GB, the step needs ~9 GB (16 rows of 2,048
     tokens of the `small` preset, unchunked by micro-batches)."""

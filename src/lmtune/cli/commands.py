@@ -4,6 +4,7 @@ when it runs, so `lmtune --help` and a mistyped option cost no torch import."""
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -329,9 +330,15 @@ def _write_pngs(folder: Path, pngs: dict[str, bytes], empty: list[str]) -> str:
     plot of an earlier preference run), so the folder shows this report. Returns what it removed."""
     from lmtune.config.marks import written_by_lmtune
 
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    for name, png in pngs.items():
-        write_output(folder / f"{name}.png", png, "--png")
+    try:
+        for name, png in pngs.items():
+            write_output(folder / f"{name}.png", png, "--png")
+    except UserError:  # a full disk: a folder this call made holds only this call's files
+        if created:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
     stale = [folder / f"{name}.png" for name in empty if written_by_lmtune(folder / f"{name}.png", "png")]
     for path in stale:
         path.unlink()
