@@ -190,7 +190,7 @@ def _item_sources(item: str, option: str) -> list[Source]:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in EXTENSIONS)
         if not files:
             raise _refused(option, f"{item}: folder has no {', '.join(EXTENSIONS)} files")
-        inside = next((f.parent for f in files if _model_files(f.parent)), None)  # a run's folder
+        inside = next((d for d in dict.fromkeys(f.parent for f in files) if _model_files(d)), None)
         if inside is not None:
             said = f"{item}: holds a model ({inside}), not only data; a model is given with --model"
             raise _refused(option, said)
