@@ -393,6 +393,11 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return low, high
 
 
+def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
+    """The micro-batch size in effect: as set, or the whole per-process share of the global batch."""
+    return cfg.batch.micro_batch_size or cfg.batch.global_batch_size // world_size
+
+
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     """Every setting by its flat name (run.json's ``config``, the dashboards' hyperparameters)."""
     return {s.name: value_of(cfg, s) for s in SETTINGS}

@@ -17,7 +17,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -228,18 +228,12 @@ def encode_in_memory(
     return TokenizedDataset.from_encoded(sink.examples), stats
 
 
-def _build_or_say_full(
-    components: list[list[Source]],
-    tokenizer: Any,
-    settings: ExampleSettings,
-    folder: Path,
-    wanted: Wanted,
-    check_stop: Callable[[], None],
-) -> None:
-    """:func:`_build`, with a full disk said in a sentence (and what was written removed first, so
-    that the sentence can be recorded for the ranks that wait)."""
+@contextmanager
+def _said_for_the_cache(folder: Path) -> Iterator[None]:
+    """A read-only or full cache disk while ``folder`` is built, said in a sentence (what was written
+    removed first, so that the sentence can be recorded for the ranks that wait)."""
     try:
-        _build(components, tokenizer, settings, folder, wanted, check_stop)
+        yield
     except OSError as e:
         if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise UserError(
@@ -388,7 +382,8 @@ def prepare(
         return Prepared(dataset=dataset, built=False, key=key, folder=folder)
     tmp = cache_dir / f"{key}.tmp-{nonce}-{env.rank}"
     try:
-        _build_or_say_full(components, tokenizer, settings, tmp, wanted, check_stop)
+        with _said_for_the_cache(tmp):
+            _build(components, tokenizer, settings, tmp, wanted, check_stop)
     except UserError as e:
         # Renamed into place whole: a waiting rank that saw the file half written would report
         # its own vaguer error next to this one.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from lmtune.config import environment
 from lmtune.config.advice import memory_advice
 from lmtune.config.run_groups import LaunchSettings
-from lmtune.config.settings import TrainConfig, parse_nnodes
+from lmtune.config.settings import TrainConfig, micro_batch_size, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
 from lmtune.parallel.failure_report import failed, oom_kills, out_of_memory_kills, reported_errors
 from lmtune.parallel.health import HEALTH_DIR_ENV, Watchdog, read_beats
@@ -280,8 +280,8 @@ def _memory_advice(cfg: TrainConfig) -> str:
 
     on_gpu = cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
     world = cfg.launch.nproc_per_node * parse_nnodes(cfg.launch.nnodes)[1]
-    micro = cfg.batch.micro_batch_size or cfg.batch.global_batch_size // max(world, 1)
-    return memory_advice(cfg, on_gpu=on_gpu, batched=micro > 1, processes=cfg.launch.nproc_per_node)
+    batched = micro_batch_size(cfg, world) > 1
+    return memory_advice(cfg, on_gpu=on_gpu, batched=batched, processes=cfg.launch.nproc_per_node)
 
 
 def _unreachable(launch: LaunchSettings, e: BaseException) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lmtune.config.io import MEASURING_RUN, to_argv
-from lmtune.config.settings import SAMPLE_DATA, TrainConfig
+from lmtune.config.settings import SAMPLE_DATA, TrainConfig, micro_batch_size
 from lmtune.errors import UserError
 from lmtune.model.precision import check_device
 from lmtune.parallel.wrap import effective_strategy, resolve_strategy
@@ -40,7 +40,6 @@ from lmtune.tools.memory import (
     model_facts,
 )
 from lmtune.tools.trace import cut_layers
-from lmtune.training.batch_layout import micro_batch_size
 
 MIB = 2**20
 UNITS = {"b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmtune.config.settings import DEFAULT_EPOCHS, SAMPLE_DATA, SAMPLE_EPOCHS, TrainConfig
+from lmtune.config.settings import DEFAULT_EPOCHS, SAMPLE_DATA, SAMPLE_EPOCHS, TrainConfig, micro_batch_size
 from lmtune.data.sampling import largest_global_batch, steps_per_epoch
 from lmtune.errors import UserError
 
@@ -27,11 +27,6 @@ class BatchLayout:
     def per_rank(self) -> int:
         """Examples of one optimizer step on one process."""
         return self.global_batch_size // self.world_size
-
-
-def micro_batch_size(cfg: TrainConfig, world_size: int) -> int:
-    """The micro-batch size in effect: as set, or the whole per-process share of the global batch."""
-    return cfg.batch.micro_batch_size or cfg.batch.global_batch_size // world_size
 
 
 def epochs(cfg: TrainConfig) -> int:

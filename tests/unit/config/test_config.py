@@ -8,9 +8,9 @@ import pytest
 from lmtune.cli.commands import train_config as _train_config
 from lmtune.cli.parser import build_parser
 from lmtune.config.io import build_config, load_yaml
-from lmtune.config.settings import TrainConfig, config_fields, option_name, setting_named
+from lmtune.config.settings import TrainConfig, config_fields, micro_batch_size, option_name, setting_named
 from lmtune.errors import UserError
-from lmtune.training.batch_layout import epochs, micro_batch_size
+from lmtune.training.batch_layout import epochs
 from lmtune.training.preflight import validate
 
 REPO = Path(__file__).resolve().parents[3]
