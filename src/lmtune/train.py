@@ -23,7 +23,7 @@ from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.data.prepare import cache_root, data_cache_dir
 from lmtune.model.precision import check_device
 from lmtune.outputs.reporters import open_reporters, parse_report_to
-from lmtune.outputs.runlog import ExampleOrderLog, RunLog, read_metrics
+from lmtune.outputs.runlog import ExampleOrderLog, RunLog, loss_at, read_metrics
 from lmtune.parallel.distributed import (
     CollectiveTimeouts,
     cpu_threads_per_process,
@@ -72,7 +72,7 @@ def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
         TrainingStopped: when training cannot go on (a non-finite loss with --on-nan stop).
     """
     env = read_dist_env(checked(cfg).model.device)
-    validate(cfg, env.world_size, in_process=True)
+    validate(cfg, env.world_size, in_process=True, given=given)
     check_device(cfg.model.precision, env.device)
     strategy = resolve_strategy(cfg.launch.strategy, env)
     threads = cpu_threads_per_process(env, cfg.launch.threads_per_process)
@@ -140,8 +140,9 @@ def _run(run: RunContext) -> TrainResult:
     set_hyperparameters(built.optimizer, cfg.optim)
     trainee = Trainee(built.model, built.optimizer, schedule(cfg, built, state.step), built.scaler)
     log.open_metrics(state.step)
-    if env.is_main:  # a resumed run's history too (metrics.jsonl keeps the rows up to its checkpoint)
-        history = read_metrics(output_dir, kind=None) if state.step else []
+    # A resumed run's history (metrics.jsonl keeps the rows up to its checkpoint), on rank 0.
+    history = read_metrics(output_dir, kind=None) if env.is_main and state.step else []
+    if env.is_main:
         log.add_reporters(
             open_reporters(parse_report_to(cfg.logging.report_to), output_dir, to_dict(cfg), history)
         )
@@ -164,6 +165,8 @@ def _run(run: RunContext) -> TrainResult:
     stop_if_signalled(run.stop.pending() if state.step else 0, env)  # a resume stopped now keeps run.json
     log.write_json("run.json", run_info)
     result = fit(trainee, data, state, loop, FitSettings(env, step, run.stop, run.stop.before_first_step))
+    if result.state.step == state.step:  # no step left to train here: the loss logged at that step
+        result = replace(result, last_loss=loss_at(history, state.step))
     run_info["result"] = result_record(result, built, run) | {"wall_time_s": time.time() - started}
     peaks = run_info["result"]["peak_memory_per_rank"]
     log.info("peak memory per rank: " + ", ".join(f"{p / 2**20:,.0f} MiB" for p in peaks))

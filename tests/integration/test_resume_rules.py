@@ -129,6 +129,40 @@ def test_a_finished_run_is_finished_whatever_checkpoints_it_holds(
     _fails(_args(base["other"], out, "--save-every", "0"), capsys, *needles, "--overwrite")
 
 
+def test_a_finished_run_whose_final_folder_is_gone_names_where_its_model_is(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _finished_copy(base, "final-gone", (STEPS,))
+    shutil.rmtree(out / "final")  # moved elsewhere by its user
+    capsys.readouterr()
+    assert main(_args(base["data"], out)) == 0
+    said = capsys.readouterr().out
+    assert f"final is gone; the model of step 6 is in its checkpoint {out}/checkpoints/step-000006" in said
+    assert f"lmtune export {out}/checkpoints/step-000006 DIR" in said and "the model is in" not in said
+    shutil.rmtree(out / "checkpoints")
+    assert main(_args(base["data"], out)) == 0
+    assert "final is gone, and no checkpoint holds step 6: --overwrite" in capsys.readouterr().out
+
+
+def test_a_run_stopped_before_its_final_folder_keeps_its_last_loss(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stopped after its last checkpoint, before final/ and run.json's result: the same command
+    trains nothing and writes final/, with the loss its last step logged (it was None)."""
+    out = _copy(base, "before-final", STEPS)
+    shutil.copy(base["out"] / "metrics.jsonl", out / "metrics.jsonl")
+    from lmtune.cli.commands import train_config
+    from lmtune.cli.parser import build_parser
+    from lmtune.train import train
+
+    result = train(train_config(build_parser().parse_args(_args(base["data"], out))))
+    assert "no steps left to train" in capsys.readouterr().out
+    logged = train_rows(base["out"])[-1]
+    assert logged["step"] == STEPS and result.last_loss == logged["loss"]
+    assert json.loads((out / "run.json").read_text())["result"]["last_loss"] == logged["loss"]
+    assert f"| train loss at step {STEPS} | {logged['loss']:.4f} |" in (out / "final/README.md").read_text()
+
+
 def test_more_steps_continue_a_finished_run_from_its_final_state(
     base: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

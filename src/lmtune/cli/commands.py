@@ -63,7 +63,7 @@ def train_config(args: argparse.Namespace) -> Any:
 
 def _train_config_given(args: argparse.Namespace) -> tuple[Any, frozenset[str]]:
     """The run's config, and the settings given by flag or in the --config file (lmtune's names)."""
-    from lmtune.config.io import build_config, load_yaml
+    from lmtune.config.io import config_and_given, load_yaml
     from lmtune.config.settings import config_fields
 
     values: dict[str, Any] = {}
@@ -74,7 +74,7 @@ def _train_config_given(args: argparse.Namespace) -> tuple[Any, frozenset[str]]:
     values.update({f.name: getattr(args, f.name) for f in config_fields() if hasattr(args, f.name)})
     if isinstance(values.get("data"), list):  # the DATA arguments of eval and data audit/show
         values["data"] = _data_arguments(values["data"])
-    return build_config(values, source), frozenset(values)
+    return config_and_given(values, source)
 
 
 def _data_arguments(items: list[str]) -> list[str]:
@@ -111,7 +111,7 @@ def train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             # only when they meet: its ranks check what depends on it then.
             one_node = parse_nnodes(cfg.launch.nnodes)[1] == 1
             for world_size in sorted(set(world_size_bounds(cfg.launch))) if one_node else [1]:
-                validate(cfg, world_size)
+                validate(cfg, world_size, given=given)
             return _launch_job(list(argv), cfg)
     from lmtune.train import train
 
@@ -178,8 +178,8 @@ def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.tools.plan import format_report, parse_size, plan, report_json
     from lmtune.training.preflight import validate
 
-    cfg = train_config(args)
-    validate(cfg, cfg.launch.nproc_per_node)
+    cfg, given = _train_config_given(args)
+    validate(cfg, cfg.launch.nproc_per_node, given=given)
     out = _json_output(args.json, "plan") if args.json else None
     memory = parse_size(args.memory_per_device) if args.memory_per_device else None
     with tempfile.TemporaryDirectory(prefix="lmtune-plan-") as workdir:
@@ -266,8 +266,8 @@ def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
     )
     from lmtune.tools.doctor import DoctorSettings, check_or_fail
 
-    cfg = train_config(args)
-    check_settings(cfg, world_size=1)
+    cfg, given = _train_config_given(args)
+    check_settings(cfg, 1, given)
     launch = cfg.launch
     if launched_rank() is None and (launch.nproc_per_node > 1 or parse_nnodes(launch.nnodes)[1] > 1):
         from lmtune.parallel.launch import relaunch_unlocked
@@ -366,8 +366,9 @@ def _data_settings(args: argparse.Namespace, command: str) -> TrainConfig:
     if not hasattr(args, "data") and not hasattr(args, "config"):
         verb = command.split()[-1]
         raise UserError(f"lmtune {command}: name the DATA to {verb}, or a --config file whose data it reads")
-    cfg: TrainConfig = train_config(args)
-    check_settings(cfg, cfg.launch.nproc_per_node)
+    cfg: TrainConfig
+    cfg, given = _train_config_given(args)
+    check_settings(cfg, cfg.launch.nproc_per_node, given)
     if not hasattr(args, "data"):  # the --config file's: a missing one is named by its line
         from lmtune.data.sources import resolve_components
 

@@ -306,12 +306,18 @@ def _group_entries(group: str, values: dict[Any, Any], place: str) -> dict[str, 
 
 def build_config(values: dict[str, Any], source: str = "") -> TrainConfig:
     """Make a config from a mapping of settings (YAML and flags already merged)."""
+    return config_and_given(values, source)[0]
+
+
+def config_and_given(values: dict[str, Any], source: str = "") -> tuple[TrainConfig, frozenset[str]]:
+    """:func:`build_config`, and the settings ``values`` give under lmtune's names (aliases and
+    other tools' switches resolved: Axolotl's `adapter: qlora` gives lora and load_in_4bit)."""
     values = resolve_names(
         values, (s.name for s in config_fields()), lambda _: f"{source}: " if source else ""
     )
     kwargs = {k: _coerce(setting_named(k), v) for k, v in values.items()}
     try:
-        return TrainConfig(**kwargs)
+        return TrainConfig(**kwargs), frozenset(values)
     except (WrongType, WrongValue) as e:  # named by the flag (or the file's line), not by the API's keyword
         raise SettingError(e.setting, option_name(e.setting), e.reason) from None
 

@@ -45,8 +45,9 @@ from lmtune.errors import SettingError, brief
 Need = Callable[[bool, str, str], None]
 
 
-def check_settings(cfg: TrainConfig, world_size: int) -> None:
-    """Reject settings that cannot work, naming the option; ``world_size`` is the process count."""
+def check_settings(cfg: TrainConfig, world_size: int, given: frozenset[str] | None = None) -> None:
+    """Reject settings that cannot work, naming the option; ``world_size`` is the process count;
+    ``given``: the settings the user gave (None: not known, as from Python)."""
 
     def need(ok: bool, name: str, why: str) -> None:
         if not ok:
@@ -75,7 +76,7 @@ def check_settings(cfg: TrainConfig, world_size: int) -> None:
     _check_data(cfg, need)
     _check_evaluation_data(cfg, need)
     _check_batch(cfg.batch, world_size, need)
-    _check_applicable(cfg, need)
+    _check_applicable(cfg, need, given or frozenset())
 
 
 def value_problem(s: Setting, value: object) -> str | None:
@@ -241,9 +242,26 @@ def _check_objective(cfg: TrainConfig, need: Need) -> None:
     )
 
 
-def _check_applicable(cfg: TrainConfig, need: Need) -> None:
+# Given at all, even at its default, one of these asks for what the run would not do: an Axolotl
+# config's `lora_r: 16` without `adapter: lora` trained every weight, TRL's `beta: 0.1` under
+# --objective sft trained no preference.
+_ASKS_FOR_ITS_FEATURE = frozenset(
+    {
+        "lora_rank",
+        "lora_alpha",
+        "lora_target_modules",
+        "bnb_4bit_quant_type",
+        "beta",
+        "simpo_gamma",
+        "orpo_lambda",
+    }
+)
+
+
+def _check_applicable(cfg: TrainConfig, need: Need, given: frozenset[str]) -> None:
     """A setting changed from its default where it has no effect is refused (one table for all of
-    them, LoRA's, quantization's and the objectives' knobs): a run that quietly
+    them, LoRA's, quantization's and the objectives' knobs), and one of
+    :data:`_ASKS_FOR_ITS_FEATURE` given at all: a run that quietly
     ignored ``lora_r: 8`` (LoRA not switched on: all weights trained) or ``--simpo-gamma`` (under
     --objective dpo) is not the run its user asked for."""
     o, lora = cfg.objective, cfg.lora
@@ -291,7 +309,8 @@ def _check_applicable(cfg: TrainConfig, need: Need) -> None:
     }
     for name, (ok, why) in applies.items():
         s = setting_named(name)
-        need(ok or value_of(cfg, s) == s.default, name, why)
+        asked = value_of(cfg, s) != s.default or (name in given and name in _ASKS_FOR_ITS_FEATURE)
+        need(ok or not asked, name, why)
 
 
 def _check_samples(s: SampleSettings, need: Need) -> None:

@@ -246,6 +246,16 @@ def read_metrics(output_dir: Path, kind: str | None = "train") -> list[dict[str,
     return [r for r in rows if isinstance(r.get("kind"), str) and (kind is None or r["kind"] == kind)]
 
 
+def loss_at(rows: list[dict[str, Any]], step: int) -> float:
+    """The training loss ``rows`` (metrics.jsonl's) logged at ``step``; nan where none is."""
+    losses = [
+        r["loss"]
+        for r in rows
+        if r.get("kind") == "train" and r.get("step") == step and isinstance(r.get("loss"), (int, float))
+    ]
+    return float(losses[-1]) if losses else float("nan")
+
+
 def _rows(path: Path) -> Iterator[tuple[dict[str, Any] | None, str]]:
     """(row, line) of a JSONL file lmtune wrote (a regular file, not a link); row None where a line
     is not a JSON object (cut off by a crash, or edited)."""

@@ -9,6 +9,7 @@ from typing import Any
 from lmtune.checkpoint.card import write_run_cards
 from lmtune.checkpoint.export import save_hf_folder
 from lmtune.checkpoint.finished import changed_settings, earlier_record
+from lmtune.checkpoint.layout import lmtune_wrote, step_folder, verify
 from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.owned import record_written
 from lmtune.config.settings import SAMPLE_DATA, to_dict
@@ -88,8 +89,8 @@ def say_finished(run: RunContext, step: int) -> None:
     therefore apply to nothing."""
     out = run.output_dir
     run.log.info(
-        f"{out} holds this run, finished at step {step} (the model is in {out / 'final'}): nothing to "
-        "do. Raise --max-steps or --epochs to train on"
+        f"{out} holds this run, finished at step {step} ({_model_of(out, step)}): nothing to do. Raise "
+        "--max-steps or --epochs to train on"
     )
     changed = changed_settings(out, to_dict(run.cfg)) if run.env.is_main else []
     if changed:
@@ -97,6 +98,21 @@ def say_finished(run: RunContext, step: int) -> None:
             f"  not applied ({'; '.join(changed)}): they would apply to further steps only; "
             "for a new run with them, choose another --output-dir or add --overwrite"
         )
+
+
+def _model_of(output_dir: Path, step: int) -> str:
+    """Where the finished run's model is: final/, or where it is gone (moved or deleted since), the
+    checkpoint of the same step."""
+    final = output_dir / "final"
+    if any((final / name).is_file() for name in ("config.json", "adapter_config.json")):
+        return f"the model is in {final}"
+    saved = step_folder(output_dir, step)
+    if lmtune_wrote(saved) and verify(saved, hashes=False) is None:
+        return (
+            f"{final} is gone; the model of step {step} is in its checkpoint {saved}: "
+            f"`lmtune export {saved} DIR` writes it as a model folder"
+        )
+    return f"{final} is gone, and no checkpoint holds step {step}: --overwrite trains it again"
 
 
 def save_merged(run: RunContext, built: Built, final_dir: Path) -> None:

@@ -36,16 +36,19 @@ def checked(cfg: Any) -> TrainConfig:
     return cfg
 
 
-def validate(cfg: TrainConfig, world_size: int, in_process: bool = False) -> None:
+def validate(
+    cfg: TrainConfig, world_size: int, in_process: bool = False, given: frozenset[str] | None = None
+) -> None:
     """Reject settings that cannot work and inputs that are not there; ``world_size`` is the
     process count; ``in_process``: the run is about to train in this process, which settings that
-    ask for more processes cannot mean unless a launcher started it (the Python API)."""
+    ask for more processes cannot mean unless a launcher started it (the Python API); ``given``:
+    the settings the user gave (None: not known)."""
     if in_process and launched_rank() is None and needs_launcher(cfg.launch):
         raise UserError(
             "--nproc-per-node, --nnodes and --max-restarts start processes through a launcher, and "
             "lmtune.train runs in this process: use `lmtune train` (it launches them) or torchrun"
         )
-    check_settings(cfg, world_size)
+    check_settings(cfg, world_size, given)
     if cfg.lora.enabled and is_adapter_folder(cfg.model.name):
         merged = Path(cfg.model.name, "merged")
         raise UserError(

@@ -101,6 +101,35 @@ def test_invalid_settings_name_the_option(values: dict[str, object], needle: str
         validate(build_config(values), world_size=1)
 
 
+def test_a_setting_given_for_a_feature_that_is_off_is_refused_at_its_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An Axolotl config's LoRA keys without `adapter: lora` (all at lmtune's defaults) trained every
+    weight; TRL's `beta: 0.1` under sft trained no preference. Given at all, they are refused."""
+    from lmtune.cli import main
+
+    config = tmp_path / "axolotl.yaml"
+    config.write_text("base_model: tiny\nlora_r: 16\nlora_alpha: 32\nlora_dropout: 0.05\nmax_steps: 1\n")
+    assert main(["train", "--config", str(config), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {config}:2: lora_r: applies with lora only (LoRA is off" in err, err
+    assert not (tmp_path / "out").exists()
+    assert main(["plan", "--config", str(config), "--memory-per-device", "1GB"]) == 2
+    assert f"{config}:2: lora_r: applies with lora only" in capsys.readouterr().err
+    refused = {"beta": 0.1, "bnb_4bit_quant_type": "nf4", "lora_target_modules": "all-linear"}
+    for name, value in refused.items():
+        with pytest.raises(UserError, match=f"{option_name(name)}: (applies|needs)"):
+            validate(build_config({name: value}), world_size=1, given=frozenset({name}))
+    # What is the run's behaviour anyway, spelled out, is not refused: prompt masking under DPO,
+    # LoRA's dropout where the objective turns dropout off, a zero NEFTune.
+    for values in (
+        {"objective": "dpo", "train_on_prompt": False},
+        {"objective": "dpo", "lora": True, "lora_dropout": 0.05},
+        {"objective": "dpo", "neftune_alpha": 0.0},
+    ):
+        validate(build_config(values), world_size=1, given=frozenset(values))
+
+
 def test_a_switch_is_named_without_its_value() -> None:
     with pytest.raises(UserError) as refused:
         validate(build_config({"merge_lora": True}), world_size=1)
