@@ -229,13 +229,41 @@ def test_a_full_disk_stops_with_a_message_and_keeps_the_last_checkpoint(
     assert verify(out / "checkpoints" / "step-000002") is None
 
 
-def test_a_disk_that_fills_during_training_stops_it_in_one_sentence(
+def test_a_disk_too_small_for_a_checkpoint_is_refused_before_the_first_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Another job fills the disk while the run goes on: its next metrics row does not fit."""
+    """A real 8 MB file system, a checkpoint of ~11 MB (weights and AdamW's moments): refused before
+    any step (it was found at the first save), with the way that fits; the final model alone fits."""
     data = write_jsonl(tmp_path / "d.jsonl", ["some text"] * 16)
+    with mounted_tmpfs(tmp_path / "disk", "size=8m") as disk:
+        out = disk / "out"
+        argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "2", "--no-progress"]
+        err = _error([*argv, "--save-every", "1", "--global-batch-size", "8"], capsys)
+        assert f"--output-dir {out}: too little room on its disk for one checkpoint of this run (about" in err
+        assert (
+            "MB needed, 8.0 MB free); free some space or choose another --output-dir; --save-every 0" in err
+        )
+        assert not (out / "metrics.jsonl").exists()
+        assert main([*argv, "--save-every", "0", "--global-batch-size", "8"]) == 0
+        assert (out / "final" / "model.safetensors").is_file() and not (out / "checkpoints").exists()
+    with mounted_tmpfs(tmp_path / "tiny-disk", "size=2m") as disk:
+        argv = ["train", "--data", str(data), "--output-dir", str(disk / "out"), "--max-steps", "2"]
+        err = _error([*argv, "--save-every", "0", "--global-batch-size", "8", "--no-progress"], capsys)
+        assert (
+            "too little room on its disk for the final model of this run" in err and "--save-every" not in err
+        )
+
+
+def test_a_disk_that_fills_during_training_stops_it_in_one_sentence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another job fills the disk while the run goes on: its next metrics row does not fit."""
+    from lmtune.checkpoint import store
+
+    data = write_jsonl(tmp_path / "d.jsonl", ["some text"] * 16)
+    monkeypatch.setattr(store, "free_bytes", lambda folder: 1 << 40)  # room for a checkpoint at the start
     with mounted_tmpfs(tmp_path / "disk", "size=1m") as disk:
-        # All but 24 KiB taken: room for run.json and ~40 rows.
+        # All but 24 KiB taken (by the other job, since the start): room for run.json and ~40 rows.
         (disk / "filler").write_bytes(bytes(shutil.disk_usage(disk).free - (24 << 10)))
         out = disk / "out"
         argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "400", "--log-every"]
@@ -253,7 +281,7 @@ def test_a_full_disk_for_the_data_cache_is_named(tmp_path: Path, capsys: pytest.
         err = _error([*argv, "--max-steps", "1", "--no-progress"], capsys)
         assert f"no space left on device while caching the tokenized data in {disk}: free some space" in err
         assert "--cache-dir (or LMTUNE_CACHE_DIR)" in err
-        assert [".error-" in p.name for p in disk.iterdir()] == [True]  # no half-built data left
+        assert list(disk.iterdir()) == []  # no half-built data left, no error record (no rank waits)
         assert shutil.disk_usage(disk).free > 900 << 10
 
 

@@ -33,7 +33,7 @@ from lmtune.checkpoint.resume import (
     resume_point,
 )
 from lmtune.checkpoint.state import ModelParts, TrainerState
-from lmtune.checkpoint.store import load_checkpoint, prune, read_state, save_checkpoint
+from lmtune.checkpoint.store import Saves, check_room, load_checkpoint, prune, read_state, save_checkpoint
 from lmtune.config.files import read_json_object
 from lmtune.config.run_groups import CheckpointSettings
 from lmtune.errors import UserError
@@ -184,6 +184,14 @@ class CheckpointManager:
             f"checkpoint of that step to train on from (--save-every {self.settings.save_every}); "
             "start afresh with --overwrite, or in another --output-dir"
         )
+
+    def check_room(self, start: TrainerState, total_steps: int, optimizer: str, momentum: bool) -> None:
+        """Before the first step (from ``start``): the disk holds one checkpoint of the run, or its
+        final model where it saves no checkpoints (:func:`check_room`)."""
+        if start.step < total_steps:
+            saves = Saves(bool(self.settings.save_every), optimizer, momentum)
+            t = self.trainable
+            check_room(self.output_dir, t.parts, t.optimizer, self.env, saves)
 
     def after_step(self, state: TrainerState, *, asked: bool, last: bool) -> Path | None:
         """Save when asked (a new best, a stop), or every ``--save-every`` steps; not at the run's

@@ -4,7 +4,9 @@ checkpoints see it, and every RNG stream of a process as plain JSON."""
 from __future__ import annotations
 
 import base64
+import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +98,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
+
+
+def optimizer_state_estimate(name: str, sizes: Sequence[int], momentum: bool = True) -> int:
+    """State bytes of optimizer ``name`` (--optimizer) for trainable tensors of these element counts,
+    before it holds any: AdamW two fp32 moments and a step counter each; bitsandbytes 8-bit one byte
+    per moment plus an fp32 absmax per 256-element block and two 256-entry quantisation maps (fp32
+    moments under 4096 elements); SGD one momentum buffer (none without ``momentum``)."""
+    if name == "sgd":
+        return 4 * sum(sizes) if momentum else 0
+    if name in ("adamw8bit", "paged_adamw8bit"):
+        return sum(8 * n if n < 4096 else 2 * n + 8 * math.ceil(n / 256) + 2 * 256 * 4 for n in sizes)
+    return sum(8 * n + 4 for n in sizes)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

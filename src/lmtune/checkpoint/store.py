@@ -20,7 +20,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,11 +151,57 @@ def _estimate_bytes(parts: ModelParts, optimizer: torch.optim.Optimizer, env: Di
     """What a checkpoint of this run takes: the trained weights (whole) and the optimizer state."""
     from lmtune.checkpoint.state import optimizer_state_bytes
 
-    weights = sum(
+    shards = env.world_size if parts.sharded else 1
+    return _saved_weight_bytes(parts) + optimizer_state_bytes(optimizer) * shards
+
+
+def _saved_weight_bytes(parts: ModelParts) -> int:
+    """The weights a checkpoint or final/ holds: all of them, or LoRA's adapter."""
+    return sum(
         p.numel() * p.element_size() for p in parts.root.parameters() if p.requires_grad or not parts.lora
     )
-    shards = env.world_size if parts.sharded else 1
-    return weights + optimizer_state_bytes(optimizer) * shards
+
+
+@dataclass(frozen=True)
+class Saves:
+    """What a run is about to save: checkpoints (by ``optimizer``, --optimizer, whose state they
+    hold) or, without --save-every, only final/."""
+
+    checkpoints: bool
+    optimizer: str
+    momentum: bool = True  # SGD's: without it, SGD holds no state
+
+
+def check_room(
+    output_dir: Path, parts: ModelParts, optimizer: torch.optim.Optimizer, env: DistEnv, saves: Saves
+) -> None:
+    """Before the first step, refused on every rank (rank 0 judges) where the disk cannot hold one
+    checkpoint of the run (or, without checkpoints, its final model): otherwise found at the first
+    save, after every step before it."""
+    from lmtune.checkpoint.state import optimizer_state_estimate
+
+    def problem() -> str:
+        weights = _saved_weight_bytes(parts)
+        needed = weights
+        if saves.checkpoints:
+            trained = [p.numel() for p in parts.root.parameters() if p.requires_grad]
+            state = optimizer_state_estimate(saves.optimizer, trained, saves.momentum)
+            needed = max(_estimate_bytes(parts, optimizer, env), weights + state)  # a resumed optimizer's
+        free = free_bytes(output_dir)
+        if free >= room(needed):
+            return ""
+        what = "one checkpoint" if saves.checkpoints else "the final model"
+        only_final = (
+            "; --save-every 0 saves only the final model, which fits"
+            if saves.checkpoints and free >= room(weights)
+            else ""
+        )
+        return (
+            f"--output-dir {output_dir}: too little room on its disk for {what} of this run "
+            f"({sizes(needed, free)}); free some space or choose another --output-dir{only_final}"
+        )
+
+    refused_by_main(problem, env)
 
 
 def _space_problem(

@@ -385,6 +385,8 @@ def prepare(
         with _said_for_the_cache(tmp):
             _build(components, tokenizer, settings, tmp, wanted, check_stop)
     except UserError as e:
+        if env.world_size == 1:  # no rank waits for it
+            raise
         # Renamed into place whole: a waiting rank that saw the file half written would report
         # its own vaguer error next to this one.
         part = error_file.with_name(f"{error_file.name}.part-{env.rank}")  # node builders share a disk

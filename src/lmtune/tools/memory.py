@@ -12,13 +12,12 @@ once per micro-batch whatever its rows).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lmtune.checkpoint.state import optimizer_state_estimate
 from lmtune.config.groups import LoraSettings
 from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
@@ -243,17 +242,6 @@ def _weight_bytes(setup: Setup, facts: ModelFacts) -> tuple[int, int]:
     return total - full + packed, 2 * compute * largest
 
 
-def _optimizer_bytes(name: str, sizes: Sequence[int]) -> int:
-    """State bytes for these trainable tensors: AdamW two fp32 moments and a step counter each;
-    bitsandbytes 8-bit one byte per moment plus an fp32 absmax per 256-element block and two
-    256-entry quantisation maps (fp32 moments under 4096 elements); SGD one momentum buffer."""
-    if name == "sgd":
-        return 4 * sum(sizes)
-    if name in ("adamw8bit", "paged_adamw8bit"):
-        return sum(8 * n if n < 4096 else 2 * n + 8 * math.ceil(n / 256) + 2 * 256 * 4 for n in sizes)
-    return sum(8 * n + 4 for n in sizes)
-
-
 def _mask_bytes(setup: Setup, padded: bool) -> int:
     """A padded or packed micro-batch carries a boolean [B, 1, L, L] attention mask."""
     return setup.rows * setup.length * setup.length if padded else 0
@@ -276,7 +264,7 @@ def estimate(setup: Setup, facts: ModelFacts, host: Host, padded: bool) -> Estim
         buffers += gathered + 4 * facts.block_elements  # plus one block's unsharded gradients
         if setup.accumulation > 1:
             gradients = 4 * sum(trainable)  # without sync, FSDP2 keeps gradients unsharded
-    optimizer = _optimizer_bytes(setup.optimizer, trainable) // shard
+    optimizer = optimizer_state_estimate(setup.optimizer, trainable) // shard
     rows = setup.rows
     if setup.activation_checkpointing:
         # Kept: each block's input; recomputed during its backward: one block's activations.

@@ -17,7 +17,7 @@ from lmtune.config.groups import LoraSettings
 from lmtune.errors import UserError
 from lmtune.model.lora import add_lora
 from lmtune.model.modeling import load_config, load_model
-from lmtune.tools.memory import Estimate, Host, Setup, _optimizer_bytes, estimate, model_facts
+from lmtune.tools.memory import Estimate, Host, Setup, estimate, model_facts
 from lmtune.tools.plan import parse_size
 from lmtune.tools.trace import saved_bytes
 from tests.conftest import run_lmtune
@@ -144,19 +144,25 @@ def test_parameters_match_the_real_model_with_and_without_lora() -> None:
 
 
 def test_optimizer_bytes_match_the_real_optimizers() -> None:
-    from lmtune.checkpoint.state import optimizer_state_bytes
+    """The estimate the plan and the free-space check before the first step make."""
+    from lmtune.checkpoint.state import optimizer_state_bytes, optimizer_state_estimate
     from lmtune.objectives.sft import SummedLoss
     from lmtune.training.optim import build_optimizer
 
     model = SummedLoss(load_model("tiny", 0).model)
     sizes = [p.numel() for p in model.parameters()]
     ids = torch.randint(3, 250, (2, 16))
-    for name in ("adamw", "sgd", *(("adamw8bit",) if _has_bitsandbytes() else ())):
-        opt = build_optimizer(name, model, 1e-3, 0.0, (0.9, 0.999), 1e-8)
+    for name, momentum in (
+        ("adamw", 0.9),
+        ("sgd", 0.9),
+        ("sgd", 0.0),
+        *((("adamw8bit", 0.9),) if _has_bitsandbytes() else ()),
+    ):
+        opt = build_optimizer(name, model, 1e-3, 0.0, (0.9, 0.999), 1e-8, momentum)
         model(ids, torch.ones_like(ids), ids).sum().backward()
         opt.step()
         opt.zero_grad()
-        assert _optimizer_bytes(name, sizes) == optimizer_state_bytes(opt), name
+        assert optimizer_state_estimate(name, sizes, momentum != 0) == optimizer_state_bytes(opt), name
 
 
 def _has_bitsandbytes() -> bool:
