@@ -122,6 +122,15 @@ def read_beats(folder: Path) -> dict[int, Beat]:
     return beats
 
 
+def ended_ranks() -> list[int]:
+    """This node's ranks whose processes have ended (their heartbeats' pids gone, or zombies): the
+    launcher stops the rest of the job when one does."""
+    folder = os.environ.get(HEALTH_DIR_ENV)
+    if not folder:
+        return []
+    return sorted(b.rank for b in read_beats(Path(folder)).values() if _process_state(b.pid) in ("?", "Z"))
+
+
 def _process_state(pid: int) -> str:
     """R, S, D, T (stopped), Z, ... from /proc; "?" where it cannot be read."""
     try:

@@ -10,6 +10,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from lmtune.errors import StoppedBySignal
+from lmtune.parallel.health import ended_ranks
 
 
 class StopRequest:
@@ -58,6 +59,8 @@ class StopRequest:
             if self.stepping
             else "stopping before training begins, with nothing to save"
         )
+        if ended := ended_ranks():  # the launcher stops the job: no step can finish without that rank
+            then = f"rank {ended[0]} has ended, so this one stops too (the launcher says why)"
         print(f"lmtune: {signal.Signals(signum).name} received: {then}", file=sys.stderr, flush=True)
 
     def __enter__(self) -> StopRequest:
