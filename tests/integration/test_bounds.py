@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lmtune.checkpoint.rundir import LOCK_FILE, acquire
+from lmtune.checkpoint.layout import LOCK_FILE
+from lmtune.checkpoint.rundir import acquire
 from lmtune.cli import main
 from lmtune.data.chat import read_template
 from lmtune.errors import UserError

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from lmtune.checkpoint.export import EXPORT_MARKER
-from lmtune.checkpoint.layout import verify
+from lmtune.checkpoint.layout import LOCK_FILE, verify
 from lmtune.checkpoint.owned import WRITTEN_RECORD, file_stats, users_files
-from lmtune.checkpoint.rundir import LOCK_FILE, check_earlier_run, check_output_dir, replace_earlier_run
+from lmtune.checkpoint.rundir import check_earlier_run, check_output_dir, replace_earlier_run
 from lmtune.cli import main
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import read_dist_env

@@ -197,7 +197,8 @@ def test_report_tells_a_killed_run_from_a_running_one(tmp_path: Path) -> None:
     import socket
     import subprocess
 
-    from lmtune.checkpoint.rundir import LOCK_FILE, lock_status
+    from lmtune.checkpoint.layout import LOCK_FILE
+    from lmtune.checkpoint.lock import lock_status
     from lmtune.tools.report import _summary, load_run
 
     out = tmp_path / "killed"

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from lmtune.checkpoint.card_rows import past_max_steps
+from lmtune.checkpoint.lock import lock_status
 from lmtune.checkpoint.resume import earlier_layouts, rerun_outcome, resume_changes
-from lmtune.checkpoint.rundir import lock_status
 from lmtune.config.files import decode_json, read_bytes, read_json
 from lmtune.config.marks import HTML_HEAD, PNG_METADATA
 from lmtune.data.pairs import counted_as

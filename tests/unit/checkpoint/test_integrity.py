@@ -19,21 +19,15 @@ import pytest
 import torch
 
 from lmtune.checkpoint import sharded, store
-from lmtune.checkpoint.layout import MANIFEST, list_checkpoints, step_folder, verify
+from lmtune.checkpoint.layout import LOCK_FILE, MANIFEST, list_checkpoints, step_folder, verify
 from lmtune.checkpoint.resume import resumable_when_full
-from lmtune.checkpoint.rundir import (
-    LOCK_FILE,
-    LOCK_TOKEN_ENV,
-    acquire,
-    check_earlier_run,
-    remove_leftovers,
-    replace_earlier_run,
-)
+from lmtune.checkpoint.rundir import acquire, check_earlier_run, remove_leftovers, replace_earlier_run
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import save_checkpoint
 from lmtune.config.groups import ExampleSettings
 from lmtune.errors import NoSpace, UserError
 from lmtune.parallel.distributed import DistEnv, read_dist_env
+from lmtune.parallel.launch import LOCK_TOKEN_ENV
 from tests.conftest import mounted_tmpfs
 
 

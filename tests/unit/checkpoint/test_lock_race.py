@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmtune.checkpoint.rundir import LOCK_FILE
+from lmtune.checkpoint.layout import LOCK_FILE
 
 TAKERS, TRIALS = 8, 50
 
@@ -23,16 +23,16 @@ def _take(root: Path, trials: int, start: Any, checked: Any, results: Any) -> No
     import random
     import time
 
-    from lmtune.checkpoint import rundir
+    from lmtune.checkpoint import lock, rundir
     from lmtune.errors import UserError
 
-    checking = rundir._alive
+    checking = lock._alive
 
     def slow_alive(holder: Any) -> bool:
         time.sleep(random.random() * 0.004)
         return checking(holder)
 
-    rundir._alive = slow_alive  # in this forked contender only
+    lock._alive = slow_alive  # in this forked contender only
     for trial in range(trials):
         start.wait()
         try:
