@@ -8,12 +8,14 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from lmtune.errors import UserError, brief, one_line
 from lmtune.model.quantization import Quantization
 
 
@@ -110,6 +112,75 @@ def optimizer_state_estimate(name: str, sizes: Sequence[int], momentum: bool = T
     if name in ("adamw8bit", "paged_adamw8bit"):
         return sum(8 * n if n < 4096 else 2 * n + 8 * math.ceil(n / 256) + 2 * 256 * 4 for n in sizes)
     return sum(8 * n + 4 for n in sizes)
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2")
+_BNB_STATE = "__bnb_optimizer_quant_state__"  # bitsandbytes' 8-bit state, nested in each entry
+
+
+def checked_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
+    """``saved`` (read from ``path``) where every entry fits the parameter it belongs to in
+    ``optimizer``: a moment of another shape reaches the fused AdamW kernel, which then writes
+    past the end of its buffers (a crash, or memory corrupted without a word).
+
+    Raises:
+        UserError: naming the file and the first entry that does not fit.
+    """
+
+    def refused(why: str) -> UserError:
+        return UserError(f"{path}: not an optimizer state of this run's model ({why})")
+
+    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)) or not isinstance(
+        saved.get("param_groups"), list
+    ):
+        raise refused("it holds no state and param_groups")
+    groups = optimizer.param_groups
+    if len(saved["param_groups"]) != len(groups) or any(
+        not isinstance(g, dict)
+        or not isinstance(g.get("params"), list)
+        or len(g["params"]) != len(h["params"])
+        or not all(type(i) is int for i in g["params"])
+        for g, h in zip(saved["param_groups"], groups, strict=True)
+    ):
+        raise refused("its parameter groups are not this run's")
+    params = {
+        i: p
+        for g, h in zip(saved["param_groups"], groups, strict=True)
+        for i, p in zip(g["params"], h["params"], strict=True)
+    }
+    for i, entry in saved["state"].items():
+        nested = entry.get(_BNB_STATE, {}) if isinstance(entry, dict) else None
+        if i not in params or not isinstance(nested, dict):
+            raise refused(f"an entry for parameter {brief(i)}, which this run's optimizer has not")
+        for name, value in {**entry, **nested}.items():
+            problem = "" if name == _BNB_STATE else _entry_problem(name, value, params[i])
+            if problem:
+                raise refused(f"parameter {brief(i)}'s {one_line(str(name), 60)} {problem}")
+    return saved
+
+
+def _entry_problem(name: str, value: Any, param: torch.Tensor) -> str:
+    """Why ``value`` is not the optimizer state entry ``name`` of ``param`` ("" when it is)."""
+    if name == "step":
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        scalar = isinstance(value, torch.Tensor) and value.numel() == 1
+        return "" if number or scalar else "is not a step count"
+    shapes: dict[str, tuple[int, ...]] = {
+        **dict.fromkeys(_MOMENTS, tuple(param.shape)),
+        **dict.fromkeys(("qmap1", "qmap2"), (256,)),  # 8-bit quantisation maps
+        **dict.fromkeys(("absmax1", "absmax2"), (math.ceil(param.numel() / 256),)),  # one per block
+    }
+    if name not in shapes:
+        return "is not an entry of lmtune's optimizers"
+    if value is None and name == "momentum_buffer":  # SGD before its first step with momentum
+        return ""
+    if not isinstance(value, torch.Tensor):
+        return "is not a tensor"
+    if not (value.is_floating_point() or (value.dtype == torch.uint8 and name in ("state1", "state2"))):
+        return f"holds {str(value.dtype).removeprefix('torch.')} values"
+    if tuple(value.shape) != shapes[name]:
+        return f"has shape {list(value.shape)}, the parameter's needs {list(shapes[name])}"
+    return ""
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -46,7 +46,13 @@ from lmtune.checkpoint.layout import (
     verify,
     write_manifest,
 )
-from lmtune.checkpoint.state import ModelParts, TrainerState, rng_state, set_rng_state
+from lmtune.checkpoint.state import (
+    ModelParts,
+    TrainerState,
+    checked_optimizer_state,
+    rng_state,
+    set_rng_state,
+)
 from lmtune.config.files import is_int, read_json_object
 from lmtune.errors import UserError, one_line, out_of_space, room, sizes
 from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
@@ -340,7 +346,10 @@ def load_checkpoint(
             else:
                 device = str(next(parts.model.parameters()).device)
                 load_model(parts.model, str(folder / MODEL_FILE), device=device)
-            optimizer.load_state_dict(_load_plain(folder / OPTIMIZER_FILE))
+            saved = checked_optimizer_state(
+                _load_plain(folder / OPTIMIZER_FILE), optimizer, folder / OPTIMIZER_FILE
+            )
+            optimizer.load_state_dict(saved)
         except (RuntimeError, ValueError, KeyError, OSError, SafetensorError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"--resume {folder}: its state does not fit this run's model ({first})") from None
