@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 from lmtune.checkpoint.export import EXPORT_MARKER
-from lmtune.checkpoint.layout import LOCK_FILE, verify
+from lmtune.checkpoint.layout import LOCK_FILE, TEMPORARY_MARK, verify
 from lmtune.checkpoint.owned import WRITTEN_RECORD, file_stats, users_files
 from lmtune.checkpoint.rundir import check_earlier_run, check_output_dir, replace_earlier_run
 from lmtune.cli import main
@@ -131,7 +132,8 @@ def test_saved_weights_are_as_readable_as_the_files_beside_them(run: Path, tmp_p
 def _earlier_run(folder: Path) -> None:
     (folder / "checkpoints" / "step-000002").mkdir(parents=True)
     (folder / "checkpoints" / "step-000002" / "manifest.json").write_text("{}")  # lmtune's, if damaged
-    (folder / "checkpoints" / ".step-000004.tmp").mkdir()  # a save cut short
+    (folder / "checkpoints" / ".step-000004.tmp").mkdir()  # a save cut short (marked as lmtune's)
+    (folder / "checkpoints" / ".step-000004.tmp" / TEMPORARY_MARK).touch()
     # A checkpoint lmtune saved, and a user's notes put into it since (its manifest lists no notes).
     (folder / "checkpoints" / "step-000003" / "sharded").mkdir(parents=True)
     (folder / "checkpoints" / "step-000003" / "sharded" / "0.distcp").write_text("weights")
@@ -223,6 +225,37 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
     hung.mkdir()
     (hung / "hang-report.txt").write_text("rank 1 waited in all_reduce")
     check_earlier_run(hung, continued=False, overwrite=False, config={})
+
+
+def test_a_users_folders_and_files_named_like_lmtunes_temporary_ones_are_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder with no run in it, holding a user's final.tmp/, checkpoints/.step-2.tmp/ and
+    run.tmp: a run there removed all three ("left by a save that did not finish"), run.tmp
+    replaced by run.json. They are kept; a save that would need one of the names is refused."""
+    data = write_jsonl(tmp_path / "d.jsonl", ["some text"] * 16)
+    out = tmp_path / "home"
+    for folder in (out / "final.tmp", out / "checkpoints" / ".step-000002.tmp"):
+        folder.mkdir(parents=True)
+        (folder / "thesis.tex").write_text("mine")
+    (out / "run.tmp").write_text("mine too")
+    before = _files(out)
+    argv = ["train", "--data", str(data), "--output-dir", str(out), "--global-batch-size", "8"]
+    assert main([*argv, "--max-steps", "1", "--save-every", "0", "--no-progress"]) == 2
+    said = capsys.readouterr()
+    assert "removed" not in said.out + said.err
+    assert (
+        f"{out / 'final.tmp'}: lmtune writes its temporary folder there, and this is not one it made"
+        in said.err
+    )
+    assert {k: v for k, v in _files(out).items() if k in before} == before
+    assert (out / "run.tmp").read_text() == "mine too" and not list(out.glob(".run.json.tmp-*"))
+    # The checkpoint of step 2 would be written through checkpoints/.step-000002.tmp: refused too.
+    argv[argv.index(str(out))] = str(tmp_path / "home2")
+    shutil.copytree(out / "checkpoints", tmp_path / "home2" / "checkpoints")
+    said = _error([*argv, "--max-steps", "2", "--save-every", "2", "--no-progress"], capsys)
+    assert ".step-000002.tmp: lmtune writes its temporary folder there" in said
+    assert (tmp_path / "home2" / "checkpoints" / ".step-000002.tmp" / "thesis.tex").read_text() == "mine"
 
 
 def test_output_folders_that_would_lose_or_reread_inputs_are_refused(

@@ -22,8 +22,12 @@ from lmtune.checkpoint.layout import (
     MANIFEST,
     MODEL_FILE,
     SHARDED_DIR,
+    begin_temporary,
+    end_temporary,
+    in_the_way,
     not_a_checkpoint,
     open_to_umask,
+    temporary_of,
     verify,
 )
 from lmtune.checkpoint.owned import file_stats, listed, not_ours, recorded_stats, users_files_said
@@ -56,7 +60,10 @@ def save_final(parts: ModelParts, tokenizer: Any, folder: Path, env: DistEnv) ->
     Raises:
         UserError: on every rank when the disk has too little room for it (checked before writing).
     """
-    refused_by_main(lambda: _users_files_problem(folder) or _space_problem(parts, folder), env)
+    tmp = temporary_of(folder)
+    refused_by_main(
+        lambda: _users_files_problem(folder) or in_the_way(tmp) or _space_problem(parts, folder), env
+    )
     if parts.lora:
         adapter = gathered_adapter(parts)
         if env.is_main:
@@ -106,13 +113,12 @@ def replace_folder(folder: Path, write: Callable[[Path], None]) -> None:
     """Write beside the final name and rename when complete, so a crash never leaves a half-written
     folder where a finished one is expected. Only for folders lmtune owns (``final/`` of a locked
     output folder); a full disk is a :class:`UserError` that leaves ``folder`` as it was."""
-    tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = temporary_of(folder)
+    begin_temporary(tmp)
     try:
         with no_progress_bars():
             write(tmp)
+        end_temporary(tmp)
         open_to_umask(tmp)
     except Exception as e:
         full = out_of_space(e, tmp)

@@ -25,7 +25,10 @@ FINGERPRINT_FILE = "fingerprint.json"
 CHANGES_FILE = "resume_changes.json"
 GENERATION_CONFIG = "generation_config.json"
 _STEP_NAME = re.compile(r"step-(\d+)")
-_TEMPORARY = re.compile(r"\.step-\d+\.tmp")  # a checkpoint being written (lmtune.checkpoint.store)
+# Written first into every temporary folder lmtune makes (a checkpoint's, final.tmp), removed before
+# it is renamed into place: a leftover is removed only with it (or with lmtune's manifest or trainer
+# state), never a user's folder that happens to bear the name.
+TEMPORARY_MARK = ".lmtune-temporary"
 SHARDED_DIR = "sharded"  # torch.distributed.checkpoint folder: one file per rank + .metadata
 SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "trainer.json"
@@ -146,10 +149,49 @@ def write_manifest(folder: Path) -> None:
 
 def lmtune_wrote(folder: Path) -> bool:
     """Whether lmtune saved ``folder`` as a checkpoint, complete or damaged since (it writes the
-    manifest and the trainer state into every one), or began to (its hidden temporary name). A
-    user's folder named step-N is neither: never pruned, deleted by --overwrite or called damaged."""
-    temporary = _TEMPORARY.fullmatch(folder.name) is not None
-    return temporary or (folder / MANIFEST).is_file() or (folder / STATE_FILE).is_file()
+    manifest and the trainer state into every one), or began to (its temporary mark). A user's
+    folder named step-N (or .step-N.tmp) is neither: never pruned, deleted by --overwrite or called
+    damaged."""
+    return any((folder / name).is_file() for name in (MANIFEST, STATE_FILE, TEMPORARY_MARK))
+
+
+def begin_temporary(folder: Path) -> None:
+    """Make ``folder``, lmtune's temporary one, marked as such; one an earlier attempt left is
+    replaced, a user's of that name is refused.
+
+    Raises:
+        UserError: when something lmtune did not make is in the way.
+    """
+    problem = in_the_way(folder)
+    if problem:
+        raise UserError(problem)
+    if folder.exists():  # an earlier attempt's
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    (folder / TEMPORARY_MARK).touch()
+
+
+def in_the_way(folder: Path) -> str:
+    """Why lmtune may not make its temporary ``folder`` ("" when it may: nothing there, or a
+    leftover of its own)."""
+    if folder.is_dir() and not folder.is_symlink() and lmtune_wrote(folder):
+        return ""
+    if folder.exists() or folder.is_symlink():
+        return (
+            f"{folder}: lmtune writes its temporary folder there, and this is not one it made; move it "
+            "elsewhere (lmtune keeps what it did not write)"
+        )
+    return ""
+
+
+def temporary_of(folder: Path) -> Path:
+    """Where ``folder`` (final/, final/merged/) is written before it is renamed into place."""
+    return folder.with_name(folder.name + ".tmp")
+
+
+def end_temporary(folder: Path) -> None:
+    """``folder`` is complete: its mark goes before it is renamed into place."""
+    (folder / TEMPORARY_MARK).unlink(missing_ok=True)
 
 
 def remove_checkpoint(folder: Path) -> list[Path]:

@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from lmtune.checkpoint.finished import earlier_record, recorded_finish
-from lmtune.checkpoint.layout import LOCK_FILE, enclosing_run, refuse_users_steps, remove_checkpoint
+from lmtune.checkpoint.layout import (
+    LOCK_FILE,
+    enclosing_run,
+    in_the_way,
+    lmtune_wrote,
+    refuse_users_steps,
+    remove_checkpoint,
+    temporary_of,
+)
 from lmtune.checkpoint.lock import RunLock, take
 from lmtune.checkpoint.owned import listed as names_listed
 from lmtune.checkpoint.owned import users_files_said
@@ -70,6 +78,8 @@ def _check_folder(output_dir: Path) -> None:
                 f"--output-dir {output_dir}: {name} is {problem}; lmtune writes only its own files "
                 "(remove it, or choose another --output-dir)"
             )
+    if problem := in_the_way(temporary_of(output_dir / "final")):  # known now, not after training
+        raise UserError(problem)
 
 
 def _entry_problem(path: Path, folder: bool) -> str:
@@ -193,6 +203,9 @@ def remove_own_entries(output_dir: Path) -> list[Path]:
         target = output_dir / name
         if not (target.exists() or target.is_symlink()):
             continue
+        if name == "final.tmp" and not (target.is_dir() and not target.is_symlink() and lmtune_wrote(target)):
+            kept.append(target)  # a user's folder of that name
+            continue
         pattern = _OWN_ENTRIES.get(name)
         if pattern is not None and target.is_dir() and not target.is_symlink():
             for entry in target.iterdir():
@@ -280,8 +293,9 @@ def _input_paths(spec: str) -> Iterator[tuple[Path, bool]]:
 
 def remove_leftovers(output_dir: Path) -> list[Path]:
     """Temporary folders of saves that a killed run never finished (with the lock held, nobody
-    else is writing them)."""
-    leftovers = [*output_dir.glob("checkpoints/.step-*.tmp"), *output_dir.glob("final.tmp")]
+    else is writing them); a user's folder of such a name is kept."""
+    found = [*output_dir.glob("checkpoints/.step-*.tmp"), *output_dir.glob("final.tmp")]
+    leftovers = [p for p in found if p.is_dir() and not p.is_symlink() and lmtune_wrote(p)]
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
     return leftovers

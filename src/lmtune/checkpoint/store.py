@@ -38,6 +38,8 @@ from lmtune.checkpoint.layout import (
     SHARDED_DIR,
     SHARDED_METADATA,
     STATE_FILE,
+    begin_temporary,
+    end_temporary,
     fsync_write,
     list_checkpoints,
     lmtune_wrote,
@@ -56,7 +58,7 @@ from lmtune.checkpoint.state import (
 from lmtune.config.files import is_int, read_json_object
 from lmtune.errors import UserError, one_line, out_of_space, room, sizes
 from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
-from lmtune.parallel.distributed import DistEnv, barrier, refused_by_main
+from lmtune.parallel.distributed import DistEnv, barrier, decided_by_main, refused_by_main
 
 
 def save_checkpoint(
@@ -84,9 +86,7 @@ def save_checkpoint(
     final = step_folder(output_dir, state.step)
     tmp = final.with_name(f".{final.name}.tmp")
     refused_by_main(lambda: _space_problem(output_dir, state.step, parts, optimizer, env), env)
-    if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    decided_by_main(lambda: begin_temporary(tmp), None, env)  # a user's folder in the way: refused
     barrier(env)
     try:
         _write_checkpoint(tmp, state, parts, tokenizer, optimizer, env, records)
@@ -145,6 +145,7 @@ def _write_checkpoint(
         fsync_write(tmp / STATE_FILE, json.dumps(asdict(state), indent=2))
     barrier(env)
     if env.is_main:
+        end_temporary(tmp)
         write_manifest(tmp)
 
 

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -229,9 +230,12 @@ class RunLog:
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
         if self.active:
             path = self.output_dir / name
-            tmp = path.with_suffix(".tmp")
+            # A name of its own, created anew: `run.tmp` beside it may be a user's file.
+            tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
             try:
-                tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(json.dumps(payload, indent=2) + "\n")
             except OSError as e:
                 tmp.unlink(missing_ok=True)
                 if out_of_space(e):

@@ -19,7 +19,14 @@ import pytest
 import torch
 
 from lmtune.checkpoint import sharded, store
-from lmtune.checkpoint.layout import LOCK_FILE, MANIFEST, list_checkpoints, step_folder, verify
+from lmtune.checkpoint.layout import (
+    LOCK_FILE,
+    MANIFEST,
+    TEMPORARY_MARK,
+    list_checkpoints,
+    step_folder,
+    verify,
+)
 from lmtune.checkpoint.resume import resumable_when_full
 from lmtune.checkpoint.rundir import acquire, check_earlier_run, remove_leftovers, replace_earlier_run
 from lmtune.checkpoint.state import ModelParts, TrainerState
@@ -210,7 +217,10 @@ def test_an_earlier_run_is_not_replaced_without_overwrite(tmp_path: Path) -> Non
     replace_earlier_run(tmp_path, read_dist_env("cpu"), 0)
     assert not (tmp_path / "run.json").exists() and not (tmp_path / "metrics.jsonl").exists()
     (tmp_path / "checkpoints" / ".step-000004.tmp").mkdir(parents=True)
+    (tmp_path / "checkpoints" / ".step-000004.tmp" / TEMPORARY_MARK).touch()
+    (tmp_path / "checkpoints" / ".step-000005.tmp").mkdir()  # a user's, of that name: kept
     assert [p.name for p in remove_leftovers(tmp_path)] == [".step-000004.tmp"]
+    assert (tmp_path / "checkpoints" / ".step-000005.tmp").is_dir()
 
 
 def _tiny_parts() -> tuple[ModelParts, Any, torch.optim.Optimizer]:
