@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
 from lmtune.checkpoint.resume import recorded_paths
-from lmtune.checkpoint.rundir import acquire, prepare_output
+from lmtune.checkpoint.rundir import acquire, final_problem, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.data.prepare import cache_root, data_cache_dir
@@ -29,6 +29,7 @@ from lmtune.parallel.distributed import (
     cpu_threads_per_process,
     process_group,
     read_dist_env,
+    refused_by_main,
     stop_if_signalled,
 )
 from lmtune.parallel.health import Heartbeat
@@ -133,6 +134,7 @@ def _run(run: RunContext) -> TrainResult:
     if earlier is not None:
         say_finished(run, earlier.step)
         return TrainResult(output_dir, earlier.step, *recorded_result(output_dir))  # as run.json has them
+    refused_by_main(lambda: final_problem(output_dir), env)  # a finished run that trains on replaces it
     attach_references(run, built, data_cache_dir(cfg.data))  # the starting weights': before a resume
     fresh = TrainerState.fresh(cfg.batch.global_batch_size, env.world_size, cfg.seed, len(built.train_data))
     state = checkpoints.resume(fresh, built.layout.total_steps)

@@ -144,6 +144,23 @@ def test_a_finished_run_whose_final_folder_is_gone_names_where_its_model_is(
     assert "final is gone, and no checkpoint holds step 6: --overwrite" in capsys.readouterr().out
 
 
+def test_a_finished_run_run_again_with_the_users_files_in_final_does_nothing(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its model card edited, notes put beside it: the same command was refused ("this run replaces
+    final/"), though it replaces nothing; a run that trains on would, and is refused before it trains."""
+    out = _finished_copy(base, "final-edited", (SAVE, STEPS))
+    (out / "final" / "README.md").write_text("my card")
+    (out / "final" / "NOTES.md").write_text("mine")
+    capsys.readouterr()
+    assert main(_args(base["data"], out)) == 0
+    assert "holds this run, finished at step 6" in capsys.readouterr().out
+    assert (out / "final" / "README.md").read_text() == "my card"
+    err = _fails(_args(base["data"], out, "--max-steps", "9"), capsys, "this run replaces final/")
+    assert "NOTES.md" in err and "README.md" in err
+    assert [r["step"] for r in train_rows(out)] == list(range(1, STEPS + 1))  # nothing trained
+
+
 def test_a_run_stopped_before_its_final_folder_keeps_its_last_loss(
     base: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

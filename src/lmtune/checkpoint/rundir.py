@@ -122,12 +122,9 @@ def check_earlier_run(
 
     The same run stopped before its first checkpoint (its run.json has this very ``config``, no
     ``final/``), or any that ended before its first step, starts over, saying so."""
-    final = output_dir / "final"
-    if final.is_dir() and not final.is_symlink() and (theirs := users_files_said(final)):
-        raise UserError(
-            f"{theirs}; this run replaces final/: move them out of it first (or copy final/ elsewhere to "
-            "keep it)"
-        )
+    # A finished run's: judged once the run is built (run again, it writes nothing there).
+    if (overwrite or not recorded_finish(output_dir)) and (problem := final_problem(output_dir)):
+        raise UserError(problem)
     present = [n for n in RUN_FILES if (output_dir / n).exists()]
     if overwrite:
         if present and not _ran_here(output_dir):
@@ -171,6 +168,17 @@ def check_earlier_run(
         f"--output-dir {output_dir} holds an earlier run ({', '.join(results)}) with no checkpoint to "
         "continue from; choose another --output-dir, or --overwrite to replace it"
     )
+
+
+def final_problem(output_dir: Path) -> str:
+    """Why this run may not replace ``final/`` ("" when it may): files in it lmtune did not write."""
+    final = output_dir / "final"
+    if final.is_dir() and not final.is_symlink() and (theirs := users_files_said(final)):
+        return (
+            f"{theirs}; this run replaces final/: move them out of it first (or copy final/ elsewhere to "
+            "keep it)"
+        )
+    return ""
 
 
 def _samples_files(output_dir: Path) -> list[str]:
