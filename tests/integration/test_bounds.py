@@ -46,6 +46,7 @@ def _merges(levels: int) -> str:
         (_aliases(10), "expands to over 100,000 values"),  # 0.5 KB; 9**10 values expanded
         (_merges(40), "expands to over 100,000 values"),  # merge keys double at every level
         ("data: " + "[" * 100_000 + "\n", "nested too deeply"),
+        ("max_steps: 1" + "0" * 5_000 + "\n", "not valid YAML here (Exceeds the limit (4300 digits)"),
         ("lr: " + "x" * 900_000 + "\n", "run.yaml:1: lr: expected float, got 'xxxx"),  # a value is cut short
         ("# padding\n" * 120_000, "over the 1,048,576 such a file may have"),
         (

@@ -148,12 +148,14 @@ def test_a_byte_order_mark_is_accepted(tmp_path: Path) -> None:
 
 def test_unpaired_surrogates_and_deep_nesting_name_their_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"text": "ok \\ud83d\\ude00"}\n{"text": "a\\ud800b"}\n' + "[" * 100_000 + "\n")
+    huge = '{"text": "big", "n": 1' + "0" * 100_000 + "}\n"  # more digits than Python converts
+    path.write_text('{"text": "ok \\ud83d\\ude00"}\n{"text": "a\\ud800b"}\n' + "[" * 100_000 + "\n" + huge)
     with pytest.raises(Exception, match=r"bad.jsonl:2: holds an unpaired UTF-16 surrogate \('\\ud800'\)"):
         _records(path)
     records, bad = _records(path, skip=True)
     assert [r.fields["text"] for r in records] == ["ok \U0001f600"]
-    assert bad.count == 2 and "bad.jsonl:3: not valid JSON (nested too deeply)" in bad.messages[1]
+    assert bad.count == 3 and "bad.jsonl:3: not valid JSON (nested too deeply)" in bad.messages[1]
+    assert "bad.jsonl:4: not valid JSON here (Exceeds the limit (4300 digits)" in bad.messages[2]
 
 
 def test_audit_reports_a_surrogate_as_a_bad_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -175,6 +175,8 @@ def parse_yaml(text: str, where: str) -> Any:
         raise UserError(f"{at}: not valid YAML ({problem})") from None
     except RecursionError:
         raise UserError(f"{where}: not valid YAML (nested too deeply)") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise UserError(f"{where}: not valid YAML here ({str(e).split(':')[0]})") from None
     finally:
         loader.dispose()
 

@@ -272,6 +272,8 @@ def _parse_json(text: str, where: str) -> Any:
         raise UserError(f"{where}{line}: not valid JSON ({e.msg}, column {e.colno})") from None
     except RecursionError:
         raise UserError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise UserError(f"{where}: not valid JSON here ({str(e).split(':')[0]})") from None
     if _SURROGATE_ESCAPE.search(text):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
