@@ -45,6 +45,7 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import torch
 
     from lmtune.model.modeling import load_model
+    from lmtune.model.tokens import UNEMBEDDED, tokens_without_embeddings
     from lmtune.parallel.distributed import read_dist_env
 
     if args.max_new_tokens < 1:
@@ -68,6 +69,8 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError("--system needs --chat")
     device = read_dist_env(args.device).device
     loaded = load_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code)
+    if unembedded := tokens_without_embeddings(loaded.model, loaded.tokenizer, args.model):
+        raise UserError(f"{unembedded}: {UNEMBEDDED}")
     _check_answer_length(loaded, None if args.chat else args.prompt, args.max_new_tokens)
     model = loaded.model.to(device)
     from lmtune.model.generate import Sampling

@@ -32,10 +32,40 @@ def set_stop_tokens(model: nn.Module, tokenizer: Any, extra: list[int]) -> list[
     return ids
 
 
+# What a model whose tokenizer outgrew its embeddings needs, where it is only used (eval, generate).
+UNEMBEDDED = (
+    "save the model with its embeddings grown to its tokenizer (transformers' resize_token_embeddings, "
+    "or an lmtune run without --lora, which grows them), or give it the tokenizer it was trained with"
+)
+
+
+def embedding_rows(model: nn.Module) -> int:
+    return int(model.get_input_embeddings().weight.shape[0])  # type: ignore[operator]
+
+
+def tokens_without_embeddings(model: nn.Module, tokenizer: Any, name: str) -> str:
+    """Where the tokenizer's ids reach past the model's embeddings (tokens added to a tokenizer
+    saved without the model's embeddings grown, or another model's tokenizer), what it says of
+    them ("" when every id has a row): such an id fails in the model as an index error."""
+    rows = embedding_rows(model)
+    if len(tokenizer) <= rows:
+        return ""
+    added = sorted((i, t) for t, i in tokenizer.get_added_vocab().items() if i >= rows)
+    some = (
+        f" ({', '.join(f'{t} = {i}' for i, t in added[:3])}{', ...' if len(added) > 3 else ''})"
+        if added
+        else ""
+    )
+    return (
+        f"{name}: its tokenizer has {len(tokenizer):,} tokens and its embeddings {rows:,} rows, so ids from "
+        f"{rows:,} on{some} have no embedding"
+    )
+
+
 def fit_embeddings(model: nn.Module, tokenizer: Any) -> bool:
     """Grow the embeddings (and an untied head) to the tokenizer's size; new rows start at the mean
     of the others, as transformers does. True when they grew."""
-    rows = model.get_input_embeddings().weight.shape[0]  # type: ignore[operator]
+    rows = embedding_rows(model)
     if len(tokenizer) <= rows:  # many models ship spare rows beyond the tokenizer's ids
         return False
     model.resize_token_embeddings(len(tokenizer))  # type: ignore[operator]

@@ -19,6 +19,7 @@ from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.modeling import load_model
 from lmtune.model.paths import BF16, Paths, products_of, sample_micro_batches
 from lmtune.model.precision import autocast_context, check_device
+from lmtune.model.tokens import UNEMBEDDED, tokens_without_embeddings
 from lmtune.objectives.base import LossSetup
 from lmtune.objectives.sft import SupervisedObjective
 from lmtune.parallel.distributed import cpu_threads_per_process, read_dist_env
@@ -54,6 +55,8 @@ def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
         cfg.model.name, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code, merge_adapter=False
     )
     tokenizer = loaded.tokenizer
+    if problem := tokens_without_embeddings(loaded.model, tokenizer, cfg.model.name):
+        raise UserError(f"{problem}: {UNEMBEDDED}")
     if cfg.examples.chat_template is not None and (
         added := use_chat_template(tokenizer, cfg.examples.chat_template)
     ):
