@@ -116,6 +116,16 @@ def test_export_writes_beside_and_replaces_only_an_earlier_export(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
 
 
+def test_an_export_into_a_users_empty_folder_keeps_its_permissions(run: Path, tmp_path: Path) -> None:
+    """A folder made 0700 for the weights became 0755 (the export is written beside it and renamed
+    into its place)."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    private.chmod(0o700)
+    assert main(["export", str(run / "checkpoints" / "step-000002"), str(private)]) == 0
+    assert (private / "model.safetensors").is_file() and private.stat().st_mode & 0o777 == 0o700
+
+
 def test_saved_weights_are_as_readable_as_the_files_beside_them(run: Path, tmp_path: Path) -> None:
     """safetensors writes 0600; lmtune's folders follow the umask (022 here: 0644), so a serving
     account can read the weights as it can read their config."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -395,6 +396,9 @@ def _write_export(out: Path, write: Callable[[Path], None], checkpoint: Path) ->
         (tmp / EXPORT_MARKER).write_text(json.dumps(marker), encoding="utf-8")
         if out.exists():
             _check_only_exported(out, files)
+            # The user's folder (empty, or an earlier export) keeps its permissions: one made 0700 is
+            # not opened to everyone by the swap.
+            tmp.chmod(stat.S_IMODE(out.stat().st_mode))
             out.rename(aside)
         tmp.rename(out)
     except Exception as e:
