@@ -217,6 +217,26 @@ def test_a_reference_cache_that_cannot_be_written_costs_a_warning(
     assert "a later run computes them again" in said
 
 
+def test_a_poisoned_reference_cache_is_computed_again(
+    dpo_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Cached log-probs set to 1e30 trained with rewards of -1e29, said nowhere: log-probs are never
+    positive, so such a cache is not lmtune's, and is replaced with a warning."""
+    import numpy as np
+
+    root = dpo_run.parent
+    cached = sorted((root / "cache" / "reference-logps").rglob("*.npy"))
+    assert cached
+    for path in cached:
+        np.save(path, np.full_like(np.load(path), 1e30))
+    capsys.readouterr()
+    assert main([*_dpo_args(root), "--output-dir", str(root / "poisoned"), "--max-steps", "2"]) == 0
+    said = capsys.readouterr().out
+    assert f"warning: {cached[0]}: not the reference log-probs of this data (values that are not" in said
+    assert train_rows(root / "poisoned")[0]["loss"] == pytest.approx(0.6931471805599453, abs=1e-4)
+    assert all((np.load(path) <= 0).all() for path in cached)  # cached again, as computed
+
+
 def test_a_resume_that_cannot_match_is_refused_before_the_reference_pass(
     dpo_run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -33,7 +33,7 @@ from torch import nn
 from lmtune.data.batch import idle_batch
 from lmtune.data.dataset import TokenizedDataset
 from lmtune.data.pair_collate import PairCollator
-from lmtune.errors import UserError
+from lmtune.errors import UserError, one_line
 from lmtune.model.attention import VARLEN, VARLEN_BUCKETED, use_varlen
 from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.modeling import load_model
@@ -235,14 +235,27 @@ def _write(path: Path, values: np.ndarray, log: InfoLog) -> None:
         )
 
 
-def _read(path: Path, pairs: int) -> np.ndarray | None:
-    """The cached log-probs, or None when missing or not of this data's shape."""
-    try:
-        values = np.load(path, allow_pickle=False)
-    except (OSError, ValueError):
+def _read(path: Path, pairs: int, log: InfoLog) -> np.ndarray | None:
+    """The cached log-probs, or None when missing or not what lmtune wrote for this data (said:
+    they are computed again): log-probs of ``pairs`` answer pairs are finite and never positive."""
+    if not path.exists():
         return None
-    ok = values.shape == (pairs, 2) and values.dtype == np.float64 and bool(np.isfinite(values).all())
-    return values if ok else None
+    try:
+        values: np.ndarray = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        why = one_line(str(e), 80) or type(e).__name__
+    else:
+        why = (
+            f"shape {list(values.shape)}, {values.dtype}"
+            if values.shape != (pairs, 2) or values.dtype != np.float64
+            else "values that are not log-probs (non-finite, or above 0)"
+            if not bool(np.isfinite(values).all() and (values <= 0).all())
+            else ""
+        )
+        if not why:
+            return values
+    log.info(f"warning: {path}: not the reference log-probs of this data ({why}); computing them again")
+    return None
 
 
 def cached_reference(
@@ -251,7 +264,7 @@ def cached_reference(
     """The reference log-probs of ``data`` from ``path``, else computed by ``compute()`` (every
     rank) and cached by rank 0. Every rank agrees on which, by rank 0's look at the cache."""
     started = time.perf_counter()
-    values = _read(path, len(data)) if run.env.is_main else None
+    values = _read(path, len(data), run.log) if run.env.is_main else None
     found = broadcast_object(values is not None, run.env)
     if found:
         values = broadcast_object(values, run.env)
