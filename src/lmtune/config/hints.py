@@ -149,6 +149,15 @@ HINTS: dict[str, str] = {
         "logits, as Liger's fused loss does"
     ),
     "padding_free": "lmtune trains without padding by default: per-example attention on packed rows",
+    # Axolotl's.
+    "pad_to_sequence_len": "lmtune computes on no padding (per-example attention on packed rows): remove it",
+    "model_type": "lmtune loads every model as a causal LM (transformers' AutoModelForCausalLM): remove it",
+    "tokenizer_type": "lmtune loads the tokenizer saved with the model ({model}): remove it",
+    "tokenizer_config": "lmtune loads the tokenizer saved with the model ({model})",
+    "dataset_prepared_path": (
+        "lmtune caches the tokenized data where {cache_dir} says (else LMTUNE_CACHE_DIR), keyed by the data, "
+        "the tokenizer and the settings that shape it"
+    ),
     "full_determinism": (
         "lmtune has no switch for PyTorch's deterministic GPU kernels; a run follows {seed}, and a "
         "resume repeats the uninterrupted run exactly"
