@@ -330,6 +330,9 @@ def _parquet(path: str) -> Iterator[Record]:
 
 
 def _csv(path: str, bad: BadLines) -> Iterator[Record]:
+    # Python's default, 128 KiB a field, refused a long document that a JSONL line may hold.
+    csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
+    reader = None
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
             reader = csv.DictReader(f)
@@ -347,9 +350,21 @@ def _csv(path: str, bad: BadLines) -> Iterator[Record]:
                     continue
                 yield Record(path, reader.line_num, dict(record))
     except UnicodeDecodeError:
-        raise UserError(f"{path}: not valid UTF-8") from None
+        raise UserError(f"{path}{_first_bad_utf8_line(path)}: not valid UTF-8") from None
     except csv.Error as e:
-        raise UserError(f"{path}: not valid CSV ({e})") from None
+        line = f":{reader.line_num}" if reader is not None and reader.line_num else ""
+        raise UserError(f"{path}{line}: not valid CSV ({e})") from None
+
+
+def _first_bad_utf8_line(path: str) -> str:
+    """``:LINE``, the first line of ``path`` that is not UTF-8 ("" if none is found)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return f":{lineno}"
+    return ""
 
 
 def _txt(path: str, text_field: str, mode: str, bad: BadLines) -> Iterator[Record]:

@@ -210,6 +210,19 @@ def test_a_csv_row_with_more_or_fewer_fields_than_its_header_is_a_bad_line(tmp_p
     ]
 
 
+def test_a_long_csv_field_is_read_and_bad_bytes_name_their_line(tmp_path: Path) -> None:
+    """Python's csv refuses fields over 128 KiB by default (a long document); invalid UTF-8 in a CSV
+    was named without its line."""
+    long = tmp_path / "long.csv"
+    long.write_text('text\n"' + "word " * 40_000 + '"\nshort\n')
+    kept = list(records(resolve_sources(str(long)), ExampleSettings(), BadLines(skip=False)))
+    assert [len(r.fields["text"]) for r in kept] == [200_000, 5]
+    bad = tmp_path / "bad.csv"
+    bad.write_bytes(b"text\nfine\nalso fine\nbad \xff byte\n")
+    with pytest.raises(UserError, match=r"bad\.csv:4: not valid UTF-8"):
+        list(records(resolve_sources(str(bad)), ExampleSettings(), BadLines(skip=False)))
+
+
 def test_skip_bad_lines_counts_them(tmp_path: Path) -> None:
     f = tmp_path / "d.jsonl"
     f.write_bytes(b'{"text": "a"}\n{oops\n{"x": 1}\n{"text": "\xff"}\n{"text": "b"}\n')
