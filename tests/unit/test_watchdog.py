@@ -9,8 +9,9 @@ from pathlib import Path
 from lmtune.parallel.health import _RECORD, PHASES, Watchdog
 
 
-def _beat(folder: Path, rank: int, step: int, phase: str, at: float) -> None:
-    (folder / f"rank-{rank}.hb").write_bytes(_RECORD.pack(step, PHASES.index(phase), os.getpid(), at))
+def _beat(folder: Path, rank: int, step: int, phase: str, at: float, pid: int | None = None) -> None:
+    record = _RECORD.pack(step, PHASES.index(phase), pid or os.getpid(), at)
+    (folder / f"rank-{rank}.hb").write_bytes(record)
 
 
 def test_the_rank_behind_is_named_whatever_beat_first(tmp_path: Path) -> None:
@@ -23,10 +24,7 @@ def test_the_rank_behind_is_named_whatever_beat_first(tmp_path: Path) -> None:
     watchdog = Watchdog(tmp_path, tmp_path, floor_s=10, on_hang=lambda: None)
     diagnosis = watchdog.check(now)
     assert diagnosis is not None
-    assert (
-        "the job is stuck: rank 1 stopped advancing; rank 1 was first, 58 s ago in step 15, phase forward"
-        in (diagnosis)
-    )
+    assert "the job is stuck: rank 1 stopped advancing first, 58 s ago in step 15, phase forward" in diagnosis
 
 
 def test_a_rank_a_step_behind_is_named(tmp_path: Path) -> None:
@@ -34,7 +32,34 @@ def test_a_rank_a_step_behind_is_named(tmp_path: Path) -> None:
     _beat(tmp_path, 0, 14, "optimizer", now - 30)
     _beat(tmp_path, 1, 15, "data", now - 40)
     diagnosis = Watchdog(tmp_path, tmp_path, floor_s=10, on_hang=lambda: None).check(now)
-    assert diagnosis is not None and "rank 0 was first, 30 s ago in step 14, phase optimizer" in diagnosis
+    assert (
+        diagnosis is not None
+        and "rank 0 stopped advancing first, 30 s ago in step 14, phase optimizer" in diagnosis
+    )
+
+
+def test_a_stopped_rank_is_the_cause_whoever_beat_last(tmp_path: Path) -> None:
+    """Rank 1 stopped (SIGSTOP) in step 98's backward, where rank 0 had beaten a moment before: it
+    was named with "rank 0 was first", which contradicted it."""
+    import signal
+    import subprocess
+
+    stopped = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        now = time.time()
+        _beat(tmp_path, 0, 98, "backward", now - 31)
+        _beat(tmp_path, 1, 98, "backward", now - 30, pid=stopped.pid)
+        diagnosis = Watchdog(tmp_path, tmp_path, floor_s=10, on_hang=lambda: None).check(now)
+    finally:
+        stopped.kill()
+        stopped.wait()
+    assert diagnosis is not None
+    assert diagnosis.startswith(
+        "the job is stuck: rank 1 is stopped by a signal, and nothing has advanced since 31 s ago in step 98"
+    )
+    assert "was first" not in diagnosis
 
 
 def test_samples_on_rank_0_are_behind_the_evaluation_that_waits_for_them(tmp_path: Path) -> None:

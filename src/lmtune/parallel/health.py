@@ -209,13 +209,17 @@ class Watchdog:
 def diagnose(first: Beat, beats: dict[int, Beat], now: float, limit: float) -> str:
     states = {b.rank: _process_state(b.pid) for b in beats.values()}
     # A stopped process is the cause wherever it is; else the rank that stopped advancing first.
-    stuck = sorted(r for r, state in states.items() if state == "T") or [first.rank]
-    names = ", ".join(f"rank {r}" for r in stuck)
-    lines = [
-        f"the job is stuck: {names} stopped advancing; rank {first.rank} was first, "
-        f"{now - first.time:.0f} s ago in step {first.step}, phase {first.phase} "
-        f"(limit {limit:.0f} s; --hang-timeout sets its floor)"
-    ]
+    stopped = sorted(r for r, state in states.items() if state == "T")
+    stuck = stopped or [first.rank]
+    since = f"{now - first.time:.0f} s ago in step {first.step}, phase {first.phase}"
+    verb = "is" if len(stopped) == 1 else "are"
+    cause = (
+        f"{', '.join(f'rank {r}' for r in stopped)} {verb} stopped by a signal, and nothing has advanced "
+        f"since {since}"
+        if stopped
+        else f"rank {first.rank} stopped advancing first, {since}"
+    )
+    lines = [f"the job is stuck: {cause} (limit {limit:.0f} s; --hang-timeout sets its floor)"]
     for b in sorted(beats.values(), key=lambda b: b.rank):
         what = {
             "T": "stopped by a signal (SIGSTOP, a debugger): it cannot dump its stack",
