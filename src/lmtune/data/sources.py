@@ -269,7 +269,10 @@ def _parse_json(text: str, where: str) -> Any:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         line = f":{e.lineno}" if "\n" in text.rstrip("\r\n") else ""
-        raise UserError(f"{where}{line}: not valid JSON ({e.msg}, column {e.colno})") from None
+        # json's "Invalid control character at" is completed by a position it leaves out of msg.
+        raise UserError(
+            f"{where}{line}: not valid JSON ({e.msg.removesuffix(' at')}, column {e.colno})"
+        ) from None
     except RecursionError:
         raise UserError(f"{where}: not valid JSON (nested too deeply)") from None
     except ValueError as e:  # an integer of more digits than Python converts

@@ -223,6 +223,15 @@ def test_a_long_csv_field_is_read_and_bad_bytes_name_their_line(tmp_path: Path) 
         list(records(resolve_sources(str(bad)), ExampleSettings(), BadLines(skip=False)))
 
 
+def test_a_control_character_in_json_is_named_plainly(tmp_path: Path) -> None:
+    f = tmp_path / "nul.jsonl"
+    f.write_bytes(b'{"text": "a\x00b"}\n')
+    with pytest.raises(
+        UserError, match=r"nul\.jsonl:1: not valid JSON \(Invalid control character, column 12\)$"
+    ):
+        list(records(resolve_sources(str(f)), ExampleSettings(), BadLines(skip=False)))
+
+
 def test_skip_bad_lines_counts_them(tmp_path: Path) -> None:
     f = tmp_path / "d.jsonl"
     f.write_bytes(b'{"text": "a"}\n{oops\n{"x": 1}\n{"text": "\xff"}\n{"text": "b"}\n')
