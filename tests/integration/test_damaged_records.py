@@ -267,3 +267,98 @@ def test_report_never_blocks_on_a_fifo(tmp_path: Path, capsys: pytest.CaptureFix
         (folder / "metrics.jsonl").unlink()
         os.mkfifo(folder / "metrics.jsonl")
         assert main(["report", str(folder), "--out", str(tmp_path / "r.html")]) == 2
+
+
+def _crafted_copy(run_checkpoint: Path, folder: Path, change: Any) -> Path:
+    """A copy of a checkpoint with one file edited and its manifest recomputed to match, as
+    someone crafting it would: verify passes, and the files themselves are what is checked."""
+    import shutil
+
+    shutil.copytree(run_checkpoint, folder)
+    change(folder)
+    (folder / "manifest.json").unlink()
+    write_manifest(folder)
+    return folder
+
+
+def _edit_json(name: str, **fields: Any) -> Any:
+    def edit(folder: Path) -> None:
+        path = folder / name
+        path.write_text(json.dumps(json.loads(path.read_text()) | fields))
+
+    return edit
+
+
+def _truncate(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+
+
+def _renamed_tensor(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors["extra.weight"] = tensors.pop(next(iter(tensors)))
+    save_file(tensors, folder / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (_truncate, "model.safetensors does not load (Error while deserializing header"),
+        (
+            _renamed_tensor,
+            "model.safetensors does not load (Error(s) in loading state_dict for LlamaForCausalLM",
+        ),
+        (
+            _edit_json("config.json", num_hidden_layers=-1),
+            "config.json: num_hidden_layers must be a whole number",
+        ),
+        (
+            _edit_json("config.json", model_type="nonexistent"),
+            "its config.json does not load (The checkpoint",
+        ),
+        (_edit_json("config.json", hidden_size=10**12), "config.json: hidden_size must be a whole number in"),
+        (
+            _edit_json("generation_config.json", eos_token_id=1e20),
+            "generation_config.json: eos_token_id must be a token id",
+        ),
+    ],
+    ids=["truncated", "renamed-tensor", "layers", "model-type", "hidden-size", "eos"],
+)
+def test_export_of_a_crafted_checkpoint_names_the_file(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], change: Any, said: str
+) -> None:
+    """Tracebacks from transformers and safetensors (rc 1) before; an allocation of a hidden_size of
+    1e12 was tried."""
+    crafted = _crafted_copy(run / "checkpoints" / "step-000002", tmp_path / "crafted", change)
+    assert main(["export", str(crafted), str(tmp_path / "exported")]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert not (tmp_path / "exported").exists()
+
+
+def test_export_of_a_crafted_lora_checkpoint_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --merge-lora the adapter's files were copied unread: an unusable export, rc 0."""
+    data = write_jsonl(tmp_path / "d.jsonl", [f"text {i}" for i in range(16)])
+    out = tmp_path / "lora"
+    argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "2", "--save-every", "2"]
+    assert main([*argv, "--global-batch-size", "8", "--lora", "--no-progress"]) == 0
+    checkpoint = out / "checkpoints" / "step-000002"
+
+    def truncated(folder: Path) -> None:
+        (folder / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00")
+
+    cases = {
+        "adapter_model.safetensors does not load (Error while deserializing header": truncated,
+        "adapter_config.json: r must be a whole number >= 1": _edit_json("adapter_config.json", r=-3),
+    }
+    for i, (said, change) in enumerate(cases.items()):
+        crafted = _crafted_copy(checkpoint, tmp_path / f"crafted-{i}", change)
+        for merge in ([], ["--merge-lora"]):
+            assert main(["export", str(crafted), str(tmp_path / "exported"), *merge]) == 2
+            err = capsys.readouterr().err
+            assert said in err and "Traceback" not in err, err
+            assert not (tmp_path / "exported").exists()

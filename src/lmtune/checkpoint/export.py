@@ -33,10 +33,11 @@ from lmtune.checkpoint.layout import (
 )
 from lmtune.checkpoint.owned import file_stats, listed, not_ours, recorded_stats, users_files_said
 from lmtune.checkpoint.state import ModelParts
-from lmtune.config.files import read_json_object
+from lmtune.config.files import is_int, read_json_object
 from lmtune.config.io import build_config
 from lmtune.config.verbosity import no_progress_bars
-from lmtune.errors import UserError, out_of_space, room, sizes
+from lmtune.errors import UserError, brief, one_line, out_of_space, room, sizes
+from lmtune.model.configs import check_config, check_folder
 from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, save_adapter
 from lmtune.model.loss import WRAPPED_PREFIX
 from lmtune.model.modeling import merge_device, merged_into_base
@@ -239,7 +240,15 @@ def export(
         raise UserError(f"{checkpoint}: not a valid checkpoint: {reason}")
     check_destination(checkpoint, out, overwrite)
     listed = read_json_object(checkpoint / MANIFEST)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    # Its files are data from disk (a manifest recomputed after an edit passes verify): checked as
+    # --model checks a model folder, and what they fail to load as is named, not a traceback.
+    check_folder(checkpoint, "lmtune export")
+    if ADAPTER_FILE in listed:
+        _check_adapter(checkpoint)
+    else:
+        config = checkpoint / "config.json"
+        check_config(read_json_object(config, follow_links=True), str(config), fits_memory=True)
+    tokenizer = _unless_broken(checkpoint, "its tokenizer", lambda: AutoTokenizer.from_pretrained(checkpoint))
     if merge_lora and ADAPTER_FILE not in listed:
         raise UserError(f"{checkpoint}: holds the whole model, no LoRA adapter to merge (--merge-lora)")
     if ADAPTER_FILE in listed and not merge_lora:
@@ -272,18 +281,53 @@ def _checkpoint_model(checkpoint: Path, listed: dict[str, Any], trust_remote_cod
     from safetensors.torch import load_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    def rebuilt() -> Any:
+        config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+    model = _unless_broken(checkpoint, "its config.json", rebuilt)
     if GENERATION_CONFIG in listed:  # the stop tokens training set (a chat model's end of turn)
         from transformers import GenerationConfig
 
-        model.generation_config = GenerationConfig.from_pretrained(checkpoint)
+        generation = _unless_broken(
+            checkpoint, GENERATION_CONFIG, lambda: GenerationConfig.from_pretrained(checkpoint)
+        )
+        model.generation_config = generation
     if MODEL_FILE in listed:
-        load_model(model, str(checkpoint / MODEL_FILE))
+        _unless_broken(checkpoint, MODEL_FILE, lambda: load_model(model, str(checkpoint / MODEL_FILE)))
     else:
         _load_sharded_model(model, checkpoint / SHARDED_DIR)
     loaded: nn.Module = model
     return loaded
+
+
+def _unless_broken(checkpoint: Path, what: str, load: Callable[[], Any]) -> Any:
+    """``load()``, where a file of ``checkpoint`` that does not load (truncated, edited) is a
+    UserError naming it rather than a traceback from transformers or safetensors."""
+    try:
+        return load()
+    except UserError:
+        raise
+    except Exception as e:
+        lines = [" ".join(line.split()) for line in str(e).strip().splitlines()[:2]]  # torch's 2nd says what
+        why = one_line(" ".join(line for line in lines if line), 160) or type(e).__name__
+        raise UserError(
+            f"{checkpoint}: {what} does not load ({why}); not a checkpoint lmtune wrote"
+        ) from None
+
+
+def _check_adapter(checkpoint: Path) -> None:
+    """A LoRA checkpoint's adapter: its config names a positive rank, its weights load."""
+    from safetensors.torch import load_file
+
+    config = read_json_object(checkpoint / ADAPTER_CONFIG, follow_links=True)
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not is_int(rank, 1, 1 << 16) or not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool)):
+        raise UserError(
+            f"{checkpoint / ADAPTER_CONFIG}: r must be a whole number >= 1 and lora_alpha a number "
+            f"(got r {brief(rank)}, lora_alpha {brief(alpha)}); not a checkpoint lmtune wrote"
+        )
+    _unless_broken(checkpoint, ADAPTER_FILE, lambda: load_file(checkpoint / ADAPTER_FILE))
 
 
 def _merged_checkpoint(checkpoint: Path, trust_remote_code: bool) -> nn.Module:
