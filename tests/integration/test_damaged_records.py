@@ -362,3 +362,39 @@ def test_export_of_a_crafted_lora_checkpoint_names_the_file(
             err = capsys.readouterr().err
             assert said in err and "Traceback" not in err, err
             assert not (tmp_path / "exported").exists()
+
+
+def test_a_crafted_checkpoint_on_resume_names_its_file_and_the_one_before(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its manifest recomputed: the resume said "its state does not fit this run's model", named no
+    file, and did not offer the checkpoint before it, as a damaged one's message does."""
+    import pickle
+    import shutil
+
+    data = write_jsonl(tmp_path / "d.jsonl", [f"text {i}" for i in range(16)])
+    base = tmp_path / "base"
+    argv = ["train", "--data", str(data), "--save-every", "2", "--keep-last", "0", "--global-batch-size", "8"]
+    assert main([*argv, "--output-dir", str(base), "--max-steps", "4", "--no-progress"]) == 0
+
+    def cut(name: str) -> Any:
+        return lambda folder: (folder / name).write_bytes((folder / name).read_bytes()[:5000])
+
+    cases: dict[str, Any] = {
+        "its model.safetensors does not load (Error while deserializing header": cut("model.safetensors"),
+        "its optimizer.pt does not load (": cut("optimizer.pt"),
+        "optimizer.pt: refused, not plain tensors and values (Unsupported": lambda folder: (
+            folder / "optimizer.pt"
+        ).write_bytes(pickle.dumps(os.system)),
+    }
+    for i, (said, change) in enumerate(cases.items()):
+        out = tmp_path / f"run-{i}"
+        shutil.copytree(base / "checkpoints", out / "checkpoints")
+        _crafted_copy(base / "checkpoints" / "step-000004", tmp_path / f"crafted-{i}", change)
+        shutil.rmtree(out / "checkpoints" / "step-000004")
+        shutil.move(tmp_path / f"crafted-{i}", out / "checkpoints" / "step-000004")
+        assert main([*argv, "--output-dir", str(out), "--max-steps", "6", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err and "Warning" not in err, err
+        if "refused" not in said:
+            assert f"--resume {out / 'checkpoints' / 'step-000002'} continues from the one before it" in err

@@ -347,13 +347,15 @@ def load_checkpoint(
             else:
                 device = str(next(parts.model.parameters()).device)
                 load_model(parts.model, str(folder / MODEL_FILE), device=device)
-            saved = checked_optimizer_state(
-                _load_plain(folder / OPTIMIZER_FILE), optimizer, folder / OPTIMIZER_FILE
-            )
-            optimizer.load_state_dict(saved)
         except (RuntimeError, ValueError, KeyError, OSError, SafetensorError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--resume {folder}: its state does not fit this run's model ({first})") from None
+            raise _unloadable(folder, ADAPTER_FILE if parts.lora else MODEL_FILE, e) from None
+        saved = checked_optimizer_state(
+            _load_plain(folder / OPTIMIZER_FILE), optimizer, folder / OPTIMIZER_FILE
+        )
+        try:
+            optimizer.load_state_dict(saved)
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise _unloadable(folder, OPTIMIZER_FILE, e) from None
     if scaler is not None and SCALER_FILE in listed:
         scaler.load_state_dict(_scaler_state(folder / SCALER_FILE))
     rng = folder / f"rng-rank-{env.rank}.json"
@@ -373,12 +375,39 @@ def load_checkpoint(
 def _load_plain(path: Path) -> Any:
     """A ``torch.save`` file read as tensors and plain values only: pickled code is refused."""
     import pickle
+    import warnings
 
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        with warnings.catch_warnings():  # torch's advice on weights_only: the refusal below says it
+            warnings.simplefilter("ignore")
+            return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        why = str(e).split("WeightsUnpickler error: ")[-1].splitlines()[0]
+        lines = [line for line in str(e).split("WeightsUnpickler error: ")[-1].splitlines() if line.strip()]
+        why = one_line(lines[0], 160) if lines else type(e).__name__
         raise UserError(f"{path}: refused, not plain tensors and values ({why})") from None
+    except (RuntimeError, OSError, ValueError, EOFError) as e:  # cut short, or not torch.save's
+        raise _unloadable(path.parent, path.name, e) from None
+
+
+def _unloadable(folder: Path, name: str, e: Exception) -> UserError:
+    """The checkpoint ``folder``'s file ``name`` failed to load: said with its reason (torch's second
+    line says what, its first only where) and the checkpoint before it to continue from instead."""
+    lines = [" ".join(line.split()) for line in str(e).strip().splitlines()[:2]]
+    why = one_line(" ".join(line for line in lines if line), 160) or type(e).__name__
+    fits = isinstance(e, RuntimeError) and name != OPTIMIZER_FILE  # names or shapes that differ
+    saved = list_checkpoints(folder.parent.parent)
+    older = (
+        [p for p in saved[: saved.index(folder)] if verify(p, hashes=False) is None]
+        if folder in saved
+        else []
+    )
+    instead = (
+        f"--resume {older[-1]} continues from the one before it"
+        if older
+        else "start afresh with another --output-dir"
+    )
+    what = "does not fit this run's model" if fits else "does not load"
+    return UserError(f"--resume {folder}: its {name} {what} ({why}), not as lmtune saved it; {instead}")
 
 
 _SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
