@@ -66,6 +66,22 @@ def busy_at_start() -> bool:
     return os.environ.get(DECIDED_ENV, "").startswith(_PASSIVE)
 
 
+def spinning_among_others() -> str | None:
+    """Where nothing decided how threads wait (the Python API: torch was imported before lmtune
+    could) and other threads compete for the CPUs now, what to do about it; else None."""
+    if DECIDED_ENV in os.environ or any(name in os.environ for name in _USER_SETTINGS):
+        return None
+    count = runnable_others()
+    if not count:
+        return None
+    return (
+        f"warning: {count} other runnable thread{'s' if count > 1 else ''} compete for the CPUs, and "
+        "PyTorch's OpenMP threads spin while they wait (steps ran 3x slower than with passive "
+        "waiting, 2 cores, 6 busy processes); set OMP_WAIT_POLICY=PASSIVE in the environment "
+        "before Python imports torch (`lmtune train` decides it itself)"
+    )
+
+
 def runnable_others(loadavg: Path = Path("/proc/loadavg")) -> int | None:
     """Threads other than this one runnable now (the median of a few instant counts, so a
     passing process does not decide); None where the system does not say (not Linux)."""

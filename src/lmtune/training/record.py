@@ -17,7 +17,7 @@ import torch
 from lmtune import __version__
 from lmtune.checkpoint.state import optimizer_state_bytes
 from lmtune.config.settings import TrainConfig, setting_named, to_dict, warmup_steps
-from lmtune.config.threads import busy_at_start, thread_wait
+from lmtune.config.threads import busy_at_start, spinning_among_others, thread_wait
 from lmtune.data.pairs import examples_noun
 from lmtune.model.attention import attention_description
 from lmtune.model.compiled import compile_record
@@ -133,6 +133,13 @@ def run_record(
             run.log.info(note)
     if env.device.type == "cpu" and busy_at_start():
         run.log.info(f"CPU threads wait {thread_wait()}; OMP_WAIT_POLICY=ACTIVE overrides")
+    elif (
+        env.device.type == "cpu"
+        and env.is_main
+        and run.given is None
+        and (spinning := spinning_among_others())
+    ):
+        run.log.info(spinning)
     if built.paths.products is not None:  # a CPU bf16 run: which paths its CPU's units chose, and how
         run.log.info(f"{built.paths.line()}; matrix products: {built.products.description}")
     if built.objective.unit == "pairs":

@@ -51,3 +51,23 @@ def test_runnable_others_is_the_median_instant_count_less_this_thread(tmp_path: 
     assert runnable_others(tmp_path / "missing") is None
     loadavg.write_text("garbage\n")
     assert runnable_others(loadavg) is None
+
+
+def test_the_python_api_is_told_to_set_passive_waiting_on_a_busy_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """lmtune.train() runs after Python imported torch, too late to choose how threads wait: on a
+    busy machine its steps ran 30-50x slower than the CLI's, without a word."""
+    from lmtune.config import threads
+
+    for name in (DECIDED_ENV, WAIT_ENV, "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(threads, "runnable_others", lambda: 6)
+    said = threads.spinning_among_others()
+    assert said is not None and said.startswith("warning: 6 other runnable threads compete for the CPUs")
+    assert "set OMP_WAIT_POLICY=PASSIVE in the environment before Python imports torch" in said
+    monkeypatch.setattr(threads, "runnable_others", lambda: 0)
+    assert threads.spinning_among_others() is None
+    monkeypatch.setattr(threads, "runnable_others", lambda: 6)
+    monkeypatch.setenv(WAIT_ENV, "ACTIVE")  # the user's choice
+    assert threads.spinning_among_others() is None
