@@ -98,7 +98,7 @@ def test_best_json_is_read_as_data_and_its_path_follows_the_folder(tmp_path: Pat
     tracker = BestTracker(metric="eval_loss", greater_is_better=False, patience=2, threshold=0.0)
 
     def restore() -> None:  # as the checkpoint manager reads a record: bounded, a JSON object
-        tracker.restore(read_json_object(checkpoint / BEST_FILE))
+        tracker.restore(read_json_object(checkpoint / BEST_FILE), 15)
 
     restore()
     assert tracker.best is not None and tracker.best.checkpoint == "checkpoints/step-000015"
@@ -113,6 +113,10 @@ def test_best_json_is_read_as_data_and_its_path_follows_the_folder(tmp_path: Pat
             "without_improvement": 0,
         },
         {"best": None, "without_improvement": 10**30},
+        {  # a best step after the checkpoint's own
+            "best": {"step": 999, "metric": "eval_loss", "value": 1.0, "checkpoint": ""},
+            "without_improvement": 0,
+        },
         [1, 2],
     ):
         (checkpoint / BEST_FILE).write_text(json.dumps(bad))

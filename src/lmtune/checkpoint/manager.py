@@ -50,7 +50,12 @@ class CheckpointRecord(Protocol):
 
     def to_json(self) -> dict[str, Any]: ...
 
-    def restore(self, record: dict[str, Any]) -> None: ...
+    def restore(self, record: dict[str, Any], step: int) -> None:
+        """Take ``record``, saved with the checkpoint of ``step``.
+
+        Raises:
+            UserError: starting with :attr:`file_name`, when it is not what lmtune saved.
+        """
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,10 @@ class CheckpointManager:
         for record in self.records:
             saved = _read_record(folder / record.file_name)
             if saved is not None:
-                record.restore(saved)
+                try:
+                    record.restore(saved, state.step)
+                except UserError as e:  # named by its file alone: said with its checkpoint
+                    raise UserError(f"{folder / str(e)}") from None
         history = _read_record(folder / CHANGES_FILE)
         self.changed, self.continued = read_changes(history), read_continued(history)
         if changes:

@@ -340,6 +340,7 @@ def continue_from(
     changes = check_continuable(folder, now, parts)
     was_sharded = SHARDED_METADATA in check_layout(folder, parts)
     saved = load_checkpoint(folder, parts, optimizer, env, scaler)
+    _check_state_agrees(folder, saved, now)
     state = replace(saved, world_size=env.world_size)
     # Not the training's numbers (N processes train as one), but what run.json and reports describe
     # is the last attempt's layout: the change says which steps ran on another.
@@ -355,6 +356,22 @@ def continue_from(
     if changes:
         log.info(f"changed since the checkpoint, applied from step {state.step + 1}: " + "; ".join(changes))
     return state, changes
+
+
+def _check_state_agrees(folder: Path, saved: TrainerState, now: Fingerprint) -> None:
+    """The trainer state records the run the fingerprint (checked already) describes: an edited
+    trainer.json with another batch or example count would put the sample order elsewhere."""
+    recorded = {
+        "--global-batch-size": saved.global_batch_size,
+        "--seed": saved.seed,
+        "training examples": saved.examples,
+    }
+    differ = [f"{k} {v}, this run's {now.fixed[k]}" for k, v in recorded.items() if now.fixed.get(k, v) != v]
+    if differ:
+        raise UserError(
+            f"{folder / STATE_FILE}: records {'; '.join(differ)}, unlike the checkpoint's fingerprint: "
+            "not as lmtune saved it"
+        )
 
 
 LAYOUT_CHANGES = ("processes", "sharding")  # the names of a resume's changes of layout

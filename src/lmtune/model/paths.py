@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lmtune.errors import UserError
+from lmtune.errors import UserError, one_line
 from lmtune.model.attention import CPU_ATTENTION_ENV, SEGMENTS, Segments, bucketed_attention, varlen_attention
 from lmtune.model.products import (
     PRODUCTS_ENV,
@@ -134,7 +134,7 @@ class Paths:
     # before the model is built (lmtune.checkpoint.resume.recorded_paths), so not restored after.
     file_name: ClassVar[str] = PATHS_FILE
 
-    def restore(self, record: dict[str, Any]) -> None:
+    def restore(self, record: dict[str, Any], step: int) -> None:
         """Nothing: a resumed run was built with the recorded paths already."""
 
     def to_json(self) -> dict[str, Any]:
@@ -280,7 +280,7 @@ def _decide(name: str, forced: str | None, rule: Decision | None, recorded: Any,
     if saved in (BF16, FP32):
         if saved == BF16 and rule is not None and rule.no_bf16_here:
             return replace(rule, how=f"{rule.how}; the checkpoint's bf16 set aside: no units for it here")
-        earlier = str(recorded.get("decided", "recorded"))
+        earlier = one_line(str(recorded.get("decided", "recorded")), 120)  # a file's text, bounded
         how = earlier if earlier.startswith("from the checkpoint") else f"from the checkpoint ({earlier})"
         return Decision(saved, how)
     return rule if rule is not None else Decision(default, _UNDECIDED)

@@ -76,17 +76,18 @@ class BestTracker:
             "without_improvement": self.without_improvement,
         }
 
-    def restore(self, record: dict[str, Any]) -> None:
-        """Continue counting from the record saved with the checkpoint a run resumes from. The best
-        checkpoint's path is derived from its step, never taken from the record: inside this output
-        folder whatever the record says, and found after the folder was moved or renamed."""
+    def restore(self, record: dict[str, Any], step: int) -> None:
+        """Continue counting from the record saved with the checkpoint (of ``step``) a run resumes
+        from. The best checkpoint's path is derived from its step, never taken from the record:
+        inside this output folder whatever the record says, and found after the folder was moved or
+        renamed. A best step after ``step`` is no record lmtune wrote."""
         saved, count = record.get("best"), record.get("without_improvement")
         value = saved.get("value") if isinstance(saved, dict) else None
         valid = is_int(count) and (
             saved is None
             or (
                 isinstance(saved, dict)
-                and is_int(saved.get("step"))
+                and is_int(saved.get("step"), 0, step)
                 and isinstance(saved.get("metric"), str)
                 and isinstance(value, (int, float))
                 and not isinstance(value, bool)
@@ -94,7 +95,10 @@ class BestTracker:
             )
         )
         if not valid:
-            raise UserError(f"{BEST_FILE}: not a best-model record lmtune wrote (counts and a finite value)")
+            raise UserError(
+                f"{BEST_FILE}: not a best-model record lmtune wrote (counts, a step up to {step}, a "
+                "finite value)"
+            )
         assert isinstance(count, int)
         if saved is None:
             self.best, self.without_improvement = None, count
