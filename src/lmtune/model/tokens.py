@@ -7,6 +7,7 @@ config that lists only ``<|endoftext|>`` lets ``generate`` run past it into an i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -60,6 +61,28 @@ def tokens_without_embeddings(model: nn.Module, tokenizer: Any, name: str) -> st
         f"{name}: its tokenizer has {len(tokenizer):,} tokens and its embeddings {rows:,} rows, so ids from "
         f"{rows:,} on{some} have no embedding"
     )
+
+
+def fit_vocabulary(
+    model: nn.Module, tokenizer: Any, name: str, *, lora: bool, say: Callable[[str], None]
+) -> None:
+    """For training: a tokenizer with more tokens than the model has embeddings grows them, said.
+
+    Raises:
+        UserError: under LoRA (``lora``), which would leave the new rows untrained.
+    """
+    from lmtune.errors import UserError
+
+    problem = tokens_without_embeddings(model, tokenizer, name)
+    if not problem:
+        return
+    if lora:
+        raise UserError(
+            f"{problem}; under --lora new embedding rows would stay untrained: fine-tune without --lora "
+            "(the embeddings grow to the tokenizer), or give the model the tokenizer it was trained with"
+        )
+    fit_embeddings(model, tokenizer)
+    say(f"{problem}: grown to {len(tokenizer):,} rows (new rows start at the mean of the others)")
 
 
 def fit_embeddings(model: nn.Module, tokenizer: Any) -> bool:

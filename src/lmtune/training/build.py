@@ -47,7 +47,7 @@ from lmtune.model.paths import (
 from lmtune.model.precision import autocast_context, grad_scaler, low_precision_dtype
 from lmtune.model.products import Products
 from lmtune.model.quantization import base_summary, quantization_of, return_freed_buffers
-from lmtune.model.tokens import check_positions, fit_embeddings, set_stop_tokens, tokens_without_embeddings
+from lmtune.model.tokens import check_positions, fit_embeddings, fit_vocabulary, set_stop_tokens
 from lmtune.objectives import objective_for
 from lmtune.objectives.base import LossSetup, Objective
 from lmtune.outputs.runlog import InfoLog, RunLog
@@ -187,28 +187,10 @@ def _load(run: RunContext) -> LoadedModel:
     loaded = load_model(cfg.model.name, cfg.seed, cfg.model.trust_remote_code, quantization, device)
     if quantization is not None:
         log.info(base_summary(loaded.model, quantization))
-    _fit_vocabulary(cfg, loaded.model, loaded.tokenizer, log)
+    fit_vocabulary(loaded.model, loaded.tokenizer, cfg.model.name, lora=cfg.lora.enabled, say=log.info)
     if cfg.examples.chat_template is not None:
         apply_chat_template_option(cfg, loaded.model, loaded.tokenizer, log)
     return loaded
-
-
-def _fit_vocabulary(cfg: TrainConfig, model: torch.nn.Module, tokenizer: Any, log: InfoLog) -> None:
-    """A tokenizer with more tokens than the model has embeddings: they grow, where they train.
-
-    Raises:
-        UserError: under --lora or a quantized base, which would leave the new rows untrained.
-    """
-    problem = tokens_without_embeddings(model, tokenizer, cfg.model.name)
-    if not problem:
-        return
-    if cfg.lora.enabled:
-        raise UserError(
-            f"{problem}; under --lora new embedding rows would stay untrained: fine-tune without --lora "
-            "(the embeddings grow to the tokenizer), or give the model the tokenizer it was trained with"
-        )
-    fit_embeddings(model, tokenizer)
-    log.info(f"{problem}: grown to {len(tokenizer):,} rows (new rows start at the mean of the others)")
 
 
 def _starting_digest(run: RunContext, model: torch.nn.Module, objective: Objective) -> str | None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,14 +33,32 @@ def test_a_row_that_does_not_fit_ends_the_run_in_one_sentence(tmp_path: Path) ->
     assert raised.value.__suppress_context__
 
 
-def test_run_json_that_does_not_fit_leaves_the_earlier_one(tmp_path: Path) -> None:
+def test_run_json_that_does_not_fit_leaves_the_earlier_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     log = RunLog(read_dist_env("cpu"), tmp_path, progress=False)
     log.write_json("run.json", {"config": 1})
-    (tmp_path / "run.tmp").symlink_to(FULL)  # where the new one is written before it replaces
+    opened = os.open
+
+    def full_for_the_new_one(path: Any, flags: int, mode: int = 0o777) -> int:
+        # Where the new one is written before it replaces the old: a disk that is full.
+        return opened(FULL, os.O_WRONLY) if ".run.json.tmp-" in str(path) else opened(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", full_for_the_new_one)
     with pytest.raises(NoSpace, match=r"^no space left on device while writing .*run\.json$"):
         log.write_json("run.json", {"config": 1, "result": 2})
+    monkeypatch.undo()
     assert json.loads((tmp_path / "run.json").read_text()) == {"config": 1}
-    assert not (tmp_path / "run.tmp").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
+
+
+def test_run_json_is_written_beside_a_users_run_tmp_not_through_it(tmp_path: Path) -> None:
+    """`run.tmp` was its temporary name: a user's file of that name was replaced."""
+    log = RunLog(read_dist_env("cpu"), tmp_path, progress=False)
+    (tmp_path / "run.tmp").write_text("mine")
+    log.write_json("run.json", {"config": 1})
+    assert (tmp_path / "run.tmp").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "run.tmp"]
 
 
 def test_each_ranks_example_order_that_does_not_fit(tmp_path: Path) -> None:
