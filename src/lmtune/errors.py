@@ -114,6 +114,13 @@ def brief(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def why_it_failed(e: BaseException, limit: int = 160) -> str:
+    """A library's exception as a message part: its first two lines on one (torch's and
+    safetensors' first often says only where, the second what), else its kind."""
+    lines = [line for line in str(e).strip().splitlines()[:2] if line.strip()]
+    return one_line(" ".join(lines), limit) or type(e).__name__
+
+
 def one_line(text: str, limit: int = 200) -> str:
     """``text`` (a message part) on one line, at most ``limit`` characters."""
     flat = " ".join(text[: limit * 4].split())

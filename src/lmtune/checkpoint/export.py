@@ -36,7 +36,7 @@ from lmtune.checkpoint.state import ModelParts
 from lmtune.config.files import is_int, read_json_object
 from lmtune.config.io import build_config
 from lmtune.config.verbosity import no_progress_bars
-from lmtune.errors import UserError, brief, one_line, out_of_space, room, sizes
+from lmtune.errors import UserError, brief, out_of_space, room, sizes, why_it_failed
 from lmtune.model.configs import check_config, check_folder
 from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, save_adapter
 from lmtune.model.loss import WRAPPED_PREFIX
@@ -309,8 +309,7 @@ def _unless_broken(checkpoint: Path, what: str, load: Callable[[], Any]) -> Any:
     except UserError:
         raise
     except Exception as e:
-        lines = [" ".join(line.split()) for line in str(e).strip().splitlines()[:2]]  # torch's 2nd says what
-        why = one_line(" ".join(line for line in lines if line), 160) or type(e).__name__
+        why = why_it_failed(e)
         raise UserError(
             f"{checkpoint}: {what} does not load ({why}); not a checkpoint lmtune wrote"
         ) from None

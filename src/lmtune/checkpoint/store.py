@@ -56,7 +56,7 @@ from lmtune.checkpoint.state import (
     set_rng_state,
 )
 from lmtune.config.files import is_int, read_json_object
-from lmtune.errors import UserError, one_line, out_of_space, room, sizes
+from lmtune.errors import UserError, one_line, out_of_space, room, sizes, why_it_failed
 from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
 from lmtune.parallel.distributed import DistEnv, barrier, decided_by_main, refused_by_main
 
@@ -391,9 +391,8 @@ def _load_plain(path: Path) -> Any:
 
 def _unloadable(folder: Path, name: str, e: Exception) -> UserError:
     """The checkpoint ``folder``'s file ``name`` failed to load: said with its reason (torch's second
-    line says what, its first only where) and the checkpoint before it to continue from instead."""
-    lines = [" ".join(line.split()) for line in str(e).strip().splitlines()[:2]]
-    why = one_line(" ".join(line for line in lines if line), 160) or type(e).__name__
+    line says what) and the checkpoint before it to continue from instead."""
+    why = why_it_failed(e)
     fits = isinstance(e, RuntimeError) and name != OPTIMIZER_FILE  # names or shapes that differ
     saved = list_checkpoints(folder.parent.parent)
     older = (
