@@ -152,6 +152,9 @@ def checked_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer, path: 
         nested = entry.get(_BNB_STATE, {}) if isinstance(entry, dict) else None
         if i not in params or not isinstance(nested, dict):
             raise refused(f"an entry for parameter {brief(i)}, which this run's optimizer has not")
+        missing = _REQUIRED.get(type(optimizer).__name__, set()) - set(entry)
+        if missing:
+            raise refused(f"parameter {brief(i)}'s entry lacks {', '.join(sorted(missing))}")
         for name, value in {**entry, **nested}.items():
             problem = "" if name == _BNB_STATE else _entry_problem(name, value, params[i])
             if problem:
@@ -163,8 +166,9 @@ def _entry_problem(name: str, value: Any, param: torch.Tensor) -> str:
     """Why ``value`` is not the optimizer state entry ``name`` of ``param`` ("" when it is)."""
     if name == "step":
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        scalar = isinstance(value, torch.Tensor) and value.numel() == 1
-        return "" if number or scalar else "is not a step count"
+        scalar = isinstance(value, torch.Tensor) and value.numel() == 1 and value.layout == torch.strided
+        count = float(value) if number or scalar else -1.0
+        return "" if math.isfinite(count) and count >= 0 else "is not a step count"
     shapes: dict[str, tuple[int, ...]] = {
         **dict.fromkeys(_MOMENTS, tuple(param.shape)),
         **dict.fromkeys(("qmap1", "qmap2"), (256,)),  # 8-bit quantisation maps
@@ -180,7 +184,19 @@ def _entry_problem(name: str, value: Any, param: torch.Tensor) -> str:
         return f"holds {str(value.dtype).removeprefix('torch.')} values"
     if tuple(value.shape) != shapes[name]:
         return f"has shape {list(value.shape)}, the parameter's needs {list(shapes[name])}"
+    # Fused kernels index a tensor as dense memory of its shape: a sparse one, or an expanded view
+    # (strides of 0 over a smaller storage), is read and written past its end.
+    if value.layout != torch.strided or not value.is_contiguous():
+        return "is not a dense tensor"
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        return "holds values that are not finite"
+    if name in ("exp_avg_sq", "max_exp_avg_sq") and bool((value < 0).any()):
+        return "holds negative values (a mean of squares)"
     return ""
+
+
+# The entries every state of these optimizers holds (a missing one failed at the first step).
+_REQUIRED = {"AdamW": {"step", "exp_avg", "exp_avg_sq"}, "Adam": {"step", "exp_avg", "exp_avg_sq"}}
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -63,6 +63,20 @@ def test_entries_that_do_not_fit_their_parameter_are_named() -> None:
         "holds int64 values": _crafted(saved, "exp_avg", torch.zeros(first.shape, dtype=torch.int64)),
         "is not a tensor": _crafted(saved, "exp_avg", [1.0, 2.0]),
         "is not a step count": _crafted(saved, "step", "x"),
+        "step is not a step count": _crafted(saved, "step", torch.tensor(-5.0)),
+        # Its shape, over a 4-byte storage: the kernel wrote past it (a segfault, or 23 GB of memory).
+        "exp_avg is not a dense tensor": _crafted(saved, "exp_avg", torch.zeros(1).expand(first.shape)),
+        "exp_avg_sq is not a dense tensor": _crafted(
+            saved, "exp_avg_sq", torch.zeros(first.shape).to_sparse()
+        ),
+        "exp_avg holds values that are not finite": _crafted(
+            saved, "exp_avg", torch.full(first.shape, float("nan"))
+        ),
+        "exp_avg_sq holds negative values": _crafted(saved, "exp_avg_sq", torch.full(first.shape, -1.0)),
+        "entry lacks exp_avg": {
+            "state": {0: {k: v for k, v in saved["state"][0].items() if k != "exp_avg"}},
+            "param_groups": saved["param_groups"],
+        },
         "evil is not an entry of lmtune's optimizers": _crafted(saved, "evil", torch.zeros(1)),
         "an entry for parameter 999": {"state": {999: {}}, "param_groups": saved["param_groups"]},
         "parameter groups are not this run's": {"state": {}, "param_groups": []},
