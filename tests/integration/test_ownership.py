@@ -265,6 +265,7 @@ def test_a_users_folders_and_files_named_like_lmtunes_temporary_ones_are_kept(
     shutil.copytree(out / "checkpoints", tmp_path / "home2" / "checkpoints")
     said = _error([*argv, "--max-steps", "2", "--save-every", "2", "--no-progress"], capsys)
     assert ".step-000002.tmp: lmtune writes its temporary folder there" in said
+    assert not (tmp_path / "home2" / "metrics.jsonl").exists()  # refused before training, not at the save
     assert (tmp_path / "home2" / "checkpoints" / ".step-000002.tmp" / "thesis.tex").read_text() == "mine"
 
 

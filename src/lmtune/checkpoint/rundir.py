@@ -78,8 +78,10 @@ def _check_folder(output_dir: Path) -> None:
                 f"--output-dir {output_dir}: {name} is {problem}; lmtune writes only its own files "
                 "(remove it, or choose another --output-dir)"
             )
-    if problem := in_the_way(temporary_of(output_dir / "final")):  # known now, not after training
-        raise UserError(problem)
+    # Known now, not after the steps before the save that needs the name.
+    for temporary in (temporary_of(output_dir / "final"), *output_dir.glob("checkpoints/.step-*.tmp")):
+        if problem := in_the_way(temporary):
+            raise UserError(problem)
 
 
 def _entry_problem(path: Path, folder: bool) -> str:
