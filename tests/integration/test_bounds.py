@@ -47,6 +47,9 @@ def _merges(levels: int) -> str:
         (_merges(40), "expands to over 100,000 values"),  # merge keys double at every level
         ("data: " + "[" * 100_000 + "\n", "nested too deeply"),
         ("max_steps: 1" + "0" * 5_000 + "\n", "not valid YAML here (Exceeds the limit (4300 digits)"),
+        # Hex, binary and base 60 are read at any length, and failed where the number was printed.
+        ("max_steps: 0x" + "f" * 5_000 + "\n", "not valid YAML here (a number of over 4,000 digits)"),
+        ("foo_bar: 0b" + "1" * 20_000 + "\n", "not valid YAML here (a number of over 4,000 digits)"),
         ("lr: " + "x" * 900_000 + "\n", "run.yaml:1: lr: expected float, got 'xxxx"),  # a value is cut short
         ("# padding\n" * 120_000, "over the 1,048,576 such a file may have"),
         (

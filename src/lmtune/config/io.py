@@ -177,6 +177,23 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
     return sizes[id(node)]
 
 
+_MAX_BITS = 14_000  # ~4,200 decimal digits: Python prints no int past 4,300 (nor str() it)
+
+
+def _check_numbers(value: Any, where: str) -> None:
+    """No integer in ``value`` too long to print: YAML reads hex, binary and base-60 ones of any
+    length, which failed later as a traceback wherever one was shown."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _MAX_BITS:
+        raise UserError(f"{where}: not valid YAML here (a number of over 4,000 digits)")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_numbers(key, where)
+            _check_numbers(item, where)
+    elif isinstance(value, list):
+        for item in value:
+            _check_numbers(item, where)
+
+
 def parse_yaml(text: str, where: str) -> Any:
     """Safe YAML (plain values only) with its expansion bounded; errors name ``where`` and a line."""
     loader = yaml.SafeLoader(text)
@@ -186,7 +203,9 @@ def parse_yaml(text: str, where: str) -> Any:
             raise UserError(
                 f"{where}: expands to over {MAX_YAML_VALUES:,} values (YAML aliases); not settings"
             )
-        return loader.construct_document(node) if node is not None else None
+        document = loader.construct_document(node) if node is not None else None
+        _check_numbers(document, where)
+        return document
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f"{where}:{mark.line + 1}" if mark is not None else where
