@@ -353,7 +353,13 @@ def test_export_of_a_crafted_lora_checkpoint_names_the_file(
 
     cases = {
         "adapter_model.safetensors does not load (Error while deserializing header": truncated,
-        "adapter_config.json: r must be a whole number >= 1": _edit_json("adapter_config.json", r=-3),
+        "lora_alpha a finite number (got peft_type 'LORA', r -3,": _edit_json("adapter_config.json", r=-3),
+        "got peft_type 'IA3'": _edit_json("adapter_config.json", peft_type="IA3"),  # exported, rc 0
+        "lora_alpha -inf)": _edit_json("adapter_config.json", lora_alpha=float("-inf")),  # non-finite weights
+        "adapter_config.json: r 8, but adapter_model.safetensors holds rank 16": _edit_json(
+            "adapter_config.json", r=8
+        ),
+        "target_modules ['x'] does not name": _edit_json("adapter_config.json", target_modules=["x"]),
     }
     for i, (said, change) in enumerate(cases.items()):
         crafted = _crafted_copy(checkpoint, tmp_path / f"crafted-{i}", change)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lmtune.checkpoint import sharded
+from lmtune.checkpoint.checkpoint_files import check_files, loaded_or_named
 from lmtune.checkpoint.layout import (
     GENERATION_CONFIG,
     MANIFEST,
@@ -33,11 +34,10 @@ from lmtune.checkpoint.layout import (
 )
 from lmtune.checkpoint.owned import file_stats, listed, not_ours, recorded_stats, users_files_said
 from lmtune.checkpoint.state import ModelParts
-from lmtune.config.files import is_int, read_json_object
+from lmtune.config.files import read_json_object
 from lmtune.config.io import build_config
 from lmtune.config.verbosity import no_progress_bars
-from lmtune.errors import UserError, brief, out_of_space, room, sizes, why_it_failed
-from lmtune.model.configs import check_config, check_folder
+from lmtune.errors import UserError, out_of_space, room, sizes
 from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, adapter_state, save_adapter
 from lmtune.model.loss import WRAPPED_PREFIX
 from lmtune.model.modeling import merge_device, merged_into_base
@@ -240,15 +240,10 @@ def export(
         raise UserError(f"{checkpoint}: not a valid checkpoint: {reason}")
     check_destination(checkpoint, out, overwrite)
     listed = read_json_object(checkpoint / MANIFEST)
-    # Its files are data from disk (a manifest recomputed after an edit passes verify): checked as
-    # --model checks a model folder, and what they fail to load as is named, not a traceback.
-    check_folder(checkpoint, "lmtune export")
-    if ADAPTER_FILE in listed:
-        _check_adapter(checkpoint)
-    else:
-        config = checkpoint / "config.json"
-        check_config(read_json_object(config, follow_links=True), str(config), fits_memory=True)
-    tokenizer = _unless_broken(checkpoint, "its tokenizer", lambda: AutoTokenizer.from_pretrained(checkpoint))
+    check_files(checkpoint, listed)
+    tokenizer = loaded_or_named(
+        checkpoint, "its tokenizer", lambda: AutoTokenizer.from_pretrained(checkpoint)
+    )
     if merge_lora and ADAPTER_FILE not in listed:
         raise UserError(f"{checkpoint}: holds the whole model, no LoRA adapter to merge (--merge-lora)")
     if ADAPTER_FILE in listed and not merge_lora:
@@ -263,7 +258,9 @@ def export(
         _write_export(out, write_adapter, checkpoint)
         return
     model: Any = (
-        _merged_checkpoint(checkpoint, trust_remote_code)
+        loaded_or_named(
+            checkpoint, f"its {ADAPTER_CONFIG}", lambda: _merged_checkpoint(checkpoint, trust_remote_code)
+        )
         if merge_lora
         else _checkpoint_model(checkpoint, listed, trust_remote_code)
     )
@@ -285,48 +282,20 @@ def _checkpoint_model(checkpoint: Path, listed: dict[str, Any], trust_remote_cod
         config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
-    model = _unless_broken(checkpoint, "its config.json", rebuilt)
+    model = loaded_or_named(checkpoint, "its config.json", rebuilt)
     if GENERATION_CONFIG in listed:  # the stop tokens training set (a chat model's end of turn)
         from transformers import GenerationConfig
 
-        generation = _unless_broken(
+        generation = loaded_or_named(
             checkpoint, GENERATION_CONFIG, lambda: GenerationConfig.from_pretrained(checkpoint)
         )
         model.generation_config = generation
     if MODEL_FILE in listed:
-        _unless_broken(checkpoint, MODEL_FILE, lambda: load_model(model, str(checkpoint / MODEL_FILE)))
+        loaded_or_named(checkpoint, MODEL_FILE, lambda: load_model(model, str(checkpoint / MODEL_FILE)))
     else:
         _load_sharded_model(model, checkpoint / SHARDED_DIR)
     loaded: nn.Module = model
     return loaded
-
-
-def _unless_broken(checkpoint: Path, what: str, load: Callable[[], Any]) -> Any:
-    """``load()``, where a file of ``checkpoint`` that does not load (truncated, edited) is a
-    UserError naming it rather than a traceback from transformers or safetensors."""
-    try:
-        return load()
-    except UserError:
-        raise
-    except Exception as e:
-        why = why_it_failed(e)
-        raise UserError(
-            f"{checkpoint}: {what} does not load ({why}); not a checkpoint lmtune wrote"
-        ) from None
-
-
-def _check_adapter(checkpoint: Path) -> None:
-    """A LoRA checkpoint's adapter: its config names a positive rank, its weights load."""
-    from safetensors.torch import load_file
-
-    config = read_json_object(checkpoint / ADAPTER_CONFIG, follow_links=True)
-    rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not is_int(rank, 1, 1 << 16) or not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool)):
-        raise UserError(
-            f"{checkpoint / ADAPTER_CONFIG}: r must be a whole number >= 1 and lora_alpha a number "
-            f"(got r {brief(rank)}, lora_alpha {brief(alpha)}); not a checkpoint lmtune wrote"
-        )
-    _unless_broken(checkpoint, ADAPTER_FILE, lambda: load_file(checkpoint / ADAPTER_FILE))
 
 
 def _merged_checkpoint(checkpoint: Path, trust_remote_code: bool) -> nn.Module:
