@@ -309,7 +309,9 @@ def _check_applicable(cfg: TrainConfig, need: Need, given: frozenset[str]) -> No
     }
     for name, (ok, why) in applies.items():
         s = setting_named(name)
-        asked = value_of(cfg, s) != s.default or (name in given and name in _ASKS_FOR_ITS_FEATURE)
+        # LoRA's dropout given for a LoRA run the objective keeps dropout-free is as TRL runs it: not refused.
+        feature = name in _ASKS_FOR_ITS_FEATURE or (name == "lora_dropout" and not lora.enabled)
+        asked = value_of(cfg, s) != s.default or (name in given and feature)
         need(ok or not asked, name, why)
 
 

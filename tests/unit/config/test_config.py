@@ -119,7 +119,12 @@ def test_a_setting_given_for_a_feature_that_is_off_is_refused_at_its_default(
     assert not (tmp_path / "out").exists()
     assert main(["plan", "--config", str(config), "--memory-per-device", "1GB"]) == 2
     assert f"{config}:2: lora_r: applies with lora only" in capsys.readouterr().err
-    refused = {"beta": 0.1, "bnb_4bit_quant_type": "nf4", "lora_target_modules": "all-linear"}
+    refused = {
+        "beta": 0.1,
+        "bnb_4bit_quant_type": "nf4",
+        "lora_target_modules": "all-linear",
+        "lora_dropout": 0.05,  # Axolotl's usual value, and lmtune's default
+    }
     for name, value in refused.items():
         with pytest.raises(UserError, match=f"{option_name(name)}: (applies|needs)"):
             validate(build_config({name: value}), world_size=1, given=frozenset({name}))
