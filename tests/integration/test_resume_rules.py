@@ -119,7 +119,10 @@ def test_a_finished_run_is_finished_whatever_checkpoints_it_holds(
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
     capsys.readouterr()
     assert main(_args(base["data"], out, "--save-every", "0")) == 0
-    assert "holds this run, finished at step 6" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "holds this run, finished at step 6" in said
+    # Not "Raise --max-steps": that is refused below, for want of a checkpoint of step 6.
+    assert "No checkpoint holds step 6 to train on from (--save-every); --overwrite starts afresh" in said
     assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()} == before
     # More steps continue from the final state only: here there is none, and the message says so.
     _fails(_args(base["data"], out, "--max-steps", "9"), capsys, "finished at step 6", "--overwrite")
@@ -154,7 +157,10 @@ def test_a_finished_run_run_again_with_the_users_files_in_final_does_nothing(
     (out / "final" / "NOTES.md").write_text("mine")
     capsys.readouterr()
     assert main(_args(base["data"], out)) == 0
-    assert "holds this run, finished at step 6" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert (
+        "holds this run, finished at step 6" in said and "Raise --max-steps or --epochs to train on" in said
+    )
     assert (out / "final" / "README.md").read_text() == "my card"
     err = _fails(_args(base["data"], out, "--max-steps", "9"), capsys, "this run replaces final/")
     assert "NOTES.md" in err and "README.md" in err

@@ -88,9 +88,15 @@ def say_finished(run: RunContext, step: int) -> None:
     """A finished run run again: nothing to do, and which of this command's changed settings
     therefore apply to nothing."""
     out = run.output_dir
+    saved = step_folder(out, step)
+    # More steps continue from a checkpoint of the last one; without it, they are refused.
+    onward = (
+        "Raise --max-steps or --epochs to train on"
+        if lmtune_wrote(saved) and verify(saved, hashes=False) is None
+        else f"No checkpoint holds step {step} to train on from (--save-every); --overwrite starts afresh"
+    )
     run.log.info(
-        f"{out} holds this run, finished at step {step} ({_model_of(out, step)}): nothing to do. Raise "
-        "--max-steps or --epochs to train on"
+        f"{out} holds this run, finished at step {step} ({_model_of(out, step)}): nothing to do. {onward}"
     )
     changed = changed_settings(out, to_dict(run.cfg)) if run.env.is_main else []
     if changed:
