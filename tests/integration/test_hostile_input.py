@@ -217,13 +217,21 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_full_disk_stops_with_a_message_and_keeps_the_last_checkpoint(
-    small_disk: Path, capsys: pytest.CaptureFixture[str]
+    small_disk: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A real 20 MB file system: the first checkpoint (~11 MB) fits, the second does not."""
+    """A real 20 MB file system: the first checkpoint (~11 MB) fits, the second does not. Known at
+    the start; where the disk seemed to have room then (another job's files came later), the second
+    save stops the run with the first intact."""
+    from lmtune.checkpoint import store
+
     data = write_jsonl(small_disk.parent / "d.jsonl", ["some text"] * 16)
     out = small_disk / "out"
     argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "4", "--save-every", "2"]
-    err = _error([*argv, "--global-batch-size", "8", "--keep-last", "0", "--no-progress"], capsys)
+    argv += ["--global-batch-size", "8", "--keep-last", "0", "--no-progress"]
+    err = _error(argv, capsys)
+    assert "too little room on its disk for 2 checkpoints of this run at once" in err
+    monkeypatch.setattr(store, "free_bytes", lambda folder: 1 << 40)
+    err = _error(argv, capsys)
     assert "no space left on device while saving step 4 to" in err and "MB needed" in err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
     from lmtune.checkpoint.layout import verify
@@ -235,11 +243,12 @@ def test_a_disk_too_small_for_a_checkpoint_is_refused_before_the_first_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A real 8 MB file system, a checkpoint of ~11 MB (weights and AdamW's moments): refused before
-    any step (it was found at the first save), with the way that fits; the final model alone fits."""
+    any step (it was found at the first save), with the way that fits; the final model alone fits.
+    On 16 MB, --keep-last 1 still needs two at once (a new one is written before the old goes)."""
     data = write_jsonl(tmp_path / "d.jsonl", ["some text"] * 16)
     with mounted_tmpfs(tmp_path / "disk", "size=8m") as disk:
         out = disk / "out"
-        argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "2", "--no-progress"]
+        argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "1", "--no-progress"]
         err = _error([*argv, "--save-every", "1", "--global-batch-size", "8"], capsys)
         assert f"--output-dir {out}: too little room on its disk for one checkpoint of this run (about" in err
         assert (
@@ -254,6 +263,12 @@ def test_a_disk_too_small_for_a_checkpoint_is_refused_before_the_first_step(
         assert (
             "too little room on its disk for the final model of this run" in err and "--save-every" not in err
         )
+    with mounted_tmpfs(tmp_path / "disk-16", "size=16m") as disk:
+        argv = ["train", "--data", str(data), "--output-dir", str(disk / "out"), "--max-steps", "3"]
+        argv += ["--save-every", "1", "--keep-last", "1", "--global-batch-size", "8", "--no-progress"]
+        err = _error(argv, capsys)
+        assert "too little room on its disk for 2 checkpoints of this run at once" in err
+        assert "--save-every 0 saves only the final model, which fits" in err
 
 
 def test_a_disk_that_fills_during_training_stops_it_in_one_sentence(

@@ -23,7 +23,15 @@ import torch
 
 from lmtune.checkpoint.export import save_final
 from lmtune.checkpoint.finished import Finished, finished_record, read_finished
-from lmtune.checkpoint.layout import CHANGES_FILE, FINGERPRINT_FILE, MANIFEST, SCALER_FILE, step_folder
+from lmtune.checkpoint.layout import (
+    CHANGES_FILE,
+    FINGERPRINT_FILE,
+    MANIFEST,
+    SCALER_FILE,
+    list_checkpoints,
+    lmtune_wrote,
+    step_folder,
+)
 from lmtune.checkpoint.resume import (
     Fingerprint,
     check_continuable,
@@ -194,12 +202,25 @@ class CheckpointManager:
         )
 
     def check_room(self, start: TrainerState, total_steps: int, optimizer: str, momentum: bool) -> None:
-        """Before the first step (from ``start``): the disk holds one checkpoint of the run, or its
-        final model where it saves no checkpoints (:func:`check_room`)."""
+        """Before the first step (from ``start``): the disk holds the checkpoints the run keeps at
+        once, or its final model where it saves none (:func:`check_room`)."""
         if start.step < total_steps:
-            saves = Saves(bool(self.settings.save_every), optimizer, momentum)
+            copies = self._copies(start.step, total_steps)
+            saves = Saves(copies, optimizer, momentum, self.settings.keep_last)
             t = self.trainable
             check_room(self.output_dir, t.parts, t.optimizer, self.env, saves)
+
+    def _copies(self, start: int, total: int) -> int:
+        """How many more checkpoints the disk holds at once, at most, as the run goes from ``start``
+        to ``total``: each is written before the oldest beyond --keep-last goes (0: all stay)."""
+        every, keep = self.settings.save_every, self.settings.keep_last
+        if not every:
+            return 0
+        ahead = total // every - start // every + (1 if total % every else 0)  # the last step saves too
+        if not keep:
+            return ahead
+        held = len([p for p in list_checkpoints(self.output_dir) if lmtune_wrote(p)])
+        return max(1, min(held + ahead - 1, keep) + 1 - held)
 
     def after_step(self, state: TrainerState, *, asked: bool, last: bool) -> Path | None:
         """Save when asked (a new best, a stop), or every ``--save-every`` steps; not at the run's

@@ -171,41 +171,53 @@ def _saved_weight_bytes(parts: ModelParts) -> int:
 
 @dataclass(frozen=True)
 class Saves:
-    """What a run is about to save: checkpoints (by ``optimizer``, --optimizer, whose state they
-    hold) or, without --save-every, only final/."""
+    """What a run is about to save: ``copies`` checkpoints on the disk at once beside what is there
+    (by ``optimizer``, --optimizer, whose state they hold) or, with none (--save-every 0), only
+    final/."""
 
-    checkpoints: bool
+    copies: int
     optimizer: str
     momentum: bool = True  # SGD's: without it, SGD holds no state
+    keep_last: int = 0
 
 
 def check_room(
     output_dir: Path, parts: ModelParts, optimizer: torch.optim.Optimizer, env: DistEnv, saves: Saves
 ) -> None:
-    """Before the first step, refused on every rank (rank 0 judges) where the disk cannot hold one
-    checkpoint of the run (or, without checkpoints, its final model): otherwise found at the first
-    save, after every step before it."""
+    """Before the first step, refused on every rank (rank 0 judges) where the disk cannot hold the
+    checkpoints the run keeps at once (or, without checkpoints, its final model): otherwise found at
+    a save, after every step before it."""
     from lmtune.checkpoint.state import optimizer_state_estimate
 
     def problem() -> str:
         weights = _saved_weight_bytes(parts)
-        needed = weights
-        if saves.checkpoints:
+        one = weights
+        if saves.copies:
             trained = [p.numel() for p in parts.root.parameters() if p.requires_grad]
             state = optimizer_state_estimate(saves.optimizer, trained, saves.momentum)
-            needed = max(_estimate_bytes(parts, optimizer, env), weights + state)  # a resumed optimizer's
-        free = free_bytes(output_dir)
+            # A resumed optimizer's own state, where it holds more than the estimate.
+            one = max(_estimate_bytes(parts, optimizer, env), weights + state)
+        needed, free = max(saves.copies, 1) * one, free_bytes(output_dir)
         if free >= room(needed):
             return ""
-        what = "one checkpoint" if saves.checkpoints else "the final model"
-        only_final = (
-            "; --save-every 0 saves only the final model, which fits"
-            if saves.checkpoints and free >= room(weights)
+        what = (
+            "the final model of this run"
+            if not saves.copies
+            else "one checkpoint of this run"
+            if saves.copies == 1
+            else f"{saves.copies} checkpoints of this run at once (those --keep-last keeps, and each new one "
+            "written before the oldest goes)"
+        )
+        fewer = (
+            "; a smaller --keep-last needs fewer"
+            if saves.copies > 1 and saves.keep_last != 1 and free >= room(2 * one)
+            else "; --save-every 0 saves only the final model, which fits"
+            if saves.copies and free >= room(weights)
             else ""
         )
         return (
-            f"--output-dir {output_dir}: too little room on its disk for {what} of this run "
-            f"({sizes(needed, free)}); free some space or choose another --output-dir{only_final}"
+            f"--output-dir {output_dir}: too little room on its disk for {what} ({sizes(needed, free)}); "
+            f"free some space or choose another --output-dir{fewer}"
         )
 
     refused_by_main(problem, env)
