@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -245,7 +244,7 @@ def test_a_users_folders_and_files_named_like_lmtunes_temporary_ones_are_kept(
     replaced by run.json. They are kept; a save that would need one of the names is refused."""
     data = write_jsonl(tmp_path / "d.jsonl", ["some text"] * 16)
     out = tmp_path / "home"
-    for folder in (out / "final.tmp", out / "checkpoints" / ".step-000002.tmp"):
+    for folder in (out / "final.tmp", tmp_path / "home2" / "checkpoints" / ".step-000002.tmp"):
         folder.mkdir(parents=True)
         (folder / "thesis.tex").write_text("mine")
     (out / "run.tmp").write_text("mine too")
@@ -262,7 +261,6 @@ def test_a_users_folders_and_files_named_like_lmtunes_temporary_ones_are_kept(
     assert (out / "run.tmp").read_text() == "mine too" and not list(out.glob(".run.json.tmp-*"))
     # The checkpoint of step 2 would be written through checkpoints/.step-000002.tmp: refused too.
     argv[argv.index(str(out))] = str(tmp_path / "home2")
-    shutil.copytree(out / "checkpoints", tmp_path / "home2" / "checkpoints")
     said = _error([*argv, "--max-steps", "2", "--save-every", "2", "--no-progress"], capsys)
     assert ".step-000002.tmp: lmtune writes its temporary folder there" in said
     assert not (tmp_path / "home2" / "metrics.jsonl").exists()  # refused before training, not at the save

@@ -155,6 +155,8 @@ def test_a_finished_run_run_again_with_the_users_files_in_final_does_nothing(
     out = _finished_copy(base, "final-edited", (SAVE, STEPS))
     (out / "final" / "README.md").write_text("my card")
     (out / "final" / "NOTES.md").write_text("mine")
+    (out / "final.tmp").mkdir()  # a folder of the user's by lmtune's temporary name: it is not written
+    (out / "final.tmp" / "draft.md").write_text("mine")
     capsys.readouterr()
     assert main(_args(base["data"], out)) == 0
     said = capsys.readouterr().out
@@ -162,6 +164,7 @@ def test_a_finished_run_run_again_with_the_users_files_in_final_does_nothing(
         "holds this run, finished at step 6" in said and "Raise --max-steps or --epochs to train on" in said
     )
     assert (out / "final" / "README.md").read_text() == "my card"
+    shutil.rmtree(out / "final.tmp")
     err = _fails(_args(base["data"], out, "--max-steps", "9"), capsys, "this run replaces final/")
     assert "NOTES.md" in err and "README.md" in err
     assert [r["step"] for r in train_rows(out)] == list(range(1, STEPS + 1))  # nothing trained

@@ -78,8 +78,9 @@ def _check_folder(output_dir: Path) -> None:
                 f"--output-dir {output_dir}: {name} is {problem}; lmtune writes only its own files "
                 "(remove it, or choose another --output-dir)"
             )
-    # Known now, not after the steps before the save that needs the name.
-    for temporary in (temporary_of(output_dir / "final"), *output_dir.glob("checkpoints/.step-*.tmp")):
+    # Known now, not after the steps before the save that needs the name (final.tmp's: once the run
+    # is known to write final/, final_problem; a finished run run again writes nothing).
+    for temporary in output_dir.glob("checkpoints/.step-*.tmp"):
         if problem := in_the_way(temporary):
             raise UserError(problem)
 
@@ -173,14 +174,15 @@ def check_earlier_run(
 
 
 def final_problem(output_dir: Path) -> str:
-    """Why this run may not replace ``final/`` ("" when it may): files in it lmtune did not write."""
+    """Why this run may not replace ``final/`` ("" when it may): files in it lmtune did not write,
+    or a folder of the user's where lmtune writes it first (final.tmp)."""
     final = output_dir / "final"
     if final.is_dir() and not final.is_symlink() and (theirs := users_files_said(final)):
         return (
             f"{theirs}; this run replaces final/: move them out of it first (or copy final/ elsewhere to "
             "keep it)"
         )
-    return ""
+    return in_the_way(temporary_of(final))
 
 
 def _samples_files(output_dir: Path) -> list[str]:
