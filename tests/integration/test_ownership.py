@@ -123,6 +123,12 @@ def test_an_export_into_a_users_empty_folder_keeps_its_permissions(run: Path, tm
     private.chmod(0o700)
     assert main(["export", str(run / "checkpoints" / "step-000002"), str(private)]) == 0
     assert (private / "model.safetensors").is_file() and private.stat().st_mode & 0o777 == 0o700
+    if os.geteuid() == 0:  # root exporting into another user's empty folder leaves it theirs
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        assert main(["export", str(run / "checkpoints" / "step-000002"), str(theirs)]) == 0
+        assert (theirs.stat().st_uid, theirs.stat().st_gid) == (65534, 65534)
 
 
 def test_saved_weights_are_as_readable_as_the_files_beside_them(run: Path, tmp_path: Path) -> None:

@@ -409,8 +409,11 @@ def _write_export(out: Path, write: Callable[[Path], None], checkpoint: Path) ->
         if out.exists():
             _check_only_exported(out, files)
             # The user's folder (empty, or an earlier export) keeps its permissions: one made 0700 is
-            # not opened to everyone by the swap.
-            tmp.chmod(stat.S_IMODE(out.stat().st_mode))
+            # not opened to everyone by the swap, nor one of another user's taken by root.
+            kept = out.stat()
+            tmp.chmod(stat.S_IMODE(kept.st_mode))
+            if os.geteuid() == 0 and (kept.st_uid, kept.st_gid) != (0, 0):
+                os.chown(tmp, kept.st_uid, kept.st_gid)
             out.rename(aside)
         tmp.rename(out)
     except Exception as e:
