@@ -155,6 +155,22 @@ def lmtune_wrote(folder: Path) -> bool:
     return any((folder / name).is_file() for name in (MANIFEST, STATE_FILE, TEMPORARY_MARK))
 
 
+def saved_checkpoints(output_dir: Path) -> list[Path]:
+    """The checkpoint folders lmtune wrote in ``output_dir`` (:func:`lmtune_wrote`), oldest first."""
+    return [p for p in list_checkpoints(output_dir) if lmtune_wrote(p)]
+
+
+def lmtunes_folder(path: Path) -> bool:
+    """A folder (not a link to one) that lmtune wrote or began to: a checkpoint, or a temporary one."""
+    return path.is_dir() and not path.is_symlink() and lmtune_wrote(path)
+
+
+def resume_instead(older: list[Path], otherwise: str) -> str:
+    """What to do about a checkpoint that cannot be continued: the one before it (the last of
+    ``older``), if any, else ``otherwise``."""
+    return f"--resume {older[-1]} continues from the one before it" if older else otherwise
+
+
 def begin_temporary(folder: Path) -> None:
     """Make ``folder``, lmtune's temporary one, marked as such; one an earlier attempt left is
     replaced, a user's of that name is refused.
@@ -174,7 +190,7 @@ def begin_temporary(folder: Path) -> None:
 def in_the_way(folder: Path) -> str:
     """Why lmtune may not make its temporary ``folder`` ("" when it may: nothing there, or a
     leftover of its own)."""
-    if folder.is_dir() and not folder.is_symlink() and lmtune_wrote(folder):
+    if lmtunes_folder(folder):
         return ""
     if folder.exists() or folder.is_symlink():
         return (

@@ -28,8 +28,7 @@ from lmtune.checkpoint.layout import (
     FINGERPRINT_FILE,
     MANIFEST,
     SCALER_FILE,
-    list_checkpoints,
-    lmtune_wrote,
+    saved_checkpoints,
     step_folder,
 )
 from lmtune.checkpoint.resume import (
@@ -219,7 +218,7 @@ class CheckpointManager:
         ahead = total // every - start // every + (1 if total % every else 0)  # the last step saves too
         if not keep:
             return ahead
-        held = len([p for p in list_checkpoints(self.output_dir) if lmtune_wrote(p)])
+        held = len(saved_checkpoints(self.output_dir))
         return max(1, min(held + ahead - 1, keep) + 1 - held)
 
     def after_step(self, state: TrainerState, *, asked: bool, last: bool) -> Path | None:

@@ -29,6 +29,7 @@ from lmtune.checkpoint.layout import (
     STATE_FILE,
     list_checkpoints,
     lmtune_wrote,
+    resume_instead,
     verify,
 )
 from lmtune.checkpoint.state import ModelParts, TrainerState
@@ -274,14 +275,8 @@ def _rerun_without_overwrite(output_dir: Path, resume: Any) -> str:
     if verify(saved[-1], hashes=False) is None:
         return f"the same command resumes from {saved[-1].name}"
     older = [p for p in saved[:-1] if verify(p, hashes=False) is None]
-    return (
-        f"its newest checkpoint, {saved[-1].name}, is damaged: {_instead(older, 'remove it to start over')}"
-    )
-
-
-def _instead(older: list[Path], otherwise: str) -> str:
-    """What to do about a damaged newest checkpoint: continue the one before it, if any."""
-    return f"--resume {older[-1]} continues from the one before it" if older else otherwise
+    instead = resume_instead(older, "remove it to start over")
+    return f"its newest checkpoint, {saved[-1].name}, is damaged: {instead}"
 
 
 def _check_valid(folder: Path, what: str, older: list[Path]) -> None:
@@ -291,7 +286,7 @@ def _check_valid(folder: Path, what: str, older: list[Path]) -> None:
     if folder.is_dir() and not lmtune_wrote(folder):  # a user's: neither damaged nor lmtune's to remove
         raise UserError(
             f"{what}, {folder}, is not one lmtune saved (no {MANIFEST} or {STATE_FILE}): move it out of "
-            f"{folder.parent}; {_instead(older, 'or start afresh with another --output-dir')}"
+            f"{folder.parent}; {resume_instead(older, 'or start afresh with another --output-dir')}"
         )
     if reason.endswith(NOT_LISTED):  # a file of the user's put into it: the checkpoint is whole
         added = reason.removesuffix(NOT_LISTED).strip()
@@ -299,9 +294,10 @@ def _check_valid(folder: Path, what: str, older: list[Path]) -> None:
             f"{what}, {folder}, holds {added}, which lmtune did not write (it is not in the checkpoint's "
             f"{MANIFEST}), and resumes only from what it saved: move {added} out of the checkpoint"
         )
+    instead = resume_instead(older, "remove it")
     raise UserError(
-        f"{what}, {folder}, is damaged: {reason}. It is left as it is; {_instead(older, 'remove it')}, or "
-        "start afresh with another --output-dir"
+        f"{what}, {folder}, is damaged: {reason}. It is left as it is; {instead}, or start afresh with "
+        "another --output-dir"
     )
 
 

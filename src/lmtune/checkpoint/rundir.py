@@ -20,7 +20,7 @@ from lmtune.checkpoint.layout import (
     LOCK_FILE,
     enclosing_run,
     in_the_way,
-    lmtune_wrote,
+    lmtunes_folder,
     refuse_users_steps,
     remove_checkpoint,
     temporary_of,
@@ -215,7 +215,7 @@ def remove_own_entries(output_dir: Path) -> list[Path]:
         target = output_dir / name
         if not (target.exists() or target.is_symlink()):
             continue
-        if name == "final.tmp" and not (target.is_dir() and not target.is_symlink() and lmtune_wrote(target)):
+        if name == "final.tmp" and not lmtunes_folder(target):
             kept.append(target)  # a user's folder of that name
             continue
         pattern = _OWN_ENTRIES.get(name)
@@ -307,7 +307,7 @@ def remove_leftovers(output_dir: Path) -> list[Path]:
     """Temporary folders of saves that a killed run never finished (with the lock held, nobody
     else is writing them); a user's folder of such a name is kept."""
     found = [*output_dir.glob("checkpoints/.step-*.tmp"), *output_dir.glob("final.tmp")]
-    leftovers = [p for p in found if p.is_dir() and not p.is_symlink() and lmtune_wrote(p)]
+    leftovers = [p for p in found if lmtunes_folder(p)]
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
     return leftovers

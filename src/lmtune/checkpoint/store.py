@@ -42,8 +42,9 @@ from lmtune.checkpoint.layout import (
     end_temporary,
     fsync_write,
     list_checkpoints,
-    lmtune_wrote,
     remove_checkpoint,
+    resume_instead,
+    saved_checkpoints,
     step_folder,
     verify,
     write_manifest,
@@ -110,7 +111,7 @@ def save_checkpoint(
 def prune(output_dir: Path, keep_last: int, protect: Path | None = None) -> None:
     """Delete all but the newest ``keep_last`` checkpoints (0 keeps all), never ``protect``, nor a
     folder lmtune did not write (a user's step-N)."""
-    saved = [p for p in list_checkpoints(output_dir) if lmtune_wrote(p)]
+    saved = saved_checkpoints(output_dir)
     for old in saved[:-keep_last] if keep_last > 0 else []:
         if old != protect:
             remove_checkpoint(old)  # a user's files put into it are kept
@@ -412,11 +413,7 @@ def _unloadable(folder: Path, name: str, e: Exception) -> UserError:
         if folder in saved
         else []
     )
-    instead = (
-        f"--resume {older[-1]} continues from the one before it"
-        if older
-        else "start afresh with another --output-dir"
-    )
+    instead = resume_instead(older, "start afresh with another --output-dir")
     what = "does not fit this run's model" if fits else "does not load"
     return UserError(f"--resume {folder}: its {name} {what} ({why}), not as lmtune saved it; {instead}")
 

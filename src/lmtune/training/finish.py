@@ -89,15 +89,15 @@ def say_finished(run: RunContext, step: int) -> None:
     therefore apply to nothing."""
     out = run.output_dir
     saved = step_folder(out, step)
+    held = saved if lmtune_wrote(saved) and verify(saved, hashes=False) is None else None
     # More steps continue from a checkpoint of the last one; without it, they are refused.
     onward = (
         "Raise --max-steps or --epochs to train on"
-        if lmtune_wrote(saved) and verify(saved, hashes=False) is None
+        if held is not None
         else f"No checkpoint holds step {step} to train on from (--save-every); --overwrite starts afresh"
     )
-    run.log.info(
-        f"{out} holds this run, finished at step {step} ({_model_of(out, step)}): nothing to do. {onward}"
-    )
+    model = _model_of(out, step, held)
+    run.log.info(f"{out} holds this run, finished at step {step} ({model}): nothing to do. {onward}")
     changed = changed_settings(out, to_dict(run.cfg)) if run.env.is_main else []
     if changed:
         run.log.info(
@@ -106,17 +106,16 @@ def say_finished(run: RunContext, step: int) -> None:
         )
 
 
-def _model_of(output_dir: Path, step: int) -> str:
+def _model_of(output_dir: Path, step: int, held: Path | None) -> str:
     """Where the finished run's model is: final/, or where it is gone (moved or deleted since), the
-    checkpoint of the same step."""
+    checkpoint of the same step (``held``, None where there is none)."""
     final = output_dir / "final"
     if any((final / name).is_file() for name in ("config.json", "adapter_config.json")):
         return f"the model is in {final}"
-    saved = step_folder(output_dir, step)
-    if lmtune_wrote(saved) and verify(saved, hashes=False) is None:
+    if held is not None:
         return (
-            f"{final} is gone; the model of step {step} is in its checkpoint {saved}: "
-            f"`lmtune export {saved} DIR` writes it as a model folder"
+            f"{final} is gone; the model of step {step} is in its checkpoint {held}: "
+            f"`lmtune export {held} DIR` writes it as a model folder"
         )
     return f"{final} is gone, and no checkpoint holds step {step}: --overwrite trains it again"
 

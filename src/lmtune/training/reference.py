@@ -33,7 +33,7 @@ from torch import nn
 from lmtune.data.batch import idle_batch
 from lmtune.data.dataset import TokenizedDataset
 from lmtune.data.pair_collate import PairCollator
-from lmtune.errors import UserError, one_line
+from lmtune.errors import UserError, why_it_failed
 from lmtune.model.attention import VARLEN, VARLEN_BUCKETED, use_varlen
 from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.modeling import load_model
@@ -243,7 +243,7 @@ def _read(path: Path, pairs: int, log: InfoLog) -> np.ndarray | None:
     try:
         values: np.ndarray = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
-        why = one_line(str(e), 80) or type(e).__name__
+        why = why_it_failed(e, 80)
     else:
         why = (
             f"shape {list(values.shape)}, {values.dtype}"
