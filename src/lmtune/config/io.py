@@ -27,6 +27,7 @@ from lmtune.config.settings import (
     to_dict,
     value_of,
 )
+from lmtune.config.validate import split_written_as_decimal
 from lmtune.errors import SettingError, UserError, WrongType, WrongValue, brief, one_line
 
 # How a run that lmtune starts to measure something (plan --calibrate, bench) differs from the
@@ -67,29 +68,12 @@ def to_argv(cfg: TrainConfig) -> list[str]:
     return argv
 
 
-def _whole_with_a_point(value: Any) -> bool:
-    """A whole number of at least 1 written as a decimal: YAML's 1.0, a flag's "2.0"."""
-    if isinstance(value, float):
-        return value >= 1 and value.is_integer()
-    if isinstance(value, str) and "." in value:
-        try:
-            number = float(value)
-        except ValueError:
-            return False
-        return number >= 1 and number.is_integer()
-    return False
-
-
 def _coerce(s: Setting, value: Any) -> Any:
     """Convert a YAML/CLI value to the setting's type, or explain which option is wrong."""
     name, kind = s.name, s.type
     value = peer_unset(name, value)
-    if name == "eval_split" and _whole_with_a_point(value):
-        # 1.0 reads as all of the data; as a count it held out one example, in silence.
-        raise UserError(
-            f"{option_name(name)}: {brief(value)} is neither a fraction below 1 nor a number of examples "
-            f"(written without a decimal point: {int(float(value))})"
-        )
+    if (problem := split_written_as_decimal(name, value)) is not None:
+        raise UserError(f"{option_name(name)}: {brief(value)} {problem}")
     if value is None:
         # An empty key is unset in Axolotl's configs (they list many); where lmtune's default is
         # "none" (0, off) that is what it means here too. Elsewhere (the model, the data, a rate)

@@ -88,6 +88,8 @@ def value_problem(s: Setting, value: object) -> str | None:
     # range checks below, and fail later as a non-finite loss.
     if s.type is float and value is not None and not _finite(value):
         return "must be a finite number"
+    if (problem := split_written_as_decimal(s.name, value)) is not None:
+        return problem
     if s.choices and value is not None and value not in s.choices:
         # Another tool's name for one of them: named, else the closest (a typo).
         whose, theirs = _FOREIGN_CHOICES.get(s.name, {}).get(str(value).lower(), ("", ""))
@@ -96,6 +98,21 @@ def value_problem(s: Setting, value: object) -> str | None:
         hint = hint or (f"; the closest is {close[0]}" if close else "")
         return f"must be one of {', '.join(s.choices)}{hint}"
     return None
+
+
+def split_written_as_decimal(name: str, value: object) -> str | None:
+    """For --eval-split, a whole number of at least 1 written as a decimal (YAML's 1.0, a flag's
+    "2.0", Python's 1.0): 1.0 reads as all of the data, and as a count it held out one example,
+    in silence."""
+    if name != "eval_split" or isinstance(value, bool) or not isinstance(value, (str, float)):
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    if (isinstance(value, str) and "." not in value) or not (number >= 1 and number.is_integer()):
+        return None
+    return f"must be a fraction below 1 or a number of examples without a decimal point ({int(number)})"
 
 
 def _finite(value: object) -> bool:

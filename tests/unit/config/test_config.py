@@ -64,8 +64,8 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ),
         ({"decay_ratio": 0.3}, "--decay-ratio: applies to --lr-schedule wsd only"),
         # 1.0 held out one example, where all of the data (or 100%) was more likely meant.
-        ({"eval_split": 1.0}, r"--eval-split: 1.0 is neither a fraction below 1 nor a number of examples"),
-        ({"eval_split": "2.0"}, r"--eval-split: '2.0' is neither .*without a decimal point: 2\)"),
+        ({"eval_split": 1.0}, r"--eval-split: 1.0 must be a fraction below 1 or a number of examples"),
+        ({"eval_split": "2.0"}, r"--eval-split: '2.0' must be .*without a decimal point \(2\)"),
         ({"lr_schedule": "constant", "min_lr_ratio": 0.5}, "--min-lr-ratio: applies to --lr-schedule cosine"),
         ({"hub_private": True}, "--hub-private: applies with --push-to-hub only"),
         ({"sample_temperature": 0.7}, "--sample-temperature: applies with --sample-prompts only"),

@@ -86,6 +86,14 @@ def test_the_python_api_refuses_a_value_of_the_wrong_type_where_it_is_given(
         TrainConfig().replace(**settings)
 
 
+def test_the_python_api_refuses_a_split_of_1_0_as_the_cli_does() -> None:
+    """eval_split=1.0 held out one example from Python (a count), where the CLI refuses "1.0"."""
+    with pytest.raises(WrongValue, match=r"^TrainConfig: eval_split: must be a fraction below 1 or a "):
+        TrainConfig(eval_split=1.0)
+    assert TrainConfig(eval_split=1).data.eval_split == 1
+    assert TrainConfig(eval_split=0.25).data.eval_split == 0.25
+
+
 def test_a_wrong_type_set_on_a_group_is_refused_before_the_run() -> None:
     packing = setting_named("packing")
     assert packing.group is not None
