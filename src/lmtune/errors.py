@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import math
 import shutil
 from pathlib import Path
 
@@ -110,6 +111,8 @@ def brief(value: object, limit: int = 60) -> str:
     shortened = reprlib.Repr()
     shortened.maxstring = shortened.maxother = limit
     shortened.maxlevel, shortened.maxdict, shortened.maxlist = 3, 4, 4
+    if isinstance(value, int) and value.bit_length() > 10_000:  # no repr past 4,300 digits
+        return f"an integer of {int(value.bit_length() * math.log10(2)) + 1:,} digits"
     text = " ".join(shortened.repr(value).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

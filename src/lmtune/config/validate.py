@@ -88,6 +88,8 @@ def value_problem(s: Setting, value: object) -> str | None:
     # range checks below, and fail later as a non-finite loss.
     if s.type is float and value is not None and not _finite(value):
         return "must be a finite number"
+    if s.type is int and value is not None and not -(2**63) <= value < 2**63:  # type: ignore[operator]
+        return "must be below 2**63"  # torch's and JSON readers' 64-bit integers; 10**5000 has no str
     if (problem := split_written_as_decimal(s.name, value)) is not None:
         return problem
     if s.choices and value is not None and value not in s.choices:

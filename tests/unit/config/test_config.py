@@ -277,6 +277,22 @@ def test_the_python_api_refuses_what_the_cli_refuses_as_not_finite(name: str, va
         validate(on_group, world_size=1)
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        # No str past 4,300 digits: a ValueError from Python itself where the message shows it.
+        ("max_steps", 10**5000, r"must be below 2\*\*63 \(got an integer of 5,001 digits\)$"),
+        ("lr", 10**5000, r"must be a finite number \(got an integer of 5,001 digits\)$"),
+        ("seed", 2**63, r"must be below 2\*\*63 \(got 9223372036854775808\)$"),
+    ],
+    ids=["max_steps", "lr", "seed"],  # pytest's ids would take the values' str
+)
+def test_the_python_api_refuses_integers_past_64_bits(name: str, value: int, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^TrainConfig: {name}: {message}"):
+        TrainConfig(**{name: value})
+    assert TrainConfig(max_steps=2**62).max_steps == 2**62
+
+
 def test_hf_trainers_null_neftune_noise_alpha_is_off(tmp_path: Path) -> None:
     """Configs written from TrainingArguments or SFTConfig hold ``neftune_noise_alpha: null``."""
     path = tmp_path / "sft.yaml"
