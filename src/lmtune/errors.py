@@ -97,10 +97,12 @@ def sizes(needed: int, free: int) -> str:
     """``about 11.6 MB needed, 10.2 MB free``: ``needed`` with its margin (:func:`room`), to a tenth
     of a MB below 100 MB, so that the two figures of a refusal never read the same."""
 
-    def mb(n: int) -> str:
-        return f"{n / 2**20:,.1f} MB" if n < 100 << 20 else f"{n / 2**20:,.0f} MB"
+    return f"about {megabytes(room(needed))} needed, {megabytes(free)} free"
 
-    return f"about {mb(room(needed))} needed, {mb(free)} free"
+
+def megabytes(n: int) -> str:
+    """``11.6 MB``: to a tenth of a MB below 100 MB."""
+    return f"{n / 2**20:,.1f} MB" if n < 100 << 20 else f"{n / 2**20:,.0f} MB"
 
 
 def brief(value: object, limit: int = 60) -> str:

@@ -39,7 +39,7 @@ from lmtune.data.sources import (
     skipped_lines,
 )
 from lmtune.data.tokenize import Encoded, EncodeStats, chunks, encode_chunk
-from lmtune.errors import SettingError, UserError, out_of_space
+from lmtune.errors import SettingError, UserError, megabytes, out_of_space
 from lmtune.parallel.distributed import DistEnv, available_cores, decided_by_main
 from lmtune.parallel.launch import warn
 
@@ -242,11 +242,21 @@ def _said_for_the_cache(folder: Path) -> Iterator[None]:
             ) from None
         if not out_of_space(e, folder):
             raise
+        written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
         shutil.rmtree(folder, ignore_errors=True)
         raise UserError(
-            f"no space left on device while caching the tokenized data in {folder.parent}: free some "
-            "space there, or give --cache-dir (or LMTUNE_CACHE_DIR) a folder on a disk with room"
+            f"no space left on device while caching the tokenized data in {folder.parent} (it needs more "
+            f"than the {megabytes(written)} written when the disk filled; {megabytes(_free(folder.parent))} "
+            "free): free some space there, or give --cache-dir (or LMTUNE_CACHE_DIR) a folder on a disk "
+            "with room"
         ) from None
+
+
+def _free(folder: Path) -> int:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return 0
 
 
 def _build(
