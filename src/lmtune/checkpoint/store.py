@@ -57,6 +57,7 @@ from lmtune.checkpoint.state import (
     set_rng_state,
 )
 from lmtune.config.files import is_int, read_json_object
+from lmtune.config.groups import MAX_STEPS
 from lmtune.errors import UserError, one_line, out_of_space, room, sizes, why_it_failed
 from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
 from lmtune.parallel.distributed import DistEnv, barrier, decided_by_main, refused_by_main
@@ -275,9 +276,6 @@ def _sharded_state(parts: ModelParts, optimizer: torch.optim.Optimizer) -> dict[
     options = StateDictOptions(ignore_frozen_params=parts.lora)
     model_state, optimizer_state = get_state_dict(parts.root, optimizer, options=options)
     return {"model": model_state, "optimizer": optimizer_state}
-
-
-MAX_STEPS = 2**40  # far past any run; a larger count is an edited file
 
 
 def read_state(folder: Path) -> TrainerState:

@@ -96,6 +96,8 @@ def _coerce(s: Setting, value: Any) -> Any:
             return "on" if value else "off"
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return "on" if value.lower() == "true" else "off"
+    if name == "eval_split" and (type(value) is int or (isinstance(value, str) and value.strip().isdigit())):
+        return int(value)  # a count stays one: TrainConfig refuses a split of 40.0 as written so
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
     if (

@@ -218,13 +218,14 @@ def _given(s: Setting, key: str, value: Any) -> Any:
     """A value given to TrainConfig as the setting holds it (text settings take what converts to
     text, a path, as the CLI and YAML do), refused where it is given (a traceback's line in the
     user's script), as Python refuses an unknown keyword, not when train() starts."""
-    from lmtune.config.validate import value_problem  # it reads these settings
+    from lmtune.config.validate import split_written_as_decimal, value_problem  # it reads these settings
 
     if s.type is str and value is None:
         return None  # an unset path or name: refused, where it needs one, by the run's checks
     if s.type is str:
         value = as_text(value)
-    problem = value_problem(s, value)
+    # The CLI's and YAML's "1.0" is refused as written (io._coerce): a split converted reads 40.0.
+    problem = split_written_as_decimal(s.name, value) or value_problem(s, value)
     if problem is not None:
         wrong = WrongType if not typed_as(value, s.type, s.optional) else WrongValue
         raise wrong(key, f"TrainConfig: {key}", f"{problem} (got {brief(value)})")

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 
 from lmtune.config.groups import (
+    MAX_STEPS,
     BatchSettings,
     LoraSettings,
     ObjectiveSettings,
@@ -88,10 +89,8 @@ def value_problem(s: Setting, value: object) -> str | None:
     # range checks below, and fail later as a non-finite loss.
     if s.type is float and value is not None and not _finite(value):
         return "must be a finite number"
-    if s.type is int and value is not None and not -(2**63) <= value < 2**63:  # type: ignore[operator]
-        return "must be below 2**63"  # torch's and JSON readers' 64-bit integers; 10**5000 has no str
-    if (problem := split_written_as_decimal(s.name, value)) is not None:
-        return problem
+    if isinstance(value, int) and value.bit_length() > 10_000:  # past what the range checks can show
+        return "is too large"
     if s.choices and value is not None and value not in s.choices:
         # Another tool's name for one of them: named, else the closest (a typo).
         whose, theirs = _FOREIGN_CHOICES.get(s.name, {}).get(str(value).lower(), ("", ""))
@@ -163,6 +162,8 @@ def _check_optim(o: OptimSettings, need: Need) -> None:
 def _check_schedule(s: ScheduleSettings, need: Need) -> None:
     need(s.epochs is None or s.epochs >= 1, "epochs", "must be >= 1")
     need(s.max_steps is None or s.max_steps >= 1, "max_steps", "must be >= 1")
+    for name, count in (("epochs", s.epochs), ("max_steps", s.max_steps)):
+        need(count is None or count <= MAX_STEPS, name, f"must be at most 2**40 ({MAX_STEPS:,})")
     need(0 <= s.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
     need(s.warmup_steps is None or s.warmup_steps >= 0, "warmup_steps", "must be >= 0")
     need(0 < s.decay_ratio <= 1, "decay_ratio", "must be in (0, 1]")

@@ -55,6 +55,8 @@ class AuditReport:
     micro_batch_size: int | None = None  # with the processes, what a global batch must be a multiple of
     nproc_per_node: int = 1
     held_out: int = 0  # --eval-split's examples: evaluated, never trained on
+    # Under --truncation error, the over-long examples (counted as dropped) that would stop training.
+    stops_on_length: int = 0
 
     @property
     def trained(self) -> int:
@@ -73,6 +75,11 @@ class AuditReport:
         if self.bad.count and not self.skip_bad_lines:
             found.append(
                 f"{_count(self.bad.count, 'bad line')} would stop training (--skip-bad-lines skips them)"
+            )
+        if self.stops_on_length:
+            found.append(
+                f"{_count(self.stops_on_length, 'example')} longer than --max-length {self.max_length} "
+                "would stop training (--truncation error; drop leaves them out, right or left cut them)"
             )
         examples = self.trained
         held = f" left after --eval-split holds out {self.held_out:,}" if self.held_out else ""
@@ -246,12 +253,6 @@ def audit(
     if weights is not None:
         named = source_names(spec, "--data")
         mixture = mixture_of(named, sizes, parse_weights(weights, len(named)))
-    if settings.truncation == "error" and stats.dropped_too_long:
-        bad.count += stats.dropped_too_long
-        bad.messages.append(
-            f"{stats.dropped_too_long} examples are longer than --max-length {settings.max_length} "
-            "(--truncation error stops on the first)"
-        )
     lengths = np.asarray(sink.lengths, dtype=np.int64)
     micro = micro_batch_size or max(1, global_batch_size // nproc_per_node)
     imbalance = None
@@ -281,6 +282,7 @@ def audit(
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,
         nproc_per_node=nproc_per_node,
+        stops_on_length=stats.dropped_too_long if settings.truncation == "error" else 0,
     )
 
 
@@ -334,6 +336,21 @@ def _grouped(messages: list[str]) -> list[str]:
     return shown
 
 
+def _over_line(report: AuditReport) -> str:
+    s = report.stats
+    at = _also(first_places(s.where, "too_long", s.dropped_too_long))
+    if report.stops_on_length:
+        return (
+            f"  over --max-length   {s.truncated:,} truncated, {s.dropped_too_long:,} would stop training "
+            f"(--max-length {report.max_length}, --truncation error{at})"
+        )
+    return (
+        f"  over --max-length   {s.truncated:,} truncated, {s.dropped_too_long:,} dropped "
+        f"(--max-length {report.max_length}; dropped: too long, or left with nothing to train, as a "
+        f"prompt that fills it{at})"
+    )
+
+
 def format_report(report: AuditReport) -> str:
     """The report as the terminal shows it."""
     s = report.stats
@@ -360,11 +377,9 @@ def format_report(report: AuditReport) -> str:
     if report.bad.count > len(report.bad.messages):
         listed = len(report.bad.messages)
         later = _count(report.bad.count - listed, "later bad line")
-        lines.append(f"    ... and {later} (the first {listed} are above)")
+        lines.append(f"    ... and {later} (the first {'is' if listed == 1 else f'{listed} are'} above)")
     lines += [
-        f"  over --max-length   {s.truncated:,} truncated, {s.dropped_too_long:,} dropped "
-        f"(--max-length {report.max_length}; dropped: too long, or left with nothing to train, as a "
-        f"prompt that fills it{_also(first_places(s.where, 'too_long', s.dropped_too_long))})",
+        _over_line(report),
         f"  no trainable tokens {s.dropped_no_targets:,} (dropped: they would train on nothing"
         f"{_also(first_places(s.where, 'no_targets', s.dropped_no_targets))})",
         _stop_line(report),

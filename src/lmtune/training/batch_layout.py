@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmtune.config.groups import MAX_STEPS
 from lmtune.config.settings import DEFAULT_EPOCHS, SAMPLE_DATA, SAMPLE_EPOCHS, TrainConfig, micro_batch_size
 from lmtune.data.sampling import largest_global_batch, steps_per_epoch
 from lmtune.errors import UserError
@@ -50,6 +51,11 @@ def batch_layout(cfg: TrainConfig, world_size: int, n_examples: int) -> BatchLay
         )
     micro = micro_batch_size(cfg, world_size)
     total = cfg.schedule.max_steps if cfg.schedule.max_steps is not None else epochs(cfg) * per_epoch
+    if total > MAX_STEPS:
+        raise UserError(
+            f"--epochs {epochs(cfg):,} of {per_epoch:,} steps each: {total:,} steps, more than 2**40 "
+            f"({MAX_STEPS:,}); give fewer --epochs, or --max-steps"
+        )
     return BatchLayout(
         global_batch_size=cfg.batch.global_batch_size,
         micro_batch_size=micro,

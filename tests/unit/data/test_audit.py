@@ -163,6 +163,19 @@ def test_exit_code_says_clean_trains_badly_or_unusable(
         assert "no example to check" in out and "0 of 0" not in out
 
 
+def test_over_long_examples_under_truncation_error_are_counted_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They were also bad lines: 3 records read as 5, "2 bad lines would stop training"."""
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in [{"text": "ok"}, *[{"text": "x" * 80}] * 2]))
+    assert main(["data", "audit", str(f), "--max-length", "64", "--truncation", "error"]) == 2
+    out = capsys.readouterr().out
+    assert "3 read, 1 kept" in out and "bad lines           0" in out
+    assert "0 truncated, 2 would stop training (--max-length 64, --truncation error; at " in out
+    assert "(exit code 2): 2 examples longer than --max-length 64 would stop training" in out
+
+
 def test_rank_imbalance_of_equal_lengths_is_one() -> None:
     even = rank_imbalance(np.full(64, 10), world_size=4, global_batch_size=16, micro_batch_size=2, seed=0)
     assert even is not None and even.mean == pytest.approx(1.0) and even.padding == pytest.approx(1.0)
