@@ -89,7 +89,7 @@ def _coerce(s: Setting, value: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
             return value.lower() in ("true", "yes", "1")
         raise UserError(f"{option_name(name)}: expected true or false, got {brief(value)}")
-    if kind is str and (text := as_text(value)) is not value:
+    if kind is str and (text := as_text(value, name)) is not value:
         return text  # a YAML list (data files, target modules, weights) or mapping (--field-map)
     if {"on", "off"} <= set(s.choices):  # packing: true, as TRL writes it (--packing True too)
         if isinstance(value, bool):

@@ -220,10 +220,10 @@ def _given(s: Setting, key: str, value: Any) -> Any:
     user's script), as Python refuses an unknown keyword, not when train() starts."""
     from lmtune.config.validate import split_written_as_decimal, value_problem  # it reads these settings
 
-    if s.type is str and value is None:
+    if s.type is str and value is None and s.optional:
         return None  # an unset path or name: refused, where it needs one, by the run's checks
     if s.type is str:
-        value = as_text(value)
+        value = as_text(value, s.name)
     # The CLI's and YAML's "1.0" is refused as written (io._coerce): a split converted reads 40.0.
     problem = split_written_as_decimal(s.name, value) or value_problem(s, value)
     if problem is not None:
@@ -313,23 +313,30 @@ def _group_fields(group: str, values: dict[Any, Any]) -> dict[str, Any]:
     if unknown:
         known = ", ".join(settings)
         raise UnknownSetting(f"TrainConfig: {group}: unknown {unknown[0]!r} (its settings: {known})")
-    return {k: as_text(v) if settings[k].type is str else v for k, v in values.items()}
+    return {k: as_text(v, settings[k].name) if settings[k].type is str else v for k, v in values.items()}
 
 
-def as_text(value: Any) -> Any:
+# The settings that take several values: a list as YAML and Python give it is joined as the flag
+# writes it; a list for any other is refused (output_dir=["a", "b"] made a folder "a,b").
+LISTS = ("data", "eval_data", "data_weights", "lora_target_modules")
+MAPPINGS = ("field_map",)
+
+
+def as_text(value: Any, name: str) -> Any:
     """A list of strings or numbers (data files, target modules, weights) or a mapping of strings
-    (--field-map) as the flag writes it, for YAML and the Python API alike; anything else as it is
-    (the settings check names a wrong type)."""
+    (--field-map) as the flag writes it, for YAML and the Python API alike, where setting ``name``
+    takes one; a path as text (one source of data, its commas kept); anything else as it is (the
+    settings check names a wrong type)."""
     from lmtune.config.mixture import joined
 
     if isinstance(value, os.PathLike):  # data=Path(...), output_dir=result.output_dir
-        return os.fspath(value)
-    items = isinstance(value, (list, tuple))
+        return joined([os.fspath(value)]) if name in ("data", "eval_data") else os.fspath(value)
+    items = isinstance(value, (list, tuple)) and name in LISTS
     if items and all(
         isinstance(v, (str, int, float, os.PathLike)) and not isinstance(v, bool) for v in value
     ):
         return joined([str(v) for v in value])
-    if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+    if isinstance(value, dict) and name in MAPPINGS and all(isinstance(v, str) for v in value.values()):
         return ",".join(f"{k}={v}" for k, v in value.items())
     return value
 

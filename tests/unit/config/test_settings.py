@@ -94,6 +94,19 @@ def test_the_python_api_refuses_a_split_of_1_0_as_the_cli_does() -> None:
     assert TrainConfig(eval_split=0.25).data.eval_split == 0.25
 
 
+def test_a_path_is_one_value_and_a_list_only_where_a_setting_takes_several() -> None:
+    """Path("a,b.jsonl") was two sources; output_dir=["a", "b"] made a folder "a,b"; None for a
+    setting with a default got past TrainConfig and failed at train() as a message, not a TypeError."""
+    assert TrainConfig(data=Path("a,b.jsonl")).data.train == "a\\,b.jsonl"
+    assert TrainConfig(output_dir=Path("x,y")).checkpoint.output_dir == "x,y"
+    for settings in ({"output_dir": ["a", "b"]}, {"model": ("tiny",)}, {"output_dir": None}, {"data": None}):
+        with pytest.raises(WrongType, match=r"^TrainConfig: \w+: expected str \(got "):
+            TrainConfig(**settings)
+    with pytest.raises(UserError, match=r"^--output-dir: expected str, got \['a', 'b'\]"):
+        build_config({"output_dir": ["a", "b"]})  # YAML's list
+    assert TrainConfig(cache_dir=None).data.cache_dir is None  # unset: its default
+
+
 def test_a_wrong_type_set_on_a_group_is_refused_before_the_run() -> None:
     packing = setting_named("packing")
     assert packing.group is not None
