@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["TrainConfig", "__version__", "train"]
+__all__ = ["TrainConfig", "__version__", "errors", "train"]
 
 if TYPE_CHECKING:
     from lmtune.config.settings import TrainConfig
@@ -22,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from lmtune.train import train
 
         return train
+    if name == "errors":  # `except lmtune.errors.UserError` before anything else was used
+        import lmtune.errors
+
+        return lmtune.errors
     raise AttributeError(f"module 'lmtune' has no attribute {name!r}")
 
 

@@ -113,6 +113,9 @@ def test_a_hostile_lock_file_is_one_line(kind: str, tmp_path: Path) -> None:
         ("LMTUNE_CACHE_DIR", "/dev/null"),
         ("LMTUNE_CACHE_DIR", "/dev/null/cache"),  # under a file: it could never be created
         ("LMTUNE_VERBOSE", "loud"),
+        # Read by a CPU bf16 run only: a typo in an fp32 run's environment was ignored.
+        ("LMTUNE_CPU_PRODUCTS", "bogus"),
+        ("LMTUNE_CPU_ATTENTION", "fast"),
     ],
 )
 def test_every_lmtune_variable_is_strict(

@@ -178,6 +178,15 @@ def test_train_doctor_checks_before_training(tmp_path: Path, capsys: pytest.Capt
     # A folder it had to make to check (with the ones above it) is gone after the check.
     assert main(["doctor", "--output-dir", str(tmp_path / "new" / "a" / "b")]) == 0
     assert "ok    free disk" in capsys.readouterr().out and not (tmp_path / "new").exists()
+    # A file for the folder: a row of the table (it was the OS's error about a probe inside it).
+    (tmp_path / "a-file").write_text("mine")
+    assert main(["doctor", "--output-dir", str(tmp_path / "a-file")]) == 2
+    assert f"FAIL  output folder     {tmp_path / 'a-file'}: not a folder" in capsys.readouterr().out
+    # The model is loaded (its config) without an output folder too: it passed unread.
+    assert main(["doctor", "--model", str(tmp_path / "no-such-model")]) == 2
+    assert f"--model {tmp_path / 'no-such-model'}: no such folder" in capsys.readouterr().err
+    assert main(["doctor", "--model", "tiny"]) == 0
+    assert "ok    model             tiny: 0.9M parameters" in capsys.readouterr().out
 
 
 def test_model_folder_without_tokenizer_says_so_in_one_line(

@@ -44,6 +44,38 @@ def test_eval_gives_the_runs_own_figures_for_its_start_and_its_end(run: Path, tm
     )
 
 
+@pytest.mark.parametrize("held", ["eval_split: 6", "eval_data: held.jsonl"])
+def test_eval_of_a_config_scores_what_its_run_evaluates(
+    held: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lmtune eval --config run.yaml` scored the file's training data: it scores its eval_data, or
+    the examples its eval_split holds out (per source under --data-weights, as the run does)."""
+    rows = [{"prompt": f"{i} plus {i}:", "completion": f" {2 * i}"} for i in range(40)]
+    for name, part in (("a.jsonl", rows[:25]), ("b.jsonl", rows[25:]), ("held.jsonl", rows[::7])):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"data: a.jsonl,b.jsonl\ndata_weights: 2,1\n{held}\nmax_steps: 2\nglobal_batch_size: 4\n"
+        f"output_dir: {tmp_path / 'run'}\nprogress: false\n"
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        assert main(["train", "--config", str(config)]) == 0
+        last = train_rows(tmp_path / "run", kind="eval")[-1]
+        figures = tmp_path / "figures.json"
+        argv = ["eval", "--config", str(config), "--model", str(tmp_path / "run" / "final")]
+        assert main([*argv, "--json", str(figures)]) == 0
+    scored = json.loads(figures.read_text())
+    assert scored["loss"] == pytest.approx(last["eval_loss"], abs=1e-6)
+    assert (scored["examples"], scored["target_tokens"]) == (last["eval_examples"], last["eval_tokens"])
+    said = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("eval of"))
+    assert said.startswith(
+        "eval of the examples of a.jsonl,b.jsonl its --eval-split 6 holds out (the --config file's) with"
+        if "split" in held
+        else "eval of held.jsonl (the --config file's eval_data) with"
+    )
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_bf16_eval_takes_the_kernels_a_bf16_run_evaluates_with(tmp_path: Path, lora: bool) -> None:
     # On a CPU, a bf16 run's evaluation multiplies with the products and attention its CPU's units
@@ -104,3 +136,15 @@ def test_eval_refuses_what_it_cannot_score(
         .rstrip()
         .endswith("--precision: fp16 needs a CUDA GPU; use bf16 on CPU")
     )
+
+
+@pytest.mark.parametrize("command", [["eval"], ["data", "show"], ["data", "audit"]])
+def test_a_field_map_naming_no_field_is_warned_of_as_train_warns(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "pc.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
+    batch = ["--global-batch-size", "1"] if command[-1] == "audit" else []
+    main([*command, str(data), "--field-map", "prompt=question", *batch])
+    said = f"warning: --field-map prompt=question: the first record of {data} has no 'question' field"
+    assert said in capsys.readouterr().err

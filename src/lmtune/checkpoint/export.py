@@ -232,6 +232,8 @@ def export(
     from transformers import AutoTokenizer
 
     if not checkpoint.is_dir():
+        if checkpoint.exists():
+            raise UserError(f"{checkpoint}: not a folder; export takes a checkpoint, RUN/checkpoints/step-N")
         raise UserError(f"{checkpoint}: no such checkpoint folder")
     reason = verify(checkpoint)
     if reason is not None and (instead := not_a_checkpoint(checkpoint)):

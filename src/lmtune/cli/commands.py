@@ -199,23 +199,46 @@ def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1 (got {args.batch_size})")
     out = _json_output(args.json, "eval") if args.json else None
-    done = evaluate_model(cfg, args.batch_size)
+    cfg, held_out, scored = _evaluated_data(cfg, hasattr(args, "data"))
+    done = evaluate_model(cfg, args.batch_size, held_out)
     r, meta = done.result, done.data
     if done.paths.products is not None:  # a CPU bf16 evaluation: the kernels it took, as a run says them
         print(done.paths.line(), file=sys.stderr)
     dropped = meta.get("dropped_too_long", 0) + meta.get("dropped_no_targets", 0)
     print(
-        f"eval of {cfg.data.train} with {done.model}: loss {r.loss:.4f}, perplexity "
-        f"{r.metrics['eval_perplexity']:.3f} ({r.examples:,} examples, {r.target_tokens:,} target tokens; "
+        f"eval of {scored} with {done.model}: loss {r.loss:.4f}, perplexity "
+        f"{r.metrics['eval_perplexity']:.3f} ({r.examples:,} example{'s' if r.examples != 1 else ''}, "
+        f"{r.target_tokens:,} target tokens; "
         f"{meta.get('truncated', 0):,} truncated, {dropped:,} dropped)",
         file=sys.stderr if args.json == "-" else sys.stdout,
     )
     if args.json:
         record = {"model": cfg.model.name, "data": cfg.data.train, **r.record(), "dropped": dropped}
+        if held_out is not None:
+            record["eval_split"] = held_out
         if done.paths.products is not None:
             record["paths"] = done.paths.to_json()
         _write_json(out, json.dumps(json_marked(record, "eval"), indent=2))
     return 0
+
+
+def _evaluated_data(cfg: TrainConfig, named: bool) -> tuple[TrainConfig, float | None, str]:
+    """The data `lmtune eval` scores, the share of it held out (or None: all of it), and how the
+    result line names it. DATA given is scored whole; a --config file's evaluation data is what its
+    run evaluates (its eval_data, or the examples its eval_split holds out), not its training data."""
+    plain = cfg.replace(eval_data=None, eval_split=None)
+    if named or (cfg.data.eval is None and cfg.data.eval_split is None):
+        return plain, None, cfg.data.train if named else f"{cfg.data.train} (the --config file's data)"
+    if cfg.data.eval is not None:
+        scored = f"{cfg.data.eval} (the --config file's eval_data)"
+        return plain.replace(data=cfg.data.eval, data_weights=None), None, scored
+    split = cfg.data.eval_split
+    assert split is not None
+    return (
+        plain,
+        split,
+        f"the examples of {cfg.data.train} its --eval-split {split:g} holds out (the --config file's)",
+    )
 
 
 def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -373,6 +396,12 @@ def _data_settings(args: argparse.Namespace, command: str) -> TrainConfig:
         from lmtune.data.sources import resolve_components
 
         resolve_components(cfg.data.train)
+    from contextlib import suppress
+
+    from lmtune.training.preflight import warn_unmatched_names
+
+    with suppress(UserError):  # as train warns; unreadable data is refused in the command's words
+        warn_unmatched_names(cfg, lambda message: print(message, file=sys.stderr))
     return cfg
 
 

@@ -211,7 +211,16 @@ def _eval_parser(sub: Any) -> None:
         "settings, the loss per target token over the whole set. Compare the base model with the "
         "tuned one on the same held-out data.",
     )
-    ev.add_argument("data", nargs="*", default=argparse.SUPPRESS, metavar="DATA", help=_DATA_HELP)
+    ev.add_argument(
+        "data",
+        nargs="*",
+        default=argparse.SUPPRESS,
+        metavar="DATA",
+        help=(
+            "files, globs, folders, data set names, or 'sample' (default: what a --config file's run "
+            "evaluates: its eval_data, or the examples its eval_split holds out; else its data)"
+        ),
+    )
     ev.add_argument(
         "--json", metavar="PATH", default=None, help="also write the figures as JSON (- for stdout)"
     )

@@ -222,7 +222,7 @@ def resolve_names(
             is unknown, or a setting given twice (under its name and an alias).
     """
     accepted = set(known)
-    values = _value_switches(_hub_switch(values, where, style), where, style)
+    values = peers_switched(values, where, style)
     out: dict[str, Any] = {}
     given_as: dict[str, str] = {}
     unknown: list[str] = []  # all of them at once: a config from another tool has several
@@ -265,11 +265,21 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+def peers_switched(
+    values: dict[str, Any], where: Callable[[str], str], style: Callable[[str], str]
+) -> dict[str, Any]:
+    """``values`` with other tools' switches as lmtune's settings: HF Trainer's yes/no
+    ``push_to_hub`` beside ``hub_model_id``, and :data:`_VALUE_SWITCHES` (Axolotl's ``adapter:
+    qlora``, TRL's ``loss_type: sigmoid``, ``bf16: true``)."""
+    return _value_switches(_hub_switch(values, where, style), where, style)
+
+
 def value_switched(key: str, value: Any) -> dict[str, Any]:
     """The settings another tool's ``key: value`` sets, and their values (:data:`_VALUE_SWITCHES`)."""
-    if isinstance(value, (list, dict)):
+    switches = _VALUE_SWITCHES.get(canonical(key))
+    if switches is None or isinstance(value, (list, dict)):
         return {}
-    return dict(_VALUE_SWITCHES.get(canonical(key), {}).get(str(value).lower(), {}))
+    return dict(switches.get(str(value).lower(), {}))
 
 
 def _value_switches(
@@ -286,8 +296,11 @@ def _value_switches(
     """
     out = dict(values)
     for key, value in values.items():
-        switched = _VALUE_SWITCHES.get(canonical(key), {}).get(str(value).lower())
-        if switched is None or isinstance(value, (list, dict)):
+        switches = _VALUE_SWITCHES.get(canonical(key))
+        if switches is None or isinstance(value, (list, dict)):
+            continue  # (str(value) of an int past 4,300 digits fails)
+        switched = switches.get(str(value).lower())
+        if switched is None:
             continue
         given = {ALIASES.get(canonical(k), canonical(k)): v for k, v in out.items()}
         if canonical(key) == "lora_target_linear" and not switched and "lora_target_modules" not in given:

@@ -1,6 +1,6 @@
 """lmtune's own environment variables, read strictly: a value that is set (not empty) and not valid
 is a one-line error naming the variable, never a silent default. (The ``LMTUNE_FAULT_*`` variables
-of the test-only fault injection and the two CPU kernel overrides are read where they are used.)"""
+of the test-only fault injection are read where they are used.)"""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ LOCK_TOKEN = "LMTUNE_LOCK_TOKEN"
 ERROR_DIR = "LMTUNE_ERROR_DIR"
 HEALTH_DIR = "LMTUNE_HEALTH_DIR"
 VERBOSE = "LMTUNE_VERBOSE"  # show other packages' warnings (lmtune.config.verbosity)
+# The CPU bf16 paths (lmtune.model.paths), each auto | fp32 | bf16: overrides the decided path.
+CPU_PRODUCTS = "LMTUNE_CPU_PRODUCTS"
+CPU_ATTENTION = "LMTUNE_CPU_ATTENTION"
 _TOKEN = re.compile(r"[0-9a-f]{32}")
 
 
@@ -98,6 +101,14 @@ def switch(name: str) -> bool:
     return raw.lower() in ("1", "true", "yes")
 
 
+def cpu_path(name: str) -> str | None:
+    """fp32 or bf16 as ``name`` forces a CPU bf16 path, or None (unset or auto: decided)."""
+    raw = _raw(name)
+    if raw is not None and raw not in ("auto", "fp32", "bf16"):
+        raise _bad(name, raw, "auto, fp32 or bf16")
+    return None if raw in (None, "auto") else raw
+
+
 def check_environment() -> None:
     """Every LMTUNE_* variable checked at once, before a command does anything."""
     seconds(CACHE_WAIT_TIMEOUT, 1.0)
@@ -107,6 +118,8 @@ def check_environment() -> None:
     folder(HEALTH_DIR, must_exist=True)
     token(LOCK_TOKEN)
     switch(VERBOSE)
+    cpu_path(CPU_PRODUCTS)  # read by a bf16 run only, checked for every one: a typo is not ignored
+    cpu_path(CPU_ATTENTION)
 
 
 def hub_offline() -> bool:

@@ -163,16 +163,27 @@ class TrainConfig:
             UnknownSetting: (a UserError and a TypeError) for a name that is neither a setting nor a
                 group, or a setting given twice.
         """
-        for name, value in _assembled(settings).items():
+        values, given = _assembled(settings)
+        for name, value in values.items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "_given", given)
 
     def replace(self, **settings: Any) -> TrainConfig:
         """A copy with these settings (flat names, or whole groups) changed."""
         changed = copy.copy(self)
         current = {name: getattr(self, name) for name in (*GROUPS, "seed")}
-        for name, value in _assembled(settings, current).items():
+        values, given = _assembled(settings, current)
+        for name, value in values.items():
             object.__setattr__(changed, name, value)
+        object.__setattr__(changed, "_given", given_names(self) | given)
         return changed
+
+
+def given_names(cfg: TrainConfig) -> frozenset[str]:
+    """The settings given to ``cfg`` by name (flat names, peers' names resolved), as the CLI knows
+    the ones its flags and file gave: what is given for a feature that is off is refused even at
+    its default value. Not those of a group given whole (its changed values count)."""
+    return getattr(cfg, "_given", frozenset())
 
 
 def _all_settings() -> tuple[Setting, ...]:
@@ -232,12 +243,17 @@ def _given(s: Setting, key: str, value: Any) -> Any:
     return value
 
 
-def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) -> dict[str, Any]:
-    """TrainConfig's attributes from flat settings and groups, over ``start`` (else the defaults)."""
+def _assembled(
+    settings: dict[str, Any], start: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], frozenset[str]]:
+    """TrainConfig's attributes from flat settings and groups, over ``start`` (else the defaults),
+    and the names of the settings given."""
     values: dict[str, Any] = dict(start) if start else {n: k() for n, k in GROUPS.items()}
     values.setdefault("seed", _BY_NAME["seed"].default)
     flat = _Fields()
-    from lmtune.config.aliases import ALIASES  # it reads the settings for its own messages
+    from lmtune.config.aliases import ALIASES, peers_switched  # it reads the settings for its messages
+
+    settings = peers_switched(settings, lambda _: "TrainConfig: ", str)
 
     for key, value in settings.items():
         kind, written = GROUPS.get(key), key
@@ -272,7 +288,8 @@ def _assembled(settings: dict[str, Any], start: dict[str, Any] | None = None) ->
             values[group] = dataclasses.replace(values[group], **changes)
         else:
             values.update(changes)
-    return values
+    named = {(s.group or "", s.field): s.name for s in SETTINGS}
+    return values, frozenset(named[key] for key in flat.given_as)
 
 
 @dataclasses.dataclass

@@ -74,8 +74,9 @@ def spinning_among_others() -> str | None:
     count = runnable_others()
     if not count:
         return None
+    threads = f"{count} other runnable thread{'s compete' if count > 1 else ' competes'}"
     return (
-        f"warning: {count} other runnable thread{'s' if count > 1 else ''} compete for the CPUs, and "
+        f"warning: {threads} for the CPUs, and "
         "PyTorch's OpenMP threads spin while they wait (steps ran 3x slower than with passive "
         "waiting, 2 cores, 6 busy processes); set OMP_WAIT_POLICY=PASSIVE in the environment "
         "before Python imports torch (`lmtune train` decides it itself)"

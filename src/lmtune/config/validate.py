@@ -35,6 +35,7 @@ from lmtune.config.settings import (
     Setting,
     TrainConfig,
     config_fields,
+    given_names,
     option_name,
     parse_nnodes,
     setting_named,
@@ -48,7 +49,8 @@ Need = Callable[[bool, str, str], None]
 
 def check_settings(cfg: TrainConfig, world_size: int, given: frozenset[str] | None = None) -> None:
     """Reject settings that cannot work, naming the option; ``world_size`` is the process count;
-    ``given``: the settings the user gave (None: not known, as from Python)."""
+    ``given``: the settings the user gave by flag or file (a TrainConfig knows those given to it by
+    name)."""
 
     def need(ok: bool, name: str, why: str) -> None:
         if not ok:
@@ -77,7 +79,7 @@ def check_settings(cfg: TrainConfig, world_size: int, given: frozenset[str] | No
     _check_data(cfg, need)
     _check_evaluation_data(cfg, need)
     _check_batch(cfg.batch, world_size, need)
-    _check_applicable(cfg, need, given or frozenset())
+    _check_applicable(cfg, need, (given or frozenset()) | given_names(cfg))  # Python's by name
 
 
 def value_problem(s: Setting, value: object) -> str | None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmtune.config import environment
 from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.errors import UserError
 
@@ -27,7 +28,7 @@ VARLEN = "lmtune_varlen"
 # The same on the CPU under bf16 autocast, with attention in bf16 over bucketed shapes.
 VARLEN_BUCKETED = "lmtune_varlen_bucketed"
 BUCKET = 64  # example lengths round up to a multiple of this in bucketed attention
-CPU_ATTENTION_ENV = "LMTUNE_CPU_ATTENTION"  # auto | fp32 | bf16: overrides the decided path
+CPU_ATTENTION_ENV = environment.CPU_ATTENTION
 SEGMENTS = "lmtune_segments"  # the keyword that carries a flattened batch's Segments to attention
 
 

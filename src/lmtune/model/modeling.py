@@ -12,6 +12,7 @@ from torch import nn
 
 from lmtune.config.environment import hub_offline, hub_reachable
 from lmtune.config.files import read_json_object
+from lmtune.config.verbosity import no_progress_bars
 from lmtune.errors import UserError, brief
 from lmtune.model.configs import CONFIG_BYTES, check_config, check_folder
 from lmtune.model.quantization import (
@@ -382,9 +383,11 @@ def _merged_adapter(name: str, base: str, seed: int, trust_remote_code: bool, me
 
 
 def _loaded(name: str, where: _Where, load: Callable[[], nn.Module]) -> nn.Module:
-    """``load()``, its failure worded as a :class:`UserError` naming the model."""
+    """``load()``, its failure worded as a :class:`UserError` naming the model; transformers'
+    per-load progress bar off, from Python as from the CLI (the start line says what was loaded)."""
     try:
-        return load()
+        with no_progress_bars():
+            return load()
     except UserError:
         raise
     except Exception as e:  # a truncated weights file, weights that do not fit the config, ...

@@ -37,7 +37,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lmtune.errors import UserError, one_line
+from lmtune.config import environment
+from lmtune.errors import one_line
 from lmtune.model.attention import CPU_ATTENTION_ENV, SEGMENTS, Segments, bucketed_attention, varlen_attention
 from lmtune.model.products import (
     PRODUCTS_ENV,
@@ -233,10 +234,7 @@ def bf16_plan(units: CpuUnits) -> str:
 
 
 def _forced(variable: str) -> str | None:
-    value = os.environ.get(variable, "auto")
-    if value not in ("auto", FP32, BF16):
-        raise UserError(f"{variable}={value!r}: expected auto, fp32 or bf16")
-    return None if value == "auto" else value
+    return environment.cpu_path(variable)
 
 
 def _products_rule(units: CpuUnits) -> Decision | None:

@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-PRODUCTS_ENV = "LMTUNE_CPU_PRODUCTS"  # auto | fp32 | bf16: overrides the decided path
+from lmtune.config import environment
+
+PRODUCTS_ENV = environment.CPU_PRODUCTS
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,8 @@ def _shared_folder(env: DistEnv, folder: Path, name: str, remedy: str = "") -> C
     """Writable on every rank, and the same folder on all: rank 0's token must be seen by all. The
     folders it makes for that (a run's output folder is made by the run) are removed after."""
     writable = True
+    if folder.exists() and not folder.is_dir():  # on every rank alike: no rank waits for another
+        return Check(name, FAIL, f"{folder}: not a folder")
     made = [f for f in (folder, *folder.parents) if not f.exists()]  # deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -238,12 +240,7 @@ def _disk(env: DistEnv, folder: Path, model: str | None) -> Check:
     free = shutil.disk_usage(next(f for f in (folder, *folder.parents) if f.exists())).free
     if model is None:
         return Check("free disk", OK, f"{free / 2**30:,.1f} GiB free in {folder}")
-    from lmtune.model.modeling import load_config
-    from lmtune.tools.trace import fake_device, fake_model
-
-    config = load_config(model)
-    with fake_device("cpu"):
-        params = sum(p.numel() for p in fake_model(config).parameters())
+    params = _parameters(model)
     # A full fine-tuning checkpoint: fp32 weights and AdamW's two moments, then final/ (fp32).
     checkpoint = params * 12
     need = 2 * checkpoint + params * 4
@@ -255,6 +252,16 @@ def _disk(env: DistEnv, folder: Path, model: str | None) -> Check:
         f"({params / 1e6:,.0f}M parameters) takes ~{checkpoint / 2**30:,.1f} GiB, "
         f"two and final/ ~{need / 2**30:,.1f} GiB",
     )
+
+
+def _parameters(model: str) -> int:
+    """``model``'s parameter count, from its config alone (refused as train refuses the model)."""
+    from lmtune.model.modeling import load_config
+    from lmtune.tools.trace import fake_device, fake_model
+
+    config = load_config(model)
+    with fake_device("cpu"):
+        return sum(p.numel() for p in fake_model(config).parameters())
 
 
 def _data(env: DistEnv, spec: str) -> Check:
@@ -295,8 +302,13 @@ def run_checks(env: DistEnv, settings: DoctorSettings) -> list[Check]:
         checks += [_cpu_units(env), _cpu_threads(env)]
     checks += _all_reduce(env)
     if settings.output_dir:
-        checks.append(_shared_folder(env, Path(settings.output_dir).expanduser(), "output folder"))
-        checks.append(_disk(env, Path(settings.output_dir).expanduser(), settings.model))
+        output = Path(settings.output_dir).expanduser()
+        checks.append(_shared_folder(env, output, "output folder"))
+        if output.is_dir() or not output.exists():
+            checks.append(_disk(env, output, settings.model))
+    if settings.model and not settings.output_dir:  # no folder to size its checkpoints in: it loads
+        params = _parameters(settings.model)
+        checks.append(Check("model", OK, f"{settings.model}: {params / 1e6:,.1f}M parameters"))
     if settings.cache_dir and settings.default_cache:
         remedy = (
             "train and doctor need --cache-dir on a file system every node mounts, or train --cache-per-node"

@@ -11,8 +11,10 @@ import torch
 
 from lmtune.config.settings import TrainConfig
 from lmtune.data.chat import use_chat_template
+from lmtune.data.dataset import split_off
+from lmtune.data.mixture import per_source, source_index
 from lmtune.data.pairs import counted_as
-from lmtune.data.prepare import data_cache_dir, prepare
+from lmtune.data.prepare import Wanted, data_cache_dir, prepare
 from lmtune.errors import SettingError, UserError
 from lmtune.model.attention import use_varlen
 from lmtune.model.chunked_loss import choose as choose_loss
@@ -35,9 +37,10 @@ class Evaluation:
     paths: Paths  # the CPU bf16 kernels it ran with, chosen as a run chooses its own
 
 
-def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
+def evaluate_model(cfg: TrainConfig, batch_size: int, held_out: float | None = None) -> Evaluation:
     """``cfg.model``'s figures on ``cfg.data.train`` (the DATA of `lmtune eval`), read with its
-    example settings, ``batch_size`` examples a forward.
+    example settings, ``batch_size`` examples a forward; with ``held_out`` (a run's --eval-split),
+    on the examples a run of ``cfg`` holds out of it.
 
     Raises:
         UserError: under several processes, on preference pairs, for a chat template whose markers
@@ -67,7 +70,17 @@ def evaluate_model(cfg: TrainConfig, batch_size: int) -> Evaluation:
             "never learned them, so its loss on them says nothing (give the template it was tuned with)",
         )
     cache = data_cache_dir(cfg.data)
-    data = prepare(cfg.data.train, tokenizer, cfg.examples, env, cache, option="lmtune eval").dataset
+    # Held out as the run holds it out: of each source apart for a mixture (--data-weights).
+    apart = held_out is not None and per_source(cfg.data, cfg.data.train, "--data")
+    wanted = Wanted(cfg.data.train, "lmtune eval", per_source=apart)
+    data = prepare(wanted, tokenizer, cfg.examples, env, cache).dataset
+    if apart:
+        data.sources = source_index(cfg.data.train, data.meta, "--data")
+    if held_out is not None:
+        try:
+            data = split_off(data, held_out, cfg.seed)[1]
+        except ValueError as e:
+            raise SettingError("eval_split", f"--eval-split {held_out:g}", str(e)) from None
     if counted_as(data.meta) == "pairs":
         raise UserError(
             f"{cfg.data.train}: preference pairs; lmtune eval scores supervised examples (a preference "

@@ -55,7 +55,12 @@ def load_run(folder: Path) -> RecordedRun:
     if not folder.is_dir():
         raise UserError(f"{folder}: no such folder" if not folder.exists() else f"{folder}: not a folder")
     if not metrics.is_file():
-        raise UserError(f"{folder}: no metrics.jsonl, so not an lmtune output folder (or not started)")
+        # RUN/final or RUN/checkpoints/step-N given for RUN.
+        run = next((f for f in list(folder.parents)[:2] if (f / "metrics.jsonl").is_file()), None)
+        inside = f"; it is inside the run {run}: give that folder" if run is not None else ""
+        raise UserError(
+            f"{folder}: no metrics.jsonl, so not an lmtune output folder (or not started){inside}"
+        )
     try:
         text = read_bytes(metrics, limit=METRICS_BYTES, follow_links=False).decode("utf-8", "replace")
     except FileNotFoundError:

@@ -254,7 +254,8 @@ class Evaluator:
             for name, value in ev.metrics.items()
             if name != "eval_loss" and not (suffixes and name.endswith(suffixes))
         )
-        counts = f"{ev.examples} {self.noun}, {ev.target_tokens:,} target tokens"
+        noun = self.noun if ev.examples != 1 else self.noun.removesuffix("s")
+        counts = f"{ev.examples:,} {noun}, {ev.target_tokens:,} target tokens"
         per_source = ", ".join(f"{name} {ev.metrics[f'eval_loss/{name}']:.4f}" for name in ev.sources)
         more += f"; per source: {per_source}" if per_source else ""
         when = "before training" if baseline else f"step {state.step}"

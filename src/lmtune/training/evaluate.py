@@ -37,21 +37,23 @@ class EvalResult:
     @staticmethod
     def from_record(record: dict[str, Any]) -> EvalResult:
         """The result :meth:`record` wrote to run.json (a finished run's, read back)."""
-        counts = ("target_tokens", "examples")
+        counts = ("target_tokens", "examples", "units")
         metrics = {f"eval_{k}": float(v) for k, v in record.items() if k not in counts}
         sources = tuple(sorted({k.split("/", 1)[1] for k in record if k.startswith("loss/")}))
         return EvalResult(
             loss=float(record["loss"]),
             target_tokens=int(record["target_tokens"]),
             examples=int(record["examples"]),
+            count=int(record.get("units", 0)),  # 0 in a run.json written before it was kept
             metrics=metrics,
             sources=sources,
         )
 
     def record(self) -> dict[str, float | int]:
-        """run.json's ``result.eval``: the metrics without their ``eval_`` prefix, and the counts."""
+        """run.json's ``result.eval``: the metrics without their ``eval_`` prefix, and the counts
+        (``units``: what the loss is a mean over, as metrics.jsonl's rows say it)."""
         named = {k.removeprefix("eval_"): v for k, v in self.metrics.items()}
-        return named | {"target_tokens": self.target_tokens, "examples": self.examples}
+        return named | {"target_tokens": self.target_tokens, "examples": self.examples, "units": self.count}
 
 
 @torch.no_grad()

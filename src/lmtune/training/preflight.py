@@ -108,7 +108,7 @@ def validate(
             require_bitsandbytes(option, _device(cfg.model.device))
 
 
-def _warn_unmatched_names(cfg: TrainConfig, info: Callable[[str], None]) -> None:
+def warn_unmatched_names(cfg: TrainConfig, info: Callable[[str], None]) -> None:
     """A warning when the first record of --data has none of the fields --text-field and
     --field-map name, but lmtune's own name for one: it is read as it is, so the mapped name was
     likely misspelled (the formats alone cannot tell: the record still has a format)."""
@@ -223,7 +223,7 @@ def warn_unused_names(cfg: TrainConfig, data_info: dict[str, Any], info: Callabl
             f"warning: {', '.join(unused)} changed nothing: no record of the data was read through "
             f"{'it' if len(unused) == 1 else 'them'} (formats found: {', '.join(sorted(formats))})"
         )
-    _warn_unmatched_names(cfg, info)
+    warn_unmatched_names(cfg, info)
     mode = cfg.examples.txt_mode
     given = [(cfg.data.train, "--data"), (cfg.data.eval, "--eval-data")]
     if mode != ExampleSettings().txt_mode and not any(

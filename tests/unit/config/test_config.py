@@ -152,7 +152,6 @@ def test_settings_that_apply_are_accepted_at_any_value() -> None:
         {"objective": "ipo", "reference": "live"},
         {"objective": "dpo", "lora": True, "lora_dropout": 0.0},
         {"neftune_alpha": 5.0},
-        {"lora_rank": 16, "beta": 0.1},  # the defaults, spelled out: nothing changes, nothing refused
     ):
         validate(build_config(values), world_size=1)
 

@@ -107,6 +107,27 @@ def test_a_path_is_one_value_and_a_list_only_where_a_setting_takes_several() -> 
     assert TrainConfig(cache_dir=None).data.cache_dir is None  # unset: its default
 
 
+def test_the_python_api_refuses_a_feature_setting_given_at_its_default_as_the_cli_does() -> None:
+    """beta=0.1 (DPO's default) under sft, lora_rank=16 without lora: the CLI refused them, Python
+    trained without a word, as only a changed value was seen."""
+    for settings, said in (
+        ({"beta": 0.1}, "--beta: applies to --objective dpo, ipo, simpo only"),
+        ({"lora_rank": 16}, "--lora-rank: applies with --lora only"),
+    ):
+        with pytest.raises(UserError, match=f"^{re.escape(said)}"):
+            validate(TrainConfig(**settings), 1)
+    validate(TrainConfig(lora_rank=16).replace(lora=True), 1)  # given in two steps
+
+
+def test_the_python_api_takes_the_peers_switches_as_yaml_does() -> None:
+    cfg = TrainConfig(push_to_hub=True, hub_model_id="me/model", bf16=True, adapter="qlora")
+    assert cfg.checkpoint.push_to_hub == "me/model" and cfg.model.precision == "bf16"
+    assert cfg.lora.enabled and cfg.model.load_in_4bit
+    assert TrainConfig(push_to_hub=False).checkpoint.push_to_hub is None
+    with pytest.raises(UserError, match=r"^TrainConfig: push_to_hub takes the repository to upload to"):
+        TrainConfig(push_to_hub=True)
+
+
 def test_a_wrong_type_set_on_a_group_is_refused_before_the_run() -> None:
     packing = setting_named("packing")
     assert packing.group is not None
