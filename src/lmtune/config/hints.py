@@ -17,6 +17,11 @@ HINTS: dict[str, str] = {
     "evals_per_epoch": "{eval_every} N evaluates every N optimizer steps",
     "saves_per_epoch": "{save_every} N saves a checkpoint every N optimizer steps",
     "bf16": "set the precision with {precision} bf16",
+    # transformers' generate() knobs, given to lmtune generate (or to train's samples).
+    "do_sample": "a temperature above 0 samples (lmtune generate's temperature, train's "
+    "{sample_temperature}); 0 decodes greedily",
+    "num_beams": "lmtune decodes greedily or samples (a temperature above 0): it has no beam search",
+    "repetition_penalty": "lmtune's decoding has no repetition penalty",
     # QLoRA's other bitsandbytes settings (peft, TRL, Axolotl): lmtune decides them.
     "bnb_4bit_compute_dtype": "4-bit layers compute in {precision}'s dtype (bf16 with {precision} bf16)",
     "bnb_4bit_use_double_quant": "{load_in_4bit} always quantizes the quantization constants too",
