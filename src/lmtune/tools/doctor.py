@@ -190,26 +190,25 @@ def _size(n: int) -> str:
 def _shared_folder(env: DistEnv, folder: Path, name: str, remedy: str = "") -> Check:
     """Writable on every rank, and the same folder on all: rank 0's token must be seen by all. The
     folders it makes for that (a run's output folder is made by the run) are removed after."""
-    writable = True
-    if folder.exists() and not folder.is_dir():  # on every rank alike: no rank waits for another
-        return Check(name, FAIL, f"{folder}: not a folder")
+    why = ""  # why this rank cannot write there; every rank goes on to the collectives below
     made = [f for f in (folder, *folder.parents) if not f.exists()]  # deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".lmtune-doctor-{uuid.uuid4().hex}"
         probe.write_text("x")
         probe.unlink()
-    except OSError:
-        writable = False
+    except OSError as e:
+        why = "not a folder" if folder.exists() and not folder.is_dir() else e.strerror or type(e).__name__
+    writable = not why
     token = broadcast_object(uuid.uuid4().hex, env)
     marker = folder / f".lmtune-doctor-{token}"
     if env.is_main and writable:
         marker.write_text(token)
     barrier(env)
     seen = marker.is_file() and marker.read_text(errors="replace") == token
-    results = all_gather_object((socket.gethostname(), writable, seen), env)
+    results = all_gather_object((socket.gethostname(), writable, seen, why), env)
     barrier(env)
-    if env.is_main:
+    if env.is_main and writable:
         marker.unlink(missing_ok=True)
     barrier(env)
     for path in made:
@@ -217,13 +216,12 @@ def _shared_folder(env: DistEnv, folder: Path, name: str, remedy: str = "") -> C
             path.rmdir()  # only while empty: another rank (or anything else) may have written there
         except OSError:
             break
-    not_writable = [r for r, (_, w, _) in enumerate(results) if not w]
-    blind = [r for r, (_, _, s) in enumerate(results) if not s]
+    not_writable = [r for r, (_, w, _, _) in enumerate(results) if not w]
+    blind = [r for r, (_, _, s, _) in enumerate(results) if not s]
     if not_writable:
         hosts = sorted({results[r][0] for r in not_writable})
-        return Check(
-            name, FAIL, f"{folder}: not writable on rank(s) {_ranks(not_writable)} ({', '.join(hosts)})"
-        )
+        ranks = f"rank(s) {_ranks(not_writable)} ({', '.join(hosts)})"
+        return Check(name, FAIL, f"{folder}: not writable on {ranks}: {results[not_writable[0]][3]}")
     if blind:
         hosts = sorted({results[r][0] for r in blind})
         return Check(
