@@ -31,4 +31,4 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     # The lazy names too, so a REPL's or an IDE's completion offers them.
-    return sorted({*globals(), *__all__})
+    return sorted({*__all__, "__doc__", "__file__", "__name__", "__path__", "__spec__"})

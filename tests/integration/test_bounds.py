@@ -127,6 +127,18 @@ def test_every_lmtune_variable_is_strict(
     assert not (tmp_path / "o").exists()
 
 
+def test_the_python_api_checks_lmtunes_variables_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An fp32 run from Python never read LMTUNE_CPU_PRODUCTS, so a typo in it went unseen."""
+    import lmtune
+
+    monkeypatch.setenv("LMTUNE_CPU_PRODUCTS", "bogus")
+    with pytest.raises(UserError, match=r"^environment variable LMTUNE_CPU_PRODUCTS='bogus': expected "):
+        lmtune.train(lmtune.TrainConfig(max_steps=1, output_dir=str(tmp_path / "o")))
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_cache_folder_that_cannot_be_created_is_named_by_what_chose_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -76,6 +76,19 @@ def test_eval_of_a_config_scores_what_its_run_evaluates(
     )
 
 
+def test_eval_of_a_config_on_the_sample_scores_its_held_out_split(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file naming no data trains on the built-in sample and evaluates its held-out split."""
+    config = tmp_path / "run.yaml"
+    config.write_text("max_steps: 4\n")
+    figures = tmp_path / "figures.json"
+    assert main(["eval", "--config", str(config), "--model", str(run / "final"), "--json", str(figures)]) == 0
+    scored, end = json.loads(figures.read_text()), train_rows(run, kind="eval")[-1]
+    assert scored["loss"] == pytest.approx(end["eval_loss"], abs=1e-6) and scored["examples"] == 250
+    assert "eval of the built-in sample's held-out split (as its run) with" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_bf16_eval_takes_the_kernels_a_bf16_run_evaluates_with(tmp_path: Path, lora: bool) -> None:
     # On a CPU, a bf16 run's evaluation multiplies with the products and attention its CPU's units

@@ -226,7 +226,11 @@ def _evaluated_data(cfg: TrainConfig, named: bool) -> tuple[TrainConfig, float |
     """The data `lmtune eval` scores, the share of it held out (or None: all of it), and how the
     result line names it. DATA given is scored whole; a --config file's evaluation data is what its
     run evaluates (its eval_data, or the examples its eval_split holds out), not its training data."""
+    from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL
+
     plain = cfg.replace(eval_data=None, eval_split=None)
+    if not named and cfg.data.train == SAMPLE_DATA and cfg.data.eval is None and cfg.data.eval_split is None:
+        return plain.replace(data=SAMPLE_EVAL), None, "the built-in sample's held-out split (as its run)"
     if named or (cfg.data.eval is None and cfg.data.eval_split is None):
         return plain, None, cfg.data.train if named else f"{cfg.data.train} (the --config file's data)"
     if cfg.data.eval is not None:

@@ -16,6 +16,8 @@ SAMPLE_EPOCHS = 8
 # Far past any run: a checkpoint's larger count is an edited file, a larger --max-steps a slip (1e30
 # steps warmed up for 5e28 of them, training nothing at a learning rate of ~1e-29).
 MAX_STEPS = 2**40
+# Tokens in one example: far past any model's context (a 1e22 --max-length packed rows forever).
+MAX_LENGTH = 2**24
 
 
 def setting(default: Any, text: str, *, choices: tuple[str, ...] = (), flag: str | None = None) -> Any:

@@ -22,6 +22,7 @@ HINTS: dict[str, str] = {
     "{sample_temperature}); 0 decodes greedily",
     "num_beams": "lmtune decodes greedily or samples (a temperature above 0): it has no beam search",
     "repetition_penalty": "lmtune's decoding has no repetition penalty",
+    "min_new_tokens": "lmtune's decoding stops at the end of a turn or sequence; it has no minimum",
     # QLoRA's other bitsandbytes settings (peft, TRL, Axolotl): lmtune decides them.
     "bnb_4bit_compute_dtype": "4-bit layers compute in {precision}'s dtype (bf16 with {precision} bf16)",
     "bnb_4bit_use_double_quant": "{load_in_4bit} always quantizes the quantization constants too",

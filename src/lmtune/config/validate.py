@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 
 from lmtune.config.groups import (
+    MAX_LENGTH,
     MAX_STEPS,
     BatchSettings,
     LoraSettings,
@@ -397,6 +398,7 @@ def _check_data(cfg: TrainConfig, need: Need) -> None:
         # One source's weight changes nothing: refused, as other settings without effect are.
         need(sources > 1, "data_weights", "applies to a mixture of two or more --data sources only")
     need(cfg.examples.max_length >= 2, "max_length", "must be >= 2")
+    need(cfg.examples.max_length <= MAX_LENGTH, "max_length", f"must be at most 2**24 ({MAX_LENGTH:,})")
     m = cfg.examples.max_prompt_length
     limit = cfg.examples.max_length
     need(m is None or 1 <= m < limit, "max_prompt_length", f"must be in [1, --max-length), here [1, {limit})")

@@ -248,6 +248,12 @@ def check_data_kind(
         )
 
 
+def _counted(n: int, meta: dict[str, Any]) -> str:
+    """``1 example``, ``250 examples``, ``3 pairs``: ``n`` of what ``meta``'s data set holds."""
+    noun = counted_as(meta)
+    return f"{n:,} {noun if n != 1 else noun.removesuffix('s')}"
+
+
 def _eval_spec(cfg: TrainConfig) -> str | None:
     if cfg.data.eval is None and cfg.data.train == SAMPLE_DATA and cfg.data.eval_split is None:
         return SAMPLE_EVAL
@@ -292,7 +298,7 @@ def prepare_data(
         where = info[name]["where"]
         shown = {SAMPLE_DATA: "the built-in sample", SAMPLE_EVAL: "the built-in sample's held-out split"}
         log.info(
-            f"{name} data {shown.get(spec, spec)}: {meta['examples']:,} {counted_as(meta)}, "
+            f"{name} data {shown.get(spec, spec)}: {_counted(meta['examples'], meta)}, "
             f"{meta['tokens']:,} tokens ({how}); "
             f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long"
             f"{in_parentheses(first_places(where, 'too_long', meta['dropped_too_long']))}, "
@@ -322,7 +328,7 @@ def prepare_data(
         info["train"]["held_out"] = len(prepared["eval"])
         info["train"]["training_examples"] = len(prepared["train"])
         log.info(
-            f"eval data: {len(prepared['eval']):,} {counted_as(prepared['train'].meta)} of --data held out "
+            f"eval data: {_counted(len(prepared['eval']), prepared['train'].meta)} of --data held out "
             f"(--eval-split); {len(prepared['train']):,} left to train on"
         )
     for name, data in prepared.items():

@@ -38,7 +38,10 @@ class EvalResult:
     def from_record(record: dict[str, Any]) -> EvalResult:
         """The result :meth:`record` wrote to run.json (a finished run's, read back)."""
         counts = ("target_tokens", "examples", "units")
-        metrics = {f"eval_{k}": float(v) for k, v in record.items() if k not in counts}
+        # Counts per source (tokens/NAME) stay whole numbers, as the run's own result has them.
+        metrics = {
+            f"eval_{k}": v if type(v) is int else float(v) for k, v in record.items() if k not in counts
+        }
         sources = tuple(sorted({k.split("/", 1)[1] for k in record if k.startswith("loss/")}))
         return EvalResult(
             loss=float(record["loss"]),

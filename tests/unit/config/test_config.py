@@ -57,6 +57,8 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"eval_data": "/missing.jsonl"}, "--eval-data"),
         ({"precision": "fp8"}, "--precision"),
         ({"max_length": 1}, "--max-length"),
+        # 1e22 packed rows forever, past SIGTERM, growing without bound.
+        ({"max_length": 2**24 + 1}, r"--max-length: must be at most 2\*\*24 \(16,777,216\)"),
         ({"greater_is_better": True}, "--greater-is-better: needs --metric-for-best"),
         (
             {"load_best_at_end": True, "data": "d.jsonl"},
