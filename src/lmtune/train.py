@@ -19,7 +19,6 @@ from lmtune.checkpoint.manager import CheckpointManager, Trainable
 from lmtune.checkpoint.resume import recorded_paths
 from lmtune.checkpoint.rundir import acquire, final_problem, prepare_output
 from lmtune.checkpoint.state import TrainerState
-from lmtune.config.environment import check_environment
 from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.data.prepare import cache_root, data_cache_dir
 from lmtune.model.precision import check_device
@@ -73,7 +72,6 @@ def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
         UserError: for invalid settings, data or paths.
         TrainingStopped: when training cannot go on (a non-finite loss with --on-nan stop).
     """
-    check_environment()  # from Python too, as the CLI checks it first: a typo is not ignored
     env = read_dist_env(checked(cfg).model.device)
     validate(cfg, env.world_size, in_process=True, given=given)
     check_device(cfg.model.precision, env.device)

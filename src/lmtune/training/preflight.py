@@ -28,7 +28,11 @@ from lmtune.parallel.launch import needs_launcher
 
 
 def checked(cfg: Any) -> TrainConfig:
-    """``cfg``, when it is a TrainConfig (``lmtune.train({...})`` would fail deep inside)."""
+    """``cfg``, when it is a TrainConfig (``lmtune.train({...})`` would fail deep inside), with
+    lmtune's variables checked, from Python as the CLI checks them first (a typo is not ignored)."""
+    from lmtune.config.environment import check_environment
+
+    check_environment()
     if not isinstance(cfg, TrainConfig):
         raise UserError(
             f"lmtune.train takes a TrainConfig (lmtune.TrainConfig(**settings)), not {type(cfg).__name__}"
