@@ -6,6 +6,7 @@ import errno
 import math
 import shutil
 from pathlib import Path
+from typing import TypeGuard
 
 
 class UserError(Exception):
@@ -113,10 +114,16 @@ def brief(value: object, limit: int = 60) -> str:
     shortened = reprlib.Repr()
     shortened.maxstring = shortened.maxother = limit
     shortened.maxlevel, shortened.maxdict, shortened.maxlist = 3, 4, 4
-    if isinstance(value, int) and value.bit_length() > 10_000:  # no repr past 4,300 digits
+    if too_long_to_show(value):
         return f"an integer of {int(value.bit_length() * math.log10(2)) + 1:,} digits"
     text = " ".join(shortened.repr(value).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def too_long_to_show(value: object) -> TypeGuard[int]:
+    """An integer past ~3,000 digits: Python prints none past 4,300 (nor str() it), and no check's
+    message can show it; a count of that size is no setting's."""
+    return isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 10_000
 
 
 def why_it_failed(e: BaseException, limit: int = 160) -> str:

@@ -264,11 +264,7 @@ def _assembled(
                 )
             key = ALIASES[key]  # a peer's name (learning_rate, lora_r), as the CLI and YAML take it
         value = peer_unset(key, value)
-        if (
-            key in ("data", "eval_data")
-            and isinstance(value, list)
-            and any(isinstance(v, dict) for v in value)
-        ):
+        if key in SOURCES and isinstance(value, list) and any(isinstance(v, dict) for v in value):
             value = _sources(key, value, flat)
         if kind is not None and isinstance(value, dict):  # a group as YAML nests it: lora={"rank": 8}
             for name, field_value in _group_fields(key, value).items():
@@ -335,7 +331,8 @@ def _group_fields(group: str, values: dict[Any, Any]) -> dict[str, Any]:
 
 # The settings that take several values: a list as YAML and Python give it is joined as the flag
 # writes it; a list for any other is refused (output_dir=["a", "b"] made a folder "a,b").
-LISTS = ("data", "eval_data", "data_weights", "lora_target_modules")
+SOURCES = ("data", "eval_data")  # lists of sources: a YAML mapping each, a path's commas escaped
+LISTS = (*SOURCES, "data_weights", "lora_target_modules")
 MAPPINGS = ("field_map",)
 
 
@@ -347,7 +344,7 @@ def as_text(value: Any, name: str) -> Any:
     from lmtune.config.mixture import joined
 
     if isinstance(value, os.PathLike):  # data=Path(...), output_dir=result.output_dir
-        return joined([os.fspath(value)]) if name in ("data", "eval_data") else os.fspath(value)
+        return joined([os.fspath(value)]) if name in SOURCES else os.fspath(value)
     items = isinstance(value, (list, tuple)) and name in LISTS
     if items and all(
         isinstance(v, (str, int, float, os.PathLike)) and not isinstance(v, bool) for v in value

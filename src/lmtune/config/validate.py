@@ -43,7 +43,7 @@ from lmtune.config.settings import (
     typed_as,
     value_of,
 )
-from lmtune.errors import SettingError, brief
+from lmtune.errors import SettingError, brief, too_long_to_show
 
 Need = Callable[[bool, str, str], None]
 
@@ -92,7 +92,7 @@ def value_problem(s: Setting, value: object) -> str | None:
     # range checks below, and fail later as a non-finite loss.
     if s.type is float and value is not None and not _finite(value):
         return "must be a finite number"
-    if isinstance(value, int) and value.bit_length() > 10_000:  # past what the range checks can show
+    if too_long_to_show(value):  # past what the range checks can show
         return "is too large"
     if s.choices and value is not None and value not in s.choices:
         # Another tool's name for one of them: named, else the closest (a typo).
