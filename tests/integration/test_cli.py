@@ -51,6 +51,10 @@ def test_user_errors_exit_2_with_a_message(
             ["generate", "--model", "tiny", "--prompt", "1+1=", "--max-new-tokens", "0"],
             "--max-new-tokens must",
         ),
+        (
+            ["generate", "--model", "tiny", "--prompt", "1+1=", "--max-new-tokens", "100000000"],
+            "--max-new-tokens must be in [1, 2**24] (got 100000000)",  # else it runs until stopped
+        ),
         (["data", "audit", "sample", "--plot", "out.txt"], "--plot out.txt: name a .png file"),
         (["data", "audit", "sample", "--plot", "hist"], "--plot hist: name a .png file"),
         (["data", "audit", "sample", "--plot", "no/such/folder/h.png"], "in an existing folder"),

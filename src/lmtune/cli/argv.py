@@ -53,7 +53,7 @@ def negative_values(argv: list[str]) -> list[str]:
             out
             and out[-1].startswith("--")
             and "=" not in out[-1]
-            and re.fullmatch(r"-[\d.][\d.,eE+-]*", token)
+            and re.fullmatch(r"-[\d.][\d.,eE+-]*(?:[kKmMgGtT]i?[bB]?)?", token)  # -5GiB as a size
         ):
             out[-1] = f"{out[-1]}={token}"
         else:

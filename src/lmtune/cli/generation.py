@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmtune.errors import UserError
+from lmtune.errors import UserError, brief
 
 
 def _prompt_from_stdin() -> str:
@@ -44,12 +44,14 @@ def _check_answer_length(loaded: Any, prompt: str | None, new_tokens: int) -> No
 def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import torch
 
+    from lmtune.config.groups import MAX_LENGTH
     from lmtune.model.modeling import load_model
     from lmtune.model.tokens import UNEMBEDDED, tokens_without_embeddings
     from lmtune.parallel.distributed import read_dist_env
 
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if not 1 <= args.max_new_tokens <= MAX_LENGTH:
+        # Past 2**24 (as for --max-length) is a slip that would generate until stopped.
+        raise UserError(f"--max-new-tokens must be in [1, 2**24] (got {brief(args.max_new_tokens)})")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0 (got {args.temperature})")
     if not 0 < args.top_p <= 1:

@@ -266,12 +266,19 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def peers_switched(
-    values: dict[str, Any], where: Callable[[str], str], style: Callable[[str], str]
+    values: dict[str, Any],
+    where: Callable[[str], str],
+    style: Callable[[str], str],
+    giver: str = "the file",
 ) -> dict[str, Any]:
     """``values`` with other tools' switches as lmtune's settings: HF Trainer's yes/no
     ``push_to_hub`` beside ``hub_model_id``, and :data:`_VALUE_SWITCHES` (Axolotl's ``adapter:
-    qlora``, TRL's ``loss_type: sigmoid``, ``bf16: true``)."""
-    return _value_switches(_hub_switch(values, where, style), where, style)
+    qlora``, TRL's ``loss_type: sigmoid``, ``bf16: true``); ``giver`` names what gave ``values``."""
+    return _value_switches(_hub_switch(values, where, style), where, style, giver)
+
+
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else one_line(str(value), 40)
 
 
 def value_switched(key: str, value: Any) -> dict[str, Any]:
@@ -283,7 +290,7 @@ def value_switched(key: str, value: Any) -> dict[str, Any]:
 
 
 def _value_switches(
-    values: dict[str, Any], where: Callable[[str], str], style: Callable[[str], str]
+    values: dict[str, Any], where: Callable[[str], str], style: Callable[[str], str], giver: str
 ) -> dict[str, Any]:
     """Another tool's key whose value lmtune's settings say (:data:`_VALUE_SWITCHES`: Axolotl's
     ``adapter: qlora`` is ``lora: true`` and ``load_in_4bit: true``, TRL's ``loss_type: sigmoid`` is
@@ -324,10 +331,10 @@ def _value_switches(
             if name not in given:
                 out[name] = ours
             elif str(given[name]).lower() != str(ours).lower():
-                written = str(value).lower() if isinstance(value, bool) else one_line(str(value), 40)
+                written, other = (_shown(v) for v in (value, given[name]))
                 raise UserError(
                     f"{where(key)}{key}: {written} is {style(name)} {str(ours).lower()} in "
-                    f"lmtune, which the file sets to {one_line(str(given[name]), 40)}"
+                    f"lmtune, which {giver} sets to {other}"
                 )
     return out
 

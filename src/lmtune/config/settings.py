@@ -253,7 +253,7 @@ def _assembled(
     flat = _Fields()
     from lmtune.config.aliases import ALIASES, peers_switched  # it reads the settings for its messages
 
-    settings = peers_switched(settings, lambda _: "TrainConfig: ", str)
+    settings = peers_switched(settings, lambda _: "TrainConfig: ", str, "the call")
 
     for key, value in settings.items():
         kind, written = GROUPS.get(key), key

@@ -246,9 +246,9 @@ def _said_for_the_cache(folder: Path) -> Iterator[None]:
         shutil.rmtree(folder, ignore_errors=True)
         raise UserError(
             f"no space left on device while caching the tokenized data in {folder.parent} (it needs more "
-            f"than the {megabytes(written)} written when the disk filled; {megabytes(_free(folder.parent))} "
-            "free): free some space there, or give --cache-dir (or LMTUNE_CACHE_DIR) a folder on a disk "
-            "with room"
+            f"than the {megabytes(written)} it wrote before the disk filled, now removed; "
+            f"{megabytes(_free(folder.parent))} is free): free some space there, or give --cache-dir (or "
+            "LMTUNE_CACHE_DIR) a folder on a disk with room"
         ) from None
 
 

@@ -48,7 +48,7 @@ UNITS = {"b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 def parse_size(text: str) -> int:
     """``"24GiB"``, ``"80GB"``, ``"512M"`` -> bytes (binary units: G = GiB). A bare number is refused:
     24 is more likely 24 GiB than 24 bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(?:([kmgtKMGT])(?:i?[bB])?|([bB]))\s*", text)
+    match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*(?:([kmgtKMGT])(?:i?[bB])?|([bB]))\s*", text)
     if not match:
         raise UserError(
             f"--memory-per-device: expected a size with its unit, such as 24GiB or 512MiB, got {text!r}"

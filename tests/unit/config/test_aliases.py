@@ -468,7 +468,7 @@ def test_axolotls_adapter_against_the_files_own_switch_is_refused(tmp_path: Path
     yaml_file = tmp_path / "axolotl.yaml"
     yaml_file.write_text("max_steps: 3\nadapter: qlora\nload_in_4bit: false\n")
     with pytest.raises(
-        UserError, match=r":2: adapter: qlora is load_in_4bit true in lmtune, which the file sets to False"
+        UserError, match=r":2: adapter: qlora is load_in_4bit true in lmtune, which the file sets to false"
     ):
         load_yaml(str(yaml_file))
 
@@ -554,6 +554,8 @@ def test_a_negative_list_value_is_the_options_value(capsys: pytest.CaptureFixtur
     """argparse read "-1,2" as an option ("expected one argument"); lmtune says what is wrong with it."""
     assert main(["train", "--data", "a=a.jsonl,b=b.jsonl", "--data-weights", "-1,2"]) == 2
     assert "--data-weights: every weight must be a positive number (got '-1')" in capsys.readouterr().err
+    assert main(["plan", "--memory-per-device", "-5GiB"]) == 2  # a size with its unit
+    assert "--memory-per-device: must be more than 0, got '-5GiB'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

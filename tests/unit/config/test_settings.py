@@ -126,6 +126,10 @@ def test_the_python_api_takes_the_peers_switches_as_yaml_does() -> None:
     assert TrainConfig(push_to_hub=False).checkpoint.push_to_hub is None
     with pytest.raises(UserError, match=r"^TrainConfig: push_to_hub takes the repository to upload to"):
         TrainConfig(push_to_hub=True)
+    with pytest.raises(
+        UserError, match=r"^TrainConfig: bf16: true is precision bf16 in lmtune, which the call "
+    ):
+        TrainConfig(bf16=True, precision="fp32")  # no file to name
 
 
 def test_a_wrong_type_set_on_a_group_is_refused_before_the_run() -> None:

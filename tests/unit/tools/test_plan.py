@@ -33,6 +33,8 @@ def test_parse_size() -> None:
     for wrong in ("lots", "24", "0GiB", "-1GiB", "1e3"):  # a bare number is not taken as bytes
         with pytest.raises(UserError, match="--memory-per-device"):
             parse_size(wrong)
+    with pytest.raises(UserError, match=r"^--memory-per-device: must be more than 0, got '-5GiB'$"):
+        parse_size("-5GiB")
 
 
 def _real_saved_bytes(model: torch.nn.Module, length: int, rows: int = 1) -> int:
