@@ -291,8 +291,8 @@ def test_output_folders_that_would_lose_or_reread_inputs_are_refused(
         (data, str(data), False): "lies inside --data",  # --data DIR --output-dir DIR
         (data / "run", str(data), False): "lies inside --data",
         (data / "run", f"{data}/*.jsonl", False): "lies inside --data",
-        (data, str(data / "d.jsonl"), True): "holds --data",  # --overwrite and the data inside
-        (tmp_path / "out", str(tmp_path / "out" / "final" / "d.jsonl"), False): "writes where it holds",
+        (data, str(data / "d.jsonl"), True): "holds --data .*, which --overwrite would delete",
+        (tmp_path / "out", str(tmp_path / "out" / "final" / "d.jsonl"), False): "where this run writes",
     }
     (tmp_path / "out" / "final").mkdir(parents=True)
     (tmp_path / "out" / "final" / "d.jsonl").write_text("{}")
@@ -465,6 +465,12 @@ def test_overwrite_deletes_the_earlier_run_only_once_the_new_one_is_built(
         (["--model", "tiny-typo", "--data", str(data)], "--model tiny-typo"),
         (["--data", str(tmp_path / "bad.jsonl")], "bad.jsonl:2"),
         (["--data", str(data), "--global-batch-size", "64"], "64"),
+        # Inputs inside the folder --overwrite would empty (it deleted them, then said they were damaged).
+        (["--data", str(data), "--resume", str(out / "checkpoints" / "step-000001")], "would delete"),
+        (
+            ["--data", str(data), "--objective", "dpo", "--reference-model", str(out / "final")],
+            "would delete",
+        ),
     ):
         assert said in _error([*argv, *wrong], capsys)
         assert _files(out) == before

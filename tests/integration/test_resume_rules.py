@@ -220,11 +220,17 @@ def test_a_finished_run_whose_last_checkpoint_is_damaged_continues_from_the_one_
     finished = json.loads((out / "run.json").read_text())["result"]["finished"]
     assert (finished["step"], finished["total_steps"]) == (9, 9)
     assert any(p.name.startswith("step-000006.replaced-") for p in (out / "checkpoints").iterdir())
-    # Another folder's checkpoint into a finished run's folder is still refused.
+    # Another folder's checkpoint into a finished run's folder is still refused, saying why.
     other = _finished_copy(base, "finished-other", (SAVE, STEPS))
-    _fails(
-        _args(base["data"], other, "--max-steps", "9", "--resume", str(older)), capsys, "finished at step 6"
+    for steps in ("9", "6"):
+        said = _fails(_args(base["data"], other, "--max-steps", steps, "--resume", str(older)), capsys)
+        assert "a checkpoint of another folder" in said and "leave --resume out" in said
+    # This folder's earlier step with no more steps asked for: said, not ignored (it was "nothing to do").
+    said = _fails(
+        _args(base["data"], other, "--max-steps", "6", "--resume", str(other / older.relative_to(out))),
+        capsys,
     )
+    assert "no more steps are asked for, so nothing would train from that checkpoint" in said
 
 
 def test_an_early_stopped_run_is_finished(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -483,3 +489,24 @@ def test_a_signal_while_the_run_is_built_keeps_the_earlier_run_it_would_resume_o
         after = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".lock"}
         assert after.keys() == before.keys(), more
         assert [p for p in before if before[p] != after[p]] == [], more
+
+
+def test_another_folders_checkpoint_into_another_runs_folder_is_refused(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--resume of run A's checkpoint into the folder of run B (other data): B's final model and
+    records were replaced and mixed with A's (steps 1-3 of B, 4-6 of A in one metrics.jsonl)."""
+    b = base["root"] / "run-b"
+    assert main(_args(base["other"], b, "--max-steps", "3")) == 0
+    before = {p: p.read_bytes() for p in b.rglob("*") if p.is_file()}
+    ckpt = base["out"] / "checkpoints" / "step-000003"
+    said = _fails(
+        _args(base["data"], b, "--resume", str(ckpt)), capsys, f"--output-dir {b} holds another run"
+    )
+    assert "final, metrics.jsonl, run.json, checkpoints" in said and "--overwrite" in said
+    assert {p: p.read_bytes() for p in b.rglob("*") if p.is_file()} == before
+    # Into a new folder, and again with the same command (now that folder's run): continued.
+    fresh = base["root"] / "run-c"
+    for _ in range(2):
+        assert main(_args(base["data"], fresh, "--resume", str(ckpt))) == 0
+    assert [r["step"] for r in train_rows(fresh)] == [4, 5, 6]

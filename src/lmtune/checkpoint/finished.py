@@ -24,6 +24,7 @@ class Finished:
     step: int  # the last step it took
     total_steps: int  # the steps it was asked for (more than ``step`` when it stopped early)
     same_run: bool  # the run now starting has the same fingerprint (what defines a run)
+    resume: object = None  # the --resume its command gave (run.json's config)
 
 
 FINISHED_KEY = "finished"  # under run.json's "result"
@@ -64,7 +65,9 @@ def read_finished(output_dir: Path, fixed: dict[str, Any], env: DistEnv) -> Fini
         if record is None:
             return None
         same = record["fingerprint"] == fingerprint_hash(fixed)
-        found = Finished(step=record["step"], total_steps=record["total_steps"], same_run=same)
+        config = earlier_record(output_dir).get("config")
+        resume = config.get("resume") if isinstance(config, dict) else None
+        found = Finished(record["step"], record["total_steps"], same_run=same, resume=resume)
         if not same and not list_checkpoints(output_dir):
             raise UserError(
                 f"--output-dir {output_dir} holds an earlier run (final, finished at step "
@@ -86,6 +89,39 @@ def earlier_record(output_dir: Path) -> dict[str, Any]:
 
 # Settings that say where and how a command runs, not what it trains.
 _NOT_THE_RUN = frozenset({"output_dir", "resume", "overwrite", "progress", "doctor", "cache_dir"})
+
+
+def check_continued_into(output_dir: Path, resume: Path, config: dict[str, Any]) -> None:
+    """``--resume`` of another folder's checkpoint into ``output_dir``: refused where the folder holds
+    another run (its newest checkpoint, its finished record, or else its run.json, of other
+    settings), whose records and final model the continued run would mix with its own.
+
+    Raises:
+        UserError: naming what the folder holds.
+    """
+    from lmtune.checkpoint.resume import read_fingerprint
+
+    found = list_checkpoints(output_dir)
+    held = [n for n in ("final", "metrics.jsonl", "run.json") if (output_dir / n).exists()]
+    if not held and not found:
+        return
+    theirs, finish = read_fingerprint(resume), recorded_finish(output_dir)
+    mine = read_fingerprint(found[-1]) if found else None
+    if theirs is not None and mine is not None:
+        same = mine.fixed == theirs.fixed
+    elif theirs is not None and finish is not None:
+        same = finish["fingerprint"] == fingerprint_hash(theirs.fixed)
+    else:  # what this very command's run recorded (continued from the same checkpoint again)
+        recorded = earlier_record(output_dir).get("config")
+        keys = (config.keys() | (recorded or {}).keys()) - _NOT_THE_RUN
+        same = isinstance(recorded, dict) and all(recorded.get(k) == config.get(k) for k in keys)
+    if not same:
+        held += ["checkpoints"] if found else []
+        raise UserError(
+            f"--output-dir {output_dir} holds another run ({', '.join(held)}), and --resume {resume} "
+            "continues a checkpoint of another folder into it: the two runs' records and models would be "
+            "mixed; choose a new --output-dir, or --overwrite to replace that run"
+        )
 
 
 def changed_settings(output_dir: Path, config: dict[str, Any]) -> list[str]:

@@ -110,7 +110,17 @@ class CheckpointManager:
         nothing to do, whatever checkpoints the folder holds. Known before anything costly is
         prepared (reference log-probs)."""
         earlier = self._earlier
-        return earlier if earlier is not None and total_steps <= earlier.total_steps else None
+        if earlier is None or total_steps > earlier.total_steps:
+            return None
+        if self._resume_given(earlier):
+            self._refuse_elsewhere(earlier)
+            raise UserError(
+                f"--resume {self.settings.resume}: {self.output_dir} holds this run, finished at step "
+                f"{earlier.step} (its model in final/), and no more steps are asked for, so nothing would "
+                "train from that checkpoint; to train from it again, give a new --output-dir (this run "
+                "stays), or more steps (--max-steps, --epochs: they retrain the steps after it here)"
+            )
+        return earlier
 
     def finished_or_checked(self, total_steps: int) -> Finished | None:
         """:meth:`finished_already`; otherwise the checkpoint :meth:`resume` will continue, if any,
@@ -126,18 +136,34 @@ class CheckpointManager:
         """The checkpoint to continue (a collective: every rank asks at the same point), decided
         once: deciding verifies the newest checkpoint's files, and both the early check and
         :meth:`resume` need it."""
-        folder = resume_point(self.settings.resume, self.output_dir, self.env)
         earlier = self._earlier
-        if earlier is None or (folder is not None and self._chosen_here(folder)):
-            return folder
-        return self._final_state_of(earlier, folder)
+        if earlier is None or self._resume_given(earlier):
+            if earlier is not None:
+                self._refuse_elsewhere(earlier)
+            return resume_point(self.settings.resume, self.output_dir, self.env)
+        # This run, finished: a longer one continues from its last step, whatever --resume its
+        # command repeats (it named where the run began).
+        return self._final_state_of(earlier, resume_point("auto", self.output_dir, self.env))
 
-    def _chosen_here(self, folder: Path) -> bool:
-        """Whether --resume names a checkpoint of this folder: an earlier step of a finished run
-        is the user's choice (the way on when its last checkpoint is damaged), not a rewind by
-        mistake."""
-        given = self.settings.resume not in ("auto", "never")
-        return given and folder.resolve().parent.parent == self.output_dir.resolve()
+    def _refuse_elsewhere(self, earlier: Finished) -> None:
+        """A checkpoint of another folder would train this finished run's steps again over it."""
+        given = Path(self.settings.resume)
+        if given.resolve().parent.parent != self.output_dir.resolve():
+            raise UserError(
+                f"--resume {given}: a checkpoint of another folder, and {self.output_dir} holds this run, "
+                f"finished at step {earlier.step} (its model in final/): to continue it, leave --resume out "
+                f"(it goes on from its own step {earlier.step}); to train from {given.name} again, give a "
+                "new --output-dir"
+            )
+
+    def _resume_given(self, earlier: Finished) -> bool:
+        """Whether --resume names another checkpoint than the one this finished run's command
+        named: the user's choice (an earlier step, the way on when the last checkpoint is damaged),
+        not the same command run again."""
+        resume = self.settings.resume
+        if resume in ("auto", "never"):
+            return False
+        return not isinstance(earlier.resume, str) or Path(earlier.resume).resolve() != Path(resume).resolve()
 
     def finished_record(self, step: int, total_steps: int) -> dict[str, Any]:
         """What run.json records of this run once it finished (:meth:`finished_already` reads it)."""

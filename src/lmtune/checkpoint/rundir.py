@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from lmtune.checkpoint.finished import earlier_record, recorded_finish
+from lmtune.checkpoint.finished import check_continued_into, earlier_record, recorded_finish
 from lmtune.checkpoint.layout import (
     LOCK_FILE,
     enclosing_run,
@@ -270,9 +270,9 @@ def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) 
                 continue
             inside = path.relative_to(out).parts
             if overwrite or not inside or inside[0] in (*RUN_FILES, LOCK_FILE):
-                what = "holds" if overwrite else "writes where it holds"
+                what = "which --overwrite would delete" if overwrite else "where this run writes"
                 raise UserError(
-                    f"--output-dir {output_dir}: this run {what} {option} {path}; lmtune does not delete "
+                    f"--output-dir {output_dir} holds {option} {path}, {what}; lmtune does not delete "
                     "or replace its inputs (move the input, or choose another --output-dir)"
                 )
 
@@ -332,7 +332,10 @@ def prepare_output(
         for path in remove_leftovers(output_dir):
             warn(f"removed {path}, left by a save that did not finish")
         # A checkpoint here (--resume never then refuses it by itself), or one named by --resume.
-        continued = resume not in ("auto", "never") or bool(list_checkpoints(output_dir))
+        given = resume not in ("auto", "never")
+        if given and not overwrite and Path(resume).resolve().parent.parent != output_dir.resolve():
+            check_continued_into(output_dir, Path(resume), config)
+        continued = given or bool(list_checkpoints(output_dir))
         check_earlier_run(output_dir, continued, overwrite, config, warn)
 
     decided_by_main(prepare, None, env)

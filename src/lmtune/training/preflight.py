@@ -94,13 +94,18 @@ def validate(
     check_installed(parse_report_to(cfg.logging.report_to))
     if cfg.checkpoint.push_to_hub is not None:
         check_push(cfg.checkpoint.push_to_hub)  # a missing token is found now, not after training
+    one = _one_path
     inputs = {
         "--data": cfg.data.train,
         "--eval-data": cfg.data.eval or "",
-        "--model": cfg.model.name,
-        "--sample-prompts": cfg.samples.prompts or "",
-        "--chat-template": cfg.examples.chat_template or "",
+        "--model": one(cfg.model.name),
+        "--reference-model": one(cfg.objective.reference_model or ""),
+        "--sample-prompts": one(cfg.samples.prompts or ""),
+        "--chat-template": one(cfg.examples.chat_template or ""),
     }
+    if cfg.checkpoint.overwrite and resume not in ("auto", "never"):
+        # Without --overwrite a checkpoint of the folder itself is what a resume continues.
+        inputs["--resume"] = one(resume)
     check_output_dir(Path(cfg.checkpoint.output_dir), inputs, cfg.checkpoint.overwrite)
     if cfg.data.cache_dir:
         check_outside_inputs(Path(cfg.data.cache_dir), "--cache-dir", inputs)
@@ -110,6 +115,13 @@ def validate(
     ):
         if on:
             require_bitsandbytes(option, _device(cfg.model.device))
+
+
+def _one_path(path: str) -> str:
+    """``path`` as one item of a list of sources: a comma in its name kept, ``lr=1e-3/final`` not
+    read as a source named ``lr``."""
+    one = path.replace(",", "\\,")
+    return one if "=" not in path.split("/")[0] or Path(path).is_absolute() else f"./{one}"
 
 
 def warn_unmatched_names(cfg: TrainConfig, info: Callable[[str], None]) -> None:
