@@ -288,6 +288,7 @@ def _check_applicable(cfg: TrainConfig, need: Need, given: frozenset[str]) -> No
     ignored ``lora_r: 8`` (LoRA not switched on: all weights trained) or ``--simpo-gamma`` (under
     --objective dpo) is not the run its user asked for."""
     o, lora = cfg.objective, cfg.lora
+    sgd, adam = cfg.optim.name == "sgd", ("adam_beta1", "adam_beta2", "adam_eps")
     referenced = f"applies to --objective {' and '.join(WITH_REFERENCE)} only (the others need no reference)"
     applies = {
         "lora_rank": (lora.enabled, "applies with --lora only (LoRA is off: every weight would train)"),
@@ -327,6 +328,8 @@ def _check_applicable(cfg: TrainConfig, need: Need, given: frozenset[str]) -> No
             "applies to --lr-schedule cosine and wsd only (where the decay ends)",
         ),
         "hub_private": (cfg.checkpoint.push_to_hub is not None, "applies with --push-to-hub only"),
+        "momentum": (sgd, "applies to --optimizer sgd only (AdamW's is --adam-beta1)"),
+        **{name: (not sgd, "applies to the AdamW optimizers only (not --optimizer sgd)") for name in adam},
         "sample_temperature": (cfg.samples.prompts is not None, "applies with --sample-prompts only"),
         "sample_max_new_tokens": (cfg.samples.prompts is not None, "applies with --sample-prompts only"),
     }

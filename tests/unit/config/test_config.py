@@ -70,6 +70,9 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"eval_split": "2.0"}, r"--eval-split: '2.0' must be .*without a decimal point \(2\)"),
         ({"lr_schedule": "constant", "min_lr_ratio": 0.5}, "--min-lr-ratio: applies to --lr-schedule cosine"),
         ({"hub_private": True}, "--hub-private: applies with --push-to-hub only"),
+        # Recorded (and "applied" on resume) but used by no optimizer of the run.
+        ({"momentum": 0.5}, r"--momentum: applies to --optimizer sgd only \(AdamW's is --adam-beta1\)"),
+        ({"optimizer": "sgd", "adam_beta2": 0.95}, "--adam-beta2: applies to the AdamW optimizers only"),
         ({"sample_temperature": 0.7}, "--sample-temperature: applies with --sample-prompts only"),
         ({"early_stopping_threshold": 0.1}, "--early-stopping-threshold: needs --early-stopping-patience"),
         ({"warmup_steps": 5, "warmup_ratio": 0.5}, "--warmup-ratio: is instead of --warmup-steps: give one"),
