@@ -17,6 +17,7 @@ from lmtune.checkpoint.rundir import check_earlier_run, check_output_dir, replac
 from lmtune.cli import main
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import read_dist_env
+from lmtune.parallel.health import HANG_REPORT, HANG_REPORT_HEAD
 from tests.conftest import one_line_error as _error
 from tests.conftest import tiny_run_with_checkpoint, write_jsonl
 
@@ -238,8 +239,13 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
         assert (alone / name).read_text() == "my own notes"
     hung = tmp_path / "hung"  # a run that hung before its run.json: its rerun starts
     hung.mkdir()
-    (hung / "hang-report.txt").write_text("rank 1 waited in all_reduce")
+    (hung / HANG_REPORT).write_text(HANG_REPORT_HEAD + "rank 1 waited in all_reduce")
     check_earlier_run(hung, continued=False, overwrite=False, config={})
+    # A user's file of that name was written over by the next hang: refused first, with --overwrite too.
+    (hung / HANG_REPORT).write_text("my own notes on the hang")
+    for overwrite in (False, True):
+        with pytest.raises(UserError, match=f"holds {HANG_REPORT}, which lmtune did not write"):
+            check_earlier_run(hung, continued=False, overwrite=overwrite, config={})
 
 
 def test_a_users_folders_and_files_named_like_lmtunes_temporary_ones_are_kept(

@@ -32,10 +32,11 @@ from lmtune.config.files import unwritable
 from lmtune.config.mixture import named_items
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, decided_by_main, stop_if_signalled
+from lmtune.parallel.health import HANG_REPORT, users_hang_report
 
 # What an earlier run leaves; none of it is written through a symbolic link.
 RUN_FOLDERS = ("final", "checkpoints", "samples", "tensorboard", "wandb", "mlruns", "comm-traces")
-RUN_RECORDS = ("metrics.jsonl", "run.json", "reporting.json", "hang-report.txt")
+RUN_RECORDS = ("metrics.jsonl", "run.json", "reporting.json", HANG_REPORT)
 RUN_FILES = (*RUN_FOLDERS, *RUN_RECORDS)
 # Inside these folders lmtune removes only what it, or the reporter it ran, names so (a user's own
 # files there are kept): TensorBoard's event files, W&B's run folders and logs, MLflow's file store
@@ -125,6 +126,11 @@ def check_earlier_run(
 
     The same run stopped before its first checkpoint (its run.json has this very ``config``, no
     ``final/``), or any that ended before its first step, starts over, saying so."""
+    if users_hang_report(output_dir / HANG_REPORT):
+        raise UserError(
+            f"--output-dir {output_dir} holds {HANG_REPORT}, which lmtune did not write, where a run "
+            "that hangs writes its report; move it, or choose another --output-dir"
+        )
     # A finished run's: judged once the run is built (run again, it writes nothing there).
     if (overwrite or not recorded_finish(output_dir)) and (problem := final_problem(output_dir)):
         raise UserError(problem)

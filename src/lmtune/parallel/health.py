@@ -28,6 +28,9 @@ from lmtune.config import environment
 
 HEALTH_DIR_ENV = environment.HEALTH_DIR
 HANG_EXIT_CODE = 3
+HANG_REPORT = "hang-report.txt"
+# The report's first line: a file of that name without it is the user's, never written over.
+HANG_REPORT_HEAD = "lmtune hang report\n"
 PHASES = (
     "start",
     "load",
@@ -195,15 +198,32 @@ class Watchdog:
             if traces.is_dir() and any(traces.iterdir()):  # NCCL's flight recorder dumped
                 diagnosis += f"\nNCCL flight recorder dumps: {traces} (analyse: torchfrtrace {traces} -j)"
             report = diagnosis + "\n" + _stacks(self.folder, read_beats(self.folder))
+            path = self.output_dir / HANG_REPORT
             try:
-                (self.output_dir / "hang-report.txt").write_text(report, encoding="utf-8")
-                where = f"{self.output_dir / 'hang-report.txt'}"
+                if users_hang_report(path):  # put there since the run started
+                    raise OSError(f"{path} is not lmtune's report; it is kept")
+                path.write_text(HANG_REPORT_HEAD + report, encoding="utf-8")
+                where = f"{path}"
             except OSError as e:
-                where = f"(could not write {self.output_dir / 'hang-report.txt'}: {e})"
+                where = f"(could not write {path}: {e})"
             print(f"lmtune: {diagnosis}\nlmtune: the full report with stacks: {where}", flush=True)
             self.on_hang()
             self._last.clear()
             ended.wait(5.0)  # the workers end (or restart) before the next look
+
+
+def users_hang_report(path: Path) -> bool:
+    """Whether ``path`` is something other than lmtune's hang report (a user's file of that name,
+    a folder, a link): never written over."""
+    if not path.exists() and not path.is_symlink():
+        return False
+    if path.is_symlink() or not path.is_file():
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(len(HANG_REPORT_HEAD)) != HANG_REPORT_HEAD.encode()
+    except OSError:
+        return True
 
 
 def diagnose(first: Beat, beats: dict[int, Beat], now: float, limit: float) -> str:
