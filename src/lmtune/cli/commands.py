@@ -74,7 +74,20 @@ def _train_config_given(args: argparse.Namespace) -> tuple[Any, frozenset[str]]:
     values.update({f.name: getattr(args, f.name) for f in config_fields() if hasattr(args, f.name)})
     if isinstance(values.get("data"), list):  # the DATA arguments of eval and data audit/show
         values["data"] = _data_arguments(values["data"])
+    for name in ("data", "eval_data"):
+        if name in values:
+            values[name] = _one_named_file(values[name])
     return config_and_given(values, source)
+
+
+def _one_named_file(value: Any) -> Any:
+    """A value with commas that names one file or folder as a whole is that one source, as a DATA
+    argument is (`--data 'notes, 2024.jsonl'`), not the sources between its commas."""
+    from pathlib import Path
+
+    if isinstance(value, str) and "," in value and "\\," not in value and Path(value).expanduser().exists():
+        return value.replace(",", "\\,")
+    return value
 
 
 def _data_arguments(items: list[str]) -> list[str]:

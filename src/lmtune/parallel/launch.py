@@ -264,6 +264,11 @@ def _launch(
                 file=sys.stderr,
             )
             return 0
+        if outcome is not None:  # it came as the run was ending: the run is whole
+            print(
+                f"lmtune: {e.sigval.name} came as the run finished at step {outcome['step']}", file=sys.stderr
+            )
+            return 0
         print(f"lmtune: stopped by {e.sigval.name}", file=sys.stderr)
         return 128 + int(e.sigval)
     finally:

@@ -282,3 +282,11 @@ def test_a_path_with_a_comma_is_one_source(tmp_path: Path) -> None:
     assert [item for _, item in named_items(spec)] == [f"{tmp_path}/chat, v2.jsonl", f"{tmp_path}/b.jsonl"]
     assert [s.name for s in resolve_sources(spec)] == [f"{tmp_path}/chat, v2.jsonl", f"{tmp_path}/b.jsonl"]
     assert named_items("a\\, b.jsonl,c.jsonl") == [("a, b", "a, b.jsonl"), ("c", "c.jsonl")]
+    # On the command line, a value that names one file as a whole is that file, as DATA arguments are.
+    from lmtune.cli.commands import train_config
+    from lmtune.cli.parser import build_parser
+
+    whole = f"{tmp_path}/chat, v2.jsonl"
+    cfg = train_config(build_parser().parse_args(["train", "--data", whole, "--eval-data", whole]))
+    for spec in (cfg.data.train, cfg.data.eval or ""):
+        assert [s.name for s in resolve_sources(spec)] == [whole]
