@@ -107,6 +107,26 @@ _ELASTIC_LOG = "torch.distributed.elastic"
 _PR_SET_PDEATHSIG = 1
 
 
+def _signalled(sigval: signal.Signals, error_dir: Path, user_error: bool) -> int:
+    """The exit code of a job its launcher's agent ended on a signal, said in a line."""
+    if user_error:  # our own stop: a user error is not worth a restart
+        for message in dict.fromkeys(m for m, code in reported_errors(error_dir) if code == 2):
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
+    # Ctrl+C or a scheduler's SIGTERM: the agent has passed it to the workers and waited for them.
+    outcome = _outcome(error_dir)
+    if outcome is not None and outcome["stopped"]:
+        print(
+            f"lmtune: stopped by {sigval.name} with a checkpoint of step {outcome['step']}", file=sys.stderr
+        )
+        return 0
+    if outcome is not None:  # it came as the run was ending: the run is whole
+        print(f"lmtune: {sigval.name} came as the run finished at step {outcome['step']}", file=sys.stderr)
+        return 0
+    print(f"lmtune: stopped by {sigval.name}", file=sys.stderr)
+    return 128 + int(sigval)
+
+
 def die_with_launcher() -> None:
     """A worker ends when the process that started it dies (a launcher killed by SIGKILL or the
     OOM killer), instead of training on under init and writing into a folder a rerun may use."""
@@ -252,25 +272,7 @@ def _launch(
         return failed(e, Path(error_dir), hung, advice)
     except SignalException as e:
         ended.set()
-        if user_error.is_set():  # our own stop: a user error is not worth a restart
-            for message in dict.fromkeys(m for m, code in reported_errors(Path(error_dir)) if code == 2):
-                print(f"error: {message}", file=sys.stderr, flush=True)
-            return USER_ERROR_EXIT_CODE
-        # Ctrl+C or a scheduler's SIGTERM: the agent has passed it to the workers and waited for them.
-        outcome = _outcome(Path(error_dir))
-        if outcome is not None and outcome["stopped"]:
-            print(
-                f"lmtune: stopped by {e.sigval.name} with a checkpoint of step {outcome['step']}",
-                file=sys.stderr,
-            )
-            return 0
-        if outcome is not None:  # it came as the run was ending: the run is whole
-            print(
-                f"lmtune: {e.sigval.name} came as the run finished at step {outcome['step']}", file=sys.stderr
-            )
-            return 0
-        print(f"lmtune: stopped by {e.sigval.name}", file=sys.stderr)
-        return 128 + int(e.sigval)
+        return _signalled(e.sigval, Path(error_dir), user_error.is_set())
     finally:
         ended.set()
         for log, level in zip(elastic_logs, previous_levels, strict=True):
