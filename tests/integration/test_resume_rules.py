@@ -510,3 +510,21 @@ def test_another_folders_checkpoint_into_another_runs_folder_is_refused(
     for _ in range(2):
         assert main(_args(base["data"], fresh, "--resume", str(ckpt))) == 0
     assert [r["step"] for r in train_rows(fresh)] == [4, 5, 6]
+
+
+def test_a_lora_base_retrained_in_place_is_refused_on_resume(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The frozen base is read from --model again on resume: the user's own SFT run continued into
+    the same final/ (or a hub model updated) made the resumed LoRA run another one, silently."""
+    sft = base["root"] / "sft"
+    short = ["--global-batch-size", "8", "--max-length", "64", "--no-progress", "--data", str(base["data"])]
+    assert main(["train", "--output-dir", str(sft), "--max-steps", "2", *short]) == 0
+    lora = ["--lora", "--model", str(sft / "final")]
+    out = base["root"] / "lora"
+    assert main(_args(base["data"], out, *lora, "--max-steps", str(SAVE))) == 0
+    shutil.copytree(out, base["root"] / "lora-same")
+    assert main(_args(base["data"], base["root"] / "lora-same", *lora)) == 0  # the same base: resumed
+    assert main(["train", "--output-dir", str(sft), "--max-steps", "3", *short]) == 0  # final/ replaced
+    said = _fails(_args(base["data"], out, *lora), capsys, "starting weights (--model)")
+    assert f"the weights of --model {sft / 'final'} changed since the checkpoint" in said

@@ -79,7 +79,14 @@ def config_hash(config: Any) -> str:
 
 
 def fingerprint(
-    cfg: TrainConfig, *, data_key: str, examples: int, model_config: Any, lr: float, total_steps: int
+    cfg: TrainConfig,
+    *,
+    data_key: str,
+    examples: int,
+    model_config: Any,
+    lr: float,
+    total_steps: int,
+    starting_weights: str | None = None,
 ) -> Fingerprint:
     fixed: dict[str, Any] = {
         "training data (content, tokenizer and data settings)": data_key,
@@ -109,6 +116,8 @@ def fingerprint(
     if cfg.data.weights is not None:  # recorded only for a mixture: older checkpoints stay comparable
         # Other weights make another order of the examples: the run could not continue exactly.
         fixed["--data-weights (mixture)"] = mixture_fingerprint(cfg.data.train, cfg.data.weights)
+    if starting_weights is not None:  # where the run depends on them (a LoRA base, the reference)
+        fixed[STARTING_WEIGHTS] = starting_weights
     quantization = fingerprint_value(cfg.model)
     if quantization is not None:  # recorded only when quantized: older checkpoints stay comparable
         fixed["base quantization"] = quantization
@@ -188,6 +197,11 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
             c for c in _changes(saved.described, now.described, both=True) if c.split()[0] not in now.fixed
         ]
         said = f" (of the settings behind them: {'; '.join(behind)})" if hashed and behind else ""
+        if any(c.startswith(STARTING_WEIGHTS) for c in refused):
+            said += (
+                f" (the weights of --model {now.described.get('--model')} changed since the checkpoint: "
+                "a LoRA run's frozen base and a preference run's reference are read from there again)"
+            )
         todo = (
             # Another objective on the weights a run trained (TRL's SFT, then DPO): a new run of them.
             f"To tune the model this checkpoint holds with another objective, start a new run from it: "
@@ -204,6 +218,9 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
 
 # What a setting a checkpoint does not record was: an sft run's names no objective.
 _UNRECORDED = {"--objective": "sft"}
+STARTING_WEIGHTS = "starting weights (--model)"
+# Checked only where the checkpoint records them: an older one does not.
+_IF_RECORDED = (STARTING_WEIGHTS,)
 _OBJECTIVE_OWN = ("--reference", "--reference-model")
 
 
@@ -215,6 +232,7 @@ def _changes(a: dict[str, Any], b: dict[str, Any], both: bool = False) -> list[s
 
     # Both sides' entries: one recorded only by the checkpoint (a quantized base) differs too.
     keys = [k for k in [*b, *(k for k in a if k not in b)] if not both or (k in a and k in b)]
+    keys = [k for k in keys if k in a or k not in _IF_RECORDED]
     return [
         f"{k} {shown(a.get(k, _UNRECORDED.get(k)))} -> {shown(b.get(k, _UNRECORDED.get(k)))}"
         for k in keys

@@ -58,7 +58,7 @@ from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, default_lr, optimizer_for
 from lmtune.training.preflight import warn_unused_names
-from lmtune.training.reference import attach_references, model_digest, precomputes, with_live_reference
+from lmtune.training.reference import attach_references, model_digest, needs_reference, with_live_reference
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Built:
     products: Products  # how matrices are multiplied (a CPU bf16 run's may be fp32)
     # A fresh autocast context of --precision on this device (none under fp32), with the products'.
     autocast: Callable[[], AbstractContextManager[object]]
-    starting_digest: str | None  # the starting weights' hash, where reference log-probs are cached
+    starting_digest: str | None  # the starting weights' hash, where the run depends on them (below)
     # What NEFTune's noise and keyed dropout's masks are drawn from (lmtune.model.neftune); None: neither
     token_seed: int | None
 
@@ -151,6 +151,7 @@ def build_parts(
         model_config=loaded.model.config,
         lr=lr,
         total_steps=layout.total_steps,
+        starting_weights=digest,
     )
     return Built(
         loaded=loaded,
@@ -194,10 +195,13 @@ def _load(run: RunContext) -> LoadedModel:
 
 
 def _starting_digest(run: RunContext, model: torch.nn.Module, objective: Objective) -> str | None:
-    """The starting weights' hash (rank 0's, on every rank), where reference log-probs are
-    precomputed from them: it keys their cache. Before wrapping: FSDP2 leaves each rank a shard,
+    """The starting weights' hash (rank 0's, on every rank), where the run depends on them beyond
+    what its checkpoints hold: a LoRA run's frozen base, and a reference that is the starting model
+    (it keys its log-probs' cache). A resume checks it: the --model folder retrained in place, or a
+    hub model updated, would continue another run. Before wrapping: FSDP2 leaves each rank a shard,
     LoRA adds adapters."""
-    if not precomputes(run, objective) or run.cfg.objective.reference_model is not None:
+    own_reference = needs_reference(objective) and run.cfg.objective.reference_model is None
+    if not (run.cfg.lora.enabled or own_reference):
         return None
     return broadcast_object(model_digest(model) if run.env.is_main else None, run.env)
 

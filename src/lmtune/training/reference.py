@@ -384,7 +384,7 @@ def attach_references(run: RunContext, built: Built, cache_dir: Path) -> None:
     parts, loss = built.parts, built.loss
     policy = PolicyParts(
         built.model,
-        built.starting_digest,
+        built.starting_digest if run.cfg.objective.reference_model is None else None,
         loss.chunk,
         bool(parts.root.varlen),
         parts.sharded,
