@@ -61,3 +61,31 @@ def test_a_rank_the_out_of_memory_killer_took_is_named_with_what_to_lower(
     crashed = SimpleNamespace(failures={0: _failure(-int(signal.SIGSEGV), 100)})
     assert failed(crashed, tmp_path, hung=False, memory_advice=advice) == 1
     assert capsys.readouterr().err.splitlines() == ["lmtune: rank 0 was killed by SIGSEGV"]
+
+
+def test_a_rank_that_lost_its_peer_names_the_peer_as_the_cause(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collective that failed because another rank had gone is not this rank's fault: said in a
+    line (it was a 30-line gloo traceback and "rank 0 failed with exit code 1"), or, where this node's
+    launcher saw the rank that ended, that rank."""
+    from lmtune.parallel.failure_report import lost_connection
+    from lmtune.parallel.launch import report_error
+
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [::1]:3502"
+    )
+    said = lost_connection(gloo, 0)
+    assert said is not None and said.startswith(
+        "rank 0 lost its connection to another rank of the job (Connection"
+    )
+    assert lost_connection(RuntimeError("CUDA error: an illegal memory access"), 0) is None
+    monkeypatch.setenv("LMTUNE_ERROR_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    report_error(said, 1, lost=True)
+    only = SimpleNamespace(failures={0: _failure(1, 100)})  # the rank that ended is on another node
+    assert failed(only, tmp_path, hung=False) == 1
+    assert capsys.readouterr().err.splitlines() == [f"error: {said}"]
+    here = SimpleNamespace(failures={0: _failure(1, 100), 1: _failure(-int(signal.SIGKILL), 100)})
+    assert failed(here, tmp_path, hung=False) == 1
+    assert capsys.readouterr().err.splitlines() == ["lmtune: rank 1 was killed by SIGKILL"]

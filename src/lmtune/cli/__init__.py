@@ -74,8 +74,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         report_error(_placed(e, args), USER_ERROR_EXIT_CODE)
         return USER_ERROR_EXIT_CODE
     except RuntimeError as e:  # lmtune train says its own, with the step; the other commands, here
+        from lmtune.parallel.distributed import launched_rank
+        from lmtune.parallel.failure_report import lost_connection
         from lmtune.training.failures import is_out_of_memory
 
+        rank = launched_rank()
+        if rank is not None and (lost := lost_connection(e, rank)) is not None:
+            from lmtune.parallel.launch import report_error
+
+            report_error(lost, 1, lost=True)  # not a traceback of this rank: another one ended
+            return 1
         if not is_out_of_memory(e) or args is None:
             raise
         from lmtune.parallel.launch import report_error

@@ -5,6 +5,7 @@ is named as such, with what to lower."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 from contextlib import suppress
@@ -16,15 +17,45 @@ from lmtune.parallel.health import HANG_EXIT_CODE
 
 
 def reported_errors(error_dir: Path) -> list[tuple[str, int]]:
-    """(message, exit code) of every worker that reported one, by rank."""
+    """(message, exit code) of every worker that reported one, by rank (not those that only lost
+    their connection to another: :func:`lost_connections`)."""
+    return [(r["message"], int(r["exit_code"])) for r in _reports(error_dir).values() if not r.get("lost")]
+
+
+def lost_connections(error_dir: Path) -> dict[int, str]:
+    """rank -> message, of the workers whose collective failed because another rank had gone."""
+    return {rank: r["message"] for rank, r in _reports(error_dir).items() if r.get("lost")}
+
+
+def _reports(error_dir: Path) -> dict[int, dict[str, Any]]:
     found = sorted(error_dir.glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-    reports = []
+    reports = {}
     for p in found:
         try:
-            reports.append(json.loads(p.read_text(encoding="utf-8")))
+            reports[int(p.stem.split("-")[1])] = json.loads(p.read_text(encoding="utf-8"))
         except ValueError:  # being written right now
             continue
-    return [(r["message"], int(r["exit_code"])) for r in reports]
+    return reports
+
+
+# What gloo and NCCL say when the other end of a collective has gone (its process ended or was
+# killed, its node went down).
+_LOST = re.compile(
+    r"Connection (?:closed|reset) by peer|Broken pipe|ncclRemoteError|remote process exited", re.IGNORECASE
+)
+
+
+def lost_connection(e: BaseException, rank: int) -> str | None:
+    """The line for ``e`` where it is a collective that failed because another rank had gone, else
+    None: the cause is that rank's (its own output says why), not this one's."""
+    found = _LOST.search(str(e))
+    if found is None:
+        return None
+    return (
+        f"rank {rank} lost its connection to another rank of the job ({found.group(0)}): a rank or a "
+        "node of the job ended first, and its output says why; the checkpoints in --output-dir are "
+        "kept, and the same command (on every node) resumes from the newest"
+    )
 
 
 def failed(e: Any, error_dir: Path, hung: bool, memory_advice: str = "") -> int:
@@ -64,6 +95,12 @@ def failed(e: Any, error_dir: Path, hung: bool, memory_advice: str = "") -> int:
         first, *rest = order
         stopped = [rank for rank, failure in rest if failure.exitcode == -signal.SIGTERM]
         causes = [first, *((r, f) for r, f in rest if r not in stopped)]
+        lost = lost_connections(error_dir)
+        if lost and all(rank in lost for rank, _ in causes):  # the cause is on another node
+            for message in dict.fromkeys(lost.values()):
+                print(f"error: {message}", file=sys.stderr, flush=True)
+            return 1
+        causes = [(r, f) for r, f in causes if r not in lost]  # this node's own cause
         for rank, failure in causes:
             print(f"lmtune: rank {rank} {_ended(failure.exitcode)}", file=sys.stderr)
         if stopped:

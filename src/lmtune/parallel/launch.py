@@ -25,7 +25,13 @@ from lmtune.config.advice import memory_advice
 from lmtune.config.run_groups import LaunchSettings
 from lmtune.config.settings import TrainConfig, micro_batch_size, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
-from lmtune.parallel.failure_report import failed, oom_kills, out_of_memory_kills, reported_errors
+from lmtune.parallel.failure_report import (
+    failed,
+    lost_connections,
+    oom_kills,
+    out_of_memory_kills,
+    reported_errors,
+)
 from lmtune.parallel.health import HEALTH_DIR_ENV, Watchdog, read_beats
 
 if TYPE_CHECKING:
@@ -36,14 +42,15 @@ if TYPE_CHECKING:
 ERROR_DIR_ENV = environment.ERROR_DIR
 
 
-def report_error(message: str, exit_code: int) -> None:
-    """Print an error that ends the run, or hand it to the launcher that started this worker."""
+def report_error(message: str, exit_code: int, lost: bool = False) -> None:
+    """Print an error that ends the run, or hand it to the launcher that started this worker
+    (``lost``: a collective failed because another rank had gone, whose end is the cause)."""
     from lmtune.parallel.distributed import launched_rank
 
     error_dir = os.environ.get(ERROR_DIR_ENV)
     rank = launched_rank()
     if error_dir and rank is not None and Path(error_dir).is_dir():
-        report = json.dumps({"message": message, "exit_code": exit_code})
+        report = json.dumps({"message": message, "exit_code": exit_code, "lost": lost})
         (Path(error_dir) / f"rank-{rank}.json").write_text(report, encoding="utf-8")
         return
     prefix = f"error (rank {rank})" if rank else "error"
@@ -264,6 +271,12 @@ def _launch(
             "and can reach it"
         ) from None
     except RendezvousConnectionError as e:
+        lost = lost_connections(Path(error_dir))
+        if lost or read_beats(Path(error_dir)):
+            # The job had started: node 0, which hosts the rendezvous, ended meanwhile.
+            said = next(iter(lost.values()), None) or _rendezvous_lost(cfg.launch)
+            print(f"error: {said}", file=sys.stderr, flush=True)
+            return 1
         raise UserError(_unreachable(cfg.launch, e)) from None
     except ChildFailedError as e:
         ended.set()
@@ -289,6 +302,14 @@ def _memory_advice(cfg: TrainConfig) -> str:
     world = cfg.launch.nproc_per_node * parse_nnodes(cfg.launch.nnodes)[1]
     batched = micro_batch_size(cfg, world) > 1
     return memory_advice(cfg, on_gpu=on_gpu, batched=batched, processes=cfg.launch.nproc_per_node)
+
+
+def _rendezvous_lost(launch: LaunchSettings) -> str:
+    return (
+        f"this node lost the job's rendezvous at {launch.rdzv_endpoint} after its ranks started: node 0, "
+        "which hosts it, ended first, and its output says why; the checkpoints in --output-dir are kept, "
+        "and the same command (on every node) resumes from the newest"
+    )
 
 
 def _unreachable(launch: LaunchSettings, e: BaseException) -> str:
