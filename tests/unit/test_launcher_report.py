@@ -89,3 +89,22 @@ def test_a_rank_that_lost_its_peer_names_the_peer_as_the_cause(
     here = SimpleNamespace(failures={0: _failure(1, 100), 1: _failure(-int(signal.SIGKILL), 100)})
     assert failed(here, tmp_path, hung=False) == 1
     assert capsys.readouterr().err.splitlines() == ["lmtune: rank 1 was killed by SIGKILL"]
+
+
+def test_under_torchrun_a_node_without_rank_0_says_how_its_ranks_ended(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lmtune's launcher prints it for its node; under torchrun the node's first rank does (it was
+    silent)."""
+    from lmtune.parallel.launch import report_outcome
+
+    monkeypatch.delenv("LMTUNE_ERROR_DIR", raising=False)
+    for local_rank, main, said in ((0, False, True), (1, False, False), (0, True, False)):
+        env = SimpleNamespace(local_rank=local_rank, is_main=main)
+        report_outcome(12, stopped=False, env=env)  # type: ignore[arg-type]
+        err = capsys.readouterr().err
+        assert ("this node's ranks finished at step 12; rank 0's node printed the summary" in err) is said
+    report_outcome(8, stopped=True, env=SimpleNamespace(local_rank=0, is_main=False))  # type: ignore[arg-type]
+    assert "stopped by a signal with a checkpoint of step 8; run the same command again on every node" in (
+        capsys.readouterr().err
+    )

@@ -472,7 +472,8 @@ def _check_batch(batch: BatchSettings, world_size: int, need: Need) -> None:
             raise SettingError(
                 "global_batch_size",
                 f"--global-batch-size {size}",
-                f"does not divide over {processes}; use a multiple of {world_size}",
+                f"does not divide over {processes}; use a multiple of {world_size} (a resumed run keeps its "
+                f"global batch: run it on a number of processes that divides {size})",
             )
     elif size % (batch.micro_batch_size * world_size):
         per_step = batch.micro_batch_size * world_size

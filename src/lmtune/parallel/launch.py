@@ -82,9 +82,11 @@ def report_outcome(step: int, *, stopped: bool, env: DistEnv, overwrite: bool = 
     does, so a node that does not run rank 0, or whose launcher was not the one signalled, says so
     too."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
+    record = {"step": step, "stopped": stopped, "main": env.is_main, "overwrite": overwrite}
     if env.local_rank == 0 and error_dir and Path(error_dir).is_dir():
-        record = {"step": step, "stopped": stopped, "main": env.is_main, "overwrite": overwrite}
         (Path(error_dir) / OUTCOME_FILE).write_text(json.dumps(record), encoding="utf-8")
+    elif env.local_rank == 0 and (line := _from_elsewhere(record)):  # under torchrun: said here
+        print(line, file=sys.stderr, flush=True)
 
 
 def _outcome(error_dir: Path) -> dict[str, Any] | None:

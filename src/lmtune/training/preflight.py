@@ -83,6 +83,8 @@ def validate(
     if cfg.samples.prompts is not None and not Path(cfg.samples.prompts).expanduser().is_file():
         raise UserError(f"--sample-prompts: no such file (got {brief(cfg.samples.prompts)})")
     resume = cfg.checkpoint.resume
+    if not resume.strip():  # Path("") is the working folder
+        raise UserError("--resume: empty; give a checkpoint folder (RUN/checkpoints/step-N), auto or never")
     if resume not in ("auto", "never"):
         if Path(resume).exists() and not Path(resume).is_dir():
             raise UserError(f"--resume {resume}: not a folder; it takes a checkpoint, RUN/checkpoints/step-N")

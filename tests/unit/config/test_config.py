@@ -55,6 +55,7 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"global_batch_size": 30, "micro_batch_size": 8}, "--global-batch-size 30"),
         ({"data": "/no/such/file.jsonl"}, "--data: no such file or folder: /no/such/file.jsonl"),
         ({"eval_data": "/missing.jsonl"}, "--eval-data"),
+        ({"resume": ""}, "--resume: empty; give a checkpoint folder"),  # it read the working folder
         ({"precision": "fp8"}, "--precision"),
         ({"max_length": 1}, "--max-length"),
         # 1e22 packed rows forever, past SIGTERM, growing without bound.
@@ -171,7 +172,8 @@ def test_global_batch_must_divide_by_world_size() -> None:
 def test_default_micro_batch_is_the_per_process_share() -> None:
     cfg = build_config({"global_batch_size": 32})
     assert micro_batch_size(cfg, 1) == 32 and micro_batch_size(cfg, 4) == 8
-    with pytest.raises(UserError, match="does not divide over 3 processes"):
+    # Resuming, "use a multiple of 3" cannot be followed: the global batch is the run's.
+    with pytest.raises(UserError, match=r"does not divide over 3 processes; .* that divides 32"):
         validate(cfg, world_size=3)
 
 
