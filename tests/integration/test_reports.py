@@ -207,7 +207,8 @@ def test_report_tells_a_killed_run_from_a_running_one(tmp_path: Path) -> None:
     ended = subprocess.Popen(["true"])
     ended.wait()  # reaped here (a pid left to os.waitpid may be reaped by the next Popen)
     holders = {"gone": ended.pid, "running": os.getpid()}
-    assert lock_status(out) is None
+    assert lock_status(out) is None  # no lock, no result: it ended (a multi-node job that failed)
+    assert _summary(load_run(out))["status"].startswith("stopped (it ended without a result")
     for expected, pid in holders.items():
         lock = {"host": socket.gethostname(), "pid": pid, "pid_started": None, "started": 1.0}
         (out / LOCK_FILE).write_text(json.dumps({**lock, "run_id": "r", "token": "t"}))

@@ -333,6 +333,8 @@ def _status(run: RecordedRun) -> str:
     if result:
         return f"stopped ({'by a signal; ' if result.get('stopped_by') == 'signal' else ''}{then})"
     status = lock_status(folder)
+    if status is None:  # a run holds its folder's lock from before its first record to its end
+        return f"stopped (it ended without a result: it failed, or a node of its job did; {then})"
     if status != "gone":
         return "running" if status == "running" else "running or stopped"
     return f"stopped (its process is gone: killed, or the machine restarted; {then})"
