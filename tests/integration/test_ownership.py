@@ -17,7 +17,7 @@ from lmtune.checkpoint.rundir import check_earlier_run, check_output_dir, replac
 from lmtune.cli import main
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import read_dist_env
-from lmtune.parallel.health import HANG_REPORT, HANG_REPORT_HEAD
+from lmtune.parallel.health import HANG_REPORT, HANG_REPORT_HEAD, HEALTH_DIR_ENV
 from tests.conftest import one_line_error as _error
 from tests.conftest import tiny_run_with_checkpoint, write_jsonl
 
@@ -176,7 +176,7 @@ def _earlier_run(folder: Path) -> None:
     (folder / "wandb" / "keep.txt").write_text("mine")
 
 
-def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
+def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _earlier_run(tmp_path)
     before = sorted(tmp_path.rglob("*"))
     # A user's step-N is in the way of this run's checkpoints: refused before anything is deleted.
@@ -241,8 +241,11 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path) -> None:
     hung.mkdir()
     (hung / HANG_REPORT).write_text(HANG_REPORT_HEAD + "rank 1 waited in all_reduce")
     check_earlier_run(hung, continued=False, overwrite=False, config={})
-    # A user's file of that name was written over by the next hang: refused first, with --overwrite too.
+    # A user's file of that name was written over by the next hang: refused first, with --overwrite too,
+    # where a watchdog runs (a single process has none).
     (hung / HANG_REPORT).write_text("my own notes on the hang")
+    check_earlier_run(hung, continued=False, overwrite=False, config={})
+    monkeypatch.setenv(HEALTH_DIR_ENV, str(tmp_path))
     for overwrite in (False, True):
         with pytest.raises(UserError, match=f"holds {HANG_REPORT}, which lmtune did not write"):
             check_earlier_run(hung, continued=False, overwrite=overwrite, config={})

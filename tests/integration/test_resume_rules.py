@@ -528,3 +528,29 @@ def test_a_lora_base_retrained_in_place_is_refused_on_resume(
     assert main(["train", "--output-dir", str(sft), "--max-steps", "3", *short]) == 0  # final/ replaced
     said = _fails(_args(base["data"], out, *lora), capsys, "starting weights (--model)")
     assert f"the weights of --model {sft / 'final'} changed since the checkpoint" in said
+
+
+def test_the_same_command_with_its_resume_continues_where_the_run_got_to(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopped run began with --resume PATH: the same command again went back to PATH (a requeued
+    job lost its progress at every preemption). From another working folder, and with PATH gone,
+    it is still the same command; --resume never refuses a finished run's checkpoints."""
+    began = base["root"] / "elsewhere" / "step-000003"
+    shutil.copytree(base["out"] / "checkpoints" / "step-000003", began)
+    out = base["root"] / "requeued"
+    assert (
+        main(_args(base["data"], out, "--resume", str(began), "--save-every", "1", "--max-steps", "5")) == 0
+    )
+    shutil.rmtree(out / "final")  # as a stop leaves it: no final/, no finished record
+    record = json.loads((out / "run.json").read_text())
+    del record["result"]["finished"]
+    (out / "run.json").write_text(json.dumps(record))
+    shutil.rmtree(began)
+    monkeypatch.chdir(base["root"])  # typed relative to another working folder
+    capsys.readouterr()
+    assert main(_args(base["data"], out, "--resume", "elsewhere/step-000003", "--save-every", "1")) == 0
+    assert f"resuming from {out}/checkpoints/step-000005" in capsys.readouterr().out
+    assert [r["step"] for r in train_rows(out)] == [4, 5, 6]
+    more = _args(base["data"], base["out"], "--max-steps", "9", "--resume", "never")
+    _fails(more, capsys, "--resume never, but")

@@ -24,7 +24,6 @@ class Finished:
     step: int  # the last step it took
     total_steps: int  # the steps it was asked for (more than ``step`` when it stopped early)
     same_run: bool  # the run now starting has the same fingerprint (what defines a run)
-    resume: object = None  # the --resume its command gave (run.json's config)
 
 
 FINISHED_KEY = "finished"  # under run.json's "result"
@@ -65,9 +64,7 @@ def read_finished(output_dir: Path, fixed: dict[str, Any], env: DistEnv) -> Fini
         if record is None:
             return None
         same = record["fingerprint"] == fingerprint_hash(fixed)
-        config = earlier_record(output_dir).get("config")
-        resume = config.get("resume") if isinstance(config, dict) else None
-        found = Finished(record["step"], record["total_steps"], same_run=same, resume=resume)
+        found = Finished(step=record["step"], total_steps=record["total_steps"], same_run=same)
         if not same and not list_checkpoints(output_dir):
             raise UserError(
                 f"--output-dir {output_dir} holds an earlier run (final, finished at step "
@@ -87,6 +84,20 @@ def earlier_record(output_dir: Path) -> dict[str, Any]:
         return {}
 
 
+def recorded_resume(output_dir: Path) -> str | None:
+    """The checkpoint the folder's run last began from by an explicit --resume, as an absolute
+    path (run.json's ``resolved.resume_path``; an older run.json's as typed), or None."""
+    record = earlier_record(output_dir)
+    resolved, config = record.get("resolved"), record.get("config")
+    path = resolved.get("resume_path") if isinstance(resolved, dict) else None
+    if isinstance(path, str):
+        return path
+    given = config.get("resume") if isinstance(config, dict) else None
+    if not isinstance(given, str) or not given.strip() or given in ("auto", "never"):
+        return None
+    return str(Path(given).resolve())
+
+
 # Settings that say where and how a command runs, not what it trains.
 _NOT_THE_RUN = frozenset({"output_dir", "resume", "overwrite", "progress", "doctor", "cache_dir"})
 
@@ -103,15 +114,15 @@ def check_continued_into(output_dir: Path, resume: Path, config: dict[str, Any])
 
     found = list_checkpoints(output_dir)
     held = [n for n in ("final", "metrics.jsonl", "run.json") if (output_dir / n).exists()]
-    if not held and not found:
-        return
+    if (not held and not found) or recorded_resume(output_dir) == str(resume.resolve()):
+        return  # a new folder, or the same command again (its run began from that checkpoint)
     theirs, finish = read_fingerprint(resume), recorded_finish(output_dir)
     mine = read_fingerprint(found[-1]) if found else None
     if theirs is not None and mine is not None:
         same = mine.fixed == theirs.fixed
     elif theirs is not None and finish is not None:
         same = finish["fingerprint"] == fingerprint_hash(theirs.fixed)
-    else:  # what this very command's run recorded (continued from the same checkpoint again)
+    else:  # what a run that recorded no --resume path recorded
         recorded = earlier_record(output_dir).get("config")
         keys = (config.keys() | (recorded or {}).keys()) - _NOT_THE_RUN
         same = isinstance(recorded, dict) and all(recorded.get(k) == config.get(k) for k in keys)

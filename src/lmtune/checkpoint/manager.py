@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from lmtune.checkpoint.export import save_final
-from lmtune.checkpoint.finished import Finished, finished_record, read_finished
+from lmtune.checkpoint.finished import Finished, finished_record, read_finished, recorded_resume
 from lmtune.checkpoint.layout import (
     CHANGES_FILE,
     FINGERPRINT_FILE,
@@ -45,7 +45,7 @@ from lmtune.config.files import read_json_object
 from lmtune.config.run_groups import CheckpointSettings
 from lmtune.errors import UserError
 from lmtune.outputs.runlog import InfoLog
-from lmtune.parallel.distributed import DistEnv, broadcast_object
+from lmtune.parallel.distributed import DistEnv, broadcast_object, decided_by_main
 
 
 class CheckpointRecord(Protocol):
@@ -112,7 +112,7 @@ class CheckpointManager:
         earlier = self._earlier
         if earlier is None or total_steps > earlier.total_steps:
             return None
-        if self._resume_given(earlier):
+        if self._another_resume:
             self._refuse_elsewhere(earlier)
             raise UserError(
                 f"--resume {self.settings.resume}: {self.output_dir} holds this run, finished at step "
@@ -136,14 +136,19 @@ class CheckpointManager:
         """The checkpoint to continue (a collective: every rank asks at the same point), decided
         once: deciding verifies the newest checkpoint's files, and both the early check and
         :meth:`resume` need it."""
-        earlier = self._earlier
-        if earlier is None or self._resume_given(earlier):
+        earlier, resume = self._earlier, self.settings.resume
+        if self._another_resume:
             if earlier is not None:
                 self._refuse_elsewhere(earlier)
-            return resume_point(self.settings.resume, self.output_dir, self.env)
-        # This run, finished: a longer one continues from its last step, whatever --resume its
-        # command repeats (it named where the run began).
-        return self._final_state_of(earlier, resume_point("auto", self.output_dir, self.env))
+            return resume_point(resume, self.output_dir, self.env)
+        if earlier is not None:  # a longer run continues from its last step (--resume never refuses)
+            newest = resume_point("never" if resume == "never" else "auto", self.output_dir, self.env)
+            return self._final_state_of(earlier, newest)
+        if self._same_command:  # continued again: from its own newest checkpoint, else where it began
+            return resume_point("auto", self.output_dir, self.env) or resume_point(
+                resume, self.output_dir, self.env
+            )
+        return resume_point(resume, self.output_dir, self.env)
 
     def _refuse_elsewhere(self, earlier: Finished) -> None:
         """A checkpoint of another folder would train this finished run's steps again over it."""
@@ -156,14 +161,22 @@ class CheckpointManager:
                 "new --output-dir"
             )
 
-    def _resume_given(self, earlier: Finished) -> bool:
-        """Whether --resume names another checkpoint than the one this finished run's command
-        named: the user's choice (an earlier step, the way on when the last checkpoint is damaged),
-        not the same command run again."""
+    @cached_property
+    def _same_command(self) -> bool:
+        """Whether --resume names the checkpoint this folder's run began from (run.json records it,
+        read by rank 0 for all: a collective): the same command again, which continues the run from
+        where it got to, not from that checkpoint again."""
         resume = self.settings.resume
         if resume in ("auto", "never"):
             return False
-        return not isinstance(earlier.resume, str) or Path(earlier.resume).resolve() != Path(resume).resolve()
+        recorded = decided_by_main(lambda: recorded_resume(self.output_dir), None, self.env)
+        return bool(recorded == str(Path(resume).resolve()))
+
+    @property
+    def _another_resume(self) -> bool:
+        """--resume names another checkpoint than the one the folder's run began from: the user's
+        choice (an earlier step, the way on when the last checkpoint is damaged)."""
+        return self.settings.resume not in ("auto", "never") and not self._same_command
 
     def finished_record(self, step: int, total_steps: int) -> dict[str, Any]:
         """What run.json records of this run once it finished (:meth:`finished_already` reads it)."""

@@ -32,7 +32,7 @@ from lmtune.config.files import unwritable
 from lmtune.config.mixture import named_items
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, decided_by_main, stop_if_signalled
-from lmtune.parallel.health import HANG_REPORT, users_hang_report
+from lmtune.parallel.health import HANG_REPORT, HEALTH_DIR_ENV, users_hang_report
 
 # What an earlier run leaves; none of it is written through a symbolic link.
 RUN_FOLDERS = ("final", "checkpoints", "samples", "tensorboard", "wandb", "mlruns", "comm-traces")
@@ -126,7 +126,8 @@ def check_earlier_run(
 
     The same run stopped before its first checkpoint (its run.json has this very ``config``, no
     ``final/``), or any that ended before its first step, starts over, saying so."""
-    if users_hang_report(output_dir / HANG_REPORT):
+    # Only a run under lmtune's launcher with its watchdog writes one.
+    if os.environ.get(HEALTH_DIR_ENV) and users_hang_report(output_dir / HANG_REPORT):
         raise UserError(
             f"--output-dir {output_dir} holds {HANG_REPORT}, which lmtune did not write, where a run "
             "that hangs writes its report; move it, or choose another --output-dir"

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from lmtune.checkpoint.finished import recorded_resume
 from lmtune.checkpoint.layout import not_a_checkpoint, verify
 from lmtune.checkpoint.rundir import check_output_dir, check_outside_inputs
 from lmtune.config.groups import ExampleSettings
@@ -88,9 +89,12 @@ def validate(
     if resume not in ("auto", "never"):
         if Path(resume).exists() and not Path(resume).is_dir():
             raise UserError(f"--resume {resume}: not a folder; it takes a checkpoint, RUN/checkpoints/step-N")
-        if not Path(resume).is_dir():
+        # The same command as the folder's run began with: it continues from where the run got to,
+        # which --keep-last may have pruned that checkpoint behind.
+        same = recorded_resume(Path(cfg.checkpoint.output_dir)) == str(Path(resume).resolve())
+        if not Path(resume).is_dir() and not same:
             raise UserError(f"--resume: no such checkpoint folder: {resume}")
-        if verify(Path(resume)) and (instead := not_a_checkpoint(Path(resume))):
+        if Path(resume).is_dir() and verify(Path(resume)) and (instead := not_a_checkpoint(Path(resume))):
             raise UserError(f"--resume {resume}: {instead}; it takes a checkpoint, RUN/checkpoints/step-N")
     _check_outside_launcher(cfg)
     check_installed(parse_report_to(cfg.logging.report_to))

@@ -85,7 +85,7 @@ def run_record(
     """run.json before training; ``resumed``: the checkpoint the run continues and what each resume
     changed (lmtune.checkpoint.manager's). The start line says the same in short."""
     cfg, env, layout = run.cfg, run.env, built.layout
-    quantization = built.loaded.quantization
+    quantization, given = built.loaded.quantization, cfg.checkpoint.resume
     attention = attention_description(built.loaded.model) if built.parts.root.varlen else "masked"
     resolved = {
         "objective": built.objective.name,
@@ -106,6 +106,7 @@ def run_record(
         "base_bytes": _base_bytes(built.loaded.model) if quantization else None,
         "trainable_parameters": count(p for p in built.parts.root.parameters() if p.requires_grad),
         "resumed_from": str(resumed[0]) if resumed[0] else None,
+        "resume_path": None if given in ("auto", "never") else str(Path(given).resolve()),  # any cwd's
         # What each resume changed, from which step: the settings above are the last attempt's.
         "changed_on_resume": resumed[1],
         "peak_flops_per_device": peak,
