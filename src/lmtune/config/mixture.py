@@ -31,6 +31,12 @@ def named_items(spec: str) -> list[tuple[str, str]]:
     return items
 
 
+def shown_spec(spec: str) -> str:
+    """``spec`` as a message shows it: one file's name as it is (a comma in it unescaped)."""
+    items = named_items(spec)
+    return items[0][1] if len(items) == 1 and items[0][1].replace(",", "\\,") == spec else spec
+
+
 def source_names(spec: str, option: str) -> list[str]:
     """The names of ``spec``'s sources, each unique.
 

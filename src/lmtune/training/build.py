@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.resume import Fingerprint, fingerprint
 from lmtune.checkpoint.state import ModelParts
+from lmtune.config.mixture import shown_spec
 from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps
 from lmtune.data.audit import stops_lost_warning
 from lmtune.data.chat import end_of_turn_ids, use_chat_template
@@ -302,7 +303,7 @@ def prepare_data(
         where = info[name]["where"]
         shown = {SAMPLE_DATA: "the built-in sample", SAMPLE_EVAL: "the built-in sample's held-out split"}
         log.info(
-            f"{name} data {shown.get(spec, spec)}: {_counted(meta['examples'], meta)}, "
+            f"{name} data {shown.get(spec, shown_spec(spec))}: {_counted(meta['examples'], meta)}, "
             f"{meta['tokens']:,} tokens ({how}); "
             f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long"
             f"{in_parentheses(first_places(where, 'too_long', meta['dropped_too_long']))}, "

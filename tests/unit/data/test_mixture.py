@@ -271,7 +271,7 @@ def test_recorded_samples_name_their_sources(tmp_path: Path) -> None:
 def test_a_path_with_a_comma_is_one_source(tmp_path: Path) -> None:
     """A YAML list keeps each path whole (joined with the commas inside escaped); on the command line
     the comma is written \\,."""
-    from lmtune.config.mixture import named_items
+    from lmtune.config.mixture import named_items, shown_spec
     from lmtune.data.sources import resolve_sources
 
     (tmp_path / "chat, v2.jsonl").write_text('{"text": "x"}\n')
@@ -282,6 +282,10 @@ def test_a_path_with_a_comma_is_one_source(tmp_path: Path) -> None:
     assert [item for _, item in named_items(spec)] == [f"{tmp_path}/chat, v2.jsonl", f"{tmp_path}/b.jsonl"]
     assert [s.name for s in resolve_sources(spec)] == [f"{tmp_path}/chat, v2.jsonl", f"{tmp_path}/b.jsonl"]
     assert named_items("a\\, b.jsonl,c.jsonl") == [("a, b", "a, b.jsonl"), ("c", "c.jsonl")]
+    # The log names one such file as it is; a list keeps its escapes (they say where each ends).
+    assert shown_spec("a\\, b.jsonl") == "a, b.jsonl"
+    assert shown_spec("a\\, b.jsonl,c.jsonl") == "a\\, b.jsonl,c.jsonl"
+    assert shown_spec("chat=a\\, b.jsonl") == "chat=a\\, b.jsonl"
     # On the command line, a value that names one file as a whole is that file, as DATA arguments are.
     from lmtune.cli.commands import train_config
     from lmtune.cli.parser import build_parser
