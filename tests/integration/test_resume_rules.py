@@ -524,7 +524,9 @@ def test_a_lora_base_retrained_in_place_is_refused_on_resume(
     out = base["root"] / "lora"
     assert main(_args(base["data"], out, *lora, "--max-steps", str(SAVE))) == 0
     shutil.copytree(out, base["root"] / "lora-same")
-    assert main(_args(base["data"], base["root"] / "lora-same", *lora)) == 0  # the same base: resumed
+    # The same base, its folder spelled another way (refused as "--model S1/final -> S1/final/"): resumed.
+    same = ["--lora", "--model", f"{sft / 'final'}/"]
+    assert main(_args(base["data"], base["root"] / "lora-same", *same)) == 0
     assert main(["train", "--output-dir", str(sft), "--max-steps", "3", *short]) == 0  # final/ replaced
     said = _fails(_args(base["data"], out, *lora), capsys, "starting weights (--model)")
     assert f"the weights of --model {sft / 'final'} changed since the checkpoint" in said

@@ -107,7 +107,7 @@ def fingerprint(
     if cfg.lora.enabled:
         # The frozen base is rebuilt from --model on resume, so it must be the same one.
         fixed |= {
-            "--model": cfg.model.name,
+            "--model": _as_recorded(cfg.model.name),
             "--lora-rank": cfg.lora.rank,
             "--lora-alpha": cfg.lora.alpha,
             "--lora-dropout": cfg.lora.dropout,
@@ -164,6 +164,12 @@ def mixture_fingerprint(spec: str, weights: str) -> str:
     return ",".join(f"{n}={w / sum(values):.12g}" for n, w in zip(names, values, strict=True))
 
 
+def _as_recorded(model: str) -> str:
+    """A local model folder by its absolute path (``S1/final``, ``./S1/final/`` and the same from
+    another working folder are one), a hub id or preset as given."""
+    return str(Path(model).expanduser().resolve()) if Path(model).expanduser().is_dir() else model
+
+
 def read_fingerprint(folder: Path) -> Fingerprint | None:
     path = folder / FINGERPRINT_FILE
     if not path.is_file():
@@ -184,7 +190,9 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
         UserError: naming every fixed setting that differs.
     """
 
-    refused = _changes(saved.fixed, now.fixed)
+    model = saved.fixed.get("--model")  # as typed by an older lmtune: a folder by its path now
+    fixed = saved.fixed | ({"--model": _as_recorded(model)} if isinstance(model, str) else {})
+    refused = _changes(fixed, now.fixed)
     objective = any(c.startswith("--objective ") for c in refused)
     if objective:
         # Another objective: its own settings that only one side has (an sft checkpoint records no
