@@ -98,6 +98,12 @@ def recorded_resume(output_dir: Path) -> str | None:
     return str(Path(given).resolve())
 
 
+def began_from(output_dir: Path, resume: str | Path) -> bool:
+    """Whether ``output_dir``'s run began from the checkpoint ``resume`` names (its command's
+    --resume, :func:`recorded_resume`): that command run again."""
+    return recorded_resume(output_dir) == str(Path(resume).resolve())
+
+
 # Settings that say where and how a command runs, not what it trains.
 _NOT_THE_RUN = frozenset({"output_dir", "resume", "overwrite", "progress", "doctor", "cache_dir"})
 
@@ -114,7 +120,7 @@ def check_continued_into(output_dir: Path, resume: Path, config: dict[str, Any])
 
     found = list_checkpoints(output_dir)
     held = [n for n in ("final", "metrics.jsonl", "run.json") if (output_dir / n).exists()]
-    if (not held and not found) or recorded_resume(output_dir) == str(resume.resolve()):
+    if (not held and not found) or began_from(output_dir, resume):
         return  # a new folder, or the same command again (its run began from that checkpoint)
     theirs, finish = read_fingerprint(resume), recorded_finish(output_dir)
     mine = read_fingerprint(found[-1]) if found else None

@@ -54,6 +54,11 @@ def step_folder(output_dir: Path, step: int) -> Path:
     return output_dir / CHECKPOINTS / f"step-{step:06d}"
 
 
+def checkpoint_of(folder: Path, output_dir: Path) -> bool:
+    """Whether the checkpoint ``folder`` is one of ``output_dir``'s (OUTPUT/checkpoints/step-N)."""
+    return folder.resolve().parent.parent == output_dir.resolve()
+
+
 def list_checkpoints(output_dir: Path) -> list[Path]:
     """Checkpoint folders by step number, oldest first (hidden temporary folders, and folders kept
     aside, are not checkpoints)."""

@@ -22,12 +22,13 @@ from typing import Any, Protocol
 import torch
 
 from lmtune.checkpoint.export import save_final
-from lmtune.checkpoint.finished import Finished, finished_record, read_finished, recorded_resume
+from lmtune.checkpoint.finished import Finished, began_from, finished_record, read_finished
 from lmtune.checkpoint.layout import (
     CHANGES_FILE,
     FINGERPRINT_FILE,
     MANIFEST,
     SCALER_FILE,
+    checkpoint_of,
     saved_checkpoints,
     step_folder,
 )
@@ -153,7 +154,7 @@ class CheckpointManager:
     def _refuse_elsewhere(self, earlier: Finished) -> None:
         """A checkpoint of another folder would train this finished run's steps again over it."""
         given = Path(self.settings.resume)
-        if given.resolve().parent.parent != self.output_dir.resolve():
+        if not checkpoint_of(given, self.output_dir):
             raise UserError(
                 f"--resume {given}: a checkpoint of another folder, and {self.output_dir} holds this run, "
                 f"finished at step {earlier.step} (its model in final/): to continue it, leave --resume out "
@@ -169,8 +170,7 @@ class CheckpointManager:
         resume = self.settings.resume
         if resume in ("auto", "never"):
             return False
-        recorded = decided_by_main(lambda: recorded_resume(self.output_dir), None, self.env)
-        return bool(recorded == str(Path(resume).resolve()))
+        return decided_by_main(lambda: began_from(self.output_dir, resume), False, self.env)
 
     @property
     def _another_resume(self) -> bool:
@@ -223,7 +223,7 @@ class CheckpointManager:
         self._start_step = state.step
         # A checkpoint of another folder's run is not this folder's: its end saves one here, so
         # that a longer run continues in this folder even when this one trained nothing.
-        here = folder.resolve().parent.parent == self.output_dir.resolve()
+        here = checkpoint_of(folder, self.output_dir)
         self._saved_step = state.step if here else -1
         if not here:
             self.continued.append(folder.resolve().parent)

@@ -18,6 +18,7 @@ from typing import Any
 from lmtune.checkpoint.finished import check_continued_into, earlier_record, recorded_finish
 from lmtune.checkpoint.layout import (
     LOCK_FILE,
+    checkpoint_of,
     enclosing_run,
     in_the_way,
     lmtunes_folder,
@@ -340,7 +341,7 @@ def prepare_output(
             warn(f"removed {path}, left by a save that did not finish")
         # A checkpoint here (--resume never then refuses it by itself), or one named by --resume.
         given = resume not in ("auto", "never")
-        if given and not overwrite and Path(resume).resolve().parent.parent != output_dir.resolve():
+        if given and not overwrite and not checkpoint_of(Path(resume), output_dir):
             check_continued_into(output_dir, Path(resume), config)
         continued = given or bool(list_checkpoints(output_dir))
         check_earlier_run(output_dir, continued, overwrite, config, warn)

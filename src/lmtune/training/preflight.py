@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from lmtune.checkpoint.finished import recorded_resume
+from lmtune.checkpoint.finished import began_from
 from lmtune.checkpoint.layout import not_a_checkpoint, verify
 from lmtune.checkpoint.rundir import check_output_dir, check_outside_inputs
 from lmtune.config.groups import ExampleSettings
+from lmtune.config.mixture import joined
 from lmtune.config.settings import TrainConfig, config_fields, option_name, value_of
 from lmtune.config.validate import PREFERENCE, check_settings
 from lmtune.data.chat import read_template
@@ -91,8 +92,7 @@ def validate(
             raise UserError(f"--resume {resume}: not a folder; it takes a checkpoint, RUN/checkpoints/step-N")
         # The same command as the folder's run began with: it continues from where the run got to,
         # which --keep-last may have pruned that checkpoint behind.
-        same = recorded_resume(Path(cfg.checkpoint.output_dir)) == str(Path(resume).resolve())
-        if not Path(resume).is_dir() and not same:
+        if not Path(resume).is_dir() and not began_from(Path(cfg.checkpoint.output_dir), resume):
             raise UserError(f"--resume: no such checkpoint folder: {resume}")
         if Path(resume).is_dir() and verify(Path(resume)) and (instead := not_a_checkpoint(Path(resume))):
             raise UserError(f"--resume {resume}: {instead}; it takes a checkpoint, RUN/checkpoints/step-N")
@@ -126,7 +126,7 @@ def validate(
 def _one_path(path: str) -> str:
     """``path`` as one item of a list of sources: a comma in its name kept, ``lr=1e-3/final`` not
     read as a source named ``lr``."""
-    one = path.replace(",", "\\,")
+    one = joined([path])
     return one if "=" not in path.split("/")[0] or Path(path).is_absolute() else f"./{one}"
 
 
