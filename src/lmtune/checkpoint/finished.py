@@ -12,6 +12,7 @@ from typing import Any
 
 from lmtune.checkpoint.layout import list_checkpoints
 from lmtune.config.files import read_json_object
+from lmtune.config.run_groups import names_checkpoint
 from lmtune.config.settings import option_name
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, decided_by_main
@@ -93,7 +94,7 @@ def recorded_resume(output_dir: Path) -> str | None:
     if isinstance(path, str):
         return path
     given = config.get("resume") if isinstance(config, dict) else None
-    if not isinstance(given, str) or not given.strip() or given in ("auto", "never"):
+    if not names_checkpoint(given) or not given.strip():
         return None
     return str(Path(given).resolve())
 

@@ -43,7 +43,7 @@ from lmtune.checkpoint.resume import (
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import Saves, check_room, load_checkpoint, prune, read_state, save_checkpoint
 from lmtune.config.files import read_json_object
-from lmtune.config.run_groups import CheckpointSettings
+from lmtune.config.run_groups import CheckpointSettings, names_checkpoint
 from lmtune.errors import UserError
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv, broadcast_object, decided_by_main
@@ -168,7 +168,7 @@ class CheckpointManager:
         read by rank 0 for all: a collective): the same command again, which continues the run from
         where it got to, not from that checkpoint again."""
         resume = self.settings.resume
-        if resume in ("auto", "never"):
+        if not names_checkpoint(resume):
             return False
         return decided_by_main(lambda: began_from(self.output_dir, resume), False, self.env)
 
@@ -176,7 +176,7 @@ class CheckpointManager:
     def _another_resume(self) -> bool:
         """--resume names another checkpoint than the one the folder's run began from: the user's
         choice (an earlier step, the way on when the last checkpoint is damaged)."""
-        return self.settings.resume not in ("auto", "never") and not self._same_command
+        return names_checkpoint(self.settings.resume) and not self._same_command
 
     def finished_record(self, step: int, total_steps: int) -> dict[str, Any]:
         """What run.json records of this run once it finished (:meth:`finished_already` reads it)."""

@@ -36,7 +36,7 @@ from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state, resume_note
 from lmtune.config.files import read_json_object
 from lmtune.config.mixture import named_items, parse_weights
-from lmtune.config.run_groups import CheckpointSettings
+from lmtune.config.run_groups import CheckpointSettings, names_checkpoint
 from lmtune.config.settings import TrainConfig, config_fields, option_name, warmup_steps
 from lmtune.errors import NoSpace, UserError, one_line
 from lmtune.model.paths import PATHS_FILE
@@ -293,7 +293,7 @@ def rerun_outcome(output_dir: Path, resume: Any, overwrite: bool = False) -> str
 
 
 def _rerun_without_overwrite(output_dir: Path, resume: Any) -> str:
-    if isinstance(resume, str) and resume not in ("auto", "never"):
+    if names_checkpoint(resume):
         return f"the same command resumes from --resume {resume} again"
     saved = list_checkpoints(output_dir)
     if not saved:

@@ -31,6 +31,7 @@ from lmtune.checkpoint.owned import listed as names_listed
 from lmtune.checkpoint.owned import users_files_said
 from lmtune.config.files import unwritable
 from lmtune.config.mixture import named_items
+from lmtune.config.run_groups import names_checkpoint
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, decided_by_main, stop_if_signalled
 from lmtune.parallel.health import HANG_REPORT, HEALTH_DIR_ENV, users_hang_report
@@ -340,7 +341,7 @@ def prepare_output(
         for path in remove_leftovers(output_dir):
             warn(f"removed {path}, left by a save that did not finish")
         # A checkpoint here (--resume never then refuses it by itself), or one named by --resume.
-        given = resume not in ("auto", "never")
+        given = names_checkpoint(resume)
         if given and not overwrite and not checkpoint_of(Path(resume), output_dir):
             check_continued_into(output_dir, Path(resume), config)
         continued = given or bool(list_checkpoints(output_dir))

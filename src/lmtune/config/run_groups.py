@@ -4,6 +4,7 @@ launch, logging and health (lmtune.config.groups has what is trained and how; th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from lmtune.config.groups import setting
 
@@ -220,3 +221,8 @@ class HealthSettings:
             "output and cache folders shared and writable, free disk, data, clocks); stop on a failure."
         ),
     )
+
+
+def names_checkpoint(resume: object) -> TypeGuard[str]:
+    """Whether a --resume value names a checkpoint folder, not one of the words auto and never."""
+    return isinstance(resume, str) and resume not in ("auto", "never")

@@ -15,6 +15,7 @@ from lmtune.checkpoint.layout import not_a_checkpoint, verify
 from lmtune.checkpoint.rundir import check_output_dir, check_outside_inputs
 from lmtune.config.groups import ExampleSettings
 from lmtune.config.mixture import joined
+from lmtune.config.run_groups import names_checkpoint
 from lmtune.config.settings import TrainConfig, config_fields, option_name, value_of
 from lmtune.config.validate import PREFERENCE, check_settings
 from lmtune.data.chat import read_template
@@ -87,7 +88,7 @@ def validate(
     resume = cfg.checkpoint.resume
     if not resume.strip():  # Path("") is the working folder
         raise UserError("--resume: empty; give a checkpoint folder (RUN/checkpoints/step-N), auto or never")
-    if resume not in ("auto", "never"):
+    if names_checkpoint(resume):
         if Path(resume).exists() and not Path(resume).is_dir():
             raise UserError(f"--resume {resume}: not a folder; it takes a checkpoint, RUN/checkpoints/step-N")
         # The same command as the folder's run began with: it continues from where the run got to,
@@ -109,7 +110,7 @@ def validate(
         "--sample-prompts": one(cfg.samples.prompts or ""),
         "--chat-template": one(cfg.examples.chat_template or ""),
     }
-    if cfg.checkpoint.overwrite and resume not in ("auto", "never"):
+    if cfg.checkpoint.overwrite and names_checkpoint(resume):
         # Without --overwrite a checkpoint of the folder itself is what a resume continues.
         inputs["--resume"] = one(resume)
     check_output_dir(Path(cfg.checkpoint.output_dir), inputs, cfg.checkpoint.overwrite)

@@ -16,6 +16,7 @@ import torch
 
 from lmtune import __version__
 from lmtune.checkpoint.state import optimizer_state_bytes
+from lmtune.config.run_groups import names_checkpoint
 from lmtune.config.settings import TrainConfig, setting_named, to_dict, warmup_steps
 from lmtune.config.threads import busy_at_start, spinning_among_others, thread_wait
 from lmtune.data.pairs import examples_noun
@@ -106,7 +107,7 @@ def run_record(
         "base_bytes": _base_bytes(built.loaded.model) if quantization else None,
         "trainable_parameters": count(p for p in built.parts.root.parameters() if p.requires_grad),
         "resumed_from": str(resumed[0]) if resumed[0] else None,
-        "resume_path": None if given in ("auto", "never") else str(Path(given).resolve()),  # any cwd's
+        "resume_path": str(Path(given).resolve()) if names_checkpoint(given) else None,  # any cwd's
         # What each resume changed, from which step: the settings above are the last attempt's.
         "changed_on_resume": resumed[1],
         "peak_flops_per_device": peak,
