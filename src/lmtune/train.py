@@ -135,7 +135,9 @@ def _run(run: RunContext) -> TrainResult:
         say_finished(run, earlier.step)
         return TrainResult(output_dir, earlier.step, *recorded_result(output_dir))  # as run.json has them
     refused_by_main(lambda: final_problem(output_dir), env)  # a finished run that trains on replaces it
-    attach_references(run, built, data_cache_dir(cfg.data))  # the starting weights': before a resume
+    # The starting weights' log-probs: before a resume loads the checkpoint's.
+    reference = attach_references(run, built, data_cache_dir(cfg.data))
+    checkpoints.fingerprint = checkpoints.fingerprint.with_reference(reference)
     fresh = TrainerState.fresh(cfg.batch.global_batch_size, env.world_size, cfg.seed, len(built.train_data))
     state = checkpoints.resume(fresh, built.layout.total_steps)
     # A loaded optimizer state brings the saved hyperparameters back; this run's settings rule.

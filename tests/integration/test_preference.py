@@ -178,25 +178,44 @@ def test_user_errors_name_what_to_fix(
     assert message in capsys.readouterr().err
 
 
-def test_a_reference_model_precomputed_or_live_gives_the_same_losses(tmp_path: Path) -> None:
+def test_a_reference_model_precomputed_or_live_gives_the_same_losses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Also: a --reference-model folder retrained in place between a stop and the resume (the
+    user's SFT run continued into it) is refused, where the rest of the run trained against it."""
     from lmtune.model.modeling import build_preset
 
-    other = build_preset("tiny", seed=99)  # not the policy: the first loss is not ln 2
+    def save_reference(seed: int) -> None:
+        other = build_preset("tiny", seed=seed)
+        other.model.save_pretrained(folder)
+        other.tokenizer.save_pretrained(folder)
+
     folder = tmp_path / "reference"
-    other.model.save_pretrained(folder)
-    other.tokenizer.save_pretrained(folder)
+    save_reference(99)  # not the policy: the first loss is not ln 2
     data = write_pairs(tmp_path / "pairs.jsonl", 16, seed=5)
-    losses = {}
+    losses, commands = {}, {}
     for mode in ("logprobs", "live"):
         out = tmp_path / mode
         args = ["train", "--objective", "dpo", "--data", str(data), "--reference-model", str(folder)]
-        args += ["--reference", mode, "--max-steps", "2", "--global-batch-size", "8", "--no-progress"]
-        assert main([*args, "--output-dir", str(out)]) == 0
-        losses[mode] = [r["loss"] for r in train_rows(out)]
+        args += ["--reference", mode, "--global-batch-size", "8", "--no-progress", "--output-dir", str(out)]
+        assert main([*args, "--max-steps", "2"]) == 0
+        losses[mode], commands[mode] = [r["loss"] for r in train_rows(out)], args
         run = json.loads((out / "run.json").read_text())
         assert str(folder) in run["resolved"]["reference"]
     assert abs(losses["logprobs"][0] - 0.6931471805599453) > 1e-3
     assert losses["live"] == pytest.approx(losses["logprobs"], abs=1e-6)
+    save_reference(98)
+    for mode, args in commands.items():
+        assert main([*args, "--max-steps", "2"]) == 0  # finished: nothing trains against it
+        capsys.readouterr()
+        assert main([*args, "--max-steps", "3"]) == 2, mode
+        said = capsys.readouterr().err
+        assert "reference weights (--reference-model)" in said, said
+        assert f"the weights of --reference-model {folder} changed since the checkpoint" in said
+    save_reference(99)
+    for mode, args in commands.items():
+        assert main([*args, "--max-steps", "3"]) == 0, mode
+        assert [r["step"] for r in train_rows(tmp_path / mode)] == [1, 2, 3]
 
 
 def test_a_reference_cache_that_cannot_be_written_costs_a_warning(

@@ -31,10 +31,14 @@ FINISHED_KEY = "finished"  # under run.json's "result"
 RUN_RECORD_BYTES = 64 << 20
 
 
+# Known only once the --reference-model is loaded, after a finished run is recognised: a finished
+# run's record leaves it out; a checkpoint's fingerprint holds it, and a resume checks it.
+REFERENCE_WEIGHTS = "reference weights (--reference-model)"
+
+
 def fingerprint_hash(fixed: dict[str, Any]) -> str:
-    return hashlib.blake2b(
-        json.dumps(fixed, sort_keys=True, default=str).encode(), digest_size=12
-    ).hexdigest()
+    kept = {k: v for k, v in fixed.items() if k != REFERENCE_WEIGHTS}
+    return hashlib.blake2b(json.dumps(kept, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
 
 
 def finished_record(step: int, total_steps: int, fixed: dict[str, Any]) -> dict[str, Any]:

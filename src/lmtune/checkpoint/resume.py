@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lmtune.checkpoint.finished import REFERENCE_WEIGHTS
 from lmtune.checkpoint.layout import (
     CHECKPOINTS,
     FINGERPRINT_FILE,
@@ -69,6 +70,10 @@ class Fingerprint:
 
     def to_json(self) -> dict[str, Any]:
         return {"fixed": self.fixed, "adjustable": self.adjustable, "described": self.described}
+
+    def with_reference(self, digest: str | None) -> Fingerprint:
+        """With the --reference-model's weights' hash, known once it is loaded (None: no such model)."""
+        return self if digest is None else replace(self, fixed=self.fixed | {REFERENCE_WEIGHTS: digest})
 
 
 def config_hash(config: Any) -> str:
@@ -210,6 +215,11 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
                 f" (the weights of --model {now.described.get('--model')} changed since the checkpoint: "
                 "a LoRA run's frozen base and a preference run's reference are read from there again)"
             )
+        if any(c.startswith(REFERENCE_WEIGHTS) for c in refused):
+            said += (
+                f" (the weights of --reference-model {now.fixed.get('--reference-model')} changed since the "
+                "checkpoint: the rest of the run would train against another reference)"
+            )
         todo = (
             # Another objective on the weights a run trained (TRL's SFT, then DPO): a new run of them.
             f"To tune the model this checkpoint holds with another objective, start a new run from it: "
@@ -228,7 +238,7 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
 _UNRECORDED = {"--objective": "sft"}
 STARTING_WEIGHTS = "starting weights (--model)"
 # Checked only where the checkpoint records them: an older one does not.
-_IF_RECORDED = (STARTING_WEIGHTS,)
+_IF_RECORDED = (STARTING_WEIGHTS, REFERENCE_WEIGHTS)
 _OBJECTIVE_OWN = ("--reference", "--reference-model")
 
 
@@ -241,6 +251,8 @@ def _changes(a: dict[str, Any], b: dict[str, Any], both: bool = False) -> list[s
     # Both sides' entries: one recorded only by the checkpoint (a quantized base) differs too.
     keys = [k for k in [*b, *(k for k in a if k not in b)] if not both or (k in a and k in b)]
     keys = [k for k in keys if k in a or k not in _IF_RECORDED]
+    # Checked once known: the checks before the reference is loaded leave it to the resume itself.
+    keys = [k for k in keys if k in b or k != REFERENCE_WEIGHTS]
     return [
         f"{k} {shown(a.get(k, _UNRECORDED.get(k)))} -> {shown(b.get(k, _UNRECORDED.get(k)))}"
         for k in keys

@@ -39,6 +39,7 @@ class Reference:
     # kind "model": a PreferenceLoss in reference_mode around the frozen model, on the device and
     # sharded under FSDP2; called whole, so FSDP2 gathers its parameters.
     module: nn.Module | None = None
+    digest: str | None = None  # kind "model" of a --reference-model: its weights' hash
 
 
 def disable_dropout(model: nn.Module) -> None:

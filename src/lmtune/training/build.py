@@ -52,14 +52,14 @@ from lmtune.model.tokens import check_positions, fit_embeddings, fit_vocabulary,
 from lmtune.objectives import objective_for
 from lmtune.objectives.base import LossSetup, Objective
 from lmtune.outputs.runlog import InfoLog, RunLog
-from lmtune.parallel.distributed import DistEnv, all_gather_object, broadcast_object
+from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.parallel.wrap import wrap_model
 from lmtune.training.batch_layout import BatchLayout, batch_layout
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, default_lr, optimizer_for
 from lmtune.training.preflight import warn_unused_names
-from lmtune.training.reference import attach_references, model_digest, needs_reference, with_live_reference
+from lmtune.training.reference import attach_references, main_digest, needs_reference, with_live_reference
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ def _starting_digest(run: RunContext, model: torch.nn.Module, objective: Objecti
     own_reference = needs_reference(objective) and run.cfg.objective.reference_model is None
     if not (run.cfg.lora.enabled or own_reference):
         return None
-    return broadcast_object(model_digest(model) if run.env.is_main else None, run.env)
+    return main_digest(model, run.env)
 
 
 def _shapes(cfg: TrainConfig, data: TokenizedDataset, layout: BatchLayout, batching: str) -> list[list[int]]:

@@ -43,7 +43,7 @@ from lmtune.objectives.base import LossSetup, Objective
 from lmtune.objectives.pair_losses import PairLoss
 from lmtune.objectives.preference import PreferenceLoss, PreferenceObjective, Reference
 from lmtune.outputs.runlog import InfoLog
-from lmtune.parallel.distributed import all_reduce_sum, broadcast_object
+from lmtune.parallel.distributed import DistEnv, all_reduce_sum, broadcast_object
 from lmtune.parallel.wrap import unwrap, wrap_model
 from lmtune.training.context import RunContext
 
@@ -74,6 +74,11 @@ def model_digest(model: nn.Module) -> str:
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
         digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def main_digest(model: nn.Module, env: DistEnv) -> str:
+    """:func:`model_digest` of rank 0's copy, on every rank."""
+    return broadcast_object(model_digest(model) if env.is_main else "", env)
 
 
 def _check_vocabulary(reference: nn.Module, policy: nn.Module, name: str) -> None:
@@ -128,8 +133,11 @@ def with_live_reference(
     cfg = run.cfg
     if cfg.lora.enabled and cfg.objective.reference_model is None:
         return objective.with_reference(Reference(kind="adapter"))
-    module = reference_module(run, reference_model(run, base), varlen, run.strategy == "fsdp", products)
-    return objective.with_reference(Reference(kind="model", module=module))
+    frozen = reference_model(run, base)
+    # Its hash, where it is a model of its own: a resume checks that it is the one the run began with.
+    digest = None if cfg.objective.reference_model is None else main_digest(frozen, run.env)
+    module = reference_module(run, frozen, varlen, run.strategy == "fsdp", products)
+    return objective.with_reference(Reference(kind="model", module=module, digest=digest))
 
 
 def reference_module(
@@ -298,9 +306,9 @@ def precompute_references(
     datasets: list[tuple[TokenizedDataset, str]],
     pad_token_id: int,
     data_cache: Path,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], str]:
     """Set the reference log-probs of every (data set, data key) from the cache or one pass, and
-    say what was done (run.json's ``data.reference``)."""
+    say what was done (run.json's ``data.reference``), with the reference's weights' hash."""
     cfg = run.cfg
     micro = cfg.batch.micro_batch_size or PRECOMPUTE_PAIRS
     source = _ReferenceSource(run, policy)
@@ -331,7 +339,7 @@ def precompute_references(
     model = cfg.objective.reference_model or "the starting model" + (
         " (adapter disabled)" if cfg.lora.enabled else ""
     )
-    return {"kind": "logprobs", "model": model, "files": files}
+    return {"kind": "logprobs", "model": model, "files": files}, source.digest()
 
 
 class _ReferenceSource:
@@ -360,7 +368,7 @@ class _ReferenceSource:
     def digest(self) -> str:
         if self._digest is None:
             model = self._reference()
-            self._digest = broadcast_object(model_digest(model) if self.run.env.is_main else "", self.run.env)
+            self._digest = main_digest(model, self.run.env)
         return self._digest
 
     def module(self) -> nn.Module:
@@ -376,11 +384,16 @@ class _ReferenceSource:
         self._model = self._wrapped = None
 
 
-def attach_references(run: RunContext, built: Built, cache_dir: Path) -> None:
+def attach_references(run: RunContext, built: Built, cache_dir: Path) -> str | None:
     """The reference log-probs of every pair (cached by the starting weights' hash), where the
-    objective precomputes them: before a checkpoint's weights are loaded into the policy."""
+    objective precomputes them: before a checkpoint's weights are loaded into the policy.
+
+    Returns:
+        The --reference-model's weights' hash, where one is given (a resume checks it).
+    """
     if not precomputes(run, built.objective):
-        return
+        trained = built.parts.root  # the loss module, which runs the live reference
+        return trained.reference.digest if isinstance(trained, PreferenceLoss) else None
     parts, loss = built.parts, built.loss
     policy = PolicyParts(
         built.model,
@@ -392,9 +405,10 @@ def attach_references(run: RunContext, built: Built, cache_dir: Path) -> None:
         built.autocast,
     )
     datasets = _distinct(built.train_data, built.eval_data, built.data_info)
-    built.data_info["reference"] = precompute_references(
+    built.data_info["reference"], digest = precompute_references(
         run, policy, datasets, built.tokenizer.pad_token_id, cache_dir
     )
+    return digest if run.cfg.objective.reference_model is not None else None
 
 
 def _distinct(

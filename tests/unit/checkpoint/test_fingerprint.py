@@ -45,3 +45,20 @@ def test_a_differing_hash_names_the_settings_behind_it() -> None:
             Fingerprint({**dpo, "--objective": "simpo", "--reference": None}, {}),
             Path("c"),
         )
+
+
+def test_the_reference_weights_are_checked_once_known() -> None:
+    """The --reference-model is loaded after a finished run is recognised and the checkpoint
+    first checked: those leave its hash out; the resume, once it is known, compares it."""
+    from lmtune.checkpoint.finished import fingerprint_hash
+
+    early = Fingerprint({"--reference-model": "ref", "--seed": 1}, {})
+    saved = early.with_reference("aaa")
+    assert fingerprint_hash(saved.fixed) == fingerprint_hash(early.fixed)
+    assert compare(saved, early, Path("c")) == []
+    assert compare(saved, early.with_reference("aaa"), Path("c")) == []
+    with pytest.raises(
+        UserError, match=r"reference weights \(--reference-model\) aaa -> bbb .* --reference-model ref"
+    ):
+        compare(saved, early.with_reference("bbb"), Path("c"))
+    assert compare(early, early.with_reference("bbb"), Path("c")) == []  # an older checkpoint: unrecorded
