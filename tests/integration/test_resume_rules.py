@@ -527,6 +527,12 @@ def test_a_lora_base_retrained_in_place_is_refused_on_resume(
     # The same base, its folder spelled another way (refused as "--model S1/final -> S1/final/"): resumed.
     same = ["--lora", "--model", f"{sft / 'final'}/"]
     assert main(_args(base["data"], base["root"] / "lora-same", *same)) == 0
+    # The same weights in another folder (moved to another disk): the same base, resumed.
+    shutil.copytree(out, base["root"] / "lora-moved")
+    shutil.copytree(sft / "final", base["root"] / "moved-base")
+    moved = ["--lora", "--model", str(base["root"] / "moved-base")]
+    assert main(_args(base["data"], base["root"] / "lora-moved", *moved)) == 0
+    assert [r["step"] for r in train_rows(base["root"] / "lora-moved")] == list(range(1, STEPS + 1))
     assert main(["train", "--output-dir", str(sft), "--max-steps", "3", *short]) == 0  # final/ replaced
     said = _fails(_args(base["data"], out, *lora), capsys, "starting weights (--model)")
     assert f"the weights of --model {sft / 'final'} changed since the checkpoint" in said
