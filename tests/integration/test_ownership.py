@@ -116,6 +116,52 @@ def test_export_writes_beside_and_replaces_only_an_earlier_export(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
 
 
+def test_export_keeps_a_lora_base_and_the_working_folder_and_merges_a_relative_base(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An export over a LoRA checkpoint's own base (an earlier export, so --overwrite would replace
+    it) lost the base that the adapter, the run's resume and --merge-lora load; an export into
+    the working folder was a traceback (`.`) or left the shell in a deleted folder; --merge-lora
+    refused a run whose --model was typed relative to where it trained."""
+    from safetensors.torch import load_file
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(run / "checkpoints" / "step-000002"), "models/base"]) == 0
+    data = write_jsonl(tmp_path / "d.jsonl", [f"text {i}" for i in range(16)])
+    argv = ["train", "--model", "models/base", "--lora", "--data", str(data), "--output-dir", "lora"]
+    argv += [
+        "--max-steps",
+        "2",
+        "--save-every",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--merge-lora",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    ckpt = tmp_path / "lora" / "checkpoints" / "step-000002"
+    base = tmp_path / "models" / "base"
+    before = _files(base)
+    for dest in ("models/base", "models", f"{base}/"):
+        said = _error(["export", str(ckpt), dest, "--overwrite"], capsys)
+        assert f"holds {base}, the base model of the checkpoint's LoRA adapter" in said
+    assert _files(base) == before
+    here = tmp_path / "away" / "here"
+    here.mkdir(parents=True)
+    monkeypatch.chdir(here)
+    for dest, words in ((".", "the working folder;"), (str(here), "the working folder;"), ("..", "it holds")):
+        assert words in _error(["export", str(ckpt), dest], capsys)
+    assert "DIR is empty" in _error(["export", str(ckpt), ""], capsys)
+    assert "CHECKPOINT is empty" in _error(["export", "", "m"], capsys)
+    assert main(["export", str(ckpt), "merged", "--merge-lora"]) == 0  # from another working folder
+    exported, trained = (
+        load_file(here / "merged" / "model.safetensors"),
+        load_file(tmp_path / "lora" / "final" / "merged" / "model.safetensors"),
+    )
+    assert exported.keys() == trained.keys() and all(exported[k].equal(trained[k]) for k in trained)
+
+
 def test_an_export_into_a_users_empty_folder_keeps_its_permissions(run: Path, tmp_path: Path) -> None:
     """A folder made 0700 for the weights became 0755 (the export is written beside it and renamed
     into its place)."""

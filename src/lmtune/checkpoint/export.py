@@ -307,12 +307,17 @@ def _merged_checkpoint(checkpoint: Path, trust_remote_code: bool) -> nn.Module:
 
     saved = read_fingerprint(checkpoint)
     record = checkpoint.parent.parent / "run.json"
-    config = read_json_object(record).get("config") if record.is_file() else None
+    run = read_json_object(record) if record.is_file() else {}
+    config, resolved = run.get("config"), run.get("resolved")
+    # --model as typed (relative to where training ran), and a local folder as loaded (absolute),
+    # as the fingerprint records it.
+    models = {config.get("model") if isinstance(config, dict) else None}
+    models.add(resolved.get("model_source") if isinstance(resolved, dict) else None)
     same = (
         saved is not None
         and isinstance(config, dict)
-        and (config.get("model"), config.get("seed"))
-        == (saved.fixed.get("--model"), saved.fixed.get("--seed"))
+        and saved.fixed.get("--model") in models - {None}
+        and config.get("seed") == saved.fixed.get("--seed")
     )
     if not same:
         raise UserError(
@@ -366,13 +371,24 @@ def check_destination(checkpoint: Path, out: Path, overwrite: bool) -> None:
         )
     if dest == source or dest in source.parents or source in dest.parents:
         raise UserError(f"{where}: holds or lies inside the checkpoint {checkpoint}; choose another folder")
+    base = _local_base(checkpoint)
+    if base is not None and (dest == base or dest in base.parents):
+        raise UserError(
+            f"{where}: holds {base}, the base model of the checkpoint's LoRA adapter, which the adapter "
+            "(and its run's resume and --merge-lora) loads; choose another folder"
+        )
     if not dest.exists():
         return
     if not dest.is_dir():
         raise UserError(f"{where}: exists and is not a folder")
-    if os.path.ismount(dest):  # it cannot be renamed, and the export is written beside it
+    # Written beside and renamed into place: a mount point cannot be renamed, and the working
+    # folder would be left behind, deleted, under the shell that ran the export.
+    here = Path.cwd().resolve()
+    what = "the working folder" if dest == here else f"it holds the working folder {here}"
+    if os.path.ismount(dest) or dest == here or dest in here.parents:
+        what = "a mount point" if os.path.ismount(dest) else what
         raise UserError(
-            f"{where}: a mount point; an export is written beside its folder and renamed into place, so "
+            f"{where}: {what}; an export is written beside its folder and renamed into place, so "
             f"give a folder inside it ({dest / 'model'})"
         )
     if not any(dest.iterdir()):
@@ -381,6 +397,17 @@ def check_destination(checkpoint: Path, out: Path, overwrite: bool) -> None:
         raise UserError(f"{where}: not empty and not an earlier export; choose a new or empty folder")
     if not overwrite:
         raise UserError(f"{where}: holds an earlier export; --overwrite replaces it")
+
+
+def _local_base(checkpoint: Path) -> Path | None:
+    """The local folder a LoRA checkpoint's adapter names as its base (absolute), if any."""
+    config = checkpoint / ADAPTER_CONFIG
+    try:
+        named = read_json_object(config).get("base_model_name_or_path") if config.is_file() else None
+    except UserError:  # said where the export reads it
+        return None
+    path = Path(named).expanduser() if isinstance(named, str) and named else None
+    return path.resolve() if path is not None and path.is_dir() else None
 
 
 def _write_export(out: Path, write: Callable[[Path], None], checkpoint: Path) -> None:

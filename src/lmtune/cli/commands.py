@@ -262,7 +262,11 @@ def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from pathlib import Path
 
     from lmtune.checkpoint.export import export
+    from lmtune.errors import UserError
 
+    for given, name in ((args.checkpoint, "CHECKPOINT"), (args.out, "DIR")):
+        if not given.strip():  # Path("") is the working folder
+            raise UserError(f"lmtune export: {name} is empty; give a folder")
     export(Path(args.checkpoint), Path(args.out), args.trust_remote_code, args.overwrite, args.merge_lora)
     print(f"wrote {args.out}")
     return 0
