@@ -135,11 +135,9 @@ def _run(run: RunContext) -> TrainResult:
         say_finished(run, earlier.step)
         return TrainResult(output_dir, earlier.step, *recorded_result(output_dir))  # as run.json has them
     refused_by_main(lambda: final_problem(output_dir), env)  # a finished run that trains on replaces it
-    # The starting weights' log-probs: before a resume loads the checkpoint's.
-    reference = attach_references(run, built, data_cache_dir(cfg.data))
-    checkpoints.fingerprint = checkpoints.fingerprint.with_reference(reference)
+    reference = attach_references(run, built, data_cache_dir(cfg.data))  # before a resume's weights
     fresh = TrainerState.fresh(cfg.batch.global_batch_size, env.world_size, cfg.seed, len(built.train_data))
-    state = checkpoints.resume(fresh, built.layout.total_steps)
+    state = checkpoints.resume(fresh, built.layout.total_steps, reference)
     # A loaded optimizer state brings the saved hyperparameters back; this run's settings rule.
     set_hyperparameters(built.optimizer, cfg.optim)
     checkpoints.check_room(state, built.layout.total_steps, cfg.optim.name, cfg.optim.momentum != 0)

@@ -86,8 +86,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         outs[name] = root / name
         proc = run_lmtune(["train", *common, *extra, "--output-dir", str(outs[name])], timeout=TIMEOUT)
         assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    # Resumed from step 3: in the same world size, and DDP's checkpoint in one process.
-    for name, source in (("qlora_resumed", "qlora"), ("qlora_from_ddp", "qlora_ddp")):
+    # Resumed from step 3: in the same world size, and DDP's and FSDP2's checkpoints in one process
+    # (FSDP2 packs the 4-bit values in fp32: the same base, refused as another one before).
+    resumed = (("qlora_resumed", "qlora"), ("qlora_from_ddp", "qlora_ddp"), ("qlora_from_fsdp", "qlora_fsdp"))
+    for name, source in resumed:
         outs[name] = _resume_copy(outs[source], 3, root / name)
         proc = run_lmtune(["train", *common, *q4, "--output-dir", str(outs[name])], timeout=TIMEOUT)
         assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -121,6 +123,8 @@ def test_resume_is_exact_and_crosses_world_sizes(runs: dict[str, Any]) -> None:
     # Saved by 2 ranks, continued by one: the same steps to fp32 rounding.
     assert _losses(runs["qlora_from_ddp"]) == pytest.approx(_losses(runs["qlora"])[3:], abs=1e-5)
     assert_same_training(_adapter(runs["qlora_from_ddp"]), whole, "2 ranks -> 1 process")
+    assert _losses(runs["qlora_from_fsdp"]) == pytest.approx(_losses(runs["qlora"])[3:], abs=1e-5)
+    assert_same_training(_adapter(runs["qlora_from_fsdp"]), whole, "FSDP2 on 2 ranks -> 1 process")
 
 
 def test_run_json_names_the_quantization(runs: dict[str, Any]) -> None:
@@ -212,4 +216,5 @@ def test_resuming_with_another_quantization_is_refused(runs: dict[str, Any], tmp
     proc = run_lmtune(["train", *runs["common"], "--output-dir", str(out)], timeout=TIMEOUT)
     assert proc.returncode == 2, proc.stderr
     assert "base quantization 4-bit nf4, double quant -> none" in proc.stderr
+    assert "changed since the checkpoint" not in proc.stderr  # the weights did not: their storage did
     assert "Traceback" not in proc.stderr

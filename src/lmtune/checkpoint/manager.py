@@ -182,9 +182,10 @@ class CheckpointManager:
         """What run.json records of this run once it finished (:meth:`finished_already` reads it)."""
         return finished_record(step, total_steps, self.fingerprint.fixed)
 
-    def resume(self, fresh: TrainerState, total_steps: int) -> TrainerState:
+    def resume(self, fresh: TrainerState, total_steps: int, reference: str | None = None) -> TrainerState:
         """Where this run starts: ``fresh``, or the checkpoint it continues, loaded (the model, the
-        optimizer, the scaler, this rank's RNG streams and every record).
+        optimizer, the scaler, this rank's RNG streams and every record). ``reference``: the
+        --reference-model's weights' hash, known once it is loaded, part of the fingerprint from here.
 
         A folder whose run.json says this very run finished is judged one way
         (:meth:`finished_already`): with no more steps asked for, nothing is loaded; with more,
@@ -194,6 +195,7 @@ class CheckpointManager:
         done = self.finished_already(total_steps)
         if done is not None:
             return replace(fresh, step=done.step)
+        self.fingerprint = self.fingerprint.with_reference(reference)
         folder = self._resume_folder
         self.resumed_from = folder
         if folder is None:

@@ -214,7 +214,8 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
             c for c in _changes(saved.described, now.described, both=True) if c.split()[0] not in now.fixed
         ]
         said = f" (of the settings behind them: {'; '.join(behind)})" if hashed and behind else ""
-        if any(c.startswith(STARTING_WEIGHTS) for c in refused):
+        requantized = any(c.startswith("base quantization") for c in refused)  # other values, same weights
+        if any(c.startswith(STARTING_WEIGHTS) for c in refused) and not requantized:
             said += (
                 f" (the weights of --model {now.described.get('--model')} changed since the checkpoint: "
                 "a LoRA run's frozen base and a preference run's reference are read from there again)"

@@ -275,6 +275,11 @@ def _sharded_state(parts: ModelParts, optimizer: torch.optim.Optimizer) -> dict[
 
     options = StateDictOptions(ignore_frozen_params=parts.lora)
     model_state, optimizer_state = get_state_dict(parts.root, optimizer, options=options)
+    if parts.lora:
+        # Only the adapter: a 4-bit base's quantization constants are state entries, not frozen
+        # parameters, and exist only where the values are packed in bytes (not under FSDP2).
+        trainable = {name for name, p in parts.root.named_parameters() if p.requires_grad}
+        model_state = {k: v for k, v in model_state.items() if k in trainable}
     return {"model": model_state, "optimizer": optimizer_state}
 
 

@@ -69,10 +69,14 @@ def precomputes(run: RunContext, objective: Objective) -> bool:
 def model_digest(model: nn.Module) -> str:
     """A hash of a model's weights (names, dtypes, shapes and bytes): what its log-probs depend on."""
     digest = hashlib.blake2b(digest_size=16)
+    # 4-bit values are packed in bytes, or under FSDP2 in its gather dtype: the same bytes, named as
+    # bytes, so that a QLoRA checkpoint's base is the same one under any strategy and precision.
+    packed = {f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"}
     for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
+        flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        shown = (torch.uint8, (flat.numel(), 1)) if name in packed else (tensor.dtype, tuple(tensor.shape))
+        digest.update(f"{name}|{shown[0]}|{shown[1]}".encode())
+        digest.update(flat.numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -416,7 +420,8 @@ def _distinct(
 ) -> list[tuple[TokenizedDataset, str]]:
     """The data sets whose pairs need reference log-probs, with their cache keys: one for the
     training data and an --eval-split of it, two with --eval-data."""
-    found = [(train.base(), info["train"]["key"])]
+    # Keyed by the tokens: the cache entry's name (the data key stays across lmtune's versions).
+    found = [(train.base(), Path(info["train"]["cache"]).name)]
     if held_out is not None and held_out.base() is not train.base():
-        found.append((held_out.base(), info["eval"]["key"]))
+        found.append((held_out.base(), Path(info["eval"]["cache"]).name))
     return found

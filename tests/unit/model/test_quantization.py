@@ -116,6 +116,25 @@ def test_a_folder_and_the_preset_quantize_to_the_same_model(folder: Path) -> Non
     assert parameter_count(model) == parameter_count(build_preset("tiny", 3).model)
 
 
+def test_the_starting_weights_hash_is_the_bases_under_any_strategy_and_precision() -> None:
+    """FSDP2 packs the 4-bit values in its gather dtype (fp32, bf16): the same bytes, which a
+    resume on another strategy or precision refused as another base."""
+    from dataclasses import replace
+
+    from lmtune.training.reference import model_digest
+
+    hashes = {
+        model_digest(load_model("tiny", 3, quantization=replace(NF4, storage_dtype=s, compute_dtype=c)).model)
+        for s, c in (
+            (torch.uint8, torch.float32),
+            (torch.float32, torch.float32),
+            (torch.bfloat16, torch.bfloat16),
+        )
+    }
+    assert len(hashes) == 1
+    assert hashes != {model_digest(load_model("tiny", 4, quantization=NF4).model)}
+
+
 def test_evaluation_does_not_repack_the_weights_for_an_inference_kernel(folder: Path) -> None:
     """On an AVX-512 BF16 CPU bitsandbytes would repack a 4-bit weight at its first eval forward
     into a layout whose kernel has no backward: training after it would lose the base's gradients."""
