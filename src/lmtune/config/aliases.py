@@ -244,6 +244,12 @@ def resolve_names(
 
 
 # Another tool's key whose value says what lmtune settings do: (its key, value as text) -> ours.
+# The dtypes' names in bitsandbytes' and transformers' configs, by lmtune's precision.
+_DTYPES = {
+    "fp32": ("float32", "fp32", "torch.float32"),
+    "bf16": ("bfloat16", "bf16", "torch.bfloat16"),
+    "fp16": ("float16", "fp16", "torch.float16"),
+}
 _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
     "adapter": {"lora": {"lora": True}, "qlora": {"lora": True, "load_in_4bit": True}},  # Axolotl
     "rl": {  # Axolotl ("true": its first releases' DPO)
@@ -262,6 +268,13 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
     # HF Trainer's, TRL's and Axolotl's half-precision switches (false: not that one, asks nothing).
     "bf16": {"true": {"precision": "bf16"}, "false": {}},
     "fp16": {"true": {"precision": "fp16"}, "false": {}},
+    # bitsandbytes' (peft, TRL, Axolotl): a 4-bit layer computes in the run's precision, and its
+    # constants are always quantized too; values that say so are taken.
+    "bnb_4bit_compute_dtype": {
+        **{name: {"precision": ours} for ours, names in _DTYPES.items() for name in names},
+    },
+    "bnb_4bit_use_double_quant": {"true": {}},
+    "cpo_alpha": {"0": {}, "0.0": {}},  # TRL's CPOConfig: SimPO is cpo_alpha 0, lmtune's simpo
 }
 
 

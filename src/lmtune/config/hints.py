@@ -26,6 +26,10 @@ HINTS: dict[str, str] = {
     # QLoRA's other bitsandbytes settings (peft, TRL, Axolotl): lmtune decides them.
     "bnb_4bit_compute_dtype": "4-bit layers compute in {precision}'s dtype (bf16 with {precision} bf16)",
     "bnb_4bit_use_double_quant": "{load_in_4bit} always quantizes the quantization constants too",
+    "quantization_config": (
+        "lmtune's {load_in_4bit} (with {bnb_4bit_quant_type} nf4 | fp4) or {load_in_8bit} quantize the "
+        "base; give them as settings of their own"
+    ),
     "fp16": "set the precision with {precision} fp16",
     "optim": "lmtune's optimizers: {optimizer} adamw | adamw8bit | paged_adamw8bit | sgd",
     "lr_scheduler_type": (
@@ -76,7 +80,10 @@ HINTS: dict[str, str] = {
         "{objective} simpo | orpo use none"
     ),
     "rpo_alpha": "lmtune's DPO adds no NLL term on the chosen answers; {objective} orpo has one",
-    "cpo_alpha": "{objective} simpo is SimPO without the NLL term (TRL's cpo_alpha: 0); lmtune has no CPO",
+    "cpo_alpha": (
+        "{objective} simpo is SimPO without the NLL term (TRL's cpo_alpha 0, which is taken); lmtune has "
+        "no CPO"
+    ),
     "use_weighting": "lmtune's DPO does not weight pairs (no WPO): remove it",
     "generate_during_eval": "{sample_prompts} FILE generates from those prompts every {sample_every} steps",
     "truncation_mode": (
