@@ -205,7 +205,7 @@ def test_a_damaged_cache_entry_is_named_and_rebuilt(
     again = prepare(str(data), tok, ExampleSettings(), ONE, cache)
     assert again.built and f"damaged data cache entry {first.folder}" in capsys.readouterr().err
     assert [again.dataset[i].input_ids.tolist() for i in range(len(again.dataset))] == expected
-    assert sorted(p.name for p in cache.iterdir()) == [first.key]  # nothing set aside is left
+    assert sorted(p.name for p in cache.iterdir()) == [first.folder.name]  # nothing set aside is left
 
 
 def test_stale_temporary_entries_are_removed(tmp_path: Path) -> None:

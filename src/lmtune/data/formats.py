@@ -7,6 +7,7 @@ tokenizer happens to encode a role marker.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -186,14 +187,35 @@ COMPLETION_NAMES = ("answer", "response", "output", "target", "completion_text",
 
 
 def _suggested_map(record: Record) -> str:
-    """``, such as prompt=question,completion=answer`` where the record has such a pair of fields."""
-    completion = next((n for n in COMPLETION_NAMES if isinstance(record.fields.get(n), str)), None)
-    if completion is None:
-        return ""
-    if isinstance(record.fields.get("instruction"), str):  # lmtune's instruction (+ input) + output
-        return f", such as output={completion}"
-    prompt = next((n for n in PROMPT_NAMES if isinstance(record.fields.get(n), str)), None)
-    return f", such as prompt={prompt},completion={completion}" if prompt else ""
+    """``, such as prompt=question,completion=answer`` where the record has such fields: another
+    tool's names, lmtune's own misspelled or in other case (promt, Prompt), or a list of turns
+    under another name (dialog)."""
+    fields = record.fields
+    ours = ("text", "prompt", "completion", "instruction", "output", "messages")
+    suggested: dict[str, str] = {}
+    for name in fields:
+        close = difflib.get_close_matches(name.lower(), ours, n=1, cutoff=0.8)
+        if name not in ours and close and close[0] not in fields:
+            suggested.setdefault(close[0], name)
+    completion = next((n for n in COMPLETION_NAMES if isinstance(fields.get(n), str)), None)
+    if completion is not None and isinstance(fields.get("instruction"), str):  # lmtune's output
+        suggested.setdefault("output", completion)
+    elif completion is not None:
+        prompt = next((n for n in ("prompt", *PROMPT_NAMES) if isinstance(fields.get(n), str)), None)
+        if prompt is not None:
+            if prompt != "prompt":
+                suggested.setdefault("prompt", prompt)
+            suggested.setdefault("completion", completion)
+    turns = next(
+        (n for n, v in fields.items() if _turn_list(v) and n not in ("messages", "conversations")), None
+    )
+    if turns is not None and "messages" not in fields:
+        suggested.setdefault("messages", turns)
+    return ", such as " + ",".join(f"{k}={v}" for k, v in suggested.items()) if suggested else ""
+
+
+def _turn_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) for m in value)
 
 
 def field_kind(record: Record, name: str) -> str:
@@ -258,7 +280,8 @@ def render(
             append_eos=True,
             format="prompt_completion",
         )
-    rendered = _render_messages(record, tokenizer, _turns(record, chosen, names), chosen)
+    turns, untrained = _conversation(record, chosen, names)
+    rendered = _render_messages(record, tokenizer, turns, chosen, untrained)
     return replace(rendered, spans=((0, len(rendered.text)),)) if train_on_prompt else rendered
 
 
@@ -266,6 +289,13 @@ def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -
     """The turns in a record's list field ``field`` (lmtune's name) as ``{role, content}`` under
     lmtune's role names; their own role and content fields are named as ``names`` says (ShareGPT's
     ``from`` and ``value`` by default in ``sharegpt`` records)."""
+    return _conversation(record, fmt, names, field)[0]
+
+
+def _conversation(
+    record: Record, fmt: str, names: FieldMap, field: str = "messages"
+) -> tuple[list[dict[str, str]], frozenset[int]]:
+    """:func:`_turns`, with the assistant turns that their own flag keeps from training."""
     plain = PLAIN_FIELDS.fields if fmt != "sharegpt" else SHAREGPT_TURNS
     if fmt == "sharegpt" and field == "messages" and "messages" not in names.fields:
         field = SHAREGPT_TURNS["messages"]
@@ -279,13 +309,24 @@ def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -
         )
     roles = {**SHAREGPT_ROLES, **{r: r for r in ROLES}, **names.roles}
     label = "message" if field in ("messages", SHAREGPT_TURNS["messages"]) else f"'{shown}' message"
-    turns = []
+    turns, untrained = [], set()
     for i, m in enumerate(raw):
         where = f"{label} {i + 1}"
+        calls = next((k for k in ("tool_calls", "function_call") if isinstance(m, Mapping) and m.get(k)), "")
+        if calls:  # a template would see only the text: the call trained as an empty reply
+            raise UserError(
+                f"{record.where}: {where} holds {calls}; lmtune trains on the text of each turn and has no "
+                "tool calling, so the call would train as an empty reply: leave such records out "
+                "(--skip-bad-lines skips them)"
+            )
         content = _text_content(record, m.get(content_key), where) if isinstance(m, Mapping) else None
         if content is None or role_key not in m:
             sharegpt = isinstance(m, Mapping) and {"from", "value"} <= set(m) and role_key != "from"
             hint = "; ShareGPT turns name them with --field-map role=from,content=value" if sharegpt else ""
+            if isinstance(m, Mapping) and {"role", "content"} <= set(m) and role_key == "from":
+                hint = (
+                    f"; turns of role and content under '{shown}' are read with --field-map messages={shown}"
+                )
             raise UserError(
                 f"{record.where}: {where} must be an object with a '{role_key}' and a '{content_key}' "
                 f"that is a string or a list of text parts{hint}"
@@ -297,8 +338,33 @@ def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -
                 f"{', '.join(ROLES)}; ShareGPT's {', '.join(SHAREGPT_ROLES)}; name others with "
                 f"--field-map ROLE=VALUE, such as assistant={one_line(str(m[role_key]), 40)})"
             )
+        if not _trains(record, m, where, role):
+            untrained.add(i)
         turns.append({"role": role, "content": content})
-    return turns
+    return turns, frozenset(untrained)
+
+
+def _trains(record: Record, turn: Mapping[str, Any], where: str, role: str) -> bool:
+    """Whether a turn trains, where its own flag says so (Axolotl's ``weight`` 0 or 1 of ShareGPT
+    turns, and ``training``): an assistant turn unless it says 0 (false); another never.
+
+    Raises:
+        UserError: a flag of another value, or one that asks to train a turn that is not the assistant's.
+    """
+    flags = {k: turn[k] for k in ("weight", "training") if k in turn}
+    for key, value in flags.items():
+        if value not in (0, 1) or (key == "training" and not isinstance(value, bool)):
+            raise UserError(
+                f"{record.where}: {where} has {key} {brief(value)}; a turn's {key} is "
+                f"{'0 or 1' if key == 'weight' else 'true or false'}: whether the turn trains"
+            )
+    if role != "assistant" and any(flags.values()):
+        asked = ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in flags.items())
+        raise UserError(
+            f"{record.where}: {where} ({role}) asks to train ({asked}); lmtune trains the assistant's "
+            "turns (every turn with --train-on-prompt)"
+        )
+    return role != "assistant" or all(flags.values())
 
 
 def _text_content(record: Record, content: Any, what: str) -> str | None:
@@ -331,7 +397,9 @@ def chat_text(tokenizer: Any, messages: list[dict[str, str]], generation_prompt:
     return render_chat(tokenizer, messages, generation_prompt)
 
 
-def _render_messages(record: Record, tokenizer: Any, messages: list[dict[str, str]], fmt: str) -> Rendered:
+def _render_messages(
+    record: Record, tokenizer: Any, messages: list[dict[str, str]], fmt: str, untrained: frozenset[int]
+) -> Rendered:
     """Render with the tokenizer's chat template; each assistant turn's own text is trainable.
 
     A turn's span is what rendering up to and including it adds to the rendering of the
@@ -342,7 +410,7 @@ def _render_messages(record: Record, tokenizer: Any, messages: list[dict[str, st
         spans = [
             _reply_span(tokenizer, messages, i, text)
             for i, m in enumerate(messages)
-            if m["role"] == "assistant"
+            if m["role"] == "assistant" and i not in untrained
         ]
     except UserError as e:
         raise UserError(f"{record.where}: {e}") from None
@@ -350,8 +418,8 @@ def _render_messages(record: Record, tokenizer: Any, messages: list[dict[str, st
 
 
 def _reply_span(tokenizer: Any, messages: list[dict[str, str]], i: int, text: str) -> tuple[int, int]:
-    before = chat_text(tokenizer, messages[:i], generation_prompt=True) if i else _empty_prompt(tokenizer)
     upto = chat_text(tokenizer, messages[: i + 1], generation_prompt=False)
+    before = chat_text(tokenizer, messages[:i], generation_prompt=True) if i else _opening(tokenizer, upto)
     if not (upto.startswith(before) and text.startswith(upto)):
         raise UserError(
             "the chat template does not render the conversation turn by turn, so "
@@ -368,6 +436,23 @@ def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:
         return messages[-1]["content"], chat_text(tokenizer, messages, generation_prompt=True)
     except UserError as e:
         raise UserError(f"{record.where}: {e}") from None
+
+
+def _opening(tokenizer: Any, upto: str) -> str:
+    """What precedes a reply that opens the conversation (``upto``: it rendered alone): the
+    template's start and the assistant's role header, which a reply after another turn does not
+    train either."""
+    empty = _empty_prompt(tokenizer)
+    try:  # the header the generation prompt adds after a turn, without the separator before it
+        turn = [{"role": "user", "content": "x"}]
+        asked, said = (chat_text(tokenizer, turn, generation_prompt=g) for g in (True, False))
+        header = asked[len(said) :].lstrip() if asked.startswith(said) else ""
+    except UserError:
+        header = ""
+    if not header or (empty and upto.startswith(empty) and empty.endswith(header)):
+        return empty
+    at = upto.find(header)
+    return upto[: at + len(header)] if at >= 0 else empty
 
 
 def _empty_prompt(tokenizer: Any) -> str:

@@ -43,7 +43,9 @@ from lmtune.errors import SettingError, UserError, megabytes, out_of_space
 from lmtune.parallel.distributed import DistEnv, available_cores, decided_by_main
 from lmtune.parallel.launch import warn
 
-CACHE_VERSION = 1
+# The entries' version, bumped when the same data tokenizes otherwise (2: an opening assistant turn
+# trains without its header; tool calls refused); a checkpoint's data key keeps 1: older runs resume.
+CACHE_VERSION, _KEY_VERSION = 2, 1
 LARGE_INPUT_BYTES = 16 << 20
 CACHE_ENV = environment.CACHE_DIR
 # A waiting rank gives up when the builder has written nothing for this long (it died, or hangs).
@@ -55,8 +57,8 @@ CACHE_WAIT_TIMEOUT_S = 600.0
 class Prepared:
     dataset: TokenizedDataset
     built: bool  # this process tokenized it (False: it read the cache)
-    key: str
-    folder: Path
+    key: str  # the data's, as a checkpoint's fingerprint records it
+    folder: Path  # the cache entry
 
 
 @dataclass(frozen=True)
@@ -116,19 +118,20 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def cache_key(
     sources: list[Source], tokenizer: Any, settings: ExampleSettings, components: list[int] | None = None
-) -> str:
-    """Changes when the data's content, the tokenizer, its template or any setting changes; an
-    entry kept per source (``components``: the files of each) is another entry than the whole.
-    (A mixture's weights are not part of it: they do not change the tokens.)"""
+) -> tuple[str, str]:
+    """The data's key and its cache entry's name (also :data:`CACHE_VERSION`'s), changed by the data's
+    content, the tokenizer, its template or any setting; an entry kept per source (``components``:
+    the files of each) is another than the whole. (A mixture's weights do not change the tokens.)"""
     parts: dict[str, Any] = {
-        "version": CACHE_VERSION,
         "sources": [s.fingerprint() for s in sources],
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "settings": dataclasses.asdict(settings),
     }
     if components is not None:  # absent otherwise: the keys of entries built before stay valid
         parts["components"] = components
-    return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
+    texts = (json.dumps({**parts, "version": v}, sort_keys=True) for v in (_KEY_VERSION, CACHE_VERSION))
+    key, entry = (hashlib.blake2b(s.encode(), digest_size=12).hexdigest() for s in texts)
+    return key, entry
 
 
 def records(sources: list[Source], settings: ExampleSettings, bad: BadLines) -> Iterator[Record]:
@@ -373,24 +376,24 @@ def prepare(
     builder = env.is_main or (per_node and env.local_rank == 0)
     dataset: TokenizedDataset | None = None
 
-    def verdict() -> tuple[str, str]:  # rank 0's: the others wait for it (and its errors) here
+    def verdict() -> tuple[str, str, str]:  # rank 0's: the others wait for it (and its errors) here
         nonlocal dataset
         # The inputs hashed once; a nonce per run keeps error markers of runs apart.
         split = [len(part) for part in components] if wanted.per_source else None
-        key, nonce = cache_key(sources, tokenizer, settings, split), uuid.uuid4().hex[:8]
-        dataset = _reuse(cache_dir, key, vocab, nonce)
-        return key, nonce
+        (key, entry), nonce = cache_key(sources, tokenizer, settings, split), uuid.uuid4().hex[:8]
+        dataset = _reuse(cache_dir, entry, vocab, nonce)
+        return key, entry, nonce
 
-    key, nonce = decided_by_main(verdict, ("", ""), env)
-    folder, error_file = cache_dir / key, cache_dir / f"{key}.error-{nonce}"
+    key, entry, nonce = decided_by_main(verdict, ("", "", ""), env)
+    folder, error_file = cache_dir / entry, cache_dir / f"{entry}.error-{nonce}"
     if builder and not env.is_main:  # a node's own builder (--cache-per-node)
-        dataset = _reuse(cache_dir, key, vocab, nonce)
+        dataset = _reuse(cache_dir, entry, vocab, nonce)
     if not builder:
-        dataset = _open_built(folder, vocab, error_file, f"{key}.tmp-{nonce}-*", check_stop)
+        dataset = _open_built(folder, vocab, error_file, f"{entry}.tmp-{nonce}-*", check_stop)
         return Prepared(dataset=dataset, built=False, key=key, folder=folder)
     if dataset is not None:
         return Prepared(dataset=dataset, built=False, key=key, folder=folder)
-    tmp = cache_dir / f"{key}.tmp-{nonce}-{env.rank}"
+    tmp = cache_dir / f"{entry}.tmp-{nonce}-{env.rank}"
     try:
         with _said_for_the_cache(tmp):
             _build(components, tokenizer, settings, tmp, wanted, check_stop)

@@ -237,7 +237,7 @@ def iter_records(source: Source, text_field: str, bad: BadLines, txt_mode: str =
     """The records of one source, in order; unreadable lines go to ``bad``."""
     readers = {
         "jsonl": lambda: _jsonl(source.name, bad),
-        "json": lambda: _json(source.name),
+        "json": lambda: _json(source.name, bad),
         "parquet": lambda: _parquet(source.name),
         "csv": lambda: _csv(source.name, bad),
         "txt": lambda: _txt(source.name, text_field, txt_mode, bad),
@@ -303,19 +303,44 @@ def _jsonl(path: str, bad: BadLines) -> Iterator[Record]:
         yield Record(path, lineno, record)
 
 
-def _json(path: str) -> Iterator[Record]:
+def _json(path: str, bad: BadLines) -> Iterator[Record]:
     try:
         with open(path, encoding="utf-8-sig") as f:
             text = f.read()
     except UnicodeDecodeError:
         raise UserError(f"{path}: not valid UTF-8") from None
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    if first.lstrip().startswith("{") and _one_object(first):  # JSON Lines named .json, as HF reads it
+        yield from _jsonl(path, bad)
+        return
     data = _parse_json(text, path)
     if not isinstance(data, list):
         raise UserError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
-    for i, record in enumerate(data, start=1):
+    for (i, record), line in zip(enumerate(data, start=1), _element_lines(text), strict=True):
         if not isinstance(record, dict):
-            raise UserError(f"{path}:{i}: record {i} is not a JSON object ({type(record).__name__})")
-        yield Record(path, i, record)
+            raise UserError(f"{path}:{line}: record {i} is not a JSON object ({type(record).__name__})")
+        yield Record(path, line, record)
+
+
+def _one_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
+def _element_lines(text: str) -> Iterator[int]:
+    """The line each element of the JSON list ``text`` (valid: parsed already) starts on."""
+    decoder = json.JSONDecoder()
+    at, line, counted = text.index("[") + 1, 1, 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ","):
+            at += 1
+        if at >= len(text) or text[at] == "]":
+            return
+        line, counted = line + text.count("\n", counted, at), at
+        yield line
+        at = decoder.raw_decode(text, at)[1]
 
 
 def _parquet(path: str) -> Iterator[Record]:
@@ -400,7 +425,12 @@ def _hf_disk(path: str, split: str | None) -> Iterator[Record]:
 
     loaded = load_from_disk(path)  # memory-mapped Arrow: nothing is read into RAM up front
     if isinstance(loaded, DatasetDict):
-        chosen = split or ("train" if "train" in loaded else next(iter(loaded)))
+        if split is None and "train" not in loaded:  # the one to train on is the user's to name
+            raise UserError(
+                f"{path}: a data set of splits with no 'train' split (splits: {', '.join(loaded)}); name the "
+                f"split to use as its folder, such as {Path(path) / next(iter(loaded))}"
+            )
+        chosen = split or "train"
         if chosen not in loaded:
             raise UserError(f"{path}: no split '{chosen}' (splits: {', '.join(loaded)})")
         loaded = loaded[chosen]

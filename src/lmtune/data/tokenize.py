@@ -243,19 +243,24 @@ def _encode_examples(
         stats.eos_trained += stopped
         if not stopped:
             stats.note("no_stop", rec.where)
-        if blank_answer(ids[trainable], tokenizer, stops):
+        if blank_answer(ids, trainable, tokenizer, stops):
             stats.empty_answers += 1
             stats.note("empty_answer", rec.where)
         out.append(Encoded(ids, trainable))
     return out, stats
 
 
-def blank_answer(trained: np.ndarray, tokenizer: Any, stops: Collection[int]) -> bool:
-    """Whether an example's trained tokens are its stop alone, with an empty or blank answer
-    before it: the model learns to say nothing."""
-    if len(trained) > 8:  # a blank answer is a few tokens at most: the rest is not decoded
-        return False
-    return not tokenizer.decode([int(t) for t in trained if int(t) not in stops]).strip()
+def blank_answer(ids: np.ndarray, trainable: np.ndarray, tokenizer: Any, stops: Collection[int]) -> bool:
+    """Whether an answer the example trains (a run of trained tokens: the completion, or one reply
+    of a conversation) is its stop alone, with an empty or blank text before it: the model learns
+    to say nothing."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], trainable.astype(np.int8), [0]))))
+    for start, end in zip(edges[::2], edges[1::2], strict=True):
+        if end - start > 8:  # a blank answer is a few tokens at most: the rest is not decoded
+            continue
+        if not tokenizer.decode([int(t) for t in ids[start:end] if int(t) not in stops]).strip():
+            return True
+    return False
 
 
 def _is_pair(record: Record, fmt: str, names: FieldMap) -> bool:

@@ -225,12 +225,20 @@ def test_an_empty_or_blank_answer_is_found(tmp_path: Path, capsys: pytest.Captur
         {"prompt": "1+3=", "completion": "4"},
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
         {"text": "plain"},
+        # A blank reply between others (it was "clean"); a full one of a few tokens is not blank.
+        {"messages": [{"role": r, "content": c} for r, c in (("user", "a"), ("assistant", "b"))] * 2},
+        {
+            "messages": [
+                {"role": r, "content": c} for r, c in (("user", "a"), ("assistant", " "), ("user", "c"))
+            ]
+        },
     ]
+    rows[-1]["messages"].append({"role": "assistant", "content": "a full reply"})
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["data", "audit", str(f), "--global-batch-size", "1"]) == 1
     said = capsys.readouterr().out
-    assert f"3 examples with an empty or blank answer (at {f}:1, {f}:2, {f}:4): only the stop" in said
+    assert f"4 examples with an empty or blank answer (at {f}:1, {f}:2, {f}:4 and 1 more): only the" in said
 
 
 def test_the_examples_training_drops_or_leaves_without_a_stop_are_named(

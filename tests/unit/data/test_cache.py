@@ -16,7 +16,19 @@ from tests.conftest import write_jsonl
 
 
 def key(spec: str, tok: object = None, **settings: object) -> str:
-    return cache_key(resolve_sources(spec), tok or byte_tokenizer(), ExampleSettings(**settings))  # type: ignore[arg-type]
+    return cache_key(resolve_sources(spec), tok or byte_tokenizer(), ExampleSettings(**settings))[0]  # type: ignore[arg-type]
+
+
+def test_the_data_key_a_checkpoint_records_outlives_a_new_cache_version(tmp_path: Path) -> None:
+    """A new cache version (the same data tokenized otherwise) names new entries, and leaves the
+    data key of the checkpoints an older lmtune saved as it was: they still resume."""
+    import json
+
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
+    data, entry = cache_key(resolve_sources(str(f)), byte_tokenizer(), ExampleSettings())
+    assert data == "0a3e720bc1310325bdce0a0a"  # as lmtune's first cache version computed it
+    assert entry != data
 
 
 def test_key_is_stable_and_changes_with_every_input(tmp_path: Path) -> None:

@@ -66,6 +66,31 @@ def test_every_input_kind_reads_the_same_records(tmp_path: Path) -> None:
     assert len(read(str(tmp_path / "a.jsonl"))) == 2
 
 
+def test_json_files_name_each_records_line_and_read_json_lines(tmp_path: Path) -> None:
+    """An indented JSON list named record numbers as lines (record 5 is on line 18); JSON Lines
+    saved as .json (as HF's json loader reads them) was "not valid JSON" at line 2."""
+    rows = [{"text": f"t{i}"} for i in range(6)]
+    (tmp_path / "a.json").write_text(json.dumps(rows, indent=2))
+    found = list(records(resolve_sources(str(tmp_path / "a.json")), ExampleSettings(), BadLines(False)))
+    lines = (tmp_path / "a.json").read_text().splitlines()
+    assert [lines[r.line - 1].strip() for r in found] == ["{"] * 6
+    assert [lines[r.line].strip() for r in found] == [f'"text": "t{i}"' for i in range(6)]
+    (tmp_path / "b.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read(str(tmp_path / "b.json")) == rows
+    (tmp_path / "c.json").write_text('[{"text": "a"},\n\n  5]')
+    with pytest.raises(UserError, match=r"c\.json:3: record 2 is not a JSON object"):
+        read(str(tmp_path / "c.json"))
+
+
+def test_saved_splits_without_train_are_named_not_guessed(tmp_path: Path) -> None:
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"test": Dataset.from_list([{"text": "x"}])}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(UserError, match=r"no 'train' split \(splits: test\); name the split .*/dd/test"):
+        read(str(tmp_path / "dd"))
+    assert read(str(tmp_path / "dd" / "test")) == [{"text": "x"}]
+
+
 def test_folder_reads_every_supported_file(tmp_path: Path) -> None:
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "1.jsonl").write_text('{"text": "a"}\n')

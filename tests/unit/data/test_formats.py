@@ -158,6 +158,11 @@ def test_a_missing_mapped_field_names_both_names() -> None:
         ({"question": "q", "answer": "a"}, "such as prompt=question,completion=answer"),
         ({"instruction": "i", "context": "c", "response": "r"}, "such as output=response"),
         ({"foo": "q", "bar": "a"}, None),
+        ({"prompt": "q", "response": "a"}, "such as completion=response)"),
+        ({"promt": "q", "completion": "a"}, "such as prompt=promt)"),
+        ({"Prompt": "q", "Completion": "a"}, "such as prompt=Prompt,completion=Completion)"),
+        ({"txt": "hello"}, "such as text=txt)"),
+        ({"dialog": [{"role": "user", "content": "a"}]}, "such as messages=dialog)"),
     ],
 )
 def test_unknown_fields_get_a_field_map_suggestion(row: dict[str, Any], suggestion: str | None) -> None:
@@ -268,3 +273,83 @@ def test_train_warns_when_a_mapped_name_is_absent_and_lmtunes_own_is_read(
     out = capsys.readouterr().out
     assert f"warning: --field-map prompt=question: the first record of {data} has no 'question' field" in out
     assert "completion=completion" not in out  # a name mapped to itself is no mistake
+
+
+def test_tool_calls_are_refused_not_trained_as_an_empty_reply() -> None:
+    """OpenAI-style tool calls: the template saw only the turn's text, so the call turn trained
+    as an empty reply (content "") or was called malformed (content null)."""
+    call = [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]
+    for content in ("", None):
+        turns = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": content}]
+        turns[1]["tool_calls"] = call
+        with pytest.raises(UserError, match=r"d.jsonl:1: message 2 holds tool_calls; .* empty reply"):
+            render(
+                Record("d.jsonl", 1, {"messages": turns}),
+                "auto",
+                FieldMap.of(ExampleSettings()),
+                byte_tokenizer(),
+            )
+
+
+def test_turns_of_role_and_content_under_conversations_get_the_field_map() -> None:
+    row = {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    with pytest.raises(UserError, match="read with --field-map messages=conversations"):
+        render(Record("d.jsonl", 1, row), "auto", FieldMap.of(ExampleSettings()), byte_tokenizer())
+
+
+@pytest.mark.parametrize("template", [None, "chatml", "llama3"])
+def test_a_conversation_opened_by_the_assistant_trains_its_reply_not_its_header(template: str | None) -> None:
+    """The role header (and Llama 3's BOS) of an assistant turn that opens the conversation trained;
+    after another turn it does not. The reply and its end of turn train as after a user turn."""
+    from lmtune.data.chat import use_chat_template
+    from lmtune.data.formats import ensure_chat_template
+
+    tokenizer = byte_tokenizer()
+    if template is not None:
+        use_chat_template(tokenizer, template)
+    ensure_chat_template(tokenizer)  # the built-in one, without a choice
+    names, reply = FieldMap.of(ExampleSettings()), "Hello there"
+    opened = render(
+        Record("d.jsonl", 1, {"messages": [{"role": "assistant", "content": reply}]}),
+        "auto",
+        names,
+        tokenizer,
+    )
+    asked = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply}]
+    after = render(Record("d.jsonl", 1, {"messages": asked}), "auto", names, tokenizer)
+    (start, end), (start2, end2) = opened.spans[0], after.spans[-1]
+    assert opened.text[start:end] == after.text[start2:end2]
+    assert opened.text[start:end].startswith(reply)
+
+
+def test_a_turns_own_weight_or_training_flag_keeps_it_from_training() -> None:
+    """Axolotl's ShareGPT turns carry weight 0 | 1 (and its chat data training: false | true): a
+    reply marked 0 trained as any other; a flag asking to train a user turn, or another value,
+    is refused rather than ignored."""
+    from lmtune.data.formats import ensure_chat_template
+
+    names, tokenizer = FieldMap.of(ExampleSettings()), byte_tokenizer()
+    ensure_chat_template(tokenizer)
+    turns = [
+        {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "BAD ANSWER", "weight": 0},
+        {"from": "human", "value": "again", "weight": 0},
+        {"from": "gpt", "value": "good", "weight": 1},
+    ]
+    rendered = render(Record("d.jsonl", 1, {"conversations": turns}), "auto", names, tokenizer)
+    assert [rendered.text[a:b] for a, b in rendered.spans] == ["good<|eos|>"]
+    flagged = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "training": False}]
+    assert render(Record("d.jsonl", 1, {"messages": flagged}), "auto", names, tokenizer).spans == ()
+    for turn, message in (
+        (
+            {"role": "user", "content": "x", "training": True},
+            r"message 1 \(user\) asks to train \(training true\)",
+        ),
+        (
+            {"role": "assistant", "content": "x", "weight": 0.5},
+            "message 1 has weight 0.5; a turn's weight is 0 or 1",
+        ),
+        ({"role": "assistant", "content": "x", "training": 1}, "message 1 has training 1; .* true or false"),
+    ):
+        with pytest.raises(UserError, match=message):
+            render(Record("d.jsonl", 1, {"messages": [turn]}), "auto", names, tokenizer)
