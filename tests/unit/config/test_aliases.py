@@ -368,6 +368,35 @@ def test_axolotls_adapter_switches_lora(tmp_path: Path, lines: str, lora: bool, 
     assert (cfg.lora.enabled, cfg.model.load_in_4bit) == (lora, four_bit)
 
 
+def test_bitsandbytes_and_cpo_settings_that_say_what_lmtune_does_are_taken(tmp_path: Path) -> None:
+    """A QLoRA config as peft, TRL and Axolotl write it, and TRL's SimPO recipe (CPOConfig with
+    cpo_alpha 0): refused although lmtune does what they say."""
+    yaml_file = tmp_path / "qlora.yaml"
+    yaml_file.write_text(
+        "adapter: qlora\nbf16: true\nbnb_4bit_compute_dtype: bfloat16\nbnb_4bit_use_double_quant: true\n"
+        "loss_type: simpo\ncpo_alpha: 0.0\n"
+    )
+    cfg = build_config(load_yaml(str(yaml_file)))
+    assert (cfg.model.load_in_4bit, cfg.model.precision, cfg.objective.name) == (True, "bf16", "simpo")
+    yaml_file.write_text("adapter: qlora\nbnb_4bit_compute_dtype: torch.float32\n")
+    assert build_config(load_yaml(str(yaml_file))).model.precision == "fp32"
+    for lines, refusal in (
+        (
+            "bf16: true\nbnb_4bit_compute_dtype: float32\n",
+            r":2: bnb_4bit_compute_dtype: float32 is precision fp32",
+        ),
+        (
+            "bnb_4bit_use_double_quant: false\n",
+            r":1: bnb_4bit_use_double_quant: load_in_4bit always quantizes",
+        ),
+        ("cpo_alpha: 1.0\n", r":1: cpo_alpha: objective simpo is SimPO without the NLL term"),
+        ("quantization_config:\n  load_in_4bit: true\n", r":1: quantization_config: lmtune's load_in_4bit"),
+    ):
+        yaml_file.write_text(lines)
+        with pytest.raises(UserError, match=refusal):
+            build_config(load_yaml(str(yaml_file)))
+
+
 @pytest.mark.parametrize(
     ("lines", "objective", "reference"),
     [
