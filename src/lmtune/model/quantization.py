@@ -424,22 +424,28 @@ def quantized_bytes(bits: int, rows: int, cols: int) -> int:
 
 def dequantized(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """``model`` with every quantized layer replaced by a ``torch.nn.Linear`` holding its weight
-    dequantized to ``dtype``, on the CPU, one layer at a time; the rest cast to ``dtype``."""
+    dequantized to ``dtype`` (the values training multiplied by), kept in fp32 as every weight of
+    the rest is, on the CPU, one layer at a time."""
     from transformers.integrations.bitsandbytes import dequantize_bnb_weight
+
+    def exact(tensor: torch.Tensor) -> torch.Tensor:  # dtype's values; fp32 holds them all
+        return tensor.detach().to("cpu", dtype).to(torch.float32)
 
     for name, module in list(model.named_modules()):
         if type(module).__name__ not in QUANTIZED_LAYERS:
             continue
-        weight = dequantize_bnb_weight(module.weight, getattr(module, "state", None)).to("cpu", dtype)
+        weight = exact(dequantize_bnb_weight(module.weight, getattr(module, "state", None)))
         linear = nn.Linear(
             module.in_features, module.out_features, bias=module.bias is not None, device="meta"
         )
         linear.weight = nn.Parameter(weight, requires_grad=False)
         if module.bias is not None:
-            linear.bias = nn.Parameter(module.bias.detach().to("cpu", dtype), requires_grad=False)
+            linear.bias = nn.Parameter(exact(module.bias), requires_grad=False)
         model.set_submodule(name, linear)
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:  # transformers then saves it as a plain model, and lets it be cast
         quantizer.remove_quantization_config(model)
-    model.to("cpu", dtype)
+    model.to("cpu", torch.float32)  # a weight left in the compute dtype by loading
+    if getattr(model, "config", None) is not None:
+        model.config.dtype = torch.float32  # what config.json says the weights are
     return model

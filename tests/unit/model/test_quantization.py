@@ -211,6 +211,21 @@ def test_dequantized_computes_what_the_quantized_model_does(folder: Path, tmp_pa
         assert torch.allclose(again(input_ids=ids).logits, expected, atol=1e-5)
 
 
+def test_a_bf16_base_is_dequantized_to_bf16_values_kept_in_fp32(folder: Path) -> None:
+    """The merged model of a bf16 QLoRA run was cast to bf16 whole (embeddings, norms and head
+    that trained in fp32 too) and said so in config.json."""
+    from dataclasses import replace
+
+    q = replace(NF4, compute_dtype=torch.bfloat16)
+    plain = dequantized(load_model(str(folder), 3, quantization=q).model, torch.bfloat16)
+    assert {p.dtype for p in plain.state_dict().values()} == {torch.float32}
+    weight = plain.get_submodule("model.layers.0.self_attn.q_proj").weight
+    assert torch.equal(weight, weight.to(torch.bfloat16).float())  # bf16's values: what training saw
+    norm = build_preset("tiny", 3).model.get_submodule("model.norm").weight  # never quantized
+    assert torch.equal(plain.get_submodule("model.norm").weight, norm)
+    assert plain.config.dtype == torch.float32
+
+
 def test_a_resume_with_another_quantization_is_refused() -> None:
     def fp(**values: Any) -> Fingerprint:
         cfg = TrainConfig(lora=True, **values)
