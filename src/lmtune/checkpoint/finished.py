@@ -12,6 +12,7 @@ from typing import Any
 
 from lmtune.checkpoint.layout import list_checkpoints
 from lmtune.config.files import read_json_object
+from lmtune.config.mixture import same_weights
 from lmtune.config.run_groups import names_checkpoint
 from lmtune.config.settings import option_name
 from lmtune.errors import UserError
@@ -161,6 +162,8 @@ def changed_settings(output_dir: Path, config: dict[str, Any]) -> list[str]:
         return f"unset (it took {resolved[name]})" if was and name in resolved else "unset"
 
     def same(name: str, value: Any) -> bool:  # the value given now is what an unset one took
+        if name == "data_weights" and same_weights(recorded[name], value):  # 10,6,4 is 0.5,0.3,0.2
+            return True
         return recorded[name] == value or (recorded[name] is None and resolved.get(name, None) == value)
 
     return [

@@ -275,6 +275,11 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
     },
     "bnb_4bit_use_double_quant": {"true": {}},
     "cpo_alpha": {"0": {}, "0.0": {}},  # TRL's CPOConfig: SimPO is cpo_alpha 0, lmtune's simpo
+    # TRL's SFTConfig: lmtune trains completions and assistant turns only (false is answered:
+    # TRL's two settings are one in lmtune, --train-on-prompt, which is not what either says).
+    "completion_only_loss": {"true": {}},
+    "assistant_only_loss": {"true": {}},
+    "tf32": {"false": {}},  # the HF Trainer's: PyTorch's default, which lmtune keeps
 }
 
 

@@ -83,6 +83,17 @@ def parse_weights(text: str, sources: int) -> list[float]:
     return weights
 
 
+def same_weights(a: object, b: object) -> bool:
+    """Whether two --data-weights values give the sources the same shares (2,2 is 1,1)."""
+    if not (isinstance(a, str) and isinstance(b, str)) or a.count(",") != b.count(","):
+        return False
+    try:
+        first, second = (parse_weights(w, w.count(",") + 1) for w in (a, b))
+    except UserError:
+        return False
+    return all(math.isclose(x / sum(first), y / sum(second)) for x, y in zip(first, second, strict=True))
+
+
 def yaml_sources(entries: list[object], option: str, where: str) -> tuple[str, str | None]:
     """A YAML list of sources (``- {path: P, weight: W, name: N}``) as the flat values (--data,
     --data-weights): weights all given or none.

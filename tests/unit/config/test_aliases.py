@@ -380,6 +380,9 @@ def test_bitsandbytes_and_cpo_settings_that_say_what_lmtune_does_are_taken(tmp_p
     assert (cfg.model.load_in_4bit, cfg.model.precision, cfg.objective.name) == (True, "bf16", "simpo")
     yaml_file.write_text("adapter: qlora\nbnb_4bit_compute_dtype: torch.float32\n")
     assert build_config(load_yaml(str(yaml_file))).model.precision == "fp32"
+    # TRL's SFTConfig and the Trainer's, saying what lmtune does by default.
+    yaml_file.write_text("completion_only_loss: true\nassistant_only_loss: true\ntf32: false\n")
+    assert not build_config(load_yaml(str(yaml_file))).examples.train_on_prompt
     for lines, refusal in (
         (
             "bf16: true\nbnb_4bit_compute_dtype: float32\n",
@@ -391,6 +394,7 @@ def test_bitsandbytes_and_cpo_settings_that_say_what_lmtune_does_are_taken(tmp_p
         ),
         ("cpo_alpha: 1.0\n", r":1: cpo_alpha: objective simpo is SimPO without the NLL term"),
         ("quantization_config:\n  load_in_4bit: true\n", r":1: quantization_config: lmtune's load_in_4bit"),
+        ("assistant_only_loss: false\n", r":1: assistant_only_loss: lmtune trains only assistant turns"),
     ):
         yaml_file.write_text(lines)
         with pytest.raises(UserError, match=refusal):

@@ -214,6 +214,19 @@ def test_other_weights_are_another_run_to_resume() -> None:
     assert mixture_fingerprint(spec, "1,3") == "a=0.25,b=0.75"
 
 
+def test_the_same_shares_written_otherwise_are_no_change_to_a_finished_run(tmp_path: Path) -> None:
+    """A finished run run again with --data-weights 10,6,4 where it had 0.5,0.3,0.2 said the
+    weights were a change it did not apply."""
+    from lmtune.checkpoint.finished import changed_settings
+    from lmtune.config.mixture import same_weights
+
+    assert same_weights("10,6,4", "0.5,0.3,0.2") and not same_weights("1,1,1", "0.5,0.3,0.2")
+    assert not same_weights("1,1", "1,1,1") and not same_weights(None, "1")
+    (tmp_path / "run.json").write_text(json.dumps({"config": {"data_weights": "0.5,0.3,0.2"}}))
+    assert changed_settings(tmp_path, {"data_weights": "10,6,4"}) == []
+    assert changed_settings(tmp_path, {"data_weights": "1,1,1"}) == ["--data-weights 1,1,1, was 0.5,0.3,0.2"]
+
+
 def test_the_audit_shows_the_mixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a = write_jsonl(tmp_path / "chat.jsonl", [f"chat {i}" for i in range(4)])
     b = write_jsonl(tmp_path / "b.jsonl", [f"code line {i}" for i in range(12)])
