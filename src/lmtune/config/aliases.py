@@ -336,6 +336,12 @@ def _value_switches(
                 f"{where(key)}{key}: false adapts the layers {modules} names, and the file names none "
                 f"(lmtune's default is every linear layer; name them, as {modules}{sep}[q_proj, v_proj])"
             )
+        if switched.get("load_in_4bit") and str(given.get("load_in_8bit")).lower() == "true":
+            raise UserError(  # Axolotl's 8-bit LoRA is adapter: lora with load_in_8bit
+                f"{where(key)}{key}: {_shown(value)} is LoRA on a 4-bit base in lmtune "
+                f"({style('load_in_4bit')}), and {giver} asks for 8-bit ({style('load_in_8bit')}): for "
+                f"LoRA on an 8-bit base give {key}: lora"
+            )
         del out[key]
         if canonical(key) == "lora_target_linear" and switched:
             # Axolotl adds every linear layer to the ones lora_target_modules names: all of them.

@@ -395,6 +395,10 @@ def test_bitsandbytes_and_cpo_settings_that_say_what_lmtune_does_are_taken(tmp_p
         ("cpo_alpha: 1.0\n", r":1: cpo_alpha: objective simpo is SimPO without the NLL term"),
         ("quantization_config:\n  load_in_4bit: true\n", r":1: quantization_config: lmtune's load_in_4bit"),
         ("assistant_only_loss: false\n", r":1: assistant_only_loss: lmtune trains only assistant turns"),
+        (
+            "adapter: qlora\nload_in_8bit: true\n",
+            r":1: adapter: qlora is LoRA on a 4-bit base .* adapter: lora",
+        ),
     ):
         yaml_file.write_text(lines)
         with pytest.raises(UserError, match=refusal):
