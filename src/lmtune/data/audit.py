@@ -57,6 +57,7 @@ class AuditReport:
     held_out: int = 0  # --eval-split's examples: evaluated, never trained on
     # Under --truncation error, the over-long examples (counted as dropped) that would stop training.
     stops_on_length: int = 0
+    chat_template: str | None = None  # --chat-template: training refuses it for data of no conversation
 
     @property
     def trained(self) -> int:
@@ -80,6 +81,15 @@ class AuditReport:
             found.append(
                 f"{_count(self.stops_on_length, 'example')} longer than --max-length {self.max_length} "
                 "would stop training (--truncation error; drop leaves them out, right or left cut them)"
+            )
+        if (
+            self.chat_template is not None
+            and self.stats.examples
+            and not set(CHAT_FORMATS) & set(self.stats.formats)
+        ):
+            found.append(
+                f"--chat-template {self.chat_template} applies to conversations (messages records), and the "
+                f"data holds {', '.join(sorted(self.stats.formats))}"
             )
         examples = self.trained
         held = f" left after --eval-split holds out {self.held_out:,}" if self.held_out else ""
@@ -283,6 +293,7 @@ def audit(
         micro_batch_size=micro_batch_size,
         nproc_per_node=nproc_per_node,
         stops_on_length=stats.dropped_too_long if settings.truncation == "error" else 0,
+        chat_template=settings.chat_template,
     )
 
 

@@ -275,3 +275,17 @@ def test_the_stop_token_warning_names_the_likely_cause() -> None:
     assert "--truncation" not in said and "--max-prompt-length" in said
     assert "--truncation left keeps" in stops_lost_warning(8, 8, chat=False, unit="examples", examples=right)
     assert "token, so" in stops_lost_warning(8, 8, chat=False, unit="examples", examples=left)
+
+
+def test_a_chat_template_for_data_without_conversations_is_what_training_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The audit said "clean" (exit 0) where `lmtune train` stops on the same settings."""
+    f = tmp_path / "d.jsonl"
+    f.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(4))
+    )
+    assert main(["data", "audit", str(f), "--global-batch-size", "1", "--chat-template", "chatml"]) == 2
+    said = capsys.readouterr().out
+    assert "--chat-template chatml applies to conversations (messages records), and the data holds" in said
+    assert main(["data", "audit", str(f), "--global-batch-size", "1"]) == 0
