@@ -357,14 +357,22 @@ def _parquet(path: str) -> Iterator[Record]:
             yield Record(path, row, record)
 
 
+# A byte that is not UTF-8, as the surrogateescape error handler keeps it.
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
 def _csv(path: str, bad: BadLines) -> Iterator[Record]:
     # Python's default, 128 KiB a field, refused a long document that a JSONL line may hold.
     csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
     reader = None
     try:
-        with open(path, encoding="utf-8-sig", newline="") as f:
+        # Bytes that are not UTF-8 kept as escapes: the row holding them is a bad line, not the file.
+        with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
             reader = csv.DictReader(f)
             for record in reader:
+                # A row ends on line_num; one with line breaks inside quotes began that many earlier.
+                texts = [v for v in record.values() if isinstance(v, str)]
+                line = reader.line_num - sum(v.count("\n") for v in texts)
                 # DictReader files a row's extra fields under None and fills missing ones with None:
                 # a comma in an unquoted field would otherwise cut a text short without a word.
                 extra = record.pop(None, None)  # type: ignore[call-overload]
@@ -374,25 +382,15 @@ def _csv(path: str, bad: BadLines) -> Iterator[Record]:
                     hint = " (quote a field that holds a comma)" if extra else ""
                     found = header + len(extra or ()) - missing
                     fields = f"{found} field" + ("s" if found != 1 else "")
-                    bad.report(f"{path}:{reader.line_num}: {fields} where the header has {header}{hint}")
+                    bad.report(f"{path}:{line}: {fields} where the header has {header}{hint}")
                     continue
-                yield Record(path, reader.line_num, dict(record))
-    except UnicodeDecodeError:
-        raise UserError(f"{path}{_first_bad_utf8_line(path)}: not valid UTF-8") from None
+                if any(_NOT_UTF8.search(v) for v in texts):
+                    bad.report(f"{path}:{line}: not valid UTF-8")
+                    continue
+                yield Record(path, line, dict(record))
     except csv.Error as e:
-        line = f":{reader.line_num}" if reader is not None and reader.line_num else ""
-        raise UserError(f"{path}{line}: not valid CSV ({e})") from None
-
-
-def _first_bad_utf8_line(path: str) -> str:
-    """``:LINE``, the first line of ``path`` that is not UTF-8 ("" if none is found)."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return f":{lineno}"
-    return ""
+        at = f":{reader.line_num}" if reader is not None and reader.line_num else ""
+        raise UserError(f"{path}{at}: not valid CSV ({e})") from None
 
 
 def _txt(path: str, text_field: str, mode: str, bad: BadLines) -> Iterator[Record]:

@@ -246,6 +246,13 @@ def test_a_long_csv_field_is_read_and_bad_bytes_name_their_line(tmp_path: Path) 
     bad.write_bytes(b"text\nfine\nalso fine\nbad \xff byte\n")
     with pytest.raises(UserError, match=r"bad\.csv:4: not valid UTF-8"):
         list(records(resolve_sources(str(bad)), ExampleSettings(), BadLines(skip=False)))
+    # With --skip-bad-lines the row is skipped, as a JSONL line is (the whole file was refused);
+    # a row with a line break inside quotes is named by the line it starts on.
+    bad.write_bytes(b'text\nfine\n"two\nlines \xff"\nlast\n')
+    skipped = BadLines(skip=True)
+    kept = list(records(resolve_sources(str(bad)), ExampleSettings(skip_bad_lines=True), skipped))
+    assert [(r.line, r.fields["text"]) for r in kept] == [(2, "fine"), (5, "last")]
+    assert skipped.messages == [f"{bad}:3: not valid UTF-8"]
 
 
 def test_a_control_character_in_json_is_named_plainly(tmp_path: Path) -> None:
