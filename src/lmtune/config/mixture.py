@@ -8,7 +8,7 @@ import math
 import re
 from pathlib import PurePath
 
-from lmtune.errors import UserError, brief
+from lmtune.errors import SettingError, UserError, brief
 
 # NAME=PATH: a name is letters, digits, '_', '.', '-' (so a path like ./a=b.jsonl stays a path).
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -71,14 +71,20 @@ def parse_weights(text: str, sources: int) -> list[float]:
         try:
             weight = float(part)
         except ValueError:
-            raise UserError(f"--data-weights: {brief(part)} is not a number") from None
+            raise SettingError("data_weights", "--data-weights", f"{brief(part)} is not a number") from None
         if not math.isfinite(weight) or weight <= 0:
-            raise UserError(f"--data-weights: every weight must be a positive number (got {brief(part)})")
+            raise SettingError(
+                "data_weights",
+                "--data-weights",
+                f"every weight must be a positive number (got {brief(part)})",
+            )
         weights.append(weight)
     if len(weights) != sources:
-        raise UserError(
-            f"--data-weights: {len(weights)} weight{'s' if len(weights) != 1 else ''} for {sources} "
-            f"--data source{'s' if sources != 1 else ''}; give one per source, in order"
+        raise SettingError(
+            "data_weights",
+            "--data-weights",
+            f"{len(weights)} weight{'s' if len(weights) != 1 else ''} for {sources} --data "
+            f"source{'s' if sources != 1 else ''}; give one per source, in order",
         )
     return weights
 

@@ -15,7 +15,7 @@ from typing import Any
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import check_chat_template, render_chat
 from lmtune.data.sources import Record
-from lmtune.errors import UserError, brief, one_line
+from lmtune.errors import SettingError, UserError, brief, one_line
 
 ROLES = ("system", "user", "assistant", "tool")
 # The chat formats: rendered with the chat template, trained on the assistant turns.
@@ -64,18 +64,24 @@ class FieldMap:
                 continue
             ours, sep, theirs = (part.strip() for part in pair.partition("="))
             if not sep or not ours or not theirs:
-                raise UserError(f"--field-map: expected OURS=THEIRS pairs, got {pair.strip()!r}")
+                raise SettingError(
+                    "field_map", "--field-map", f"expected OURS=THEIRS pairs, got {pair.strip()!r}"
+                )
             if ours in ROLES:
                 roles[theirs] = ours
             elif ours in SHAREGPT_NAMES:
-                raise UserError(
-                    f"--field-map: lmtune's names go on the left; {ours!r} is ShareGPT's name for lmtune's "
-                    f"{SHAREGPT_NAMES[ours]!r}: give {SHAREGPT_NAMES[ours]}={theirs}"
+                raise SettingError(
+                    "field_map",
+                    "--field-map",
+                    f"lmtune's names go on the left; {ours!r} is ShareGPT's name for lmtune's "
+                    f"{SHAREGPT_NAMES[ours]!r}: give {SHAREGPT_NAMES[ours]}={theirs}",
                 )
             elif ours not in FIELDS:
-                raise UserError(
-                    f"--field-map: {ours!r} is none of lmtune's fields ({', '.join(FIELDS)}) or roles "
-                    f"({', '.join(ROLES)})"
+                raise SettingError(
+                    "field_map",
+                    "--field-map",
+                    f"{ours!r} is none of lmtune's fields ({', '.join(FIELDS)}) or roles "
+                    f"({', '.join(ROLES)})",
                 )
             elif ours == "text" and fields.get("text", theirs) != theirs:
                 raise UserError(f"--field-map text={theirs} and --text-field {settings.text_field} differ")

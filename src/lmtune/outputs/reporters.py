@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lmtune.config.files import read_json
-from lmtune.errors import UserError
+from lmtune.errors import SettingError, UserError
 
 # --report-to name -> (module imported, pip extra)
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -62,8 +62,11 @@ def parse_report_to(text: str) -> list[str]:
         return []
     unknown = [n for n in names if n not in PACKAGES]
     if unknown:
-        raise UserError(
-            f"--report-to {text}: unknown {', '.join(unknown)} (choose from none, {', '.join(PACKAGES)})"
+        hf = " (the HF Trainer's all: name them)" if "all" in unknown else ""
+        raise SettingError(
+            "report_to",
+            f"--report-to {text}",
+            f"unknown {', '.join(unknown)} (choose from none, {', '.join(PACKAGES)}){hf}",
         )
     return list(dict.fromkeys(names))
 

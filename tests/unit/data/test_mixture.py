@@ -307,3 +307,19 @@ def test_a_path_with_a_comma_is_one_source(tmp_path: Path) -> None:
     cfg = train_config(build_parser().parse_args(["train", "--data", whole, "--eval-data", whole]))
     for spec in (cfg.data.train, cfg.data.eval or ""):
         assert [s.name for s in resolve_sources(spec)] == [whole]
+
+
+def test_a_config_files_bad_weights_field_map_or_reporter_is_named_by_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They were named as flags (--data-weights: ...), without the file's line."""
+    a, b = (write_jsonl(tmp_path / f"{n}.jsonl", [f"{n} {i}" for i in range(4)]) for n in ("a", "b"))
+    config = tmp_path / "run.yaml"
+    for line, said in (
+        ("data_weights: 1,0", "run.yaml:3: data_weights: every weight must be a positive number (got '0')"),
+        ("field_map:\n  bogus: x", "run.yaml:3: field_map: 'bogus' is none of lmtune's fields"),
+        ("report_to: all", "run.yaml:3: report_to: unknown all (choose from none, tensorboard"),
+    ):
+        config.write_text(f"max_steps: 1\ndata: {a},{b}\n{line}\n")
+        assert main(["train", "--config", str(config), "--output-dir", str(tmp_path / "out")]) == 2
+        assert said in capsys.readouterr().err
