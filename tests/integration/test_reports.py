@@ -111,10 +111,17 @@ def test_a_missing_package_is_a_user_error(
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+        importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "mlflow") else real(name, *a)
     )
     assert main(["train", "--report-to", "wandb", "--max-steps", "1"]) == 2
     assert "pip install 'lmtune[wandb]'" in capsys.readouterr().err
+    # Both at once (the second was named only after the first was installed).
+    assert main(["train", "--report-to", "wandb,mlflow", "--max-steps", "1"]) == 2
+    said = capsys.readouterr().err
+    assert (
+        "the wandb package and the mlflow package are not installed; pip install 'lmtune[wandb,mlflow]'"
+        in said
+    )
     assert main(["train", "--report-to", "tensorboard,comet", "--max-steps", "1"]) == 2
 
 

@@ -72,12 +72,13 @@ def parse_report_to(text: str) -> list[str]:
 
 
 def check_installed(names: list[str]) -> None:
-    for name in names:
-        if importlib.util.find_spec(PACKAGES[name]) is None:
-            raise UserError(
-                f"--report-to {name}: the {PACKAGES[name]} package is not installed; "
-                f"pip install 'lmtune[{name}]'"
-            )
+    missing = [name for name in names if importlib.util.find_spec(PACKAGES[name]) is None]
+    if missing:  # all at once: one install, not one rerun per package
+        packages = " and ".join(f"the {PACKAGES[name]} package" for name in missing)
+        raise UserError(
+            f"--report-to {','.join(missing)}: {packages} {'is' if len(missing) == 1 else 'are'} not "
+            f"installed; pip install 'lmtune[{','.join(missing)}]'"
+        )
 
 
 def is_number(value: Any) -> bool:

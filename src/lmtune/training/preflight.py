@@ -247,6 +247,11 @@ def warn_unused_names(cfg: TrainConfig, data_info: dict[str, Any], info: Callabl
             f"{'it' if len(unused) == 1 else 'them'} (formats found: {', '.join(sorted(formats))})"
         )
     warn_unmatched_names(cfg, info)
+    if cfg.data.eval is not None and data_info.get("eval", {}).get("key") == data_info["train"]["key"]:
+        info(
+            "warning: --eval-data is the training data: its loss says how well the model fits what it "
+            "trains on, not how it does on examples it never saw (--eval-split N holds N of them out)"
+        )
     mode = cfg.examples.txt_mode
     given = [(cfg.data.train, "--data"), (cfg.data.eval, "--eval-data")]
     if mode != ExampleSettings().txt_mode and not any(

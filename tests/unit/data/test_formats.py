@@ -251,13 +251,14 @@ def test_train_warns_of_data_settings_that_changed_nothing(
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f" a{i}"}) + "\n" for i in range(8)))
     args = ["train", "--data", str(data), "--max-steps", "1", "--global-batch-size", "8", "--no-progress"]
     args += ["--text-field", "body", "--txt-mode", "block", "--output-dir", str(tmp_path / "out")]
-    assert main(args) == 0
+    assert main([*args, "--eval-data", str(data)]) == 0
     out = capsys.readouterr().out
     assert (
         "warning: --text-field body changed nothing: no record of the data was read through it (formats "
         "found: prompt_completion)" in out
     )
     assert "warning: --txt-mode block changed nothing: the data has no .txt file" in out
+    assert "warning: --eval-data is the training data: its loss says how well the model fits" in out
 
 
 def test_train_warns_when_a_mapped_name_is_absent_and_lmtunes_own_is_read(
