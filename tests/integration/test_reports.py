@@ -166,6 +166,29 @@ def test_report_reads_a_run_that_is_still_writing(tmp_path: Path) -> None:
     assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "x.html")]) == 2
 
 
+def test_runs_of_one_folder_name_are_told_apart_and_a_foreign_metrics_file_is_no_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """runs/mix and other/mix were both "mix" in every legend and table; a folder whose
+    metrics.jsonl is another program's was reported as an lmtune run that stopped."""
+    from lmtune.tools.report import _named_apart, load_run
+
+    for parent in ("runs", "other"):
+        argv = ["train", "--max-steps", "1", "--no-progress", "--output-dir", str(tmp_path / parent / "mix")]
+        assert main(argv) == 0
+    runs = _named_apart([load_run(tmp_path / p / "mix") for p in ("runs", "other")])
+    assert [r.name for r in runs] == ["runs/mix", "other/mix"]
+    both = [str(tmp_path / "runs" / "mix"), str(tmp_path / "other" / "mix")]
+    assert main(["report", *both, "--out", str(tmp_path / "both.html")]) == 0
+    assert "runs/mix" in (tmp_path / "both.html").read_text()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "metrics.jsonl").write_text('{"a": 1}\n{"b": 2}\n')
+    capsys.readouterr()
+    assert main(["report", str(foreign), "--out", str(tmp_path / "f.html")]) == 2
+    assert "metrics.jsonl holds no row lmtune writes" in capsys.readouterr().err
+
+
 def test_a_path_that_cannot_be_written_is_a_user_error(
     resumed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -11,7 +11,7 @@ import html
 import io
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,11 @@ def load_run(folder: Path) -> RecordedRun:
             skipped.append(f"{metrics}:{number}: {problem}")
         else:
             rows.append(row)
+    if skipped and not rows and not (folder / "run.json").is_file():
+        raise UserError(
+            f"{folder}: its metrics.jsonl holds no row lmtune writes (first: {brief(skipped[0], 200)}), so "
+            "not an lmtune output folder"
+        )
     if skipped:
         warn(f"skipped {len(skipped)} rows that are not what lmtune writes (first: {brief(skipped[0], 200)})")
     return RecordedRun(name=folder.resolve().name, folder=folder, rows=rows, info=_run_info(folder))
@@ -475,6 +480,20 @@ def build_html(runs: list[RecordedRun], pngs: dict[str, bytes | None]) -> str:
 
 def report(folders: list[Path]) -> tuple[str, dict[str, bytes]]:
     """The report's page, and the PNG of each plot that had data, by name."""
-    runs = [load_run(f) for f in folders]
+    runs = _named_apart([load_run(f) for f in folders])
     pngs = render_plots(runs)
     return build_html(runs, pngs), {name: png for name, png in pngs.items() if png is not None}
+
+
+def _named_apart(runs: list[RecordedRun]) -> list[RecordedRun]:
+    """Runs whose folders share a name (runs/mix, other/mix) named by as much of their path as
+    tells them apart: the legends and tables showed two runs of one name."""
+    paths = [run.folder.resolve().parts for run in runs]
+
+    def name(i: int) -> str:
+        for depth in range(1, len(paths[i]) + 1):
+            if sum(p[-depth:] == paths[i][-depth:] for p in paths) == 1:
+                return "/".join(paths[i][-depth:])
+        return runs[i].name
+
+    return [replace(run, name=name(i)) for i, run in enumerate(runs)]
