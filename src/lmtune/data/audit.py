@@ -17,7 +17,7 @@ from lmtune.data.dataset import held_out_count, held_per_source
 from lmtune.data.formats import CHAT_FORMATS, FieldMap, ensure_chat_template
 from lmtune.data.mixture import Mixture, SourceIndex, mixture_of, mixture_order
 from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
-from lmtune.data.pairs import examples_noun
+from lmtune.data.pairs import examples_noun, unread_system_said
 from lmtune.data.prepare import encode_into, records
 from lmtune.data.sampling import epoch_order, largest_global_batch, rank_indices
 from lmtune.data.sources import BadLines, first_places, in_parentheses, resolve_components
@@ -114,6 +114,8 @@ class AuditReport:
                 f"{self.stops_lost:,} of {_count(s.examples, 'example')} lose their stop token's label"
                 + self._at("no_stop", self.stops_lost)
             )
+        if s.unread_system:
+            found.append(unread_system_said(s.unread_system, s.where))
         if s.empty_answers:
             found.append(
                 f"{_count(s.empty_answers, 'example')} with an empty or blank answer"

@@ -289,18 +289,27 @@ def counted_as(meta: dict[str, Any]) -> str:
     return "pairs" if {"preference", "preference_messages"} & set(meta["formats"]) else "examples"
 
 
+def unread_system_said(count: int, where: dict[str, list[str]]) -> str:
+    """What the data line and the audit say of records whose system prompt is never rendered."""
+    return (
+        f"{count:,} prompt/completion or instruction record{'s' if count != 1 else ''} with a 'system' field"
+        f"{in_parentheses(first_places(where, 'unread_system', count))}, which that format does not render: "
+        "they train without it (write them as messages with a system turn)"
+    )
+
+
 def pair_counts(meta: dict[str, Any]) -> str:
     """What truncation did to preference pairs, and how many have the same answer twice or an empty
     one, for the data line of the log; of single examples, how many have an empty answer."""
     if counted_as(meta) != "pairs":
-        blank = meta.get("empty_answers", 0)
+        blank, system = meta.get("empty_answers", 0), meta.get("unread_system", 0)
         return (
             f"; {blank:,} with an empty answer"
             f"{in_parentheses(first_places(meta.get('where', {}), 'empty_answer', blank))}: only the stop "
             "trains, so the model learns to say nothing (most often a data error)"
             if blank
             else ""
-        )
+        ) + (f"; {unread_system_said(system, meta.get('where', {}))}" if system else "")
     cut = (
         f" (pairs: {meta.get('prompts_truncated', 0)} prompts cut from the left, "
         f"{meta.get('answers_truncated', 0)} with answers cut from the right)"

@@ -50,6 +50,9 @@ class EncodeStats:
     identical_pairs: int = 0  # kept pairs whose answers are the same tokens: no preference in them
     empty_answer_pairs: int = 0  # kept pairs with an answer of no text (a data error, most often)
     empty_answers: int = 0  # kept single examples that train their stop alone (an empty answer)
+    # Prompt/completion and instruction records with a system prompt, which their format never renders
+    # (Axolotl's alpaca_w_system): the model trains without it.
+    unread_system: int = 0
     # Where the first examples of each kind of loss are (``file:line``), so a message can name them:
     # "no_targets", "too_long", "empty_answer", "no_stop".
     where: dict[str, list[str]] = field(default_factory=dict)
@@ -246,6 +249,10 @@ def _encode_examples(
         if blank_answer(ids, trainable, tokenizer, stops):
             stats.empty_answers += 1
             stats.note("empty_answer", rec.where)
+        system = rec.fields.get("system") if r.format == "prompt_completion" else None
+        if isinstance(system, str) and system.strip():
+            stats.unread_system += 1
+            stats.note("unread_system", rec.where)
         out.append(Encoded(ids, trainable))
     return out, stats
 

@@ -289,3 +289,18 @@ def test_a_chat_template_for_data_without_conversations_is_what_training_refuses
     said = capsys.readouterr().out
     assert "--chat-template chatml applies to conversations (messages records), and the data holds" in said
     assert main(["data", "audit", str(f), "--global-batch-size", "1"]) == 0
+
+
+def test_a_system_prompt_that_a_prompt_completion_record_never_renders_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Axolotl's alpaca_w_system records: their system prompt was dropped without a word."""
+    f = tmp_path / "d.jsonl"
+    rows = [
+        {"instruction": "Say hi", "output": "hi", "system": "Be nice"},
+        {"prompt": "a", "completion": "b"},
+    ]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["data", "audit", str(f), "--global-batch-size", "1"]) == 1
+    said = capsys.readouterr().out
+    assert f"1 prompt/completion or instruction record with a 'system' field (at {f}:1), which" in said
