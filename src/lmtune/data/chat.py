@@ -3,6 +3,7 @@ markers given to a tokenizer, and the end-of-turn token a template trains after 
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import subprocess
@@ -86,7 +87,9 @@ def read_template(choice: str) -> ChatTemplate:
         raise refused("the tokenizer's own template is what lmtune uses when none is given: remove it")
     path = Path(choice).expanduser()
     if path.suffix != ".jinja":
-        raise refused(f"must be one of {', '.join(TEMPLATES)} or a .jinja file")
+        close = difflib.get_close_matches(choice.lower(), TEMPLATES, n=1, cutoff=0.7)
+        meant = f"; did you mean {close[0]}?" if close else ""
+        raise refused(f"must be one of {', '.join(TEMPLATES)} or a .jinja file{meant}")
     try:
         source = read_text(path, limit=MAX_TEMPLATE_BYTES)
     except FileNotFoundError:

@@ -309,6 +309,9 @@ def _conversation(
     content_key = names.fields.get("content", plain.get("content", "content"))
     shown = names.name(field)
     raw = record.fields.get(field)
+    if raw is None:
+        problem, found = field_kind(record, field), names.found(record.fields)
+        raise UserError(f"{record.where}: record has {problem} '{shown}' field (fields found: {found})")
     if not isinstance(raw, list) or not raw:
         raise UserError(
             f"{record.where}: '{shown}' must be a non-empty list of {{{role_key}, {content_key}}} objects"

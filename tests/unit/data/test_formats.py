@@ -354,3 +354,15 @@ def test_a_turns_own_weight_or_training_flag_keeps_it_from_training() -> None:
     ):
         with pytest.raises(UserError, match=message):
             render(Record("d.jsonl", 1, {"messages": [turn]}), "auto", names, tokenizer)
+
+
+def test_a_forced_chat_format_names_the_missing_field_and_a_template_typo_is_suggested() -> None:
+    from lmtune.data.chat import read_template
+
+    names = FieldMap.of(ExampleSettings(format="messages"))
+    with pytest.raises(
+        UserError, match=r"d.jsonl:1: record has no 'messages' field \(fields found: 'prompt'"
+    ):
+        render(Record("d.jsonl", 1, {"prompt": "a", "completion": "b"}), "messages", names, byte_tokenizer())
+    with pytest.raises(UserError, match=r"--chat-template chatmll: must be one of .*; did you mean chatml\?"):
+        read_template("chatmll")
