@@ -202,6 +202,9 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
         # The same weights under another name (the folder moved or copied, a hub id's own copy).
         fixed["--model"] = now.fixed["--model"]
     refused = _changes(fixed, now.fixed)
+    if any(c.startswith("base quantization") for c in refused) or STARTING_WEIGHTS not in now.fixed:
+        # A hash that follows from another change listed: the quantization, a reference given now.
+        refused = [c for c in refused if not c.startswith(STARTING_WEIGHTS)]
     objective = any(c.startswith("--objective ") for c in refused)
     if objective:
         # Another objective: its own settings that only one side has (an sft checkpoint records no
@@ -214,8 +217,7 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
             c for c in _changes(saved.described, now.described, both=True) if c.split()[0] not in now.fixed
         ]
         said = f" (of the settings behind them: {'; '.join(behind)})" if hashed and behind else ""
-        requantized = any(c.startswith("base quantization") for c in refused)  # other values, same weights
-        if any(c.startswith(STARTING_WEIGHTS) for c in refused) and not requantized:
+        if any(c.startswith(STARTING_WEIGHTS) for c in refused):
             said += (
                 f" (the weights of --model {now.described.get('--model')} changed since the checkpoint: "
                 "a LoRA run's frozen base and a preference run's reference are read from there again)"

@@ -62,3 +62,15 @@ def test_the_reference_weights_are_checked_once_known() -> None:
     ):
         compare(saved, early.with_reference("bbb"), Path("c"))
     assert compare(early, early.with_reference("bbb"), Path("c")) == []  # an older checkpoint: unrecorded
+
+
+def test_a_starting_weights_hash_that_follows_from_another_change_is_not_said() -> None:
+    """A DPO run of its own reference resumed with a --reference-model: the starting weights' hash
+    went to none, and the refusal said the weights of --model had changed."""
+    saved = Fingerprint({"--reference-model": None, "starting weights (--model)": "aaa"}, {})
+    now = Fingerprint({"--reference-model": "models/other"}, {}, {"--model": "models/base"})
+    with pytest.raises(UserError) as refused:
+        compare(saved, now, Path("c"))
+    said = str(refused.value)
+    assert "--reference-model none -> models/other" in said
+    assert "starting weights" not in said and "changed since" not in said

@@ -246,8 +246,12 @@ def test_a_resume_with_another_quantization_is_refused() -> None:
         (nf4, fp(load_in_4bit=True, bnb_4bit_quant_type="fp4"), "4-bit nf4, double quant -> 4-bit fp4"),
         (nf4, fp(load_in_8bit=True), "4-bit nf4, double quant -> 8-bit int8"),
     ):
-        with pytest.raises(UserError, match=words):
+        # The starting weights' hash differs too, as the quantization does: not said as a change.
+        saved.fixed["starting weights (--model)"] = "aaa"
+        now.fixed["starting weights (--model)"] = "bbb"
+        with pytest.raises(UserError, match=words) as refused:
             compare(saved, now, Path("c"))
+        assert "starting weights" not in str(refused.value) and "changed since" not in str(refused.value)
 
 
 def test_the_model_config_hash_leaves_the_quantization_settings_out(folder: Path) -> None:
