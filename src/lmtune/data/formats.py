@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from lmtune.config.groups import ExampleSettings
@@ -286,9 +286,8 @@ def render(
             append_eos=True,
             format="prompt_completion",
         )
-    turns, untrained = _conversation(record, chosen, names)
-    rendered = _render_messages(record, tokenizer, turns, chosen, untrained)
-    return replace(rendered, spans=((0, len(rendered.text)),)) if train_on_prompt else rendered
+    turns, untrained = _conversation(record, chosen, names, every_turn=train_on_prompt)
+    return _render_messages(record, tokenizer, turns, chosen, untrained, every_turn=train_on_prompt)
 
 
 def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -> list[dict[str, str]]:
@@ -299,9 +298,10 @@ def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -
 
 
 def _conversation(
-    record: Record, fmt: str, names: FieldMap, field: str = "messages"
+    record: Record, fmt: str, names: FieldMap, field: str = "messages", every_turn: bool = False
 ) -> tuple[list[dict[str, str]], frozenset[int]]:
-    """:func:`_turns`, with the assistant turns that their own flag keeps from training."""
+    """:func:`_turns`, with the turns that their own flag keeps from training (``every_turn``:
+    --train-on-prompt, which trains the others, so that a user turn's flag may ask to train)."""
     plain = PLAIN_FIELDS.fields if fmt != "sharegpt" else SHAREGPT_TURNS
     if fmt == "sharegpt" and field == "messages" and "messages" not in names.fields:
         field = SHAREGPT_TURNS["messages"]
@@ -347,15 +347,16 @@ def _conversation(
                 f"{', '.join(ROLES)}; ShareGPT's {', '.join(SHAREGPT_ROLES)}; name others with "
                 f"--field-map ROLE=VALUE, such as assistant={one_line(str(m[role_key]), 40)})"
             )
-        if not _trains(record, m, where, role):
+        if not _trains(record, m, where, role, every_turn):
             untrained.add(i)
         turns.append({"role": role, "content": content})
     return turns, frozenset(untrained)
 
 
-def _trains(record: Record, turn: Mapping[str, Any], where: str, role: str) -> bool:
-    """Whether a turn trains, where its own flag says so (Axolotl's ``weight`` 0 or 1 of ShareGPT
-    turns, and ``training``): an assistant turn unless it says 0 (false); another never.
+def _trains(record: Record, turn: Mapping[str, Any], where: str, role: str, every_turn: bool) -> bool:
+    """Whether a turn's own flag lets it train (Axolotl's ``weight`` 0 or 1 of ShareGPT turns, and
+    ``training``): unless it says 0 (false). Only the assistant's turns train, every turn under
+    ``every_turn`` (--train-on-prompt).
 
     Raises:
         UserError: a flag of another value, or one that asks to train a turn that is not the assistant's.
@@ -367,13 +368,13 @@ def _trains(record: Record, turn: Mapping[str, Any], where: str, role: str) -> b
                 f"{record.where}: {where} has {key} {brief(value)}; a turn's {key} is "
                 f"{'0 or 1' if key == 'weight' else 'true or false'}: whether the turn trains"
             )
-    if role != "assistant" and any(flags.values()):
+    if role != "assistant" and any(flags.values()) and not every_turn:
         asked = ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in flags.items())
         raise UserError(
             f"{record.where}: {where} ({role}) asks to train ({asked}); lmtune trains the assistant's "
             "turns (every turn with --train-on-prompt)"
         )
-    return role != "assistant" or all(flags.values())
+    return all(flags.values())
 
 
 def _text_content(record: Record, content: Any, what: str) -> str | None:
@@ -407,23 +408,47 @@ def chat_text(tokenizer: Any, messages: list[dict[str, str]], generation_prompt:
 
 
 def _render_messages(
-    record: Record, tokenizer: Any, messages: list[dict[str, str]], fmt: str, untrained: frozenset[int]
+    record: Record,
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    fmt: str,
+    untrained: frozenset[int],
+    every_turn: bool = False,
 ) -> Rendered:
-    """Render with the tokenizer's chat template; each assistant turn's own text is trainable.
+    """Render with the tokenizer's chat template; each assistant turn's own text is trainable
+    (``every_turn``: all of the text), less the turns in ``untrained``.
 
     A turn's span is what rendering up to and including it adds to the rendering of the
     conversation before it with the generation prompt: the reply and its end-of-turn marker.
     """
     try:
         text = chat_text(tokenizer, messages, generation_prompt=False)
-        spans = [
-            _reply_span(tokenizer, messages, i, text)
-            for i, m in enumerate(messages)
-            if m["role"] == "assistant" and i not in untrained
-        ]
+        if every_turn:  # all of it, less the turns kept out
+            spans, at = [], 0
+            for start, end in (_turn_span(tokenizer, messages, i, text) for i in sorted(untrained)):
+                spans += [(at, start)] if start > at else []
+                at = max(at, end)
+            spans += [(at, len(text))] if at < len(text) else []
+        else:
+            spans = [
+                _reply_span(tokenizer, messages, i, text)
+                for i, m in enumerate(messages)
+                if m["role"] == "assistant" and i not in untrained
+            ]
     except UserError as e:
         raise UserError(f"{record.where}: {e}") from None
     return Rendered(text=text, spans=tuple(spans), add_special_tokens=False, append_eos=False, format=fmt)
+
+
+def _turn_span(tokenizer: Any, messages: list[dict[str, str]], i: int, text: str) -> tuple[int, int]:
+    """What turn ``i`` adds to the rendering: a reply as :func:`_reply_span`, another turn whole."""
+    if messages[i]["role"] == "assistant":
+        return _reply_span(tokenizer, messages, i, text)
+    before = chat_text(tokenizer, messages[:i], generation_prompt=False) if i else ""
+    upto = chat_text(tokenizer, messages[: i + 1], generation_prompt=False)
+    if not text.startswith(upto) or not upto.startswith(before):
+        raise UserError("the chat template does not render the conversation turn by turn")
+    return len(before), len(upto)
 
 
 def _reply_span(tokenizer: Any, messages: list[dict[str, str]], i: int, text: str) -> tuple[int, int]:

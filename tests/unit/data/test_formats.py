@@ -354,6 +354,16 @@ def test_a_turns_own_weight_or_training_flag_keeps_it_from_training() -> None:
     ):
         with pytest.raises(UserError, match=message):
             render(Record("d.jsonl", 1, {"messages": [turn]}), "auto", names, tokenizer)
+    # --train-on-prompt trains every turn but those a flag keeps out (it trained them all), and a
+    # user turn may ask to train there.
+    every = render(
+        Record("d.jsonl", 1, {"conversations": turns}), "auto", names, tokenizer, train_on_prompt=True
+    )
+    kept = "".join(every.text[a:b] for a, b in every.spans)
+    assert "BAD ANSWER" not in kept and "again" not in kept and "hi" in kept and kept.endswith("good<|eos|>")
+    asked = [{"role": "user", "content": "x", "weight": 1}, {"role": "assistant", "content": "y"}]
+    whole = render(Record("d.jsonl", 1, {"messages": asked}), "auto", names, tokenizer, train_on_prompt=True)
+    assert whole.spans == ((0, len(whole.text)),)
 
 
 def test_a_forced_chat_format_names_the_missing_field_and_a_template_typo_is_suggested() -> None:
