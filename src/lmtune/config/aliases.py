@@ -292,7 +292,51 @@ def peers_switched(
     """``values`` with other tools' switches as lmtune's settings: HF Trainer's yes/no
     ``push_to_hub`` beside ``hub_model_id``, and :data:`_VALUE_SWITCHES` (Axolotl's ``adapter:
     qlora``, TRL's ``loss_type: sigmoid``, ``bf16: true``); ``giver`` names what gave ``values``."""
+    _check_pairs(values, where, style, giver)
     return _value_switches(_hub_switch(values, where, style), where, style, giver)
+
+
+def _check_pairs(
+    values: dict[str, Any], where: Callable[[str], str], style: Callable[[str], str], giver: str
+) -> None:
+    """Peers' keys whose meaning depends on another of the same file, refused where lmtune would
+    take them for something else: TRL's CPOConfig (loss_type simpo with the default cpo_alpha 1.0
+    is CPO-SimPO; cpo_alpha belongs to it), bitsandbytes' compute dtype (of a 4-bit base only, and
+    lmtune's is the run's precision)."""
+    given = {canonical(k): k for k in values}
+
+    def low(name: str) -> str | None:
+        return str(values[given[name]]).lower() if name in given else None
+
+    def refuse(name: str, why: str) -> None:
+        raise UserError(f"{where(given[name])}{given[name]}: {_shown(values[given[name]])} {why}")
+
+    alpha, loss = low("cpo_alpha"), low("loss_type")
+    if loss == "simpo" and alpha not in ("0", "0.0"):
+        refuse(
+            "loss_type",
+            f"with cpo_alpha {alpha or '1.0 (its default)'} is TRL's CPO-SimPO (with an NLL term); "
+            f"lmtune's {style('objective')} simpo is SimPO, TRL's cpo_alpha: 0",
+        )
+    if alpha is not None and loss != "simpo":
+        refuse(
+            "cpo_alpha",
+            f"is a setting of TRL's CPOConfig, whose loss_type {loss or 'sigmoid (its default)'} is CPO, "
+            f"which lmtune has not ({style('objective')} simpo is loss_type: simpo with cpo_alpha: 0)",
+        )
+    compute = low("bnb_4bit_compute_dtype")
+    if compute is not None and low("load_in_4bit") != "true" and low("adapter") != "qlora":
+        refuse(
+            "bnb_4bit_compute_dtype",
+            f"applies to a 4-bit base ({style('load_in_4bit')}), which {giver} does not ask for",
+        )
+    ours = next((p for p, names in _DTYPES.items() if compute in names), None)
+    if ours in ("bf16", "fp16") and low(ours) == "false":
+        refuse(
+            "bnb_4bit_compute_dtype",
+            f"is {style('precision')} {ours} in lmtune (a 4-bit layer computes in the run's "
+            f"precision), which {giver} turns off ({ours}: false)",
+        )
 
 
 def _shown(value: Any) -> str:

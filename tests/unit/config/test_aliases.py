@@ -385,14 +385,30 @@ def test_bitsandbytes_and_cpo_settings_that_say_what_lmtune_does_are_taken(tmp_p
     assert not build_config(load_yaml(str(yaml_file))).examples.train_on_prompt
     for lines, refusal in (
         (
-            "bf16: true\nbnb_4bit_compute_dtype: float32\n",
-            r":2: bnb_4bit_compute_dtype: float32 is precision fp32",
+            "adapter: qlora\nbf16: true\nbnb_4bit_compute_dtype: float32\n",
+            r":3: bnb_4bit_compute_dtype: float32 is",
+        ),
+        (
+            "adapter: qlora\nbf16: false\nbnb_4bit_compute_dtype: bfloat16\n",
+            r":3: bnb_4bit_compute_dtype: .* turns off",
+        ),
+        (
+            "adapter: lora\nbnb_4bit_compute_dtype: bfloat16\n",
+            r":2: bnb_4bit_compute_dtype: bfloat16 applies to a 4-bit",
+        ),
+        ("loss_type: simpo\n", r":1: loss_type: simpo with cpo_alpha 1.0 \(its default\) is TRL's CPO-SimPO"),
+        (
+            "loss_type: sigmoid\ncpo_alpha: 0\n",
+            r":2: cpo_alpha: 0 is a setting of TRL's CPOConfig, whose loss_type",
         ),
         (
             "bnb_4bit_use_double_quant: false\n",
             r":1: bnb_4bit_use_double_quant: load_in_4bit always quantizes",
         ),
-        ("cpo_alpha: 1.0\n", r":1: cpo_alpha: objective simpo is SimPO without the NLL term"),
+        (
+            "cpo_alpha: 1.0\n",
+            r":1: cpo_alpha: 1.0 is a setting of TRL's CPOConfig, whose loss_type sigmoid \(its default\)",
+        ),
         ("quantization_config:\n  load_in_4bit: true\n", r":1: quantization_config: lmtune's load_in_4bit"),
         ("assistant_only_loss: false\n", r":1: assistant_only_loss: lmtune trains only assistant turns"),
         (
@@ -410,7 +426,7 @@ def test_bitsandbytes_and_cpo_settings_that_say_what_lmtune_does_are_taken(tmp_p
     [
         ("loss_type: sigmoid\n", "dpo", "logprobs"),
         ("loss_type: ipo\nobjective: ipo\n", "ipo", "logprobs"),
-        ("loss_type: simpo\n", "simpo", "logprobs"),  # TRL's CPOConfig
+        ("loss_type: simpo\ncpo_alpha: 0\n", "simpo", "logprobs"),  # TRL's CPOConfig, as its docs give SimPO
         ("objective: dpo\nprecompute_ref_log_probs: false\n", "dpo", "live"),
         ("objective: dpo\nprecompute_ref_log_probs: true\n", "dpo", "logprobs"),
         ("rl: dpo\n", "dpo", "logprobs"),  # Axolotl's
