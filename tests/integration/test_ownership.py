@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmtune.checkpoint.export import EXPORT_MARKER
+from lmtune.checkpoint.export_folder import EXPORT_MARKER
 from lmtune.checkpoint.layout import LOCK_FILE, TEMPORARY_MARK, verify
 from lmtune.checkpoint.owned import WRITTEN_RECORD, file_stats, users_files
 from lmtune.checkpoint.rundir import check_earlier_run, check_output_dir, replace_earlier_run
@@ -143,10 +143,33 @@ def test_export_keeps_a_lora_base_and_the_working_folder_and_merges_a_relative_b
     ckpt = tmp_path / "lora" / "checkpoints" / "step-000002"
     base = tmp_path / "models" / "base"
     before = _files(base)
-    for dest in ("models/base", "models", f"{base}/"):
+    for dest, how in (
+        ("models/base", "is"),
+        ("models", "holds"),
+        (f"{base}/", "is"),
+        ("models/base/sub", "lies in"),
+    ):
         said = _error(["export", str(ckpt), dest, "--overwrite"], capsys)
-        assert f"holds {base}, the base model of the checkpoint's LoRA adapter" in said
+        assert f"{how} {base}, the base model of the checkpoint's LoRA adapter" in said
     assert _files(base) == before
+    # A full run's --model, and a preference run's --reference-model, which its resume reads again.
+    argv = [
+        "train",
+        "--model",
+        "models/base",
+        "--data",
+        str(data),
+        "--output-dir",
+        "full",
+        "--max-steps",
+        "1",
+    ]
+    assert main([*argv, "--save-every", "1", "--global-batch-size", "8", "--no-progress"]) == 0
+    said = _error(
+        ["export", str(tmp_path / "full" / "checkpoints" / "step-000001"), "models/base", "--overwrite"],
+        capsys,
+    )
+    assert f"is {base}, the run's --model" in said
     here = tmp_path / "away" / "here"
     here.mkdir(parents=True)
     monkeypatch.chdir(here)
@@ -563,3 +586,25 @@ def test_a_run_stopped_under_overwrite_says_to_resume_without_it(
     monkeypatch.setattr(torch.optim.AdamW, "step", original)
     assert main(argv[:-1]) == 0  # as it said: without --overwrite, it resumes
     assert f"resuming from {out / 'checkpoints' / saved[0]}" in capsys.readouterr().out
+
+
+def test_an_export_is_never_written_over_a_folder_the_checkpoints_run_reads_again(tmp_path: Path) -> None:
+    """A DPO run's --reference-model (an earlier export, so --overwrite would take it) replaced by
+    the export: the run's resume was refused for good, as another reference."""
+    from lmtune.checkpoint.export_folder import check_destination
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000002"
+    ckpt.mkdir(parents=True)
+    reference = tmp_path / "models" / "ref"
+    reference.mkdir(parents=True)
+    (reference / EXPORT_MARKER).write_text("{}")
+    run = {
+        "config": {"model": "tiny", "reference_model": str(reference)},
+        "resolved": {"model_source": "preset tiny"},
+    }
+    (tmp_path / "run" / "run.json").write_text(json.dumps(run))
+    with pytest.raises(
+        UserError, match=r"is .*models/ref, the run's --reference-model, which its resume reads"
+    ):
+        check_destination(ckpt, reference, overwrite=True)
+    check_destination(ckpt, tmp_path / "models" / "other", overwrite=True)  # anywhere else
