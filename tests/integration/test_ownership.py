@@ -183,6 +183,9 @@ def test_export_keeps_a_lora_base_and_the_working_folder_and_merges_a_relative_b
         load_file(tmp_path / "lora" / "final" / "merged" / "model.safetensors"),
     )
     assert exported.keys() == trained.keys() and all(exported[k].equal(trained[k]) for k in trained)
+    base.rename(base.with_name("moved"))  # the adapter's base gone: said as the adapter's, not as --model
+    said = _error(["export", str(ckpt), "merged-again", "--merge-lora"], capsys)
+    assert f"{ckpt}: its adapter's base model {base}: no such folder" in said
 
 
 def test_an_export_into_a_users_empty_folder_keeps_its_permissions(run: Path, tmp_path: Path) -> None:

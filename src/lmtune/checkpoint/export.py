@@ -324,14 +324,20 @@ def _merged_checkpoint(checkpoint: Path, trust_remote_code: bool) -> nn.Module:
     # The adapter names a local base by its absolute path (--model may have been relative to the
     # directory training ran in); a preset's adapter names none.
     named = read_json_object(checkpoint / ADAPTER_CONFIG).get("base_model_name_or_path")
-    merged, _ = merged_into_base(
-        named if isinstance(named, str) and named else model.name,
-        int(config["seed"]),
-        checkpoint,
-        trust_remote_code=trust_remote_code,
-        quantization=quantization_of(model, "single"),
-        device=merge_device(),
-    )
+    try:
+        merged, _ = merged_into_base(
+            named if isinstance(named, str) and named else model.name,
+            int(config["seed"]),
+            checkpoint,
+            trust_remote_code=trust_remote_code,
+            quantization=quantization_of(model, "single"),
+            device=merge_device(),
+        )
+    except UserError as e:  # export has no --model: the base is the adapter's
+        said = str(e)
+        if not said.startswith("--model "):
+            raise
+        raise UserError(f"{checkpoint}: its adapter's base model {said.removeprefix('--model ')}") from None
     return merged
 
 

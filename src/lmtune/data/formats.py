@@ -221,7 +221,9 @@ def _suggested_map(record: Record) -> str:
 
 
 def _turn_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) for m in value)
+    """A list of chat turns: objects with a role or a speaker (records under another key are not)."""
+    turns = isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) for m in value)
+    return turns and all({"role", "from", "content", "value"} & set(m) for m in value)
 
 
 def field_kind(record: Record, name: str) -> str:
@@ -325,8 +327,8 @@ def _conversation(
         if calls:  # a template would see only the text: the call trained as an empty reply
             raise UserError(
                 f"{record.where}: {where} holds {calls}; lmtune trains on the text of each turn and has no "
-                "tool calling, so the call would train as an empty reply: leave such records out "
-                "(--skip-bad-lines skips them)"
+                "tool calling, so the call would not train (a turn of no text, as an empty reply): leave "
+                "such records out (--skip-bad-lines skips them)"
             )
         content = _text_content(record, m.get(content_key), where) if isinstance(m, Mapping) else None
         if content is None or role_key not in m:

@@ -317,8 +317,9 @@ def _json(path: str, bad: BadLines) -> Iterator[Record]:
     if not isinstance(data, list):
         raise UserError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
     for (i, record), line in zip(enumerate(data, start=1), _element_lines(text), strict=True):
-        if not isinstance(record, dict):
-            raise UserError(f"{path}:{line}: record {i} is not a JSON object ({type(record).__name__})")
+        if not isinstance(record, dict):  # a bad line, as in JSONL: --skip-bad-lines passes over it
+            bad.report(f"{path}:{line}: record {i} is not a JSON object ({type(record).__name__})")
+            continue
         yield Record(path, line, record)
 
 

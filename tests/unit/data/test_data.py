@@ -80,6 +80,9 @@ def test_json_files_name_each_records_line_and_read_json_lines(tmp_path: Path) -
     (tmp_path / "c.json").write_text('[{"text": "a"},\n\n  5]')
     with pytest.raises(UserError, match=r"c\.json:3: record 2 is not a JSON object"):
         read(str(tmp_path / "c.json"))
+    skipped = BadLines(skip=True)  # a bad line, as in JSONL (the whole file was refused)
+    kept = records(resolve_sources(str(tmp_path / "c.json")), ExampleSettings(skip_bad_lines=True), skipped)
+    assert [r.fields for r in kept] == [{"text": "a"}] and skipped.count == 1
 
 
 def test_saved_splits_without_train_are_named_not_guessed(tmp_path: Path) -> None:
