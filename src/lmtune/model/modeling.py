@@ -338,8 +338,9 @@ def merged_into_base(
         "the base model"
         if q is None
         else (
-            f"the {q.bits}-bit base dequantized to {DTYPE_NAMES[q.compute_dtype]} (the weights the "
-            "adapter was trained on)"
+            f"the {q.bits}-bit base dequantized to {DTYPE_NAMES[q.compute_dtype]}"
+            + ("'s values, kept in fp32" if q.compute_dtype != torch.float32 else "")
+            + " (the weights the adapter was trained on)"
         )
     )
     return merged_model(base, adapter_folder), what
