@@ -197,9 +197,8 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
 
     model = saved.fixed.get("--model")  # as typed by an older lmtune: a folder by its path now
     fixed = saved.fixed | ({"--model": _as_recorded(model)} if isinstance(model, str) else {})
-    weights = saved.fixed.get(STARTING_WEIGHTS)
+    weights = saved.fixed.get(STARTING_WEIGHTS)  # the same under another name: moved, copied, a hub's
     if weights is not None and weights == now.fixed.get(STARTING_WEIGHTS) and "--model" in now.fixed:
-        # The same weights under another name (the folder moved or copied, a hub id's own copy).
         fixed["--model"] = now.fixed["--model"]
     refused = _changes(fixed, now.fixed)
     if any(c.startswith("base quantization") for c in refused) or STARTING_WEIGHTS not in now.fixed:

@@ -334,16 +334,11 @@ def merged_into_base(
 
     q = quantization
     base = _base_to_merge_into(name, seed, trust_remote_code, q, device)
-    what = (
-        "the base model"
-        if q is None
-        else (
-            f"the {q.bits}-bit base dequantized to {DTYPE_NAMES[q.compute_dtype]}"
-            + ("'s values, kept in fp32" if q.compute_dtype != torch.float32 else "")
-            + " (the weights the adapter was trained on)"
-        )
-    )
-    return merged_model(base, adapter_folder), what
+    if q is None:
+        return merged_model(base, adapter_folder), "the base model"
+    kept = "'s values, kept in fp32" if q.compute_dtype != torch.float32 else ""
+    what = f"the {q.bits}-bit base dequantized to {DTYPE_NAMES[q.compute_dtype]}{kept}"
+    return merged_model(base, adapter_folder), f"{what} (the weights the adapter was trained on)"
 
 
 def _base_to_merge_into(

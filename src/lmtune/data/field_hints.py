@@ -1,0 +1,48 @@
+"""The --field-map that would read a record of other names: other data sets' names for lmtune's
+fields, lmtune's own misspelled or in other case, a list of turns under another key."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from lmtune.data.sources import Record
+
+# Other data sets' names for a prompt and its completion, to suggest a --field-map.
+PROMPT_NAMES = ("question", "query", "input", "prompt_text", "problem", "source")
+COMPLETION_NAMES = ("answer", "response", "output", "target", "completion_text", "solution", "reply")
+
+
+def suggested_map(record: Record) -> str:
+    """``, such as prompt=question,completion=answer`` where the record has such fields: another
+    tool's names, lmtune's own misspelled or in other case (promt, Prompt), or a list of turns
+    under another name (dialog)."""
+    fields = record.fields
+    ours = ("text", "prompt", "completion", "instruction", "output", "messages")
+    suggested: dict[str, str] = {}
+    for name in fields:
+        close = difflib.get_close_matches(name.lower(), ours, n=1, cutoff=0.8)
+        if name not in ours and close and close[0] not in fields:
+            suggested.setdefault(close[0], name)
+    completion = next((n for n in COMPLETION_NAMES if isinstance(fields.get(n), str)), None)
+    if completion is not None and isinstance(fields.get("instruction"), str):  # lmtune's output
+        suggested.setdefault("output", completion)
+    elif completion is not None:
+        prompt = next((n for n in ("prompt", *PROMPT_NAMES) if isinstance(fields.get(n), str)), None)
+        if prompt is not None:
+            if prompt != "prompt":
+                suggested.setdefault("prompt", prompt)
+            suggested.setdefault("completion", completion)
+    turns = next(
+        (n for n, v in fields.items() if _turn_list(v) and n not in ("messages", "conversations")), None
+    )
+    if turns is not None and "messages" not in fields:
+        suggested.setdefault("messages", turns)
+    return ", such as " + ",".join(f"{k}={v}" for k, v in suggested.items()) if suggested else ""
+
+
+def _turn_list(value: Any) -> bool:
+    """A list of chat turns: objects with a role or a speaker (records under another key are not)."""
+    turns = isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) for m in value)
+    return turns and all({"role", "from", "content", "value"} & set(m) for m in value)
