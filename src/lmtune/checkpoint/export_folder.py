@@ -12,8 +12,8 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from lmtune.checkpoint.finished import earlier_record
 from lmtune.checkpoint.layout import open_to_umask
 from lmtune.checkpoint.owned import file_stats, listed, not_ours, recorded_stats
 from lmtune.config.files import read_json_object
@@ -73,20 +73,18 @@ def check_destination(checkpoint: Path, out: Path, overwrite: bool) -> None:
 def _inputs_of(checkpoint: Path) -> list[tuple[Path, str]]:
     """The model folders the checkpoint's run reads again, as far as its files name them: the
     LoRA adapter's base, and its run.json's --model and --reference-model."""
-
-    def read(path: Path) -> dict[str, Any]:
-        try:
-            return read_json_object(path) if path.is_file() else {}
-        except UserError:  # said where the export reads it
-            return {}
-
-    run = read(checkpoint.parent.parent / "run.json")
+    config_file = checkpoint / ADAPTER_CONFIG
+    try:
+        adapter = read_json_object(config_file) if config_file.is_file() else {}
+    except UserError:  # said where the export reads it
+        adapter = {}
+    run = earlier_record(checkpoint.parent.parent)
     config, resolved = run.get("config"), run.get("resolved")
     named = [
         (
-            read(checkpoint / ADAPTER_CONFIG).get("base_model_name_or_path"),
-            "the base model of the checkpoint's "
-            "LoRA adapter, which the adapter, its run's resume and --merge-lora load",
+            adapter.get("base_model_name_or_path"),
+            "the base model of the checkpoint's LoRA adapter, which the adapter, its run's resume and "
+            "--merge-lora load",
         ),
         (resolved.get("model_source") if isinstance(resolved, dict) else None, "the run's --model"),
         (

@@ -243,13 +243,13 @@ def resolve_names(
     return out
 
 
-# Another tool's key whose value says what lmtune settings do: (its key, value as text) -> ours.
 # The dtypes' names in bitsandbytes' and transformers' configs, by lmtune's precision.
 _DTYPES = {
     "fp32": ("float32", "fp32", "torch.float32"),
     "bf16": ("bfloat16", "bf16", "torch.bfloat16"),
     "fp16": ("float16", "fp16", "torch.float16"),
 }
+# Another tool's key whose value says what lmtune settings do: (its key, value as text) -> ours.
 _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
     "adapter": {"lora": {"lora": True}, "qlora": {"lora": True, "load_in_4bit": True}},  # Axolotl
     "rl": {  # Axolotl ("true": its first releases' DPO)
@@ -300,9 +300,9 @@ def _check_pairs(
     values: dict[str, Any], where: Callable[[str], str], style: Callable[[str], str], giver: str
 ) -> None:
     """Peers' keys whose meaning depends on another of the same file, refused where lmtune would
-    take them for something else: TRL's CPOConfig (loss_type simpo with the default cpo_alpha 1.0
-    is CPO-SimPO; cpo_alpha belongs to it), bitsandbytes' compute dtype (of a 4-bit base only, and
-    lmtune's is the run's precision)."""
+    take them for something else: Axolotl's adapter qlora (4-bit) beside load_in_8bit, TRL's
+    CPOConfig (loss_type simpo with the default cpo_alpha 1.0 is CPO-SimPO; cpo_alpha belongs to
+    it), bitsandbytes' compute dtype (of a 4-bit base only, and lmtune's is the run's precision)."""
     given = {canonical(k): k for k in values}
 
     def low(name: str) -> str | None:
@@ -311,6 +311,12 @@ def _check_pairs(
     def refuse(name: str, why: str) -> None:
         raise UserError(f"{where(given[name])}{given[name]}: {_shown(values[given[name]])} {why}")
 
+    if low("adapter") == "qlora" and low("load_in_8bit") == "true":  # Axolotl's 8-bit LoRA is adapter: lora
+        refuse(
+            "adapter",
+            f"is LoRA on a 4-bit base in lmtune ({style('load_in_4bit')}), and {giver} asks for 8-bit "
+            f"({style('load_in_8bit')}): for LoRA on an 8-bit base give {given['adapter']}: lora",
+        )
     alpha, loss = low("cpo_alpha"), low("loss_type")
     if loss == "simpo" and alpha not in ("0", "0.0"):
         refuse(
@@ -379,12 +385,6 @@ def _value_switches(
             raise UserError(
                 f"{where(key)}{key}: false adapts the layers {modules} names, and the file names none "
                 f"(lmtune's default is every linear layer; name them, as {modules}{sep}[q_proj, v_proj])"
-            )
-        if switched.get("load_in_4bit") and str(given.get("load_in_8bit")).lower() == "true":
-            raise UserError(  # Axolotl's 8-bit LoRA is adapter: lora with load_in_8bit
-                f"{where(key)}{key}: {_shown(value)} is LoRA on a 4-bit base in lmtune "
-                f"({style('load_in_4bit')}), and {giver} asks for 8-bit ({style('load_in_8bit')}): for "
-                f"LoRA on an 8-bit base give {key}: lora"
             )
         del out[key]
         if canonical(key) == "lora_target_linear" and switched:
