@@ -82,6 +82,16 @@ def test_tensorboard_holds_every_step_once_after_a_resume(resumed: Path) -> None
         got = [(e.step, e.value) for e in events.Scalars(tag)]
         assert [s for s, _ in got] == [s for s, _ in expected], tag  # each step once, in order
         assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-6), tag
+    # Read raw (as tbparse does, without TensorBoard's purge): the first attempt's file is gone,
+    # the config is there once, and each step once.
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    (events_file,) = (resumed / "tensorboard").glob("events.out.tfevents.*")
+    raw = [v for e in EventFileLoader(str(events_file)).Load() for v in e.summary.value]
+    assert [v.tag for v in raw].count("config/text_summary") == 1
+    assert sorted((v.tag, v.metadata.plugin_data.plugin_name) for v in raw if v.tag == "train/loss") == [
+        ("train/loss", "scalars")
+    ] * 30
 
 
 def test_wandb_offline_and_mlflow_hold_the_scalars_once(

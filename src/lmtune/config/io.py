@@ -141,6 +141,11 @@ def _expected(name: str, kind: type, value: Any) -> str:
     if name == "resume" and isinstance(value, bool):  # litgpt's resume: true | false
         meant = "auto continues the newest checkpoint" if value else "never starts anew"
         why = f" (auto | never | PATH; {meant})"
+    if name == "eval_split" and isinstance(value, str) and math.isnan(number):  # a split's name
+        why = (
+            " (a share of the data to hold out, such as 0.1, or a number of examples; a data set's own "
+            "split is given as --eval-data: DIR/test for one saved with save_to_disk, NAME:test on the hub)"
+        )
     return f"{option_name(name)}: expected {kind.__name__}, got {brief(value)}{why}"
 
 

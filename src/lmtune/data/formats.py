@@ -8,7 +8,7 @@ tokenizer happens to encode a role marker.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lmtune.config.groups import ExampleSettings
@@ -99,7 +99,7 @@ class FieldMap:
 
     def record(self, record: Record) -> Record:
         """``record`` with its fields under lmtune's names."""
-        return Record(record.source, record.line, self.apply(record.fields))
+        return replace(record, fields=self.apply(record.fields))
 
     def apply(self, found: Mapping[str, Any]) -> dict[str, Any]:
         """A record's fields under lmtune's names (a renamed field leaves its old name)."""

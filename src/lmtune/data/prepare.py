@@ -136,7 +136,9 @@ def cache_key(
 
 def records(sources: list[Source], settings: ExampleSettings, bad: BadLines) -> Iterator[Record]:
     for source in sources:
-        yield from iter_records(source, settings.text_field, bad, settings.txt_mode)
+        yield from iter_records(
+            source, settings.text_field, bad, settings.txt_mode, settings.format == "text"
+        )
 
 
 def _encode(

@@ -14,6 +14,7 @@ import glob
 import hashlib
 import json
 import re
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -36,10 +37,11 @@ class Record:
     source: str
     line: int  # 1-based line of a text file, or record number of a table or data set
     fields: dict[str, Any]
+    item: int = 0  # its number in a file where records share a line (a JSON list on one line)
 
     @property
     def where(self) -> str:
-        return f"{self.source}:{self.line}"
+        return f"{self.source}:{self.line}" + (f" (record {self.item})" if self.item else "")
 
 
 @dataclass
@@ -233,14 +235,17 @@ def _near_names(path: Path) -> list[str]:
     return [str(folder / name) if str(folder) != "." else name for name in found]
 
 
-def iter_records(source: Source, text_field: str, bad: BadLines, txt_mode: str = "line") -> Iterator[Record]:
-    """The records of one source, in order; unreadable lines go to ``bad``."""
+def iter_records(
+    source: Source, text_field: str, bad: BadLines, txt_mode: str = "line", json_as_text: bool = False
+) -> Iterator[Record]:
+    """The records of one source, in order; unreadable lines go to ``bad``. ``json_as_text``: a
+    ``.txt`` of JSON Lines is text all the same (``--data-format text``), not refused."""
     readers = {
         "jsonl": lambda: _jsonl(source.name, bad),
         "json": lambda: _json(source.name, bad),
         "parquet": lambda: _parquet(source.name),
         "csv": lambda: _csv(source.name, bad),
-        "txt": lambda: _txt(source.name, text_field, txt_mode, bad),
+        "txt": lambda: _txt(source.name, text_field, txt_mode, bad, json_as_text),
         "hf_disk": lambda: _hf_disk(source.name, source.split),
         "hf_hub": lambda: _hf_hub(source.name, source.split or "train"),
         "sample": lambda: _sample(source.split or "train", text_field),
@@ -316,11 +321,13 @@ def _json(path: str, bad: BadLines) -> Iterator[Record]:
     data = _parse_json(text, path)
     if not isinstance(data, list):
         raise UserError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
-    for (i, record), line in zip(enumerate(data, start=1), _element_lines(text), strict=True):
+    lines = list(_element_lines(text))
+    shared = {line for line, count in Counter(lines).items() if count > 1}
+    for (i, record), line in zip(enumerate(data, start=1), lines, strict=True):
         if not isinstance(record, dict):  # a bad line, as in JSONL: --skip-bad-lines passes over it
             bad.report(f"{path}:{line}: record {i} is not a JSON object ({type(record).__name__})")
             continue
-        yield Record(path, line, record)
+        yield Record(path, line, record, i if line in shared else 0)
 
 
 def _one_object(line: str) -> bool:
@@ -394,16 +401,19 @@ def _csv(path: str, bad: BadLines) -> Iterator[Record]:
         raise UserError(f"{path}{at}: not valid CSV ({e})") from None
 
 
-def _txt(path: str, text_field: str, mode: str, bad: BadLines) -> Iterator[Record]:
+def _txt(path: str, text_field: str, mode: str, bad: BadLines, json_as_text: bool) -> Iterator[Record]:
+    checked = json_as_text
     if mode == "line":
         for lineno, line in _decoded_lines(path, bad):
             if line.strip():
+                checked = checked or _not_json_lines(path, lineno, line)
                 yield Record(path, lineno, {text_field: line.rstrip("\r\n")})
         return
     block: list[str] = []
     start = 0
     for lineno, line in _decoded_lines(path, bad):
         if line.strip():
+            checked = checked or _not_json_lines(path, lineno, line)
             if not block:
                 start = lineno
             block.append(line.rstrip("\r\n"))
@@ -412,6 +422,17 @@ def _txt(path: str, text_field: str, mode: str, bad: BadLines) -> Iterator[Recor
             block = []
     if block:
         yield Record(path, start, {text_field: "\n".join(block)})
+
+
+def _not_json_lines(path: str, lineno: int, line: str) -> bool:
+    """True for a ``.txt`` whose first line is not a JSON object; one that is, is refused: its
+    records would train as their JSON text, braces and field names included, without a word."""
+    if line.lstrip().startswith("{") and _one_object(line):
+        raise UserError(
+            f"{path}:{lineno}: a JSON object in a .txt file, which trains each line as plain text; "
+            f"name the file .jsonl to read its records, or give --data-format text to train on the JSON text"
+        )
+    return True
 
 
 def _rows(dataset: Any, name: str) -> Iterator[Record]:

@@ -115,11 +115,18 @@ class TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        # Every earlier event is dropped when read (purge from step 1) and the history up to the
-        # checkpoint is written again: an attempt that died may not have flushed all of it, and
-        # what it wrote after its checkpoint is not this run's.
-        self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=1)
-        if resume_step == 0:
+        # The history up to the checkpoint is written again (an attempt that died may not have
+        # flushed all of it, and what it wrote after its checkpoint is not this run's), so the
+        # earlier attempt's event file goes: readers other than TensorBoard's (tbparse) saw its
+        # steps twice. Events of a file lmtune did not record are dropped when read (purge from step 1).
+        folder = output_dir / "tensorboard"
+        earlier = _drop_earlier_events(folder, _run_ids(output_dir).get("tensorboard"))
+        before = set(folder.glob(_EVENTS)) if folder.is_dir() else set()
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=1)
+        ours = sorted(set(folder.glob(_EVENTS)) - before)  # the writer opens its file at once
+        if len(ours) == 1:
+            _remember_run_id(output_dir, "tensorboard", ours[0].name)
+        if resume_step == 0 or earlier:
             self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
             # In this run's own folder (add_hparams would start another run beside it).
             events = self.writer._get_file_writer()  # type: ignore[no-untyped-call]
@@ -134,6 +141,20 @@ class TensorBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+_EVENTS = "events.out.tfevents.*"
+
+
+def _drop_earlier_events(folder: Path, name: str | None) -> bool:
+    """Whether the event file an earlier attempt recorded (``name``) was there and is removed."""
+    earlier = folder / name if name else None
+    if earlier is None or not earlier.match(_EVENTS) or earlier.parent != folder:
+        return False
+    if earlier.is_symlink() or not earlier.is_file():
+        return False
+    earlier.unlink()
+    return True
 
 
 def _run_ids(output_dir: Path) -> dict[str, str]:

@@ -83,6 +83,10 @@ def test_json_files_name_each_records_line_and_read_json_lines(tmp_path: Path) -
     skipped = BadLines(skip=True)  # a bad line, as in JSONL (the whole file was refused)
     kept = records(resolve_sources(str(tmp_path / "c.json")), ExampleSettings(skip_bad_lines=True), skipped)
     assert [r.fields for r in kept] == [{"text": "a"}] and skipped.count == 1
+    # Records sharing a line (json.dumps without indent) are told apart by their number there.
+    (tmp_path / "d.json").write_text(json.dumps(rows[:2])[:-1] + ",\n" + json.dumps(rows[2]) + "]")
+    found = list(records(resolve_sources(str(tmp_path / "d.json")), ExampleSettings(), BadLines(False)))
+    assert [r.where.split("/")[-1] for r in found] == ["d.json:1 (record 1)", "d.json:1 (record 2)", "d.json:2"]
 
 
 def test_saved_splits_without_train_are_named_not_guessed(tmp_path: Path) -> None:
@@ -105,6 +109,19 @@ def test_folder_reads_every_supported_file(tmp_path: Path) -> None:
 def test_txt_blocks(tmp_path: Path) -> None:
     (tmp_path / "t.txt").write_text("one\ntwo\n\n\nthree\n")
     assert read(str(tmp_path / "t.txt"), txt_mode="block") == [{"text": "one\ntwo"}, {"text": "three"}]
+
+
+def test_json_lines_in_a_txt_file_are_refused_unless_text_is_asked(tmp_path: Path) -> None:
+    """Each line would train as its JSON text, braces and field names included, without a word."""
+    lines = '\n{"prompt": "a", "completion": "b"}\n{"prompt": "c", "completion": "d"}\n'
+    (tmp_path / "d.txt").write_text(lines)
+    for mode in ("line", "block"):
+        with pytest.raises(UserError, match=r"d\.txt:2: a JSON object in a \.txt file.*--data-format text"):
+            read(str(tmp_path / "d.txt"), txt_mode=mode)
+    texts = [r["text"] for r in read(str(tmp_path / "d.txt"), format="text")]
+    assert texts == [line for line in lines.splitlines() if line]
+    (tmp_path / "e.txt").write_text('plain first\n{"a": 1}\n')  # only a first line that is JSON
+    assert len(read(str(tmp_path / "e.txt"))) == 2
 
 
 def test_a_typo_of_a_local_file_is_no_hub_data_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
