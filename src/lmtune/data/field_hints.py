@@ -46,3 +46,29 @@ def _turn_list(value: Any) -> bool:
     """A list of chat turns: objects with a role or a speaker (records under another key are not)."""
     turns = isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) for m in value)
     return turns and all({"role", "from", "content", "value"} & set(m) for m in value)
+
+
+# Other preference data sets' names for the prompt (Axolotl's chatml.intel: question; Alpaca-like
+# pairs: instruction). "source" is left out: such sets use it for where a pair came from.
+PAIR_PROMPT_NAMES = ("question", "query", "instruction", "input", "problem", "prompt_text")
+
+
+def unread_pair_prompt(fields: Mapping[str, Any]) -> str | None:
+    """A text field of a pair without a ``prompt`` that another data set names its prompt so
+    (``question``), or that is ``prompt`` misspelled or in other case: it would not be read."""
+    for name, value in fields.items():
+        if not isinstance(value, str) or name in ("chosen", "rejected"):
+            continue
+        if name.lower() in PAIR_PROMPT_NAMES or difflib.get_close_matches(
+            name.lower(), ["prompt"], cutoff=0.8
+        ):
+            return name
+    return None
+
+
+def suggested_pair_field(fields: Mapping[str, Any], missing: str) -> str:
+    """``; --field-map rejected=rejectd`` where a field of the pair is ``missing`` (lmtune's name)
+    and another is that name misspelled or in other case, else ""."""
+    others = {n.lower(): n for n in fields if n not in ("prompt", "chosen", "rejected")}
+    close = difflib.get_close_matches(missing, list(others), n=1, cutoff=0.75)
+    return f"; such as --field-map {missing}={others[close[0]]}" if close else ""

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from lmtune.data.field_hints import suggested_pair_field, unread_pair_prompt
 from lmtune.data.formats import FieldMap, chat_text, field_kind, messages_field
 from lmtune.data.sources import BadLines, Record, first_places, in_parentheses
 from lmtune.errors import UserError
@@ -134,7 +135,10 @@ def render_pair(record: Record, tokenizer: Any, names: FieldMap) -> PairTexts:
     ``names`` names its messages' role and content fields and roles."""
     for name in ("chosen", "rejected"):
         if name not in record.fields:
-            raise UserError(f"{record.where}: preference record has no '{names.name(name)}' field")
+            raise UserError(
+                f"{record.where}: preference record has no '{names.name(name)}' field (fields found: "
+                f"{names.found(record.fields)}{suggested_pair_field(record.fields, name)})"
+            )
     # Messages in the prompt or either answer: a conversation (a text prompt beside whole
     # conversations, as UltraFeedback's, is what their shared turns say: conversation()).
     prompt = record.fields.get("prompt")
@@ -173,7 +177,16 @@ def render_pair(record: Record, tokenizer: Any, names: FieldMap) -> PairTexts:
 
 def _implicit_prompt(record: Record, names: FieldMap) -> tuple[str, str, str]:
     """(prompt, chosen, rejected) of a pair given as two whole texts (Anthropic HH's form): the
-    text both start with is the prompt, less a space it ends with, as TRL's extract_prompt takes it."""
+    text both start with is the prompt, less a space it ends with, as TRL's extract_prompt takes it.
+    Not beside a field that looks like the prompt under another name: the answers' shared start
+    ("The answer is") would have trained as the prompt, that field unread, without a word."""
+    other = unread_pair_prompt(record.fields)
+    if other is not None:
+        raise UserError(
+            f"{record.where}: preference record has no '{names.name('prompt')}' field but a {other!r} one, "
+            f"which would not be read (the prompt would be what chosen and rejected start with); give "
+            f"--field-map prompt={other}"
+        )
     whole = _text(record, "chosen", names), _text(record, "rejected", names)
     n = 0
     while n < min(map(len, whole)) and whole[0][n] == whole[1][n]:

@@ -212,6 +212,14 @@ def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
             {"chosen": [{"role": "user", "content": "q"}], "rejected": [{"role": "user", "content": "q"}]},
             "pairs.jsonl:1: .*chosen and rejected messages are the same",
         ),
+        # The answers' shared start ("The answer is") trained as the prompt, the question unread.
+        (
+            {"question": "2+2?", "chosen": "The answer is 4", "rejected": "The answer is 5"},
+            "pairs.jsonl:1: .*no 'prompt' field but a 'question' one, which would not be read.*"
+            "--field-map prompt=question",
+        ),
+        ({"Prompt": "q", "chosen": "The a", "rejected": "The b"}, "--field-map prompt=Prompt"),
+        ({"prompt": "q", "chosen": "a", "rejectd": "b"}, r"no 'rejected' field .*--field-map rejected=rejectd\)"),
     ],
 )
 def test_bad_pairs_name_file_and_line(row: dict[str, Any], message: str) -> None:
