@@ -19,8 +19,8 @@ import torch
 
 from lmtune.checkpoint import export as export_module
 from lmtune.checkpoint.export import save_final
+from lmtune.checkpoint.fingerprint import read_fingerprint
 from lmtune.checkpoint.layout import write_manifest
-from lmtune.checkpoint.resume import read_fingerprint
 from lmtune.checkpoint.state import ModelParts
 from lmtune.checkpoint.store import _scaler_state, load_checkpoint, read_state
 from lmtune.cli import main

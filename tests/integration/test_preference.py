@@ -216,6 +216,12 @@ def test_a_reference_model_precomputed_or_live_gives_the_same_losses(
     for mode, args in commands.items():
         assert main([*args, "--max-steps", "3"]) == 0, mode
         assert [r["step"] for r in train_rows(tmp_path / mode)] == [1, 2, 3]
+    # The same reference moved to another folder: its weights, by their hash, resume (refused before).
+    moved = folder.rename(tmp_path / "moved-reference")
+    for mode, args in commands.items():
+        args = [str(moved) if a == str(folder) else a for a in args]
+        assert main([*args, "--max-steps", "4"]) == 0, mode
+        assert [r["step"] for r in train_rows(tmp_path / mode)] == [1, 2, 3, 4]
 
 
 def test_a_reference_cache_that_cannot_be_written_costs_a_warning(

@@ -89,9 +89,10 @@ def test_tensorboard_holds_every_step_once_after_a_resume(resumed: Path) -> None
     (events_file,) = (resumed / "tensorboard").glob("events.out.tfevents.*")
     raw = [v for e in EventFileLoader(str(events_file)).Load() for v in e.summary.value]
     assert [v.tag for v in raw].count("config/text_summary") == 1
-    assert sorted((v.tag, v.metadata.plugin_data.plugin_name) for v in raw if v.tag == "train/loss") == [
-        ("train/loss", "scalars")
-    ] * 30
+    assert (
+        sorted((v.tag, v.metadata.plugin_data.plugin_name) for v in raw if v.tag == "train/loss")
+        == [("train/loss", "scalars")] * 30
+    )
 
 
 def test_wandb_offline_and_mlflow_hold_the_scalars_once(

@@ -25,7 +25,7 @@ from lmtune.model.lora import ADAPTER_CONFIG
 from lmtune.model.modeling import PRESETS
 
 if TYPE_CHECKING:
-    from lmtune.checkpoint.resume import Fingerprint
+    from lmtune.checkpoint.fingerprint import Fingerprint
 
 CARD_FILE = "README.md"
 RUN_FILE = "run.json"
@@ -116,7 +116,7 @@ def checkpoint_record(checkpoint: Path, step: int) -> dict[str, Any] | None:
             if isinstance(c, dict)
         ]
         run = {**run, "resolved": {**resolved, "changed_on_resume": marked}}
-    from lmtune.checkpoint.resume import read_fingerprint
+    from lmtune.checkpoint.fingerprint import read_fingerprint
     from lmtune.errors import UserError
 
     try:

@@ -297,7 +297,7 @@ def _checkpoint_model(checkpoint: Path, listed: dict[str, Any], trust_remote_cod
 def _merged_checkpoint(checkpoint: Path, trust_remote_code: bool) -> nn.Module:
     """A LoRA checkpoint's adapter merged into the base it was trained on, rebuilt from the run's
     record beside it (a preset's weights come from its seed; a quantized base is dequantized)."""
-    from lmtune.checkpoint.resume import read_fingerprint  # resume -> store -> this module
+    from lmtune.checkpoint.fingerprint import read_fingerprint  # resume -> store -> this module
 
     saved = read_fingerprint(checkpoint)
     record = checkpoint.parent.parent / "run.json"

@@ -122,7 +122,7 @@ def check_continued_into(output_dir: Path, resume: Path, config: dict[str, Any])
     Raises:
         UserError: naming what the folder holds.
     """
-    from lmtune.checkpoint.resume import read_fingerprint
+    from lmtune.checkpoint.fingerprint import read_fingerprint
 
     found = list_checkpoints(output_dir)
     held = [n for n in ("final", "metrics.jsonl", "run.json") if (output_dir / n).exists()]

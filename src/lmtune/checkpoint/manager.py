@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from lmtune.checkpoint.export import save_final
+from lmtune.checkpoint.fingerprint import Fingerprint
 from lmtune.checkpoint.finished import Finished, began_from, finished_record, read_finished
 from lmtune.checkpoint.layout import (
     CHANGES_FILE,
@@ -33,7 +34,6 @@ from lmtune.checkpoint.layout import (
     step_folder,
 )
 from lmtune.checkpoint.resume import (
-    Fingerprint,
     check_continuable,
     continue_from,
     read_changes,

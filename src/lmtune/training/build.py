@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from lmtune.checkpoint.resume import Fingerprint, fingerprint
+from lmtune.checkpoint.fingerprint import Fingerprint, fingerprint
 from lmtune.checkpoint.state import ModelParts
 from lmtune.config.mixture import shown_spec
 from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps

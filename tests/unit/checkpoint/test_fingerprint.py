@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lmtune.checkpoint.resume import Fingerprint, compare
+from lmtune.checkpoint.fingerprint import Fingerprint, compare
 from lmtune.errors import UserError
 
 
@@ -62,6 +62,15 @@ def test_the_reference_weights_are_checked_once_known() -> None:
     ):
         compare(saved, early.with_reference("bbb"), Path("c"))
     assert compare(early, early.with_reference("bbb"), Path("c")) == []  # an older checkpoint: unrecorded
+    # Copied or moved elsewhere: the same weights by their hash resume; before they are known the
+    # name is left to them; other weights under another name say both.
+    moved = Fingerprint({"--reference-model": "copy/of/ref", "--seed": 1}, {})
+    assert compare(saved, moved, Path("c")) == []
+    assert compare(saved, moved.with_reference("aaa"), Path("c")) == []
+    with pytest.raises(UserError, match=r"--reference-model ref -> copy/of/ref; reference weights .* -> bbb"):
+        compare(saved, moved.with_reference("bbb"), Path("c"))
+    with pytest.raises(UserError, match=r"--reference-model ref -> copy/of/ref\. "):  # nothing to tell by
+        compare(early, moved, Path("c"))
 
 
 def test_a_starting_weights_hash_that_follows_from_another_change_is_not_said() -> None:

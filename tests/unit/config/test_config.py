@@ -70,7 +70,7 @@ def test_help_lists_every_setting_with_its_default() -> None:
         ({"eval_split": 1.0}, r"--eval-split: 1.0 must be a fraction below 1 or a number of examples"),
         ({"eval_split": "2.0"}, r"--eval-split: '2.0' must be .*without a decimal point \(2\)"),
         # A DatasetDict's split name: it said "expected float" alone.
-        ({"eval_split": "test"}, r"expected float, got 'test' \(a share .* --eval-data: DIR/test .* NAME:test"),
+        ({"eval_split": "test"}, r"got 'test' \(a share .* --eval-data: DIR/test .* NAME:test"),
         ({"lr_schedule": "constant", "min_lr_ratio": 0.5}, "--min-lr-ratio: applies to --lr-schedule cosine"),
         ({"hub_private": True}, "--hub-private: applies with --push-to-hub only"),
         # Recorded (and "applied" on resume) but used by no optimizer of the run.

@@ -86,7 +86,8 @@ def test_json_files_name_each_records_line_and_read_json_lines(tmp_path: Path) -
     # Records sharing a line (json.dumps without indent) are told apart by their number there.
     (tmp_path / "d.json").write_text(json.dumps(rows[:2])[:-1] + ",\n" + json.dumps(rows[2]) + "]")
     found = list(records(resolve_sources(str(tmp_path / "d.json")), ExampleSettings(), BadLines(False)))
-    assert [r.where.split("/")[-1] for r in found] == ["d.json:1 (record 1)", "d.json:1 (record 2)", "d.json:2"]
+    named = ["d.json:1 (record 1)", "d.json:1 (record 2)", "d.json:2"]
+    assert [r.where.split("/")[-1] for r in found] == named
 
 
 def test_saved_splits_without_train_are_named_not_guessed(tmp_path: Path) -> None:

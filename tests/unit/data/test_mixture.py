@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lmtune.checkpoint.resume import mixture_fingerprint
+from lmtune.checkpoint.fingerprint import mixture_fingerprint
 from lmtune.cli import main
 from lmtune.config.groups import ExampleSettings
 from lmtune.config.io import build_config, load_yaml

@@ -219,7 +219,7 @@ def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
             "--field-map prompt=question",
         ),
         ({"Prompt": "q", "chosen": "The a", "rejected": "The b"}, "--field-map prompt=Prompt"),
-        ({"prompt": "q", "chosen": "a", "rejectd": "b"}, r"no 'rejected' field .*--field-map rejected=rejectd\)"),
+        ({"prompt": "q", "chosen": "a", "rejectd": "b"}, r"no 'rejected' field .*map rejected=rejectd\)"),
     ],
 )
 def test_bad_pairs_name_file_and_line(row: dict[str, Any], message: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lmtune.checkpoint.resume import Fingerprint, compare, fingerprint
+from lmtune.checkpoint.fingerprint import Fingerprint, compare, fingerprint
 from lmtune.config.io import build_config
 from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
@@ -256,7 +256,7 @@ def test_a_resume_with_another_quantization_is_refused() -> None:
 
 def test_the_model_config_hash_leaves_the_quantization_settings_out(folder: Path) -> None:
     """Precision and strategy may change on resume; they change the quantized config's dtypes."""
-    from lmtune.checkpoint.resume import config_hash
+    from lmtune.checkpoint.fingerprint import config_hash
 
     plain = load_model(str(folder), 3).model.config
     bf16 = Quantization(bits=4, quant_type="nf4", compute_dtype=torch.bfloat16, storage_dtype=torch.bfloat16)
