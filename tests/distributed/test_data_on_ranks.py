@@ -158,7 +158,8 @@ def test_the_eval_split_is_never_trained_on_whatever_the_world_size(tmp_path: Pa
     from lmtune.config.groups import ExampleSettings
     from lmtune.data.dataset import split_off
     from lmtune.data.prepare import encode_in_memory
-    from lmtune.data.sources import BadLines, Source, iter_records
+    from lmtune.data.readers import iter_records
+    from lmtune.data.sources import BadLines, Source
     from lmtune.model.modeling import byte_tokenizer
 
     records = iter_records(Source("jsonl", str(data)), "text", BadLines(skip=False))

@@ -16,7 +16,8 @@ import pytest
 from lmtune.cli import main
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.prepare import encode_in_memory
-from lmtune.data.sources import BadLines, Record, Source, iter_records
+from lmtune.data.readers import iter_records
+from lmtune.data.sources import BadLines, Record, Source
 from lmtune.data.tokenize import CHARS_PER_TOKEN
 from lmtune.model.modeling import byte_tokenizer
 from tests.conftest import mounted_tmpfs, run_lmtune, tiny_run_with_checkpoint, write_jsonl

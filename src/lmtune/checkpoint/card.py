@@ -20,7 +20,7 @@ from lmtune.checkpoint.layout import GENERATION_CONFIG
 from lmtune.config.mixture import named_items
 from lmtune.config.settings import SAMPLE_DATA
 from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS
-from lmtune.data.sources import EXTENSIONS
+from lmtune.data.sources import EXTENSIONS, data_suffix
 from lmtune.model.lora import ADAPTER_CONFIG
 from lmtune.model.modeling import PRESETS
 
@@ -271,7 +271,7 @@ def _hub_dataset(spec: str) -> str | None:
     name = spec.split(":", 1)[0]
     if spec.startswith("sample") or any(c in spec for c in "*?[") or name.startswith((".", "/", "~")):
         return None
-    if Path(name).suffix.lower() in EXTENSIONS or Path(name).expanduser().exists():
+    if data_suffix(Path(name)) in EXTENSIONS or Path(name).expanduser().exists():
         return None
     return name
 

@@ -28,13 +28,13 @@ from lmtune.config.groups import DataSettings, ExampleSettings
 from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
 from lmtune.data.formats import FieldMap, ensure_chat_template
 from lmtune.data.mixture import COMPONENTS_META
+from lmtune.data.readers import iter_records
 from lmtune.data.sources import (
     BadLines,
     Record,
     Source,
     first_places,
     in_parentheses,
-    iter_records,
     resolve_components,
     skipped_lines,
 )

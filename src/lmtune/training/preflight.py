@@ -20,7 +20,8 @@ from lmtune.config.settings import TrainConfig, config_fields, option_name, valu
 from lmtune.config.validate import PREFERENCE, check_settings
 from lmtune.data.chat import read_template
 from lmtune.data.formats import FieldMap, unused_names
-from lmtune.data.sources import BadLines, iter_records, resolve_sources
+from lmtune.data.readers import iter_records
+from lmtune.data.sources import BadLines, resolve_sources
 from lmtune.errors import SettingError, UserError, brief
 from lmtune.model.modeling import is_adapter_folder
 from lmtune.model.quantization import require_bitsandbytes

@@ -107,6 +107,31 @@ def test_folder_reads_every_supported_file(tmp_path: Path) -> None:
     assert [r["text"] for r in read(str(tmp_path / "x"))] == ["a", "b", "c"]
 
 
+def test_compressed_files_read_as_their_format(tmp_path: Path) -> None:
+    """HF's loaders and Axolotl read train.jsonl.gz; it was an unsupported file type."""
+    import bz2
+    import gzip
+    import lzma
+
+    rows = [{"text": f"line {i}, with a comma"} for i in range(5)]
+    jsonl = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(jsonl))
+    (tmp_path / "b.json.bz2").write_bytes(bz2.compress(json.dumps(rows).encode()))
+    csv_text = "text\n" + "".join(f'"{r["text"]}"\n' for r in rows)
+    (tmp_path / "c.csv.xz").write_bytes(lzma.compress(csv_text.encode()))
+    (tmp_path / "d.txt.gz").write_bytes(gzip.compress("".join(r["text"] + "\n" for r in rows).encode()))
+    for name in ("a.jsonl.gz", "b.json.bz2", "c.csv.xz", "d.txt.gz"):
+        assert read(str(tmp_path / name)) == rows, name
+    assert read(str(tmp_path)) == rows * 4  # a folder's compressed files too
+    (tmp_path / "e.jsonl.gz").write_bytes(gzip.compress(jsonl)[:40])
+    with pytest.raises(UserError, match=r"e\.jsonl\.gz: cannot be decompressed \(Compressed file ended"):
+        read(str(tmp_path / "e.jsonl.gz"))
+    for name in ("f.gz", "g.parquet.gz"):
+        (tmp_path / name).write_bytes(gzip.compress(b"x"))
+        with pytest.raises(UserError, match=r"type '(\.gz|\.parquet\.gz)'.*compressed: \.gz"):
+            read(str(tmp_path / name))
+
+
 def test_txt_blocks(tmp_path: Path) -> None:
     (tmp_path / "t.txt").write_text("one\ntwo\n\n\nthree\n")
     assert read(str(tmp_path / "t.txt"), txt_mode="block") == [{"text": "one\ntwo"}, {"text": "three"}]

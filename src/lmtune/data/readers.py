@@ -1,0 +1,310 @@
+"""Reading a source's records: JSON Lines, JSON, Parquet, CSV and text files, saved and hub data
+sets, the built-in sample. Each record keeps its file and line (or record number); a line that
+cannot be read goes to :class:`BadLines`."""
+
+from __future__ import annotations
+
+import bz2
+import codecs
+import csv
+import gzip
+import io
+import json
+import lzma
+import re
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from lmtune.config.settings import SAMPLE_DATA as SAMPLE
+from lmtune.config.settings import SAMPLE_EVAL
+from lmtune.data.addition import addition_examples
+from lmtune.data.sources import BadLines, Record, Source
+from lmtune.errors import UserError
+
+
+def iter_records(
+    source: Source, text_field: str, bad: BadLines, txt_mode: str = "line", json_as_text: bool = False
+) -> Iterator[Record]:
+    """The records of one source, in order; unreadable lines go to ``bad``. ``json_as_text``: a
+    ``.txt`` of JSON Lines is text all the same (``--data-format text``), not refused."""
+    readers = {
+        "jsonl": lambda: _jsonl(source.name, bad),
+        "json": lambda: _json(source.name, bad),
+        "parquet": lambda: _parquet(source.name),
+        "csv": lambda: _csv(source.name, bad),
+        "txt": lambda: _txt(source.name, text_field, txt_mode, bad, json_as_text),
+        "hf_disk": lambda: _hf_disk(source.name, source.split),
+        "hf_hub": lambda: _hf_hub(source.name, source.split or "train"),
+        "sample": lambda: _sample(source.split or "train", text_field),
+    }
+    yield from readers[source.kind]()
+
+
+_OPENERS: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+
+
+@contextmanager
+def _opened(path: str) -> Iterator[BinaryIO]:
+    """``path`` open for reading its bytes, decompressed where its name says so (``.gz``): a
+    damaged or truncated archive is named, not a traceback."""
+    opener = _OPENERS.get(Path(path).suffix.lower())
+    if opener is None:
+        with open(path, "rb") as f:
+            yield f
+        return
+    try:
+        with opener(path, "rb") as f:
+            yield f
+    except (OSError, EOFError, zlib.error, lzma.LZMAError) as e:
+        raise UserError(f"{path}: cannot be decompressed ({e or type(e).__name__})") from None
+
+
+def _decoded_lines(path: str, bad: BadLines) -> Iterator[tuple[int, str]]:
+    with _opened(path) as f:
+        for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):  # editors on Windows write one
+                raw = raw[len(codecs.BOM_UTF8) :]
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad.report(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)")
+
+
+# A JSON escape of a UTF-16 surrogate; only when one is present can a parsed string hold a lone one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _parse_json(text: str, where: str) -> Any:
+    """One JSON document, or a UserError at ``where`` (``:LINE`` added for a multi-line text)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        line = f":{e.lineno}" if "\n" in text.rstrip("\r\n") else ""
+        # json's "Invalid control character at" is completed by a position it leaves out of msg.
+        raise UserError(
+            f"{where}{line}: not valid JSON ({e.msg.removesuffix(' at')}, column {e.colno})"
+        ) from None
+    except RecursionError:
+        raise UserError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise UserError(f"{where}: not valid JSON here ({str(e).split(':')[0]})") from None
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            lone = e.object[e.start : e.end]
+            raise UserError(
+                f"{where}: holds an unpaired UTF-16 surrogate ({lone!a}), not valid text"
+            ) from None
+    return value
+
+
+def _jsonl(path: str, bad: BadLines) -> Iterator[Record]:
+    for lineno, line in _decoded_lines(path, bad):
+        if not line.strip():
+            continue
+        try:
+            record = _parse_json(line.rstrip("\r\n"), f"{path}:{lineno}")
+        except UserError as e:
+            bad.report(str(e))
+            continue
+        if not isinstance(record, dict):
+            bad.report(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            continue
+        yield Record(path, lineno, record)
+
+
+def _json(path: str, bad: BadLines) -> Iterator[Record]:
+    try:
+        with _opened(path) as f:
+            text = f.read().decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not valid UTF-8") from None
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    if first.lstrip().startswith("{") and _one_object(first):  # JSON Lines named .json, as HF reads it
+        yield from _jsonl(path, bad)
+        return
+    data = _parse_json(text, path)
+    if not isinstance(data, list):
+        raise UserError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+    lines = list(_element_lines(text))
+    shared = {line for line, count in Counter(lines).items() if count > 1}
+    for (i, record), line in zip(enumerate(data, start=1), lines, strict=True):
+        if not isinstance(record, dict):  # a bad line, as in JSONL: --skip-bad-lines passes over it
+            bad.report(f"{path}:{line}: record {i} is not a JSON object ({type(record).__name__})")
+            continue
+        yield Record(path, line, record, i if line in shared else 0)
+
+
+def _one_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
+def _element_lines(text: str) -> Iterator[int]:
+    """The line each element of the JSON list ``text`` (valid: parsed already) starts on."""
+    decoder = json.JSONDecoder()
+    at, line, counted = text.index("[") + 1, 1, 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ","):
+            at += 1
+        if at >= len(text) or text[at] == "]":
+            return
+        line, counted = line + text.count("\n", counted, at), at
+        yield line
+        at = decoder.raw_decode(text, at)[1]
+
+
+def _parquet(path: str) -> Iterator[Record]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for a file that is not Parquet
+        raise UserError(f"{path}: not a readable Parquet file ({e})") from None
+    row = 0
+    for batch in table.iter_batches(batch_size=4096):
+        for record in batch.to_pylist():
+            row += 1
+            yield Record(path, row, record)
+
+
+# A byte that is not UTF-8, as the surrogateescape error handler keeps it.
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
+def _csv(path: str, bad: BadLines) -> Iterator[Record]:
+    # Python's default, 128 KiB a field, refused a long document that a JSONL line may hold.
+    csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
+    reader = None
+    try:
+        # Bytes that are not UTF-8 kept as escapes: the row holding them is a bad line, not the file.
+        with _opened(path) as raw, io.TextIOWrapper(raw, "utf-8-sig", "surrogateescape", newline="") as f:
+            reader = csv.DictReader(f)
+            for record in reader:
+                # A row ends on line_num; one with line breaks inside quotes began that many earlier.
+                texts = [v for v in record.values() if isinstance(v, str)]
+                line = reader.line_num - sum(v.count("\n") for v in texts)
+                # DictReader files a row's extra fields under None and fills missing ones with None:
+                # a comma in an unquoted field would otherwise cut a text short without a word.
+                extra = record.pop(None, None)  # type: ignore[call-overload]
+                missing = sum(value is None for value in record.values())
+                if extra or missing:
+                    header = len(record)
+                    hint = " (quote a field that holds a comma)" if extra else ""
+                    found = header + len(extra or ()) - missing
+                    fields = f"{found} field" + ("s" if found != 1 else "")
+                    bad.report(f"{path}:{line}: {fields} where the header has {header}{hint}")
+                    continue
+                if any(_NOT_UTF8.search(v) for v in texts):
+                    bad.report(f"{path}:{line}: not valid UTF-8")
+                    continue
+                yield Record(path, line, dict(record))
+    except csv.Error as e:
+        at = f":{reader.line_num}" if reader is not None and reader.line_num else ""
+        raise UserError(f"{path}{at}: not valid CSV ({e})") from None
+
+
+def _txt(path: str, text_field: str, mode: str, bad: BadLines, json_as_text: bool) -> Iterator[Record]:
+    checked = json_as_text
+    if mode == "line":
+        for lineno, line in _decoded_lines(path, bad):
+            if line.strip():
+                checked = checked or _not_json_lines(path, lineno, line)
+                yield Record(path, lineno, {text_field: line.rstrip("\r\n")})
+        return
+    block: list[str] = []
+    start = 0
+    for lineno, line in _decoded_lines(path, bad):
+        if line.strip():
+            checked = checked or _not_json_lines(path, lineno, line)
+            if not block:
+                start = lineno
+            block.append(line.rstrip("\r\n"))
+        elif block:
+            yield Record(path, start, {text_field: "\n".join(block)})
+            block = []
+    if block:
+        yield Record(path, start, {text_field: "\n".join(block)})
+
+
+def _not_json_lines(path: str, lineno: int, line: str) -> bool:
+    """True for a ``.txt`` whose first line is not a JSON object; one that is, is refused: its
+    records would train as their JSON text, braces and field names included, without a word."""
+    if line.lstrip().startswith("{") and _one_object(line):
+        raise UserError(
+            f"{path}:{lineno}: a JSON object in a .txt file, which trains each line as plain text; "
+            f"name the file .jsonl to read its records, or give --data-format text to train on the JSON text"
+        )
+    return True
+
+
+def _rows(dataset: Any, name: str) -> Iterator[Record]:
+    for i, row in enumerate(dataset, start=1):
+        yield Record(name, i, dict(row))
+
+
+def _hf_disk(path: str, split: str | None) -> Iterator[Record]:
+    from datasets import DatasetDict, load_from_disk
+
+    loaded = load_from_disk(path)  # memory-mapped Arrow: nothing is read into RAM up front
+    if isinstance(loaded, DatasetDict):
+        if split is None and "train" not in loaded:  # the one to train on is the user's to name
+            raise UserError(
+                f"{path}: a data set of splits with no 'train' split (splits: {', '.join(loaded)}); name the "
+                f"split to use as its folder, such as {Path(path) / next(iter(loaded))}"
+            )
+        chosen = split or "train"
+        if chosen not in loaded:
+            raise UserError(f"{path}: no split '{chosen}' (splits: {', '.join(loaded)})")
+        loaded = loaded[chosen]
+    yield from _rows(loaded, path)
+
+
+def _hf_hub(name: str, split: str) -> Iterator[Record]:
+    from lmtune.config.environment import hub_reachable
+
+    reachable = hub_reachable()
+    try:
+        from datasets import load_dataset
+
+        with nullcontext() if reachable else _cache_only():
+            dataset = load_dataset(name, split=split)
+    except Exception as e:  # offline, unknown name, missing split: all say the same to the user
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = "" if reachable else " from the local cache (the hub is out of reach)"
+        raise UserError(
+            f"--data {name}: not a local file or folder, and loading the Hugging Face data set "
+            f"'{name}' (split '{split}'){where} failed: {first}"
+        ) from None
+    yield from _rows(dataset, name)
+
+
+@contextmanager
+def _cache_only() -> Iterator[None]:
+    """The hub clients in offline mode for one load: the local cache at once, not a minute of
+    retries against a hub that is out of reach (the mode is read when a load runs)."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    modules: tuple[Any, ...] = (datasets.config, huggingface_hub.constants)
+    before = [m.HF_HUB_OFFLINE for m in modules]
+    for m in modules:
+        m.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for m, value in zip(modules, before, strict=True):
+            m.HF_HUB_OFFLINE = value
+
+
+def _sample(split: str, text_field: str) -> Iterator[Record]:
+    train, held_out = addition_examples()
+    for i, text in enumerate(train if split == "train" else held_out, start=1):
+        yield Record(SAMPLE if split == "train" else SAMPLE_EVAL, i, {text_field: text})
