@@ -18,7 +18,8 @@ from lmtune.data.formats import CHAT_FORMATS, FieldMap, ensure_chat_template
 from lmtune.data.mixture import Mixture, SourceIndex, mixture_of, mixture_order
 from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
 from lmtune.data.pairs import examples_noun, unread_system_said
-from lmtune.data.prepare import encode_into, records
+from lmtune.data.prepare import encode_into
+from lmtune.data.readers import records
 from lmtune.data.sampling import epoch_order, largest_global_batch, rank_indices
 from lmtune.data.sources import BadLines, first_places, in_parentheses, resolve_components
 from lmtune.data.tokenize import Encoded, EncodeStats

@@ -55,15 +55,12 @@ PAIR_PROMPT_NAMES = ("question", "query", "instruction", "input", "problem", "pr
 
 def unread_pair_prompt(fields: Mapping[str, Any]) -> str | None:
     """A text field of a pair without a ``prompt`` that another data set names its prompt so
-    (``question``), or that is ``prompt`` misspelled or in other case: it would not be read."""
-    for name, value in fields.items():
-        if not isinstance(value, str) or name in ("chosen", "rejected"):
-            continue
-        if name.lower() in PAIR_PROMPT_NAMES or difflib.get_close_matches(
-            name.lower(), ["prompt"], cutoff=0.8
-        ):
-            return name
-    return None
+    (``question``; ``instruction`` before ``input``), or ``prompt`` misspelled or in other case:
+    it would not be read."""
+    texts = {n.lower(): n for n, v in fields.items() if isinstance(v, str) and n not in ("chosen", "rejected")}
+    named = next((texts[n] for n in PAIR_PROMPT_NAMES if n in texts), None)
+    close = difflib.get_close_matches("prompt", list(texts), n=1, cutoff=0.8)
+    return named or (texts[close[0]] if close else None)
 
 
 def suggested_pair_field(fields: Mapping[str, Any], missing: str) -> str:

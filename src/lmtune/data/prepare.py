@@ -28,7 +28,7 @@ from lmtune.config.groups import DataSettings, ExampleSettings
 from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
 from lmtune.data.formats import FieldMap, ensure_chat_template
 from lmtune.data.mixture import COMPONENTS_META
-from lmtune.data.readers import iter_records
+from lmtune.data.readers import records
 from lmtune.data.sources import (
     BadLines,
     Record,
@@ -132,13 +132,6 @@ def cache_key(
     texts = (json.dumps({**parts, "version": v}, sort_keys=True) for v in (_KEY_VERSION, CACHE_VERSION))
     key, entry = (hashlib.blake2b(s.encode(), digest_size=12).hexdigest() for s in texts)
     return key, entry
-
-
-def records(sources: list[Source], settings: ExampleSettings, bad: BadLines) -> Iterator[Record]:
-    for source in sources:
-        yield from iter_records(
-            source, settings.text_field, bad, settings.txt_mode, settings.format == "text"
-        )
 
 
 def _encode(

@@ -19,11 +19,19 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from lmtune.config.groups import ExampleSettings
 from lmtune.config.settings import SAMPLE_DATA as SAMPLE
 from lmtune.config.settings import SAMPLE_EVAL
 from lmtune.data.addition import addition_examples
 from lmtune.data.sources import BadLines, Record, Source
 from lmtune.errors import UserError
+
+
+def records(sources: list[Source], settings: ExampleSettings, bad: BadLines) -> Iterator[Record]:
+    """Every source's records in turn, read as ``settings`` say."""
+    as_text = settings.format == "text"  # a .txt of JSON objects too
+    for source in sources:
+        yield from iter_records(source, settings.text_field, bad, settings.txt_mode, as_text)
 
 
 def iter_records(

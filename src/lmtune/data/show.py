@@ -13,7 +13,7 @@ import numpy as np
 
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.formats import FieldMap, ensure_chat_template
-from lmtune.data.prepare import records
+from lmtune.data.readers import records
 from lmtune.data.sources import BadLines, Record, resolve_sources
 from lmtune.data.tokenize import Encoded, EncodeStats, encode_chunk
 from lmtune.errors import UserError

@@ -13,7 +13,8 @@ from lmtune.config.groups import ExampleSettings
 from lmtune.data.addition import addition_examples, split_prompt
 from lmtune.data.collate import Collator
 from lmtune.data.formats import PLAIN_FIELDS, ensure_chat_template, render
-from lmtune.data.prepare import encode_in_memory, records
+from lmtune.data.prepare import encode_in_memory
+from lmtune.data.readers import records
 from lmtune.data.sources import BadLines, Record, resolve_sources
 from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.errors import UserError
