@@ -57,7 +57,8 @@ def unread_pair_prompt(fields: Mapping[str, Any]) -> str | None:
     """A text field of a pair without a ``prompt`` that another data set names its prompt so
     (``question``; ``instruction`` before ``input``), or ``prompt`` misspelled or in other case:
     it would not be read."""
-    texts = {n.lower(): n for n, v in fields.items() if isinstance(v, str) and n not in ("chosen", "rejected")}
+    answers = ("chosen", "rejected")
+    texts = {n.lower(): n for n, v in fields.items() if isinstance(v, str) and n not in answers}
     named = next((texts[n] for n in PAIR_PROMPT_NAMES if n in texts), None)
     close = difflib.get_close_matches("prompt", list(texts), n=1, cutoff=0.8)
     return named or (texts[close[0]] if close else None)
