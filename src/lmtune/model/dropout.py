@@ -12,7 +12,10 @@ one did. Activation checkpointing's recomputation draws the same masks again by 
 
 The loss module tells the modules where each example's tokens are (:func:`set_token_runs`) before
 each training forward. Dropout on other shapes (attention probabilities in an eager attention),
-and a forward without that layout, fall back to ``nn.Dropout``'s own stream.
+a forward without that layout, and a model's functional dropout (OPT's ``F.dropout``, SDPA's
+``dropout_p``) draw from the process's stream, which is seeded at every optimizer step by
+(the run's seed, the rank, the step): :func:`step_stream_seed`, so that these too are drawn alike
+by a resumed run, whatever its start-up drew (a data loader's first iterator draws its seed).
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ class TokenRuns:
 def module_seed(example: int, salt: int) -> int:
     """The seed of one example's mask in the dropout module ``salt`` (below 2**63)."""
     digest = hashlib.blake2b(f"dropout:{example}:{salt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def step_stream_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of ``rank``'s own random stream for optimizer step ``step`` (below 2**63)."""
+    digest = hashlib.blake2b(f"stream:{seed}:{rank}:{step}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
 
 

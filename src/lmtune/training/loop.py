@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from lmtune.checkpoint.state import TrainerState
 from lmtune.data.batch import Batch
 from lmtune.data.sampling import TrainSampler
+from lmtune.model.dropout import step_stream_seed
 from lmtune.parallel.distributed import DistEnv, all_reduce_max, stop_if_signalled
 from lmtune.training.batch_layout import BatchLayout
 from lmtune.training.best import Best
@@ -125,6 +126,9 @@ def fit(
                 data_s=time.perf_counter() - data_started,
                 step=state.step + 1,
             )
+            # What the step draws from the process's stream (functional and attention dropout)
+            # follows from the step, not from what drew before it: a resume's start-up draws too.
+            torch.manual_seed(step_stream_seed(state.seed, env.rank, state.step + 1))
             r = train_step(trainee, step_input, env, settings.step)
             now = time.perf_counter()
             state = replace(_advance(state, r, layout), train_seconds=start.train_seconds + now - started)

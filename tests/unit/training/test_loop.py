@@ -225,6 +225,31 @@ def test_resume_from_a_checkpoint_in_process_is_bit_identical(
         assert all(torch.equal(v[name], resumed_opt["state"][k][name]) for name in v)
 
 
+def _functional_dropout(b: Built) -> None:
+    """Dropout drawn from the process's stream, as SDPA's dropout_p and OPT's F.dropout draw it."""
+    for module in b.model.modules():
+        if type(module).__name__ == "LlamaMLP":
+            module.register_forward_hook(lambda m, _, out: torch.nn.functional.dropout(out, 0.1, m.training))
+
+
+def test_functional_dropout_resumes_bit_identical(tmp_path: Path) -> None:
+    """GPT-2's attention dropout and OPT's functional dropout resumed with other masks (3e-3 apart
+    by the end): the resumed run's new data iterator drew from the stream after its restore."""
+    with _built(tmp_path, "straight") as (run, b):
+        _functional_dropout(b)
+        _fit(run, b, _fresh_state(b), [])
+        straight = _weights(b)
+    with _built(tmp_path, "resumed") as (run, b):
+        _functional_dropout(b)
+        _fit(run, b, _fresh_state(b), [Recorder(stop_at=4)], saver=_manager(run, b))
+    with _built(tmp_path, "resumed") as (run, b):
+        _functional_dropout(b)
+        start = _manager(run, b).resume(_fresh_state(b), STEPS)
+        assert start.step_in_epoch == 1  # mid-epoch: the resumed run opens a new iterator there
+        _fit(run, b, start, [])
+        assert _same(straight, _weights(b))
+
+
 @KEYED
 def test_gradient_accumulation_is_one_step_over_the_whole_batch(
     tmp_path: Path, settings: dict[str, Any]
