@@ -37,6 +37,27 @@ def sliding_window(config: object) -> int | None:
     )
 
 
+def mask_obstacle(model: object) -> str | None:
+    """Why ``model`` cannot be given lmtune's masks (block-diagonal for packed rows, a pair's),
+    or None; a model that runs per-example attention (lmtune.model.attention) needs none."""
+    from lmtune.model.attention import supports_varlen
+
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", "")
+    if config is None or supports_varlen(model):  # type: ignore[arg-type]
+        return None
+    if kind == "bloom" or (kind == "falcon" and getattr(config, "alibi", False)):
+        return f"{kind}'s ALiBi attention builds its position bias from a padding mask and takes no other"
+    if kind == "mpt":  # its attention fills where the mask is True: transformers' masks say the opposite
+        return "mpt's attention reads a mask the other way round from the masks transformers builds"
+    window, kinds = getattr(config, "sliding_window", None), set(getattr(config, "layer_types", None) or [])
+    if window is not None and "sliding_attention" in kinds and kinds != {"sliding_attention"}:
+        return (
+            "this model mixes sliding-window and full attention layers, whose own masks a mask given replaces"
+        )
+    return None
+
+
 def pair_causal_mask(
     segment_ids: torch.Tensor, position_ids: torch.Tensor, window: int | None = None
 ) -> torch.Tensor:

@@ -66,3 +66,31 @@ def batch_layout(cfg: TrainConfig, world_size: int, n_examples: int) -> BatchLay
         epochs=-(-total // per_epoch),
         left_out_per_epoch=n_examples - per_epoch * cfg.batch.global_batch_size,
     )
+
+
+BATCHING_NAMES = {
+    "pack": "packed rows",
+    "auto": "packed where it saves padding",
+    "group": "grouped by length",
+    "pad": "padded",
+}
+
+
+def batching_of(cfg: TrainConfig, formats: dict[str, int], obstacle: str | None, pairs: bool) -> str:
+    """pack | auto | group | pad: how a step's examples become micro-batches. ``obstacle``: why
+    the model takes no mask of lmtune's (lmtune.model.masks.mask_obstacle), which packed rows and a
+    preference pair's one sequence need; --packing auto then pads."""
+    if obstacle is not None and pairs:
+        raise UserError(
+            f"--objective {cfg.objective.name}: a pair runs as one sequence whose answers a mask keeps "
+            f"apart, and {obstacle}; preference objectives do not support this model yet"
+        )
+    if cfg.batch.packing == "on":
+        if obstacle is not None:
+            raise UserError(
+                f"--packing on: packed rows are kept apart by a mask, and {obstacle}; use --packing off"
+            )
+        return "pack"
+    if cfg.batch.packing == "auto" and set(formats) == {"text"} and obstacle is None:
+        return "auto"
+    return "group" if cfg.batch.group_by_length else "pad"

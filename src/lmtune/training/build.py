@@ -34,6 +34,7 @@ from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.compiled import compile_blocks, compiles_whole
 from lmtune.model.dropout import key_dropout, keyed_dropout
 from lmtune.model.lora import add_lora
+from lmtune.model.masks import mask_obstacle
 from lmtune.model.modeling import LoadedModel, load_model
 from lmtune.model.paths import (
     BF16,
@@ -54,7 +55,7 @@ from lmtune.objectives.base import LossSetup, Objective
 from lmtune.outputs.runlog import InfoLog, RunLog
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.parallel.wrap import wrap_model
-from lmtune.training.batch_layout import BatchLayout, batch_layout
+from lmtune.training.batch_layout import BatchLayout, batch_layout, batching_of
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, default_lr, optimizer_for
@@ -136,7 +137,8 @@ def build_parts(
         log.info(stops_lost_warning(kept - stopping, kept, chat, objective.unit, cfg.examples))
     layout = batch_layout(cfg, env.world_size, len(train_data))
     lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr(cfg, loaded, objective.unit)[0]
-    batching = batching_of(cfg, data_info["train"]["formats"])
+    pairs = objective.unit == "pairs"
+    batching = batching_of(cfg, data_info["train"]["formats"], mask_obstacle(loaded.model), pairs)
     micro_batches = _shapes(cfg, train_data, layout, batching)
     paths = choose_paths(cfg, env, run.threads, loaded.model, micro_batches, recorded_paths)
     products = products_of(paths, cfg.model.precision)
@@ -344,23 +346,6 @@ def prepare_data(
         info["train"]["mixture"] = mixture.describe()
         log.info(f"mixture (an epoch of {mixture.epoch_size:,}): {mixture_line(mixture)}")
     return prepared["train"], prepared.get("eval"), info
-
-
-BATCHING_NAMES = {
-    "pack": "packed rows",
-    "auto": "packed where it saves padding",
-    "group": "grouped by length",
-    "pad": "padded",
-}
-
-
-def batching_of(cfg: TrainConfig, formats: dict[str, int]) -> str:
-    """pack | auto | group | pad: how a step's examples become micro-batches."""
-    if cfg.batch.packing == "on":
-        return "pack"
-    if cfg.batch.packing == "auto" and set(formats) == {"text"}:
-        return "auto"
-    return "group" if cfg.batch.group_by_length else "pad"
 
 
 def make_loader(

@@ -25,8 +25,8 @@ from lmtune.model.compiled import compile_record
 from lmtune.model.quantization import footprint, parameter_count
 from lmtune.objectives.base import Objective
 from lmtune.parallel.distributed import DistEnv, all_gather_object
-from lmtune.training.batch_layout import BatchLayout
-from lmtune.training.build import BATCHING_NAMES, Built
+from lmtune.training.batch_layout import BATCHING_NAMES, BatchLayout
+from lmtune.training.build import Built
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitResult
 from lmtune.training.optim import default_lr

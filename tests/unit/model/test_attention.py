@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -229,3 +230,39 @@ def test_bucketed_attention_equals_the_masked_rows(arch: str) -> None:
         loss, grads = _loss_and_grads(bucketed, batch)
         assert abs(loss - reference_loss) <= 1e-5 * reference_loss
         assert (grads - reference_grads).abs().max() <= 1e-6
+
+
+def test_models_that_take_no_mask_of_ours_pad_and_are_told(tmp_path: Path) -> None:
+    """BLOOM (and Falcon's ALiBi) crashed on packed rows and on every preference pair; MPT's
+    attention read the block mask inverted and trained on what it must not see, without a word;
+    Gemma 2's default packing was refused. They pad under --packing auto; on and pairs are refused."""
+    from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config, MptConfig
+
+    from lmtune.config.settings import TrainConfig
+    from lmtune.errors import UserError
+    from lmtune.model.masks import mask_obstacle
+    from lmtune.training.batch_layout import batching_of
+
+    small = {"vocab_size": 64}
+    configs = {
+        "bloom": BloomConfig(hidden_size=32, n_layer=1, n_head=2, **small),
+        "mpt": MptConfig(d_model=32, n_layers=1, n_heads=2, **small),
+        "gemma2": Gemma2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, sliding_window=8, **small,
+        ),
+    }  # fmt: skip
+    cfg = TrainConfig(model="tiny", data="d.jsonl", output_dir=str(tmp_path))
+    on = TrainConfig(model="tiny", data="d.jsonl", output_dir=str(tmp_path), packing="on")
+    for kind, config in configs.items():
+        why = mask_obstacle(AutoModelForCausalLM.from_config(config))
+        assert why is not None, kind
+        assert batching_of(cfg, {"text": 8}, why, pairs=False) == "group"  # auto: not packed
+        with pytest.raises(UserError, match=f"--packing on: .*{re.escape(why)}; use --packing off"):
+            batching_of(on, {"text": 8}, why, pairs=False)
+        with pytest.raises(UserError, match=r"--objective sft: a pair .* do not support this model"):
+            batching_of(cfg, {"preference": 8}, why, pairs=True)
+    tiny, _ = _model("llama")
+    assert mask_obstacle(tiny) is None and batching_of(cfg, {"text": 8}, None, pairs=False) == "auto"
+    mistral, _ = _model("mistral")  # one sliding window for all layers: its mask holds it
+    assert mask_obstacle(mistral) is None
