@@ -149,6 +149,19 @@ def test_eval_refuses_what_it_cannot_score(
         .rstrip()
         .endswith("--precision: fp16 needs a CUDA GPU; use bf16 on CPU")
     )
+    # Past a learned position table (GPT-2's): an IndexError, where train names --max-length.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lmtune.model.modeling import byte_tokenizer
+
+    tok = byte_tokenizer()
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    ).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": "a longer text than sixteen bytes"}) + "\n")
+    said = one_line_error(["eval", str(tmp_path / "long.jsonl"), "--model", str(tmp_path / "gpt2")], capsys)
+    assert "the model has 16 positions (a learned table" in said and "--max-length 16 or less" in said
 
 
 @pytest.mark.parametrize("command", [["eval"], ["data", "show"], ["data", "audit"]])

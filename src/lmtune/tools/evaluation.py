@@ -4,6 +4,7 @@ training: the base model against the tuned one on held-out data, or a checkpoint
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from lmtune.model.chunked_loss import choose as choose_loss
 from lmtune.model.modeling import load_model
 from lmtune.model.paths import BF16, Paths, products_of, sample_micro_batches
 from lmtune.model.precision import autocast_context, check_device
-from lmtune.model.tokens import UNEMBEDDED, tokens_without_embeddings
+from lmtune.model.tokens import UNEMBEDDED, check_positions, tokens_without_embeddings
 from lmtune.objectives.base import LossSetup
 from lmtune.objectives.sft import SupervisedObjective
 from lmtune.parallel.distributed import cpu_threads_per_process, read_dist_env
@@ -86,6 +87,8 @@ def evaluate_model(cfg: TrainConfig, batch_size: int, held_out: float | None = N
             f"{cfg.data.train}: preference pairs; lmtune eval scores supervised examples (a preference "
             "objective's rewards need its reference: lmtune train --objective NAME --eval-data reports them)"
         )
+    # Past a learned position table (GPT-2's, OPT's) the forward fails: said as train says it.
+    check_positions(loaded.model, int(data.lengths().max(initial=0)), lambda m: print(m, file=sys.stderr))
     model = loaded.model.to(env.device)
     adapted = getattr(model, "get_base_model", None)  # a PeftModel: attention is its base's
     base: torch.nn.Module = adapted() if callable(adapted) else model

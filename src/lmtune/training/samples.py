@@ -91,7 +91,7 @@ def read_prompts(path: Path, tokenizer: Any, max_tokens: int | None = None) -> l
         if max_tokens is not None and len(ids) > max_tokens:
             raise UserError(
                 f"{path}:{number}: the prompt is {len(ids)} tokens; with --sample-max-new-tokens it may be "
-                f"at most {max_tokens} (--max-length)"
+                f"at most {max_tokens} (--max-length, or the model's learned positions where fewer)"
             )
         prompts.append(Prompt(shown, list(ids)))
     if not prompts:
@@ -236,7 +236,7 @@ def sample_generator(run: RunContext, built: Built) -> SampleGenerator:
     """The component that generates from --sample-prompts during a run."""
     cfg = run.cfg
     assert cfg.samples.prompts is not None
-    room = cfg.examples.max_length - cfg.samples.max_new_tokens
+    room = _prompt_room(built.loaded.model, cfg.examples.max_length, cfg.samples.max_new_tokens)
     prompts = read_prompts(Path(cfg.samples.prompts).expanduser(), built.tokenizer, room)
     model = SampleModel(
         root=unwrap(built.model),
@@ -247,3 +247,20 @@ def sample_generator(run: RunContext, built: Built) -> SampleGenerator:
     )
     plan = SamplePlan(prompts=prompts, settings=cfg.samples, seed=cfg.seed)
     return SampleGenerator(plan, model, run.env, run.log, partial(run.heartbeat.beat, "sample"))
+
+
+def _prompt_room(model: Any, max_length: int, new_tokens: int) -> int:
+    """The longest prompt that leaves room for ``new_tokens`` within --max-length and a learned
+    position table (GPT-2's, OPT's): past the table, sampling failed at the run's end, its
+    checkpoint and model unsaved."""
+    from lmtune.model.tokens import position_limit
+
+    limit, learned = position_limit(model)
+    if learned and limit is not None and limit < max_length:
+        if new_tokens >= limit:
+            raise UserError(
+                f"--sample-max-new-tokens {new_tokens}: past the model's {limit} positions (a learned "
+                f"table: it cannot run past it); give {limit - 1} or fewer"
+            )
+        return limit - new_tokens
+    return max_length - new_tokens

@@ -110,6 +110,21 @@ def test_prompt_files_are_read_strictly(tmp_path: Path) -> None:
         read_prompts(long, tok, max_tokens=50)  # found at start, not at the sampling step
 
 
+def test_samples_fit_a_learned_position_table() -> None:
+    """GPT-2's 64 positions under --max-length 512: sampling 200 tokens failed at the run's end,
+    before its final checkpoint and model were saved."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lmtune.training.samples import _prompt_room
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=64))
+    said = r"--sample-max-new-tokens 200: past the model's 64 positions .* give 63 or fewer"
+    with pytest.raises(UserError, match=said):
+        _prompt_room(gpt2, 512, 200)
+    assert _prompt_room(gpt2, 512, 40) == 24 and _prompt_room(gpt2, 48, 40) == 8
+    assert _prompt_room(load_model("tiny", 0).model, 512, 40) == 472  # rotary: --max-length alone
+
+
 def test_top_k_cuts_sampling_to_the_likeliest_tokens() -> None:
     """--top-k 1 samples the likeliest token at every step: greedy decoding, whatever the seed and
     temperature; without it the model's generation config (transformers' 50) decides."""
