@@ -20,6 +20,7 @@ from lmtune.model.quantization import (
     DTYPE_NAMES,
     Quantization,
     base_quantization,
+    conv1d_restored,
     dequantized,
     load_quantized,
     quantize_built,
@@ -338,7 +339,8 @@ def merged_into_base(
         return merged_model(base, adapter_folder), "the base model"
     kept = "'s values, kept in fp32" if q.compute_dtype != torch.float32 else ""
     what = f"the {q.bits}-bit base dequantized to {DTYPE_NAMES[q.compute_dtype]}{kept}"
-    return merged_model(base, adapter_folder), f"{what} (the weights the adapter was trained on)"
+    merged = conv1d_restored(merged_model(base, adapter_folder))
+    return merged, f"{what} (the weights the adapter was trained on)"
 
 
 def _base_to_merge_into(
@@ -370,6 +372,7 @@ def _merged_adapter(name: str, base: str, seed: int, trust_remote_code: bool, me
         trained_on = f", {q.bits}-bit as the adapter trained on it ({BASE_QUANTIZATION_FILE})" if q else ""
         raise UserError(f"--model {name}: its base model (adapter_config.json){trained_on}: {e}") from None
     merged = merged_model(into, folder, merge)
+    merged = conv1d_restored(merged) if q is not None and merge else merged
     return LoadedModel(
         model=merged,
         tokenizer=load_tokenizer(name, trust_remote_code),

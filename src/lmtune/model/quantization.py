@@ -449,3 +449,27 @@ def dequantized(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     if getattr(model, "config", None) is not None:
         model.config.dtype = torch.float32  # what config.json says the weights are
     return model
+
+
+def conv1d_restored(model: nn.Module) -> nn.Module:
+    """``model``, merged into a :func:`dequantized` base, with each ``nn.Linear`` that stands where
+    its architecture has a ``Conv1D`` (GPT-2's; bitsandbytes quantizes those as linear layers, their
+    weight transposed) a ``Conv1D`` again: saved as a linear layer's, the weight had the other
+    shape, and the model loaded neither in transformers nor in lmtune."""
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(model.config)  # type: ignore[union-attr,no-untyped-call]
+    except Exception:  # a model transformers builds only from remote code: no Conv1D of its own
+        return model
+    for name, module in skeleton.named_modules():
+        current = model.get_submodule(name) if isinstance(module, Conv1D) else None
+        if isinstance(current, nn.Linear):
+            conv = Conv1D(current.out_features, current.in_features)  # type: ignore[no-untyped-call]
+            conv.weight = nn.Parameter(current.weight.detach().t().contiguous())
+            if current.bias is not None:
+                conv.bias = nn.Parameter(current.bias.detach())
+            model.set_submodule(name, conv)
+    return model

@@ -20,6 +20,7 @@ from lmtune.model.modeling import build_preset, byte_tokenizer, load_model, pres
 from lmtune.model.quantization import (
     QUANTIZED_LAYERS,
     Quantization,
+    conv1d_restored,
     dequantized,
     footprint,
     parameter_count,
@@ -208,6 +209,30 @@ def test_dequantized_computes_what_the_quantized_model_does(folder: Path, tmp_pa
         plain.save_pretrained(tmp_path / "plain")  # type: ignore[operator]
         again = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
         assert getattr(again.config, "quantization_config", None) is None
+        assert torch.allclose(again(input_ids=ids).logits, expected, atol=1e-5)
+
+
+def test_a_gpt2_base_merges_into_its_own_conv1d_layers(tmp_path: Path) -> None:
+    """GPT-2's Conv1D layers are quantized as linear ones (their weight transposed): the merged
+    QLoRA model was saved with [out, in] weights where GPT-2 has [in, out], and loaded nowhere."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from lmtune.model.modeling import byte_tokenizer
+
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(2))
+    quantized = load_model(str(tmp_path / "gpt2"), 3, quantization=NF4).model
+    with torch.no_grad():
+        expected = quantized(input_ids=ids).logits
+        plain = conv1d_restored(dequantized(quantized, torch.float32))
+        assert type(plain.get_submodule("transformer.h.0.attn.c_attn")).__name__ == "Conv1D"
+        assert torch.allclose(plain(input_ids=ids).logits, expected, atol=1e-5)
+        plain.save_pretrained(tmp_path / "plain")  # type: ignore[operator]
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
         assert torch.allclose(again(input_ids=ids).logits, expected, atol=1e-5)
 
 
