@@ -14,6 +14,7 @@ from lmtune.config.environment import hub_offline, hub_reachable
 from lmtune.config.files import read_json_object
 from lmtune.config.verbosity import no_progress_bars
 from lmtune.errors import UserError, brief
+from lmtune.model.architecture import check_causal, complete, load_error, reason
 from lmtune.model.configs import CONFIG_BYTES, check_config, check_folder
 from lmtune.model.quantization import (
     BASE_QUANTIZATION_FILE,
@@ -154,8 +155,9 @@ def load_config(name: str, trust_remote_code: bool = False, *, fits_memory: bool
             where.source, trust_remote_code=trust_remote_code, local_files_only=where.local_only
         )
     except Exception as e:  # transformers checks types with errors of its own kinds
-        raise _load_error(name, where.tried, e) from None
+        raise load_error(name, where.tried, e, PRESETS) from None
     check_config(config.to_dict(), f"--model {name}: config.json", fits_memory=fits_memory)
+    check_causal(name, config)
     return config
 
 
@@ -198,29 +200,6 @@ def _source(name: str, need_config: bool) -> _Where:
     # Without this, the hub client retries for most of a minute before saying the same.
     why = "HF_HUB_OFFLINE is set" if hub_offline() else "the hub is out of reach"
     return _Where(name, f"hub id {name} ({why}, so only the local cache{missing})", local_only=True)
-
-
-def _reason(e: Exception) -> str:
-    # transformers' first line may only say which field; the second says what is wrong with it.
-    lines = [" ".join(line.split()) for line in str(e).strip().splitlines()[:2]]
-    return brief(": ".join(line for line in lines if line), 200).strip("'\"") or type(e).__name__
-
-
-def _load_error(name: str, tried: str, e: Exception) -> UserError:
-    folder = Path(name).expanduser()
-    if folder.is_dir():  # a folder it is: what it holds is the problem
-        # A training checkpoint (its manifest.json) holds training state, not a model folder.
-        # transformers' reason (no model.safetensors in an FSDP one) would only be noise before it.
-        if (folder / "manifest.json").is_file() and (folder / "trainer.json").is_file():
-            return UserError(
-                f"--model {name}: a training checkpoint, not a model folder: `lmtune export {name} DIR` "
-                "writes a model folder from it"
-            )
-        return UserError(f"--model {name}: could not load the local folder: {_reason(e)}")
-    return UserError(
-        f"--model {name}: could not load it as a preset ({', '.join(PRESETS)}), a local folder, "
-        f"or {tried}: {_reason(e)}"
-    )
 
 
 # The files a tokenizer is saved as: tokenizers' own, or a slow tokenizer's vocabulary.
@@ -303,13 +282,17 @@ def load_model(
     model = _loaded(
         name,
         where,
-        lambda: AutoModelForCausalLM.from_pretrained(
-            where.source,
-            config=config,
-            trust_remote_code=trust_remote_code,
-            dtype=torch.float32,
-            use_safetensors=None,
-            local_files_only=where.local_only,
+        lambda: complete(
+            name,
+            AutoModelForCausalLM.from_pretrained(
+                where.source,
+                config=config,
+                trust_remote_code=trust_remote_code,
+                dtype=torch.float32,
+                use_safetensors=None,
+                local_files_only=where.local_only,
+                output_loading_info=True,
+            ),
         ),
     )
     return LoadedModel(model=model, tokenizer=tokenizer, default_lr=FINETUNE_LR, source=where.source)
@@ -392,7 +375,7 @@ def _loaded(name: str, where: _Where, load: Callable[[], nn.Module]) -> nn.Modul
     except Exception as e:  # a truncated weights file, weights that do not fit the config, ...
         if "mismatched" in str(e):  # transformers' own text points at a report it logged
             e = ValueError("its weights do not have the shapes its config.json describes")
-        raise _load_error(name, where.tried, e) from None
+        raise load_error(name, where.tried, e, PRESETS) from None
 
 
 def _check_not_quantized(name: str, config: Any, quantization: Quantization) -> None:
@@ -476,10 +459,10 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
         )
     except Exception as e:  # transformers checks types with errors of its own kinds
         if not folder.is_dir():
-            raise _load_error(name, where.tried, e) from None
+            raise load_error(name, where.tried, e, PRESETS) from None
         # transformers' text never says that it was the tokenizer that failed.
         raise UserError(
-            f"--model {name}: could not load its tokenizer from {where.tried}: {_reason(e)}"
+            f"--model {name}: could not load its tokenizer from {where.tried}: {reason(e)}"
         ) from None
     ensure_pad_token(tokenizer)
     return tokenizer

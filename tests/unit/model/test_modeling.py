@@ -92,3 +92,41 @@ def test_a_training_checkpoint_given_as_a_model_says_what_it_is(tmp_path: Path) 
     (tmp_path / "adapter_config.json").write_text('{"base_model_name_or_path": null}')
     with pytest.raises(UserError, match=r"a LoRA adapter folder that names no base model .*lmtune export"):
         load_model(str(tmp_path), seed=0)
+
+
+def test_what_is_no_complete_causal_model_is_refused(tmp_path: Path) -> None:
+    """A checkpoint missing a weight, an encoder (BERT) and an encoder-decoder (BART) trained
+    without a word: the first from random weights, BERT looking both ways, BART without its
+    encoder. Remote code and a cut-short weights file say what to do."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import BartConfig, BertConfig, BertForMaskedLM
+
+    tok = byte_tokenizer()
+    saved = build_preset("tiny", 0)
+    saved.model.save_pretrained(tmp_path / "partial")
+    tok.save_pretrained(tmp_path / "partial")
+    weights = tmp_path / "partial" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"lack 1 the model needs \(model.layers.1.mlp.down_proj.weight\)"):
+        load_model(str(tmp_path / "partial"), 0)
+    bert = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    BertForMaskedLM(bert).save_pretrained(tmp_path / "bert")
+    BartConfig(vocab_size=len(tok), d_model=32).save_pretrained(tmp_path / "bart")
+    for name, said in (("bert", r"an encoder \(bert\)"), ("bart", r"an encoder-decoder model \(bart\)")):
+        tok.save_pretrained(tmp_path / name)
+        with pytest.raises(UserError, match=said):
+            load_model(str(tmp_path / name), 0)
+    remote = json.loads((tmp_path / "partial" / "config.json").read_text())
+    remote |= {"model_type": "mine", "auto_map": {"AutoConfig": "configuration_mine.MyConfig"}}
+    (tmp_path / "partial" / "config.json").write_text(json.dumps(remote))
+    with pytest.raises(UserError, match="runs only with --trust-remote-code"):
+        load_model(str(tmp_path / "partial"), 0)
+    saved.model.save_pretrained(tmp_path / "cut")
+    tok.save_pretrained(tmp_path / "cut")
+    (tmp_path / "cut" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(UserError, match=r"a weights file \(model.safetensors\) is damaged or incomplete"):
+        load_model(str(tmp_path / "cut"), 0)
