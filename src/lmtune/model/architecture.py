@@ -59,6 +59,15 @@ def complete(name: str, loaded: Any) -> nn.Module:
             "would start random: a damaged or partial checkpoint, or a base model saved without its "
             "language-model head"
         )
+    # Said now, naming the weight: at the first step it was only "non-finite loss".
+    broken = next(
+        (n for n, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()), None
+    )
+    if broken is not None:
+        raise UserError(
+            f"--model {name}: its weights hold NaN or infinite values (the first: {broken}); a damaged "
+            "checkpoint"
+        )
     return model  # type: ignore[no-any-return]
 
 

@@ -113,6 +113,10 @@ def test_what_is_no_complete_causal_model_is_refused(tmp_path: Path) -> None:
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(UserError, match=r"lack 1 the model needs \(model.layers.1.mlp.down_proj.weight\)"):
         load_model(str(tmp_path / "partial"), 0)
+    tensors["model.layers.1.mlp.down_proj.weight"] = torch.full((128, 384), float("nan"))
+    save_file(tensors, weights, metadata={"format": "pt"})  # said at once, not as a non-finite loss
+    with pytest.raises(UserError, match=r"NaN or infinite values \(the first: model.layers.1.mlp.down_proj"):
+        load_model(str(tmp_path / "partial"), 0)
     bert = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
     BertForMaskedLM(bert).save_pretrained(tmp_path / "bert")
     BartConfig(vocab_size=len(tok), d_model=32).save_pretrained(tmp_path / "bart")
