@@ -61,7 +61,7 @@ def complete(name: str, loaded: Any) -> nn.Module:
         )
     # Said now, naming the weight: at the first step it was only "non-finite loss".
     broken = next(
-        (n for n, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()), None
+        (n for n, t in model.named_parameters() if t.is_floating_point() and not t.isfinite().all()), None
     )
     if broken is not None:
         raise UserError(
