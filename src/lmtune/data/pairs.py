@@ -175,6 +175,9 @@ def render_pair(record: Record, tokenizer: Any, names: FieldMap) -> PairTexts:
     )
 
 
+_HH_TURN = "\n\nAssistant:"  # Anthropic HH's marker of an assistant turn
+
+
 def _implicit_prompt(record: Record, names: FieldMap) -> tuple[str, str, str]:
     """(prompt, chosen, rejected) of a pair given as two whole texts (Anthropic HH's form): the
     text both start with is the prompt, less a space it ends with, as TRL's extract_prompt takes it.
@@ -191,13 +194,18 @@ def _implicit_prompt(record: Record, names: FieldMap) -> tuple[str, str, str]:
     n = 0
     while n < min(map(len, whole)) and whole[0][n] == whole[1][n]:
         n += 1
-    n -= n > 0 and whole[0][n - 1] == " "
-    if n >= min(map(len, whole)):  # "...Assistant: hello" and "...Assistant: hello there"
+    turn = whole[0].rfind(_HH_TURN, 0, n)
+    if turn >= 0:  # HH's answers start after its last assistant marker: "...Assistant: blue" / "big"
+        n = turn + len(_HH_TURN)
+    elif n >= min(map(len, whole)):  # "hello" and "hello there": either may be the prompt's end
         raise UserError(
             f"{record.where}: preference record has no '{names.name('prompt')}' field, and one of its "
             "chosen and rejected texts is the other's beginning, so where the answers start cannot be "
-            "told; give the prompt as its own field"
+            "told; give the prompt as its own field (--skip-bad-lines passes over such records)"
         )
+    elif not whole[0][n - 1 : n].isspace() and not (whole[0][n].isspace() and whole[1][n].isspace()):
+        n = max(whole[0].rfind(c, 0, n) for c in " \n\t") + 1  # not inside a word: "blue" / "big"
+    n -= n > 0 and whole[0][n - 1] == " "
     if n == 0:
         raise UserError(
             f"{record.where}: preference record has no '{names.name('prompt')}' field, and its chosen and "

@@ -354,6 +354,15 @@ def test_two_whole_texts_share_their_beginning_as_the_prompt() -> None:
     # One text the other's beginning: the prompt would swallow an answer.
     with pytest.raises(UserError, match="one of its chosen and rejected texts is the other's beginning"):
         encode([{"chosen": "Human: hi Assistant: hello there", "rejected": "Human: hi Assistant: hello"}])
+    # HH's answers start after its last assistant marker: not inside a shared first letter or word,
+    # and one that begins the other is no longer refused.
+    hh = "\n\nHuman: hi\n\nAssistant: yes\n\nHuman: colour?\n\nAssistant:"
+    for chosen, rejected in ((" blue sky", " big dog"), (" dog blue", " dog blue red slow dog")):
+        data, _, tok = encode([{"chosen": hh + chosen, "rejected": hh + rejected}])
+        assert parts(data[0], tok) == (f"<|bos|>{hh}", f"{chosen}<|eos|>", f"{rejected}<|eos|>")
+    # Elsewhere not inside a word either (TRL's extract_prompt cut "b" off "blue" and "big").
+    data, _, tok = encode([{"chosen": "Q: colour? A: blue sky", "rejected": "Q: colour? A: big dog"}])
+    assert parts(data[0], tok) == ("<|bos|>Q: colour? A:", " blue sky<|eos|>", " big dog<|eos|>")
 
 
 def test_training_counts_pairs_with_the_same_or_an_empty_answer() -> None:
