@@ -76,15 +76,19 @@ BATCHING_NAMES = {
 }
 
 
-def batching_of(cfg: TrainConfig, formats: dict[str, int], obstacle: str | None, pairs: bool) -> str:
-    """pack | auto | group | pad: how a step's examples become micro-batches. ``obstacle``: why
-    the model takes no mask of lmtune's (lmtune.model.masks.mask_obstacle), which packed rows and a
-    preference pair's one sequence need; --packing auto then pads."""
+def check_pair_masks(cfg: TrainConfig, obstacle: str | None, pairs: bool) -> None:
+    """Refuse preference pairs (``pairs``) for a model that takes no mask of lmtune's: ``obstacle``
+    says why (lmtune.model.masks.mask_obstacle)."""
     if obstacle is not None and pairs:
         raise UserError(
             f"--objective {cfg.objective.name}: a pair runs as one sequence whose answers a mask keeps "
             f"apart, and {obstacle}; preference objectives do not support this model yet"
         )
+
+
+def batching_of(cfg: TrainConfig, formats: dict[str, int], obstacle: str | None) -> str:
+    """pack | auto | group | pad: how a step's examples become micro-batches. ``obstacle``: why
+    the model takes no mask of lmtune's, which packed rows need; --packing auto then pads."""
     if cfg.batch.packing == "on":
         if obstacle is not None:
             raise UserError(

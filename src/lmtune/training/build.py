@@ -55,7 +55,7 @@ from lmtune.objectives.base import LossSetup, Objective
 from lmtune.outputs.runlog import InfoLog, RunLog
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.parallel.wrap import wrap_model
-from lmtune.training.batch_layout import BatchLayout, batch_layout, batching_of
+from lmtune.training.batch_layout import BatchLayout, batch_layout, batching_of, check_pair_masks
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, default_lr, optimizer_for
@@ -112,6 +112,9 @@ def build_parts(
     (:func:`attach_references`): a finished run run again needs none."""
     cfg, env, log = run.cfg, run.env, run.log
     loaded = _load(run)
+    objective = objective or objective_for(cfg.objective)
+    obstacle = mask_obstacle(loaded.model)
+    check_pair_masks(cfg, obstacle, objective.unit == "pairs")  # before the data is read
     tokenizer = loaded.tokenizer
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
@@ -119,7 +122,6 @@ def build_parts(
     longest = max(int(d.lengths().max(initial=0)) for d in (train_data, eval_data) if d is not None)
     check_positions(loaded.model, min(longest, cfg.examples.max_length), log.info)
     run.heartbeat.beat("load")
-    objective = objective or objective_for(cfg.objective)
     check_data_kind(objective, train_data, eval_data)
     formats = sorted(data_info["train"]["formats"])
     if cfg.examples.chat_template is not None and not set(CHAT_FORMATS) & set(formats):
@@ -137,8 +139,7 @@ def build_parts(
         log.info(stops_lost_warning(kept - stopping, kept, chat, objective.unit, cfg.examples))
     layout = batch_layout(cfg, env.world_size, len(train_data))
     lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr(cfg, loaded, objective.unit)[0]
-    pairs = objective.unit == "pairs"
-    batching = batching_of(cfg, data_info["train"]["formats"], mask_obstacle(loaded.model), pairs)
+    batching = batching_of(cfg, data_info["train"]["formats"], obstacle)
     micro_batches = _shapes(cfg, train_data, layout, batching)
     paths = choose_paths(cfg, env, run.threads, loaded.model, micro_batches, recorded_paths)
     products = products_of(paths, cfg.model.precision)

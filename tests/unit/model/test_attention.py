@@ -241,7 +241,7 @@ def test_models_that_take_no_mask_of_ours_pad_and_are_told(tmp_path: Path) -> No
     from lmtune.config.settings import TrainConfig
     from lmtune.errors import UserError
     from lmtune.model.masks import mask_obstacle
-    from lmtune.training.batch_layout import batching_of
+    from lmtune.training.batch_layout import batching_of, check_pair_masks
 
     small = {"vocab_size": 64}
     configs = {
@@ -257,12 +257,13 @@ def test_models_that_take_no_mask_of_ours_pad_and_are_told(tmp_path: Path) -> No
     for kind, config in configs.items():
         why = mask_obstacle(AutoModelForCausalLM.from_config(config))
         assert why is not None, kind
-        assert batching_of(cfg, {"text": 8}, why, pairs=False) == "group"  # auto: not packed
+        assert batching_of(cfg, {"text": 8}, why) == "group"  # auto: not packed
         with pytest.raises(UserError, match=f"--packing on: .*{re.escape(why)}; use --packing off"):
-            batching_of(on, {"text": 8}, why, pairs=False)
+            batching_of(on, {"text": 8}, why)
         with pytest.raises(UserError, match=r"--objective sft: a pair .* do not support this model"):
-            batching_of(cfg, {"preference": 8}, why, pairs=True)
+            check_pair_masks(cfg, why, pairs=True)
     tiny, _ = _model("llama")
-    assert mask_obstacle(tiny) is None and batching_of(cfg, {"text": 8}, None, pairs=False) == "auto"
+    assert mask_obstacle(tiny) is None and batching_of(cfg, {"text": 8}, None) == "auto"
+    check_pair_masks(cfg, None, pairs=True)
     mistral, _ = _model("mistral")  # one sliding window for all layers: its mask holds it
     assert mask_obstacle(mistral) is None
