@@ -180,9 +180,10 @@ _HH_TURN = "\n\nAssistant:"  # Anthropic HH's marker of an assistant turn
 
 def _implicit_prompt(record: Record, names: FieldMap) -> tuple[str, str, str]:
     """(prompt, chosen, rejected) of a pair given as two whole texts (Anthropic HH's form): the
-    text both start with is the prompt, less a space it ends with, as TRL's extract_prompt takes it.
-    Not beside a field that looks like the prompt under another name: the answers' shared start
-    ("The answer is") would have trained as the prompt, that field unread, without a word."""
+    text both start with is the prompt, up to HH's last assistant marker in it, else less a space
+    it ends with, as TRL's extract_prompt takes it, but not inside a word. Not beside a field that
+    looks like the prompt under another name: the answers' shared start ("The answer is") would
+    have trained as the prompt, that field unread, without a word."""
     other = unread_pair_prompt(record.fields)
     if other is not None:
         raise UserError(
