@@ -160,14 +160,14 @@ class LossModule(nn.Module):
             input_ids, attention_mask, labels, position_ids, segment_ids = _bucketed_rows(
                 input_ids, attention_mask, labels, position_ids, segment_ids
             )
+        mask: torch.Tensor | dict[str, torch.Tensor] = attention_mask
         if segment_ids is not None:
             # Packed rows: a block-diagonal causal mask keeps every example to itself.
-            from lmtune.model.masks import block_causal_mask, sliding_window
+            from lmtune.model.masks import block_causal_mask, given_mask
 
-            attention_mask = block_causal_mask(
-                segment_ids, sliding_window(getattr(self.model, "config", None))
-            )
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+            ids = segment_ids
+            mask = given_mask(self.model, lambda window: block_causal_mask(ids, window))
+        inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
         return labels, segment_ids, inputs
 
     def token_loss_sum(self, labels: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:

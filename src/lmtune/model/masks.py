@@ -3,9 +3,12 @@ sliding window where it has one."""
 
 from __future__ import annotations
 
-import torch
+import inspect
+import re
+from collections.abc import Callable
 
-from lmtune.errors import UserError
+import torch
+from torch import nn
 
 
 def block_causal_mask(segment_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -19,22 +22,73 @@ def block_causal_mask(segment_ids: torch.Tensor, window: int | None = None) -> t
     return (same & causal)[:, None]
 
 
-def sliding_window(config: object) -> int | None:
-    """The sliding window all attention layers of a model share (None: full attention).
+MaskOfWindow = Callable[[int | None], torch.Tensor]
+# transformers' decoders that take a mask per layer kind test for the mapping in their forward.
+MASK_MAPPING = re.compile(r"isinstance\((causal_mask_mapping\s*:=\s*)?attention_mask,\s*dict\)")
 
-    A 4D mask passed to the model replaces every layer's own; a model that mixes sliding and full
-    layers cannot take one, and needs per-example attention for packed rows.
-    """
+
+def given_mask(model: nn.Module, mask_of: MaskOfWindow) -> torch.Tensor | dict[str, torch.Tensor]:
+    """What ``model`` is given as its attention mask for lmtune's rows: ``mask_of(window)``, the
+    bool mask with a sliding window (None: without), for the window its layers share; for a model
+    that mixes sliding and full layers, a mask per layer kind (transformers' models take such a
+    mapping: :func:`takes_masks_per_layer_kind`). Additive where attention is eager, which adds the
+    mask it is given to its scores (transformers' own masks are additive there, in the model's
+    dtype)."""
+    config = getattr(model, "config", None)
     window = getattr(config, "sliding_window", None)
     kinds = set(getattr(config, "layer_types", None) or [])
-    if window is None or kinds <= {"sliding_attention"}:
-        return window
-    if "sliding_attention" not in kinds:
-        return None
-    raise UserError(
-        "--packing: this model mixes sliding-window and full attention layers, so packed rows need "
-        "per-example attention, which this model's attention code does not take; use --packing off"
-    )
+    eager = getattr(config, "_attn_implementation", None) == "eager"
+    dtype = model.get_input_embeddings().weight.dtype if eager else torch.bool  # type: ignore[operator]
+
+    def given(window: int | None) -> torch.Tensor:
+        mask = mask_of(window)
+        if dtype == torch.bool:
+            return mask
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(dtype).min
+        )
+
+    if window is None or kinds == {"full_attention"}:
+        return given(None)
+    if "full_attention" in kinds:
+        return {"full_attention": given(None), "sliding_attention": given(window)}
+    return given(window)  # every layer slides (no layer kinds: a window is every layer's)
+
+
+def takes_masks_per_layer_kind(model: nn.Module) -> bool:
+    """Whether the model's decoder takes a mapping from layer kind to mask, as transformers' models
+    that mix sliding and full layers do."""
+    decoder = getattr(model, "get_decoder", lambda: model)()
+    try:
+        source = inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        return False
+    return MASK_MAPPING.search(source) is not None
+
+
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+# Recurrent models whose time mixing holds no convolution module to find.
+RECURRENT_MODELS = frozenset({"rwkv", "xlstm"})
+
+
+def mixed_outside_attention(model: object) -> str | None:
+    """What in ``model`` carries one token's state to the next other than attention (linear
+    attention, convolutions, state-space and recurrent layers), or None. No mask or per-example
+    attention keeps such a layer from reading the example before it in a packed or flattened row,
+    nor a pair's rejected answer from reading its chosen one."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", "") or "this model"
+    others = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYERS)
+    if others:
+        return f"{kind}'s {' and '.join(o.replace('_', ' ') for o in others)} layers"
+    if kind in RECURRENT_MODELS:
+        return f"{kind}'s recurrent layers"
+    # The text decoder's own: a vision or audio tower's convolutions see no text tokens.
+    decoder = getattr(model, "get_decoder", lambda: model)()
+    modules = decoder.modules() if isinstance(decoder, torch.nn.Module) else ()
+    if any(isinstance(m, torch.nn.Conv1d) for m in modules):
+        return f"{kind}'s convolution layers"
+    return None
 
 
 def mask_obstacle(model: object) -> str | None:
@@ -44,6 +98,9 @@ def mask_obstacle(model: object) -> str | None:
 
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", "")
+    mixer = mixed_outside_attention(model)
+    if mixer is not None:
+        return f"{mixer} carry each token into the next outside attention, where no mask reaches"
     if config is None or supports_varlen(model):  # type: ignore[arg-type]
         return None
     if kind == "bloom" or (kind == "falcon" and getattr(config, "alibi", False)):
@@ -51,10 +108,9 @@ def mask_obstacle(model: object) -> str | None:
     if kind == "mpt":  # its attention fills where the mask is True: transformers' masks say the opposite
         return "mpt's attention reads a mask the other way round from the masks transformers builds"
     window, kinds = getattr(config, "sliding_window", None), set(getattr(config, "layer_types", None) or [])
-    if window is not None and "sliding_attention" in kinds and kinds != {"sliding_attention"}:
-        return (
-            "this model mixes sliding-window and full attention layers, whose own masks a mask given replaces"
-        )
+    mixed = window is not None and kinds == ATTENTION_LAYERS
+    if mixed and not takes_masks_per_layer_kind(model):  # type: ignore[arg-type]
+        return "this model mixes sliding-window and full attention layers and takes one mask for both"
     return None
 
 

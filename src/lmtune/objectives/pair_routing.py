@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from lmtune.model.loss import LossModule
-from lmtune.model.masks import pair_causal_mask, sliding_window
+from lmtune.model.masks import given_mask, pair_causal_mask
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ def route_pairs(
         return Routed(labels, none, none, inputs)
     part, pair = _parts(segment_ids)
     if not module.varlen:
-        window = sliding_window(getattr(module.model, "config", None))
-        mask = pair_causal_mask(segment_ids, position_ids, window)
+        ids, positions = segment_ids, position_ids
+        mask = given_mask(module.model, lambda window: pair_causal_mask(ids, positions, window))
         inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
         return Routed(labels, part, pair, inputs)
     from lmtune.model.attention import SEGMENTS, flatten, round_up

@@ -235,8 +235,9 @@ def test_bucketed_attention_equals_the_masked_rows(arch: str) -> None:
 def test_models_that_take_no_mask_of_ours_pad_and_are_told(tmp_path: Path) -> None:
     """BLOOM (and Falcon's ALiBi) crashed on packed rows and on every preference pair; MPT's
     attention read the block mask inverted and trained on what it must not see, without a word;
-    Gemma 2's default packing was refused. They pad under --packing auto; on and pairs are refused."""
-    from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config, MptConfig
+    LFM2's convolutions and Mamba's state carried packed examples into the next. They pad under
+    --packing auto; on and pairs are refused."""
+    from transformers import AutoModelForCausalLM, BloomConfig, Lfm2Config, MambaConfig, MptConfig
 
     from lmtune.config.settings import TrainConfig
     from lmtune.errors import UserError
@@ -247,10 +248,11 @@ def test_models_that_take_no_mask_of_ours_pad_and_are_told(tmp_path: Path) -> No
     configs = {
         "bloom": BloomConfig(hidden_size=32, n_layer=1, n_head=2, **small),
         "mpt": MptConfig(d_model=32, n_layers=1, n_heads=2, **small),
-        "gemma2": Gemma2Config(
+        "lfm2": Lfm2Config(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, sliding_window=8, **small,
+            num_key_value_heads=1, layer_types=["conv", "full_attention"], **small,
         ),
+        "mamba": MambaConfig(hidden_size=32, num_hidden_layers=1, state_size=4, **small),
     }  # fmt: skip
     cfg = TrainConfig(model="tiny", data="d.jsonl", output_dir=str(tmp_path))
     on = TrainConfig(model="tiny", data="d.jsonl", output_dir=str(tmp_path), packing="on")
@@ -267,3 +269,77 @@ def test_models_that_take_no_mask_of_ours_pad_and_are_told(tmp_path: Path) -> No
     check_pair_masks(cfg, None, pairs=True)
     mistral, _ = _model("mistral")  # one sliding window for all layers: its mask holds it
     assert mask_obstacle(mistral) is None
+
+
+def _lfm2(vocab: int) -> torch.nn.Module:
+    """A tiny LFM2 (a short convolution, then attention) whose outputs depend on their context."""
+    from transformers import AutoModelForCausalLM, Lfm2Config
+
+    config = Lfm2Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" not in name:
+                parameter.mul_(4)
+    return model
+
+
+def test_a_model_mixing_tokens_outside_attention_is_never_flattened() -> None:
+    """LFM2 runs sdpa through transformers' attention interface, so per-example attention took it,
+    and the flattened rows' convolution read each example's end into the next one's start: the loss
+    of the same examples moved with the micro-batch (eval at batch 16 vs 1), without a word. Its
+    rows stay rows: the loss of a padded batch is the sum of each example's alone."""
+    from lmtune.model.attention import supports_varlen
+    from lmtune.model.masks import mask_obstacle
+
+    _, tok = _model("llama")
+    model = _lfm2(len(tok))
+    assert not supports_varlen(model) and not use_varlen(model)
+    assert mask_obstacle(model) == (
+        "lfm2's conv layers carry each token into the next outside attention, where no mask reaches"
+    )
+    module = SummedLoss(model, varlen=False).eval()
+    data = _data(tok)
+    examples = [data[i] for i in range(8)]
+    with torch.no_grad():
+        together = float(module(*Collator(tok.pad_token_id)(examples).model_inputs()).sum())
+        alone = [float(module(*Collator(tok.pad_token_id)([e]).model_inputs()).sum()) for e in examples]
+        # What flattening gave: the same examples back to back, restarting positions only.
+        flat = flatten(*PackedCollator(tok.pad_token_id)([examples]).model_inputs())
+        run_on = float(module(flat.input_ids, torch.ones_like(flat.input_ids), flat.labels).sum())
+    assert together == pytest.approx(sum(alone), rel=1e-5)
+    assert abs(run_on - sum(alone)) > 1e-3 * sum(alone)  # the leak this guards against is real
+
+
+def test_a_model_mixing_sliding_and_full_layers_packs_with_a_mask_per_layer_kind() -> None:
+    """Gemma 2 runs eager attention (for its logit soft-cap) in sliding and full layers; packing was
+    refused. It takes a mask per layer kind, additive as eager attention adds it: packed rows give
+    the padded rows' loss and gradients, with a window shorter than the longer examples."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from lmtune.model.masks import mask_obstacle
+
+    _, tok = _model("llama")
+    config = Gemma2Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], attention_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    assert model.config._attn_implementation == "eager" and mask_obstacle(model) is None
+    assert not use_varlen(model)
+    module = SummedLoss(model)
+    data = _data(tok)
+    examples = [data[i] for i in range(len(data))]
+    assert max(len(e.input_ids) for e in examples) > 2 * config.sliding_window
+    rows = pack_bins(data.lengths().tolist(), 120)
+    packed = PackedCollator(tok.pad_token_id)([[examples[j] for j in row] for row in rows])
+    reference_loss, reference_grads = _loss_and_grads(module, Collator(tok.pad_token_id)(examples))
+    loss, grads = _loss_and_grads(module, packed)
+    assert abs(loss - reference_loss) <= 1e-5 * reference_loss
+    assert (grads - reference_grads).abs().max() <= 1e-6

@@ -270,3 +270,34 @@ def test_reward_metrics_and_names_as_trl_logs_them() -> None:
         "logps/chosen": -15.0,
         "logps/rejected": -16.0,
     }
+
+
+def test_a_model_mixing_sliding_and_full_layers_runs_pairs_under_its_masks() -> None:
+    """Gemma 2 (eager attention with a soft-cap, sliding and full layers) was refused for every
+    preference objective. Its pairs, one a row and packed, give the losses of each answer run
+    after its own copy of the prompt, with a window shorter than the pairs."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    loaded = load_model("tiny", seed=3)
+    data = _pairs(loaded.tokenizer)
+    window = 8
+    assert min(len(data[i].input_ids) for i in range(len(data))) > 2 * window
+    config = Gemma2Config(
+        vocab_size=len(loaded.tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"], attention_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert model.config._attn_implementation == "eager" and not use_varlen(model)
+    logps, counts = _logps_by_hand(model, data)
+    ref = _reference(len(data))
+    expected = _paper("dpo", logps, counts, ref)
+    module = _objective("dpo").loss_module(model, LossSetup(loss_chunk=0))
+    pairs = [data[i] for i in range(len(data))]
+    collate = PairCollator(loaded.tokenizer.pad_token_id)
+    for batch in (collate(pairs), collate([pairs[:3], pairs[3:]])):  # one pair a row; packed
+        batch.reference = ref
+        with torch.no_grad():
+            out = module(*batch.model_inputs())
+        assert float(out[0]) == pytest.approx(float(expected.sum()), rel=1e-5)
