@@ -179,8 +179,10 @@ def measure_peaks(precisions: list[str], nproc: int, device_name: str) -> list[s
             where = f"{threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else str(device)
             for fp32_products in ways:
                 probe = Probe(device, precision, threads, fp32_products)
-                flops = measure_and_store_peak(probe, cache_root() / PEAKS_FILE)
+                flops, quiet = measure_and_store_peak(probe, cache_root() / PEAKS_FILE)
                 how = " (fp32 products of bf16 operands)" if fp32_products else ""
+                if not quiet:
+                    how += " (other processes held the cores: the higher of this and the cached peak)"
                 lines.append(f"peak {precision:<5} {where:<10} {flops / 1e9:>10,.1f} GFLOP/s{how}")
     lines.append(f"stored in {cache_root() / PEAKS_FILE}")
     return lines

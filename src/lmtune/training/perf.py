@@ -80,6 +80,26 @@ def measure_peak_flops(probe: Probe, seconds: float = 0.5) -> float:
     one linear layers take, which made MFU read 500%. The products run as the run's do (fp32
     products of bf16 operands included). The best of several timed batches.
     """
+    return probe_peak(probe, seconds)[0]
+
+
+QUIET_SHARE = 0.9  # of its threads' time a CPU probe must get to count as taken on a quiet machine
+
+
+def probe_peak(probe: Probe, seconds: float) -> tuple[float, bool]:
+    """(:func:`measure_peak_flops`, whether the machine was quiet): on the CPU, whether the probe's
+    threads ran for QUIET_SHARE of its wall time. Other processes on the cores make a probe read
+    low, and an early run's low reading kept as settled made every later MFU on the machine read
+    ~3x high (96% where 30% was true)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    flops = _linear_flops(probe, seconds)
+    if probe.device.type != "cpu":
+        return flops, True
+    share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
+    return flops, share >= QUIET_SHARE
+
+
+def _linear_flops(probe: Probe, seconds: float) -> float:
     device = probe.device
     size = 4096 if device.type == "cuda" else 1024
     a = torch.randn(size, size, device=device, dtype=DTYPES[probe.precision])
@@ -115,11 +135,12 @@ def _peak_key(probe: Probe) -> str:
     return f"{socket.gethostname()} | {name} | {precision}{threads_part} | torch {torch.__version__}"
 
 
-SETTLED_PROBES = 3  # runs that probe the peak on a machine; later ones take the best kept (no probe)
+SETTLED_PROBES = 3  # quiet probes of the peak on a machine; later runs take the best kept (no probe)
 
 
 def _read_peaks(path: Path) -> dict[str, tuple[float, int]]:
-    """Each key's best peak and how many probes it is the best of (a bare number: one probe)."""
+    """Each key's best peak and how many quiet probes it is the best of (:func:`probe_peak`; an
+    entry of an earlier format has none: its probes may have been taken on a busy machine)."""
     try:
         raw = read_json(path, limit=1 << 20)
     except (OSError, UserError):
@@ -128,9 +149,11 @@ def _read_peaks(path: Path) -> dict[str, tuple[float, int]]:
         return {}
     peaks = {}
     for key, value in raw.items():
-        flops, probes = (value.get("flops"), value.get("probes")) if isinstance(value, dict) else (value, 1)
-        if isinstance(flops, (int, float)) and math.isfinite(flops) and flops > 0 and isinstance(probes, int):
-            peaks[str(key)] = (float(flops), probes)
+        flops, quiet = (
+            (value.get("flops"), value.get("quiet_probes", 0)) if isinstance(value, dict) else (value, 0)
+        )
+        if isinstance(flops, (int, float)) and math.isfinite(flops) and flops > 0 and isinstance(quiet, int):
+            peaks[str(key)] = (float(flops), quiet)
     return peaks
 
 
@@ -138,32 +161,40 @@ def best_peak_flops(probe: Probe, cache: Path, store: bool = True) -> float:
     """The matmul peak for MFU: the best of this run's probe and every earlier one cached for the
     same machine, device, precision and thread count. One short probe at a busy moment reads low
     (3x apart between runs on a loaded machine), which made MFU read over 100%; the best kept over
-    runs converges on what the device reaches. Once SETTLED_PROBES runs have probed, later runs
-    take the best kept without a probe (0.3 s of every start). ``store`` False: read the cache,
-    leave it to another rank to write."""
+    runs converges on what the device reaches. Once SETTLED_PROBES runs have probed on a quiet
+    machine, later runs take the best kept without a probe (0.3 s of every start). ``store``
+    False: read the cache, leave it to another rank to write."""
     key = _peak_key(probe)
-    known, probes = _read_peaks(cache).get(key, (0.0, 0))
-    if probes >= SETTLED_PROBES:
+    known, quiet = _read_peaks(cache).get(key, (0.0, 0))
+    if quiet >= SETTLED_PROBES:
         return known
-    measured = measure_peak_flops(probe, seconds=0.3)
+    measured, was_quiet = probe_peak(probe, seconds=0.3)
     if store:
         with suppress(OSError):  # a read-only cache costs only the remembering
-            _store_peak(cache, key, max(measured, known), probes + 1)
+            _store_peak(cache, key, max(measured, known), quiet + was_quiet)
     return max(measured, known)
 
 
-def measure_and_store_peak(probe: Probe, cache: Path) -> float:
-    """`lmtune bench --measure-peak`: several longer probes; the result replaces the cached peak
-    (and is settled: runs take it without probing)."""
-    measured = max(measure_peak_flops(probe, 1.0) for _ in range(5))
-    _store_peak(cache, _peak_key(probe), measured, SETTLED_PROBES)
-    return measured
+def measure_and_store_peak(probe: Probe, cache: Path) -> tuple[float, bool]:
+    """`lmtune bench --measure-peak`: several longer probes. Where one ran on a quiet machine, the
+    result replaces the cached peak, settled (runs take it without probing); otherwise it only
+    raises it. Returns the peak now cached and whether the machine was quiet."""
+    readings = [probe_peak(probe, 1.0) for _ in range(5)]
+    measured, quiet = max(r[0] for r in readings), any(r[1] for r in readings)
+    key = _peak_key(probe)
+    known, settled = _read_peaks(cache).get(key, (0.0, 0))
+    if quiet:
+        known, settled = 0.0, SETTLED_PROBES
+    _store_peak(cache, key, max(measured, known), settled)
+    return max(measured, known), quiet
 
 
-def _store_peak(cache: Path, key: str, flops: float, probes: int) -> None:
+def _store_peak(cache: Path, key: str, flops: float, quiet: int) -> None:
     """Replace one entry of the peaks file, atomically (ranks and runs may read it meanwhile)."""
-    peaks: dict[str, object] = {k: {"flops": f, "probes": n} for k, (f, n) in _read_peaks(cache).items()}
-    peaks[key] = {"flops": flops, "probes": probes}
+    peaks: dict[str, object] = {
+        k: {"flops": f, "quiet_probes": n} for k, (f, n) in _read_peaks(cache).items()
+    }
+    peaks[key] = {"flops": flops, "quiet_probes": quiet}
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(peaks, indent=1), encoding="utf-8")
