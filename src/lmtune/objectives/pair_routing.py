@@ -1,6 +1,8 @@
 """How a micro-batch of preference pairs reaches the model: flattened to its real tokens with
-per-example attention that keeps each pair's answers apart (lmtune.model.attention), or as rows
-under a pair mask (lmtune.model.masks); and where each position's pair and part are, for the loss."""
+per-example attention that keeps each pair's answers apart (lmtune.model.attention), as rows under
+a pair mask (lmtune.model.masks), or, for a model no mask keeps apart (lmtune.model.masks.
+mask_obstacle), as two rows a pair, each answer after its own copy of the prompt; and where each
+position's pair and part are, for the loss."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lmtune.data.tokenize import IGNORE_INDEX
 from lmtune.model.loss import LossModule
 from lmtune.model.masks import given_mask, pair_causal_mask
 
@@ -39,13 +42,17 @@ def route_pairs(
     labels: torch.Tensor,
     position_ids: torch.Tensor | None,
     segment_ids: torch.Tensor | None,
+    apart: bool = False,
 ) -> Routed:
-    """The micro-batch as ``module`` runs it (see the module docstring)."""
+    """The micro-batch as ``module`` runs it (see the module docstring); ``apart``: two rows a
+    pair."""
     if segment_ids is None or position_ids is None:  # an idle batch: one token, nothing to train
         labels, _, inputs = module.route(input_ids, attention_mask, labels, position_ids, None)
         none = torch.full_like(labels, -1)
         return Routed(labels, none, none, inputs)
     part, pair = _parts(segment_ids)
+    if apart:
+        return _answer_rows(input_ids, labels, part, pair)
     if not module.varlen:
         ids, positions = segment_ids, position_ids
         mask = given_mask(module.model, lambda window: pair_causal_mask(ids, positions, window))
@@ -73,3 +80,33 @@ def route_pairs(
         SEGMENTS: segments,
     }
     return Routed(flat.labels, part, pair, inputs)
+
+
+def _answer_rows(
+    input_ids: torch.Tensor, labels: torch.Tensor, part: torch.Tensor, pair: torch.Tensor
+) -> Routed:
+    """Rows ``prompt + chosen``, ``prompt + rejected`` of every pair in turn, right-padded, under
+    the model's own causal attention: what the shared layout computes, spelled out
+    (lmtune.data.pair_collate.sequences). Each answer's labels stay: the rejected answer's first
+    token is predicted by its prompt copy's last position, as by the prompt's in the shared layout
+    (Answers.of finds it there: the pair's last prompt position), and a pair without a prompt
+    starts each row with a token that has no target in both layouts."""
+    flat_ids, flat_labels, flat_part, flat_pair = (t.reshape(-1) for t in (input_ids, labels, part, pair))
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+    for k in range(int(flat_pair.max()) + 1 if flat_pair.numel() else 0):
+        mine = flat_pair == k
+        prompt = mine & (flat_part == 0)
+        for answer in (1, 2):
+            where = prompt | (mine & (flat_part == answer))
+            rows.append((flat_ids[where], flat_labels[where], flat_part[where], k))
+    width = max(len(r[0]) for r in rows)
+    shape = (len(rows), width)
+    ids = input_ids.new_zeros(shape)
+    new_labels = labels.new_full(shape, IGNORE_INDEX)
+    new_part, new_pair = part.new_full(shape, -1), pair.new_full(shape, -1)
+    mask = input_ids.new_zeros(shape)
+    for i, (row_ids, row_labels, row_part, k) in enumerate(rows):
+        n = len(row_ids)
+        ids[i, :n], new_labels[i, :n], new_part[i, :n], new_pair[i, :n] = row_ids, row_labels, row_part, k
+        mask[i, :n] = 1
+    return Routed(new_labels, new_part, new_pair, {"input_ids": ids, "attention_mask": mask})

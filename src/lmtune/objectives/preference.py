@@ -24,6 +24,7 @@ from lmtune.data.batch import Batch
 from lmtune.data.pair_collate import PairCollator, PairStepCollator
 from lmtune.model.chunked_loss import split_head
 from lmtune.model.loss import LossModule
+from lmtune.model.masks import mask_obstacle
 from lmtune.model.pair_head import Answers, logps_from_logits, pair_logps_chunked, pair_loss_chunked
 from lmtune.objectives.base import LossSetup
 from lmtune.objectives.pair_losses import PairLoss
@@ -67,6 +68,8 @@ class PreferenceLoss(LossModule):
         super().__init__(model, setup.varlen, setup.loss_chunk, setup.fp32_products, setup.bucket_tokens)
         disable_dropout(model)
         self.loss = loss
+        # Each pair as two rows where no mask keeps a pair's answers apart (lmtune.objectives.pair_routing).
+        self.apart = mask_obstacle(model) is not None
         # Not a submodule: the frozen reference is no part of the policy's state, its checkpoints
         # or its gradient synchronisation.
         self._reference = (reference or Reference(),)
@@ -106,7 +109,7 @@ class PreferenceLoss(LossModule):
         batch = (input_ids, attention_mask, labels, position_ids, segment_ids, reference)
         # A batch without pairs is an idle one (FSDP2's lockstep): it runs the model all the same.
         pairs = 0 if reference is None else int(reference.size(0))
-        routed = route_pairs(self, input_ids, attention_mask, labels, position_ids, segment_ids)
+        routed = route_pairs(self, input_ids, attention_mask, labels, position_ids, segment_ids, self.apart)
         answers, inputs = Answers.of(routed.labels, routed.part, routed.pair, pairs), routed.inputs
         if self.logps_only:
             with self._adapter_disabled():

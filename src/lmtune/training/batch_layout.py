@@ -76,14 +76,15 @@ BATCHING_NAMES = {
 }
 
 
-def check_pair_masks(cfg: TrainConfig, obstacle: str | None, pairs: bool) -> None:
-    """Refuse preference pairs (``pairs``) for a model that takes no mask of lmtune's: ``obstacle``
-    says why (lmtune.model.masks.mask_obstacle)."""
-    if obstacle is not None and pairs:
-        raise UserError(
-            f"--objective {cfg.objective.name}: a pair runs as one sequence whose answers a mask keeps "
-            f"apart, and {obstacle}; preference objectives do not support this model yet"
-        )
+def pair_rows_note(obstacle: str | None, pairs: bool) -> str | None:
+    """What the log says where preference pairs (``pairs``) run as two rows each, for a model that
+    takes no mask of lmtune's: ``obstacle`` says why (lmtune.model.masks.mask_obstacle)."""
+    if obstacle is None or not pairs:
+        return None
+    return (
+        "preference pairs: each answer runs after its own copy of the prompt (two rows a pair, not "
+        f"one under a mask), as {obstacle}"
+    )
 
 
 def batching_of(cfg: TrainConfig, formats: dict[str, int], obstacle: str | None) -> str:

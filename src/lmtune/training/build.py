@@ -55,7 +55,7 @@ from lmtune.objectives.base import LossSetup, Objective
 from lmtune.outputs.runlog import InfoLog, RunLog
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.parallel.wrap import wrap_model
-from lmtune.training.batch_layout import BatchLayout, batch_layout, batching_of, check_pair_masks
+from lmtune.training.batch_layout import BatchLayout, batch_layout, batching_of, pair_rows_note
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, default_lr, optimizer_for
@@ -114,7 +114,9 @@ def build_parts(
     loaded = _load(run)
     objective = objective or objective_for(cfg.objective)
     obstacle = mask_obstacle(loaded.model)
-    check_pair_masks(cfg, obstacle, objective.unit == "pairs")  # before the data is read
+    note = pair_rows_note(obstacle, objective.unit == "pairs")
+    if note is not None:
+        log.info(note)
     tokenizer = loaded.tokenizer
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)

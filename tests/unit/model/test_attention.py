@@ -236,13 +236,13 @@ def test_models_that_take_no_mask_of_ours_pad_and_are_told(tmp_path: Path) -> No
     """BLOOM (and Falcon's ALiBi) crashed on packed rows and on every preference pair; MPT's
     attention read the block mask inverted and trained on what it must not see, without a word;
     LFM2's convolutions and Mamba's state carried packed examples into the next. They pad under
-    --packing auto; on and pairs are refused."""
+    --packing auto, --packing on is refused, and their pairs run as two rows (the log says so)."""
     from transformers import AutoModelForCausalLM, BloomConfig, Lfm2Config, MambaConfig, MptConfig
 
     from lmtune.config.settings import TrainConfig
     from lmtune.errors import UserError
     from lmtune.model.masks import mask_obstacle
-    from lmtune.training.batch_layout import batching_of, check_pair_masks
+    from lmtune.training.batch_layout import batching_of, pair_rows_note
 
     small = {"vocab_size": 64}
     configs = {
@@ -262,11 +262,10 @@ def test_models_that_take_no_mask_of_ours_pad_and_are_told(tmp_path: Path) -> No
         assert batching_of(cfg, {"text": 8}, why) == "group"  # auto: not packed
         with pytest.raises(UserError, match=f"--packing on: .*{re.escape(why)}; use --packing off"):
             batching_of(on, {"text": 8}, why)
-        with pytest.raises(UserError, match=r"--objective sft: a pair .* do not support this model"):
-            check_pair_masks(cfg, why, pairs=True)
+        assert f"two rows a pair, not one under a mask), as {why}" in str(pair_rows_note(why, pairs=True))
     tiny, _ = _model("llama")
     assert mask_obstacle(tiny) is None and batching_of(cfg, {"text": 8}, None) == "auto"
-    check_pair_masks(cfg, None, pairs=True)
+    assert pair_rows_note(None, pairs=True) is None and pair_rows_note("why", pairs=False) is None
     mistral, _ = _model("mistral")  # one sliding window for all layers: its mask holds it
     assert mask_obstacle(mistral) is None
 

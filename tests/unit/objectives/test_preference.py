@@ -301,3 +301,57 @@ def test_a_model_mixing_sliding_and_full_layers_runs_pairs_under_its_masks() -> 
         with torch.no_grad():
             out = module(*batch.model_inputs())
         assert float(out[0]) == pytest.approx(float(expected.sum()), rel=1e-5)
+
+
+def _no_mask_models(vocab: int) -> dict[str, torch.nn.Module]:
+    """A model whose convolution no mask reaches (LFM2) and one whose ALiBi bias takes no mask of
+    ours (BLOOM), weights scaled so that every output depends on its context."""
+    from transformers import AutoModelForCausalLM, BloomConfig, Lfm2Config
+
+    configs = {
+        "lfm2": Lfm2Config(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+        ),
+        "bloom": BloomConfig(vocab_size=vocab, hidden_size=64, n_layer=2, n_head=4),
+    }  # fmt: skip
+    models = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for key, parameter in model.named_parameters():
+                if "norm" not in key:
+                    parameter.mul_(3)
+        models[name] = model
+    return models
+
+
+@pytest.mark.parametrize("name", ["dpo", "orpo"])
+def test_a_model_no_mask_keeps_apart_runs_each_answer_after_its_own_prompt(name: str) -> None:
+    """Preference objectives were refused for BLOOM, MPT, Falcon with ALiBi and for models that
+    mix tokens outside attention (LFM2, Qwen3-Next, Qwen3.5, Mamba). Their pairs run as two rows
+    each: the losses of each answer run after its own copy of the prompt, from one pair a row and
+    from packed rows, through full logits and the chunked head."""
+    from lmtune.model.masks import mask_obstacle
+
+    loaded = load_model("tiny", seed=3)
+    data = _pairs(loaded.tokenizer)
+    pairs = [data[i] for i in range(len(data))]
+    collate = PairCollator(loaded.tokenizer.pad_token_id)
+    for kind, model in _no_mask_models(len(loaded.tokenizer)).items():
+        assert mask_obstacle(model) is not None, kind
+        logps, counts = _logps_by_hand(model, data)
+        ref = _reference(len(data))
+        expected = _paper(name, logps, counts, ref)
+        for setup in (LossSetup(loss_chunk=0), LossSetup(loss_chunk=8)):
+            module = _objective(name).loss_module(model, setup)
+            assert module.apart
+            for batch in (collate(pairs), collate([pairs[:3], pairs[3:]])):
+                batch.reference = ref
+                with torch.no_grad():
+                    out = module(*batch.model_inputs())
+                assert float(out[0]) == pytest.approx(float(expected.sum()), rel=1e-5), (kind, setup)
+                metrics = dict(zip(_objective(name).metric_names, out[1:].tolist(), strict=True))
+                logged = logps / counts if name == "orpo" else logps
+                assert metrics["logps/chosen"] == pytest.approx(float(logged[:, 0].sum()), rel=1e-5)
