@@ -92,9 +92,9 @@ class DataSettings:
     train: str = setting(
         "sample",
         (
-            "Training data, comma-separated: .jsonl/.ndjson, .json (a list), .parquet, .csv or .txt files, "
-            "globs, folders, a saved Hugging Face data set folder, a hub data set NAME[:SPLIT], or 'sample' "
-            "for the built-in addition task."
+            "Training data, comma-separated: .jsonl/.ndjson, .json (a list), .parquet, .csv, .tsv or .txt "
+            "files, globs, folders, a saved Hugging Face data set folder, a hub data set NAME[:SPLIT], or "
+            "'sample' for the built-in addition task."
         ),
         flag="data",
     )

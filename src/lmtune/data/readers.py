@@ -44,6 +44,7 @@ def iter_records(
         "json": lambda: _json(source.name, bad),
         "parquet": lambda: _parquet(source.name),
         "csv": lambda: _csv(source.name, bad),
+        "tsv": lambda: _csv(source.name, bad, "\t"),
         "txt": lambda: _txt(source.name, text_field, txt_mode, bad, json_as_text),
         "hf_disk": lambda: _hf_disk(source.name, source.split),
         "hf_hub": lambda: _hf_hub(source.name, source.split or "train"),
@@ -187,14 +188,16 @@ def _parquet(path: str) -> Iterator[Record]:
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
 
-def _csv(path: str, bad: BadLines) -> Iterator[Record]:
+def _csv(path: str, bad: BadLines, delimiter: str = ",") -> Iterator[Record]:
+    """Rows of a CSV file (a TSV one with ``delimiter`` a tab), quoted as pandas and HF's csv
+    loader read them by default."""
     # Python's default, 128 KiB a field, refused a long document that a JSONL line may hold.
     csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
     reader = None
     try:
         # Bytes that are not UTF-8 kept as escapes: the row holding them is a bad line, not the file.
         with _opened(path) as raw, io.TextIOWrapper(raw, "utf-8-sig", "surrogateescape", newline="") as f:
-            reader = csv.DictReader(f)
+            reader = csv.DictReader(f, delimiter=delimiter)
             for record in reader:
                 # A row ends on line_num; one with line breaks inside quotes began that many earlier.
                 texts = [v for v in record.values() if isinstance(v, str)]
@@ -205,7 +208,8 @@ def _csv(path: str, bad: BadLines) -> Iterator[Record]:
                 missing = sum(value is None for value in record.values())
                 if extra or missing:
                     header = len(record)
-                    hint = " (quote a field that holds a comma)" if extra else ""
+                    held = "a comma" if delimiter == "," else "a tab"
+                    hint = f" (quote a field that holds {held})" if extra else ""
                     found = header + len(extra or ()) - missing
                     fields = f"{found} field" + ("s" if found != 1 else "")
                     bad.report(f"{path}:{line}: {fields} where the header has {header}{hint}")
@@ -216,7 +220,7 @@ def _csv(path: str, bad: BadLines) -> Iterator[Record]:
                 yield Record(path, line, dict(record))
     except csv.Error as e:
         at = f":{reader.line_num}" if reader is not None and reader.line_num else ""
-        raise UserError(f"{path}{at}: not valid CSV ({e})") from None
+        raise UserError(f"{path}{at}: not valid {'CSV' if delimiter == ',' else 'TSV'} ({e})") from None
 
 
 def _txt(path: str, text_field: str, mode: str, bad: BadLines, json_as_text: bool) -> Iterator[Record]:

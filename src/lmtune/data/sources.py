@@ -22,7 +22,7 @@ from lmtune.config.settings import SAMPLE_EVAL
 from lmtune.data.addition import SAMPLE_SEED
 from lmtune.errors import SettingError, UserError
 
-EXTENSIONS = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".txt")
+EXTENSIONS = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".tsv", ".txt")
 # Read through, as HF's loaders do (train.jsonl.gz); Parquet compresses inside its own format.
 COMPRESSIONS = (".gz", ".bz2", ".xz")
 
@@ -90,7 +90,7 @@ def in_parentheses(text: str) -> str:
 class Source:
     """One input: a file (``kind`` is its reader), a saved data set folder, a hub data set or the sample."""
 
-    kind: str  # jsonl | json | parquet | csv | txt | hf_disk | hf_hub | sample
+    kind: str  # jsonl | json | parquet | csv | tsv | txt | hf_disk | hf_hub | sample
     name: str
     split: str | None = None
 

@@ -139,7 +139,9 @@ def warn_unmatched_names(cfg: TrainConfig, info: Callable[[str], None]) -> None:
     names = FieldMap.of(cfg.examples)
     top = {ours: theirs for ours, theirs in names.fields.items() if ours != theirs}
     # Read as a stream (its first line), not a whole .json or a hub data set.
-    first = next((s for s in resolve_sources(cfg.data.train, "--data") if s.kind in ("jsonl", "csv")), None)
+    first = next(
+        (s for s in resolve_sources(cfg.data.train, "--data") if s.kind in ("jsonl", "csv", "tsv")), None
+    )
     if not top or first is None:
         return
     record = next(iter_records(first, "text", BadLines(skip=True)), None)

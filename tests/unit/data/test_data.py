@@ -282,6 +282,27 @@ def test_a_csv_row_with_more_or_fewer_fields_than_its_header_is_a_bad_line(tmp_p
     ]
 
 
+def test_a_tsv_file_is_read_with_tabs_compressed_too(tmp_path: Path) -> None:
+    """A .tsv was refused as an unsupported file type; its fields are split at tabs, commas kept,
+    and a row with a tab too many is a bad line that says so."""
+    import gzip
+
+    f = tmp_path / "d.tsv"
+    f.write_text('prompt\tcompletion\nWhat is 2+2?\tIt is 4, of course\nQ\t"a\ttab, quoted"\nQ\tx\ty\n')
+    bad = BadLines(skip=True)
+    kept = list(records(resolve_sources(str(f)), ExampleSettings(skip_bad_lines=True), bad))
+    assert [r.fields for r in kept] == [
+        {"prompt": "What is 2+2?", "completion": "It is 4, of course"},
+        {"prompt": "Q", "completion": "a\ttab, quoted"},
+    ]
+    assert bad.messages == [f"{f}:4: 3 fields where the header has 2 (quote a field that holds a tab)"]
+    packed = tmp_path / "e.tsv.gz"
+    packed.write_bytes(gzip.compress(f.read_bytes()))
+    (source,) = resolve_sources(str(packed))
+    assert source.kind == "tsv"
+    assert len(list(records([source], ExampleSettings(skip_bad_lines=True), BadLines(skip=True)))) == 2
+
+
 def test_a_long_csv_field_is_read_and_bad_bytes_name_their_line(tmp_path: Path) -> None:
     """Python's csv refuses fields over 128 KiB by default (a long document); invalid UTF-8 in a CSV
     was named without its line."""
