@@ -333,6 +333,11 @@ def test_a_template_that_ends_no_reply_with_a_stop_token_is_warned_of(
         main([*argv, "--global-batch-size", "8", "--output-dir", str(tmp_path / "out"), "--no-progress"]) == 0
     )
     said = "warning: 64 of 64 training examples train no stop token after the reply"
-    assert said in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert said in out and "lmtune's built-in one" not in out
     assert main(["train", "--data", str(data), "--max-steps", "1", "--output-dir", str(tmp_path / "o2")]) == 0
-    assert "train no stop token" not in capsys.readouterr().out  # the built-in template ends every reply
+    out = capsys.readouterr().out
+    assert "train no stop token" not in out  # the built-in template ends every reply
+    # ... and the log says the tokenizer had none, which template is used, and how to choose another.
+    assert "chat data: the tokenizer has no chat template, so lmtune's built-in one renders" in out
+    assert "--chat-template chatml|llama3|gemma or a .jinja file chooses another" in out

@@ -460,6 +460,20 @@ def _empty_prompt(tokenizer: Any) -> str:
         return ""
 
 
+def builtin_template_note(tokenizer: Any) -> str | None:
+    """What the log says where the tokenizer had no chat template and conversations are rendered
+    with the built-in one (:func:`ensure_chat_template`), or None."""
+    if getattr(tokenizer, "chat_template", None) != BUILTIN_CHAT_TEMPLATE:
+        return None
+    from lmtune.data.chat import TEMPLATES
+
+    return (
+        "chat data: the tokenizer has no chat template, so lmtune's built-in one renders the "
+        "conversations (<|role|> lines, each turn ending in EOS) and is saved with the model; "
+        f"--chat-template {'|'.join(TEMPLATES)} or a .jinja file chooses another"
+    )
+
+
 def ensure_chat_template(tokenizer: Any) -> None:
     """Give a tokenizer without a chat template the built-in one (saved with the model)."""
     if not getattr(tokenizer, "chat_template", None):

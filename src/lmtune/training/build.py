@@ -19,7 +19,7 @@ from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup
 from lmtune.data.audit import stops_lost_warning
 from lmtune.data.chat import end_of_turn_ids, use_chat_template
 from lmtune.data.dataset import TokenizedDataset, split_off
-from lmtune.data.formats import CHAT_FORMATS
+from lmtune.data.formats import CHAT_FORMATS, builtin_template_note
 from lmtune.data.mixture import mixture_line, per_source, source_index, training_mixture
 from lmtune.data.pairs import counted_as, pair_counts
 from lmtune.data.prepare import Wanted, cache_root, data_cache_dir, prepare
@@ -136,6 +136,8 @@ def build_parts(
         # The reply's end-of-turn token trains; saved models must also stop generating there.
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
         log.info(f"chat data: saved models stop at {tokenizer.convert_ids_to_tokens(stops)}")
+        if (note := builtin_template_note(tokenizer)) is not None:
+            log.info(note)
     kept, stopping = data_info["train"]["examples"], data_info["train"]["eos_trained"]
     if stopping < kept / 2:
         log.info(stops_lost_warning(kept - stopping, kept, chat, objective.unit, cfg.examples))
