@@ -50,7 +50,18 @@ def iter_records(
         "hf_hub": lambda: _hf_hub(source.name, source.split or "train"),
         "sample": lambda: _sample(source.split or "train", text_field),
     }
-    yield from readers[source.kind]()
+    try:
+        yield from readers[source.kind]()
+    except UserError as e:
+        # Damaged bytes in an archive read as a bad line before its check at the end fails.
+        damage = _damage(source.name) if Path(source.name).suffix.lower() in _OPENERS else None
+        if damage is None:
+            raise
+        said = str(e).removeprefix(f"{source.name}:")
+        raise UserError(
+            f"{source.name}: cannot be decompressed ({damage}): the archive is damaged, and its bad line "
+            f"is that damage (line {said})"
+        ) from None
 
 
 _OPENERS: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
@@ -68,8 +79,22 @@ def _opened(path: str) -> Iterator[BinaryIO]:
     try:
         with opener(path, "rb") as f:
             yield f
-    except (OSError, EOFError, zlib.error, lzma.LZMAError) as e:
+    except DECOMPRESSION_ERRORS as e:
         raise UserError(f"{path}: cannot be decompressed ({e or type(e).__name__})") from None
+
+
+DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
+
+
+def _damage(path: str) -> str | None:
+    """What is wrong with the archive at ``path``, found by reading it all, or None."""
+    try:
+        with _OPENERS[Path(path).suffix.lower()](path, "rb") as f:
+            while f.read(1 << 20):
+                pass
+    except DECOMPRESSION_ERRORS as e:
+        return str(e) or type(e).__name__
+    return None
 
 
 def _decoded_lines(path: str, bad: BadLines) -> Iterator[tuple[int, str]]:

@@ -133,6 +133,26 @@ def test_compressed_files_read_as_their_format(tmp_path: Path) -> None:
             read(str(tmp_path / name))
 
 
+def test_a_damaged_archive_is_named_not_its_first_bad_line(tmp_path: Path) -> None:
+    """gzip checks its CRC only at the end: a flipped byte inside read as a bad JSON line, and the
+    archive's damage went unsaid. A bad line of an intact archive is still that line."""
+    import gzip
+
+    lines = "".join(json.dumps({"text": f"record number {i} " * 5}) + "\n" for i in range(300)).encode()
+    stored = bytearray(gzip.compress(lines, compresslevel=0))  # stored blocks: the byte reads as it is
+    stored[stored.find(b'{"text": "record number 150 ')] = ord("x")
+    (tmp_path / "flipped.jsonl.gz").write_bytes(bytes(stored))
+    with pytest.raises(
+        UserError,
+        match=r"flipped\.jsonl\.gz: cannot be decompressed \(CRC check failed .*: the "
+        r"archive is damaged, and its bad line is that damage \(line 151: not valid JSON",
+    ):
+        read(str(tmp_path / "flipped.jsonl.gz"))
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\nnot json\n'))
+    with pytest.raises(UserError, match=r"bad\.jsonl\.gz:2: not valid JSON"):
+        read(str(tmp_path / "bad.jsonl.gz"))
+
+
 def test_txt_blocks(tmp_path: Path) -> None:
     (tmp_path / "t.txt").write_text("one\ntwo\n\n\nthree\n")
     assert read(str(tmp_path / "t.txt"), txt_mode="block") == [{"text": "one\ntwo"}, {"text": "three"}]
