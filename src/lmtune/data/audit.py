@@ -20,6 +20,7 @@ from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
 from lmtune.data.pairs import examples_noun, unread_system_said
 from lmtune.data.prepare import encode_into
 from lmtune.data.readers import records
+from lmtune.data.repeats import Repeats
 from lmtune.data.sampling import epoch_order, largest_global_batch, rank_indices
 from lmtune.data.sources import BadLines, first_places, in_parentheses, resolve_components
 from lmtune.data.tokenize import Encoded, EncodeStats
@@ -59,6 +60,7 @@ class AuditReport:
     # Under --truncation error, the over-long examples (counted as dropped) that would stop training.
     stops_on_length: int = 0
     chat_template: str | None = None  # --chat-template: training refuses it for data of no conversation
+    repeats: Repeats | None = None  # records that repeat an earlier one
 
     @property
     def trained(self) -> int:
@@ -259,8 +261,10 @@ def audit(
     ensure_chat_template(tokenizer)
     sink = _Lengths()
     stats, sizes = EncodeStats(), list[int]()
+    repeats = Repeats()
     for part in components if weights is not None else [sources]:
-        stats.merge(encode_into(records(part, counting, bad), tokenizer, counting, sink, bad))
+        read = repeats.tap(records(part, counting, bad))
+        stats.merge(encode_into(read, tokenizer, counting, sink, bad))
         sizes.append(len(sink.lengths) - sum(sizes))
     mixture = None
     if weights is not None:
@@ -297,6 +301,7 @@ def audit(
         nproc_per_node=nproc_per_node,
         stops_on_length=stats.dropped_too_long if settings.truncation == "error" else 0,
         chat_template=settings.chat_template,
+        repeats=repeats,
     )
 
 
@@ -399,6 +404,8 @@ def format_report(report: AuditReport) -> str:
         _stop_line(report),
         f"  tokens              {s.tokens:,} ({s.target_tokens:,} trained)",
     ]
+    if report.repeats is not None:
+        lines.insert(-1, report.repeats.line())
     if len(report.lengths):
         q = np.percentile(report.lengths, [0, 50, 95, 100]).astype(int)
         lines.append(f"  token lengths       min {q[0]}, median {q[1]}, p95 {q[2]}, max {q[3]}")

@@ -304,3 +304,24 @@ def test_a_system_prompt_that_a_prompt_completion_record_never_renders_is_named(
     assert main(["data", "audit", str(f), "--global-batch-size", "1"]) == 1
     said = capsys.readouterr().out
     assert f"1 prompt/completion or instruction record with a 'system' field (at {f}:1), which" in said
+
+
+def test_records_that_repeat_an_earlier_one_are_counted_and_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file given twice, or a record pasted over and over, trains each copy; the audit said
+    nothing. Field for field across files (key order aside), with the first places of the repeats;
+    the verdict is unchanged (repeating may be meant)."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"text": "one"}\n{"prompt": "p", "completion": "c"}\n{"text": "two"}\n{"text": "one"}\n')
+    b.write_text('{"completion": "c", "prompt": "p"}\n{"text": "three"}\n{"text": "One"}\n')
+    assert main(["data", "audit", f"{a},{b}", "--global-batch-size", "2"]) == 0  # clean all the same
+    out = capsys.readouterr().out
+    said = (
+        f"repeated records    2 records repeat an earlier one field for field ({a}:4 = {a}:1, {b}:1 = {a}:2)"
+    )
+    assert said in out
+    c = tmp_path / "c.jsonl"
+    c.write_text('{"text": "one"}\n{"text": "two"}\n')
+    main(["data", "audit", str(c), "--global-batch-size", "2"])
+    assert "repeated records    0" in capsys.readouterr().out
