@@ -68,12 +68,44 @@ def test_eval_of_a_config_scores_what_its_run_evaluates(
     scored = json.loads(figures.read_text())
     assert scored["loss"] == pytest.approx(last["eval_loss"], abs=1e-6)
     assert (scored["examples"], scored["target_tokens"]) == (last["eval_examples"], last["eval_tokens"])
+    for name in ("a", "b") if "split" in held else ():  # the run's per-source figures too
+        assert scored[f"loss/{name}"] == pytest.approx(last[f"eval_loss/{name}"], abs=1e-6)
+        assert scored[f"tokens/{name}"] == last[f"eval_tokens/{name}"]
     said = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("eval of"))
     assert said.startswith(
         "eval of the examples of a.jsonl,b.jsonl its --eval-split 6 holds out (the --config file's) with"
         if "split" in held
         else "eval of held.jsonl (the --config file's eval_data) with"
     )
+
+
+def test_eval_of_several_sources_scores_each_besides_the_whole(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lmtune eval a.jsonl b.jsonl` gave one loss for both; each source's is what it gets alone.
+    Sources no name tells apart (two files called data.jsonl) are scored whole, as before."""
+    rows = [{"prompt": f"{i} plus {i}:", "completion": f" {2 * i}"} for i in range(30)]
+    for name, part in (("a.jsonl", rows[:20]), ("b.jsonl", rows[20:])):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    model = str(run / "final")
+
+    def scored(*data: str) -> dict[str, Any]:
+        out = tmp_path / "figures.json"
+        assert main(["eval", *data, "--model", model, "--json", str(out)]) == 0
+        return json.loads(out.read_text())
+
+    both = scored(str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"))
+    for name in ("a", "b"):
+        alone = scored(str(tmp_path / f"{name}.jsonl"))
+        assert both[f"loss/{name}"] == pytest.approx(alone["loss"], abs=1e-6)
+        assert both[f"tokens/{name}"] == alone["target_tokens"]
+    assert "  a: loss " in capsys.readouterr().out
+    for folder in ("x", "y"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "data.jsonl").write_text((tmp_path / "a.jsonl").read_text())
+    whole = scored(str(tmp_path / "x" / "data.jsonl"), str(tmp_path / "y" / "data.jsonl"))
+    assert not any(key.startswith("loss/") for key in whole)
+    assert whole["loss"] == pytest.approx(scored(str(tmp_path / "a.jsonl"))["loss"], abs=1e-6)
 
 
 def test_eval_of_a_config_on_the_sample_scores_its_held_out_split(

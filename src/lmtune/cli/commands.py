@@ -225,6 +225,13 @@ def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         f"{meta.get('truncated', 0):,} truncated, {dropped:,} dropped)",
         file=sys.stderr if args.json == "-" else sys.stdout,
     )
+    for name in r.sources:
+        tokens = r.metrics[f"eval_tokens/{name}"]
+        print(
+            f"  {name}: loss {r.metrics[f'eval_loss/{name}']:.4f}, perplexity "
+            f"{r.metrics[f'eval_perplexity/{name}']:.3f} ({tokens:,} target tokens)",
+            file=sys.stderr if args.json == "-" else sys.stdout,
+        )
     if args.json:
         record = {"model": cfg.model.name, "data": cfg.data.train, **r.record(), "dropped": dropped}
         if held_out is not None:

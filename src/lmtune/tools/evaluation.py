@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from lmtune.config.mixture import named_items, source_names
 from lmtune.config.settings import TrainConfig
 from lmtune.data.chat import use_chat_template
 from lmtune.data.dataset import split_off
@@ -71,8 +72,12 @@ def evaluate_model(cfg: TrainConfig, batch_size: int, held_out: float | None = N
             "never learned them, so its loss on them says nothing (give the template it was tuned with)",
         )
     cache = data_cache_dir(cfg.data)
-    # Held out as the run holds it out: of each source apart for a mixture (--data-weights).
-    apart = held_out is not None and per_source(cfg.data, cfg.data.train, "--data")
+    # Held out as the run holds it out: of each source apart for a mixture (--data-weights); DATA of
+    # several sources is scored per source as well, as a run's --eval-data of several is.
+    if held_out is not None:
+        apart = per_source(cfg.data, cfg.data.train, "--data")
+    else:
+        apart = _named_apart(cfg.data.train)
     wanted = Wanted(cfg.data.train, "lmtune eval", per_source=apart)
     data = prepare(wanted, tokenizer, cfg.examples, env, cache).dataset
     if apart:
@@ -106,5 +111,18 @@ def evaluate_model(cfg: TrainConfig, batch_size: int, held_out: float | None = N
     collate = objective.eval_collator(tokenizer.pad_token_id)
     loader = make_eval_loader(data, collate, batch_size, env)
     autocast = autocast_context(cfg.model.precision, env.device, products.fp32)
-    result = evaluate(loss_module, loader, env, autocast)
+    result = evaluate(loss_module, loader, env, autocast, sources=data.sources)
     return Evaluation(result, data.meta, loaded.source, paths)
+
+
+def _named_apart(spec: str) -> bool:
+    """Whether DATA holds several sources, each with a name of its own (its file's stem, or as
+    NAME=PATH): scored one by one besides the whole. Sources no name tells apart are scored whole,
+    as before."""
+    if len(named_items(spec)) < 2:
+        return False
+    try:
+        source_names(spec, "lmtune eval")
+    except UserError:
+        return False
+    return True
