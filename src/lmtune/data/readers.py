@@ -14,7 +14,7 @@ import lzma
 import re
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -52,13 +52,15 @@ def iter_records(
     }
     try:
         yield from readers[source.kind]()
+    except Undecompressable:
+        raise
     except UserError as e:
         # Damaged bytes in an archive read as a bad line before its check at the end fails.
         damage = _damage(source.name) if Path(source.name).suffix.lower() in _OPENERS else None
         if damage is None:
             raise
         said = str(e).removeprefix(f"{source.name}:")
-        raise UserError(
+        raise Undecompressable(
             f"{source.name}: cannot be decompressed ({damage}): the archive is damaged, and its bad line "
             f"is that damage (line {said})"
         ) from None
@@ -80,7 +82,11 @@ def _opened(path: str) -> Iterator[BinaryIO]:
         with opener(path, "rb") as f:
             yield f
     except DECOMPRESSION_ERRORS as e:
-        raise UserError(f"{path}: cannot be decompressed ({e or type(e).__name__})") from None
+        raise Undecompressable(f"{path}: cannot be decompressed ({e or type(e).__name__})") from None
+
+
+class Undecompressable(UserError):
+    """A compressed data file that does not decompress: damaged or cut short."""
 
 
 DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
@@ -222,11 +228,21 @@ def _csv(path: str, bad: BadLines, delimiter: str = ",") -> Iterator[Record]:
     try:
         # Bytes that are not UTF-8 kept as escapes: the row holding them is a bad line, not the file.
         with _opened(path) as raw, io.TextIOWrapper(raw, "utf-8-sig", "surrogateescape", newline="") as f:
-            reader = csv.DictReader(f, delimiter=delimiter)
+            lines = _RowLines(f)
+            reader = csv.DictReader(lines, delimiter=delimiter)
             for record in reader:
                 # A row ends on line_num; one with line breaks inside quotes began that many earlier.
+                row, spans = lines.take()
+                line = reader.line_num - spans + 1
                 texts = [v for v in record.values() if isinstance(v, str)]
-                line = reader.line_num - sum(v.count("\n") for v in texts)
+                if spans > 1 and _unclosed(row, delimiter):
+                    rest = reader.line_num - line + 1
+                    bad.report(
+                        f"{path}:{line}: a quoted field opens here and is never closed: the {rest:,} lines "
+                        "to the end of the file would be one field (close the quote, or double a quote "
+                        'inside a quoted field: "")'
+                    )
+                    continue
                 # DictReader files a row's extra fields under None and fills missing ones with None:
                 # a comma in an unquoted field would otherwise cut a text short without a word.
                 extra = record.pop(None, None)  # type: ignore[call-overload]
@@ -246,6 +262,38 @@ def _csv(path: str, bad: BadLines, delimiter: str = ",") -> Iterator[Record]:
     except csv.Error as e:
         at = f":{reader.line_num}" if reader is not None and reader.line_num else ""
         raise UserError(f"{path}{at}: not valid {'CSV' if delimiter == ',' else 'TSV'} ({e})") from None
+
+
+class _RowLines:
+    """A CSV file's lines as its reader takes them, keeping those of the row being read."""
+
+    def __init__(self, f: Iterable[str]):
+        self.lines, self.held, self.first = iter(f), list[str](), True
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        line = next(self.lines)
+        self.held.append(line)
+        return line
+
+    def take(self) -> tuple[str, int]:
+        """The text of the row just read and its number of lines (the header's left out)."""
+        held, self.held = self.held[1:] if self.first else self.held, []
+        self.first = False
+        return "".join(held), len(held)
+
+
+def _unclosed(row: str, delimiter: str) -> bool:
+    """Whether a row read to the end of the file holds a quoted field never closed, which the
+    lenient reader (pandas' own default) takes as the rest of the file: pandas refuses it."""
+    try:
+        for _ in csv.reader(io.StringIO(row, newline=""), delimiter=delimiter, strict=True):
+            pass
+    except csv.Error as e:
+        return "unexpected end of data" in str(e)
+    return False
 
 
 def _txt(path: str, text_field: str, mode: str, bad: BadLines, json_as_text: bool) -> Iterator[Record]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,12 @@ def test_a_damaged_archive_is_named_not_its_first_bad_line(tmp_path: Path) -> No
         r"archive is damaged, and its bad line is that damage \(line 151: not valid JSON",
     ):
         read(str(tmp_path / "flipped.jsonl.gz"))
+    # Read past its bad line (--skip-bad-lines), or cut short, it is the archive's own error alone.
+    for name, content in (("flipped.jsonl.gz", bytes(stored)), ("cut.jsonl.gz", gzip.compress(lines)[:900])):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(UserError) as caught:
+            list(records(resolve_sources(str(tmp_path / name)), ExampleSettings(), BadLines(skip=True)))
+        assert re.fullmatch(rf".*{name}: cannot be decompressed \([^()]*\)", str(caught.value)), caught.value
     (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\nnot json\n'))
     with pytest.raises(UserError, match=r"bad\.jsonl\.gz:2: not valid JSON"):
         read(str(tmp_path / "bad.jsonl.gz"))
@@ -316,11 +323,22 @@ def test_a_tsv_file_is_read_with_tabs_compressed_too(tmp_path: Path) -> None:
         {"prompt": "Q", "completion": "a\ttab, quoted"},
     ]
     assert bad.messages == [f"{f}:4: 3 fields where the header has 2 (quote a field that holds a tab)"]
+    # A quote never closed swallowed the rest of the file as one field, without a word (pandas and
+    # HF's loader refuse it): a bad line where it opens; a closed field over lines reads as before.
+    f.write_text('text\tn\nthe cat\t1\n"two\nlines"\t2\n"never closed\t3\nrow a\t4\nrow b\t5\n')
+    bad = BadLines(skip=True)
+    kept = list(records(resolve_sources(str(f)), ExampleSettings(skip_bad_lines=True), bad))
+    assert [(r.line, r.fields["text"]) for r in kept] == [(2, "the cat"), (3, "two\nlines")]
+    assert bad.messages == [
+        f"{f}:5: a quoted field opens here and is never closed: the 3 lines to the end of the file would "
+        'be one field (close the quote, or double a quote inside a quoted field: "")'
+    ]
+    f.write_text('text\tn\nthe cat\t1\n"two\nlines"\t2\nlast\t3\n')
     packed = tmp_path / "e.tsv.gz"
     packed.write_bytes(gzip.compress(f.read_bytes()))
     (source,) = resolve_sources(str(packed))
     assert source.kind == "tsv"
-    assert len(list(records([source], ExampleSettings(skip_bad_lines=True), BadLines(skip=True)))) == 2
+    assert len(list(records([source], ExampleSettings(skip_bad_lines=True), BadLines(skip=True)))) == 3
 
 
 def test_a_long_csv_field_is_read_and_bad_bytes_name_their_line(tmp_path: Path) -> None:
