@@ -41,6 +41,10 @@ def loaded_or_named(checkpoint: Path, what: str, load: Callable[[], Any]) -> Any
         ) from None
 
 
+def _named(module: str, name: str) -> bool:
+    return module == name or module.endswith(f".{name}")
+
+
 def _check_adapter(checkpoint: Path) -> None:
     """A LoRA checkpoint's adapter: its config names a positive rank, its weights load."""
     from safetensors.torch import load_file
@@ -66,11 +70,15 @@ def _check_adapter(checkpoint: Path) -> None:
         )
     targets = config.get("target_modules")
     adapted = {k.split(".lora_")[0] for k in tensors if ".lora_" in k}
-    # peft matches a listed name against a module's name or its last part (a string is a pattern).
+    # peft matches a listed name against a module's name or its last part (a string is a pattern);
+    # target_parameters adapt weights of modules (fused MoE experts), by the weight's name.
+    owners = [str(p).rpartition(".")[0] for p in config.get("target_parameters") or []]
     unlisted = sorted(
         m
         for m in adapted
-        if isinstance(targets, list) and not any(m == t or m.endswith(f".{t}") for t in targets)
+        if isinstance(targets, list)
+        and not any(m == t or m.endswith(f".{t}") for t in targets)
+        and not any(o == "" or _named(m.removesuffix(".base_layer"), o) for o in owners)
     )
     if unlisted:
         raise UserError(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -42,23 +43,48 @@ def is_target(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+# Models whose out_proj and conv1d peft refuses to adapt (its Mamba check): all-linear leaves them out.
+PEFT_MAMBA_MODELS = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+
+
+def add_lora(
+    model: nn.Module, settings: LoraSettings, info: Callable[[str], None] = lambda _: None
+) -> nn.Module:
     """Freeze ``model`` and wrap it with trainable LoRA adapters (a ``PeftModelForCausalLM``).
 
     ``all-linear`` lets peft find every linear layer of the decoder blocks for this architecture
     (Llama's q/k/v/o and MLP projections, GPT-2's Conv1D c_attn/c_proj/c_fc, BLOOM's fused qkv ...)
-    and leaves the output head alone.
+    and leaves the output head alone; ``info`` hears what it leaves out or changes for a model
+    that peft adapts otherwise.
     """
     peft = _peft()
     names = settings.target_modules.strip()
     targets = target_modules(settings)
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    exclude = None
+    if targets == "all-linear" and kind in PEFT_MAMBA_MODELS:
+        exclude = ["out_proj", "conv1d"]
+        info(f"LoRA: all-linear leaves out {kind}'s out_proj and conv1d, which peft does not adapt there")
     config = peft.LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=targets,
+        exclude_modules=exclude,
         task_type="CAUSAL_LM",
     )
+    if settings.dropout and _adapts_weights(config, model):
+        if settings.dropout != LoraSettings().dropout:
+            raise SettingError(
+                "lora_dropout",
+                f"--lora-dropout {settings.dropout:g}",
+                "peft adapts this model's MoE expert weights (weights, not linear layers) only without "
+                "dropout: give --lora-dropout 0, or --lora-target-modules naming linear layers",
+            )
+        config.lora_dropout = 0.0
+        info(
+            "LoRA: no dropout (--lora-dropout 0): peft adapts this model's MoE expert weights only without it"
+        )
     try:
         # peft reads transformers' is_gradient_checkpointing, which warns of its own deprecation.
         with quiet_calls(), _tied_head_handled():
@@ -71,6 +97,19 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         adapted = [name for name, m in wrapped.named_modules() if hasattr(m, "lora_A")]
         check_every_target(wrapped, adapted, targets, names)
     return wrapped
+
+
+def _adapts_weights(config: Any, model: nn.Module) -> bool:
+    """Whether peft would adapt weights of ``model`` that are no layer of their own (transformers 5's
+    fused MoE experts, mapped from the linear layers they were), which it does without dropout only."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # a peft before transformers 5: no such weights
+        return False
+    converted = copy.deepcopy(config)
+    mapping = conversion.get_model_conversion_mapping(model)  # type: ignore[attr-defined,arg-type]
+    conversion.convert_peft_config_for_transformers(converted, model=model, conversions=mapping)
+    return bool(getattr(converted, "target_parameters", None))
 
 
 def check_every_target(model: nn.Module, adapted: list[str], targets: list[str], option: str) -> None:

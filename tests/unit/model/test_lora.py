@@ -90,3 +90,44 @@ def test_target_modules_as_peft_takes_them(written: str, expected: str | list[st
     from lmtune.model.lora import target_modules
 
     assert target_modules(LoraSettings(enabled=True, target_modules=written)) == expected
+
+
+def test_default_lora_adapts_moe_experts_without_dropout_and_leaves_mambas_unadaptable_layers(
+    tmp_path: Path,
+) -> None:
+    """Under transformers 5 a MoE's experts are weights, not linear layers: peft adapts them (its
+    all-linear, as it did their linear layers) only without dropout, and refused the default 0.05
+    at start ("ParamWrapper does not work with lora_dropout != 0"). Mamba's out_proj and conv1d
+    peft refuses. The default runs, saying what it changed; a dropout given is refused with the fix;
+    the saved MoE adapter passes a checkpoint's checks (export refused it)."""
+    from transformers import AutoModelForCausalLM, MambaConfig, Qwen3MoeConfig
+
+    from lmtune.checkpoint.checkpoint_files import _check_adapter
+    from lmtune.errors import SettingError
+
+    moe = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    said: list[str] = []
+    model = add_lora(AutoModelForCausalLM.from_config(moe), LoraSettings(enabled=True), said.append)
+    assert said == [
+        "LoRA: no dropout (--lora-dropout 0): peft adapts this model's MoE expert weights only without it"
+    ]
+    assert any(".experts." in name and "lora_A" in name for name, _ in model.named_parameters())
+    save_adapter(model, tmp_path / "moe", adapter_state(model))
+    _check_adapter(tmp_path / "moe")
+    with pytest.raises(SettingError, match=r"--lora-dropout 0\.1: peft adapts .* give --lora-dropout 0"):
+        add_lora(AutoModelForCausalLM.from_config(moe), LoraSettings(enabled=True, dropout=0.1))
+    said.clear()
+    mamba = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1))
+    adapted = add_lora(mamba, LoraSettings(enabled=True), said.append)
+    assert said == [
+        "LoRA: all-linear leaves out mamba's out_proj and conv1d, which peft does not adapt there"
+    ]
+    names = {
+        name.rpartition(".lora_A")[0].rpartition(".")[2]
+        for name, _ in adapted.named_parameters()
+        if "lora_A" in name
+    }
+    assert names and not names & {"out_proj", "conv1d"}
