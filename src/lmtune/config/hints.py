@@ -161,7 +161,10 @@ HINTS: dict[str, str] = {
         "lmtune's chunked linear cross-entropy ({loss_chunk_size}, on by default) never holds the full "
         "logits, as Liger's fused loss does"
     ),
-    "padding_free": "lmtune trains without padding by default: per-example attention on packed rows",
+    "padding_free": (
+        "lmtune trains without padding by default where the model allows it (per-example attention on "
+        "packed rows; the log says why a model pads): remove it"
+    ),
     # Axolotl's.
     "pad_to_sequence_len": "lmtune computes on no padding (per-example attention on packed rows): remove it",
     "model_type": "lmtune loads every model as a causal LM (transformers' AutoModelForCausalLM): remove it",

@@ -118,13 +118,13 @@ def supports_varlen(model: nn.Module) -> bool:
     """Whether ``model`` dispatches attention through transformers' attention interface and runs
     ``sdpa``, and mixes tokens through attention only, so that :func:`use_varlen` can switch it to
     per-example attention."""
-    from lmtune.model.masks import mixed_outside_attention
+    from lmtune.model.masks import unmasked_layers
 
     config = getattr(model, "config", None)
     if not getattr(model, "_supports_attention_backend", False) or config is None:
         return False
-    # Flattened examples would reach each other through the other layers.
-    return getattr(config, "_attn_implementation", None) == "sdpa" and mixed_outside_attention(model) is None
+    # Flattened examples would reach each other through the other layers (or kinds of attention).
+    return getattr(config, "_attn_implementation", None) == "sdpa" and unmasked_layers(model) is None
 
 
 def use_varlen(model: nn.Module, bucketed: bool = False) -> bool:

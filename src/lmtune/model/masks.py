@@ -67,27 +67,34 @@ def takes_masks_per_layer_kind(model: nn.Module) -> bool:
 
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+LAYERS_WITHOUT_MIXING = frozenset({"mlp", "moe", "dense"})  # kinds some configs list beside their mixers
+CARRY = "carry each token into the next outside attention, where no mask reaches"
 # Recurrent models whose time mixing holds no convolution module to find.
 RECURRENT_MODELS = frozenset({"rwkv", "xlstm"})
 
 
-def mixed_outside_attention(model: object) -> str | None:
-    """What in ``model`` carries one token's state to the next other than attention (linear
-    attention, convolutions, state-space and recurrent layers), or None. No mask or per-example
-    attention keeps such a layer from reading the example before it in a packed or flattened row,
-    nor a pair's rejected answer from reading its chosen one."""
+def unmasked_layers(model: object) -> str | None:
+    """Why some layers of ``model`` are out of reach of lmtune's masks and per-example attention,
+    or None: they carry one token's state to the next other than by attention (linear attention,
+    convolutions, state-space and recurrent layers), reading the example before them in a packed
+    or flattened row and a pair's chosen answer from its rejected one; or they attend in a way the
+    masks do not describe (Llama 4's chunked attention)."""
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", "") or "this model"
-    others = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYERS)
-    if others:
-        return f"{kind}'s {' and '.join(o.replace('_', ' ') for o in others)} layers"
+    kinds = set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYERS - LAYERS_WITHOUT_MIXING
+    attending = sorted(k for k in kinds if k.endswith("attention") and k != "linear_attention")
+    mixing = sorted(kinds - set(attending))
+    if mixing:
+        return f"{kind}'s {' and '.join(mixing)} layers (as its config names them) {CARRY}"
+    if attending:
+        return f"{kind}'s {' and '.join(attending)} layers attend in a way lmtune's masks do not describe"
     if kind in RECURRENT_MODELS:
-        return f"{kind}'s recurrent layers"
+        return f"{kind}'s recurrent layers {CARRY}"
     # The text decoder's own: a vision or audio tower's convolutions see no text tokens.
     decoder = getattr(model, "get_decoder", lambda: model)()
     modules = decoder.modules() if isinstance(decoder, torch.nn.Module) else ()
     if any(isinstance(m, torch.nn.Conv1d) for m in modules):
-        return f"{kind}'s convolution layers"
+        return f"{kind}'s convolution layers {CARRY}"
     return None
 
 
@@ -98,9 +105,9 @@ def mask_obstacle(model: object) -> str | None:
 
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", "")
-    mixer = mixed_outside_attention(model)
-    if mixer is not None:
-        return f"{mixer} carry each token into the next outside attention, where no mask reaches"
+    unmasked = unmasked_layers(model)
+    if unmasked is not None:
+        return unmasked
     if config is None or supports_varlen(model):  # type: ignore[arg-type]
         return None
     if kind == "bloom" or (kind == "falcon" and getattr(config, "alibi", False)):

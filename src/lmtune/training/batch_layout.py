@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from lmtune.config.groups import MAX_STEPS
 from lmtune.config.settings import DEFAULT_EPOCHS, SAMPLE_DATA, SAMPLE_EPOCHS, TrainConfig, micro_batch_size
 from lmtune.data.sampling import largest_global_batch, steps_per_epoch
-from lmtune.errors import UserError
+from lmtune.errors import SettingError, UserError
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,18 @@ def batching_of(cfg: TrainConfig, formats: dict[str, int], obstacle: str | None)
     the model takes no mask of lmtune's, which packed rows need; --packing auto then pads."""
     if cfg.batch.packing == "on":
         if obstacle is not None:
-            raise UserError(
-                f"--packing on: packed rows are kept apart by a mask, and {obstacle}; use --packing off"
+            raise SettingError(
+                "packing", "--packing on", f"packed rows are kept apart by a mask, and {obstacle}; use off"
             )
         return "pack"
     if cfg.batch.packing == "auto" and set(formats) == {"text"} and obstacle is None:
         return "auto"
     return "group" if cfg.batch.group_by_length else "pad"
+
+
+def unpacked_note(cfg: TrainConfig, formats: dict[str, int], obstacle: str | None) -> str | None:
+    """What the log says where --packing auto would pack this data but the model takes no mask of
+    lmtune's (``obstacle``), or None."""
+    if cfg.batch.packing != "auto" or set(formats) != {"text"} or obstacle is None:
+        return None
+    return f"--packing auto: rows are padded, not packed, as {obstacle}"

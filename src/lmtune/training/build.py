@@ -55,7 +55,7 @@ from lmtune.objectives.base import LossSetup, Objective
 from lmtune.outputs.runlog import InfoLog, RunLog
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.parallel.wrap import wrap_model
-from lmtune.training.batch_layout import BatchLayout, batch_layout, batching_of, pair_rows_note
+from lmtune.training.batch_layout import BatchLayout, batch_layout, batching_of, pair_rows_note, unpacked_note
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, default_lr, optimizer_for
@@ -117,6 +117,8 @@ def build_parts(
     note = pair_rows_note(obstacle, objective.unit == "pairs")
     if note is not None:
         log.info(note)
+    if cfg.batch.packing == "on":  # refused before the data is read, where the model takes no mask
+        batching_of(cfg, {}, obstacle)
     tokenizer = loaded.tokenizer
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
@@ -144,6 +146,8 @@ def build_parts(
     layout = batch_layout(cfg, env.world_size, len(train_data))
     lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr(cfg, loaded, objective.unit)[0]
     batching = batching_of(cfg, data_info["train"]["formats"], obstacle)
+    if (unpacked := unpacked_note(cfg, data_info["train"]["formats"], obstacle)) is not None:
+        log.info(unpacked)
     micro_batches = _shapes(cfg, train_data, layout, batching)
     paths = choose_paths(cfg, env, run.threads, loaded.model, micro_batches, recorded_paths)
     products = products_of(paths, cfg.model.precision)

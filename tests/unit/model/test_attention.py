@@ -242,7 +242,7 @@ def test_models_that_take_no_mask_of_ours_pad_and_are_told(tmp_path: Path) -> No
     from lmtune.config.settings import TrainConfig
     from lmtune.errors import UserError
     from lmtune.model.masks import mask_obstacle
-    from lmtune.training.batch_layout import batching_of, pair_rows_note
+    from lmtune.training.batch_layout import batching_of, pair_rows_note, unpacked_note
 
     small = {"vocab_size": 64}
     configs = {
@@ -260,11 +260,31 @@ def test_models_that_take_no_mask_of_ours_pad_and_are_told(tmp_path: Path) -> No
         why = mask_obstacle(AutoModelForCausalLM.from_config(config))
         assert why is not None, kind
         assert batching_of(cfg, {"text": 8}, why) == "group"  # auto: not packed
-        with pytest.raises(UserError, match=f"--packing on: .*{re.escape(why)}; use --packing off"):
+        with pytest.raises(UserError, match=f"--packing on: .*{re.escape(why)}; use off"):
             batching_of(on, {"text": 8}, why)
         assert f"two rows a pair, not one under a mask), as {why}" in str(pair_rows_note(why, pairs=True))
+        assert (
+            unpacked_note(cfg, {"text": 8}, why) == f"--packing auto: rows are padded, not packed, as {why}"
+        )
+    # Layer kinds that mix no tokens are no obstacle; attention of a kind the masks do not describe is.
+    from transformers import Llama4TextConfig, NemotronHConfig
+
+    nemotron = NemotronHConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        mamba_num_heads=4, mamba_head_dim=8, n_groups=1, ssm_state_size=8, hybrid_override_pattern="M-",
+    )  # fmt: skip
+    said = mask_obstacle(AutoModelForCausalLM.from_config(nemotron))
+    assert said is not None and "mlp" not in said and "layers (as its config names them) carry" in said
+    llama4 = Llama4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2,
+    )  # fmt: skip
+    assert mask_obstacle(AutoModelForCausalLM.from_config(llama4)) == (
+        "llama4_text's chunked_attention layers attend in a way lmtune's masks do not describe"
+    )
     tiny, _ = _model("llama")
     assert mask_obstacle(tiny) is None and batching_of(cfg, {"text": 8}, None) == "auto"
+    assert unpacked_note(cfg, {"text": 8}, None) is None
     assert pair_rows_note(None, pairs=True) is None and pair_rows_note("why", pairs=False) is None
     mistral, _ = _model("mistral")  # one sliding window for all layers: its mask holds it
     assert mask_obstacle(mistral) is None
@@ -299,7 +319,8 @@ def test_a_model_mixing_tokens_outside_attention_is_never_flattened() -> None:
     model = _lfm2(len(tok))
     assert not supports_varlen(model) and not use_varlen(model)
     assert mask_obstacle(model) == (
-        "lfm2's conv layers carry each token into the next outside attention, where no mask reaches"
+        "lfm2's conv layers (as its config names them) carry each token into the next outside attention, "
+        "where no mask reaches"
     )
     module = SummedLoss(model, varlen=False).eval()
     data = _data(tok)
