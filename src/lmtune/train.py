@@ -150,11 +150,8 @@ def _run(run: RunContext) -> TrainResult:
             open_reporters(parse_report_to(cfg.logging.report_to), output_dir, to_dict(cfg), history)
         )
     data, eval_loader = loaders(run, built)
-    peak = best_peak_flops(
-        Probe(env.device, cfg.model.precision, run.threads, built.products.fp32),
-        cache_root() / PEAKS_FILE,
-        store=env.is_main,
-    )
+    probe = Probe(env.device, cfg.model.precision, run.threads, built.products.fp32)
+    peak = best_peak_flops(probe, cache_root() / PEAKS_FILE, store=env.is_main, info=log.info)
     mfu = mfu_meter(built.loaded.model, bool(built.loss.chunk), peak, env.world_size, log)
     loop = LoopParts(
         callbacks=_components(run, built, state, mfu, timeouts),

@@ -157,18 +157,27 @@ def _read_peaks(path: Path) -> dict[str, tuple[float, int]]:
     return peaks
 
 
-def best_peak_flops(probe: Probe, cache: Path, store: bool = True) -> float:
+def best_peak_flops(
+    probe: Probe, cache: Path, store: bool = True, info: Callable[[str], None] = lambda _: None
+) -> float:
     """The matmul peak for MFU: the best of this run's probe and every earlier one cached for the
     same machine, device, precision and thread count. One short probe at a busy moment reads low
     (3x apart between runs on a loaded machine), which made MFU read over 100%; the best kept over
     runs converges on what the device reaches. Once SETTLED_PROBES runs have probed on a quiet
     machine, later runs take the best kept without a probe (0.3 s of every start). ``store``
-    False: read the cache, leave it to another rank to write."""
+    False: read the cache, leave it to another rank to write. ``info`` hears when the peak is
+    unsettled and this probe found other processes on the cores: MFU may read high."""
     key = _peak_key(probe)
     known, quiet = _read_peaks(cache).get(key, (0.0, 0))
     if quiet >= SETTLED_PROBES:
         return known
     measured, was_quiet = probe_peak(probe, seconds=0.3)
+    if not was_quiet:
+        info(
+            f"mfu: the matmul peak ({max(measured, known) / 1e9:,.1f} GFLOP/s) was probed while other "
+            "processes held the cores, so MFU may read high until a run on a quiet machine probes it "
+            "(or lmtune bench --measure-peak)"
+        )
     if store:
         with suppress(OSError):  # a read-only cache costs only the remembering
             _store_peak(cache, key, max(measured, known), quiet + was_quiet)
