@@ -10,6 +10,8 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from lmtune.data.sources import Record
 
 PLACES_KEPT = 3  # repeats named in the report, as for the other kinds of loss
@@ -17,32 +19,39 @@ PLACES_KEPT = 3  # repeats named in the report, as for the other kinds of loss
 
 @dataclass
 class Repeats:
-    """Counts the records that repeat an earlier one, keeping a few places of each pair."""
+    """Counts the records that repeat an earlier one, keeping a few places of each pair. Per record
+    16 bytes (its digest and line): a dict of digests held ~120 MiB per million records."""
 
-    count: int = 0
-    places: list[tuple[str, str]] = field(default_factory=list)  # (repeat, first) of the first repeats
-    # Per record read: its first occurrence's number, by the digest of its fields; and where each
-    # record is, as compact arrays (a where string per record held a data set's size in memory).
-    _first: dict[bytes, int] = field(default_factory=dict)
+    _digests: array[int] = field(default_factory=lambda: array("Q"))
     _lines: array[int] = field(default_factory=lambda: array("q"))
     _starts: list[int] = field(default_factory=list)  # the first record number of each source
     _sources: list[str] = field(default_factory=list)
 
     def tap(self, records: Iterable[Record]) -> Iterator[Record]:
-        """``records`` as they are, each compared with the ones before it."""
+        """``records`` as they are, each one's fields noted."""
         for record in records:
-            number = len(self._lines)
             if not self._sources or self._sources[-1] != record.source:
                 self._sources.append(record.source)
-                self._starts.append(number)
+                self._starts.append(len(self._lines))
             self._lines.append(record.line)
             text = json.dumps(record.fields, sort_keys=True, ensure_ascii=False, default=str)
-            first = self._first.setdefault(hashlib.blake2b(text.encode(), digest_size=16).digest(), number)
-            if first != number:
-                self.count += 1
-                if len(self.places) < PLACES_KEPT:
-                    self.places.append((self._where(number), self._where(first)))
+            digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+            self._digests.append(int.from_bytes(digest, "little"))
             yield record
+
+    def found(self) -> tuple[int, list[tuple[str, str]]]:
+        """How many records repeat an earlier one, and (repeat, first) for the first of them."""
+        digests = np.frombuffer(self._digests, dtype=np.uint64) if self._digests else np.zeros(0, np.uint64)
+        order = np.argsort(digests, kind="stable")  # equal digests in record order
+        ordered = digests[order]
+        repeat = np.zeros(len(order), dtype=bool)
+        repeat[1:] = ordered[1:] == ordered[:-1]
+        # Each position's group starts at the last position that repeats nothing before it.
+        group = np.maximum.accumulate(np.where(repeat, 0, np.arange(len(order))))
+        later, first = order[repeat], order[group[repeat]]
+        shown = np.argsort(later, kind="stable")[:PLACES_KEPT]
+        places = [(self._where(int(later[i])), self._where(int(first[i]))) for i in shown]
+        return int(repeat.sum()), places
 
     def _where(self, number: int) -> str:
         source = self._sources[bisect.bisect_right(self._starts, number) - 1]
@@ -50,12 +59,13 @@ class Repeats:
 
     def line(self) -> str:
         """The report's line: how many records repeat an earlier one, and the first few."""
-        if not self.count:
+        count, places = self.found()
+        if not count:
             return "  repeated records    0"
-        shown = ", ".join(f"{later} = {first}" for later, first in self.places)
-        more = f" and {self.count - len(self.places):,} more" if self.count > len(self.places) else ""
-        noun = "record repeats" if self.count == 1 else "records repeat"
+        shown = ", ".join(f"{later} = {first}" for later, first in places)
+        more = f" and {count - len(places):,} more" if count > len(places) else ""
+        noun = "record repeats" if count == 1 else "records repeat"
         return (
-            f"  repeated records    {self.count:,} {noun} an earlier one field for field ({shown}{more}); "
+            f"  repeated records    {count:,} {noun} an earlier one field for field ({shown}{more}); "
             "each copy trains (a copy held out by --eval-split is trained on as well)"
         )
