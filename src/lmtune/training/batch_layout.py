@@ -3,6 +3,7 @@ steps the run takes. Computed once per run from the settings and the data's size
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lmtune.config.groups import MAX_STEPS
@@ -107,3 +108,14 @@ def unpacked_note(cfg: TrainConfig, formats: dict[str, int], obstacle: str | Non
     if cfg.batch.packing != "auto" or set(formats) != {"text"} or obstacle is None:
         return None
     return f"--packing auto: rows are padded, not packed, as {obstacle}"
+
+
+def check_model_layout(
+    cfg: TrainConfig, obstacle: str | None, pairs: bool, info: Callable[[str], None]
+) -> None:
+    """Before the data is read, for a model that takes no mask of lmtune's (``obstacle``): say how
+    its preference pairs run, refuse --packing on."""
+    if (note := pair_rows_note(obstacle, pairs)) is not None:
+        info(note)
+    if cfg.batch.packing == "on":
+        batching_of(cfg, {}, obstacle)

@@ -55,7 +55,13 @@ from lmtune.objectives.base import LossSetup, Objective
 from lmtune.outputs.runlog import InfoLog, RunLog
 from lmtune.parallel.distributed import DistEnv, all_gather_object
 from lmtune.parallel.wrap import wrap_model
-from lmtune.training.batch_layout import BatchLayout, batch_layout, batching_of, pair_rows_note, unpacked_note
+from lmtune.training.batch_layout import (
+    BatchLayout,
+    batch_layout,
+    batching_of,
+    check_model_layout,
+    unpacked_note,
+)
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, default_lr, optimizer_for
@@ -114,11 +120,7 @@ def build_parts(
     loaded = _load(run)
     objective = objective or objective_for(cfg.objective)
     obstacle = mask_obstacle(loaded.model)
-    note = pair_rows_note(obstacle, objective.unit == "pairs")
-    if note is not None:
-        log.info(note)
-    if cfg.batch.packing == "on":  # refused before the data is read, where the model takes no mask
-        batching_of(cfg, {}, obstacle)
+    check_model_layout(cfg, obstacle, objective.unit == "pairs", log.info)
     tokenizer = loaded.tokenizer
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
