@@ -9,13 +9,15 @@ import codecs
 import csv
 import gzip
 import io
+import itertools
 import json
 import lzma
 import re
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -221,54 +223,70 @@ _NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
 def _csv(path: str, bad: BadLines, delimiter: str = ",") -> Iterator[Record]:
     """Rows of a CSV file (a TSV one with ``delimiter`` a tab), quoted as pandas and HF's csv
-    loader read them by default."""
+    loader read them by default; a row whose quote is left open is a bad line, and reading goes on
+    from the line after it (pandas would read the lines it swallows into one field)."""
     # Python's default, 128 KiB a field, refused a long document that a JSONL line may hold.
     csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
-    reader = None
+    # Bytes that are not UTF-8 kept as escapes: the row holding them is a bad line, not the file.
+    with _opened(path) as raw, io.TextIOWrapper(raw, "utf-8-sig", "surrogateescape", newline="") as f:
+        part: _CsvPart | None = _CsvPart(f, None, 0)
+        while part is not None:
+            part = yield from _csv_part(path, part, bad, delimiter)
+
+
+@dataclass(frozen=True)
+class _CsvPart:
+    """Where reading a CSV file goes on: its lines from there, the header's names (None: the
+    header is the first line), and the file's line number before the first."""
+
+    lines: Iterable[str]
+    fieldnames: list[str] | None
+    offset: int
+
+
+def _csv_part(
+    path: str, part: _CsvPart, bad: BadLines, delimiter: str
+) -> Generator[Record, None, _CsvPart | None]:
+    """The rows of ``part`` up to one whose quote is left open, and where reading goes on after it."""
+    lines = _RowLines(part.lines, header=part.fieldnames is None)
+    reader = csv.DictReader(lines, fieldnames=part.fieldnames, delimiter=delimiter)
     try:
-        # Bytes that are not UTF-8 kept as escapes: the row holding them is a bad line, not the file.
-        with _opened(path) as raw, io.TextIOWrapper(raw, "utf-8-sig", "surrogateescape", newline="") as f:
-            lines = _RowLines(f)
-            reader = csv.DictReader(lines, delimiter=delimiter)
-            for record in reader:
-                # A row ends on line_num; one with line breaks inside quotes began that many earlier.
-                row, spans = lines.take()
-                line = reader.line_num - spans + 1
-                texts = [v for v in record.values() if isinstance(v, str)]
-                if spans > 1 and _unclosed(row, delimiter):
-                    rest = reader.line_num - line + 1
-                    bad.report(
-                        f"{path}:{line}: a quoted field opens here and is never closed: the {rest:,} lines "
-                        "to the end of the file would be one field (close the quote, or double a quote "
-                        'inside a quoted field: "")'
-                    )
-                    continue
-                # DictReader files a row's extra fields under None and fills missing ones with None:
-                # a comma in an unquoted field would otherwise cut a text short without a word.
-                extra = record.pop(None, None)  # type: ignore[call-overload]
-                missing = sum(value is None for value in record.values())
-                if extra or missing:
-                    header = len(record)
-                    held = "a comma" if delimiter == "," else "a tab"
-                    hint = f" (quote a field that holds {held})" if extra else ""
-                    found = header + len(extra or ()) - missing
-                    fields = f"{found} field" + ("s" if found != 1 else "")
-                    bad.report(f"{path}:{line}: {fields} where the header has {header}{hint}")
-                    continue
-                if any(_NOT_UTF8.search(v) for v in texts):
-                    bad.report(f"{path}:{line}: not valid UTF-8")
-                    continue
-                yield Record(path, line, dict(record))
+        for record in reader:
+            # A row ends on line_num; one with line breaks inside quotes began that many earlier.
+            row, spans = lines.take()
+            line = part.offset + reader.line_num - spans + 1
+            if '"' in row and (broken := _broken_quote(row, delimiter, spans)) is not None:
+                bad.report(f"{path}:{line}: {broken}")
+                rest = row.splitlines(keepends=True)[1:]
+                return _CsvPart(itertools.chain(rest, lines.lines), list(reader.fieldnames or []), line)
+            texts = [v for v in record.values() if isinstance(v, str)]
+            # DictReader files a row's extra fields under None and fills missing ones with None:
+            # a comma in an unquoted field would otherwise cut a text short without a word.
+            extra = record.pop(None, None)  # type: ignore[call-overload]
+            missing = sum(value is None for value in record.values())
+            if extra or missing:
+                header = len(record)
+                held = "a comma" if delimiter == "," else "a tab"
+                hint = f" (quote a field that holds {held})" if extra else ""
+                found = header + len(extra or ()) - missing
+                fields = f"{found} field" + ("s" if found != 1 else "")
+                bad.report(f"{path}:{line}: {fields} where the header has {header}{hint}")
+                continue
+            if any(_NOT_UTF8.search(v) for v in texts):
+                bad.report(f"{path}:{line}: not valid UTF-8")
+                continue
+            yield Record(path, line, dict(record))
     except csv.Error as e:
-        at = f":{reader.line_num}" if reader is not None and reader.line_num else ""
+        at = f":{part.offset + reader.line_num}" if reader.line_num else ""
         raise UserError(f"{path}{at}: not valid {'CSV' if delimiter == ',' else 'TSV'} ({e})") from None
+    return None
 
 
 class _RowLines:
     """A CSV file's lines as its reader takes them, keeping those of the row being read."""
 
-    def __init__(self, f: Iterable[str]):
-        self.lines, self.held, self.first = iter(f), list[str](), True
+    def __init__(self, f: Iterable[str], header: bool):
+        self.lines, self.held, self.header = iter(f), list[str](), header
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -279,21 +297,36 @@ class _RowLines:
         return line
 
     def take(self) -> tuple[str, int]:
-        """The text of the row just read and its number of lines (the header's left out)."""
-        held, self.held = self.held[1:] if self.first else self.held, []
-        self.first = False
+        """The text of the row just read and its number of lines (a header's left out)."""
+        held, self.held = self.held[1:] if self.header else self.held, []
+        self.header = False
         return "".join(held), len(held)
 
 
-def _unclosed(row: str, delimiter: str) -> bool:
-    """Whether a row read to the end of the file holds a quoted field never closed, which the
-    lenient reader (pandas' own default) takes as the rest of the file: pandas refuses it."""
+_QUOTE_FIX = 'close it, or double a quote inside a quoted field: ""'
+
+
+def _broken_quote(row: str, delimiter: str, spans: int) -> str | None:
+    """What is wrong with a row read leniently (pandas' own default) whose quote is left open, or
+    None: a quote never closed takes the rest of the file as its field, and one closed by a later
+    field's opening quote takes the lines between; pandas refuses the first, reads the second."""
     try:
         for _ in csv.reader(io.StringIO(row, newline=""), delimiter=delimiter, strict=True):
             pass
     except csv.Error as e:
-        return "unexpected end of data" in str(e)
-    return False
+        if "unexpected end of data" in str(e) and spans == 1:
+            return f"a quoted field opens here and the file ends before it closes ({_QUOTE_FIX})"
+        if "unexpected end of data" in str(e):
+            return (
+                f"a quoted field opens here and is never closed: the {spans:,} lines to the end of the "
+                f"file would be one field ({_QUOTE_FIX})"
+            )
+        if spans > 1:
+            return (
+                f"a quoted field opens here, runs over {spans:,} lines and its closing quote is followed "
+                f"by more text: a quote is left open here ({_QUOTE_FIX})"
+            )
+    return None
 
 
 def _txt(path: str, text_field: str, mode: str, bad: BadLines, json_as_text: bool) -> Iterator[Record]:

@@ -324,14 +324,25 @@ def test_a_tsv_file_is_read_with_tabs_compressed_too(tmp_path: Path) -> None:
     ]
     assert bad.messages == [f"{f}:4: 3 fields where the header has 2 (quote a field that holds a tab)"]
     # A quote never closed swallowed the rest of the file as one field, without a word (pandas and
-    # HF's loader refuse it): a bad line where it opens; a closed field over lines reads as before.
-    f.write_text('text\tn\nthe cat\t1\n"two\nlines"\t2\n"never closed\t3\nrow a\t4\nrow b\t5\n')
+    # HF's loader refuse it); one closed by a later field's quote the lines between (pandas reads
+    # that). Each is a bad line where it opens, and reading goes on from the next line; a closed
+    # field over lines reads as before.
+    f.write_text(
+        'text\tn\nthe cat\t1\n"two\nlines"\t2\n"left open\t3\nrow a\t4\n"quoted" b\t5\nrow c\t6\n'
+        '"never closed\t7\nrow d\t8\n"last one\t9'
+    )  # line 9's quote is closed by line 11's, which then opens none
     bad = BadLines(skip=True)
     kept = list(records(resolve_sources(str(f)), ExampleSettings(skip_bad_lines=True), bad))
-    assert [(r.line, r.fields["text"]) for r in kept] == [(2, "the cat"), (3, "two\nlines")]
+    assert [(r.line, r.fields["text"]) for r in kept] == [
+        (2, "the cat"), (3, "two\nlines"), (6, "row a"), (7, "quoted b"), (8, "row c"), (10, "row d")
+    ]  # fmt: skip
+    fix = 'close it, or double a quote inside a quoted field: ""'
     assert bad.messages == [
-        f"{f}:5: a quoted field opens here and is never closed: the 3 lines to the end of the file would "
-        'be one field (close the quote, or double a quote inside a quoted field: "")'
+        f"{f}:5: a quoted field opens here, runs over 3 lines and its closing quote is followed by more "
+        f"text: a quote is left open here ({fix})",
+        f"{f}:9: a quoted field opens here, runs over 3 lines and its closing quote is followed by more "
+        f"text: a quote is left open here ({fix})",
+        f"{f}:11: a quoted field opens here and the file ends before it closes ({fix})",
     ]
     f.write_text('text\tn\nthe cat\t1\n"two\nlines"\t2\nlast\t3\n')
     packed = tmp_path / "e.tsv.gz"
