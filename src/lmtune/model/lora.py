@@ -60,11 +60,7 @@ def add_lora(
     peft = _peft()
     names = settings.target_modules.strip()
     targets = target_modules(settings)
-    kind = getattr(getattr(model, "config", None), "model_type", None)
-    exclude = None
-    if targets == "all-linear" and kind in PEFT_MAMBA_MODELS:
-        exclude = ["out_proj", "conv1d"]
-        info(f"LoRA: all-linear leaves out {kind}'s out_proj and conv1d, which peft does not adapt there")
+    exclude = _left_out(model, info) if targets == "all-linear" else None
     config = peft.LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
@@ -89,14 +85,52 @@ def add_lora(
         # peft reads transformers' is_gradient_checkpointing, which warns of its own deprecation.
         with quiet_calls(), _tied_head_handled():
             wrapped: nn.Module = peft.get_peft_model(model, config)
-    except ValueError as e:  # peft's message names the modules it could not find
-        if isinstance(targets, list):  # none matched: the model's own names say what would
-            check_every_target(model, [], targets, names)
+    except ValueError as e:  # peft's message names the modules it could not find, or why not these
+        if isinstance(targets, list) and "not found in the base model" in str(e):
+            check_every_target(model, [], targets, names)  # the model's own names say what would match
         raise SettingError("lora_target_modules", f"--lora-target-modules {names}", str(e)) from None
     if isinstance(targets, list):
         adapted = [name for name, m in wrapped.named_modules() if hasattr(m, "lora_A")]
         check_every_target(wrapped, adapted, targets, names)
+    elif experts := _unadapted_experts(wrapped):
+        info(
+            f"LoRA: the MoE experts ({experts}: weights, not linear layers) are not adapted, as peft maps "
+            "such weights for some models only; the adapter trains the other linear layers"
+        )
     return wrapped
+
+
+def _left_out(model: nn.Module, info: Callable[[str], None]) -> list[str] | None:
+    """The modules all-linear must leave out of ``model``, said to ``info``: those peft refuses in
+    Mamba-style models, and linear layers with a forward of their own (Llama 4's router returns a
+    tuple), which LoRA's wrapper cannot take."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind in PEFT_MAMBA_MODELS:
+        info(f"LoRA: all-linear leaves out {kind}'s out_proj and conv1d, which peft does not adapt there")
+        return ["out_proj", "conv1d"]
+    own = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward
+    ]
+    if not own:
+        return None
+    kinds = sorted({type(model.get_submodule(name)).__name__ for name in own})
+    info(f"LoRA: all-linear leaves out {', '.join(kinds)}: linear layers with a forward of their own")
+    return own
+
+
+def _unadapted_experts(wrapped: nn.Module) -> str:
+    """The classes of the modules holding MoE expert weights (3-D) that no adapter reaches, or ""."""
+    adapted = {name for name, m in wrapped.named_modules() if hasattr(m, "lora_A")}
+    found = {
+        type(m).__name__
+        for name, m in wrapped.named_modules()
+        if not isinstance(m, nn.modules.conv._ConvNd)  # a convolution's weight is 3-D too
+        and any(p.dim() == 3 for p in m.parameters(recurse=False))
+        and not any(a == name or a.startswith(f"{name}.") or name.startswith(f"{a}.") for a in adapted)
+    }
+    return ", ".join(sorted(found))
 
 
 def _adapts_weights(config: Any, model: nn.Module) -> bool:
@@ -126,11 +160,22 @@ def check_every_target(model: nn.Module, adapted: list[str], targets: list[str],
             and not name.endswith("base_layer")
         ]
         layers = sorted({name.rpartition(".")[2] for name in [*adapted, *linear]})
+        # A fused MoE's expert weights (3-D, no convolution's) are named like the layers they were.
+        weights = {
+            w
+            for m in model.modules()
+            if not isinstance(m, nn.modules.conv._ConvNd)
+            for w, p in m.named_parameters(recurse=False)
+            if p.dim() == 3
+        }
+        named = sorted(set(missing) & weights)
+        experts = f"; {', '.join(named)}: MoE expert weights, which all-linear adapts where peft maps them"
+        experts = experts if named else ""
         raise SettingError(
             "lora_target_modules",
             f"--lora-target-modules {option}",
             f"{', '.join(missing)} matched no layer of this model (its linear layers: {', '.join(layers)}; "
-            "all-linear takes those of its blocks)",
+            f"all-linear takes those of its blocks){experts}",
         )
 
 

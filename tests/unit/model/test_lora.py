@@ -131,3 +131,27 @@ def test_default_lora_adapts_moe_experts_without_dropout_and_leaves_mambas_unada
         if "lora_A" in name
     }
     assert names and not names & {"out_proj", "conv1d"}
+    moe_model = AutoModelForCausalLM.from_config(moe)
+    with pytest.raises(SettingError, match=r"down_proj, gate_up_proj: MoE expert weights, which all-linear"):
+        add_lora(moe_model, LoraSettings(enabled=True, target_modules="gate_up_proj,down_proj"))
+
+
+def test_default_lora_leaves_out_linear_layers_with_a_forward_of_their_own() -> None:
+    """Llama 4's router is a linear layer whose forward returns a tuple: LoRA on it crashed the first
+    step. Experts peft has no mapping for (Llama 4's, GPT-OSS's) were left as they are, unsaid."""
+    from transformers import AutoModelForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2,
+    )  # fmt: skip
+    said: list[str] = []
+    model = add_lora(AutoModelForCausalLM.from_config(config), LoraSettings(enabled=True), said.append)
+    assert said == [
+        "LoRA: all-linear leaves out Llama4Router: linear layers with a forward of their own",
+        "LoRA: the MoE experts (Llama4TextExperts: weights, not linear layers) are not adapted, as peft maps "
+        "such weights for some models only; the adapter trains the other linear layers",
+    ]
+    ids = torch.arange(1, 20)[None]
+    model(input_ids=ids, labels=ids).loss.backward()  # the step that crashed
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
