@@ -106,6 +106,19 @@ def test_eval_of_several_sources_scores_each_besides_the_whole(
     whole = scored(str(tmp_path / "x" / "data.jsonl"), str(tmp_path / "y" / "data.jsonl"))
     assert not any(key.startswith("loss/") for key in whole)
     assert whole["loss"] == pytest.approx(scored(str(tmp_path / "a.jsonl"))["loss"], abs=1e-6)
+    assert main(["eval", f"a={tmp_path / 'a.jsonl'}", f"a={tmp_path / 'b.jsonl'}", "--model", model]) == 2
+    assert "two sources are named 'a'" in capsys.readouterr().err  # names given: the user's to fix
+    # A source of which nothing is left to score read loss 0.0, perplexity 1: refused, as train does.
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": "a long one " * 40}) + "\n")
+    argv = ["eval", str(tmp_path / "a.jsonl"), str(tmp_path / "long.jsonl"), "--model", model]
+    assert main([*argv, "--max-length", "32", "--truncation", "drop"]) == 2
+    assert "lmtune eval: no example of long is left: each was longer than --max-length" in (
+        capsys.readouterr().err
+    )
+    run_argv = ["train", "--data", str(tmp_path / "a.jsonl"), "--max-length", "32", "--truncation", "drop"]
+    run_argv += ["--eval-data", f"a={tmp_path / 'a.jsonl'},l={tmp_path / 'long.jsonl'}", "--max-steps", "1"]
+    assert main([*run_argv, "--output-dir", str(tmp_path / "run")]) == 2
+    assert "--eval-data: no example of l is left" in capsys.readouterr().err
 
 
 def test_eval_of_a_config_on_the_sample_scores_its_held_out_split(

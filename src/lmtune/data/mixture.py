@@ -141,6 +141,18 @@ def source_index(spec: str, meta: dict[str, Any], option: str) -> SourceIndex:
     return SourceIndex(tuple(names), tuple([0, *np.cumsum(counts, dtype=np.int64).tolist()]))
 
 
+def check_sources_kept(data: TokenizedDataset, option: str) -> None:
+    """Refuse sources kept apart (a mixture, an --eval-data of several) of which no example is
+    left: a source with nothing to train on or to score (its loss read 0.0, a perfect score)."""
+    assert data.sources is not None
+    empty = [name for name, n in zip(data.sources.names, data.source_sizes(), strict=True) if n == 0]
+    if empty:
+        raise UserError(
+            f"{option}: no example of {', '.join(empty)} is left: each was longer than --max-length under "
+            "--truncation drop, or had nothing to train; fix or leave out the source"
+        )
+
+
 def per_source(data: DataSettings, spec: str, option: str) -> bool:
     """Whether ``spec``'s sources are kept apart: a weighted --data, an --eval-data of several."""
     if option == "--data":

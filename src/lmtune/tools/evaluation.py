@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from lmtune.config.mixture import named_items, source_names
 from lmtune.config.settings import TrainConfig
 from lmtune.data.chat import use_chat_template
 from lmtune.data.dataset import split_off
-from lmtune.data.mixture import per_source, source_index
+from lmtune.data.mixture import check_sources_kept, per_source, source_index
 from lmtune.data.pairs import counted_as
 from lmtune.data.prepare import Wanted, data_cache_dir, prepare
 from lmtune.errors import SettingError, UserError
@@ -82,6 +83,7 @@ def evaluate_model(cfg: TrainConfig, batch_size: int, held_out: float | None = N
     data = prepare(wanted, tokenizer, cfg.examples, env, cache).dataset
     if apart:
         data.sources = source_index(cfg.data.train, data.meta, "--data")
+        check_sources_kept(data, "lmtune eval")
     if held_out is not None:
         try:
             data = split_off(data, held_out, cfg.seed)[1]
@@ -117,12 +119,16 @@ def evaluate_model(cfg: TrainConfig, batch_size: int, held_out: float | None = N
 
 def _named_apart(spec: str) -> bool:
     """Whether DATA holds several sources, each with a name of its own (its file's stem, or as
-    NAME=PATH): scored one by one besides the whole. Sources no name tells apart are scored whole,
-    as before."""
-    if len(named_items(spec)) < 2:
+    NAME=PATH): scored one by one besides the whole. Sources whose stems do not tell them apart are
+    scored whole, as before; names given that collide are refused."""
+    items = named_items(spec)
+    if len(items) < 2:
         return False
     try:
         source_names(spec, "lmtune eval")
     except UserError:
+        # Names given as NAME=PATH that collide are the user's to fix, as train refuses them.
+        if any(name != (PurePath(item.rstrip("/")).stem or item) for name, item in items):
+            raise
         return False
     return True

@@ -20,7 +20,7 @@ from lmtune.data.audit import stops_lost_warning
 from lmtune.data.chat import end_of_turn_ids, use_chat_template
 from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.formats import CHAT_FORMATS, builtin_template_note
-from lmtune.data.mixture import mixture_line, per_source, source_index, training_mixture
+from lmtune.data.mixture import check_sources_kept, mixture_line, per_source, source_index, training_mixture
 from lmtune.data.pairs import counted_as, pair_counts
 from lmtune.data.prepare import Wanted, cache_root, data_cache_dir, prepare
 from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
@@ -299,6 +299,7 @@ def prepare_data(
         )
         if wanted.per_source:
             p.dataset.sources = source_index(spec, p.dataset.meta, option)
+            check_sources_kept(p.dataset, option)
         builders = [r for r, built in enumerate(all_gather_object(p.built, env)) if built]
         meta = p.dataset.meta
         info[name] = {
