@@ -52,20 +52,27 @@ def iter_records(
         "hf_hub": lambda: _hf_hub(source.name, source.split or "train"),
         "sample": lambda: _sample(source.split or "train", text_field),
     }
+    # Damaged bytes in an archive read as bad lines before its check at the end fails: said as
+    # the damage, with the first line it spoilt (skipped lines were counted, the error stops here).
     try:
         yield from readers[source.kind]()
-    except Undecompressable:
-        raise
+    except Undecompressable as e:
+        spoilt = [m for m in bad.messages if m.startswith(f"{source.name}:")]
+        if not spoilt:
+            raise
+        raise _spoilt(source.name, str(e).removeprefix(f"{source.name}: "), spoilt[0]) from None
     except UserError as e:
-        # Damaged bytes in an archive read as a bad line before its check at the end fails.
         damage = _damage(source.name) if Path(source.name).suffix.lower() in _OPENERS else None
         if damage is None:
             raise
-        said = str(e).removeprefix(f"{source.name}:")
-        raise Undecompressable(
-            f"{source.name}: cannot be decompressed ({damage}): the archive is damaged, and its bad line "
-            f"is that damage (line {said})"
-        ) from None
+        raise _spoilt(source.name, f"cannot be decompressed ({damage})", str(e)) from None
+
+
+def _spoilt(path: str, damage: str, bad_line: str) -> Undecompressable:
+    line, _, problem = bad_line.removeprefix(f"{path}:").partition(": ")
+    return Undecompressable(
+        f"{path}: {damage}: the archive is damaged, which is why line {line} read as {problem}"
+    )
 
 
 _OPENERS: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}

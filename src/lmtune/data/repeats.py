@@ -20,10 +20,11 @@ PLACES_KEPT = 3  # repeats named in the report, as for the other kinds of loss
 @dataclass
 class Repeats:
     """Counts the records that repeat an earlier one, keeping a few places of each pair. Per record
-    16 bytes (its digest and line): a dict of digests held ~120 MiB per million records."""
+    24 bytes (its digest, line and item): a dict of digests held ~120 MiB per million records."""
 
     _digests: array[int] = field(default_factory=lambda: array("Q"))
     _lines: array[int] = field(default_factory=lambda: array("q"))
+    _items: array[int] = field(default_factory=lambda: array("q"))  # a record's number on a shared line
     _starts: list[int] = field(default_factory=list)  # the first record number of each source
     _sources: list[str] = field(default_factory=list)
 
@@ -34,6 +35,7 @@ class Repeats:
                 self._sources.append(record.source)
                 self._starts.append(len(self._lines))
             self._lines.append(record.line)
+            self._items.append(record.item)
             text = json.dumps(record.fields, sort_keys=True, ensure_ascii=False, default=str)
             digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
             self._digests.append(int.from_bytes(digest, "little"))
@@ -55,7 +57,7 @@ class Repeats:
 
     def _where(self, number: int) -> str:
         source = self._sources[bisect.bisect_right(self._starts, number) - 1]
-        return f"{source}:{self._lines[number]}"
+        return Record(source, self._lines[number], {}, self._items[number]).where
 
     def line(self) -> str:
         """The report's line: how many records repeat an earlier one, and the first few."""

@@ -83,7 +83,7 @@ def add_lora(
         )
     try:
         # peft reads transformers' is_gradient_checkpointing, which warns of its own deprecation.
-        with quiet_calls(), _tied_head_handled():
+        with _quiet_peft(), _tied_head_handled():
             wrapped: nn.Module = peft.get_peft_model(model, config)
     except ValueError as e:  # peft's message names the modules it could not find, or why not these
         if isinstance(targets, list) and "not found in the base model" in str(e):
@@ -219,7 +219,7 @@ def merged_model(base: nn.Module, adapter_folder: Path, merge: bool = True) -> n
     off, beside them (a PeftModel), as training computed with it: merged, a bf16 product rounds the
     sum of base and adapter once instead of each product apart."""
     peft = _peft()
-    with quiet_calls(), _tied_head_handled():
+    with _quiet_peft(), _tied_head_handled():
         model = peft.PeftModel.from_pretrained(base, str(adapter_folder))
         untied = _untie_adapted_head(model.get_base_model())
         if not merge:
@@ -235,6 +235,16 @@ def merged_model(base: nn.Module, adapter_folder: Path, merge: bool = True) -> n
 
         merged.generation_config = GenerationConfig.from_pretrained(adapter_folder)  # type: ignore[assignment]
     return merged
+
+
+@contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """:func:`quiet_calls` around peft, which also warns that the rank and alpha patterns it adds
+    for a MoE's experts (doubling a fused gate_up_proj's rank, for adapters of transformers 4)
+    match nothing in an adapter of transformers 5: true and harmless."""
+    with quiet_calls(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys", RuntimeWarning)
+        yield
 
 
 @contextmanager

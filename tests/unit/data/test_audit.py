@@ -321,6 +321,10 @@ def test_records_that_repeat_an_earlier_one_are_counted_and_named(
         f"repeated records    2 records repeat an earlier one field for field ({a}:4 = {a}:1, {b}:1 = {a}:2)"
     )
     assert said in out
+    listed = tmp_path / "one_line.json"  # records sharing a line are named by their number
+    listed.write_text('[{"text": "same"}, {"text": "other"}, {"text": "same"}]')
+    main(["data", "audit", str(listed), "--global-batch-size", "2"])
+    assert f"({listed}:1 (record 3) = {listed}:1 (record 1))" in capsys.readouterr().out
     c = tmp_path / "c.jsonl"
     c.write_text('{"text": "one"}\n{"text": "two"}\n')
     main(["data", "audit", str(c), "--global-batch-size", "2"])
