@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from lmtune.config.groups import LoraSettings
@@ -102,22 +103,32 @@ def add_lora(
 
 def _left_out(model: nn.Module, info: Callable[[str], None]) -> list[str] | None:
     """The modules all-linear must leave out of ``model``, said to ``info``: those peft refuses in
-    Mamba-style models, and linear layers with a forward of their own (Llama 4's router returns a
-    tuple), which LoRA's wrapper cannot take."""
+    Mamba-style models, and linear layers whose forward returns more than a tensor (Llama 4's
+    router, a tuple), which LoRA's wrapper cannot take."""
     kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind in PEFT_MAMBA_MODELS:
         info(f"LoRA: all-linear leaves out {kind}'s out_proj and conv1d, which peft does not adapt there")
         return ["out_proj", "conv1d"]
-    own = [
-        name
-        for name, m in model.named_modules()
+    # Tried once per class on one row of zeros: Falcon's linear layers have a forward of their own
+    # too, and return their output.
+    subclasses = {
+        type(m): m
+        for m in model.modules()
         if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward
-    ]
-    if not own:
+    }
+    unwrappable = {kind for kind, m in subclasses.items() if not _returns_a_tensor(m)}
+    if not unwrappable:
         return None
-    kinds = sorted({type(model.get_submodule(name)).__name__ for name in own})
-    info(f"LoRA: all-linear leaves out {', '.join(kinds)}: linear layers with a forward of their own")
-    return own
+    names = ", ".join(sorted(kind.__name__ for kind in unwrappable))
+    info(f"LoRA: all-linear leaves out {names}: linear layers whose forward returns more than their output")
+    return [name for name, m in model.named_modules() if type(m) in unwrappable]
+
+
+def _returns_a_tensor(layer: nn.Linear) -> bool:
+    weight = layer.weight
+    with torch.no_grad():
+        out = layer(torch.zeros(1, layer.in_features, dtype=weight.dtype, device=weight.device))
+    return isinstance(out, torch.Tensor)
 
 
 def _unadapted_experts(wrapped: nn.Module) -> str:

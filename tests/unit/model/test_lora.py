@@ -138,7 +138,8 @@ def test_default_lora_adapts_moe_experts_without_dropout_and_leaves_mambas_unada
 
 def test_default_lora_leaves_out_linear_layers_with_a_forward_of_their_own() -> None:
     """Llama 4's router is a linear layer whose forward returns a tuple: LoRA on it crashed the first
-    step. Experts peft has no mapping for (Llama 4's, GPT-OSS's) were left as they are, unsaid."""
+    step. Experts peft has no mapping for (Llama 4's, GPT-OSS's) were left as they are, unsaid.
+    Falcon's linear layers have a forward of their own too, and stay adapted."""
     from transformers import AutoModelForCausalLM, Llama4TextConfig
 
     config = Llama4TextConfig(
@@ -148,10 +149,17 @@ def test_default_lora_leaves_out_linear_layers_with_a_forward_of_their_own() -> 
     said: list[str] = []
     model = add_lora(AutoModelForCausalLM.from_config(config), LoraSettings(enabled=True), said.append)
     assert said == [
-        "LoRA: all-linear leaves out Llama4Router: linear layers with a forward of their own",
+        "LoRA: all-linear leaves out Llama4Router: linear layers whose forward returns more than their "
+        "output",
         "LoRA: the MoE experts (Llama4TextExperts: weights, not linear layers) are not adapted, as peft maps "
         "such weights for some models only; the adapter trains the other linear layers",
     ]
     ids = torch.arange(1, 20)[None]
     model(input_ids=ids, labels=ids).loss.backward()  # the step that crashed
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    from transformers import FalconConfig
+
+    falcon = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    said.clear()
+    adapted = add_lora(AutoModelForCausalLM.from_config(falcon), LoraSettings(enabled=True), said.append)
+    assert not said and any("query_key_value.lora_A" in name for name, _ in adapted.named_parameters())
