@@ -109,25 +109,30 @@ def _left_out(model: nn.Module, info: Callable[[str], None]) -> list[str] | None
     if kind in PEFT_MAMBA_MODELS:
         info(f"LoRA: all-linear leaves out {kind}'s out_proj and conv1d, which peft does not adapt there")
         return ["out_proj", "conv1d"]
-    # Tried once per class on one row of zeros: Falcon's linear layers have a forward of their own
-    # too, and return their output.
+    # The model's own classes, tried once each on one row of zeros: Falcon's linear layers have a
+    # forward of their own too, and return their output (a quantized layer's is peft's to wrap).
     subclasses = {
         type(m): m
         for m in model.modules()
-        if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward
+        if isinstance(m, nn.Linear)
+        and type(m).forward is not nn.Linear.forward
+        and type(m).__module__.startswith("transformers.")
     }
-    unwrappable = {kind for kind, m in subclasses.items() if not _returns_a_tensor(m)}
+    unwrappable = {cls for cls, m in subclasses.items() if not _returns_a_tensor(m)}
     if not unwrappable:
         return None
-    names = ", ".join(sorted(kind.__name__ for kind in unwrappable))
+    names = ", ".join(sorted(cls.__name__ for cls in unwrappable))
     info(f"LoRA: all-linear leaves out {names}: linear layers whose forward returns more than their output")
     return [name for name, m in model.named_modules() if type(m) in unwrappable]
 
 
 def _returns_a_tensor(layer: nn.Linear) -> bool:
     weight = layer.weight
-    with torch.no_grad():
-        out = layer(torch.zeros(1, layer.in_features, dtype=weight.dtype, device=weight.device))
+    try:
+        with torch.no_grad():
+            out = layer(torch.zeros(1, layer.in_features, dtype=weight.dtype, device=weight.device))
+    except Exception:  # a layer that cannot be tried is left to peft, as before
+        return True
     return isinstance(out, torch.Tensor)
 
 
