@@ -13,7 +13,7 @@ from typing import Any
 from lmtune.config.files import is_int, read_json_object
 from lmtune.errors import UserError, brief, why_it_failed
 from lmtune.model.configs import check_config, check_folder
-from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE
+from lmtune.model.lora import ADAPTER_CONFIG, ADAPTER_FILE, is_target
 
 
 def check_files(checkpoint: Path, listed: dict[str, Any]) -> None:
@@ -39,10 +39,6 @@ def loaded_or_named(checkpoint: Path, what: str, load: Callable[[], Any]) -> Any
         raise UserError(
             f"{checkpoint}: {what} does not load ({why}); not a checkpoint lmtune wrote"
         ) from None
-
-
-def _named(module: str, name: str) -> bool:
-    return module == name or module.endswith(f".{name}")
 
 
 def _check_adapter(checkpoint: Path) -> None:
@@ -77,8 +73,8 @@ def _check_adapter(checkpoint: Path) -> None:
         m
         for m in adapted
         if isinstance(targets, list)
-        and not any(m == t or m.endswith(f".{t}") for t in targets)
-        and not any(o == "" or _named(m.removesuffix(".base_layer"), o) for o in owners)
+        and not any(is_target(m, t) for t in targets)
+        and not any(o == "" or is_target(m.removesuffix(".base_layer"), o) for o in owners)
     )
     if unlisted:
         raise UserError(

@@ -27,8 +27,13 @@ def named_items(spec: str) -> list[tuple[str, str]]:
         if named:
             items.append((named.group(1), named.group(2).strip()))
         else:
-            items.append((PurePath(raw.rstrip("/")).stem or raw, raw))
+            items.append((item_name(raw), raw))
     return items
+
+
+def item_name(item: str) -> str:
+    """The name a source goes by when none is given: its file's stem."""
+    return PurePath(item.rstrip("/")).stem or item
 
 
 def shown_spec(spec: str) -> str:

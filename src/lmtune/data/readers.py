@@ -260,12 +260,13 @@ def _csv_part(
     try:
         for record in reader:
             # A row ends on line_num; one with line breaks inside quotes began that many earlier.
-            row, spans = lines.take()
+            held = lines.take()
+            row, spans = "".join(held), len(held)
             line = part.offset + reader.line_num - spans + 1
             if '"' in row and (broken := _broken_quote(row, delimiter, spans)) is not None:
                 bad.report(f"{path}:{line}: {broken}")
-                rest = row.splitlines(keepends=True)[1:]
-                return _CsvPart(itertools.chain(rest, lines.lines), list(reader.fieldnames or []), line)
+                rest = itertools.chain(held[1:], lines.lines)  # the lines as the file splits them
+                return _CsvPart(rest, list(reader.fieldnames or []), line)
             texts = [v for v in record.values() if isinstance(v, str)]
             # DictReader files a row's extra fields under None and fills missing ones with None:
             # a comma in an unquoted field would otherwise cut a text short without a word.
@@ -273,8 +274,8 @@ def _csv_part(
             missing = sum(value is None for value in record.values())
             if extra or missing:
                 header = len(record)
-                held = "a comma" if delimiter == "," else "a tab"
-                hint = f" (quote a field that holds {held})" if extra else ""
+                mark = "a comma" if delimiter == "," else "a tab"
+                hint = f" (quote a field that holds {mark})" if extra else ""
                 found = header + len(extra or ()) - missing
                 fields = f"{found} field" + ("s" if found != 1 else "")
                 bad.report(f"{path}:{line}: {fields} where the header has {header}{hint}")
@@ -303,11 +304,11 @@ class _RowLines:
         self.held.append(line)
         return line
 
-    def take(self) -> tuple[str, int]:
-        """The text of the row just read and its number of lines (a header's left out)."""
+    def take(self) -> list[str]:
+        """The lines of the row just read (a header's left out)."""
         held, self.held = self.held[1:] if self.header else self.held, []
         self.header = False
-        return "".join(held), len(held)
+        return held
 
 
 _QUOTE_FIX = 'close it, or double a quote inside a quoted field: ""'

@@ -142,11 +142,18 @@ def _unadapted_experts(wrapped: nn.Module) -> str:
     found = {
         type(m).__name__
         for name, m in wrapped.named_modules()
-        if not isinstance(m, nn.modules.conv._ConvNd)  # a convolution's weight is 3-D too
-        and any(p.dim() == 3 for p in m.parameters(recurse=False))
+        if _expert_weights(m)
         and not any(a == name or a.startswith(f"{name}.") or name.startswith(f"{a}.") for a in adapted)
     }
     return ", ".join(sorted(found))
+
+
+def _expert_weights(module: nn.Module) -> list[str]:
+    """The names of ``module``'s own fused MoE expert weights: 3-D, and no convolution's (whose
+    weight is 3-D too)."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return []
+    return [name for name, p in module.named_parameters(recurse=False) if p.dim() == 3]
 
 
 def _adapts_weights(config: Any, model: nn.Module) -> bool:
@@ -176,15 +183,8 @@ def check_every_target(model: nn.Module, adapted: list[str], targets: list[str],
             and not name.endswith("base_layer")
         ]
         layers = sorted({name.rpartition(".")[2] for name in [*adapted, *linear]})
-        # A fused MoE's expert weights (3-D, no convolution's) are named like the layers they were.
-        weights = {
-            w
-            for m in model.modules()
-            if not isinstance(m, nn.modules.conv._ConvNd)
-            for w, p in m.named_parameters(recurse=False)
-            if p.dim() == 3
-        }
-        named = sorted(set(missing) & weights)
+        # A fused MoE's expert weights are named like the layers they were.
+        named = sorted(set(missing) & {w for m in model.modules() for w in _expert_weights(m)})
         experts = f"; {', '.join(named)}: MoE expert weights, which all-linear adapts where peft maps them"
         experts = experts if named else ""
         raise SettingError(

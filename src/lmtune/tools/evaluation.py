@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import PurePath
 from typing import Any
 
 import torch
 
-from lmtune.config.mixture import named_items, source_names
+from lmtune.config.mixture import item_name, named_items, source_names
 from lmtune.config.settings import TrainConfig
 from lmtune.data.chat import use_chat_template
 from lmtune.data.dataset import split_off
@@ -128,7 +127,7 @@ def _named_apart(spec: str) -> bool:
         source_names(spec, "lmtune eval")
     except UserError:
         # Names given as NAME=PATH that collide are the user's to fix, as train refuses them.
-        if any(name != (PurePath(item.rstrip("/")).stem or item) for name, item in items):
+        if any(name != item_name(item) for name, item in items):
             raise
         return False
     return True
