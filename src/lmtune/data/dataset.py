@@ -98,6 +98,12 @@ class TokenizedDataset:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def pair_lengths(self) -> np.ndarray:
+        """Per pair: its prompt's, chosen and rejected answer's token counts (``[len, 3]``)."""
+        assert self.parts is not None
+        prompt, chosen = self.parts[:, 0], self.parts[:, 1]
+        return np.stack([prompt, chosen, np.diff(self.offsets) - prompt - chosen], axis=1)
+
     @property
     def is_pairs(self) -> bool:
         return self.parts is not None
@@ -328,6 +334,10 @@ class SplitView(TokenizedDataset):
 
     def lengths(self) -> np.ndarray:
         kept: np.ndarray = super().lengths()[self.indices]
+        return kept
+
+    def pair_lengths(self) -> np.ndarray:
+        kept: np.ndarray = super().pair_lengths()[self.indices]
         return kept
 
     def base(self) -> TokenizedDataset:

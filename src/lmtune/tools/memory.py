@@ -52,13 +52,16 @@ class Setup:
     accumulation: int  # micro-steps per optimizer step
     loss_chunk: int = 0  # tokens per chunk of the chunked linear cross-entropy; 0: full logits
     quantization: str = ""  # the frozen base's (--load-in-4bit: nf4 | fp4; --load-in-8bit: int8)
-    # A preference objective's example is a pair: its prompt and both answers in one row (length).
+    # A preference objective's example is a pair: its prompt and both answers in one row (length),
+    # or, on a model no mask keeps apart (lmtune.model.masks.mask_obstacle), two rows: the prompt
+    # and each answer (length: the longer of them).
     objective: str = "sft"
     live_reference: bool = False  # a frozen copy of the model runs beside it (without LoRA)
+    pairs_apart: bool = False
 
     @property
     def rows(self) -> int:
-        return self.micro_batch_size
+        return self.micro_batch_size * (2 if self.pairs_apart else 1)
 
     @property
     def reference_copy(self) -> bool:

@@ -222,7 +222,9 @@ def quantization_of(cfg: TrainConfig) -> str:
     return "int8" if cfg.model.load_in_8bit else ""
 
 
-def setup_from(cfg: TrainConfig, world_size: int, length: int, chunk: int = 0) -> Setup:
+def setup_from(
+    cfg: TrainConfig, world_size: int, length: int, chunk: int = 0, pairs_apart: bool = False
+) -> Setup:
     """The setup ``lmtune train`` would run with these settings on ``world_size`` processes."""
     strategy = effective_strategy(cfg.launch.strategy, world_size)
     micro = micro_batch_size(cfg, world_size)
@@ -240,6 +242,7 @@ def setup_from(cfg: TrainConfig, world_size: int, length: int, chunk: int = 0) -
         quantization=quantization_of(cfg),
         objective=cfg.objective.name,
         live_reference=cfg.objective.name in ("dpo", "ipo") and cfg.objective.reference == "live",
+        pairs_apart=pairs_apart,
     )
 
 
@@ -309,11 +312,22 @@ def to_json(e: Estimate) -> dict[str, Any]:
     return {**asdict(e), "total": e.total}
 
 
-def row_length(cfg: TrainConfig) -> tuple[int, bool, str]:
+def model_obstacle(config: Any, device: str) -> str | None:
+    """Why the model takes no mask of lmtune's (as training finds it, here on the model built
+    without weights), or None: its preference pairs then run as two rows, --packing on is refused."""
+    from lmtune.model.masks import mask_obstacle
+    from lmtune.tools.trace import fake_device, fake_model
+
+    with fake_device(device):
+        return mask_obstacle(fake_model(config))
+
+
+def row_length(cfg: TrainConfig, apart: str | None = None) -> tuple[int, bool, str]:
     """Tokens per row, whether rows carry a mask (padding or packing), and how that was decided.
 
     Packed rows are --max-length wide; otherwise a micro-batch is as wide as its longest example,
-    found by tokenizing --data (through the same cache as training).
+    found by tokenizing --data (through the same cache as training): for pairs ``apart`` (see
+    :func:`model_obstacle`), its prompt and longer answer.
     """
     from lmtune.model.modeling import load_tokenizer
     from lmtune.parallel.distributed import read_dist_env
@@ -337,6 +351,19 @@ def row_length(cfg: TrainConfig) -> tuple[int, bool, str]:
         and int(lengths.min()) < longest
     ):
         return cfg.examples.max_length, True, "text data may be packed into rows of --max-length"
+    if apart is not None and train.is_pairs:
+        parts = train.pair_lengths()
+        rows = parts[:, 0] + parts[:, 1:].max(axis=1)
+        # Two rows of a pair differ unless its answers do not: either way a mask pads them.
+        widest = int(rows.max())
+        return (
+            widest,
+            True,
+            (
+                f"longest prompt and answer of --data: {widest} tokens (each pair runs as two rows, its "
+                f"prompt with each answer: {apart})"
+            ),
+        )
     padded = int(lengths.min()) < longest
     return longest, padded, f"longest example of --data: {longest} tokens"
 
@@ -370,6 +397,7 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
     from lmtune.config.settings import parse_nnodes
     from lmtune.model.modeling import load_config, model_description
     from lmtune.parallel.distributed import read_dist_env
+    from lmtune.training.batch_layout import check_model_layout
 
     config = load_config(cfg.model.name, cfg.model.trust_remote_code)
     world = cfg.launch.nproc_per_node * parse_nnodes(cfg.launch.nnodes)[1]
@@ -377,7 +405,10 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
     resolve_strategy(cfg.launch.strategy, env)  # dp without GPUs is refused now, not after calibrating
     check_device(cfg.model.precision, env.device)  # as train would, before the measuring runs
     device = env.device.type
-    length, padded, reason = row_length(cfg)
+    obstacle = model_obstacle(config, env.device.type)
+    check_model_layout(cfg, obstacle, False, lambda _: None)  # --packing on refused as train refuses it
+    apart = obstacle if cfg.objective.name != "sft" else None
+    length, padded, reason = row_length(cfg, apart)
     lora = cfg.lora
     facts: dict[tuple[int, bool, str, bool], ModelFacts] = {}
 
@@ -388,7 +419,7 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
             facts[key] = model_facts(model_config, adapters, setup.precision, length, device, key[3])
         return estimate(setup, facts[key], host, padded)
 
-    requested = setup_from(cfg, world, length, loss_chunk(cfg, config, device))
+    requested = setup_from(cfg, world, length, loss_chunk(cfg, config, device), apart is not None)
     host = Host()
     if device == "cpu":
         host = measure_host(cfg, requested, config, lambda c, s: predict_for(c, s, Host()), workdir)
@@ -423,8 +454,10 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
 def format_report(report: PlanReport) -> str:
     r = report.requested
     lines = [
-        f"memory plan of {report.model}: {r.setup.label()}, micro-batch {r.setup.micro_batch_size} x "
-        f"{r.setup.length} tokens ({report.length_reason}), {r.setup.accumulation} micro-step(s) per step, "
+        f"memory plan of {report.model}: {r.setup.label()}, micro-batch {r.setup.micro_batch_size}"
+        + (f" pairs = {r.setup.rows} rows" if r.setup.pairs_apart else "")
+        + f" x {r.setup.length} tokens ({report.length_reason}), "
+        + f"{r.setup.accumulation} micro-step(s) per step, "
         + (f"loss in chunks of {r.setup.loss_chunk} tokens" if r.setup.loss_chunk else "full logits"),
         "",
         HEADER,

@@ -458,3 +458,49 @@ def test_the_host_is_solved_from_the_runs_whose_tensors_differ_most(
     assert len(runs) == 2 and (runs[0][0] == runs[1][0]) == ("micro-batches" in design)
     assert abs(host.allocator - factor) < 0.1
     assert host.runtime == pytest.approx(runtime, rel=0.1)
+
+
+def test_pairs_that_run_as_two_rows_are_planned_as_two_rows(tmp_path: Path) -> None:
+    """On a model no mask keeps apart (BLOOM's ALiBi) a preference pair runs as two rows, its prompt
+    with each answer: the plan counted one row of prompt and both answers. Its rows are as wide
+    as training lays them out (lmtune.objectives.pair_routing)."""
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    from lmtune.config.settings import TrainConfig
+    from lmtune.data.pair_collate import PairCollator
+    from lmtune.model.modeling import byte_tokenizer, load_tokenizer
+    from lmtune.objectives.pair_routing import _answer_rows, _parts
+    from lmtune.parallel.distributed import read_dist_env
+    from lmtune.tools.plan import _QuietLog, model_obstacle, plan, row_length, setup_from
+    from lmtune.training.build import prepare_data
+
+    tok = byte_tokenizer()
+    ids = {
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+    bloom = BloomConfig(vocab_size=len(tok), hidden_size=32, n_layer=1, n_head=2, **ids)
+    AutoModelForCausalLM.from_config(bloom).save_pretrained(tmp_path / "bloom")
+    tok.save_pretrained(tmp_path / "bloom")
+    data = tmp_path / "pairs.jsonl"
+    pairs = [("a prompt of some length", "yes", "no, a rejected answer"), ("q", "a chosen answer here", "b")]
+    keys = ("prompt", "chosen", "rejected")
+    data.write_text("".join(json.dumps(dict(zip(keys, p, strict=True))) + "\n" for p in pairs))
+    for name, apart in (("tiny", False), (str(tmp_path / "bloom"), True)):
+        cfg = TrainConfig(model=name, data=str(data), objective="dpo", cache_dir=str(tmp_path / "cache"))
+        why = model_obstacle(load_config(name), "cpu")
+        assert (why is not None) == apart and (not apart or "ALiBi" in why)
+        length, padded, reason = row_length(cfg, why)
+        train = prepare_data(cfg, load_tokenizer(name), read_dist_env("cpu"), _QuietLog())[0]
+        widths = []
+        for i in range(len(train)):
+            batch = PairCollator(tok.pad_token_id)([train[i]])
+            assert batch.segment_ids is not None
+            rows = _answer_rows(batch.input_ids, batch.labels, *_parts(batch.segment_ids))
+            widths.append(rows.inputs["input_ids"].shape[1] if apart else batch.input_ids.shape[1])
+        assert length == max(widths) and padded and ("two rows" in reason) == apart, (name, widths)
+        setup = setup_from(cfg, 1, length, pairs_apart=why is not None)
+        assert setup.rows == setup.micro_batch_size * (2 if apart else 1)
+    with pytest.raises(UserError, match="--packing on"):  # as train refuses it, before measuring
+        plan(TrainConfig(model=str(tmp_path / "bloom"), packing="on"), None, False, tmp_path / "plan")
