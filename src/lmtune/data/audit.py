@@ -261,7 +261,7 @@ def audit(
     ensure_chat_template(tokenizer)
     sink = _Lengths()
     stats, sizes = EncodeStats(), list[int]()
-    repeats = Repeats()
+    repeats = Repeats(FieldMap.of(settings))
     for part in components if weights is not None else [sources]:
         read = repeats.tap(records(part, counting, bad))
         stats.merge(encode_into(read, tokenizer, counting, sink, bad))

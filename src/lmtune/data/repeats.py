@@ -1,5 +1,7 @@
-"""Records that repeat an earlier one, field for field (`lmtune data audit`): each copy trains, so a
-data set concatenated twice, or one example pasted a thousand times, weighs more than it seems."""
+"""Records that train on what an earlier one trains on (`lmtune data audit`): each copy trains, so a
+data set concatenated twice, or one example pasted a thousand times, weighs more than it seems.
+Compared by what trains (lmtune.data.formats.trained_content), so copies that differ only in an
+id or another field no format reads are found too."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lmtune.data.formats import FieldMap, trained_content
 from lmtune.data.sources import Record
 
 PLACES_KEPT = 3  # repeats named in the report, as for the other kinds of loss
@@ -22,6 +25,7 @@ class Repeats:
     """Counts the records that repeat an earlier one, keeping a few places of each pair. Per record
     24 bytes (its digest, line and item): a dict of digests held ~120 MiB per million records."""
 
+    names: FieldMap  # the data set's names for lmtune's fields (--field-map)
     _digests: array[int] = field(default_factory=lambda: array("Q"))
     _lines: array[int] = field(default_factory=lambda: array("q"))
     _items: array[int] = field(default_factory=lambda: array("q"))  # a record's number on a shared line
@@ -29,14 +33,15 @@ class Repeats:
     _sources: list[str] = field(default_factory=list)
 
     def tap(self, records: Iterable[Record]) -> Iterator[Record]:
-        """``records`` as they are, each one's fields noted."""
+        """``records`` as they are, what each one trains on noted."""
         for record in records:
             if not self._sources or self._sources[-1] != record.source:
                 self._sources.append(record.source)
                 self._starts.append(len(self._lines))
             self._lines.append(record.line)
             self._items.append(record.item)
-            text = json.dumps(record.fields, sort_keys=True, ensure_ascii=False, default=str)
+            content = trained_content(record, self.names)
+            text = json.dumps(content, sort_keys=True, ensure_ascii=False, default=str)
             digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
             self._digests.append(int.from_bytes(digest, "little"))
             yield record
@@ -68,6 +73,7 @@ class Repeats:
         more = f" and {count - len(places):,} more" if count > len(places) else ""
         noun = "record repeats" if count == 1 else "records repeat"
         return (
-            f"  repeated records    {count:,} {noun} an earlier one field for field ({shown}{more}); "
-            "each copy trains (a copy held out by --eval-split is trained on as well)"
+            f"  repeated records    {count:,} {noun} what an earlier one trains on ({shown}{more}; "
+            "fields no format reads, such as an id, aside); each copy trains (a copy held out by "
+            "--eval-split is trained on as well)"
         )

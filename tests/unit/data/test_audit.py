@@ -310,21 +310,49 @@ def test_records_that_repeat_an_earlier_one_are_counted_and_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A file given twice, or a record pasted over and over, trains each copy; the audit said
-    nothing. Field for field across files (key order aside), with the first places of the repeats;
-    the verdict is unchanged (repeating may be meant)."""
+    nothing. By what trains, across files, with the first places of the repeats: copies that
+    differ only in a field no format reads (an id) count, copies that train otherwise do not (a
+    turn flagged not to train); the verdict is unchanged (repeating may be meant)."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text('{"text": "one"}\n{"prompt": "p", "completion": "c"}\n{"text": "two"}\n{"text": "one"}\n')
     b.write_text('{"completion": "c", "prompt": "p"}\n{"text": "three"}\n{"text": "One"}\n')
     assert main(["data", "audit", f"{a},{b}", "--global-batch-size", "2"]) == 0  # clean all the same
     out = capsys.readouterr().out
     said = (
-        f"repeated records    2 records repeat an earlier one field for field ({a}:4 = {a}:1, {b}:1 = {a}:2)"
+        f"repeated records    2 records repeat what an earlier one trains on ({a}:4 = {a}:1, {b}:1 = {a}:2;"
     )
     assert said in out
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    flagged = [chat[0], {**chat[1], "weight": 0}]
+    rows = [
+        {"id": 1, "messages": chat},
+        {"id": 2, "messages": chat, "source": "web"},  # the same turns: a repeat
+        {"id": 3, "messages": flagged},  # the reply does not train: not a repeat
+        {"id": 4, "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+        {"id": 5, "question": "p", "answer": "c"},  # mapped: p/c as in a.jsonl, but this file's first
+        {"id": 6.0, "question": "p", "answer": "c"},
+    ]
+    d = tmp_path / "d.jsonl"
+    d.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main(
+        [
+            "data",
+            "audit",
+            str(d),
+            "--global-batch-size",
+            "2",
+            "--field-map",
+            "prompt=question,completion=answer",
+        ]
+    )
+    assert (
+        f"3 records repeat what an earlier one trains on ({d}:2 = {d}:1, {d}:4 = {d}:1, {d}:6 = {d}:5;"
+        in (capsys.readouterr().out)
+    )
     listed = tmp_path / "one_line.json"  # records sharing a line are named by their number
     listed.write_text('[{"text": "same"}, {"text": "other"}, {"text": "same"}]')
     main(["data", "audit", str(listed), "--global-batch-size", "2"])
-    assert f"({listed}:1 (record 3) = {listed}:1 (record 1))" in capsys.readouterr().out
+    assert f"({listed}:1 (record 3) = {listed}:1 (record 1);" in capsys.readouterr().out
     c = tmp_path / "c.jsonl"
     c.write_text('{"text": "one"}\n{"text": "two"}\n')
     main(["data", "audit", str(c), "--global-batch-size", "2"])
