@@ -152,7 +152,7 @@ def _run(run: RunContext) -> TrainResult:
     data, eval_loader = loaders(run, built)
     probe = Probe(env.device, cfg.model.precision, run.threads, built.products.fp32)
     peak = best_peak_flops(probe, cache_root() / PEAKS_FILE, store=env.is_main, info=log.info)
-    mfu = mfu_meter(built.loaded.model, bool(built.loss.chunk), peak, env.world_size, log)
+    mfu = mfu_meter(built.loaded.model, bool(built.loss.chunk), peak.flops, env.world_size, log)
     loop = LoopParts(
         callbacks=_components(run, built, state, mfu, timeouts),
         evaluator=_evaluator(run, built, eval_loader, best, timeouts),

@@ -223,9 +223,11 @@ def test_a_path_that_cannot_be_written_is_a_user_error(
 
 def test_mfu_over_100_percent_is_never_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import lmtune.train
+    from lmtune.training.perf import Peak
 
     monkeypatch.setenv("LMTUNE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(lmtune.train, "best_peak_flops", lambda *a, **k: 1e6)  # far below any CPU
+    far_below_any_cpu = Peak(1e6, False)
+    monkeypatch.setattr(lmtune.train, "best_peak_flops", lambda *a, **k: far_below_any_cpu)
     out = tmp_path / "out"
     assert main(["train", "--max-steps", "3", "--no-progress", "--output-dir", str(out)]) == 0
     assert all(r["mfu"] is None for r in train_rows(out))

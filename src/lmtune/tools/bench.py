@@ -38,6 +38,7 @@ class BenchRow:
     tokens_per_s: float = 0.0
     tokens_per_s_per_device: float = 0.0
     mfu: float = 0.0
+    peak_busy: bool = False  # MFU's peak is not settled and was probed on busy cores: it may read high
     peak_memory_mib: float = 0.0  # largest over the ranks
     step_ms: float = 0.0
     phase_ms: dict[str, float] | None = None
@@ -71,6 +72,7 @@ def _measure(out: Path, warmup: int, devices: int) -> BenchRow:
         tokens_per_s_per_device=throughput / devices,
         # A step whose MFU was over 100% has none (its peak was measured low): then no mean either.
         mfu=statistics.mean(r["mfu"] if r["mfu"] is not None else math.nan for r in timed),
+        peak_busy=bool(run["resolved"].get("peak_flops_busy")),
         peak_memory_mib=peak,
         step_ms=1000 * sum(r["tokens"] for r in timed) / throughput / len(timed),
         phase_ms=phases,
@@ -142,11 +144,16 @@ def format_table(rows: list[BenchRow]) -> str:
             continue
         ph = r.phase_ms or {}
         split = " / ".join(f"{ph.get(p, 0.0):.1f}" for p in PHASES)
-        mfu = f"{100 * r.mfu:>6.0f}%" if math.isfinite(r.mfu) else f"{'n/a':>7}"
+        mfu = f"{100 * r.mfu:>5.0f}%{'*' if r.peak_busy else ' '}" if math.isfinite(r.mfu) else f"{'n/a':>7}"
         lines.append(
             f"{r.strategy:<9}{r.precision:<10}{r.devices:>8}{r.tokens_per_s:>11,.0f}"
             f"{r.tokens_per_s_per_device:>10,.0f}{mfu}{r.peak_memory_mib:>10,.0f}"
             f"{r.step_ms:>9.1f}  {split}"
+        )
+    if any(r.peak_busy for r in rows if r.status == "ok"):
+        lines.append(
+            "* the matmul peak MFU divides by was probed while other processes held the cores, so this "
+            "MFU may read high: run lmtune bench --measure-peak on a quiet machine"
         )
     return "\n".join(lines)
 

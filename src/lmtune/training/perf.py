@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -157,9 +157,14 @@ def _read_peaks(path: Path) -> dict[str, tuple[float, int]]:
     return peaks
 
 
+class Peak(NamedTuple):
+    flops: float
+    busy: bool  # not settled, and probed while other processes held the cores: MFU may read high
+
+
 def best_peak_flops(
     probe: Probe, cache: Path, store: bool = True, info: Callable[[str], None] = lambda _: None
-) -> float:
+) -> Peak:
     """The matmul peak for MFU: the best of this run's probe and every earlier one cached for the
     same machine, device, precision and thread count. One short probe at a busy moment reads low
     (3x apart between runs on a loaded machine), which made MFU read over 100%; the best kept over
@@ -170,7 +175,7 @@ def best_peak_flops(
     key = _peak_key(probe)
     known, quiet = _read_peaks(cache).get(key, (0.0, 0))
     if quiet >= SETTLED_PROBES:
-        return known
+        return Peak(known, False)
     measured, was_quiet = probe_peak(probe, seconds=0.3)
     if not was_quiet:
         info(
@@ -181,7 +186,7 @@ def best_peak_flops(
     if store:
         with suppress(OSError):  # a read-only cache costs only the remembering
             _store_peak(cache, key, max(measured, known), quiet + was_quiet)
-    return max(measured, known)
+    return Peak(max(measured, known), not was_quiet)
 
 
 def measure_and_store_peak(probe: Probe, cache: Path) -> tuple[float, bool]:

@@ -30,7 +30,7 @@ from lmtune.training.build import Built
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitResult
 from lmtune.training.optim import default_lr
-from lmtune.training.perf import peak_memory_bytes
+from lmtune.training.perf import Peak, peak_memory_bytes
 from lmtune.training.reference import needs_reference
 
 
@@ -81,7 +81,7 @@ def result_record(result: FitResult, built: Built, run: RunContext) -> dict[str,
 
 
 def run_record(
-    run: RunContext, built: Built, resumed: tuple[Path | None, list[dict[str, Any]]], peak: float
+    run: RunContext, built: Built, resumed: tuple[Path | None, list[dict[str, Any]]], peak: Peak
 ) -> dict[str, Any]:
     """run.json before training; ``resumed``: the checkpoint the run continues and what each resume
     changed (lmtune.checkpoint.manager's). The start line says the same in short."""
@@ -110,7 +110,8 @@ def run_record(
         "resume_path": str(Path(given).resolve()) if names_checkpoint(given) else None,  # any cwd's
         # What each resume changed, from which step: the settings above are the last attempt's.
         "changed_on_resume": resumed[1],
-        "peak_flops_per_device": peak,
+        "peak_flops_per_device": peak.flops,
+        "peak_flops_busy": peak.busy,  # the matmul peak is not settled and was probed on busy cores
     }
     units = f" ({built.paths.units.describe()})" if env.device.type == "cpu" else ""
     run.log.info(

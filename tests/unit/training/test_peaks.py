@@ -31,7 +31,7 @@ def test_the_first_runs_probe_and_keep_the_best_then_later_runs_take_it(
     probe = Probe(torch.device("cpu"), "fp32", threads=2)
     seen = [best_peak_flops(probe, cache) for _ in range(SETTLED_PROBES + 2)]
     assert len(probes) == SETTLED_PROBES  # later runs did not probe
-    assert seen == [2e9, 5e9, 5e9, 5e9, 5e9]
+    assert seen == [(f, False) for f in (2e9, 5e9, 5e9, 5e9, 5e9)]
     (entry,) = json.loads(cache.read_text()).values()
     assert entry == {"flops": 5e9, "quiet_probes": SETTLED_PROBES}
 
@@ -49,8 +49,9 @@ def test_probes_on_a_busy_machine_never_settle_the_peak(
     cache.write_text(json.dumps({perf._peak_key(probe): {"flops": 1e9, "probes": SETTLED_PROBES}}))
     said: list[str] = []
     seen = [best_peak_flops(probe, cache, info=said.append) for _ in range(4 + SETTLED_PROBES + 1)]
-    assert seen == [1e9] * 4 + [3e9] * (SETTLED_PROBES + 1)
-    # The busy runs' logs say so (their MFU reads high), the quiet ones' do not.
+    assert seen == [(1e9, True)] * 4 + [(3e9, False)] * (SETTLED_PROBES + 1)
+    # The busy runs' logs and run.json (Peak.busy, which lmtune bench reads) say so (their MFU
+    # reads high), the quiet ones' do not.
     assert len(said) == 4 and said[0].startswith("mfu: the matmul peak (1.0 GFLOP/s) was probed while other")
     assert json.loads(cache.read_text())[perf._peak_key(probe)] == {
         "flops": 3e9,
@@ -85,9 +86,9 @@ def test_a_rank_that_does_not_store_reads_the_cache_and_an_old_entry_is_probed_a
     cache = tmp_path / "peaks.json"
     probe = Probe(torch.device("cpu"), "bf16", threads=1)
     cache.write_text(json.dumps({perf._peak_key(probe): 4e9, "other": "junk"}))  # the earliest format
-    assert best_peak_flops(probe, cache, store=False) == 4e9
+    assert best_peak_flops(probe, cache, store=False).flops == 4e9
     assert json.loads(cache.read_text())[perf._peak_key(probe)] == 4e9  # not written
-    assert best_peak_flops(probe, cache) == 4e9
+    assert best_peak_flops(probe, cache).flops == 4e9
     assert json.loads(cache.read_text())[perf._peak_key(probe)] == {"flops": 4e9, "quiet_probes": 1}
 
 
@@ -144,3 +145,25 @@ def test_measure_peak_replaces_the_peak_on_a_quiet_machine_and_only_raises_it_on
     assert json.loads(cache.read_text())[key] == {"flops": 2e9, "quiet_probes": SETTLED_PROBES}
     monkeypatch.setattr(perf, "probe_peak", lambda *_, **__: (1.5e9, True))  # a slower machine now
     assert perf.measure_and_store_peak(probe, cache) == (1.5e9, True)
+
+
+def test_bench_marks_an_mfu_whose_peak_was_probed_on_busy_cores(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """train's log says when MFU's peak is unsettled and was probed on busy cores (MFU may read
+    high); lmtune bench's table showed such an MFU as if it were sound."""
+    from dataclasses import replace
+
+    from lmtune.cli import main
+    from lmtune.tools.bench import _measure, format_table
+
+    monkeypatch.setenv("LMTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(perf, "probe_peak", lambda *_, **__: (1e14, False))
+    out = tmp_path / "out"
+    assert main(["train", "--max-steps", "3", "--no-progress", "--output-dir", str(out)]) == 0
+    busy = _measure(out, 1, 1)
+    assert busy.peak_busy and json.loads((out / "run.json").read_text())["resolved"]["peak_flops_busy"]
+    table = format_table([busy, replace(busy, strategy="ddp", peak_busy=False)]).splitlines()
+    assert table[2].split()[5].endswith("%*") and table[3].split()[5].endswith("%")
+    assert table[-1].startswith("* the matmul peak MFU divides by was probed while other processes held")
+    assert "*" not in format_table([replace(busy, peak_busy=False)])
