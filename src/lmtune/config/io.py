@@ -254,15 +254,17 @@ def _named_settings(
     for key, value in loaded.items():
         name = str(key).replace("-", "_")
         group = GROUPS.get(name)
-        place = f"--config {path}" + (f":{lines[str(key)]}" if str(key) in lines else "")
-        entries = _group_entries(name, value, place) if group and isinstance(value, dict) else {name: value}
-        for flat, item in entries.items():
+        entries = {name: (str(key), value)}
+        if group and isinstance(value, dict):
+            entries = _group_entries(name, value, f"--config {path}", {str(key): lines})
+        for flat, (given, item) in entries.items():
             if flat in settings:
                 first = lines.get(origin[flat])
                 at = f" on line {first}" if first else ""
-                both = f"as {one_line(origin[flat], 60)}{at} and {one_line(str(key), 60)}"
-                raise UserError(f"{place}: {flat} is set twice ({both}); give it once")
-            settings[flat], origin[flat] = item, str(key)
+                both = f"as {one_line(origin[flat], 60)}{at} and {one_line(given, 60)}"
+                here = f"--config {path}" + (f":{lines[given]}" if given in lines else "")
+                raise UserError(f"{here}: {flat} is set twice ({both}); give it once")
+            settings[flat], origin[flat] = item, given
 
     def where(flat: str) -> str:
         line = lines.get(origin.get(flat, flat))
@@ -299,7 +301,8 @@ def _named_settings(
 
 
 def _key_lines(text: str, path: str) -> dict[str, int]:
-    """The line of each top-level key of a YAML mapping (the node graph: nothing is expanded).
+    """The line of each top-level key of a YAML mapping, and of each key of a mapping under one
+    (``batch.packing``: a group's settings), from the node graph (nothing is expanded).
 
     Raises:
         UserError: for a key given twice, which YAML loaders resolve silently (the last wins).
@@ -308,30 +311,45 @@ def _key_lines(text: str, path: str) -> dict[str, int]:
     if not isinstance(node, yaml.MappingNode):
         return {}
     lines: dict[str, int] = {}
-    for key, _ in node.value:
-        name, line = str(key.value), key.start_mark.line + 1
+
+    def note(key: yaml.Node, name: str) -> None:
+        line = key.start_mark.line + 1
         if name in lines:
             raise UserError(
                 f"--config {path}:{line}: {one_line(name, 60)} is set twice (also on line {lines[name]}); "
                 "give it once"
             )
         lines[name] = line
+
+    for key, value in node.value:
+        note(key, str(key.value))
+        if isinstance(value, yaml.MappingNode):
+            for sub, _ in value.value:
+                note(sub, f"{key.value}.{sub.value}")
     return lines
 
 
-def _group_entries(group: str, values: dict[Any, Any], place: str) -> dict[str, Any]:
-    """A nested group (``lora: {rank: 16}``) as flat settings (``lora_rank: 16``); a key may be the
-    group's field name or the setting's flat name. ``place``: ``--config FILE:LINE`` of the group."""
+def _group_entries(
+    group: str, values: dict[Any, Any], place: str, lines: dict[str, dict[str, int]]
+) -> dict[str, tuple[str, Any]]:
+    """A nested group (``lora: {rank: 16}``) as flat settings (``lora_rank: 16``), each with the
+    key that gave it (``lora.rank``); a key may be the group's field name or the setting's flat
+    name. ``place``: ``--config FILE``; ``lines``: the group's key as the file writes it -> the
+    file's key lines (:func:`_key_lines`)."""
     fields = {s.field: s.name for s in config_fields() if s.group == group}
     flat_names = set(fields.values())
+    ((written, file_lines),) = lines.items()
     entries = {}
     for key, value in values.items():
         name = str(key).replace("-", "_")
+        given = f"{written}.{key}"
         if name not in fields and name not in flat_names:
+            line = file_lines.get(given, file_lines.get(written))
             raise UserError(
-                f"{place}: {group}: unknown setting {brief(key)} (its settings: {', '.join(fields)})"
+                f"{place}{f':{line}' if line else ''}: {group}: unknown setting {brief(key)} (its settings: "
+                f"{', '.join(fields)})"
             )
-        entries[fields.get(name, name)] = value
+        entries[fields.get(name, name)] = (given, value)
     return entries
 
 

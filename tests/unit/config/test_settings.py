@@ -319,7 +319,7 @@ def test_settings_live_in_groups_with_flat_names(tmp_path: Path) -> None:
     twice.write_text("lora: {rank: 8}\nlora_rank: 4\n")
     with pytest.raises(
         UserError,
-        match=r"twice.yaml:2: lora_rank is set twice \(as lora on line 1 and lora_rank\); give it once",
+        match=r"twice.yaml:2: lora_rank is set twice \(as lora.rank on line 1 and lora_rank\); give it once",
     ):
         load_yaml(str(twice))
     wrong = tmp_path / "wrong.yaml"
@@ -328,6 +328,31 @@ def test_settings_live_in_groups_with_flat_names(tmp_path: Path) -> None:
         UserError, match=r"wrong\.yaml:2: optim: unknown setting 'learning_rate' \(its settings: name, lr"
     ):
         load_yaml(str(wrong))
+
+
+def test_a_group_written_as_a_block_names_each_keys_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each problem of a group written as a block names its own key's line; all named the group's."""
+    block = tmp_path / "block.yaml"
+    for text, said in (
+        (
+            "batch:\n  packing: auto\n  global_batch_size: 0\n",
+            "block.yaml:3: global_batch_size: must be >= 1",
+        ),
+        ("batch:\n  packing: auto\n  packin: on\n", "block.yaml:3: batch: unknown setting 'packin'"),
+        (
+            "batch:\n  packing: auto\n  packing: off\n",
+            "block.yaml:3: batch.packing is set twice (also on line 2)",
+        ),
+        (
+            "lr: 1.0\noptim:\n  name: adamw\n  lr: 2.0\n",
+            "block.yaml:4: lr is set twice (as lr on line 1 and optim.lr)",
+        ),
+    ):
+        block.write_text(text)
+        assert main(["train", "--config", str(block), "--output-dir", str(tmp_path / "out")]) == 2
+        assert said in capsys.readouterr().err, text
 
 
 def test_help_shows_the_groups(capsys: pytest.CaptureFixture[str]) -> None:
