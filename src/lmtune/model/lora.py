@@ -79,9 +79,6 @@ def add_lora(
                 "dropout: give --lora-dropout 0, or --lora-target-modules naming linear layers",
             )
         config.lora_dropout = 0.0
-        info(
-            "LoRA: no dropout (--lora-dropout 0): peft adapts this model's MoE expert weights only without it"
-        )
     try:
         # peft reads transformers' is_gradient_checkpointing, which warns of its own deprecation.
         with _quiet_peft(), _tied_head_handled():
@@ -93,7 +90,11 @@ def add_lora(
     if isinstance(targets, list):
         adapted = [name for name, m in wrapped.named_modules() if hasattr(m, "lora_A")]
         check_every_target(wrapped, adapted, targets, names)
-    elif experts := _unadapted_experts(wrapped):
+    if config.lora_dropout != settings.dropout:  # said once the targets are known good
+        info(
+            "LoRA: no dropout (--lora-dropout 0): peft adapts this model's MoE expert weights only without it"
+        )
+    if targets == "all-linear" and (experts := _unadapted_experts(wrapped)):
         info(
             f"LoRA: the MoE experts ({experts}: weights, not linear layers) are not adapted, as peft maps "
             "such weights for some models only; the adapter trains the other linear layers"
