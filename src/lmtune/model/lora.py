@@ -87,6 +87,11 @@ def add_lora(
         if isinstance(targets, list) and "not found in the base model" in str(e):
             check_every_target(model, [], targets, names)  # the model's own names say what would match
         raise SettingError("lora_target_modules", f"--lora-target-modules {names}", str(e)) from None
+    found: Any = wrapped.peft_config["default"]  # type: ignore[index]
+    if exclude and isinstance(found.target_modules, set):
+        # peft lists all-linear's layers before it leaves the excluded out: its adapter_config.json
+        # would name layers that have no adapter.
+        found.target_modules = {t for t in found.target_modules if not any(is_target(t, e) for e in exclude)}
     if isinstance(targets, list):
         adapted = [name for name, m in wrapped.named_modules() if hasattr(m, "lora_A")]
         check_every_target(wrapped, adapted, targets, names)

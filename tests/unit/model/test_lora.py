@@ -3,6 +3,7 @@ and adapter computed, also where an adapted head or input embedding shares its w
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,11 @@ def test_default_lora_adapts_moe_experts_without_dropout_and_leaves_mambas_unada
         if "lora_A" in name
     }
     assert names and not names & {"out_proj", "conv1d"}
+    # Its adapter_config.json names only layers that have an adapter (peft listed out_proj too).
+    save_adapter(adapted, tmp_path / "mamba", adapter_state(adapted))
+    listed = json.loads((tmp_path / "mamba" / "adapter_config.json").read_text())["target_modules"]
+    assert {t.rpartition(".")[2] for t in listed} == names
+    _check_adapter(tmp_path / "mamba")
     moe_model = AutoModelForCausalLM.from_config(moe)
     said.clear()  # refused for its targets: no word of the dropout it would have changed
     with pytest.raises(SettingError, match=r"down_proj, gate_up_proj: MoE expert weights, which all-linear"):
