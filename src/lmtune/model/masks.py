@@ -93,9 +93,18 @@ def unmasked_layers(model: object) -> str | None:
     # The text decoder's own: a vision or audio tower's convolutions see no text tokens.
     decoder = getattr(model, "get_decoder", lambda: model)()
     modules = decoder.modules() if isinstance(decoder, torch.nn.Module) else ()
-    if any(isinstance(m, torch.nn.Conv1d) for m in modules):
-        return f"{kind}'s convolution layers {CARRY}"
+    for module in modules:
+        if isinstance(module, nn.Conv1d):
+            return f"{kind}'s convolution layers {CARRY}"
+        if isinstance(module, nn.RNNBase):  # an LSTM or GRU of a model's own code
+            return f"{kind}'s recurrent layers ({type(module).__name__}) {CARRY}"
     return None
+
+
+def _own_code(model: object) -> bool:
+    """Whether ``model``'s modeling code came with it (``--trust-remote-code``), not transformers'."""
+    base = getattr(model, "get_base_model", lambda: model)()  # under LoRA, peft's wrapper
+    return type(base).__module__.startswith("transformers_modules.")
 
 
 def mask_obstacle(model: object) -> str | None:
@@ -114,6 +123,11 @@ def mask_obstacle(model: object) -> str | None:
         return f"{kind}'s ALiBi attention builds its position bias from a padding mask and takes no other"
     if kind == "mpt":  # its attention fills where the mask is True: transformers' masks say the opposite
         return "mpt's attention reads a mask the other way round from the masks transformers builds"
+    if _own_code(model):  # a GRU of its own packed took each example's end into the next one's start
+        return (
+            f"{kind or 'this model'}'s modeling code came with it (--trust-remote-code), and lmtune cannot "
+            "tell whether its layers keep examples apart"
+        )
     window, kinds = getattr(config, "sliding_window", None), set(getattr(config, "layer_types", None) or [])
     mixed = window is not None and kinds == ATTENTION_LAYERS
     if mixed and not takes_masks_per_layer_kind(model):  # type: ignore[arg-type]

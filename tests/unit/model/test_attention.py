@@ -290,6 +290,39 @@ def test_models_that_take_no_mask_of_ours_pad_and_are_told(tmp_path: Path) -> No
     assert mask_obstacle(mistral) is None
 
 
+def test_a_model_of_its_own_code_is_not_packed() -> None:
+    """A --trust-remote-code model with a GRU of its own was packed under --packing auto ("masked
+    attention"), its state carrying each example's end into the next one's start. An LSTM or GRU
+    is found as the convolutions are; a model whose code came with it and that does not attend
+    through transformers' attention functions takes no mask lmtune can trust."""
+    from lmtune.model.masks import mask_obstacle
+
+    class Config:
+        model_type = "grulm"
+
+    class GruLM(torch.nn.Module):
+        config = Config()
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = torch.nn.GRU(8, 8)
+
+    assert mask_obstacle(GruLM()) == (
+        "grulm's recurrent layers (GRU) carry each token into the next outside attention, where no mask "
+        "reaches"
+    )
+
+    class Own(torch.nn.Module):
+        config = Config()
+
+    assert mask_obstacle(Own()) is None
+    Own.__module__ = "transformers_modules.m.f1ca98.modeling_own"
+    assert mask_obstacle(Own()) == (
+        "grulm's modeling code came with it (--trust-remote-code), and lmtune cannot tell whether its "
+        "layers keep examples apart"
+    )
+
+
 def _lfm2(vocab: int) -> torch.nn.Module:
     """A tiny LFM2 (a short convolution, then attention) whose outputs depend on their context."""
     from transformers import AutoModelForCausalLM, Lfm2Config
