@@ -42,7 +42,7 @@ from tests.conftest import one_line_error as _error
         ),
         # Named as the file has it (an alias, a nested group), with its line.
         ("seed: 1\nlearning_rate: abc\n", "run.yaml:2: learning_rate: expected float, got 'abc'"),
-        ("lora:\n  enabled: true\n  rank: x\n", "run.yaml:1: lora_rank: expected int, got 'x'"),
+        ("lora:\n  enabled: true\n  rank: x\n", "run.yaml:3: lora.rank: expected int, got 'x'"),
         ("seed: 1\nepochs: -1\n", "run.yaml:2: epochs: must be >= 1 (got -1)"),  # a range, checked later
         # Checked as the run starts (the template read, the data split, the model's layers): still
         # named by the file's line.

@@ -288,7 +288,7 @@ def _named_settings(
     # A value of the wrong type is named as the file has it (key and line), not only by its flag.
     for key, value in settings.items():
         name = lmtune_name(key, known)
-        places[name] = f"{where(key)}{one_line(key, 60)}"
+        places[name] = f"{where(key)}{one_line(origin.get(key, key), 60)}"
         for switched, ours in value_switched(key, value).items():  # TRL's precompute_ref_log_probs
             places.setdefault(switched, f"{places[name]} ({switched} {str(ours).lower()} in lmtune)")
         if name in resolved and resolved[name] is value:

@@ -338,7 +338,7 @@ def test_a_group_written_as_a_block_names_each_keys_line(
     for text, said in (
         (
             "batch:\n  packing: auto\n  global_batch_size: 0\n",
-            "block.yaml:3: global_batch_size: must be >= 1",
+            "block.yaml:3: batch.global_batch_size: must be >= 1",
         ),
         ("batch:\n  packing: auto\n  packin: on\n", "block.yaml:3: batch: unknown setting 'packin'"),
         (
