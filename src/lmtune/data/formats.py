@@ -255,22 +255,20 @@ def render(
 
 def trained_content(record: Record, names: FieldMap) -> Any:
     """What a record's example trains on, comparable between records: its text and the spans that
-    train, a chat's turns and which of them train, a pair's prompt and answers. Its other fields
-    (an id, a source tag) are no part of it. A record of no format (a bad line): all its fields."""
+    train, a chat's turns and which train, a pair's prompt and answers; not its other fields (an
+    id). A record of no format (a bad line): all its fields."""
     mapped = names.record(record)
     fmt = detect_format(mapped.fields)
+    if fmt == "preference":  # its chat turns are checked where pairs are read
+        return [mapped.fields.get(name) for name in ("prompt", "chosen", "rejected")]
     try:
-        if fmt in ("text", "prompt_completion"):
-            rendered = render(record, fmt, names, None)
-            return [rendered.text, rendered.spans]
         if fmt in ("messages", "sharegpt"):
             turns, untrained = _conversation(mapped, fmt, names)
             return [turns, sorted(untrained)]
-        if fmt is not None:  # a pair: its chat turns are checked where pairs are read
-            return [mapped.fields.get(name) for name in ("prompt", "chosen", "rejected")]
+        rendered = render(record, "auto", names, None)  # text or prompt/completion; no format raises
+        return [rendered.text, rendered.spans]
     except UserError:
-        pass
-    return record.fields
+        return record.fields
 
 
 def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -> list[dict[str, str]]:

@@ -102,8 +102,7 @@ def run_record(
         **asdict(layout),
         "parameters": parameter_count(built.loaded.model),
         "quantization": quantization.description if quantization else None,
-        # Bytes of the quantized layers, of the rest of the base and of the adapters, when the base
-        # is quantized.
+        # Bytes of the quantized layers, of the rest of the base and of the adapters (a quantized base).
         "base_bytes": _base_bytes(built.loaded.model) if quantization else None,
         "trainable_parameters": count(p for p in built.parts.root.parameters() if p.requires_grad),
         "resumed_from": str(resumed[0]) if resumed[0] else None,

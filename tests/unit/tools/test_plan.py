@@ -471,7 +471,8 @@ def test_pairs_that_run_as_two_rows_are_planned_as_two_rows(tmp_path: Path) -> N
     from lmtune.model.modeling import byte_tokenizer, load_tokenizer
     from lmtune.objectives.pair_routing import _answer_rows, _parts
     from lmtune.parallel.distributed import read_dist_env
-    from lmtune.tools.plan import _QuietLog, model_obstacle, plan, row_length, setup_from
+    from lmtune.tools.plan import plan, setup_from
+    from lmtune.tools.rows import _QuietLog, model_obstacle, row_length
     from lmtune.training.build import prepare_data
 
     tok = byte_tokenizer()
