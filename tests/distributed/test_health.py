@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -328,3 +329,42 @@ def test_restarts_of_a_one_process_job_train_once(tmp_path: Path) -> None:
     proc = run_lmtune([*args, "--no-progress", "--output-dir", str(tmp_path / "out")], timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("lmtune: preset tiny") == 1 and "saved the model" in proc.stdout
+
+
+_JOINING = """
+import os, sys, time
+from datetime import timedelta
+from lmtune.errors import UserError
+from lmtune.parallel.distributed import _attempt_store, process_group, read_dist_env
+
+env = read_dist_env("cpu")
+if env.rank == 1:  # reaches the store, then stops before the group connects
+    store = _attempt_store(env, timedelta(seconds=30))
+    time.sleep(120)
+try:
+    with process_group(env):
+        sys.exit("joined a group of one")
+except UserError as e:
+    sys.exit(f"error: {e}")
+"""
+
+
+def test_a_process_stopped_before_the_group_connects_ends_the_join_in_its_timeout() -> None:
+    """A rank stopped at start (SIGSTOP) after it reached the store held the others in gloo's
+    connect for the collectives' 30 minutes, without a word: the join's bound covers it too."""
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    env |= {"LOCAL_WORLD_SIZE": "2", "LMTUNE_JOIN_TIMEOUT": "5"}
+    ranks = [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in (0, 1)]
+    stopped = subprocess.Popen([sys.executable, "-c", _JOINING], env=ranks[1], stderr=subprocess.DEVNULL)
+    try:
+        started = time.monotonic()
+        first = subprocess.run(
+            [sys.executable, "-c", _JOINING], env=ranks[0], capture_output=True, text=True, timeout=120
+        )
+        took = time.monotonic() - started
+    finally:
+        stopped.kill()
+        stopped.wait()
+    assert first.returncode == 1 and took < 40, (took, first.stderr)
+    assert f"error: the job's 2 processes did not all meet at 127.0.0.1:{port} within 5s" in first.stderr

@@ -189,12 +189,15 @@ def process_group(env: DistEnv, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
     address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '29500')}"
     try:
         store = _attempt_store(env, join)
+        # Bounded by the join too: a process that reached the store and stopped before the group
+        # connected (SIGSTOP'd at start) held the others in gloo's connect for the collectives' 30
+        # minutes, without a word.
         dist.init_process_group(
             backend=env.backend,
             store=store,
             rank=env.rank,
             world_size=env.world_size,
-            timeout=timeout,
+            timeout=join,
             device_id=env.device if env.device.type == "cuda" else None,
         )
     except (DistError, RuntimeError) as e:
@@ -204,6 +207,7 @@ def process_group(env: DistEnv, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
             f"{join.total_seconds():.0f}s ({first}); check that every process was started and can reach it"
         ) from None
     store.set_timeout(timeout)
+    dist.distributed_c10d._set_pg_timeout(timeout)
     try:
         yield env
     finally:
