@@ -231,6 +231,7 @@ def test_a_full_disk_stops_with_a_message_and_keeps_the_last_checkpoint(
     argv += ["--global-batch-size", "8", "--keep-last", "0", "--no-progress"]
     err = _error(argv, capsys)
     assert "too little room on its disk for 2 checkpoints of this run at once" in err
+    assert "written before the oldest goes) and its final model (about" in err
     monkeypatch.setattr(store, "free_bytes", lambda folder: 1 << 40)
     err = _error(argv, capsys)
     assert "no space left on device while saving step 4 to" in err and "MB needed" in err
@@ -251,7 +252,8 @@ def test_a_disk_too_small_for_a_checkpoint_is_refused_before_the_first_step(
         out = disk / "out"
         argv = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "1", "--no-progress"]
         err = _error([*argv, "--save-every", "1", "--global-batch-size", "8"], capsys)
-        assert f"--output-dir {out}: too little room on its disk for one checkpoint of this run (about" in err
+        said = f"--output-dir {out}: too little room on its disk for one checkpoint and the final model"
+        assert said + " of this run (about" in err
         assert (
             "MB needed, 8.0 MB free); free some space or choose another --output-dir; --save-every 0" in err
         )
@@ -264,6 +266,11 @@ def test_a_disk_too_small_for_a_checkpoint_is_refused_before_the_first_step(
         assert (
             "too little room on its disk for the final model of this run" in err and "--save-every" not in err
         )
+    with mounted_tmpfs(tmp_path / "disk-13", "size=13m") as disk:  # the checkpoint fits, not the final model
+        argv = ["train", "--data", str(data), "--output-dir", str(disk / "out"), "--max-steps", "2"]
+        err = _error([*argv, "--global-batch-size", "8", "--no-progress"], capsys)
+        assert "too little room on its disk for one checkpoint and the final model of this run" in err
+        assert not (disk / "out" / "checkpoints").exists()  # it was found at the end, after the save
     with mounted_tmpfs(tmp_path / "disk-16", "size=16m") as disk:
         argv = ["train", "--data", str(data), "--output-dir", str(disk / "out"), "--max-steps", "3"]
         argv += ["--save-every", "1", "--keep-last", "1", "--global-batch-size", "8", "--no-progress"]

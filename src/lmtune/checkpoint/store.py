@@ -187,8 +187,8 @@ def check_room(
     output_dir: Path, parts: ModelParts, optimizer: torch.optim.Optimizer, env: DistEnv, saves: Saves
 ) -> None:
     """Before the first step, refused on every rank (rank 0 judges) where the disk cannot hold the
-    checkpoints the run keeps at once (or, without checkpoints, its final model): otherwise found at
-    a save, after every step before it."""
+    checkpoints the run keeps at once and its final model, written beside them: otherwise found at
+    a save (or at the end), after every step before it."""
     from lmtune.checkpoint.state import optimizer_state_estimate
 
     def problem() -> str:
@@ -199,20 +199,20 @@ def check_room(
             state = optimizer_state_estimate(saves.optimizer, trained, saves.momentum)
             # A resumed optimizer's own state, where it holds more than the estimate.
             one = max(_estimate_bytes(parts, optimizer, env), weights + state)
-        needed, free = max(saves.copies, 1) * one, free_bytes(output_dir)
+        needed, free = saves.copies * one + weights, free_bytes(output_dir)
         if free >= room(needed):
             return ""
         what = (
             "the final model of this run"
             if not saves.copies
-            else "one checkpoint of this run"
+            else "one checkpoint and the final model of this run"
             if saves.copies == 1
             else f"{saves.copies} checkpoints of this run at once (those --keep-last keeps, and each new one "
-            "written before the oldest goes)"
+            "written before the oldest goes) and its final model"
         )
         fewer = (
             "; a smaller --keep-last needs fewer"
-            if saves.copies > 1 and saves.keep_last != 1 and free >= room(2 * one)
+            if saves.copies > 1 and saves.keep_last != 1 and free >= room(2 * one + weights)
             else "; --save-every 0 saves only the final model, which fits"
             if saves.copies and free >= room(weights)
             else ""
