@@ -271,6 +271,10 @@ def test_a_disk_too_small_for_a_checkpoint_is_refused_before_the_first_step(
         err = _error([*argv, "--global-batch-size", "8", "--no-progress"], capsys)
         assert "too little room on its disk for one checkpoint and the final model of this run" in err
         assert not (disk / "out" / "checkpoints").exists()  # it was found at the end, after the save
+        # doctor without --model sizes train's default model there (it said "ok" on a 12 MB disk).
+        main(["doctor", "--output-dir", str(disk / "out")])
+        assert "of the default model, tiny (--model: yours)" in (printed := capsys.readouterr().out)
+        assert re.search(r"warn +free disk +13\.0 MB free", printed), printed
     with mounted_tmpfs(tmp_path / "disk-16", "size=16m") as disk:
         argv = ["train", "--data", str(data), "--output-dir", str(disk / "out"), "--max-steps", "3"]
         argv += ["--save-every", "1", "--keep-last", "1", "--global-batch-size", "8", "--no-progress"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lmtune.errors import UserError
+from lmtune.errors import UserError, megabytes
 from lmtune.parallel.distributed import DistEnv, all_gather_object, all_reduce_sum, barrier, broadcast_object
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -236,8 +236,11 @@ def _shared_folder(env: DistEnv, folder: Path, name: str, remedy: str = "") -> C
 def _disk(env: DistEnv, folder: Path, model: str | None) -> Check:
     # The folder may not exist (yet): its disk is that of the nearest folder above it that does.
     free = shutil.disk_usage(next(f for f in (folder, *folder.parents) if f.exists())).free
-    if model is None:
-        return Check("free disk", OK, f"{free / 2**30:,.1f} GiB free in {folder}")
+    named = model
+    if model is None:  # train's: a 12 MB disk passed as "ok", and the run failed writing final/
+        from lmtune.config.groups import ModelSettings
+
+        model, named = ModelSettings().name, f"the default model, {ModelSettings().name} (--model: yours)"
     params = _parameters(model)
     # A full fine-tuning checkpoint: fp32 weights and AdamW's two moments, then final/ (fp32).
     checkpoint = params * 12
@@ -246,10 +249,13 @@ def _disk(env: DistEnv, folder: Path, model: str | None) -> Check:
     return Check(
         "free disk",
         status,
-        f"{free / 2**30:,.1f} GiB free in {folder}; a checkpoint of {model} "
-        f"({params / 1e6:,.0f}M parameters) takes ~{checkpoint / 2**30:,.1f} GiB, "
-        f"two and final/ ~{need / 2**30:,.1f} GiB",
+        f"{_disk_size(free)} free in {folder}; a checkpoint of {named} ({params / 1e6:,.0f}M parameters) "
+        f"takes ~{_disk_size(checkpoint)}, two and final/ ~{_disk_size(need)}",
     )
+
+
+def _disk_size(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 1 << 30 else megabytes(n)
 
 
 def _parameters(model: str) -> int:
