@@ -208,7 +208,7 @@ def _components(
     cfg, env, log = run.cfg, run.env, run.log
     components: list[cb.Callback | None] = [
         cb.HeartbeatStep(run.heartbeat),
-        cb.NanPolicy(cfg.health.on_nan, log),
+        cb.NanPolicy(cfg.health.on_nan, log, run.output_dir),
         cb.StepLogger(log, cfg.logging.log_every, mfu, env.device),
         cb.ExampleOrder(ExampleOrderLog(run.output_dir, env.rank, start.step, built.train_data.sources))
         if cfg.logging.record_samples

@@ -390,3 +390,27 @@ def test_eval_split_settings_are_checked(tmp_path: Path, capsys: pytest.CaptureF
     )
     assert "a fraction in (0, 1) or a whole number" in _error([*base, "--eval-split", "1.5"], capsys)
     assert "--eval-split 100: holds out 100 of 40 examples" in _error([*base, "--eval-split", "100"], capsys)
+
+
+def test_a_run_that_skipped_steps_says_so_at_the_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--on-nan skip with 26 of 30 updates dropped ended as quietly as a run with none."""
+    monkeypatch.setenv("LMTUNE_FAULT_NAN_AT_STEP", "2")
+    argv = [
+        "train",
+        "--max-steps",
+        "4",
+        "--on-nan",
+        "skip",
+        "--no-progress",
+        "--output-dir",
+        str(tmp_path / "o"),
+    ]
+    assert main(argv) == 0
+    said = capsys.readouterr()
+    assert (
+        "warning: 1 of the run's 4 steps were skipped (--on-nan skip: a non-finite loss"
+        in said.out + said.err
+    )
+    assert "a lower --lr may help" in said.out + said.err  # a quarter of the run

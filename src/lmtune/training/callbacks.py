@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from lmtune.checkpoint.layout import saved_checkpoints
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.run_groups import EvalSettings
 from lmtune.data.pairs import examples_noun
@@ -185,17 +187,27 @@ class NanPolicy(Callback):
     """--on-nan: a step whose loss or gradient norm was not finite (no rank applied its update)
     stops the run, or is counted and logged."""
 
-    def __init__(self, on_nan: str, log: RunLog):
-        self.on_nan, self.log = on_nan, log
+    def __init__(self, on_nan: str, log: RunLog, output_dir: Path):
+        self.on_nan, self.log, self.output_dir = on_nan, log, output_dir
 
     def on_step_end(self, step: StepEnd, control: Control) -> None:
         if not step.result.nonfinite:
             return
         state = step.state
         if self.on_nan == "stop":
+            saved = saved_checkpoints(self.output_dir)
+            # It said "the last checkpoint is intact" where none was saved; and a changed setting
+            # cannot continue a run that has none.
+            then = (
+                f"{saved[-1]} is intact: continue from it with a lower --lr, or --on-nan skip to skip "
+                "such steps"
+                if saved
+                else "no checkpoint was saved yet: start again with a lower --lr, or --on-nan skip to skip "
+                "such steps (with --overwrite, as this run has nothing to continue)"
+            )
             raise TrainingStopped(
                 f"non-finite loss or gradient norm at step {state.step}; the update was not applied and "
-                "training stopped (the last checkpoint is intact; --on-nan skip skips such steps instead)"
+                f"training stopped; {then}"
             )
         self.log.info(
             f"step {state.step}: non-finite loss or gradient norm, update skipped "

@@ -56,6 +56,16 @@ def finish(
     final_dir = checkpoints.save_final()
     what = "LoRA adapter (PEFT format)" if cfg.lora.enabled else "model"
     log.info(f"saved the {what} to {final_dir} ({trained})")
+    if skipped := result.state.skipped_steps:  # 26 of 30 skipped ended as quietly as none
+        log.info(
+            f"warning: {skipped} of the run's {result.state.step} steps were skipped (--on-nan skip: a "
+            "non-finite loss or gradient norm), their updates not applied"
+            + (
+                "; the model may have trained little: a lower --lr may help"
+                if skipped * 10 > result.state.step
+                else ""
+            )
+        )
     if cfg.lora.merge and env.is_main:
         save_merged(run, built, final_dir)
     record["result"]["final_step"] = steps

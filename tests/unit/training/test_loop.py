@@ -289,11 +289,14 @@ def test_a_poisoned_step_is_not_applied_and_the_policy_decides(
     with _built(tmp_path, "skip", on_nan="skip") as (run, b):
         recorder = Recorder()
         beat = _poison_step_2(run, b, monkeypatch)
-        result = _fit(run, b, _fresh_state(b), [beat, NanPolicy("skip", run.log), recorder])
+        result = _fit(run, b, _fresh_state(b), [beat, NanPolicy("skip", run.log, run.output_dir), recorder])
         assert result.state.step == STEPS and result.state.skipped_steps == 1
         assert [s.result.nonfinite for s in recorder.steps][:3] == [False, True, False]
-    with _built(tmp_path, "stop") as (run, b), pytest.raises(TrainingStopped, match="step 2"):
-        _fit(run, b, _fresh_state(b), [_poison_step_2(run, b, monkeypatch), NanPolicy("stop", run.log)])
+    # Without a checkpoint it said "the last checkpoint is intact", and what it advised was refused.
+    none_yet = r"step 2; .* no checkpoint was saved yet: start again with a lower --lr, .*--overwrite"
+    with _built(tmp_path, "stop") as (run, b), pytest.raises(TrainingStopped, match=none_yet):
+        policy = NanPolicy("stop", run.log, run.output_dir)
+        _fit(run, b, _fresh_state(b), [_poison_step_2(run, b, monkeypatch), policy])
 
 
 def test_a_signal_saves_the_step_and_stops(tmp_path: Path) -> None:
