@@ -137,3 +137,13 @@ def one_line(text: str, limit: int = 200) -> str:
     """``text`` (a message part) on one line, at most ``limit`` characters."""
     flat = " ".join(text[: limit * 4].split())
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+# C0 controls and DEL but the newline and the tab: a terminal shows nothing for them, or acts on them.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), 127) if chr(c) not in "\n\t"}
+
+
+def visible(text: str) -> str:
+    """Generated ``text`` as it is printed: its control characters written as escapes (``\\x00``).
+    A model that generated NUL bytes printed them raw to the terminal."""
+    return text.translate(_CONTROLS)

@@ -399,3 +399,15 @@ def test_bench_under_a_launcher_is_refused(
         monkeypatch.setenv(name, value)
     assert main(["bench"]) == 2
     assert "run it directly, not under torchrun" in capsys.readouterr().err
+
+
+def test_generated_control_characters_are_printed_as_escapes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model that generated NUL bytes printed them raw to the terminal (``27+45=^@^@^@``); a
+    terminal's escape sequence would act on it. Newlines and tabs stay."""
+    import lmtune.model.generate as generate
+
+    monkeypatch.setattr(generate, "complete", lambda *a, **k: "\x00\x1b[2Jok\r\n\tend\x7f")
+    assert main(["generate", "--model", "tiny", "--prompt", "1+1=", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out == "1+1=\\x00\\x1b[2Jok\\x0d\n\tend\\x7f\n"

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmtune.errors import UserError, brief
+from lmtune.errors import UserError, brief, visible
 
 
 def _prompt_from_stdin() -> str:
@@ -97,7 +97,7 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
             from lmtune.model.generate import complete
 
             text = complete(model, loaded.tokenizer, args.prompt, **options)
-            print(args.prompt + text)
+            print(args.prompt + visible(text))
             _note_if_empty(text)
     return 0
 
@@ -128,7 +128,7 @@ def _chat(
         messages.append({"role": "user", "content": turn})
         reply = chat_reply(model, tokenizer, messages, **options)
         messages.append({"role": "assistant", "content": reply})
-        print(f"assistant> {reply}" if interactive else reply, flush=True)
+        print(f"assistant> {visible(reply)}" if interactive else visible(reply), flush=True)
         _note_if_empty(reply)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from lmtune.config.settings import TrainConfig
 from lmtune.data.addition import addition_examples, split_prompt
+from lmtune.errors import visible
 from lmtune.model.generate import complete_greedy
 from lmtune.model.lora import merged_model
 from lmtune.model.modeling import load_model
@@ -36,5 +37,5 @@ def show_answers(model: torch.nn.Module, tokenizer: Any, log: InfoLog, n: int = 
     for (prompt, expected), got in zip(asked, answers, strict=True):
         right += got == expected
         if len(lines) < 5:
-            lines.append(f"  {prompt}{got:<4} {'ok' if got == expected else 'expected ' + expected}")
+            lines.append(f"  {prompt}{visible(got):<4} {'ok' if got == expected else 'expected ' + expected}")
     log.info(f"held-out answers: {right}/{n} correct\n" + "\n".join(lines))
