@@ -154,6 +154,9 @@ def test_a_stuck_rank_shows_its_stack_and_a_restart_finishes_the_run(jobs: dict[
     assert "step 15, phase forward" in job.output
     stack = (job.out / "hang-report.txt").read_text().split("--- rank 1")[1]
     assert "before_forward" in stack and "faults.py" in stack  # where it sleeps
+    assert (
+        "every process starts again from the newest checkpoint (--max-restarts: restart 1 of 1)" in job.output
+    )
     assert "resuming from" in job.output
     final = load_file(job.out / "final" / "model.safetensors")
     assert_same_training(final, load_file(jobs["straggler"].out / "final" / "model.safetensors"))

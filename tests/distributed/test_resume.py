@@ -198,6 +198,9 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(base:
     code, output = finish(proc)
     assert code == 0, output
     assert "resuming from" in output
+    # The restart is said, with its cause (the log only began again).
+    restart = "rank 1 was killed by SIGKILL; every process starts again from the newest checkpoint"
+    assert f"{restart} (--max-restarts: restart 1 of 1)" in output
     assert max_diff(base["two-long"], out) == 0.0
     assert [r["step"] for r in train_rows(out)] == list(range(1, LONG + 1))
 

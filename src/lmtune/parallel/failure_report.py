@@ -5,9 +5,11 @@ is named as such, with what to lower."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 import sys
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -115,6 +117,33 @@ def failed(e: Any, error_dir: Path, hung: bool, memory_advice: str = "") -> int:
             )
             return USER_ERROR_EXIT_CODE  # as memory that runs out inside a rank
     return 1
+
+
+class RestartNotes(logging.Filter):
+    """Under --max-restarts: the agent's logs stay quiet, but a restart is said, with the process
+    whose end caused it (restarts were silent: the log only began again). Reads torch's records:
+    its multiprocessing's "failed (exitcode: %s) local_rank: %s ..." and its agent's "... %s/%s
+    attempts left; will restart worker group"."""
+
+    def __init__(self, single_node: bool, say: Callable[[str], None]):
+        super().__init__()
+        self.single_node, self.say = single_node, say
+        self.cause = ""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if str(record.msg).startswith("failed (exitcode:") and len(args) >= 2:
+            rank = f"rank {args[1]}" if self.single_node else f"local rank {args[1]} of this node"
+            self.cause = f"{rank} {_ended(int(args[0]))}" if isinstance(args[0], int) else ""
+        elif "will restart worker group" in str(record.msg) and len(args) >= 4:
+            left, most = (n if isinstance(n, int) else 0 for n in args[2:4])
+            cause = self.cause or "a process of the job ended"
+            self.say(
+                f"{cause}; every process starts again from the newest checkpoint (--max-restarts: "
+                f"restart {most - left + 1} of {most})"
+            )
+            self.cause = ""
+        return False
 
 
 def _ended(exitcode: int) -> str:

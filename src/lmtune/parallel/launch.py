@@ -26,6 +26,7 @@ from lmtune.config.run_groups import LaunchSettings
 from lmtune.config.settings import TrainConfig, micro_batch_size, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
 from lmtune.parallel.failure_report import (
+    RestartNotes,
     failed,
     lost_connections,
     oom_kills,
@@ -235,10 +236,16 @@ def _launch(
     config = _launch_config(cfg.launch, run_id, single_node)
     # The agent logs every stop of a worker; we report failures ourselves, once, below.
     # (The agent's own module logger has a level of its own, so it is quieted by name too.)
-    elastic_logs = [logging.getLogger(n) for n in (_ELASTIC_LOG, f"{_ELASTIC_LOG}.agent.server.api")]
+    names = (_ELASTIC_LOG, f"{_ELASTIC_LOG}.agent.server.api", f"{_ELASTIC_LOG}.multiprocessing.api")
+    elastic_logs = [logging.getLogger(n) for n in names]
     previous_levels = [log.level for log in elastic_logs]
     for log in elastic_logs:
         log.setLevel(logging.CRITICAL)
+    restarts = RestartNotes(single_node, warn)
+    if cfg.launch.max_restarts > 0:  # the records of a restart reach RestartNotes, which prints none
+        for log, level in zip(elastic_logs[1:], (logging.INFO, logging.ERROR), strict=True):
+            log.setLevel(level)
+            log.addFilter(restarts)
     user_error = threading.Event()
     ended = threading.Event()
     if cfg.launch.max_restarts > 0:
@@ -292,6 +299,7 @@ def _launch(
         ended.set()
         for log, level in zip(elastic_logs, previous_levels, strict=True):
             log.setLevel(level)
+            log.removeFilter(restarts)
         os.environ.pop(ERROR_DIR_ENV, None)
         os.environ.pop(HEALTH_DIR_ENV, None)
         shutil.rmtree(error_dir, ignore_errors=True)
