@@ -77,8 +77,8 @@ def spinning_among_others() -> str | None:
     threads = f"{count} other runnable thread{'s compete' if count > 1 else ' competes'}"
     return (
         f"warning: {threads} for the CPUs, and "
-        "PyTorch's OpenMP threads spin while they wait (steps ran 3x slower than with passive "
-        "waiting, 2 cores, 6 busy processes); set OMP_WAIT_POLICY=PASSIVE in the environment "
+        "PyTorch's OpenMP threads spin while they wait (steps ran 3x to 25x slower than with passive "
+        "waiting on 2 cores, as the others' load grew); set OMP_WAIT_POLICY=PASSIVE in the environment "
         "before Python imports torch (`lmtune train` decides it itself)"
     )
 
