@@ -327,7 +327,9 @@ class ScheduleSettings:
             f" small set that needs more passes)."
         ),
     )
-    max_steps: int | None = setting(None, "Stop after this many optimizer steps (overrides --epochs).")
+    max_steps: int | None = setting(
+        None, "Stop after this many optimizer steps (overrides --epochs; -1, HF's unset, means none)."
+    )
     name: str = setting(
         "cosine",
         (
