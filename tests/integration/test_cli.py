@@ -252,6 +252,12 @@ def test_a_micro_batch_alone_says_the_global_batch_is_the_default(
     assert "global batch 32 = 4 x 1 x 8 accumulation" in out
     assert "global batch 32 is the default: --micro-batch-size (HF's per_device_train_batch_size)" in out
     assert "give --global-batch-size 4 for one per step" in out
+    # A resume keeps its global batch: nothing to advise there (it advised what a resume refuses).
+    first = ["train", "--data", str(data), "--no-progress", "--output-dir", str(tmp_path / "r")]
+    assert main([*first, "--max-steps", "1"]) == 0
+    capsys.readouterr()
+    assert main([*first, "--max-steps", "2", "--micro-batch-size", "4"]) == 0
+    assert "resuming from" in (out := capsys.readouterr().out) and "for one per step" not in out
     # A global batch given, also the default's 32 (in the file or as a flag), is the user's choice.
     config = tmp_path / "run.yaml"
     config.write_text("global_batch_size: 32\n")

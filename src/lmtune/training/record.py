@@ -126,7 +126,7 @@ def run_record(
         + (f"; NEFTune noise alpha {cfg.objective.neftune_alpha:g}" if cfg.objective.neftune_alpha else "")
     )
     notes = (
-        _default_batch_note(layout, cfg, run.given),
+        None if resumed[0] else _default_batch_note(layout, cfg, run.given),  # a resume keeps its batch
         _left_out_note(layout, built.objective.unit),
         _warmup_note(cfg, layout.total_steps, built.lr),
     )
