@@ -263,6 +263,16 @@ def test_what_defines_the_run_must_match(base: dict[str, Path], capsys: pytest.C
     assert not (out / "final").exists()
 
 
+def test_a_run_cut_to_its_checkpoint_says_nothing_is_left_to_apply_its_changes_to(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stopped at step 3 of 6 and resumed with --max-steps 2: it said "applied from step 4"."""
+    out = _copy(base, "cut")
+    assert main(_args(base["data"], out, "--max-steps", "2")) == 0
+    said = "changed since the checkpoint, applied at step 3, where the run ends (no step left): total steps"
+    assert f"{said} 6 -> 2" in capsys.readouterr().out
+
+
 def test_a_changed_lr_and_length_apply_from_the_resume_step(
     base: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -161,7 +161,15 @@ def continue_from(
         f"{'' if saved.world_size == 1 else 's'}, now {env.world_size})"
     )
     if changes:
-        log.info(f"changed since the checkpoint, applied from step {state.step + 1}: " + "; ".join(changes))
+        total = now.adjustable.get("total steps")
+        # A run asked to end at or before its checkpoint has no step left to apply anything from.
+        ends = isinstance(total, int) and total <= state.step
+        when = (
+            f"at step {state.step}, where the run ends (no step left)"
+            if ends
+            else f"from step {state.step + 1}"
+        )
+        log.info(f"changed since the checkpoint, applied {when}: " + "; ".join(changes))
     return state, changes
 
 
