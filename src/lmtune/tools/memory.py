@@ -58,10 +58,12 @@ class Setup:
     objective: str = "sft"
     live_reference: bool = False  # a frozen copy of the model runs beside it (without LoRA)
     pairs_apart: bool = False
+    most_rows: int = 0  # packed rows a micro-batch holds at most (a step's examples fill no more); 0: any
 
     @property
     def rows(self) -> int:
-        return self.micro_batch_size * (2 if self.pairs_apart else 1)
+        rows = self.micro_batch_size * (2 if self.pairs_apart else 1)
+        return min(rows, self.most_rows) if self.most_rows else rows
 
     @property
     def reference_copy(self) -> bool:

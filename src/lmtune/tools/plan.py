@@ -224,9 +224,15 @@ def quantization_of(cfg: TrainConfig) -> str:
 
 
 def setup_from(
-    cfg: TrainConfig, world_size: int, length: int, chunk: int = 0, pairs_apart: bool = False
+    cfg: TrainConfig,
+    world_size: int,
+    length: int,
+    chunk: int = 0,
+    pairs_apart: bool = False,
+    most_rows: int = 0,
 ) -> Setup:
-    """The setup ``lmtune train`` would run with these settings on ``world_size`` processes."""
+    """The setup ``lmtune train`` would run with these settings on ``world_size`` processes (rows
+    of ``length`` tokens, at most ``most_rows`` of them packed: :func:`lmtune.tools.rows.row_length`)."""
     strategy = effective_strategy(cfg.launch.strategy, world_size)
     micro = micro_batch_size(cfg, world_size)
     return Setup(
@@ -244,6 +250,7 @@ def setup_from(
         objective=cfg.objective.name,
         live_reference=cfg.objective.name in ("dpo", "ipo") and cfg.objective.reference == "live",
         pairs_apart=pairs_apart,
+        most_rows=most_rows,
     )
 
 
@@ -348,7 +355,8 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
     obstacle = model_obstacle(config, env.device.type)
     check_model_layout(cfg, obstacle, False, lambda _: None)  # --packing on refused as train refuses it
     apart = obstacle if cfg.objective.name != "sft" else None
-    length, padded, reason = row_length(cfg, apart)
+    shape = row_length(cfg, apart, max(1, cfg.batch.global_batch_size // world))
+    length, padded, reason = shape.length, shape.padded, shape.reason
     lora = cfg.lora
     facts: dict[tuple[int, bool, str, bool], ModelFacts] = {}
 
@@ -359,7 +367,7 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
             facts[key] = model_facts(model_config, adapters, setup.precision, length, device, key[3])
         return estimate(setup, facts[key], host, padded)
 
-    requested = setup_from(cfg, world, length, loss_chunk(cfg, config, device), apart is not None)
+    requested = setup_from(cfg, world, length, loss_chunk(cfg, config, device), apart is not None, shape.most)
     host = Host()
     if device == "cpu":
         host = measure_host(cfg, requested, config, lambda c, s: predict_for(c, s, Host()), workdir)
@@ -396,6 +404,7 @@ def format_report(report: PlanReport) -> str:
     lines = [
         f"memory plan of {report.model}: {r.setup.label()}, micro-batch {r.setup.micro_batch_size}"
         + (f" pairs = {r.setup.rows} rows" if r.setup.pairs_apart else "")
+        + (f" (packed: {r.setup.rows} row{'s' * (r.setup.rows != 1)})" if r.setup.most_rows else "")
         + f" x {r.setup.length} tokens ({report.length_reason}), "
         + f"{r.setup.accumulation} micro-step(s) per step, "
         + (f"loss in chunks of {r.setup.loss_chunk} tokens" if r.setup.loss_chunk else "full logits"),

@@ -492,7 +492,7 @@ def test_pairs_that_run_as_two_rows_are_planned_as_two_rows(tmp_path: Path) -> N
         cfg = TrainConfig(model=name, data=str(data), objective="dpo", cache_dir=str(tmp_path / "cache"))
         why = model_obstacle(load_config(name), "cpu")
         assert (why is not None) == apart and (not apart or "ALiBi" in why)
-        length, padded, reason = row_length(cfg, why)
+        length, padded, reason, _ = row_length(cfg, why)
         train = prepare_data(cfg, load_tokenizer(name), read_dist_env("cpu"), _QuietLog())[0]
         widths = []
         for i in range(len(train)):
@@ -505,3 +505,23 @@ def test_pairs_that_run_as_two_rows_are_planned_as_two_rows(tmp_path: Path) -> N
         assert setup.rows == setup.micro_batch_size * (2 if apart else 1)
     with pytest.raises(UserError, match="--packing on"):  # as train refuses it, before measuring
         plan(TrainConfig(model=str(tmp_path / "bloom"), packing="on"), None, False, tmp_path / "plan")
+
+
+def test_packed_rows_are_planned_as_a_steps_longest_examples_fill_them(tmp_path: Path) -> None:
+    """With --data, packed rows are as many as a step's examples fill: short examples filled one
+    row where a micro-batch of rows of --max-length was planned (3.6x the peak the run reached)."""
+    from lmtune.config.settings import TrainConfig
+    from lmtune.tools.plan import setup_from
+    from lmtune.tools.rows import row_length
+
+    short, long = tmp_path / "short.jsonl", tmp_path / "long.jsonl"
+    short.write_text("".join(json.dumps({"text": "ab " * (1 + i % 3)}) + "\n" for i in range(40)))
+    long.write_text("".join(json.dumps({"text": "word " * (20 + i % 9)}) + "\n" for i in range(40)))
+    common = {"global_batch_size": 8, "max_length": 64, "cache_dir": str(tmp_path / "cache")}
+    few = row_length(TrainConfig(data=str(short), **common), None, per_rank=8)
+    # The 8 longest: "ab ab ab " with its BOS and EOS, 11 tokens each: 5 in a row of 64, then 3.
+    assert (few.length, few.padded, few.most) == (55, True, 2) and "8 longest examples fill 2" in few.reason
+    assert setup_from(TrainConfig(data=str(short), **common), 1, few.length, most_rows=few.most).rows == 2
+    many = row_length(TrainConfig(data=str(long), **{**common, "max_length": 256}), None, per_rank=8)
+    assert many.most == 8 and 128 < many.length < 256  # no two of them fit in one row
+    assert row_length(TrainConfig(**common), None, per_rank=8).most == 0  # no --data: rows of --max-length
