@@ -5,6 +5,7 @@ that differ; MFU is never reported over 100%."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,10 @@ def test_report_draws_every_plot_and_the_settings_that_differ(resumed: Path, tmp
         assert f"<figure id='plot-{name}'><img" in text, name
         assert (tmp_path / "png" / f"{name}.png").stat().st_size > 1000
     assert "Settings that differ" in text
+    # The resumed run's wall time is its last attempt's: the training time of every attempt beside it.
+    walls = text.split("<td>wall time</td>")[1].split("</tr>")[0]
+    assert re.search(r"\d+ s \(the last attempt; training \d+ s over every attempt\)", walls), walls
+    assert walls.count("the last attempt") == 1  # the other run was not resumed
     assert "reward accuracy" not in text.split("<h2>Plots")[0]  # no row that no run has a value for
     differ = text.split("Settings that differ")[1].split("</table>")[0]
     for setting in ("max_steps", "lr", "profile", "report_to"):
