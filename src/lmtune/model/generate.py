@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from lmtune.errors import UserError, one_line
+from lmtune.model.masks import own_code
 from lmtune.model.tokens import stop_ids
 
 
@@ -43,7 +47,7 @@ def complete(
             options["top_k"] = sampling.top_k
     was_training = model.training
     model.eval()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _its_own(model):
         torch.manual_seed(sampling.seed)
         out = model.generate(  # type: ignore[operator]
             **encoded,
@@ -67,13 +71,14 @@ def complete_greedy(
     encoded = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt").to(device)
     was_training = model.training
     model.eval()
-    out = model.generate(  # type: ignore[operator]
-        **encoded,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=stop_ids(model, tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    with _its_own(model):
+        out = model.generate(  # type: ignore[operator]
+            **encoded,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=stop_ids(model, tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+        )
     model.train(was_training)
     new_tokens = out[:, encoded["input_ids"].size(1) :]
     return [str(text) for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
@@ -86,3 +91,19 @@ def chat_reply(model: nn.Module, tokenizer: Any, messages: list[dict[str, str]],
 
     prompt = render_chat(tokenizer, messages, generation_prompt=True)
     return complete(model, tokenizer, prompt, add_special_tokens=False, **options).rstrip()
+
+
+@contextmanager
+def _its_own(model: nn.Module) -> Iterator[None]:
+    """A model whose code came with it (--trust-remote-code) may not take transformers' generate
+    (a config without num_hidden_layers, kwargs its forward does not take): its failure is named
+    as the model's, not shown as lmtune's traceback."""
+    try:
+        yield
+    except (AttributeError, TypeError, ValueError, NotImplementedError) as e:
+        if not own_code(model):
+            raise
+        raise UserError(
+            f"the model's own code (--trust-remote-code) could not generate with transformers' generate: "
+            f"{type(e).__name__}: {one_line(str(e))}"
+        ) from None

@@ -101,7 +101,7 @@ def unmasked_layers(model: object) -> str | None:
     return None
 
 
-def _own_code(model: object) -> bool:
+def own_code(model: object) -> bool:
     """Whether ``model``'s modeling code came with it (``--trust-remote-code``), not transformers'."""
     base = getattr(model, "get_base_model", lambda: model)()  # under LoRA, peft's wrapper
     return type(base).__module__.startswith("transformers_modules.")
@@ -123,7 +123,7 @@ def mask_obstacle(model: object) -> str | None:
         return f"{kind}'s ALiBi attention builds its position bias from a padding mask and takes no other"
     if kind == "mpt":  # its attention fills where the mask is True: transformers' masks say the opposite
         return "mpt's attention reads a mask the other way round from the masks transformers builds"
-    if _own_code(model):  # a GRU of its own packed took each example's end into the next one's start
+    if own_code(model):  # a GRU of its own packed took each example's end into the next one's start
         return (
             f"{kind or 'this model'}'s modeling code came with it (--trust-remote-code), and lmtune cannot "
             "tell whether its layers keep examples apart"

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -134,3 +135,34 @@ def test_what_is_no_complete_causal_model_is_refused(tmp_path: Path) -> None:
     (tmp_path / "cut" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
     with pytest.raises(UserError, match=r"a weights file \(model.safetensors\) is damaged or incomplete"):
         load_model(str(tmp_path / "cut"), 0)
+
+
+def test_a_model_of_its_own_code_that_cannot_generate_is_named_and_the_demo_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A --trust-remote-code model whose code does not take transformers' generate (its config had
+    no num_hidden_layers) ended a finished run with a traceback, at the demo's answers, and so
+    did `lmtune generate`: the model's failure is a user error there, and the demo says it and
+    ends (the model is saved); lmtune's own models keep their tracebacks."""
+    import lmtune.training.demo as demo
+    from lmtune.errors import UserError
+    from lmtune.model.generate import _its_own
+
+    class Own(torch.nn.Module):
+        def generate(self, **_: object) -> None:
+            raise AttributeError("'GRUConfig' object has no attribute 'num_hidden_layers'")
+
+    Own.__module__ = "transformers_modules.gru.abc123.modeling_gru"
+    said_of_it = r"model's own code \(--trust-remote-code\) could not generate .*num_hidden_layers"
+    with pytest.raises(UserError, match=said_of_it), _its_own(Own()):
+        Own().generate()
+    with pytest.raises(AttributeError), _its_own(torch.nn.Linear(1, 1)):
+        raise AttributeError("lmtune's own bug stays one")
+
+    def cannot(*_: object, **__: object) -> list[str]:
+        raise UserError("it cannot")
+
+    said: list[str] = []
+    monkeypatch.setattr(demo, "complete_greedy", cannot)
+    demo.show_answers(torch.nn.Linear(1, 1), None, SimpleNamespace(info=said.append))
+    assert said == ["warning: no held-out answers: it cannot"]
