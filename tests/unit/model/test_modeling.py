@@ -145,7 +145,6 @@ def test_a_model_of_its_own_code_that_cannot_generate_is_named_and_the_demo_goes
     did `lmtune generate`: the model's failure is a user error there, and the demo says it and
     ends (the model is saved); lmtune's own models keep their tracebacks."""
     import lmtune.training.demo as demo
-    from lmtune.errors import UserError
     from lmtune.model.generate import _its_own
 
     class Own(torch.nn.Module):
