@@ -66,7 +66,7 @@ class StoppedBySignal(Exception):
 
 class TrainingStopped(Exception):
     """Training cannot go on (a non-finite loss under --on-nan stop); the message says why.
-    Exit code 1: the last checkpoint is intact."""
+    Exit code 1; the message names the newest checkpoint, if there is one."""
 
 
 def out_of_space(e: BaseException, written: Path | None = None) -> bool:

@@ -199,8 +199,9 @@ class NanPolicy(Callback):
             # It said "the last checkpoint is intact" where none was saved; and a changed setting
             # cannot continue a run that has none.
             then = (
-                f"{saved[-1]} is intact: continue from it with a lower --lr, or --on-nan skip to skip "
-                "such steps"
+                f"the newest checkpoint, {saved[-1]}, is finite, though the run may have diverged before "
+                "it (metrics.jsonl has its losses): continue from it with a lower --lr, start again with "
+                "--overwrite, or give --on-nan skip to skip such steps"
                 if saved
                 else "no checkpoint was saved yet: start again with a lower --lr, or --on-nan skip to skip "
                 "such steps (with --overwrite, as this run has nothing to continue)"
