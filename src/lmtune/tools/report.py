@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from lmtune.checkpoint.card_rows import past_max_steps
+from lmtune.checkpoint.card_rows import past_max_steps, wall_time
 from lmtune.checkpoint.lock import lock_status
 from lmtune.checkpoint.resume import earlier_layouts, rerun_outcome, resume_changes
 from lmtune.config.files import decode_json, read_bytes, read_json
@@ -376,21 +376,10 @@ def _summary(run: RecordedRun) -> dict[str, str]:
         else "-",
         "best": json.dumps(result["best"]) if result.get("best") else "-",
         "peak memory per rank": ", ".join(f"{p / 2**20:,.0f} MiB" for p in _peaks(run)) or "-",
-        "wall time": _wall_time(result, resolved),
+        "wall time": wall_time(result, resolved),
         "loss": str(resolved.get("loss", "-")),
         "attention": str(resolved.get("attention", "-")),
     }
-
-
-def _wall_time(result: dict[str, Any], resolved: dict[str, Any]) -> str:
-    """This process's wall time; for a resumed run, also the training time of every attempt (the
-    last attempt's alone read 5 s beside 21 s for the same run uninterrupted)."""
-    if not is_number(result.get("wall_time_s")):
-        return "-"
-    wall = f"{result['wall_time_s']:,.0f} s"
-    if resolved.get("resumed_from") and is_number(result.get("train_seconds")):
-        wall += f" (the last attempt; training {result['train_seconds']:,.0f} s over every attempt)"
-    return wall
 
 
 def _data_summary(run: RecordedRun) -> dict[str, str]:
