@@ -275,6 +275,7 @@ def test_a_disk_too_small_for_a_checkpoint_is_refused_before_the_first_step(
         main(["doctor", "--output-dir", str(disk / "out")])
         assert "of the default model, tiny (--model: yours)" in (printed := capsys.readouterr().out)
         assert re.search(r"warn +free disk +13\.0 MB free", printed), printed
+        assert printed.rstrip().endswith("all checks passed, with warnings: free disk")
     with mounted_tmpfs(tmp_path / "disk-16", "size=16m") as disk:
         argv = ["train", "--data", str(data), "--output-dir", str(disk / "out"), "--max-steps", "3"]
         argv += ["--save-every", "1", "--keep-last", "1", "--global-batch-size", "8", "--no-progress"]

@@ -315,7 +315,7 @@ def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
         process_group,
         read_dist_env,
     )
-    from lmtune.tools.doctor import DoctorSettings, check_or_fail
+    from lmtune.tools.doctor import WARN, DoctorSettings, check_or_fail
 
     cfg, given = _train_config_given(args)
     check_settings(cfg, 1, given)
@@ -340,9 +340,10 @@ def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
         default_cache=default_cache,
     )
     with process_group(env):
-        check_or_fail(env, settings)
-    if env.is_main:
-        print("all checks passed")
+        checks = check_or_fail(env, settings)
+    if env.is_main:  # a warning row above "all checks passed" read as nothing to heed
+        warned = [c.name for c in checks if c.status == WARN]
+        print("all checks passed" + (f", with warnings: {', '.join(warned)}" if warned else ""))
     return 0
 
 
