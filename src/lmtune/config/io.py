@@ -11,8 +11,9 @@ from typing import Any
 
 import yaml
 
-from lmtune.config.aliases import lmtune_name, resolve_names, value_switched
+from lmtune.config.aliases import ALIASES, lmtune_name, resolve_names, value_switched
 from lmtune.config.files import SETTINGS_BYTES, read_text
+from lmtune.config.hints import HINTS
 from lmtune.config.mixture import yaml_sources
 from lmtune.config.recipes import recipe_groups, refuse_recipe
 from lmtune.config.settings import (
@@ -246,6 +247,10 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     return _named_settings(loaded, path, lines)
 
 
+# A group's name may mean something else given a value: a setting (lora: true), another tool's (optim).
+_FLAT = frozenset(s.name for s in config_fields()) | set(HINTS) | set(ALIASES)
+
+
 def _named_settings(
     loaded: dict[Any, Any], path: str, lines: dict[str, int]
 ) -> tuple[dict[str, Any], dict[str, str]]:
@@ -255,6 +260,12 @@ def _named_settings(
         name = str(key).replace("-", "_")
         group = GROUPS.get(name)
         entries = {name: (str(key), value)}
+        if group and not isinstance(value, dict) and name not in _FLAT:  # `batch: 5`: "unknown setting"
+            fields = ", ".join(s.field for s in config_fields() if s.group == name)
+            line = f":{lines[str(key)]}" if str(key) in lines else ""
+            raise UserError(
+                f"--config {path}{line}: {name} is a group of settings ({fields}): give them under it"
+            )
         if group and isinstance(value, dict):
             entries = _group_entries(name, value, f"--config {path}", {str(key): lines})
         for flat, (given, item) in entries.items():
