@@ -161,7 +161,7 @@ def _run(run: RunContext) -> TrainResult:
     install_faults(built.parts.root, env.rank, lambda: run.heartbeat.step)  # what LMTUNE_FAULT_* asks
     timer = PhaseTimer(env.device, timed=cfg.logging.profile, beat=run.heartbeat.beat)
     step = StepOptions(cfg.optim.max_grad_norm, built.autocast, timer, built.objective, built.token_seed)
-    run_info = run_record(run, built, (checkpoints.resumed_from, checkpoints.changed), peak)
+    run_info = run_record(run, built, checkpoints, peak)
     stop_if_signalled(run.stop.pending() if state.step else 0, env)  # a resume stopped now keeps run.json
     log.write_json("run.json", run_info)
     result = fit(trainee, data, state, loop, FitSettings(env, step, run.stop, run.stop.before_first_step))

@@ -159,6 +159,16 @@ def test_report_draws_every_plot_and_the_settings_that_differ(resumed: Path, tmp
     walls = text.split("<td>wall time</td>")[1].split("</tr>")[0]
     assert re.search(r"\d+ s \(the last attempt; training \d+ s over every attempt\)", walls), walls
     assert walls.count("the last attempt") == 1  # the other run was not resumed
+    # It finished, after an attempt that was killed: the report says so, and where it took up.
+    status = text.split("<td>status</td>")[1].split("</tr>")[0]
+    assert "<td>finished after 1 resume</td><td>finished</td>" in status, status
+    earlier = text.split("<td>earlier attempts</td>")[1].split("</tr>")[0]
+    assert (
+        "<td>last logged step 30, ended without a result (killed, failed, or its machine stopped), "
+        "resumed from step 20</td><td>-</td>" in earlier
+    ), earlier
+    card = (resumed / "final" / "README.md").read_text()
+    assert "| earlier attempts | last logged step 30, ended without a result" in card
     assert "reward accuracy" not in text.split("<h2>Plots")[0]  # no row that no run has a value for
     differ = text.split("Settings that differ")[1].split("</table>")[0]
     for setting in ("max_steps", "lr", "profile", "report_to"):

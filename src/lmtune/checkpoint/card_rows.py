@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmtune.checkpoint.attempts import attempts_line
 from lmtune.config.validate import PREFERENCE
 from lmtune.data.formats import CHAT_FORMATS
 
@@ -124,6 +125,8 @@ def training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
         of = "this checkpoint's" if any("after_checkpoint" in c for c in entries) else "the last resume's"
         lines = "; ".join(_change_line(c) for c in entries)
         rows.append(("changed on resume", f"{lines} (the rows above hold {of} settings)"))
+    if attempts_line(resolved.get("attempts")):
+        rows.append(("earlier attempts", attempts_line(resolved.get("attempts"))))
     if resolved.get("quantization"):
         rows.append(("quantized base", _quantization_line(resolved)))
     rows += _environment_rows(run)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from lmtune.checkpoint.attempts import earlier_attempts
 from lmtune.checkpoint.export import save_final
 from lmtune.checkpoint.fingerprint import Fingerprint
 from lmtune.checkpoint.finished import Finished, began_from, finished_record, read_finished
@@ -92,6 +93,8 @@ class CheckpointManager:
     resumed_from: Path | None = None  # the checkpoint this run continues (after resume())
     # The settings changed by each resume of the run so far, oldest first: {"step", "changes"}.
     changed: list[dict[str, Any]] = field(default_factory=list)
+    # How each earlier attempt of this folder's run ended, oldest first (rank 0's).
+    attempts: list[dict[str, Any]] = field(default_factory=list)
     # The checkpoints folders of other runs this one continued (--resume of their checkpoint),
     # oldest first: kept across resumes, so that a best checkpoint there is found at the end.
     continued: list[Path] = field(default_factory=list)
@@ -222,6 +225,8 @@ class CheckpointManager:
         self.changed, self.continued = read_changes(history), read_continued(history)
         if changes:
             self.changed.append({"step": state.step, "changes": changes})
+        if self.env.is_main:  # before this attempt's records replace the last one's
+            self.attempts = earlier_attempts(self.output_dir, folder, state.step)
         self._start_step = state.step
         # A checkpoint of another folder's run is not this folder's: its end saves one here, so
         # that a longer run continues in this folder even when this one trained nothing.

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lmtune.checkpoint.attempts import attempts_line, finished_status
 from lmtune.checkpoint.card_rows import past_max_steps, wall_time
 from lmtune.checkpoint.lock import lock_status
 from lmtune.checkpoint.resume import earlier_layouts, rerun_outcome, resume_changes
@@ -99,9 +100,7 @@ def _run_info(folder: Path) -> dict[str, Any]:
     except UserError as e:
         warn(f"{e}; reporting without it")
         return {}
-    if not isinstance(loaded, dict):
-        return {}
-    info = {k: v for k, v in loaded.items() if isinstance(v, dict)}
+    info = {k: v for k, v in loaded.items() if isinstance(v, dict)} if isinstance(loaded, dict) else {}
     info["data"] = {k: v for k, v in info.get("data", {}).items() if isinstance(v, dict)}
     return info
 
@@ -332,7 +331,7 @@ def _status(run: RecordedRun) -> str:
     """Finished, stopped (by a signal, or its process gone: the lock tells) or running."""
     folder, result = run.folder, run.info.get("result") or {}
     if (folder / "final").is_dir():
-        return "finished"
+        return finished_status((run.info.get("resolved") or {}).get("attempts"))
     config = run.info.get("config") or {}
     then = rerun_outcome(folder, config.get("resume"), config.get("overwrite") is True)
     if result:
@@ -357,6 +356,7 @@ def _summary(run: RecordedRun) -> dict[str, str]:
         "strategy": f"{resolved.get('strategy', '?')} on {env.get('world_size', '?')} "
         f"x {env.get('device', '?')}{earlier_layouts(resolved.get('changed_on_resume'))}",
         "steps": past_max_steps(done, total) or f"{done} of {total}",
+        "earlier attempts": attempts_line(resolved.get("attempts")) or "-",
         # The settings below are the last attempt's: the earlier steps ran with these changed.
         "changed on resume": resume_changes(resolved.get("changed_on_resume")) or "-",
         "last train loss": f"{last['loss']:.4f}" if is_number(last.get("loss")) else "-",

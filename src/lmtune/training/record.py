@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lmtune import __version__
+from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.state import optimizer_state_bytes
 from lmtune.config.run_groups import names_checkpoint
 from lmtune.config.settings import TrainConfig, setting_named, to_dict, warmup_steps
@@ -80,11 +81,9 @@ def result_record(result: FitResult, built: Built, run: RunContext) -> dict[str,
     }
 
 
-def run_record(
-    run: RunContext, built: Built, resumed: tuple[Path | None, list[dict[str, Any]]], peak: Peak
-) -> dict[str, Any]:
-    """run.json before training; ``resumed``: the checkpoint the run continues and what each resume
-    changed (lmtune.checkpoint.manager's). The start line says the same in short."""
+def run_record(run: RunContext, built: Built, resumed: CheckpointManager, peak: Peak) -> dict[str, Any]:
+    """run.json before training; ``resumed``: the checkpoints (after resume(): what the run continues,
+    what each resume changed, how each earlier attempt ended). The start line says it in short."""
     cfg, env, layout = run.cfg, run.env, built.layout
     quantization, given = built.loaded.quantization, cfg.checkpoint.resume
     attention = attention_description(built.loaded.model) if built.parts.root.varlen else "masked"
@@ -105,10 +104,11 @@ def run_record(
         # Bytes of the quantized layers, of the rest of the base and of the adapters (a quantized base).
         "base_bytes": _base_bytes(built.loaded.model) if quantization else None,
         "trainable_parameters": count(p for p in built.parts.root.parameters() if p.requires_grad),
-        "resumed_from": str(resumed[0]) if resumed[0] else None,
+        "resumed_from": str(resumed.resumed_from) if resumed.resumed_from else None,
         "resume_path": str(Path(given).resolve()) if names_checkpoint(given) else None,  # any cwd's
         # What each resume changed, from which step: the settings above are the last attempt's.
-        "changed_on_resume": resumed[1],
+        "changed_on_resume": resumed.changed,
+        "attempts": resumed.attempts,  # how each earlier attempt ended, and where the next took up
         "peak_flops_per_device": peak.flops,
         "peak_flops_busy": peak.busy,  # the matmul peak is not settled and was probed on busy cores
     }
@@ -126,7 +126,8 @@ def run_record(
         + (f"; NEFTune noise alpha {cfg.objective.neftune_alpha:g}" if cfg.objective.neftune_alpha else "")
     )
     notes = (
-        None if resumed[0] else _default_batch_note(layout, cfg, run.given),  # a resume keeps its batch
+        # A resume keeps its batch.
+        None if resumed.resumed_from else _default_batch_note(layout, cfg, run.given),
         _left_out_note(layout, built.objective.unit),
         _warmup_note(cfg, layout.total_steps, built.lr),
     )
