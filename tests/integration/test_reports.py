@@ -221,11 +221,16 @@ def test_a_path_that_cannot_be_written_is_a_user_error(
     """The path and the system's reason, exit 2, no traceback (also for a folder without
     permission, which root on this machine does not meet)."""
     capsys.readouterr()
-    assert main(["report", str(resumed), "--out", str(tmp_path / "nodir" / "r.html")]) == 2
-    assert (
-        capsys.readouterr().err
-        == f"error: --out {tmp_path / 'nodir' / 'r.html'}: name a file in an existing folder\n"
+    # A folder that is not there yet is made (as --png's is); a file where a folder should be is refused.
+    assert main(["report", str(resumed), "--out", str(tmp_path / "new" / "dir" / "r.html")]) == 0
+    assert (tmp_path / "new" / "dir" / "r.html").stat().st_size > 1000
+    (tmp_path / "afile").write_text("mine")
+    capsys.readouterr()
+    assert main(["report", str(resumed), "--out", str(tmp_path / "afile" / "x" / "r.html")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {tmp_path / 'afile' / 'x' / 'r.html'}: {tmp_path / 'afile'} is not a folder\n"
     )
+    assert (tmp_path / "afile").read_text() == "mine"
     (tmp_path / "page.html").write_text("")
     assert (
         main(

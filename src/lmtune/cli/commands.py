@@ -19,13 +19,15 @@ if TYPE_CHECKING:
 
 def _output_file(given: str, option: str, kind: Kind) -> Path:
     """Where a command writes ``option``'s file, checked before its work: a file named for its
-    kind in an existing folder outside a run's own entries, new or lmtune's earlier one."""
+    kind outside a run's own entries, new or lmtune's earlier one (its missing folders are made
+    when it is written)."""
     path = Path(given).expanduser()
     suffixes = {"png": (".png",), "report": (".html", ".htm")}.get(kind, ())
     if suffixes and path.suffix.lower() not in suffixes:
         raise UserError(f"{option} {given}: name a {' or '.join(suffixes)} file")
-    if not path.parent.is_dir():
-        raise UserError(f"{option} {given}: name a file in an existing folder")
+    there = next(p for p in (path.parent, *path.parents) if p.exists() or p.is_symlink())  # "." or "/"
+    if not there.is_dir():
+        raise UserError(f"{option} {given}: {there} is not a folder")
     _outside_run_entries(path.parent, option, given)
     check_replaceable(path, option, kind)
     return path
@@ -170,6 +172,8 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if args.json
         else _output_file("bench.json", "the default --json", "bench")
     )
+    if not args.json:  # said before the minutes of runs, not only after them
+        print("lmtune bench: results go to bench.json (--json PATH, or - for standard output)", flush=True)
     rows = run_bench(
         train_config(args),
         args.strategies.split(","),

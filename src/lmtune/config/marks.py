@@ -92,9 +92,11 @@ def check_replaceable(path: Path, option: str, kind: Kind) -> None:
 
 
 def write_output(path: Path, data: bytes | str, option: str) -> None:
-    """Write ``data`` whole at ``path`` (checked by :func:`check_replaceable`)."""
+    """Write ``data`` whole at ``path`` (checked by :func:`check_replaceable`), in a folder made
+    for it where there is none."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
     except OSError as e:
