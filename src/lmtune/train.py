@@ -140,7 +140,7 @@ def _run(run: RunContext) -> TrainResult:
     state = checkpoints.resume(fresh, built.layout.total_steps, reference)
     # A loaded optimizer state brings the saved hyperparameters back; this run's settings rule.
     set_hyperparameters(built.optimizer, cfg.optim)
-    checkpoints.check_room(state, built.layout.total_steps, cfg.optim.name, cfg.optim.momentum != 0)
+    checkpoints.check_room(state, built.layout.total_steps, cfg.optim, merged=cfg.lora.merge)
     trainee = Trainee(built.model, built.optimizer, schedule(cfg, built, state.step), built.scaler)
     log.open_metrics(state.step)
     # A resumed run's history (metrics.jsonl keeps the rows up to its checkpoint), on rank 0.

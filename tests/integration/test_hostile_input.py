@@ -282,6 +282,13 @@ def test_a_disk_too_small_for_a_checkpoint_is_refused_before_the_first_step(
         err = _error(argv, capsys)
         assert "too little room on its disk for 2 checkpoints of this run at once" in err
         assert "--save-every 0 saves only the final model, which fits" in err
+    with mounted_tmpfs(tmp_path / "disk-lora", "size=2m") as disk:  # the adapter fits, not the merged base
+        argv = ["train", "--data", str(data), "--output-dir", str(disk / "out"), "--max-steps", "1", "--lora"]
+        argv += ["--save-every", "0", "--global-batch-size", "8", "--no-progress"]
+        err = _error([*argv, "--merge-lora"], capsys)
+        assert "for the final model (and the merged one --merge-lora writes) of this run" in err
+        assert "without --merge-lora the adapter alone fits (`lmtune export --merge-lora` merges" in err
+        assert main(argv) == 0
 
 
 def test_a_disk_that_fills_during_training_stops_it_in_one_sentence(

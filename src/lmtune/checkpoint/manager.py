@@ -44,6 +44,7 @@ from lmtune.checkpoint.resume import (
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import Saves, check_room, load_checkpoint, prune, read_state, save_checkpoint
 from lmtune.config.files import read_json_object
+from lmtune.config.groups import OptimSettings
 from lmtune.config.run_groups import CheckpointSettings, names_checkpoint
 from lmtune.errors import UserError
 from lmtune.outputs.runlog import InfoLog
@@ -246,12 +247,12 @@ class CheckpointManager:
             "start afresh with --overwrite, or in another --output-dir"
         )
 
-    def check_room(self, start: TrainerState, total_steps: int, optimizer: str, momentum: bool) -> None:
+    def check_room(self, start: TrainerState, total_steps: int, optim: OptimSettings, merged: bool) -> None:
         """Before the first step (from ``start``): the disk holds the checkpoints the run keeps at
-        once, or its final model where it saves none (:func:`check_room`)."""
+        once and its final model (``merged``: and the merged one) (:func:`check_room`)."""
         if start.step < total_steps:
             copies = self._copies(start.step, total_steps)
-            saves = Saves(copies, optimizer, momentum, self.settings.keep_last)
+            saves = Saves(copies, optim.name, optim.momentum != 0, self.settings.keep_last, merged)
             t = self.trainable
             check_room(self.output_dir, t.parts, t.optimizer, self.env, saves)
 

@@ -60,6 +60,7 @@ from lmtune.config.files import is_int, read_json_object
 from lmtune.config.groups import MAX_STEPS
 from lmtune.errors import UserError, one_line, out_of_space, room, sizes, why_it_failed
 from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
+from lmtune.model.quantization import QUANTIZED_LAYERS
 from lmtune.parallel.distributed import DistEnv, barrier, decided_by_main, refused_by_main
 
 
@@ -171,16 +172,29 @@ def _saved_weight_bytes(parts: ModelParts) -> int:
     )
 
 
+def _merged_bytes(parts: ModelParts) -> int:
+    """What --merge-lora's final/merged holds: the base with the adapter merged in, a quantized
+    layer's weight dequantized (saved in fp32: lmtune.model.modeling.merged_into_base)."""
+    layers: list[Any] = [m for m in parts.root.modules() if type(m).__name__ in QUANTIZED_LAYERS]
+    logical = {id(m.weight): int(m.in_features * m.out_features) for m in layers}
+    return sum(
+        logical[id(p)] * 4 if id(p) in logical else p.numel() * p.element_size()
+        for p in parts.root.parameters()
+        if not p.requires_grad
+    )
+
+
 @dataclass(frozen=True)
 class Saves:
     """What a run is about to save: ``copies`` checkpoints on the disk at once beside what is there
     (by ``optimizer``, --optimizer, whose state they hold) or, with none (--save-every 0), only
-    final/."""
+    final/ (and final/merged under --merge-lora: ``merged``)."""
 
     copies: int
     optimizer: str
     momentum: bool = True  # SGD's: without it, SGD holds no state
     keep_last: int = 0
+    merged: bool = False
 
 
 def check_room(
@@ -192,29 +206,32 @@ def check_room(
     from lmtune.checkpoint.state import optimizer_state_estimate
 
     def problem() -> str:
-        weights = _saved_weight_bytes(parts)
-        one = weights
+        final = _saved_weight_bytes(parts) + (_merged_bytes(parts) if saves.merged else 0)
+        one = weights = _saved_weight_bytes(parts)
         if saves.copies:
             trained = [p.numel() for p in parts.root.parameters() if p.requires_grad]
             state = optimizer_state_estimate(saves.optimizer, trained, saves.momentum)
             # A resumed optimizer's own state, where it holds more than the estimate.
             one = max(_estimate_bytes(parts, optimizer, env), weights + state)
-        needed, free = saves.copies * one + weights, free_bytes(output_dir)
+        needed, free = saves.copies * one + final, free_bytes(output_dir)
         if free >= room(needed):
             return ""
+        model = "final model (and the merged one --merge-lora writes)" if saves.merged else "final model"
         what = (
-            "the final model of this run"
+            f"the {model} of this run"
             if not saves.copies
-            else "one checkpoint and the final model of this run"
+            else f"one checkpoint and the {model} of this run"
             if saves.copies == 1
             else f"{saves.copies} checkpoints of this run at once (those --keep-last keeps, and each new one "
-            "written before the oldest goes) and its final model"
+            f"written before the oldest goes) and its {model}"
         )
         fewer = (
             "; a smaller --keep-last needs fewer"
-            if saves.copies > 1 and saves.keep_last != 1 and free >= room(2 * one + weights)
-            else "; --save-every 0 saves only the final model, which fits"
-            if saves.copies and free >= room(weights)
+            if saves.copies > 1 and saves.keep_last != 1 and free >= room(2 * one + final)
+            else f"; --save-every 0 saves only the {model}, which fits"
+            if saves.copies and free >= room(final)
+            else "; without --merge-lora the adapter alone fits (`lmtune export --merge-lora` merges later)"
+            if saves.merged and free >= room(saves.copies * one + weights)
             else ""
         )
         return (
