@@ -49,14 +49,18 @@ PEFT_MAMBA_MODELS = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "
 
 
 def add_lora(
-    model: nn.Module, settings: LoraSettings, info: Callable[[str], None] = lambda _: None
+    model: nn.Module,
+    settings: LoraSettings,
+    info: Callable[[str], None] = lambda _: None,
+    dropout_given: bool | None = None,
 ) -> nn.Module:
     """Freeze ``model`` and wrap it with trainable LoRA adapters (a ``PeftModelForCausalLM``).
 
     ``all-linear`` lets peft find every linear layer of the decoder blocks for this architecture
     (Llama's q/k/v/o and MLP projections, GPT-2's Conv1D c_attn/c_proj/c_fc, BLOOM's fused qkv ...)
     and leaves the output head alone; ``info`` hears what it leaves out or changes for a model
-    that peft adapts otherwise.
+    that peft adapts otherwise. ``dropout_given``: whether the user gave --lora-dropout (None: not
+    known, as from Python, where a value other than the default counts as given).
     """
     peft = _peft()
     names = settings.target_modules.strip()
@@ -71,7 +75,8 @@ def add_lora(
         task_type="CAUSAL_LM",
     )
     if settings.dropout and _adapts_weights(config, model):
-        if settings.dropout != LoraSettings().dropout:
+        given = settings.dropout != LoraSettings().dropout if dropout_given is None else dropout_given
+        if given:
             raise SettingError(
                 "lora_dropout",
                 f"--lora-dropout {settings.dropout:g}",

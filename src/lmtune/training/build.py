@@ -435,7 +435,9 @@ def build_model(
         # The same adapter init on every rank: FSDP keeps each rank's own shard of it (DDP would
         # broadcast rank 0's).
         torch.manual_seed(cfg.seed)
-        trained = add_lora(base, cfg.lora, log.info)
+        trained = add_lora(
+            base, cfg.lora, log.info, None if run.given is None else "lora_dropout" in run.given
+        )
     # Supervised runs key dropout by example (N ranks draw one process's masks); a preference
     # objective turns the model's off and its loss module lays out no examples for LoRA's.
     if objective.name == "sft":

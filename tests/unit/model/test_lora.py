@@ -99,7 +99,8 @@ def test_default_lora_adapts_moe_experts_without_dropout_and_leaves_mambas_unada
     """Under transformers 5 a MoE's experts are weights, not linear layers: peft adapts them (its
     all-linear, as it did their linear layers) only without dropout, and refused the default 0.05
     at start ("ParamWrapper does not work with lora_dropout != 0"). Mamba's out_proj and conv1d
-    peft refuses. The default runs, saying what it changed; a dropout given is refused with the fix;
+    peft refuses. The default runs, saying what it changed; a dropout given (the default's value too,
+    where the CLI says it was given) is refused with the fix;
     the saved MoE adapter passes a checkpoint's checks (export refused it)."""
     from transformers import AutoModelForCausalLM, MambaConfig, Qwen3MoeConfig
 
@@ -120,6 +121,10 @@ def test_default_lora_adapts_moe_experts_without_dropout_and_leaves_mambas_unada
     _check_adapter(tmp_path / "moe")
     with pytest.raises(SettingError, match=r"--lora-dropout 0\.1: peft adapts .* give --lora-dropout 0"):
         add_lora(AutoModelForCausalLM.from_config(moe), LoraSettings(enabled=True, dropout=0.1))
+    # The default's value given on the command line is given: refused too, as the CLI knows it was.
+    given = LoraSettings(enabled=True)
+    with pytest.raises(SettingError, match=r"--lora-dropout 0\.05: peft adapts"):
+        add_lora(AutoModelForCausalLM.from_config(moe), given, dropout_given=True)
     said.clear()
     mamba = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1))
     adapted = add_lora(mamba, LoraSettings(enabled=True), said.append)
