@@ -36,7 +36,10 @@ def earlier_attempts(output_dir: Path, resumed_from: Path | None, step: int) -> 
     resolved, result = info.get("resolved"), info.get("result")
     earlier = read_attempts(resolved.get("attempts")) if isinstance(resolved, dict) else []
     ended = ENDINGS.get(result.get("stopped_by"), "stopped") if isinstance(result, dict) else NO_RESULT
-    steps = [row["step"] for row in read_metrics(output_dir) if is_int(row.get("step"))]
+    try:
+        steps = [row["step"] for row in read_metrics(output_dir) if is_int(row.get("step"))]
+    except (UserError, OSError):  # none (a checkpoint copied in), or unreadable: no step to name
+        steps = []
     this = {"ended": ended, "last_step": max(steps, default=None), "resumed_from": step}
     return [*earlier, this][-MOST_KEPT:]
 

@@ -60,6 +60,7 @@ def test_attempts_read_from_a_crafted_run_json_keep_only_their_shape(tmp_path: P
     # An unreadable run.json (killed before its first record) is still an attempt that ended.
     out = _folder(tmp_path, None, [])
     (out / "run.json").write_text("{not json")
+    (out / "metrics.jsonl").unlink()
     (only,) = earlier_attempts(out, out / "checkpoints" / "step-4", 4)
     assert only["last_step"] is None and only["ended"].startswith("ended without a result")
     assert attempts_line([only]) == f"{only['ended']}, resumed from step 4"
