@@ -354,6 +354,45 @@ def test_a_users_folders_and_files_named_like_lmtunes_temporary_ones_are_kept(
     assert (tmp_path / "home2" / "checkpoints" / ".step-000002.tmp" / "thesis.tex").read_text() == "mine"
 
 
+def test_a_checkpoint_linked_in_from_another_run_is_never_deleted_through_the_link(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """checkpoints/step-N as a link to another run's checkpoint: --overwrite deleted the files of
+    the link's target (the manifest's list, read through it) and then failed on the link, and
+    pruning did the same mid-run. Pruning passes it by; resuming from it and --overwrite are refused,
+    naming the link; the target stays whole, and --resume through a link of the user's own (not
+    in a checkpoints/ folder) reads its target."""
+    data = write_jsonl(tmp_path / "d.jsonl", [f"text {i}" for i in range(16)])
+    target = run / "checkpoints" / "step-000002"
+    before = _files(target)
+    out = tmp_path / "b"
+    argv = ["train", "--data", str(data), "--output-dir", str(out), "--global-batch-size", "8"]
+    argv += ["--no-progress"]
+    assert main([*argv, "--max-steps", "1", "--save-every", "1"]) == 0
+    (out / "checkpoints" / "step-000000").symlink_to(target)  # older than the run's own: pruning's case
+    assert main([*argv, "--max-steps", "3", "--save-every", "1", "--keep-last", "1"]) == 0  # pruned around it
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000000", "step-000003"]
+    (out / "checkpoints" / "step-000009").symlink_to(target)  # the newest: resume's case
+    resume = _error([*argv, "--max-steps", "12", "--save-every", "1"], capsys)
+    overwrite = _error([*argv, "--max-steps", "1", "--overwrite"], capsys)
+    link = out / "checkpoints" / "step-000009"
+    said = "is a link (to {}), not a checkpoint this run saved: lmtune never prunes, replaces or resumes"
+    assert f"error: the newest checkpoint in --output-dir: {link} {said.format(target)}" in resume
+    assert f"error: --overwrite: {link.with_name('step-000000')} {said.format(target)}" in overwrite
+    assert "--resume TARGET to continue a checkpoint of another folder here" in overwrite
+    assert _files(target) == before and verify(target) is None
+    assert (out / "checkpoints" / "step-000000").is_symlink() and link.is_symlink()
+    # A link of the user's own naming a checkpoint: --resume reads where it points.
+    (tmp_path / "latest").symlink_to(target)
+    for name in ("step-000000", "step-000009"):
+        (out / "checkpoints" / name).unlink()
+    other = ["--output-dir", str(tmp_path / "c"), "--resume", str(tmp_path / "latest")]
+    assert main([*argv[:3], *other, *argv[5:], "--max-steps", "3"]) == 0
+    run_json = json.loads((tmp_path / "c" / "run.json").read_text())
+    assert run_json["resolved"]["resumed_from"] == str(target)
+    assert _files(target) == before
+
+
 def test_output_folders_that_would_lose_or_reread_inputs_are_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -156,8 +156,10 @@ def lmtune_wrote(folder: Path) -> bool:
     """Whether lmtune saved ``folder`` as a checkpoint, complete or damaged since (it writes the
     manifest and the trainer state into every one), or began to (its temporary mark). A user's
     folder named step-N (or .step-N.tmp) is neither: never pruned, deleted by --overwrite or called
-    damaged."""
-    return any((folder / name).is_file() for name in (MANIFEST, STATE_FILE, TEMPORARY_MARK))
+    damaged; nor is a link to a checkpoint (another run's: deleting "its" files deleted the target's)."""
+    return not folder.is_symlink() and any(
+        (folder / name).is_file() for name in (MANIFEST, STATE_FILE, TEMPORARY_MARK)
+    )
 
 
 def saved_checkpoints(output_dir: Path) -> list[Path]:
@@ -250,6 +252,8 @@ def refuse_users_steps(output_dir: Path, option: str) -> None:
         UserError: naming the first, before anything is deleted.
     """
     theirs = [p for p in list_checkpoints(output_dir) if not lmtune_wrote(p)]
+    if links := [p for p in theirs if p.is_symlink()]:
+        raise UserError(f"{option}: {link_in_the_way(links[0])}")
     if theirs:
         more = f" (and {len(theirs) - 1} more)" if len(theirs) > 1 else ""
         raise UserError(
@@ -265,6 +269,15 @@ def refuse_users_steps(output_dir: Path, option: str) -> None:
                 f"{option}: {folder} holds {names_listed(added, 3)}, which lmtune did not write; it deletes "
                 f"that checkpoint and keeps what is yours: move it out of {folder} first"
             )
+
+
+def link_in_the_way(link: Path) -> str:
+    """What to do about a link named like a checkpoint among a run's checkpoints."""
+    return (
+        f"{link} is a link (to {os.readlink(link)}), not a checkpoint this run saved: lmtune never prunes, "
+        "replaces or resumes a checkpoint through a link; remove the link (its target stays), and give "
+        "--resume TARGET to continue a checkpoint of another folder here"
+    )
 
 
 def _not_listed(folder: Path) -> list[str]:
@@ -290,6 +303,7 @@ def not_a_checkpoint(folder: Path) -> str:
     """What ``folder``, given where a checkpoint is wanted, is instead, with the checkpoint meant
     ("" when it is a checkpoint, damaged or not): a model folder (a run's final/, an export), a run's
     folder or its checkpoints/ folder, or any other folder."""
+    folder = folder.resolve() if folder.is_symlink() else folder  # a link is judged by what it names
     if lmtune_wrote(folder):  # a checkpoint, damaged or not: it is said to be damaged, not taken for another
         return ""
     has = {p.name for p in folder.iterdir() if p.is_file()}

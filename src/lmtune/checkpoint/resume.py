@@ -18,6 +18,7 @@ from lmtune.checkpoint.layout import (
     NOT_LISTED,
     SHARDED_METADATA,
     STATE_FILE,
+    link_in_the_way,
     list_checkpoints,
     lmtune_wrote,
     resume_instead,
@@ -58,9 +59,11 @@ def _chosen_checkpoint(resume: str, output_dir: Path) -> str:
         _check_valid(found[-1], "the newest checkpoint in --output-dir", found[:-1])
         return str(found[-1])
     given = Path(resume)  # a damaged one points at the one saved before it in its run, if any
+    if given.is_symlink() and given.parent.name != CHECKPOINTS:  # a user's link, such as "latest"
+        given = given.resolve()
     saved = list_checkpoints(given.parent.parent) if given.parent.name == CHECKPOINTS else []
     _check_valid(given, "--resume", saved[: saved.index(given)] if given in saved else [])
-    return resume
+    return str(given)
 
 
 def rerun_outcome(output_dir: Path, resume: Any, overwrite: bool = False) -> str:
@@ -85,12 +88,16 @@ def _rerun_without_overwrite(output_dir: Path, resume: Any) -> str:
         return "no checkpoint was saved: the same command starts over"
     if verify(saved[-1], hashes=False) is None:
         return f"the same command resumes from {saved[-1].name}"
+    if saved[-1].is_symlink():
+        return f"its newest checkpoint, {saved[-1].name}, is a link, which the same command refuses"
     older = [p for p in saved[:-1] if verify(p, hashes=False) is None]
     instead = resume_instead(older, "remove it to start over")
     return f"its newest checkpoint, {saved[-1].name}, is damaged: {instead}"
 
 
 def _check_valid(folder: Path, what: str, older: list[Path]) -> None:
+    if folder.is_symlink() and folder.parent.name == CHECKPOINTS:
+        raise UserError(f"{what}: {link_in_the_way(folder)}")
     reason = verify(folder)
     if reason is None:
         return
