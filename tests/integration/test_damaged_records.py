@@ -208,18 +208,29 @@ def test_a_damaged_cache_entry_is_named_and_rebuilt(
     assert sorted(p.name for p in cache.iterdir()) == [first.folder.name]  # nothing set aside is left
 
 
-def test_stale_temporary_entries_are_removed(tmp_path: Path) -> None:
-    old, fresh = tmp_path / "k.tmp-abc-0", tmp_path / "k.tmp-def-0"
-    for folder in (old, fresh):
+def test_stale_temporary_entries_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    """Leftovers of killed builders go once no rank waits for them; files of a user's in a folder
+    given as --cache-dir that look like them (any *.tmp-*, *.error-*, *.bad-* went) stay."""
+    key = "0123456789abcdef01234567"
+    old, fresh = tmp_path / f"{key}.tmp-89abcdef-0", tmp_path / f"{key}.tmp-01234567-1"
+    names = ("backup.tmp-2024", "notes.error-log.txt", "seeds.bad-1", "k.tmp-abc-0")
+    users = [tmp_path / name for name in names]
+    for folder in (old, fresh, users[0]):
         folder.mkdir()
         (folder / IDS_FILE).write_bytes(b"1234")
+    for path in users[1:]:
+        path.write_text("mine")
+    markers = [tmp_path / f"{key}.error-89abcdef", tmp_path / f"{key}.error-89abcdef.part-1"]
+    markers.append(tmp_path / f"{key}.bad-89abcdef")
+    for path in markers:
+        path.write_text("x")
     hours_ago = time.time() - 7200
-    for path in (old, old / IDS_FILE):
+    for path in (old, old / IDS_FILE, *markers, *users, users[0] / IDS_FILE):
         os.utime(path, (hours_ago, hours_ago))
-    (tmp_path / "k.error-abc").write_text("x")
-    os.utime(tmp_path / "k.error-abc", (hours_ago, hours_ago))
-    assert sorted(p.name for p in remove_stale(tmp_path)) == ["k.error-abc", "k.tmp-abc-0"]
+    assert sorted(remove_stale(tmp_path)) == sorted([old, *markers])
     assert fresh.is_dir()  # another builder may be writing it
+    assert all(p.exists() for p in users)
+    assert remove_stale(tmp_path / "not-made-yet") == []
 
 
 def _rows_folder(folder: Path, extra: list[str]) -> Path:
