@@ -4,7 +4,7 @@ fields, lmtune's own misspelled or in other case, a list of turns under another 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from lmtune.data.sources import Record
@@ -70,3 +70,20 @@ def suggested_pair_field(fields: Mapping[str, Any], missing: str) -> str:
     others = {n.lower(): n for n in fields if n not in ("prompt", "chosen", "rejected")}
     close = difflib.get_close_matches(missing, list(others), n=1, cutoff=0.75)
     return f"; such as --field-map {missing}={others[close[0]]}" if close else ""
+
+
+# Other data sets' role names, by lmtune's role (matched in lower case, as are lmtune's own).
+OTHER_ROLES = {
+    "human": "user", "prompter": "user", "customer": "user", "question": "user",
+    "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant", "chatbot": "assistant",
+    "answer": "assistant", "sys": "system", "function": "tool", "ipython": "tool",
+}  # fmt: skip
+
+
+def suggested_role(value: str, roles: Collection[str]) -> str:
+    """The --field-map entry that reads the role ``value`` (``user=User``), lmtune's role told by
+    its name in any case or another tool's; ``ROLE=VALUE`` where none is known (any guess could
+    train the user's turns as the assistant's)."""
+    lower = value.strip().lower()
+    role = lower if lower in roles else OTHER_ROLES.get(lower, "ROLE")
+    return f"{role}={value}"

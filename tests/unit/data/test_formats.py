@@ -80,9 +80,24 @@ def test_sharegpt_unknown_role_names_file_line_and_the_way_out() -> None:
     with pytest.raises(
         UserError,
         match=r"d\.jsonl:1: message 2 has unknown role 'function_call'.*"
-        r"--field-map ROLE=VALUE, such as assistant=function_call",
+        r"--field-map ROLE=VALUE, such as ROLE=function_call\)",  # no guess: it could be either side
     ):
         render(Record("d.jsonl", 1, row), "auto", FieldMap.of(ExampleSettings()), byte_tokenizer())
+    # A role lmtune knows by another case or another tool's name is mapped to that role (the advice
+    # was assistant=User: the user's turns would have trained as the assistant's).
+    for theirs, advice in [
+        ("User", "user=User"),
+        ("Assistant", "assistant=Assistant"),
+        ("bot", "assistant=bot"),
+    ]:
+        turns = [{"role": theirs, "content": "hi"}, {"role": "assistant", "content": "x"}]
+        with pytest.raises(UserError, match=rf"such as {advice}\)"):
+            render(
+                Record("d.jsonl", 1, {"messages": turns}),
+                "auto",
+                FieldMap.of(ExampleSettings()),
+                byte_tokenizer(),
+            )
     mapped, _ = _encoded([row], field_map="tool=function_call")
     assert len(mapped) == 0  # readable now; a conversation whose only reply is a tool turn trains nothing
 
