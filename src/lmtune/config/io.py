@@ -6,6 +6,7 @@ A YAML file is flat (``lora_rank: 16``), nested by group (``lora: {rank: 16}``),
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,8 @@ def _coerce(s: Setting, value: Any) -> Any:
         return int(value)  # a count stays one: TrainConfig refuses a split of 40.0 as written so
     if kind is int and isinstance(value, float) and value.is_integer():
         value = int(value)
+    if kind is int and isinstance(value, str) and (whole := _WHOLE.fullmatch(value)):
+        value = whole.group(1)  # --num_train_epochs 3.0, as HF's float arguments are written
     if (
         isinstance(value, bool)
         or (kind is int and isinstance(value, float))
@@ -115,6 +118,8 @@ def _coerce(s: Setting, value: Any) -> Any:
         raise UserError(f"{option_name(name)}: must be a finite number (got {brief(value)})")
     return converted
 
+
+_WHOLE = re.compile(r"\s*([+-]?\d+)\.0*\s*")
 
 # What an empty value means in other tools' configs, where lmtune needs one.
 _NULL = {"seed": " (torchtune's null seed is a random one; lmtune's runs are seeded)"}

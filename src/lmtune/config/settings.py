@@ -235,6 +235,8 @@ def _given(s: Setting, key: str, value: Any) -> Any:
         return None  # an unset path or name: refused, where it needs one, by the run's checks
     if s.type is str:
         value = as_text(value, s.name)
+    if s.type is int and isinstance(value, float) and value.is_integer():
+        value = int(value)  # num_train_epochs=3.0, as HF's TrainingArguments take it
     # The CLI's and YAML's "1.0" is refused as written (io._coerce): a split converted reads 40.0.
     problem = split_written_as_decimal(s.name, value) or value_problem(s, value)
     if problem is not None:

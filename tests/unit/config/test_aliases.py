@@ -643,6 +643,14 @@ def test_hf_shares_of_the_run_below_1_are_answered(
         load_yaml(str(yaml_file))
     assert main(["train", "--eval_steps", "0.1"]) == 2
     assert "--eval-every: expected int, got '0.1' (the HF Trainer's share" in capsys.readouterr().err
+    # A whole number written as HF's float arguments are (num_train_epochs is a float there): taken
+    # on the command line, in YAML and from Python, as it was in YAML alone.
+    parsed = build_parser().parse_args(["train", "--num_train_epochs", "3.0", "--max_steps", " 7. "])
+    assert (train_config(parsed).schedule.epochs, train_config(parsed).schedule.max_steps) == (3, 7)
+    assert TrainConfig(num_train_epochs=2.0).schedule.epochs == 2
+    assert type(TrainConfig(num_train_epochs=2.0).schedule.epochs) is int
+    assert main(["train", "--num_train_epochs", "1.5"]) == 2
+    assert "got '1.5' (lmtune trains whole epochs" in capsys.readouterr().err
 
 
 TORCHTUNE_RECIPE = """\

@@ -68,7 +68,7 @@ def test_allowed_values_live_in_the_field_and_are_checked_and_shown() -> None:
     [
         ({"lr": "abc"}, "TrainConfig: lr: expected float (got 'abc')"),
         ({"max_steps": "3"}, "TrainConfig: max_steps: expected int (got '3')"),
-        ({"lora": True, "lora_rank": 8.0}, "TrainConfig: lora_rank: expected int (got 8.0)"),
+        ({"lora": True, "lora_rank": 8.5}, "TrainConfig: lora_rank: expected int (got 8.5)"),  # 8.0 is 8
         ({"lora": "yes"}, "TrainConfig: lora: expected bool (got 'yes')"),
         ({"beta": "x"}, "TrainConfig: beta: expected float (got 'x')"),
     ],
