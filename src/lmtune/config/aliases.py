@@ -202,6 +202,28 @@ def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Calla
     )
 
 
+# Axolotl's names of a data set entry's fields, by lmtune's --field-map names.
+_AXOLOTL_FIELDS = {
+    "field_messages": "messages", "message_field_role": "role", "message_field_content": "content",
+    "field_instruction": "instruction", "field_input": "input", "field_output": "output",
+    "field_prompt": "prompt", "field_chosen": "chosen", "field_rejected": "rejected",
+}  # fmt: skip
+
+
+def datasets_here(key: str, value: Any, style: Callable[[str], str]) -> str:
+    """For Axolotl's ``datasets:`` list of local files: the data (and field map) that reads them."""
+    if canonical(key) != "datasets" or not isinstance(value, list):
+        return ""
+    entries = [e for e in value if isinstance(e, dict) and isinstance(e.get("path"), str)]
+    if not entries or len(entries) != len(value):
+        return ""
+    fields = {ours: e[theirs] for e in entries for theirs, ours in _AXOLOTL_FIELDS.items() if theirs in e}
+    renamed = ",".join(f"{ours}={theirs}" for ours, theirs in fields.items() if ours != theirs)
+    sep = " " if style("x").startswith("-") else ": "
+    line = f"{style('data')}{sep}{','.join(one_line(e['path'], 200) for e in entries)}"
+    return f"; here: {line}" + (f", {style('field_map')}{sep}{one_line(renamed, 200)}" if renamed else "")
+
+
 def lmtune_name(key: str, accepted: set[str]) -> str:
     """The setting ``key`` names: itself, or the one it is an alias of. Matched as written, lower
     case (as the command line's options are): `Learning_Rate` is refused with its lower-case name,
@@ -232,7 +254,8 @@ def resolve_names(
             continue  # another tool's key left empty (unset, as Axolotl's configs leave many) asks nothing
         if name not in accepted:
             why = explain_unknown(key, accepted, style, "lmtune train", value)
-            unknown.append(where(key) + why + accumulation_here(key, value, values, style))
+            here = accumulation_here(key, value, values, style) + datasets_here(key, value, style)
+            unknown.append(where(key) + why + here)
             continue
         if name in out:
             both = f"as {one_line(given_as[name], 60)} and {one_line(key, 60)}"
@@ -280,6 +303,9 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
     "completion_only_loss": {"true": {}},
     "assistant_only_loss": {"true": {}},
     "tf32": {"false": {}},  # the HF Trainer's: PyTorch's default, which lmtune keeps
+    # Axolotl's loader classes: the ones lmtune uses for every model.
+    "model_type": {"automodelforcausallm": {}},
+    "tokenizer_type": {"autotokenizer": {}},
 }
 
 

@@ -269,6 +269,28 @@ def test_a_config_from_another_tool_has_all_its_unknown_keys_named_at_once(tmp_p
     )
 
 
+def test_axolotls_datasets_are_answered_with_the_data_that_reads_them(tmp_path: Path) -> None:
+    """Axolotl's datasets list of local files: the answer gives lmtune's data and field map for it;
+    its loader classes that are lmtune's own (model_type: AutoModelForCausalLM) ask nothing."""
+    yaml_file = tmp_path / "axolotl.yaml"
+    yaml_file.write_text(
+        "model_type: AutoModelForCausalLM\ntokenizer_type: AutoTokenizer\ndatasets:\n"
+        "  - path: /data/chat.jsonl\n    type: chat_template\n    field_messages: conversations\n"
+        "    message_field_role: from\n  - path: more.jsonl\n    type: chat_template\n"
+    )
+    with pytest.raises(UserError) as refused:
+        load_yaml(str(yaml_file))
+    (line,) = str(refused.value).splitlines()
+    assert line.startswith(f"--config {yaml_file}:3: datasets: give the files as lmtune's data")
+    assert line.endswith(
+        "; here: data: /data/chat.jsonl,more.jsonl, field_map: messages=conversations,role=from"
+    )
+    yaml_file.write_text("model_type: LlamaForCausalLM\ndatasets: [{path: a.jsonl}, tatsu-lab/alpaca]\n")
+    with pytest.raises(UserError) as refused:
+        load_yaml(str(yaml_file))
+    assert "model_type: lmtune loads every model" in str(refused.value) and "here:" not in str(refused.value)
+
+
 def test_accumulation_in_a_config_is_translated_with_its_own_numbers(tmp_path: Path) -> None:
     yaml_file = tmp_path / "trl.yaml"
     yaml_file.write_text("per_device_train_batch_size: 4\ngradient_accumulation_steps: 2\n")
