@@ -217,7 +217,10 @@ def datasets_here(key: str, value: Any, style: Callable[[str], str]) -> str:
     entries = [e for e in value if isinstance(e, dict) and isinstance(e.get("path"), str)]
     if not entries or len(entries) != len(value):
         return ""
-    fields = {ours: e[theirs] for e in entries for theirs, ours in _AXOLOTL_FIELDS.items() if theirs in e}
+    maps = [{ours: e[theirs] for theirs, ours in _AXOLOTL_FIELDS.items() if theirs in e} for e in entries]
+    if any(m != maps[0] for m in maps):  # one --field-map reads every file: said per file, it misleads
+        return ""
+    fields = maps[0]
     renamed = ",".join(f"{ours}={theirs}" for ours, theirs in fields.items() if ours != theirs)
     sep = " " if style("x").startswith("-") else ": "
     line = f"{style('data')}{sep}{','.join(one_line(e['path'], 200) for e in entries)}"

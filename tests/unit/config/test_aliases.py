@@ -277,6 +277,7 @@ def test_axolotls_datasets_are_answered_with_the_data_that_reads_them(tmp_path: 
         "model_type: AutoModelForCausalLM\ntokenizer_type: AutoTokenizer\ndatasets:\n"
         "  - path: /data/chat.jsonl\n    type: chat_template\n    field_messages: conversations\n"
         "    message_field_role: from\n  - path: more.jsonl\n    type: chat_template\n"
+        "    field_messages: conversations\n    message_field_role: from\n"
     )
     with pytest.raises(UserError) as refused:
         load_yaml(str(yaml_file))
