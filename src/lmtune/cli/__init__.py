@@ -19,7 +19,7 @@ from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 from lmtune.config.threads import choose_thread_wait
 from lmtune.errors import USER_ERROR_EXIT_CODE, SettingError, StoppedBySignal, TrainingStopped, UserError
 
-# Other tools' commands (litgpt's, torchtune's `tune run`), and lmtune's way to do what they do.
+# Other tools' commands (litgpt's, torchtune's `tune run`, Axolotl's), and lmtune's way to do what they do.
 OTHER_COMMANDS = {
     "finetune": "lmtune train fine-tunes (full, or --lora; --load-in-4bit for QLoRA)",
     "finetune_lora": "lmtune train --lora fine-tunes with LoRA",
@@ -30,6 +30,10 @@ OTHER_COMMANDS = {
     "evaluate": "lmtune eval DATA --model M scores a model on data (lmtune train --eval-data FILE "
     "evaluates during training)",
     "merge_lora": "lmtune export --merge-lora writes a merged model folder",
+    "merge-lora": "lmtune export CHECKPOINT DIR --merge-lora writes a merged model folder",  # Axolotl's
+    "preprocess": "lmtune data audit DATA reads and measures the data; lmtune train tokenizes it into its "
+    "cache on first use",
+    "inference": "lmtune generate --model FOLDER --prompt TEXT (--chat for a chat model)",
     "convert_from_litgpt": "lmtune writes Hugging Face folders already (final/, lmtune export)",
 }
 

@@ -43,6 +43,8 @@ def _add_train_options(
             if s.type is bool
             else {"metavar": "{" + ",".join(s.choices) + "}" if s.choices else s.name.upper()}
         )
+        if {"on", "off"} <= set(s.choices):  # TRL's bare --packing (a bool there) is on
+            kind |= {"nargs": "?", "const": "on"}
         sections[s.group].add_argument(
             option_name(s.name), dest=s.name, default=argparse.SUPPRESS, help=text, **kind
         )

@@ -128,6 +128,8 @@ def test_a_name_with_another_meaning_is_refused_with_a_hint(
         # litgpt's and torchtune's commands: lmtune's way to do the same.
         (["finetune", "checkpoints/x"], "lmtune finetune: not a command of lmtune; lmtune train fine-tunes"),
         (["run", "lora_finetune_single_device"], "lmtune run: not a command of lmtune; lmtune train takes"),
+        (["preprocess", "ax.yaml"], "lmtune preprocess: not a command of lmtune; lmtune data audit DATA"),
+        (["merge-lora", "ax.yaml"], "lmtune merge-lora: not a command of lmtune; lmtune export CHECKPOINT"),
         (["train", "precision=bf16-mixed"], "not key=value overrides (give --precision fp32 | bf16 | fp16)"),
         # litgpt takes the model as an argument; an unknown option's value is not a stray argument.
         (["train", "ckpt/x"], "unexpected argument ckpt/x (the model is --model PATH, the data --data FILE"),
@@ -246,6 +248,9 @@ def test_packing_takes_trls_true_and_false() -> None:
     parse = build_parser().parse_args
     assert train_config(parse(["train", "--packing", "True"])).batch.packing == "on"
     assert train_config(parse(["train", "--packing", "false"])).batch.packing == "off"
+    # TRL's bare --packing (a bool there): on, before another option too.
+    assert train_config(parse(["train", "--packing"])).batch.packing == "on"
+    assert train_config(parse(["train", "--packing", "--lr", "1e-3"])).batch.packing == "on"
 
 
 def test_max_steps_minus_one_is_hfs_unset(tmp_path: Path) -> None:
