@@ -381,9 +381,15 @@ def _shown(value: Any) -> str:
 def value_switched(key: str, value: Any) -> dict[str, Any]:
     """The settings another tool's ``key: value`` sets, and their values (:data:`_VALUE_SWITCHES`)."""
     switches = _VALUE_SWITCHES.get(canonical(key))
+    value = _one(value)
     if switches is None or isinstance(value, (list, dict)):
         return {}
     return dict(switches.get(str(value).lower(), {}))
+
+
+def _one(value: Any) -> Any:
+    """A list of one value as that value (TRL 1.x's ``loss_type: [sigmoid]``)."""
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
 def _value_switches(
@@ -399,7 +405,7 @@ def _value_switches(
         UserError: the file gives one of those settings another value.
     """
     out = dict(values)
-    for key, value in values.items():
+    for key, value in ((k, _one(v)) for k, v in values.items()):
         switches = _VALUE_SWITCHES.get(canonical(key))
         if switches is None or isinstance(value, (list, dict)):
             continue  # (str(value) of an int past 4,300 digits fails)

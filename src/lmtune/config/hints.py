@@ -63,7 +63,7 @@ HINTS: dict[str, str] = {
     "stage": "supervised is {objective} sft; preference tuning {objective} dpo | ipo | simpo | orpo",
     "loss_type": (  # TRL's DPOConfig
         "the preference loss is {objective}: TRL's sigmoid is dpo, ipo is ipo (SimPO and ORPO are "
-        "{objective} simpo | orpo)"
+        "{objective} simpo | orpo); one loss: TRL's list of several, weighted together, is not lmtune's"
     ),
     "precompute_ref_log_probs": (
         "{reference} logprobs (the default) precomputes the reference's log-probs once, {reference} live "

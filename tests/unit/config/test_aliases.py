@@ -454,6 +454,7 @@ def test_bitsandbytes_and_cpo_settings_that_say_what_lmtune_does_are_taken(tmp_p
     [
         ("loss_type: sigmoid\n", "dpo", "logprobs"),
         ("loss_type: ipo\nobjective: ipo\n", "ipo", "logprobs"),
+        ("loss_type: [sigmoid]\n", "dpo", "logprobs"),  # TRL 1.x's list of losses, of one
         ("loss_type: simpo\ncpo_alpha: 0\n", "simpo", "logprobs"),  # TRL's CPOConfig, as its docs give SimPO
         ("objective: dpo\nprecompute_ref_log_probs: false\n", "dpo", "live"),
         ("objective: dpo\nprecompute_ref_log_probs: true\n", "dpo", "logprobs"),
