@@ -96,7 +96,10 @@ class AuditReport:
             )
         examples = self.trained
         held = f" left after --eval-split holds out {self.held_out:,}" if self.held_out else ""
-        if examples <= 0:
+        s = self.stats
+        if not s.examples + s.dropped_too_long + s.dropped_no_targets + self.bad.count:
+            found.append("it holds no records (empty)")  # as training says it
+        elif examples <= 0:
             found.append("no example to train on" + held)
         elif examples < self.global_batch_size:
             fits = largest_global_batch(examples, self.micro_batch_size, self.nproc_per_node)

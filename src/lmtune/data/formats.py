@@ -253,10 +253,10 @@ def render(
     return _render_messages(record, tokenizer, turns, chosen, untrained, every_turn=train_on_prompt)
 
 
-def trained_content(record: Record, names: FieldMap) -> Any:
+def trained_content(record: Record, names: FieldMap) -> Any | None:
     """What a record's example trains on, comparable between records: its text and the spans that
     train, a chat's turns and which train, a pair's prompt and answers; not its other fields (an
-    id). A record of no format (a bad line): all its fields."""
+    id). None for a record of no format (a bad line: it trains nothing)."""
     mapped = names.record(record)
     fmt = detect_format(mapped.fields)
     if fmt == "preference":  # its chat turns are checked where pairs are read
@@ -268,7 +268,7 @@ def trained_content(record: Record, names: FieldMap) -> Any:
         rendered = render(record, "auto", names, None)  # text or prompt/completion; no format raises
         return [rendered.text, rendered.spans]
     except UserError:
-        return record.fields
+        return None
 
 
 def _turns(record: Record, fmt: str, names: FieldMap, field: str = "messages") -> list[dict[str, str]]:

@@ -156,13 +156,19 @@ def _jsonl(path: str, bad: BadLines) -> Iterator[Record]:
     for lineno, line in _decoded_lines(path, bad):
         if not line.strip():
             continue
+        # A file that is one JSON array of records is read as JSON by its .json name.
+        array = (
+            " (a JSON array of records? name the file .json)"
+            if lineno == 1 and line.lstrip()[:1] == "["
+            else ""
+        )
         try:
             record = _parse_json(line.rstrip("\r\n"), f"{path}:{lineno}")
         except UserError as e:
-            bad.report(str(e))
+            bad.report(f"{e}{array}")
             continue
         if not isinstance(record, dict):
-            bad.report(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            bad.report(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}{array}")
             continue
         yield Record(path, lineno, record)
 

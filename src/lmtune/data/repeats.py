@@ -35,12 +35,15 @@ class Repeats:
     def tap(self, records: Iterable[Record]) -> Iterator[Record]:
         """``records`` as they are, what each one trains on noted."""
         for record in records:
+            content = trained_content(record, self.names)
+            if content is None:  # a bad line: not trained, so no copy of another that trains
+                yield record
+                continue
             if not self._sources or self._sources[-1] != record.source:
                 self._sources.append(record.source)
                 self._starts.append(len(self._lines))
             self._lines.append(record.line)
             self._items.append(record.item)
-            content = trained_content(record, self.names)
             text = json.dumps(content, sort_keys=True, ensure_ascii=False, default=str)
             digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
             self._digests.append(int.from_bytes(digest, "little"))

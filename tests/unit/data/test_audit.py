@@ -111,7 +111,7 @@ def _chat(i: int, words: int) -> dict[str, object]:
             1,
             "3 of 10 examples lose",
         ),
-        ([], [], 2, "no example to train on"),  # train stops on it too
+        ([], [], 2, "it holds no records (empty)"),  # train stops on it too
         ([{"text": "ok"}] * 3, ["--global-batch-size", "4"], 2, "3 examples, fewer than one global batch"),
         # What train would take: a multiple of the micro-batch (train says the same, test_cli).
         (
@@ -357,3 +357,27 @@ def test_records_that_repeat_an_earlier_one_are_counted_and_named(
     c.write_text('{"text": "one"}\n{"text": "two"}\n')
     main(["data", "audit", str(c), "--global-batch-size", "2"])
     assert "repeated records    0" in capsys.readouterr().out
+    # Bad lines train nothing: the same bad line twice is no copy that trains twice.
+    c.write_text('{"question": "1+1"}\n{"question": "1+1"}\n{"text": "one"}\n')
+    main(["data", "audit", str(c), "--global-batch-size", "1", "--skip-bad-lines"])
+    assert "repeated records    0" in capsys.readouterr().out
+
+
+def test_an_empty_file_and_a_json_array_named_jsonl_are_said_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty file is said to be empty (as training says it), not "no example to train on"; a
+    JSON array of records in a .jsonl file (one line, or pretty-printed) gets the way to read it."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["data", "audit", str(empty)]) == 2
+    assert "unusable as it is (exit code 2): it holds no records (empty)" in capsys.readouterr().out
+    one, pretty = tmp_path / "one.jsonl", tmp_path / "pretty.jsonl"
+    one.write_text(json.dumps([{"text": "a"}, {"text": "b"}]) + "\n")
+    pretty.write_text('[\n  {"text": "a"},\n  {"text": "b"}\n]\n')
+    assert main(["data", "audit", str(one)]) == 2
+    said = f"{one}:1: expected a JSON object, got list (a JSON array of records? name the file .json)"
+    assert said in capsys.readouterr().out
+    assert main(["data", "audit", str(pretty)]) == 2
+    out = capsys.readouterr().out
+    assert f"{pretty}:1: not valid JSON" in out and out.count("name the file .json") == 1
