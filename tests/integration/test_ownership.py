@@ -411,8 +411,12 @@ def test_output_folders_that_would_lose_or_reread_inputs_are_refused(
         (data, str(data), False): "lies inside --data",  # --data DIR --output-dir DIR
         (data / "run", str(data), False): "lies inside --data",
         (data / "run", f"{data}/*.jsonl", False): "lies inside --data",
-        (data, str(data / "d.jsonl"), True): "holds --data .*, which --overwrite would delete",
         (tmp_path / "out", str(tmp_path / "out" / "final" / "d.jsonl"), False): "where this run writes",
+        (
+            tmp_path / "out",
+            str(tmp_path / "out" / "final" / "d.jsonl"),
+            True,
+        ): "which --overwrite would delete",
     }
     (tmp_path / "out" / "final").mkdir(parents=True)
     (tmp_path / "out" / "final" / "d.jsonl").write_text("{}")
@@ -420,6 +424,8 @@ def test_output_folders_that_would_lose_or_reread_inputs_are_refused(
         with pytest.raises(UserError, match=needle):
             check_output_dir(out, {"--data": spec}, overwrite)
     check_output_dir(tmp_path / "elsewhere", {"--data": str(data)}, overwrite=True)
+    # Beside the run's entries: --overwrite deletes those alone, so the data stays (it was refused).
+    check_output_dir(data, {"--data": str(data / "d.jsonl")}, overwrite=True)
     check_output_dir(data, {"--data": "some/hub-dataset"}, overwrite=True)  # not a local path
     run = tmp_path / "earlier"  # another run's checkpoint or final/ is never a new run's folder
     (run / "checkpoints" / "step-000002").mkdir(parents=True)

@@ -278,7 +278,8 @@ def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) 
             if out not in path.parents and out != path:
                 continue
             inside = path.relative_to(out).parts
-            if overwrite or not inside or inside[0] in (*RUN_FILES, LOCK_FILE):
+            # --overwrite deletes the run's own entries alone: an input beside them stays.
+            if not inside or inside[0] in (*RUN_FILES, LOCK_FILE):
                 what = "which --overwrite would delete" if overwrite else "where this run writes"
                 raise UserError(
                     f"--output-dir {output_dir} holds {option} {path}, {what}; lmtune does not delete "
