@@ -132,7 +132,9 @@ def test_output_folder_problems(tmp_path: Path, capsys: pytest.CaptureFixture[st
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "final").symlink_to(tmp_path)
-    assert "final is a symbolic link" in _error(["train", "--output-dir", str(linked)], capsys)
+    said = _error(["train", "--output-dir", str(linked)], capsys)
+    assert "final is a symbolic link" in said
+    assert "remove the link, and give an --output-dir on the other disk to keep the run's final there" in said
 
 
 def _records(path: Path, skip: bool = False) -> tuple[list[Record], BadLines]:

@@ -76,6 +76,11 @@ def _check_folder(output_dir: Path) -> None:
         raise UserError(f"--output-dir {output_dir}: not writable ({unwritable(output_dir)})")
     for name in (*RUN_FILES, LOCK_FILE):
         problem = _entry_problem(output_dir / name, folder=name in RUN_FOLDERS)
+        if problem and (output_dir / name).is_symlink():  # a link to keep it on another disk, often
+            raise UserError(
+                f"--output-dir {output_dir}: {name} is {problem}: remove the link, and give an --output-dir "
+                f"on the other disk to keep the run's {name} there (or choose another --output-dir)"
+            )
         if problem:
             raise UserError(
                 f"--output-dir {output_dir}: {name} is {problem}; lmtune writes only its own files "
