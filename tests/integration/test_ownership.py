@@ -460,6 +460,13 @@ def test_train_refuses_before_writing(tmp_path: Path, capsys: pytest.CaptureFixt
         ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "1"], capsys
     )
     assert not (out / LOCK_FILE).exists()
+    # A run that stops before writing anything removes the folders it made for --output-dir (the
+    # parents too: new/q/ stayed), and none that was there.
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    assert "holds no records" in _error(
+        ["train", "--data", str(empty), "--output-dir", str(out / "new" / "q" / "r")], capsys
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
 
 
 def test_a_run_replaces_its_final_folder_only_as_it_wrote_it(

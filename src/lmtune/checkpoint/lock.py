@@ -134,11 +134,11 @@ def _arbiter(folder: Path) -> Iterator[None]:
 class RunLock:
     """The held lock of one output folder; ``release`` removes it if it is still ours."""
 
-    def __init__(self, path: Path, holder: LockHolder, owned: bool, created: bool = False):
+    def __init__(self, path: Path, holder: LockHolder, owned: bool, created: int = 0):
         self.path = path
         self.holder = holder
         self.owned = owned  # False: held by the launcher that started this worker
-        self.created = created  # this run created the folder (it did not exist before)
+        self.created = created  # the folders this run created: the output folder and N-1 above it
 
     def release(self) -> None:
         if not self.owned:
@@ -150,11 +150,9 @@ class RunLock:
                 return
             if current is not None and current.token == self.holder.token:
                 self.path.unlink(missing_ok=True)
-        if self.created:
-            # A run that stopped before writing anything (bad data, a batch larger than the data)
-            # leaves no empty folder behind; rmdir removes only an empty one.
-            with suppress(OSError):
-                self.path.parent.rmdir()
+        # A run that stopped before writing anything (bad data, a batch larger than the data)
+        # leaves no empty folder of its own behind.
+        remove_made(self.path.parent, self.created)
 
     def __enter__(self) -> RunLock:
         return self
@@ -165,9 +163,19 @@ class RunLock:
         self.release()
 
 
-def take(output_dir: Path, run_id: str, warn: Callable[[str], None], created: bool) -> RunLock:
-    """Take the lock of ``output_dir`` (an existing folder; ``created``: by this run) for this
-    process, or accept the launcher's.
+def remove_made(folder: Path, made: int) -> None:
+    """Remove ``folder`` and the ``made - 1`` above it that a run created, as long as each is empty
+    (rmdir removes only an empty folder)."""
+    for each in [folder, *folder.parents][:made]:
+        try:
+            each.rmdir()
+        except OSError:
+            return
+
+
+def take(output_dir: Path, run_id: str, warn: Callable[[str], None], created: int) -> RunLock:
+    """Take the lock of ``output_dir`` (an existing folder; ``created``: the folders this run made,
+    it and those above it) for this process, or accept the launcher's.
 
     Raises:
         UserError: when another live run holds it, or the folder cannot be written.
@@ -203,8 +211,7 @@ def take(output_dir: Path, run_id: str, warn: Callable[[str], None], created: bo
                     json.dump(asdict(me), f)
             except OSError as e:  # a full disk: an empty lock left here would block the next run
                 path.unlink(missing_ok=True)
-                if created:  # empty again: it was this run's
-                    output_dir.rmdir()
+                remove_made(output_dir, created)  # empty again: they were this run's
                 raise UserError(f"--output-dir {output_dir}: cannot write there ({e.strerror})") from None
             return RunLock(path, me, owned=True, created=created)
     raise UserError(f"--output-dir {output_dir}: its lock keeps changing hands; is another run starting?")

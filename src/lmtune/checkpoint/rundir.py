@@ -60,7 +60,8 @@ def acquire(output_dir: Path, run_id: str, warn: Callable[[str], None]) -> RunLo
     Raises:
         UserError: when another live run holds it, or the folder cannot be written.
     """
-    created = not output_dir.exists()
+    # The folders this run makes (--output-dir new/run: new/ too), removed again if it writes nothing.
+    created = sum(1 for _ in itertools.takewhile(lambda p: not p.exists(), (output_dir, *output_dir.parents)))
     _check_folder(output_dir)
     return take(output_dir, run_id, warn, created)
 
