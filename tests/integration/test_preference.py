@@ -70,6 +70,7 @@ def test_metrics_rows_and_run_json_carry_the_preference_metrics(dpo_run: Path) -
     assert result["loss"] == evals[-1]["eval_loss"] and result["examples"] == 8
     said = (dpo_run.parent / "said.txt").read_text()  # the log counts pairs, as the data line does
     assert "eval data: 8 pairs of --data held out" in said and said.count(" (8 pairs, ") == 2, said
+    assert "; objective dpo (beta 0.1), log-probs by " in said  # the start line named a loss it had not
     assert result["rewards/accuracies"] == evals[-1]["eval_rewards/accuracies"]
     assert result["rewards/margins"] == evals[-1]["eval_rewards/margins"]
     assert run["resolved"]["objective"] == "dpo"

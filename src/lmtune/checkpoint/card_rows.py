@@ -17,7 +17,7 @@ def plural(n: Any, thing: str, many: str = "") -> str:
 
 
 # The weights of each preference objective, as its run.json config names them.
-_WEIGHTS = {
+OBJECTIVE_WEIGHTS = {
     "dpo": ("beta", "label_smoothing"),
     "ipo": ("beta",),
     "simpo": ("beta", "simpo_gamma", "label_smoothing"),
@@ -28,7 +28,9 @@ _WEIGHTS = {
 def _objective(config: dict[str, Any], formats: dict[str, int], reference: Any = None) -> str:
     name = config.get("objective", "sft")
     if name != "sft":
-        weights = [f"{k} {config[k]}" for k in _WEIGHTS.get(name, ()) if config.get(k) not in (None, 0, 0.0)]
+        weights = [
+            f"{k} {config[k]}" for k in OBJECTIVE_WEIGHTS.get(name, ()) if config.get(k) not in (None, 0, 0.0)
+        ]
         return (
             f"`{name}` (lmtune's --objective)"
             + (f": {', '.join(weights)}" if weights else "")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lmtune import __version__
+from lmtune.checkpoint.card_rows import OBJECTIVE_WEIGHTS
 from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.state import optimizer_state_bytes
 from lmtune.config.run_groups import names_checkpoint
@@ -122,7 +123,7 @@ def run_record(run: RunContext, built: Built, resumed: CheckpointManager, peak: 
         f"step{'s' if layout.total_steps != 1 else ''} at lr {built.lr:.3g} "
         f"({cfg.schedule.name}{_lr_note(cfg, built)}); precision {cfg.model.precision}"
         + ("; activation checkpointing" if cfg.model.activation_checkpointing else "")
-        + f"; loss: {built.loss.description}"
+        + f"; {_loss_part(cfg, built)}"
         + (f"; NEFTune noise alpha {cfg.objective.neftune_alpha:g}" if cfg.objective.neftune_alpha else "")
     )
     notes = (
@@ -189,6 +190,21 @@ def _batch_line(layout: BatchLayout) -> str:
     return (
         f"{layout.global_batch_size} = {layout.micro_batch_size} x {layout.world_size} x "
         f"{layout.accumulation} accumulation"
+    )
+
+
+def _loss_part(cfg: TrainConfig, built: Built) -> str:
+    """The start line's loss: supervised, how it is computed; a preference objective, its weights
+    and how the log-probs it compares are computed (by the same head)."""
+    name = built.objective.name
+    if name == "sft":
+        return f"loss: {built.loss.description}"
+    flat = to_dict(cfg)
+    weights = ", ".join(f"{k} {flat[k]:g}" for k in OBJECTIVE_WEIGHTS.get(name, ()) if flat.get(k))
+    return (
+        f"objective {name}"
+        + (f" ({weights})" if weights else "")
+        + f", log-probs by {built.loss.description}"
     )
 
 
