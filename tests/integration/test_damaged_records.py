@@ -26,7 +26,8 @@ from lmtune.checkpoint.store import _scaler_state, load_checkpoint, read_state
 from lmtune.cli import main
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.dataset import IDS_FILE, MASK_FILE, OFFSETS_FILE, TokenizedDataset
-from lmtune.data.prepare import prepare, remove_stale
+from lmtune.data.leftovers import remove_stale
+from lmtune.data.prepare import prepare
 from lmtune.errors import UserError
 from lmtune.model.modeling import byte_tokenizer, load_model
 from lmtune.outputs.runlog import read_metrics

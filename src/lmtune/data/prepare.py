@@ -13,7 +13,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import re
 import shutil
 import time
 import uuid
@@ -28,6 +27,7 @@ from lmtune.config.files import read_text
 from lmtune.config.groups import DataSettings, ExampleSettings
 from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
 from lmtune.data.formats import FieldMap, ensure_chat_template
+from lmtune.data.leftovers import CACHE_WAIT_TIMEOUT_ENV, CACHE_WAIT_TIMEOUT_S, remove_entry, remove_stale
 from lmtune.data.mixture import COMPONENTS_META
 from lmtune.data.readers import records
 from lmtune.data.sources import (
@@ -51,8 +51,6 @@ CACHE_VERSION, _KEY_VERSION = 3, 1
 LARGE_INPUT_BYTES = 16 << 20
 CACHE_ENV = environment.CACHE_DIR
 # A waiting rank gives up when the builder has written nothing for this long (it died, or hangs).
-CACHE_WAIT_TIMEOUT_ENV = environment.CACHE_WAIT_TIMEOUT
-CACHE_WAIT_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -459,7 +457,7 @@ def _reuse(cache_dir: Path, key: str, vocab: int, nonce: str) -> TokenizedDatase
         raise UserError(
             f"damaged data cache entry {folder} cannot be set aside ({e.strerror}); delete it"
         ) from None
-    _remove(aside)
+    remove_entry(aside)
     return None
 
 
@@ -470,37 +468,3 @@ def _fsync_folder(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# What a builder names its temporary folder, error marker and damaged entry set aside: an entry's
-# key, then a run's nonce (cache_key's 24 hex digits, uuid's 8). A user's file in a folder given as
-# --cache-dir (report.tmp-2024, x.bad-1) is no leftover of lmtune's.
-_LEFTOVER = re.compile(r"[0-9a-f]{24}\.(tmp-[0-9a-f]{8}-\d+|error-[0-9a-f]{8}(\.part-\d+)?|bad-[0-9a-f]{8})")
-
-
-def remove_stale(cache_dir: Path) -> list[Path]:
-    """Temporary folders and error markers that builders left when they were killed: those written
-    to longer ago than the wait timeout, after which no waiting rank trusts them either."""
-    limit = environment.seconds(CACHE_WAIT_TIMEOUT_ENV, CACHE_WAIT_TIMEOUT_S)
-    removed = []
-    try:
-        named = [p for p in cache_dir.iterdir() if _LEFTOVER.fullmatch(p.name)]
-    except OSError:  # no cache folder yet
-        return []
-    for path in named:
-        try:
-            inside = list(path.iterdir()) if path.is_dir() and not path.is_symlink() else []
-            newest = max(p.lstat().st_mtime for p in [path, *inside])
-        except OSError:
-            continue
-        if time.time() - newest > limit:
-            _remove(path)
-            removed.append(path)
-    return removed
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
