@@ -335,7 +335,7 @@ def check_layout(folder: Path, parts: ModelParts) -> dict[str, Any]:
         raise UserError(
             f"--resume {folder}: it was saved by {_describe(saved_lora, saved_sharded)}; this run "
             f"({_describe(parts.lora, parts.sharded)}) cannot load it; use the same --lora and "
-            "--strategy, or --resume never with a new --output-dir"
+            "--strategy, or start afresh in another --output-dir (or with --overwrite)"
         )
     return listed
 
