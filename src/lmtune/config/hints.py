@@ -125,6 +125,7 @@ HINTS: dict[str, str] = {
         "fields) and rename fields with {field_map}"
     ),
     "dataset": "give the files as lmtune's {data}",
+    "test_datasets": "give the evaluation files as lmtune's {eval_data}",
     "field_messages": "map field names with {field_map} messages=FIELD,role=FIELD,content=FIELD",
     "message_property_mappings": "map field names with {field_map} messages=FIELD,role=FIELD,content=FIELD",
     "formatting_func": "map field names with {field_map} (for example prompt=question,completion=answer)",

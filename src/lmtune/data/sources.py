@@ -219,7 +219,21 @@ def _item_sources(item: str, option: str) -> list[Source]:
             hint += f" (in the working folder {Path.cwd()})"
         raise _refused(option, f"no such file or folder: {item}{hint}")
     name, _, split = item.partition(":")
+    if name.lower() in BUILDERS:  # datasets' loader of that format: it reads what the working folder holds
+        raise _refused(
+            option,
+            f"{item}: the datasets library's {name} loader (load_dataset('{name}', data_files=...)), not a "
+            "data set: give the files themselves (FILE,FILE,...: their names say their format)",
+        )
     return [Source("hf_hub", name, split or "train")]
+
+
+# The datasets library's packaged loaders: load_dataset("json") without data_files reads every such
+# file under the working folder (Axolotl's datasets: path: json with data_files).
+BUILDERS = frozenset(
+    {"arrow", "audiofolder", "cache", "csv", "generator", "hdf5", "imagefolder", "json", "pandas", "parquet"}
+    | {"pdffolder", "spark", "sql", "text", "videofolder", "webdataset", "xml"}
+)
 
 
 def _refused(option: str, reason: str) -> UserError:

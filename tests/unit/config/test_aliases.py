@@ -291,6 +291,26 @@ def test_axolotls_datasets_are_answered_with_the_data_that_reads_them(tmp_path: 
     assert line.endswith(
         "; here: data: /data/chat.jsonl,more.jsonl, field_map: messages=conversations,role=from"
     )
+    # A datasets loader with its files (path: json was answered data: json, which reads every JSON
+    # file under the working folder), Axolotl's newer field and role names, and test_datasets.
+    yaml_file.write_text(
+        "datasets:\n  - path: json\n    data_files: [a.jsonl, b.jsonl]\n    type: chat_template\n"
+        "    field_messages: dialog\n    message_property_mappings: {role: speaker, content: text}\n"
+        "    roles: {user: [human, user], assistant: [bot, model]}\n"
+        "test_datasets:\n  - path: json\n    data_files: c.jsonl\n    split: train\n"
+    )
+    with pytest.raises(UserError) as refused:
+        load_yaml(str(yaml_file))
+    lines = str(refused.value).splitlines()
+    field_map = "messages=dialog,role=speaker,content=text,user=human,assistant=bot,assistant=model"
+    assert lines[0].endswith(f"; here: data: a.jsonl,b.jsonl, field_map: {field_map}")
+    assert lines[1].endswith(
+        "test_datasets: give the evaluation files as lmtune's eval_data; here: eval_data: c.jsonl"
+    )
+    yaml_file.write_text("datasets: [{path: json}]\n")  # no files named: no line to give
+    with pytest.raises(UserError) as refused:
+        load_yaml(str(yaml_file))
+    assert "here:" not in str(refused.value)
     yaml_file.write_text("model_type: LlamaForCausalLM\ndatasets: [{path: a.jsonl}, tatsu-lab/alpaca]\n")
     with pytest.raises(UserError) as refused:
         load_yaml(str(yaml_file))

@@ -180,6 +180,17 @@ def test_json_lines_in_a_txt_file_are_refused_unless_text_is_asked(tmp_path: Pat
     assert len(read(str(tmp_path / "e.txt"))) == 2
 
 
+def test_a_datasets_loader_name_is_no_data_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--data json (Axolotl's path: json) went to load_dataset("json"), which read every JSON file
+    under the working folder and trained on them."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "other.jsonl").write_text('{"text": "x"}\n')
+    for name in ("json", "csv:train", "Parquet"):
+        with pytest.raises(UserError, match=r"the datasets library's .* loader .*give the files themselves"):
+            resolve_sources(name)
+    assert resolve_sources("org/json")[0].kind == "hf_hub"  # a hub data set named so is one
+
+
 def test_a_typo_of_a_local_file_is_no_hub_data_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Said at once, with the file meant, not after a minute of the hub's retries."""
     monkeypatch.chdir(tmp_path)
