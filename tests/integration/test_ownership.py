@@ -390,6 +390,15 @@ def test_a_checkpoint_linked_in_from_another_run_is_never_deleted_through_the_li
     assert main([*argv[:3], *other, *argv[5:], "--max-steps", "3"]) == 0
     run_json = json.loads((tmp_path / "c" / "run.json").read_text())
     assert run_json["resolved"]["resumed_from"] == str(target)
+    assert main(["export", str(tmp_path / "latest"), str(tmp_path / "exported")]) == 0  # export too
+    # A damaged newest checkpoint points at the one before it that lmtune saved, never at a link
+    # (that advice led to a link to another run); --resume never names the link (not --overwrite).
+    (out / "checkpoints" / "step-000001").symlink_to(target)
+    (out / "checkpoints" / "step-000003" / "optimizer.pt").unlink()
+    damaged = _error([*argv, "--max-steps", "5"], capsys)
+    assert "step-000003, is damaged" in damaged and "--resume" not in damaged
+    never = _error([*argv, "--max-steps", "5", "--resume", "never"], capsys)
+    assert f"--resume never: {out / 'checkpoints' / 'step-000001'} is a link" in never
     assert _files(target) == before
 
 

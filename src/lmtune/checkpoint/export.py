@@ -225,6 +225,8 @@ def export(
     (with ``overwrite``) an earlier export, nothing else."""
     from transformers import AutoTokenizer
 
+    if checkpoint.is_symlink():  # a link of the user's ("latest") is read where it points, as train reads it
+        checkpoint = checkpoint.resolve()
     if not checkpoint.is_dir():
         if checkpoint.exists():
             raise UserError(f"{checkpoint}: not a folder; export takes a checkpoint, RUN/checkpoints/step-N")

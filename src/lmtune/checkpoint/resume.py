@@ -22,6 +22,7 @@ from lmtune.checkpoint.layout import (
     list_checkpoints,
     lmtune_wrote,
     resume_instead,
+    saved_checkpoints,
     verify,
 )
 from lmtune.checkpoint.state import ModelParts, TrainerState
@@ -47,6 +48,8 @@ def resume_point(resume: str, output_dir: Path, env: DistEnv) -> Path | None:
 def _chosen_checkpoint(resume: str, output_dir: Path) -> str:
     found = list_checkpoints(output_dir)
     if resume == "never":
+        if links := [p for p in found if p.is_symlink()]:  # --overwrite would refuse it too
+            raise UserError(f"--resume never: {link_in_the_way(links[0])}")
         if found:
             raise UserError(
                 f"--resume never, but {output_dir / CHECKPOINTS} holds checkpoints of an earlier "
@@ -56,12 +59,15 @@ def _chosen_checkpoint(resume: str, output_dir: Path) -> str:
     if resume == "auto":
         if not found:
             return ""
-        _check_valid(found[-1], "the newest checkpoint in --output-dir", found[:-1])
+        # A damaged one points at the one saved before it, never at a link among them.
+        _check_valid(
+            found[-1], "the newest checkpoint in --output-dir", [p for p in found[:-1] if lmtune_wrote(p)]
+        )
         return str(found[-1])
-    given = Path(resume)  # a damaged one points at the one saved before it in its run, if any
-    if given.is_symlink() and given.parent.name != CHECKPOINTS:  # a user's link, such as "latest"
+    given = Path(resume)
+    if given.is_symlink():  # a link given by name (a user's "latest") is read where it points
         given = given.resolve()
-    saved = list_checkpoints(given.parent.parent) if given.parent.name == CHECKPOINTS else []
+    saved = saved_checkpoints(given.parent.parent) if given.parent.name == CHECKPOINTS else []
     _check_valid(given, "--resume", saved[: saved.index(given)] if given in saved else [])
     return str(given)
 
