@@ -4,10 +4,11 @@ fields, lmtune's own misspelled or in other case, a list of turns under another 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from lmtune.data.sources import Record
+from lmtune.errors import one_line
 
 # Other data sets' names for a prompt and its completion, to suggest a --field-map.
 PROMPT_NAMES = ("question", "query", "input", "prompt_text", "problem", "source")
@@ -80,10 +81,16 @@ OTHER_ROLES = {
 }  # fmt: skip
 
 
-def suggested_role(value: str, roles: Collection[str]) -> str:
-    """The --field-map entry that reads the role ``value`` (``user=User``), lmtune's role told by
-    its name in any case or another tool's; ``ROLE=VALUE`` where none is known (any guess could
-    train the user's turns as the assistant's)."""
+def suggested_roles(turns: list[Any], role_key: str, known: Mapping[str, str]) -> str:
+    """The --field-map entries that read every role of a conversation's ``turns`` not in ``known``
+    (``user=User,assistant=Assistant``: all at once, not one per run), lmtune's role told by its
+    name in any case or another tool's; ``ROLE=VALUE`` where none is known (a guess could train
+    the user's turns as the assistant's)."""
+    values = [t[role_key] for t in turns if isinstance(t, Mapping) and isinstance(t.get(role_key), str)]
+    unknown = list(dict.fromkeys(v for v in values if v not in known))[:8]
+    return ",".join(f"{_role_named(v, known)}={one_line(v, 40)}" for v in unknown) or "ROLE=VALUE"
+
+
+def _role_named(value: str, known: Mapping[str, str]) -> str:
     lower = value.strip().lower()
-    role = lower if lower in roles else OTHER_ROLES.get(lower, "ROLE")
-    return f"{role}={value}"
+    return known.get(lower) or OTHER_ROLES.get(lower, "ROLE")

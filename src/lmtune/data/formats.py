@@ -13,9 +13,9 @@ from typing import Any
 
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import check_chat_template, render_chat
-from lmtune.data.field_hints import suggested_map, suggested_role
+from lmtune.data.field_hints import suggested_map, suggested_roles
 from lmtune.data.sources import Record
-from lmtune.errors import SettingError, UserError, brief, one_line
+from lmtune.errors import SettingError, UserError, brief
 
 ROLES = ("system", "user", "assistant", "tool")
 # The chat formats: rendered with the chat template, trained on the assistant turns.
@@ -326,7 +326,7 @@ def _conversation(
             raise UserError(
                 f"{record.where}: {label} {i + 1} has unknown role {brief(m[role_key])} (roles: "
                 f"{', '.join(ROLES)}; ShareGPT's {', '.join(SHAREGPT_ROLES)}; name others with "
-                f"--field-map ROLE=VALUE, such as {suggested_role(one_line(str(m[role_key]), 40), ROLES)})"
+                f"--field-map ROLE=VALUE, such as {suggested_roles(raw, role_key, roles)})"
             )
         if not _trains(record, m, where, role, every_turn):
             untrained.add(i)

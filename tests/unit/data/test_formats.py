@@ -98,6 +98,15 @@ def test_sharegpt_unknown_role_names_file_line_and_the_way_out() -> None:
                 FieldMap.of(ExampleSettings()),
                 byte_tokenizer(),
             )
+    # Every unknown role of the record at once (one per run took three runs for System/Human/Bot).
+    turns = [{"role": r, "content": "x"} for r in ("System", "Human", "Bot", "Human", "narrator")]
+    with pytest.raises(UserError, match=r"such as system=System,user=Human,assistant=Bot,ROLE=narrator\)"):
+        render(
+            Record("d.jsonl", 1, {"messages": turns}),
+            "auto",
+            FieldMap.of(ExampleSettings()),
+            byte_tokenizer(),
+        )
     mapped, _ = _encoded([row], field_map="tool=function_call")
     assert len(mapped) == 0  # readable now; a conversation whose only reply is a tool turn trains nothing
 
