@@ -135,6 +135,9 @@ def test_output_folder_problems(tmp_path: Path, capsys: pytest.CaptureFixture[st
     said = _error(["train", "--output-dir", str(linked)], capsys)
     assert "final is a symbolic link" in said
     assert "remove the link, and give an --output-dir on the other disk to keep the run's final there" in said
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone" / "x")
+    said = _error(["train", "--output-dir", str(tmp_path / "dangling")], capsys)
+    assert f"a link to {tmp_path / 'gone' / 'x'}, which is not there; make that folder" in said
 
 
 def _records(path: Path, skip: bool = False) -> tuple[list[Record], BadLines]:

@@ -69,6 +69,11 @@ def acquire(output_dir: Path, run_id: str, warn: Callable[[str], None]) -> RunLo
 def _check_folder(output_dir: Path) -> None:
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output-dir {output_dir}: exists and is not a folder")
+    if output_dir.is_symlink() and not output_dir.exists():
+        raise UserError(
+            f"--output-dir {output_dir}: a link to {os.readlink(output_dir)}, which is not there; make that "
+            "folder, or give another --output-dir"
+        )
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
