@@ -134,16 +134,25 @@ _FRACTIONS = {
 }
 
 
-def _expected(name: str, kind: type, value: Any) -> str:
-    """The refusal of a value of another type, with what a share (0 < value < 1) means elsewhere
-    for a whole-number setting that takes none."""
+def fraction_reason(name: str, value: Any) -> str:
+    """What a share (0 < value < 1) means elsewhere for a whole-number setting that takes none
+    (" (the HF Trainer's share ...)"), or "" for any other value."""
     try:
         number = float(value) if not isinstance(value, bool) else math.nan
     except (TypeError, ValueError, OverflowError):
         number = math.nan
     # HF's and Axolotl's epochs may be fractional (2.5): any part of one, not only a share.
     share = 0 < number < 1 or (name == "epochs" and math.isfinite(number) and not number.is_integer())
-    why = _FRACTIONS.get(name, "") if share else ""
+    return _FRACTIONS.get(name, "") if share else ""
+
+
+def _expected(name: str, kind: type, value: Any) -> str:
+    """The refusal of a value of another type, with what a share means elsewhere (:func:`fraction_reason`)."""
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    why = fraction_reason(name, value)
     if name == "resume" and isinstance(value, bool):  # litgpt's resume: true | false
         meant = "auto continues the newest checkpoint" if value else "never starts anew"
         why = f" (auto | never | PATH; {meant})"

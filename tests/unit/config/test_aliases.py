@@ -700,6 +700,8 @@ def test_hf_shares_of_the_run_below_1_are_answered(
     assert type(TrainConfig(num_train_epochs=2.0).schedule.epochs) is int
     assert main(["train", "--num_train_epochs", "1.5"]) == 2
     assert "got '1.5' (lmtune trains whole epochs" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"expected int \(got 1.5\) \(lmtune trains whole epochs"):
+        TrainConfig(num_train_epochs=1.5)  # from Python with the reason too
 
 
 TORCHTUNE_RECIPE = """\
