@@ -228,7 +228,13 @@ def test_stale_temporary_entries_are_removed_and_nothing_else(tmp_path: Path) ->
     hours_ago = time.time() - 7200
     for path in (old, old / IDS_FILE, *markers, *users, users[0] / IDS_FILE):
         os.utime(path, (hours_ago, hours_ago))
+    named_so = tmp_path / f"{key}.tmp-01234567-0"  # a folder of the user's with lmtune's name: its files say
+    named_so.mkdir()
+    (named_so / "thesis.tex").write_text("mine")
+    for path in (named_so, named_so / "thesis.tex"):
+        os.utime(path, (hours_ago, hours_ago))
     assert sorted(remove_stale(tmp_path)) == sorted([old, *markers])
+    assert (named_so / "thesis.tex").read_text() == "mine"
     assert fresh.is_dir()  # another builder may be writing it
     assert all(p.exists() for p in users)
     assert remove_stale(tmp_path / "not-made-yet") == []

@@ -9,9 +9,11 @@ import time
 from pathlib import Path
 
 from lmtune.config import environment
+from lmtune.data.dataset import IDS_FILE, MASK_FILE, META_FILE, OFFSETS_FILE, PARTS_FILE
 
 CACHE_WAIT_TIMEOUT_ENV = environment.CACHE_WAIT_TIMEOUT
 CACHE_WAIT_TIMEOUT_S = 600.0
+ENTRY_FILES = frozenset({IDS_FILE, MASK_FILE, META_FILE, OFFSETS_FILE, PARTS_FILE})  # what a builder writes
 
 # What a builder names its temporary folder, error marker and damaged entry set aside: an entry's
 # key, then a run's nonce (cache_key's 24 hex digits, uuid's 8). A user's file in a folder given as
@@ -34,7 +36,9 @@ def remove_stale(cache_dir: Path) -> list[Path]:
             newest = max(p.lstat().st_mtime for p in [path, *inside])
         except OSError:
             continue
-        if time.time() - newest > limit:
+        # A folder holding anything a builder does not write is not lmtune's, whatever its name.
+        theirs = any(p.name not in ENTRY_FILES or p.is_symlink() or not p.is_file() for p in inside)
+        if time.time() - newest > limit and not theirs:
             remove_entry(path)
             removed.append(path)
     return removed
