@@ -224,6 +224,9 @@ def test_a_path_that_cannot_be_written_is_a_user_error(
     # A folder that is not there yet is made (as --png's is); a file where a folder should be is refused.
     assert main(["report", str(resumed), "--out", str(tmp_path / "new" / "dir" / "r.html")]) == 0
     assert (tmp_path / "new" / "dir" / "r.html").stat().st_size > 1000
+    (tmp_path / "reports").mkdir()  # a folder: the report is written in it as report.html
+    assert main(["report", str(resumed), "--out", str(tmp_path / "reports")]) == 0
+    assert (tmp_path / "reports" / "report.html").stat().st_size > 1000
     (tmp_path / "afile").write_text("mine")
     capsys.readouterr()
     assert main(["report", str(resumed), "--out", str(tmp_path / "afile" / "x" / "r.html")]) == 2

@@ -356,6 +356,8 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from lmtune.tools.report import PLOTS, report
 
+    if Path(args.out).expanduser().is_dir() or args.out.endswith("/"):  # a folder: the report goes in it
+        args.out = str(Path(args.out) / "report.html")
     out = _output_file(args.out, "--out", "report")
     folder = Path(args.png).expanduser() if args.png else None
     if folder is not None:

@@ -362,7 +362,11 @@ def _report_parser(sub: Any) -> None:
         "configuration, and with several runs the settings that differ.",
     )
     rep.add_argument("outputs", nargs="+", metavar="OUTPUT", help="run output folders")
-    rep.add_argument("--out", default="report.html", help="HTML file to write (default: report.html)")
+    rep.add_argument(
+        "--out",
+        default="report.html",
+        help="HTML file to write, or a folder to write report.html in (default: report.html)",
+    )
     rep.add_argument("--png", metavar="DIR", default=None, help="also write every plot as a PNG file here")
     rep.set_defaults(run=commands.report)
 
