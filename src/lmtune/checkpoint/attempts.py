@@ -20,6 +20,7 @@ ENDINGS = {
     None: "finished",
 }
 NO_RESULT = "ended without a result (killed, failed, or its machine stopped)"
+OTHER_END = "stopped"  # a result whose stopped_by is none of ENDINGS'
 MOST_KEPT = 100  # a run resumed more often keeps its newest attempts (run.json stays small)
 
 
@@ -35,7 +36,7 @@ def earlier_attempts(output_dir: Path, resumed_from: Path | None, step: int) -> 
         info = {}
     resolved, result = info.get("resolved"), info.get("result")
     earlier = read_attempts(resolved.get("attempts")) if isinstance(resolved, dict) else []
-    ended = ENDINGS.get(result.get("stopped_by"), "stopped") if isinstance(result, dict) else NO_RESULT
+    ended = ENDINGS.get(result.get("stopped_by"), OTHER_END) if isinstance(result, dict) else NO_RESULT
     try:
         steps = [row["step"] for row in read_metrics(output_dir) if is_int(row.get("step"))]
     except (UserError, OSError):  # none (a checkpoint copied in), or unreadable: no step to name
@@ -52,7 +53,7 @@ def read_attempts(entries: Any) -> list[dict[str, Any]]:
         {"ended": e["ended"], "last_step": e.get("last_step"), "resumed_from": e["resumed_from"]}
         for e in entries[-MOST_KEPT:]
         if isinstance(e, dict)
-        and e.get("ended") in [*ENDINGS.values(), NO_RESULT, "stopped"]
+        and e.get("ended") in [*ENDINGS.values(), NO_RESULT, OTHER_END]
         and (e.get("last_step") is None or is_int(e.get("last_step")))
         and is_int(e.get("resumed_from"))
     ]

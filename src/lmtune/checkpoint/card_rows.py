@@ -127,8 +127,8 @@ def training_rows(run: dict[str, Any]) -> list[tuple[str, str]]:
         of = "this checkpoint's" if any("after_checkpoint" in c for c in entries) else "the last resume's"
         lines = "; ".join(_change_line(c) for c in entries)
         rows.append(("changed on resume", f"{lines} (the rows above hold {of} settings)"))
-    if attempts_line(resolved.get("attempts")):
-        rows.append(("earlier attempts", attempts_line(resolved.get("attempts"))))
+    if earlier := attempts_line(resolved.get("attempts")):
+        rows.append(("earlier attempts", earlier))
     if resolved.get("quantization"):
         rows.append(("quantized base", _quantization_line(resolved)))
     rows += _environment_rows(run)

@@ -60,7 +60,7 @@ from lmtune.config.files import is_int, read_json_object
 from lmtune.config.groups import MAX_STEPS
 from lmtune.errors import UserError, one_line, out_of_space, room, sizes, why_it_failed
 from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
-from lmtune.model.quantization import QUANTIZED_LAYERS
+from lmtune.model.quantization import logical_sizes
 from lmtune.parallel.distributed import DistEnv, barrier, decided_by_main, refused_by_main
 
 
@@ -175,8 +175,7 @@ def _saved_weight_bytes(parts: ModelParts) -> int:
 def _merged_bytes(parts: ModelParts) -> int:
     """What --merge-lora's final/merged holds: the base with the adapter merged in, a quantized
     layer's weight dequantized (saved in fp32: lmtune.model.modeling.merged_into_base)."""
-    layers: list[Any] = [m for m in parts.root.modules() if type(m).__name__ in QUANTIZED_LAYERS]
-    logical = {id(m.weight): int(m.in_features * m.out_features) for m in layers}
+    logical = logical_sizes(parts.root)
     return sum(
         logical[id(p)] * 4 if id(p) in logical else p.numel() * p.element_size()
         for p in parts.root.parameters()
@@ -206,8 +205,8 @@ def check_room(
     from lmtune.checkpoint.state import optimizer_state_estimate
 
     def problem() -> str:
-        final = _saved_weight_bytes(parts) + (_merged_bytes(parts) if saves.merged else 0)
         one = weights = _saved_weight_bytes(parts)
+        final = weights + (_merged_bytes(parts) if saves.merged else 0)
         if saves.copies:
             trained = [p.numel() for p in parts.root.parameters() if p.requires_grad]
             state = optimizer_state_estimate(saves.optimizer, trained, saves.momentum)

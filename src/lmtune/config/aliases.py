@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from lmtune.config.axolotl_data import datasets_here, separator
 from lmtune.config.hints import BY_VALUE, HINTS
 from lmtune.errors import UserError, one_line
 
@@ -186,8 +187,7 @@ def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Calla
     )  # torchtune's batch_size is per device, as micro_batch_size
     if not (type(value) is int and value > 0):
         value = 4
-    # A flag takes its value after a space, a YAML key after a colon.
-    sep = " " if style("x").startswith("-") else ": "
+    sep = separator(style)
     if type(batch) is int and batch > 0 and micro is None and batch % value == 0:
         return (  # the global batch given: what micro-batch it means with this accumulation
             f"; {style('global_batch_size')}{sep}{batch} with {value} accumulation on one device is "
@@ -200,65 +200,6 @@ def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Calla
         f"{micro * value}, {style('micro_batch_size')}{sep}{micro}, and the same numbers train the same on "
         "any number of processes"
     )
-
-
-# The datasets library's loaders an Axolotl entry names as its path, with its data_files.
-_LOADERS = frozenset({"json", "csv", "parquet", "text", "arrow"})
-# Axolotl's names of a data set entry's fields, by lmtune's --field-map names.
-_AXOLOTL_FIELDS = {
-    "field_messages": "messages", "message_field_role": "role", "message_field_content": "content",
-    "field_instruction": "instruction", "field_input": "input", "field_output": "output",
-    "field_prompt": "prompt", "field_chosen": "chosen", "field_rejected": "rejected",
-}  # fmt: skip
-
-
-def datasets_here(key: str, value: Any, style: Callable[[str], str]) -> str:
-    """For Axolotl's ``datasets:`` (``test_datasets:``) list of local files: the data (eval data)
-    and field map that read them; "" where one line cannot say it."""
-    setting = {"datasets": "data", "test_datasets": "eval_data"}.get(canonical(key))
-    if setting is None or not isinstance(value, list) or not value:
-        return ""
-    files, maps = [], []
-    for entry in value:
-        read = _axolotl_entry(entry) if isinstance(entry, dict) else None
-        if read is None:
-            return ""
-        files += read[0]
-        maps.append(read[1])
-    if any(m != maps[0] for m in maps):  # one --field-map reads every file: said per file, it misleads
-        return ""
-    sep = " " if style("x").startswith("-") else ": "
-    line = f"{style(setting)}{sep}{one_line(','.join(files), 300)}"
-    renamed = ",".join(f"{ours}={theirs}" for ours, theirs in maps[0] if ours != theirs)
-    return f"; here: {line}" + (f", {style('field_map')}{sep}{one_line(renamed, 300)}" if renamed else "")
-
-
-def _axolotl_entry(entry: dict[str, Any]) -> tuple[list[str], list[tuple[str, str]]] | None:
-    """One ``datasets:`` entry's files and field map pairs (None: not local files said plainly):
-    ``path: FILE``, or ``path: json`` (a datasets loader) with ``data_files``; its field names
-    (``field_messages``, ..., ``message_property_mappings``) and ``roles``."""
-    path, data_files = entry.get("path"), entry.get("data_files")
-    if isinstance(data_files, str):
-        data_files = [data_files]
-    if isinstance(path, str) and path.lower() in _LOADERS:
-        if not (isinstance(data_files, list) and data_files and all(isinstance(f, str) for f in data_files)):
-            return None
-        files = data_files
-    elif isinstance(path, str) and data_files is None:
-        files = [path]
-    else:
-        return None
-    pairs = [(ours, entry[theirs]) for theirs, ours in _AXOLOTL_FIELDS.items() if theirs in entry]
-    mapped = entry.get("message_property_mappings")
-    if isinstance(mapped, dict):
-        pairs += [(ours, mapped[ours]) for ours in ("role", "content") if ours in mapped]
-    roles = entry.get("roles")
-    if isinstance(roles, dict):
-        for ours, theirs in roles.items():
-            pairs += [(str(ours), t) for t in (theirs if isinstance(theirs, list) else [theirs])]
-    if not all(isinstance(v, str) and v.strip() for _, v in pairs):
-        return None
-    return files, pairs
 
 
 def lmtune_name(key: str, accepted: set[str]) -> str:
@@ -291,7 +232,7 @@ def resolve_names(
             continue  # another tool's key left empty (unset, as Axolotl's configs leave many) asks nothing
         if name not in accepted:
             why = explain_unknown(key, accepted, style, "lmtune train", value)
-            here = accumulation_here(key, value, values, style) + datasets_here(key, value, style)
+            here = accumulation_here(key, value, values, style) + datasets_here(canonical(key), value, style)
             unknown.append(where(key) + why + here)
             continue
         if name in out:
@@ -450,7 +391,7 @@ def _value_switches(
         if canonical(key) == "lora_target_linear" and not switched and "lora_target_modules" not in given:
             # Axolotl adapts the layers its lora_target_modules names; with none named, lmtune's
             # default (every linear layer) is what "false" turned off.
-            modules, sep = style("lora_target_modules"), " " if style("x").startswith("-") else ": "
+            modules, sep = style("lora_target_modules"), separator(style)
             raise UserError(
                 f"{where(key)}{key}: false adapts the layers {modules} names, and the file names none "
                 f"(lmtune's default is every linear layer; name them, as {modules}{sep}[q_proj, v_proj])"

@@ -351,10 +351,15 @@ def parameter_count(model: nn.Module, skip: set[int] | None = None) -> int:
     """Parameters of ``model`` (those not in ``skip``, by id), a packed quantized weight counted as
     the [out, in] weight it stands for (its storage holds two or more 4-bit values per element;
     FSDP2 replaces it by a shard, so its layer's shape is what says)."""
-    layers: list[Any] = [m for m in model.modules() if type(m).__name__ in QUANTIZED_LAYERS]
-    logical = {id(m.weight): int(m.in_features * m.out_features) for m in layers}
+    logical = logical_sizes(model)
     skip = skip or set()
     return sum(logical.get(id(p), p.numel()) for p in model.parameters() if id(p) not in skip)
+
+
+def logical_sizes(model: nn.Module) -> dict[int, int]:
+    """The elements each quantized layer's weight stands for ([out, in]), by the weight's id."""
+    layers: list[Any] = [m for m in model.modules() if type(m).__name__ in QUANTIZED_LAYERS]
+    return {id(m.weight): int(m.in_features * m.out_features) for m in layers}
 
 
 def base_summary(model: nn.Module, q: Quantization) -> str:

@@ -75,6 +75,11 @@ def test_content_as_text_parts_trains_as_the_same_strings() -> None:
         assert (kind or "a string or a list of text parts") in str(e.value)
 
 
+def _render_messages(turns: list[dict[str, str]]) -> None:
+    names = FieldMap.of(ExampleSettings())
+    render(Record("d.jsonl", 1, {"messages": turns}), "auto", names, byte_tokenizer())
+
+
 def test_sharegpt_unknown_role_names_file_line_and_the_way_out() -> None:
     row = {"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "x"}]}
     with pytest.raises(
@@ -92,21 +97,11 @@ def test_sharegpt_unknown_role_names_file_line_and_the_way_out() -> None:
     ]:
         turns = [{"role": theirs, "content": "hi"}, {"role": "assistant", "content": "x"}]
         with pytest.raises(UserError, match=rf"such as {advice}\)"):
-            render(
-                Record("d.jsonl", 1, {"messages": turns}),
-                "auto",
-                FieldMap.of(ExampleSettings()),
-                byte_tokenizer(),
-            )
+            _render_messages(turns)
     # Every unknown role of the record at once (one per run took three runs for System/Human/Bot).
     turns = [{"role": r, "content": "x"} for r in ("System", "Human", "Bot", "Human", "narrator")]
     with pytest.raises(UserError, match=r"such as system=System,user=Human,assistant=Bot,ROLE=narrator\)"):
-        render(
-            Record("d.jsonl", 1, {"messages": turns}),
-            "auto",
-            FieldMap.of(ExampleSettings()),
-            byte_tokenizer(),
-        )
+        _render_messages(turns)
     mapped, _ = _encoded([row], field_map="tool=function_call")
     assert len(mapped) == 0  # readable now; a conversation whose only reply is a tool turn trains nothing
 
