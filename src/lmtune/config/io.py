@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,8 @@ def _coerce(s: Setting, value: Any) -> Any:
         value = int(value)
     if kind is int and isinstance(value, str) and (whole := _WHOLE.fullmatch(value)):
         value = whole.group(1)  # --num_train_epochs 3.0, as HF's float arguments are written
+    if kind is int and isinstance(value, str) and _SCIENTIFIC.fullmatch(value):
+        value = _whole_scientific(value)  # max_steps: 1e3, which YAML reads as text without a dot
     if (
         isinstance(value, bool)
         or (kind is int and isinstance(value, float))
@@ -120,6 +123,17 @@ def _coerce(s: Setting, value: Any) -> Any:
 
 
 _WHOLE = re.compile(r"\s*([+-]?\d+)\.0*\s*")
+_SCIENTIFIC = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d{1,3}\s*")
+
+
+def _whole_scientific(value: str) -> int | str:
+    """``1e3`` as 1000 where it is a whole number (exactly: ``1.5e0`` stays text, refused as
+    one); a number past what any setting takes stays text too (its refusal names it as written)."""
+    number = Decimal(value.strip())
+    if number != number.to_integral_value() or abs(number) >= 10**30:
+        return value
+    return int(number)
+
 
 # What an empty value means in other tools' configs, where lmtune needs one.
 _NULL = {"seed": " (torchtune's null seed is a random one; lmtune's runs are seeded)"}

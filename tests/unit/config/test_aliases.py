@@ -702,6 +702,15 @@ def test_hf_shares_of_the_run_below_1_are_answered(
     assert "got '1.5' (lmtune trains whole epochs" in capsys.readouterr().err
     with pytest.raises(UserError, match=r"expected int \(got 1.5\) \(lmtune trains whole epochs"):
         TrainConfig(num_train_epochs=1.5)  # from Python with the reason too
+    # Scientific notation, which YAML reads as text without a dot: a whole number is taken, exactly.
+    yaml_file.write_text("max_steps: 2E3\nsave_every: 5e0\n")
+    parsed = build_parser().parse_args(["train", "--config", str(yaml_file)])
+    assert (train_config(parsed).schedule.max_steps, train_config(parsed).checkpoint.save_every) == (2000, 5)
+    parsed = build_parser().parse_args(["train", "--max_steps", "1e2", "--num_train_epochs", "3.0e0"])
+    assert (train_config(parsed).schedule.max_steps, train_config(parsed).schedule.epochs) == (100, 3)
+    for written in ("1.5e0", "1e35", "1e-1"):
+        assert main(["train", "--max-steps", written]) == 2
+        assert f"--max-steps: expected int, got '{written}'" in capsys.readouterr().err
 
 
 TORCHTUNE_RECIPE = """\
