@@ -91,6 +91,33 @@ def test_a_rank_that_lost_its_peer_names_the_peer_as_the_cause(
     assert capsys.readouterr().err.splitlines() == ["lmtune: rank 1 was killed by SIGKILL"]
 
 
+def test_a_collective_that_timed_out_is_said_as_a_hang_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank stopped (SIGSTOP) past --collective-timeout: the others' gloo error was a 35-line
+    traceback, then "rank 1 was killed by SIGKILL" (the launcher's own clean-up): one line, exit 3."""
+    from lmtune.parallel.failure_report import collective_timed_out
+    from lmtune.parallel.launch import report_error
+
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for "
+        "recv operation to complete"
+    )
+    said = collective_timed_out(gloo, 0)
+    assert said is not None and said.startswith(
+        "rank 0 waited 10 s for the other ranks in a collective and gave up (--collective-timeout)"
+    )
+    nccl = RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)")
+    assert (collective_timed_out(nccl, 1) or "").startswith("rank 1 waited for the other ranks")
+    assert collective_timed_out(RuntimeError("Connection closed by peer"), 0) is None
+    monkeypatch.setenv("LMTUNE_ERROR_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    report_error(said, 3)
+    stalled = SimpleNamespace(failures={0: _failure(3, 100), 1: _failure(-int(signal.SIGKILL), 131)})
+    assert failed(stalled, tmp_path, hung=False) == 3
+    assert capsys.readouterr().err.splitlines() == [f"error: {said}"]
+
+
 def test_under_torchrun_a_node_without_rank_0_says_how_its_ranks_ended(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

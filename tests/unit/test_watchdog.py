@@ -57,7 +57,7 @@ def test_a_stopped_rank_is_the_cause_whoever_beat_last(tmp_path: Path) -> None:
         stopped.wait()
     assert diagnosis is not None
     assert diagnosis.startswith(
-        "the job is stuck: rank 1 is stopped by a signal, and nothing has advanced since 31 s ago in step 98"
+        "the job is stuck: rank 1 is stopped by a signal, and nothing has advanced for 31 s, since step 98"
     )
     assert "was first" not in diagnosis
 

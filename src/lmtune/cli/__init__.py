@@ -79,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USER_ERROR_EXIT_CODE
     except RuntimeError as e:  # lmtune train says its own, with the step; the other commands, here
         from lmtune.parallel.distributed import launched_rank
-        from lmtune.parallel.failure_report import lost_connection
+        from lmtune.parallel.failure_report import collective_timed_out, lost_connection
+        from lmtune.parallel.health import HANG_EXIT_CODE
         from lmtune.training.failures import is_out_of_memory
 
         rank = launched_rank()
@@ -88,6 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             report_error(lost, 1, lost=True)  # not a traceback of this rank: another one ended
             return 1
+        if rank is not None and (waited := collective_timed_out(e, rank)) is not None:
+            from lmtune.parallel.launch import report_error
+
+            report_error(waited, HANG_EXIT_CODE)  # a hang, found by the collective's own timeout
+            return HANG_EXIT_CODE
         if not is_out_of_memory(e) or args is None:
             raise
         from lmtune.parallel.launch import report_error

@@ -60,6 +60,26 @@ def lost_connection(e: BaseException, rank: int) -> str | None:
     )
 
 
+# What gloo and NCCL say when a collective waited past its timeout (--collective-timeout, from
+# the first step on): another rank stopped answering without ending (stopped, stuck, far slower).
+_TIMED_OUT = re.compile(
+    r"Timed out waiting (\d+)ms for \w+ operation|collective operation timeout", re.IGNORECASE
+)
+
+
+def collective_timed_out(e: BaseException, rank: int) -> str | None:
+    """The line for ``e`` where it is a collective that waited past its timeout, else None."""
+    found = _TIMED_OUT.search(str(e))
+    if found is None:
+        return None
+    waited = f" {int(found.group(1)) / 1000:g} s" if found.group(1) else ""
+    return (
+        f"rank {rank} waited{waited} for the other ranks in a collective and gave up (--collective-timeout): "
+        "a rank of the job stopped answering without ending (stopped, stuck, or far slower); the "
+        "checkpoints in --output-dir are kept, and the same command (on every node) resumes from the newest"
+    )
+
+
 def failed(e: Any, error_dir: Path, hung: bool, memory_advice: str = "") -> int:
     """The exit code of a job whose worker failed, with what the workers reported, said once
     (``memory_advice``: the kernel's out-of-memory killer killed a process meanwhile, and this is
@@ -80,6 +100,8 @@ def failed(e: Any, error_dir: Path, hung: bool, memory_advice: str = "") -> int:
     codes = {code for _, code in reported} | {f.exitcode for f in e.failures.values()}
     if USER_ERROR_EXIT_CODE in codes:
         return USER_ERROR_EXIT_CODE
+    if messages and HANG_EXIT_CODE in codes:  # a collective that timed out (collective_timed_out)
+        return HANG_EXIT_CODE
     # Workers that a signal reached before training (and not through this launcher) stop together,
     # each exiting 128 + its number: the job ends as they did, not as a failure.
     ended = {code for code in codes if code > 0}

@@ -231,13 +231,13 @@ def diagnose(first: Beat, beats: dict[int, Beat], now: float, limit: float) -> s
     # A stopped process is the cause wherever it is; else the rank that stopped advancing first.
     stopped = sorted(r for r, state in states.items() if state == "T")
     stuck = stopped or [first.rank]
-    since = f"{now - first.time:.0f} s ago in step {first.step}, phase {first.phase}"
+    ago, where = f"{now - first.time:.0f} s", f"step {first.step}, phase {first.phase}"
     verb = "is" if len(stopped) == 1 else "are"
     cause = (
         f"{', '.join(f'rank {r}' for r in stopped)} {verb} stopped by a signal, and nothing has advanced "
-        f"since {since}"
+        f"for {ago}, since {where}"
         if stopped
-        else f"rank {first.rank} stopped advancing first, {since}"
+        else f"rank {first.rank} stopped advancing first, {ago} ago in {where}"
     )
     lines = [f"the job is stuck: {cause} (limit {limit:.0f} s; --hang-timeout sets its floor)"]
     for b in sorted(beats.values(), key=lambda b: b.rank):
