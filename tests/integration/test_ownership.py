@@ -440,9 +440,12 @@ def test_output_folders_that_would_lose_or_reread_inputs_are_refused(
     (run / "checkpoints" / "step-000002").mkdir(parents=True)
     (run / "run.json").write_text("{}")
     for inside in (run / "checkpoints" / "step-000002", run / "final", run / "final" / "merged"):
-        with pytest.raises(UserError, match=f"lies inside the run folder {run}"):
+        with pytest.raises(UserError, match=f"lies inside {run / inside.relative_to(run).parts[0]}, which"):
             check_output_dir(inside, {}, overwrite=False)
     check_output_dir(run, {}, overwrite=False)  # the run's own folder: judged by the run's rules
+    # A folder beside the run's entries is not the run's: a run in the working folder (--output-dir
+    # .) left the runs below it continuable (they were refused).
+    check_output_dir(run / "another-run", {}, overwrite=False)
 
 
 def test_train_refuses_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

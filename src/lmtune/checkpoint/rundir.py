@@ -263,7 +263,7 @@ def _remove(path: Path) -> None:
 
 def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) -> None:
     """Refuse an output folder that would destroy or read back what the run reads, or another run's,
-    before anything is written: ``/``; a folder inside another run's folder (its checkpoints or
+    before anything is written: ``/``; a folder inside another run's entries (its checkpoints or
     final/); under ``--overwrite`` the home folder (or above it) and a folder holding an
     input; a folder inside a data folder (the run would read its own files as data, e.g.
     ``--data DIR --output-dir DIR``); an input inside an entry the run writes (``final/``, ...).
@@ -273,11 +273,13 @@ def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) 
     out = output_dir.expanduser().resolve()
     if out == Path(out.anchor):
         raise UserError(f"--output-dir {output_dir}: the root folder; choose a folder of its own")
-    # A run's checkpoint or final/ is that run's, never a new run's folder.
+    # A run's checkpoint or final/ is that run's, never a new run's folder; a folder of its own
+    # beside them is not the run's (a run in the working folder left the runs below it theirs).
     run = enclosing_run(out.parent) if out != out.parent else None
-    if run is not None:
+    if run is not None and out.relative_to(run).parts[0] in (*RUN_FILES, "final.tmp", LOCK_FILE):
+        entry = run / out.relative_to(run).parts[0]
         raise UserError(
-            f"--output-dir {output_dir} lies inside the run folder {run}, whose files are that run's; "
+            f"--output-dir {output_dir} lies inside {entry}, which the run in {run} wrote; "
             "choose a folder outside it"
         )
     home = Path.home().resolve()
