@@ -78,28 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report_error(_placed(e, args), USER_ERROR_EXIT_CODE)
         return USER_ERROR_EXIT_CODE
     except RuntimeError as e:  # lmtune train says its own, with the step; the other commands, here
-        from lmtune.parallel.distributed import launched_rank
-        from lmtune.parallel.failure_report import collective_timed_out, lost_connection
-        from lmtune.parallel.health import HANG_EXIT_CODE
-        from lmtune.training.failures import is_out_of_memory
-
-        rank = launched_rank()
-        if rank is not None and (lost := lost_connection(e, rank)) is not None:
-            from lmtune.parallel.launch import report_error
-
-            report_error(lost, 1, lost=True)  # not a traceback of this rank: another one ended
-            return 1
-        if rank is not None and (waited := collective_timed_out(e, rank)) is not None:
-            from lmtune.parallel.launch import report_error
-
-            report_error(waited, HANG_EXIT_CODE)  # a hang, found by the collective's own timeout
-            return HANG_EXIT_CODE
-        if not is_out_of_memory(e) or args is None:
-            raise
-        from lmtune.parallel.launch import report_error
-
-        report_error(_out_of_memory(e, args), USER_ERROR_EXIT_CODE)
-        return USER_ERROR_EXIT_CODE
+        return _runtime_error(e, args)
     except OSError as e:
         if not _a_path_problem(e):
             raise
@@ -139,6 +118,28 @@ _PATH_ERRORS = frozenset(
         errno.ENAMETOOLONG,
     }
 )
+
+
+def _runtime_error(e: RuntimeError, args: Any) -> int:
+    """The exit code of a rank whose collective failed (another rank ended, or stopped answering)
+    or of memory that ran out, each said in a line; any other error is raised on."""
+    from lmtune.parallel.distributed import launched_rank
+    from lmtune.parallel.failure_report import collective_timed_out, lost_connection
+    from lmtune.parallel.health import HANG_EXIT_CODE
+    from lmtune.parallel.launch import report_error
+    from lmtune.training.failures import is_out_of_memory
+
+    rank = launched_rank()
+    if rank is not None and (lost := lost_connection(e, rank)) is not None:
+        report_error(lost, 1, lost=True)  # not a traceback of this rank: another one ended
+        return 1
+    if rank is not None and (waited := collective_timed_out(e, rank)) is not None:
+        report_error(waited, HANG_EXIT_CODE)  # a hang, found by the collective's own timeout
+        return HANG_EXIT_CODE
+    if not is_out_of_memory(e) or args is None:
+        raise e
+    report_error(_out_of_memory(e, args), USER_ERROR_EXIT_CODE)
+    return USER_ERROR_EXIT_CODE
 
 
 def _placed(e: UserError, args: Any) -> str:

@@ -342,6 +342,7 @@ def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
         data=args.check_data,
         model=args.check_model,
         default_cache=default_cache,
+        keep_last=args.check_keep_last,
     )
     with process_group(env):
         checks = check_or_fail(env, settings)

@@ -323,6 +323,8 @@ def _doctor_parser(sub: Any) -> None:
     launch = ("device", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
     _add_train_options(doc, launch, config_file=False, defaults={"rdzv_id": DOCTOR_RDZV_ID})
     doc.set_defaults(rdzv_id=DOCTOR_RDZV_ID)
+    from lmtune.config.run_groups import CheckpointSettings
+
     checks = doc.add_argument_group("what to check")
     checks.add_argument(
         "--output-dir",
@@ -347,6 +349,14 @@ def _doctor_parser(sub: Any) -> None:
         metavar="MODEL",
         default=None,
         help="size the checkpoints by this model",
+    )
+    checks.add_argument(
+        "--keep-last",
+        dest="check_keep_last",
+        metavar="K",
+        type=int,
+        default=CheckpointSettings().keep_last,
+        help="size the disk for the checkpoints train's --keep-last K keeps at once (default: %(default)s)",
     )
     doc.set_defaults(run=commands.doctor)
 

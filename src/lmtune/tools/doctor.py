@@ -44,6 +44,8 @@ class DoctorSettings:
     data: str | None = None
     model: str | None = None
     default_cache: bool = False  # cache_dir is lmtune's default, not one the user named
+    keep_last: int = 3  # train's --keep-last, whose checkpoints the disk holds at once
+    saves: bool = True  # train saves checkpoints (--save-every is not 0)
 
 
 def _rank_facts(env: DistEnv) -> dict[str, Any]:
@@ -233,24 +235,37 @@ def _shared_folder(env: DistEnv, folder: Path, name: str, remedy: str = "") -> C
     return Check(name, OK, f"{folder}: writable and the same folder on every rank")
 
 
-def _disk(env: DistEnv, folder: Path, model: str | None) -> Check:
+def _disk(env: DistEnv, folder: Path, model: str | None, keep_last: int, saves: bool) -> Check:
     # The folder may not exist (yet): its disk is that of the nearest folder above it that does.
-    free = shutil.disk_usage(next(f for f in (folder, *folder.parents) if f.exists())).free
+    base = next(f for f in (folder, *folder.parents) if f.exists())
+    free = shutil.disk_usage(base).free
     named = model
     if model is None:  # train's: a 12 MB disk passed as "ok", and the run failed writing final/
         from lmtune.config.groups import ModelSettings
 
-        model, named = ModelSettings().name, f"the default model, {ModelSettings().name} (--model: yours)"
+        model = ModelSettings().name
+        named = f"{model} (train's default model; --model sizes yours)"
     params = _parameters(model)
-    # A full fine-tuning checkpoint: fp32 weights and AdamW's two moments, then final/ (fp32).
+    # A full fine-tuning checkpoint: fp32 weights and AdamW's two moments, then final/ (fp32). As
+    # train's own check counts: each new checkpoint is written before the oldest beyond --keep-last
+    # goes (0 keeps every one: at least one, then more).
     checkpoint = params * 12
-    need = 2 * checkpoint + params * 4
-    status = OK if free >= need else FAIL if free < checkpoint else WARN
+    copies = (keep_last + 1 if keep_last else 1) if saves else 0
+    need = copies * checkpoint + params * 4
+    kept = (
+        "with --save-every 0 only final/"
+        if not saves
+        else f"{copies} at once (--keep-last {keep_last}, and the next before the oldest goes) and final/"
+        if keep_last
+        else "one and final/ (--keep-last 0 keeps every one: more)"
+    )
+    status = OK if free >= need else FAIL if free < (checkpoint if saves else need) else WARN
+    where = folder if base == folder else f"{base} (where {folder} would be made)"
     return Check(
         "free disk",
         status,
-        f"{_disk_size(free)} free in {folder}; a checkpoint of {named} ({params / 1e6:,.0f}M parameters) "
-        f"takes ~{_disk_size(checkpoint)}, two and final/ ~{_disk_size(need)}",
+        f"{_disk_size(free)} free in {where}; a checkpoint of {named} ({params / 1e6:,.0f}M parameters) "
+        f"takes ~{_disk_size(checkpoint)}, {kept} ~{_disk_size(need)}",
     )
 
 
@@ -307,9 +322,10 @@ def run_checks(env: DistEnv, settings: DoctorSettings) -> list[Check]:
     checks += _all_reduce(env)
     if settings.output_dir:
         output = Path(settings.output_dir).expanduser()
-        checks.append(_shared_folder(env, output, "output folder"))
-        if output.is_dir() or not output.exists():
-            checks.append(_disk(env, output, settings.model))
+        checks.append(folder := _shared_folder(env, output, "output folder"))
+        # A folder that cannot be made has no disk to judge (it read "0.0 MB free in /proc").
+        if folder.status != FAIL and (output.is_dir() or not output.exists()):
+            checks.append(_disk(env, output, settings.model, settings.keep_last, settings.saves))
     if settings.model and not settings.output_dir:  # no folder to size its checkpoints in: it loads
         params = _parameters(settings.model)
         checks.append(Check("model", OK, f"{settings.model}: {params / 1e6:,.1f}M parameters"))
