@@ -54,11 +54,11 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"--max-new-tokens must be in [1, 2**24] (got {brief(args.max_new_tokens)})")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0 (got {args.temperature})")
-    if not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1] (got {args.top_p})")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1] (got {args.top_p}; 1 is no cut)")
     if args.top_k is not None and args.top_k < 0:
         raise UserError(f"--top-k must be >= 0 (got {args.top_k})")
-    if args.temperature == 0 and (args.top_k is not None or args.top_p != 1.0):
+    if args.temperature == 0 and (args.top_k is not None or args.top_p is not None):
         cut = "--top-k" if args.top_k is not None else "--top-p"
         raise UserError(f"{cut} applies when sampling: give --temperature T > 0 (else decoding is greedy)")
     if args.device not in ("auto", "cpu", "cuda"):

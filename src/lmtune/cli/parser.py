@@ -152,7 +152,13 @@ def _generate_parser(sub: Any) -> None:
     gen.add_argument(
         "--temperature", type=float, default=0.0, help="0 for greedy decoding, above 0 to sample (default: 0)"
     )
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0)")
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling threshold in (0, 1]; 1 is no cut (default: the model's generation config's, "
+        "transformers' being 1)",
+    )
     gen.add_argument(
         "--top-k",
         type=int,

@@ -21,8 +21,9 @@ class Sampling:
     by ``seed``."""
 
     temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int | None = None  # None: the model's generation config's (transformers' default: 50)
+    # None: the model's generation config's (transformers' defaults: top-p 1.0, top-k 50).
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int = 0
 
 
@@ -42,9 +43,8 @@ def complete(
     sampled = sampling.temperature > 0
     options: dict[str, Any] = {"do_sample": sampled}
     if sampled:
-        options.update(temperature=sampling.temperature, top_p=sampling.top_p)
-        if sampling.top_k is not None:
-            options["top_k"] = sampling.top_k
+        cuts = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+        options.update({k: v for k, v in cuts.items() if v is not None})
     was_training = model.training
     model.eval()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _its_own(model):

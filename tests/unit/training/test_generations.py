@@ -138,6 +138,12 @@ def test_top_k_cuts_sampling_to_the_likeliest_tokens() -> None:
         assert complete(model, tok, "12+7=", max_new_tokens=12, sampling=top_1) == greedy
     hot = [Sampling(temperature=5.0, seed=s) for s in (0, 1, 2)]
     assert greedy not in {complete(model, tok, "12+7=", max_new_tokens=12, sampling=h) for h in hot}
+    # An unset --top-p is the model's own (it was 1.0 always, over a model's 0.8): a nucleus this
+    # narrow keeps the likeliest token alone, and a given --top-p 1 cuts nothing.
+    model.generation_config.top_p = 1e-6
+    assert {complete(model, tok, "12+7=", max_new_tokens=12, sampling=h) for h in hot} == {greedy}
+    uncut = [Sampling(temperature=5.0, top_p=1.0, seed=s) for s in (0, 1, 2)]
+    assert greedy not in {complete(model, tok, "12+7=", max_new_tokens=12, sampling=u) for u in uncut}
 
 
 def test_a_cut_of_the_sampling_without_sampling_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
