@@ -112,7 +112,7 @@ def yaml_sources(entries: list[object], option: str, where: str) -> tuple[str, s
     Raises:
         UserError: naming ``where`` and the entry that is not such a mapping.
     """
-    items, weights = [], []
+    items, weights, unweighted = [], [], []
     for k, entry in enumerate(entries, start=1):
         if isinstance(entry, str):
             entry = {"path": entry}
@@ -133,8 +133,14 @@ def yaml_sources(entries: list[object], option: str, where: str) -> tuple[str, s
             if isinstance(weight, bool) or not isinstance(weight, (int, float)):
                 raise UserError(f"{where}{option}: entry {k}: weight {brief(weight)} is not a number")
             weights.append(str(weight))
-    if weights and len(weights) != len(items):
-        raise UserError(f"{where}--data-weights: {len(weights)} of {len(items)} sources have a weight")
+        else:
+            unweighted.append(k)
+    if weights and unweighted:
+        raise UserError(
+            f"{where}{option}: entry {unweighted[0]} has no weight, and {len(weights)} of the {len(items)} "
+            "have one: give each entry a weight, or none (the sources then train as they come, each "
+            "example once an epoch)"
+        )
     return joined(items), ",".join(weights) if weights else None
 
 

@@ -318,7 +318,12 @@ def _sources(key: str, entries: list[Any], flat: _Fields) -> str:
     weights into ``flat``."""
     from lmtune.config.mixture import yaml_sources
 
-    spec, weights = yaml_sources(entries, option_name(key), "TrainConfig: ")
+    def as_text(entry: Any) -> Any:  # {"path": Path(...)}, as a path is given anywhere else
+        if isinstance(entry, dict) and isinstance(entry.get("path"), os.PathLike):
+            return {**entry, "path": os.fspath(entry["path"])}
+        return os.fspath(entry) if isinstance(entry, os.PathLike) else entry
+
+    spec, weights = yaml_sources([as_text(e) for e in entries], option_name(key), "TrainConfig: ")
     if weights is not None:
         flat.set("data", "weights", weights, f"{key}=[{{..., 'weight': ...}}]")
     return spec

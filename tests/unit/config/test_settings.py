@@ -303,6 +303,12 @@ def test_settings_live_in_groups_with_flat_names(tmp_path: Path) -> None:
         TrainConfig(lora={"rnak": 8})
     mixed = TrainConfig(data=[{"path": "a.jsonl", "weight": 3}, {"path": "b.jsonl", "weight": 1}])
     assert (mixed.data.train, mixed.data.weights) == ("a.jsonl,b.jsonl", "3,1")
+    weighted = TrainConfig(
+        data=[{"path": Path("a.jsonl"), "weight": 3}, {"path": Path("b,c.jsonl"), "weight": 1}]
+    )
+    assert (weighted.data.train, weighted.data.weights) == (mixed.data.train.replace("b", r"b\,c"), "3,1")
+    with pytest.raises(UserError, match=r"data: entry 2 has no weight, and 1 of the 2 have one: give each"):
+        TrainConfig(data=[{"path": "a.jsonl", "weight": 3}, Path("b.jsonl")])
     paths = TrainConfig(data=[Path("a.jsonl"), "b.jsonl"], output_dir=tmp_path / "out")
     assert (paths.data.train, paths.checkpoint.output_dir) == ("a.jsonl,b.jsonl", str(tmp_path / "out"))
     assert len(to_dict(cfg)) == len(config_fields()) and {s.group for s in config_fields()} == {*GROUPS, None}
