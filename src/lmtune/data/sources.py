@@ -210,7 +210,8 @@ def _item_sources(item: str, option: str) -> list[Source]:
     # A path by its form (a file-like name: the hub's data sets are ORG/NAME), or a near miss of a
     # file that is there: said now, not after the hub's retries (seconds offline).
     filelike = "/" not in item and re.fullmatch(r".+\.[A-Za-z0-9]{1,5}", item) is not None
-    if item.startswith((".", "/", "~")) or data_suffix(path) in EXTENSIONS or filelike or near:
+    folder = item.endswith("/")  # a hub id never ends so (it went to the hub: "Couldn't reach")
+    if item.startswith((".", "/", "~")) or folder or data_suffix(path) in EXTENSIONS or filelike or near:
         # Written as the value must be: a comma lists sources, and one inside a name is \,.
         escaped = [name.replace(",", "\\,") for name in near]
         commas = " A comma inside a name is written \\,." if escaped != near else ""

@@ -201,6 +201,8 @@ def test_a_typo_of_a_local_file_is_no_hub_data_set(tmp_path: Path, monkeypatch: 
         UserError, match=r"no such file or folder: train\.jsnl \(did you mean train\.jsonl\?\)"
     ):
         resolve_sources("train.jsnl")
+    with pytest.raises(UserError, match=r"no such file or folder: shards/ \(in the working folder"):
+        resolve_sources("shards/")  # a folder by its form: no hub id ends in a slash
     # A name with a comma is meant as the value must be written: commas list sources.
     (tmp_path / "a,b.jsonl").write_text('{"text": "x"}\n')
     written = r"did you mean a\\,b\.jsonl\? A comma inside a name is written \\,\.\)"
