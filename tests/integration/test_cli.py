@@ -283,6 +283,13 @@ def test_max_prompt_length_is_for_preference_pairs(
     assert main(["train", "--config", str(config), "--output-dir", str(tmp_path / "o")]) == 2
     said = "sft.yaml:2: precompute_ref_log_probs (reference live in lmtune): applies to objective dpo"
     assert said in capsys.readouterr().err
+    # A path the file names that is not there: by its line too (the model's was by its flag alone).
+    config.write_text("seed: 1\nmodel: ./no-such-model\n")
+    assert main(["train", "--config", str(config), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "sft.yaml:2: model ./no-such-model: no such folder (presets:" in capsys.readouterr().err
+    argv = ["train", "--config", str(config), "--model", "./given", "--output-dir", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "error: --model ./given: no such folder" in capsys.readouterr().err  # the flag's: by the flag
 
 
 def test_ddp_or_fsdp_in_one_process_says_it_runs_the_single_path(

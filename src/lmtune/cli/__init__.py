@@ -146,12 +146,23 @@ def _placed(e: UserError, args: Any) -> str:
     """The message of ``e``; a setting's bad value that came from the --config file (no flag set
     it) is named by the file's line and key rather than by its flag."""
     config = getattr(args, "config", None)
-    if not isinstance(e, SettingError) or config is None or hasattr(args, e.setting):
+    if config is None:
         return str(e)
     from lmtune.config.io import yaml_places
     from lmtune.config.settings import config_fields
 
     names = {f.name for f in config_fields()}
+    if not isinstance(e, SettingError):  # "--model ./x: no such folder": its head, if the file set it
+        head = re.match(r"--([a-z][a-z0-9-]*)(?=[ :])(.*)", str(e), re.DOTALL)
+        setting = head.group(1).replace("-", "_") if head else ""
+        if head is None or setting not in names or hasattr(args, setting):
+            return str(e)
+        with suppress(UserError):
+            place = yaml_places(config).get(setting)
+            return str(e) if place is None else f"{place}{head.group(2)}"
+        return str(e)
+    if hasattr(args, e.setting):
+        return str(e)
 
     def as_key(m: re.Match[str]) -> str:  # other settings the reason names: as the file would
         name = m.group(1).replace("-", "_")

@@ -178,7 +178,9 @@ def test_yaml_lists_sources_with_weights_and_names(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="--data-weights: expected str"):
         build_config({"data_weights": [True, 1]})
     f.write_text("data:\n  - {path: a.jsonl, weight: 0.7}\n  - {path: b.jsonl}\n")
-    with pytest.raises(UserError, match=r"run.yaml:1: --data: entry 2 has no weight, and 1 of the 2 have one"):
+    with pytest.raises(
+        UserError, match=r"run.yaml:1: --data: entry 2 has no weight, and 1 of the 2 have one"
+    ):
         load_yaml(str(f))
     f.write_text("data:\n  - {path: a.jsonl, weigth: 1}\n")
     with pytest.raises(UserError, match=r"--data: entry 1: unknown key 'weigth'"):
