@@ -37,7 +37,16 @@ def _add_train_options(
             doc = (GROUPS[s.group].__doc__ or "").split("\n")[0] if s.group else "The run itself."
             sections[s.group] = parser.add_argument_group(f"{s.group or 'run'} settings", doc)
         default = (defaults or {}).get(s.name, s.default)
-        text = f"{s.help} (default: {default})".replace("%", "%%")  # argparse formats %
+        # An unset default (None) is said by the help where it means something ("Default: the
+        # tokenizer's own ..."); "(default: None)" after that read as a contradiction.
+        shown = (
+            f" (default: {default})"
+            if default is not None
+            else ""
+            if "efault" in s.help
+            else " (default: none)"
+        )
+        text = f"{s.help}{shown}".replace("%", "%%")  # argparse formats %
         kind: dict[str, Any] = (
             {"action": argparse.BooleanOptionalAction}
             if s.type is bool

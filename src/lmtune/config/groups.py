@@ -128,8 +128,8 @@ class DataSettings:
     cache_dir: str | None = setting(
         None,
         (
-            "Where tokenized data is cached (default: $LMTUNE_CACHE_DIR, else ~/.cache/lmtune/data). Must be "
-            "shared by all nodes unless --cache-per-node."
+            "Where tokenized data is cached (default: $LMTUNE_CACHE_DIR/data, else ~/.cache/lmtune/data). "
+            "Must be shared by all nodes unless --cache-per-node."
         ),
     )
     cache_per_node: bool = setting(
