@@ -233,7 +233,25 @@ _SCHEDULES = {
     "warmup_stable_decay": "{lr_schedule} wsd",
 }
 # Foreign names whose answer depends on the value given (as text, lower case; "*": any other).
+_OURS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
+# transformers' optimizer names (TrainingArguments.optim, which Axolotl and TRL take) as lmtune's.
+TRANSFORMERS_OPTIMIZERS = {
+    **dict.fromkeys(("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused"), "adamw"),
+    **dict.fromkeys(("adamw_bnb_8bit", "adamw_8bit", "bnb_adamw_8bit"), "adamw8bit"),
+    "paged_adamw_8bit": "paged_adamw8bit",
+    "paged_adamw_32bit": "adamw",  # 32-bit state, not paged
+}
+
 BY_VALUE: dict[str, dict[str, str]] = {
+    # The HF Trainer's optim key (a group of settings here): its value answered by name.
+    "optim": {
+        **{
+            theirs: f"transformers' {theirs} is {{optimizer}} {ours}"
+            for theirs, ours in TRANSFORMERS_OPTIMIZERS.items()
+        },
+        **{ours: f"the optimizer is {{optimizer}} {ours} (optim groups its settings)" for ours in _OURS},
+        "*": "lmtune's optimizers: {optimizer} adamw | adamw8bit | paged_adamw8bit | sgd; {value} is none",
+    },
     "bf16": {
         "false": "lmtune's default {precision} is fp32 already: remove it",
         # Axolotl's: bf16 where the GPU has it.

@@ -22,6 +22,7 @@ from lmtune.config.groups import (
     OptimSettings,
     ScheduleSettings,
 )
+from lmtune.config.hints import TRANSFORMERS_OPTIMIZERS
 from lmtune.config.mixture import named_items, parse_weights, source_names
 from lmtune.config.run_groups import (
     BEST_METRICS,
@@ -126,19 +127,13 @@ def _finite(value: object) -> bool:
         return False
 
 
-# transformers' names (TrainingArguments.optim, which Axolotl and TRL take) of lmtune's choices.
+# Other tools' names of lmtune's choices.
 _TRANSFORMERS, _LIGHTNING = "transformers'", "Lightning's (litgpt's)"
 _FOREIGN_CHOICES = {
     "optimizer": {
-        **dict.fromkeys(
-            ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused"),
-            (_TRANSFORMERS, "adamw here"),
-        ),
-        **dict.fromkeys(
-            ("adamw_bnb_8bit", "adamw_8bit", "bnb_adamw_8bit"), (_TRANSFORMERS, "adamw8bit here")
-        ),
-        "paged_adamw_8bit": (_TRANSFORMERS, "paged_adamw8bit here"),
-        "paged_adamw_32bit": (_TRANSFORMERS, "adamw here (32-bit state, not paged)"),
+        theirs: (_TRANSFORMERS, f"{ours} here" + (" (32-bit state, not paged)" if "32bit" in theirs else ""))
+        for theirs, ours in TRANSFORMERS_OPTIMIZERS.items()
+        if theirs != ours
     },
     # lmtune's half precisions are Lightning's mixed ones: fp32 weights and optimizer state.
     "precision": {

@@ -598,6 +598,11 @@ def test_other_tools_names_of_choices_are_answered(capsys: pytest.CaptureFixture
     assert "transformers' adamw_torch_fused is adamw here" in capsys.readouterr().err
     assert main(["train", "--optimizer", "adamw_bnb_8bit"]) == 2
     assert "transformers' adamw_bnb_8bit is adamw8bit here" in capsys.readouterr().err
+    # Under the HF Trainer's own key (optim, a group of settings here), as an HF user writes it.
+    assert main(["train", "--optim", "adamw_bnb_8bit"]) == 2
+    assert "--optim: transformers' adamw_bnb_8bit is --optimizer adamw8bit" in capsys.readouterr().err
+    assert main(["train", "--optim", "sgd"]) == 2
+    assert "--optim: the optimizer is --optimizer sgd (optim groups its settings)" in capsys.readouterr().err
     # litgpt's and Lightning's precisions: lmtune's bf16 and fp16 are their mixed ones.
     for theirs, ours in (("bf16-mixed", "bf16 here"), ("16-mixed", "fp16 here"), ("32-true", "fp32 here")):
         assert main(["train", "--precision", theirs]) == 2
