@@ -110,7 +110,9 @@ def load_error(name: str, tried: str, e: Exception, presets: Collection[str]) ->
                 "writes a model folder from it"
             )
         return UserError(f"--model {name}: could not load the local folder: {reason(e)}")
+    # Offline, transformers' own words (a URL, cut mid-sentence at 200 characters) say only this.
+    offline = "offline mode" in text or "couldn't connect" in text.lower()
     return UserError(
         f"--model {name}: could not load it as a preset ({', '.join(presets)}), a local folder, "
-        f"or {tried}: {reason(e)}"
+        f"or {tried}: {'not in the local cache' if offline else reason(e)}"
     )

@@ -195,11 +195,27 @@ def _source(name: str, need_config: bool) -> _Where:
     # "run/final" of a run that has not finished reads as a hub id: say the folder is not there.
     first = Path(name.split("/")[0]).expanduser()
     missing = f"; no folder {name} here, though {first} is one" if "/" in name and first.is_dir() else ""
+    if missing and (near := _near_folder(first, name.split("/", 1)[1])):
+        missing += f": did you mean {near}?"
     if hub_reachable():
         return _Where(name, f"hub id {name}{missing}", local_only=False)
     # Without this, the hub client retries for most of a minute before saying the same.
     why = "HF_HUB_OFFLINE is set" if hub_offline() else "the hub is out of reach"
     return _Where(name, f"hub id {name} ({why}, so only the local cache{missing})", local_only=True)
+
+
+def _near_folder(parent: Path, rest: str) -> str:
+    """A folder inside ``parent`` whose name is close to ``rest``'s first part (run/fnial:
+    run/final), or ""."""
+    import difflib
+
+    head, _, tail = rest.partition("/")
+    try:
+        names = [p.name for p in parent.iterdir() if p.is_dir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(head, names, n=1, cutoff=0.6)
+    return "/".join(filter(None, [str(parent / close[0]) if close else "", tail])) if close else ""
 
 
 # The files a tokenizer is saved as: tokenizers' own, or a slow tokenizer's vocabulary.

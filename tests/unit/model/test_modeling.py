@@ -48,6 +48,21 @@ def test_model_folder_errors(tmp_path: Path) -> None:
         load_model(str(tmp_path / "empty"), seed=0)
 
 
+def test_a_typo_under_a_folder_offline_names_the_folder_meant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run/fnial reads as a hub id; offline it ended in transformers' URL cut mid-sentence."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    with pytest.raises(UserError) as e:
+        load_model("run/fnial", seed=0)
+    assert str(e.value).endswith(
+        "(HF_HUB_OFFLINE is set, so only the local cache; no folder run/fnial here, though run is one: "
+        "did you mean run/final?): not in the local cache"
+    )
+
+
 def test_plan_reads_an_adapter_folder_as_its_base(tmp_path: Path) -> None:
     """`lmtune plan --model RUN/final` of a LoRA run plans what train would load: the base's
     shapes (base and adapter merged), or train's own message for an adapter on a preset."""
