@@ -406,7 +406,8 @@ def test_eval_split_settings_are_checked(tmp_path: Path, capsys: pytest.CaptureF
         [*base, "--eval-split", "0.1", "--eval-data", str(data)], capsys
     )
     assert "a fraction in (0, 1) or a whole number" in _error([*base, "--eval-split", "1.5"], capsys)
-    assert "--eval-split 100: holds out 100 of 40 examples" in _error([*base, "--eval-split", "100"], capsys)
+    said = _error([*base, "--eval-split", "100"], capsys)
+    assert "--eval-split 100: holds out 100 of 40 examples, leaving none to train on; hold out fewer" in said
 
 
 def test_a_run_that_skipped_steps_says_so_at_the_end(

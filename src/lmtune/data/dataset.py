@@ -361,10 +361,20 @@ def split_off(data: TokenizedDataset, share: float, seed: int) -> tuple[SplitVie
     else:
         count = held_out_count(share, n)
         if not 1 <= count < n:
-            raise ValueError(f"holds out {count} of {n} examples")
+            raise ValueError(f"holds out {count} of {n} examples{_what_is_left(count, n)}")
         held = np.sort(np.random.default_rng(seed).permutation(n)[:count])
     kept = np.setdiff1d(np.arange(n), held, assume_unique=True)
     return SplitView(data, kept), SplitView(data, held)
+
+
+def _what_is_left(count: int, n: int) -> str:
+    if count < 1:
+        return ": the share rounds to none; give a larger fraction, or a number of examples"
+    return (
+        f", leaving none to train on; hold out fewer (a fraction below 1, or a number of examples below {n})"
+        if n > 1
+        else ", the only one: there is none to spare"
+    )
 
 
 def held_per_source(sources: SourceIndex, share: float, seed: int) -> np.ndarray:
@@ -375,6 +385,8 @@ def held_per_source(sources: SourceIndex, share: float, seed: int) -> np.ndarray
         n = hi - lo
         count = held_out_count(share, n)
         if not 1 <= count < n:
-            raise ValueError(f"holds out {count} of the {n} examples of source {name!r}")
+            raise ValueError(
+                f"holds out {count} of the {n} examples of source {name!r}{_what_is_left(count, n)}"
+            )
         held.append(lo + np.sort(np.random.default_rng([seed, i]).permutation(n)[:count]))
     return np.concatenate(held)
