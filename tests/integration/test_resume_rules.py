@@ -260,6 +260,13 @@ def test_what_defines_the_run_must_match(base: dict[str, Path], capsys: pytest.C
     _fails(_args(base["data"], out, "--optimizer", "sgd"), capsys, "--optimizer adamw -> sgd")
     _fails(_args(base["data"], out, "--model", "small"), capsys, "model config")
     _fails(_args(base["data"], out, "--seed", "4"), capsys, "--seed 3 -> 4")
+    # Found by the run itself (no --resume given): named as found, not as "--resume FOLDER".
+    ckpt = out / "checkpoints" / f"step-{SAVE:06d}"
+    found = f"{ckpt}, the newest checkpoint in {out} (continued by default): it was saved by full"
+    _fails(_args(base["data"], out, "--lora"), capsys, found)
+    _fails(
+        _args(base["data"], out, "--lora", "--resume", str(ckpt)), capsys, f"--resume {ckpt}: it was saved"
+    )
     assert not (out / "final").exists()
 
 

@@ -12,8 +12,8 @@ save (``final/``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -133,8 +133,22 @@ class CheckpointManager:
         (reference log-probs of the starting weights)."""
         done = self.finished_already(total_steps)
         if done is None and (folder := self._resume_folder) is not None:
-            check_continuable(folder, self.fingerprint, self.trainable.parts)
+            with self._found(folder):
+                check_continuable(folder, self.fingerprint, self.trainable.parts)
         return done
+
+    @contextmanager
+    def _found(self, folder: Path) -> Iterator[None]:
+        """An error that names ``folder`` as ``--resume FOLDER``, where the run found it itself
+        (--resume auto, the default): named as found, not as an option the user never gave."""
+        try:
+            yield
+        except UserError as e:
+            head = f"--resume {folder}:"
+            if self.settings.resume != "auto" or not str(e).startswith(head):
+                raise
+            found = f"{folder}, the newest checkpoint in {self.output_dir} (continued by default):"
+            raise UserError(found + str(e)[len(head) :]) from None
 
     @cached_property
     def _resume_folder(self) -> Path | None:
@@ -206,15 +220,16 @@ class CheckpointManager:
             self._start_step = fresh.step
             return fresh
         t = self.trainable
-        state, changes = continue_from(
-            folder,
-            now=self.fingerprint,
-            parts=t.parts,
-            optimizer=t.optimizer,
-            env=self.env,
-            scaler=t.scaler,
-            log=self.log,
-        )
+        with self._found(folder):
+            state, changes = continue_from(
+                folder,
+                now=self.fingerprint,
+                parts=t.parts,
+                optimizer=t.optimizer,
+                env=self.env,
+                scaler=t.scaler,
+                log=self.log,
+            )
         for record in self.records:
             saved = _read_record(folder / record.file_name)
             if saved is not None:
