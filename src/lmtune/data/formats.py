@@ -306,8 +306,8 @@ def _conversation(
         if calls:  # a template would see only the text: the call trained as an empty reply
             raise UserError(
                 f"{record.where}: {where} holds {calls}; lmtune trains on the text of each turn and has no "
-                "tool calling, so the call would not train (a turn of no text, as an empty reply): leave "
-                "such records out (--skip-bad-lines skips them)"
+                "tool calling, so the call would not train (the turn would train as its text alone, "
+                "without the call): leave such records out (--skip-bad-lines skips them)"
             )
         content = _text_content(record, m.get(content_key), where) if isinstance(m, Mapping) else None
         if content is None or role_key not in m:
