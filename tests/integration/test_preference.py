@@ -116,7 +116,11 @@ def test_conversational_pairs_train(
     args = ["train", "--objective", objective, "--data", str(data), *extra, "--max-steps", "2"]
     args += ["--global-batch-size", "8", "--no-progress", "--output-dir", str(out)]
     assert main(args) == 0
-    knobs = {"ipo": "beta 0.1", "simpo": "beta 0.1, gamma 0.5", "orpo": "lambda 0.1"}  # ORPO has no beta
+    knobs = {
+        "ipo": "beta 0.1",
+        "simpo": "beta 0.1, gamma 0.5, label smoothing 0.0",
+        "orpo": "lambda 0.1",
+    }  # ORPO has no beta
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("objective "))
     assert line.split(";")[0] == f"objective {objective}: {knobs[objective]}"
     saved = "adapter_model.safetensors" if "--lora" in extra else "model.safetensors"

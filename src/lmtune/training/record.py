@@ -148,10 +148,11 @@ def run_record(run: RunContext, built: Built, resumed: CheckpointManager, peak: 
         run.log.info(f"{built.paths.line()}; matrix products: {built.products.description}")
     if built.objective.unit == "pairs":
         o = cfg.objective
-        more = {"dpo": f"label smoothing {o.label_smoothing}", "simpo": f"gamma {o.simpo_gamma}"}
+        smoothing = f"label smoothing {o.label_smoothing}"  # dpo's and simpo's (validate.py)
+        more = {"dpo": [smoothing], "simpo": [f"gamma {o.simpo_gamma}", smoothing]}
         # ORPO's one weight is lambda (TRL's ORPOConfig.beta); --beta does not apply to it.
         knobs = [f"lambda {o.orpo_lambda}"] if o.name == "orpo" else [f"beta {o.beta}"]
-        knobs += [more[o.name]] if o.name in more else []
+        knobs += more.get(o.name, [])
         reference = resolved["reference"]
         run.log.info(
             f"objective {o.name}: {', '.join(knobs)}" + (f"; reference: {reference}" if reference else "")
