@@ -197,16 +197,16 @@ class HealthSettings:
         (
             "Under lmtune's launcher, end the job (exit code 3, or a restart under --max-restarts) "
             "when a rank"
-            " has not advanced for this long, or 10x its slowest step if longer (evaluation, saving and the "
-            "first step get 10 minutes); OUTPUT/hang-report.txt says which rank, where. 0 turns the watchdog "
-            "off."
+            " has not advanced for this long, or 10x its slowest step if longer (the first step and saving "
+            "get 10 minutes, samples 3; an evaluation beats at every batch); OUTPUT/hang-report.txt says "
+            "which rank, where. 0 turns the watchdog off."
         ),
     )
     collective_timeout: float = setting(
         300.0,
         (
-            "After the first step, a collective that waits this long for another rank fails (before: 30 "
-            "minutes, for loading and warm-up; evaluation and saving keep 30 minutes)."
+            "After the first step, a collective that waits this long for another rank fails, at least 10 s "
+            "(before: 30 minutes, for loading and warm-up; evaluation and saving keep 30 minutes)."
         ),
     )
     on_nan: str = setting(
