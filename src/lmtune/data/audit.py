@@ -384,6 +384,11 @@ def format_report(report: AuditReport) -> str:
         f"  formats             {formats}",
         f"  bad lines           {report.bad.count:,}",
     ]
+    lines += [f"    {m}" for m in _grouped(report.bad.messages)]
+    if report.bad.count > len(report.bad.messages):
+        listed = len(report.bad.messages)
+        later = _count(report.bad.count - listed, "later bad line")
+        lines.append(f"    ... and {later} (the first {'is' if listed == 1 else f'{listed} are'} above)")
     if report.held_out:
         lines.append(
             f"  held out            {report.held_out:,} (--eval-split): {report.trained:,} left to train on"
@@ -395,11 +400,6 @@ def format_report(report: AuditReport) -> str:
             f"{_count(steps, 'step')} of --global-batch-size {report.global_batch_size}; the {left:,} left "
             "over sit each epoch out (other ones each epoch)"
         )
-    lines += [f"    {m}" for m in _grouped(report.bad.messages)]
-    if report.bad.count > len(report.bad.messages):
-        listed = len(report.bad.messages)
-        later = _count(report.bad.count - listed, "later bad line")
-        lines.append(f"    ... and {later} (the first {'is' if listed == 1 else f'{listed} are'} above)")
     lines += [
         _over_line(report),
         f"  no trainable tokens {s.dropped_no_targets:,} (dropped: they would train on nothing"

@@ -42,7 +42,8 @@ def test_audit_reports_everything_and_fails_on_bad_lines(
     out = capsys.readouterr().out
     assert code == 2
     assert "messages 2, prompt_completion 1, text 2" in out
-    assert f"{f}:6: not valid JSON" in out
+    # Under its row (it sat under the "per epoch" row that came between).
+    assert f"  bad lines           1\n    {f}:6: not valid JSON" in out
     assert "1 truncated, 0 dropped" in out
     assert "no trainable tokens 1" in out
     assert "EOS keeps its label NO: 3 of 4 kept examples" in out  # the long text lost its EOS
