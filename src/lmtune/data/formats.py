@@ -304,10 +304,11 @@ def _conversation(
         where = f"{label} {i + 1}"
         calls = next((k for k in ("tool_calls", "function_call") if isinstance(m, Mapping) and m.get(k)), "")
         if calls:  # a template would see only the text: the call trained as an empty reply
+            alone = "its text alone, without the call" if m.get(content_key) else "an empty reply"
             raise UserError(
                 f"{record.where}: {where} holds {calls}; lmtune trains on the text of each turn and has no "
-                "tool calling, so the call would not train (the turn would train as its text alone, "
-                "without the call): leave such records out (--skip-bad-lines skips them)"
+                f"tool calling, so the call would not train (the turn would train as {alone}): leave "
+                "such records out (--skip-bad-lines skips them)"
             )
         content = _text_content(record, m.get(content_key), where) if isinstance(m, Mapping) else None
         if content is None or role_key not in m:

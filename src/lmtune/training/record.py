@@ -18,6 +18,7 @@ from lmtune import __version__
 from lmtune.checkpoint.card_rows import OBJECTIVE_WEIGHTS
 from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.state import optimizer_state_bytes
+from lmtune.config.groups import ObjectiveSettings
 from lmtune.config.run_groups import names_checkpoint
 from lmtune.config.settings import TrainConfig, setting_named, to_dict, warmup_steps
 from lmtune.config.threads import busy_at_start, spinning_among_others, thread_wait
@@ -80,6 +81,16 @@ def result_record(result: FitResult, built: Built, run: RunContext) -> dict[str,
         # training say every one failed at its first call and ran eagerly.
         "compile": compile_record(built.parts.model) if run.cfg.model.compile else None,
     }
+
+
+def _objective_line(o: ObjectiveSettings, reference: str | None) -> str:
+    """A preference run's weights, as the objective reads them, and its reference."""
+    smoothing = f"label smoothing {o.label_smoothing}"  # dpo's and simpo's (validate.py)
+    more = {"dpo": [smoothing], "simpo": [f"gamma {o.simpo_gamma}", smoothing]}
+    # ORPO's one weight is lambda (TRL's ORPOConfig.beta); --beta does not apply to it.
+    knobs = [f"lambda {o.orpo_lambda}"] if o.name == "orpo" else [f"beta {o.beta}"]
+    knobs += more.get(o.name, [])
+    return f"objective {o.name}: {', '.join(knobs)}" + (f"; reference: {reference}" if reference else "")
 
 
 def run_record(run: RunContext, built: Built, resumed: CheckpointManager, peak: Peak) -> dict[str, Any]:
@@ -147,16 +158,7 @@ def run_record(run: RunContext, built: Built, resumed: CheckpointManager, peak: 
     if built.paths.products is not None:  # a CPU bf16 run: which paths its CPU's units chose, and how
         run.log.info(f"{built.paths.line()}; matrix products: {built.products.description}")
     if built.objective.unit == "pairs":
-        o = cfg.objective
-        smoothing = f"label smoothing {o.label_smoothing}"  # dpo's and simpo's (validate.py)
-        more = {"dpo": [smoothing], "simpo": [f"gamma {o.simpo_gamma}", smoothing]}
-        # ORPO's one weight is lambda (TRL's ORPOConfig.beta); --beta does not apply to it.
-        knobs = [f"lambda {o.orpo_lambda}"] if o.name == "orpo" else [f"beta {o.beta}"]
-        knobs += more.get(o.name, [])
-        reference = resolved["reference"]
-        run.log.info(
-            f"objective {o.name}: {', '.join(knobs)}" + (f"; reference: {reference}" if reference else "")
-        )
+        run.log.info(_objective_line(cfg.objective, resolved["reference"]))
     return {
         "config": to_dict(cfg),
         "resolved": resolved,

@@ -304,12 +304,10 @@ def test_tool_calls_are_refused_not_trained_as_an_empty_reply() -> None:
         turns = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": content}]
         turns[1]["tool_calls"] = call
         with pytest.raises(UserError, match=r"d.jsonl:1: message 2 holds tool_calls; .* empty reply"):
-            render(
-                Record("d.jsonl", 1, {"messages": turns}),
-                "auto",
-                FieldMap.of(ExampleSettings()),
-                byte_tokenizer(),
-            )
+            _render_messages(turns)
+    turns[1]["content"] = "Let me look."  # text beside the call: the call alone is lost
+    with pytest.raises(UserError, match=r"would train as its text alone, without the call\)"):
+        _render_messages(turns)
 
 
 def test_turns_of_role_and_content_under_conversations_get_the_field_map() -> None:
