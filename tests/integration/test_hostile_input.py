@@ -277,14 +277,17 @@ def test_a_disk_too_small_for_a_checkpoint_is_refused_before_the_first_step(
         assert "too little room on its disk for one checkpoint and the final model of this run" in err
         assert not (disk / "out" / "checkpoints").exists()  # it was found at the end, after the save
         # doctor without --model sizes train's default model there (it said "ok" on a 12 MB disk).
-        main(["doctor", "--output-dir", str(disk / "out")])
+        # Sized as train's own check sizes it (--keep-last's checkpoints at once, the next and
+        # final/, with its margin): it said "warn" (exit 0) where train refused.
+        assert main(["doctor", "--output-dir", str(disk / "out")]) == 2
         assert "of tiny (train's default model; --model sizes yours)" in (printed := capsys.readouterr().out)
-        assert re.search(r"warn +free disk +13\.0 MB free", printed), printed
-        assert printed.rstrip().endswith("all checks passed, with warnings: free disk")
-        # Sized as train's own check sizes it: --keep-last's checkpoints at once and final/.
-        assert "4 at once (--keep-last 3, and the next before the oldest goes) and final/ ~" in printed
-        main(["doctor", "--output-dir", str(disk / "out"), "--keep-last", "1"])
-        assert "2 at once (--keep-last 1" in (printed := capsys.readouterr().out)
+        assert re.search(r"FAIL +free disk +13\.0 MB free", printed), printed
+        said = "4 at once (--keep-last 3, and the next before the oldest goes) and final/ ~47.1 MB with room"
+        assert said in printed and "a smaller --keep-last needs fewer" in printed
+        assert main(["doctor", "--output-dir", str(disk / "out"), "--keep-last", "1"]) == 2
+        assert "2 at once (--keep-last 1" in capsys.readouterr().out
+        assert main(["doctor", "--output-dir", str(disk / "out"), "--keep-last", "-1"]) == 2
+        assert "--keep-last: must be >= 0 (got -1" in capsys.readouterr().err
     with mounted_tmpfs(tmp_path / "disk-16", "size=16m") as disk:
         argv = ["train", "--data", str(data), "--output-dir", str(disk / "out"), "--max-steps", "3"]
         argv += ["--save-every", "1", "--keep-last", "1", "--global-batch-size", "8", "--no-progress"]

@@ -321,6 +321,8 @@ def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
     )
     from lmtune.tools.doctor import WARN, DoctorSettings, check_or_fail
 
+    if args.check_keep_last < 0:
+        raise UserError(f"--keep-last: must be >= 0 (got {args.check_keep_last}; 0 keeps every one)")
     cfg, given = _train_config_given(args)
     check_settings(cfg, 1, given)
     launch = cfg.launch

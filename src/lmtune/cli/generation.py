@@ -107,9 +107,15 @@ def _note_if_empty(reply: str) -> None:
     if not reply.strip():
         from lmtune.parallel.launch import warn
 
+        # Whitespace alone is an answer too (10 spaces were called "the first token was a stop").
+        said = (
+            "empty: the first token it generated was a stop token"
+            if not reply
+            else f"only whitespace ({len(reply)} characters: {ascii(reply[:20])[1:-1]})"
+        )
         warn(
-            "the model's answer is empty: the first token it generated was a stop token (a model trained "
-            "on empty answers, or not trained enough, does this; lmtune data audit finds empty answers)"
+            f"the model's answer is {said} (a model trained on empty answers, or not trained enough, "
+            "does this; lmtune data audit finds empty answers)"
         )
 
 

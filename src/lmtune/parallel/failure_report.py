@@ -40,6 +40,12 @@ def _reports(error_dir: Path) -> dict[int, dict[str, Any]]:
     return reports
 
 
+# What a job that ended this way has (a checkpoint may not have been saved yet: it said "are kept").
+RESUMES = (
+    "any checkpoint in --output-dir is kept, and the same command (on every node) resumes from the "
+    "newest, or starts again where none was saved"
+)
+
 # What gloo and NCCL say when the other end of a collective has gone (its process ended or was
 # killed, its node went down).
 _LOST = re.compile(
@@ -55,8 +61,7 @@ def lost_connection(e: BaseException, rank: int) -> str | None:
         return None
     return (
         f"rank {rank} lost its connection to another rank of the job ({found.group(0)}): a rank or a "
-        "node of the job ended first, and its output says why; the checkpoints in --output-dir are "
-        "kept, and the same command (on every node) resumes from the newest"
+        f"node of the job ended first, and its output says why; {RESUMES}"
     )
 
 
@@ -75,8 +80,7 @@ def collective_timed_out(e: BaseException, rank: int) -> str | None:
     waited = f" {int(found.group(1)) / 1000:g} s" if found.group(1) else ""
     return (
         f"rank {rank} waited{waited} for the other ranks in a collective and gave up (--collective-timeout): "
-        "a rank of the job stopped answering without ending (stopped, stuck, or far slower); the "
-        "checkpoints in --output-dir are kept, and the same command (on every node) resumes from the newest"
+        f"a rank of the job stopped answering without ending (stopped, stuck, or far slower); {RESUMES}"
     )
 
 

@@ -26,6 +26,7 @@ from lmtune.config.run_groups import LaunchSettings
 from lmtune.config.settings import TrainConfig, micro_batch_size, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
 from lmtune.parallel.failure_report import (
+    RESUMES,
     RestartNotes,
     failed,
     lost_connections,
@@ -317,8 +318,7 @@ def _memory_advice(cfg: TrainConfig) -> str:
 def _rendezvous_lost(launch: LaunchSettings) -> str:
     return (
         f"this node lost the job's rendezvous at {launch.rdzv_endpoint} after its ranks started: node 0, "
-        "which hosts it, ended first, and its output says why; the checkpoints in --output-dir are kept, "
-        "and the same command (on every node) resumes from the newest"
+        f"which hosts it, ended first, and its output says why; {RESUMES}"
     )
 
 
