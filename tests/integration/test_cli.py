@@ -95,6 +95,8 @@ def test_too_few_examples_for_one_global_batch(tmp_path: Path, capsys: pytest.Ca
         "3 examples left to train on after --eval-split 0.5, fewer than one global batch "
         "(--global-batch-size 4); give --global-batch-size 3 or less, a smaller --eval-split"
     ) in capsys.readouterr().err
+    assert main(["train", "--data", str(data), "--eval-split", "5", "--global-batch-size", "4"]) == 2
+    assert "d6.jsonl: 1 example left to train on after --eval-split 5, fewer" in capsys.readouterr().err
 
 
 def test_examples_past_the_last_whole_batch_are_said_to_sit_the_epoch_out(

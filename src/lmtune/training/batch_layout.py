@@ -47,7 +47,8 @@ def batch_layout(cfg: TrainConfig, world_size: int, n_examples: int) -> BatchLay
         fix = f"give --global-batch-size {fits} or less{smaller}, or more data" if fits else "give more data"
         held = f" left to train on after --eval-split {split:g}" if split is not None else ""
         raise UserError(
-            f"--data {cfg.data.train}: {n_examples} examples{held}, fewer than one global batch "
+            f"--data {cfg.data.train}: {n_examples} example{'' if n_examples == 1 else 's'}{held}, fewer "
+            "than one global batch "
             f"(--global-batch-size {cfg.batch.global_batch_size}); {fix}"
         )
     micro = micro_batch_size(cfg, world_size)
