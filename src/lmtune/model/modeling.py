@@ -215,7 +215,9 @@ def _near_folder(parent: Path, rest: str) -> str:
     except OSError:
         return ""
     close = difflib.get_close_matches(head, names, n=1, cutoff=0.6)
-    return "/".join(filter(None, [str(parent / close[0]) if close else "", tail])) if close else ""
+    if not close:
+        return ""
+    return str(parent / close[0] / tail) if tail else str(parent / close[0])
 
 
 # The files a tokenizer is saved as: tokenizers' own, or a slow tokenizer's vocabulary.
