@@ -292,6 +292,12 @@ def test_max_prompt_length_is_for_preference_pairs(
     argv = ["train", "--config", str(config), "--model", "./given", "--output-dir", str(tmp_path / "o")]
     assert main(argv) == 2
     assert "error: --model ./given: no such folder" in capsys.readouterr().err  # the flag's: by the flag
+    # A reference model's folder that is not there: said before the data and the model are built.
+    config.write_text("objective: dpo\nreference_model: ./no-such-ref\n")
+    assert main(["train", "--config", str(config), "--output-dir", str(tmp_path / "o")]) == 2
+    said = capsys.readouterr()
+    assert "sft.yaml:2: reference_model ./no-such-ref: no such folder (presets:" in said.err
+    assert "train data" not in said.out
 
 
 def test_ddp_or_fsdp_in_one_process_says_it_runs_the_single_path(

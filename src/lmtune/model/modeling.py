@@ -161,7 +161,7 @@ def load_config(name: str, trust_remote_code: bool = False, *, fits_memory: bool
     return config
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.endswith(("/", "\\")) or name.count("/") > 1
 
 
@@ -190,7 +190,7 @@ def _source(name: str, need_config: bool) -> _Where:
         # Absolute: transformers records it as the model's name, which a LoRA adapter keeps as
         # its base, so the adapter loads from any directory.
         return _Where(str(path.resolve()), f"local folder {path}", local_only=True)
-    if _looks_like_path(name):
+    if looks_like_path(name):
         raise UserError(f"--model {name}: no such folder (presets: {', '.join(PRESETS)})")
     # "run/final" of a run that has not finished reads as a hub id: say the folder is not there.
     first = Path(name.split("/")[0]).expanduser()
@@ -453,7 +453,7 @@ def _adapter_base(name: str) -> str | None:
             f"--model {name}: the adapter's base model {base} is an adapter folder itself; "
             "name a full model as the base (adapter_config.json's base_model_name_or_path)"
         )
-    if not base_path.exists() and base not in PRESETS and _looks_like_path(base):
+    if not base_path.exists() and base not in PRESETS and looks_like_path(base):
         raise UserError(
             f"--model {name}: the adapter's base model {base} (adapter_config.json's "
             "base_model_name_or_path) is not there; put the base model there or edit that entry"

@@ -23,7 +23,7 @@ from lmtune.data.formats import FieldMap, unused_names
 from lmtune.data.readers import iter_records
 from lmtune.data.sources import BadLines, resolve_sources
 from lmtune.errors import SettingError, UserError, brief
-from lmtune.model.modeling import is_adapter_folder
+from lmtune.model.modeling import PRESETS, is_adapter_folder, looks_like_path
 from lmtune.model.quantization import require_bitsandbytes
 from lmtune.outputs.hub import check_push
 from lmtune.outputs.reporters import check_installed, parse_report_to
@@ -99,6 +99,10 @@ def validate(
         if Path(resume).is_dir() and verify(Path(resume)) and (instead := not_a_checkpoint(Path(resume))):
             raise UserError(f"--resume {resume}: {instead}; it takes a checkpoint, RUN/checkpoints/step-N")
     _check_outside_launcher(cfg)
+    reference = cfg.objective.reference_model
+    if reference and looks_like_path(reference) and not Path(reference).expanduser().exists():
+        # Found now, not when it loads, after the data is tokenized and the model built.
+        raise UserError(f"--reference-model {reference}: no such folder (presets: {', '.join(PRESETS)})")
     check_installed(parse_report_to(cfg.logging.report_to))
     if cfg.checkpoint.push_to_hub is not None:
         check_push(cfg.checkpoint.push_to_hub)  # a missing token is found now, not after training
