@@ -99,10 +99,7 @@ def validate(
         if Path(resume).is_dir() and verify(Path(resume)) and (instead := not_a_checkpoint(Path(resume))):
             raise UserError(f"--resume {resume}: {instead}; it takes a checkpoint, RUN/checkpoints/step-N")
     _check_outside_launcher(cfg)
-    reference = cfg.objective.reference_model
-    if reference and looks_like_path(reference) and not Path(reference).expanduser().exists():
-        # Found now, not when it loads, after the data is tokenized and the model built.
-        raise UserError(f"--reference-model {reference}: no such folder (presets: {', '.join(PRESETS)})")
+    _check_reference_folder(cfg.objective.reference_model)
     check_installed(parse_report_to(cfg.logging.report_to))
     if cfg.checkpoint.push_to_hub is not None:
         check_push(cfg.checkpoint.push_to_hub)  # a missing token is found now, not after training
@@ -127,6 +124,12 @@ def validate(
     ):
         if on:
             require_bitsandbytes(option, _device(cfg.model.device))
+
+
+def _check_reference_folder(reference: str | None) -> None:
+    """Found now, not when it loads, after the data is tokenized and the model built."""
+    if reference and looks_like_path(reference) and not Path(reference).expanduser().exists():
+        raise UserError(f"--reference-model {reference}: no such folder (presets: {', '.join(PRESETS)})")
 
 
 def _one_path(path: str) -> str:
