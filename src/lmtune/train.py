@@ -104,11 +104,7 @@ def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
             )
             if cfg.health.doctor:
                 cache = None if cfg.data.cache_per_node else str(data_cache_dir(cfg.data))  # node-local
-                keep, saves = cfg.checkpoint.keep_last, cfg.checkpoint.save_every > 0
-                checks = DoctorSettings(
-                    str(output_dir), cache, cfg.data.train, cfg.model.name, False, keep, saves
-                )
-                check_or_fail(env, checks)
+                check_or_fail(env, DoctorSettings.of_run(cfg, cache))
             return _run(run)
     finally:
         heartbeat.close()

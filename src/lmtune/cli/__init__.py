@@ -152,26 +152,23 @@ def _placed(e: UserError, args: Any) -> str:
     from lmtune.config.settings import config_fields
 
     names = {f.name for f in config_fields()}
-    if not isinstance(e, SettingError):  # "--model ./x: no such folder": its head, if the file set it
-        head = re.match(r"--([a-z][a-z0-9-]*)(?=[ :])(.*)", str(e), re.DOTALL)
-        setting = head.group(1).replace("-", "_") if head else ""
-        if head is None or setting not in names or hasattr(args, setting):
-            return str(e)
-        with suppress(UserError):
-            place = yaml_places(config).get(setting)
-            return str(e) if place is None else f"{place}{head.group(2)}"
-        return str(e)
-    if hasattr(args, e.setting):
-        return str(e)
 
     def as_key(m: re.Match[str]) -> str:  # other settings the reason names: as the file would
         name = m.group(1).replace("-", "_")
         return name if name in names and not hasattr(args, name) else m.group(0)
 
+    if isinstance(e, SettingError):
+        setting, said = e.setting, f": {re.sub(r'--([a-z][a-z0-9-]*)', as_key, e.reason)}"
+    elif head := re.match(r"--([a-z][a-z0-9-]*)(?=[ :])(.*)", str(e), re.DOTALL):
+        setting, said = head.group(1).replace("-", "_"), head.group(2)  # "--model ./x: no such folder"
+    else:
+        return str(e)
+    if setting not in names or hasattr(args, setting):
+        return str(e)
     with suppress(UserError):  # the file as it was read: this only rewords the message
-        place = yaml_places(config).get(e.setting)
+        place = yaml_places(config).get(setting)
         if place is not None:
-            return f"{place}: {re.sub(r'--([a-z][a-z0-9-]*)', as_key, e.reason)}"
+            return f"{place}{said}"
     return str(e)
 
 

@@ -16,6 +16,7 @@ from lmtune.config.verbosity import no_progress_bars
 from lmtune.errors import UserError, brief
 from lmtune.model.architecture import check_causal, complete, load_error, reason
 from lmtune.model.configs import CONFIG_BYTES, check_config, check_folder
+from lmtune.model.names import looks_like_path, near_folder
 from lmtune.model.quantization import (
     BASE_QUANTIZATION_FILE,
     DTYPE_NAMES,
@@ -161,8 +162,12 @@ def load_config(name: str, trust_remote_code: bool = False, *, fits_memory: bool
     return config
 
 
-def looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or name.endswith(("/", "\\")) or name.count("/") > 1
+def no_such_folder(name: str, option: str = "--model") -> UserError | None:
+    """The error for a model ``name`` written as a path (``./x``, ``a/b/c``, ``x/``) that is not
+    there, else None (a preset, a hub id, or a folder)."""
+    if looks_like_path(name) and not Path(name).expanduser().exists():
+        return UserError(f"{option} {name}: no such folder (presets: {', '.join(PRESETS)})")
+    return None
 
 
 @dataclass(frozen=True)
@@ -190,34 +195,18 @@ def _source(name: str, need_config: bool) -> _Where:
         # Absolute: transformers records it as the model's name, which a LoRA adapter keeps as
         # its base, so the adapter loads from any directory.
         return _Where(str(path.resolve()), f"local folder {path}", local_only=True)
-    if looks_like_path(name):
-        raise UserError(f"--model {name}: no such folder (presets: {', '.join(PRESETS)})")
+    if (missing_folder := no_such_folder(name)) is not None:
+        raise missing_folder
     # "run/final" of a run that has not finished reads as a hub id: say the folder is not there.
     first = Path(name.split("/")[0]).expanduser()
     missing = f"; no folder {name} here, though {first} is one" if "/" in name and first.is_dir() else ""
-    if missing and (near := _near_folder(first, name.split("/", 1)[1])):
+    if missing and (near := near_folder(first, name.split("/", 1)[1])):
         missing += f": did you mean {near}?"
     if hub_reachable():
         return _Where(name, f"hub id {name}{missing}", local_only=False)
     # Without this, the hub client retries for most of a minute before saying the same.
     why = "HF_HUB_OFFLINE is set" if hub_offline() else "the hub is out of reach"
     return _Where(name, f"hub id {name} ({why}, so only the local cache{missing})", local_only=True)
-
-
-def _near_folder(parent: Path, rest: str) -> str:
-    """A folder inside ``parent`` whose name is close to ``rest``'s first part (run/fnial:
-    run/final), or ""."""
-    import difflib
-
-    head, _, tail = rest.partition("/")
-    try:
-        names = [p.name for p in parent.iterdir() if p.is_dir()]
-    except OSError:
-        return ""
-    close = difflib.get_close_matches(head, names, n=1, cutoff=0.6)
-    if not close:
-        return ""
-    return str(parent / close[0] / tail) if tail else str(parent / close[0])
 
 
 # The files a tokenizer is saved as: tokenizers' own, or a slow tokenizer's vocabulary.

@@ -20,12 +20,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmtune.errors import UserError, megabytes, room
 from lmtune.parallel.distributed import DistEnv, all_gather_object, all_reduce_sum, barrier, broadcast_object
+
+if TYPE_CHECKING:
+    from lmtune.config.settings import TrainConfig
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -46,6 +49,14 @@ class DoctorSettings:
     default_cache: bool = False  # cache_dir is lmtune's default, not one the user named
     keep_last: int = 3  # train's --keep-last, whose checkpoints the disk holds at once
     saves: bool = True  # train saves checkpoints (--save-every is not 0)
+
+    @classmethod
+    def of_run(cls, cfg: TrainConfig, cache_dir: str | None) -> DoctorSettings:
+        """What ``train --doctor`` checks: the run's output folder (sized for its checkpoints),
+        ``cache_dir``, its data and its model."""
+        c = cfg.checkpoint
+        keep, saves = c.keep_last, c.save_every > 0
+        return cls(c.output_dir, cache_dir, cfg.data.train, cfg.model.name, keep_last=keep, saves=saves)
 
 
 def _rank_facts(env: DistEnv) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from lmtune.data.formats import FieldMap, unused_names
 from lmtune.data.readers import iter_records
 from lmtune.data.sources import BadLines, resolve_sources
 from lmtune.errors import SettingError, UserError, brief
-from lmtune.model.modeling import PRESETS, is_adapter_folder, looks_like_path
+from lmtune.model.modeling import is_adapter_folder, no_such_folder
 from lmtune.model.quantization import require_bitsandbytes
 from lmtune.outputs.hub import check_push
 from lmtune.outputs.reporters import check_installed, parse_report_to
@@ -128,8 +128,8 @@ def validate(
 
 def _check_reference_folder(reference: str | None) -> None:
     """Found now, not when it loads, after the data is tokenized and the model built."""
-    if reference and looks_like_path(reference) and not Path(reference).expanduser().exists():
-        raise UserError(f"--reference-model {reference}: no such folder (presets: {', '.join(PRESETS)})")
+    if reference and (missing := no_such_folder(reference, "--reference-model")) is not None:
+        raise missing
 
 
 def _one_path(path: str) -> str:
