@@ -195,14 +195,31 @@ def test_full_model_card_export_card_and_lmtune_push(
         main(["export", str(out / "checkpoints" / "step-000001"), str(tmp_path / "m"), "--merge-lora"]) == 2
     )
     assert "holds the whole model, no LoRA adapter to merge (--merge-lora)" in capsys.readouterr().err
-    # lmtune push: any saved folder, its card rewritten for the repo; a user's own README is kept.
+    # lmtune push: any saved folder, with a card for the repo uploaded in place of the folder's
+    # (the folder itself is not touched, pushed or not); a user's own README is pushed as it is.
+    before = {p: p.read_bytes() for p in final.iterdir() if p.is_file()}
     with fake_hub() as api:
         assert main(["push", str(final), REPO_ID]) == 0
     assert api.upload_folder.call_args.kwargs["folder_path"] == final
-    assert f'from_pretrained("{REPO_ID}")' in (final / "README.md").read_text()
+    assert "README.md" in api.upload_folder.call_args.kwargs["ignore_patterns"]
+    (card_call,) = api.upload_file.call_args_list
+    assert card_call.kwargs["path_in_repo"] == "README.md" and card_call.kwargs["repo_id"] == REPO_ID
+    assert f'from_pretrained("{REPO_ID}")' in card_call.kwargs["path_or_fileobj"].decode()
+    with fake_hub(fail=OSError("no network")):
+        assert main(["push", str(final), REPO_ID]) == 2
+    assert {p: p.read_bytes() for p in final.iterdir() if p.is_file()} == before
+    # ... so the run's records of what it wrote still hold: it continues, replacing final/.
+    capsys.readouterr()
+    code, _, _ = _train([*argv, "--max-steps", "3", "--save-every", "1", "--output-dir", str(out)])
+    assert code == 0, capsys.readouterr().err
+    checkpoint = out / "checkpoints" / "step-000001"
+    assert main(["push", str(checkpoint), REPO_ID]) == 2
+    assert f"{checkpoint}: a training checkpoint; export it first" in capsys.readouterr().err
     (exported / "README.md").write_text("# mine\n")
-    with fake_hub():
+    with fake_hub() as api:
         assert main(["push", str(exported), REPO_ID, "--private"]) == 0
+    assert "README.md" not in api.upload_folder.call_args.kwargs["ignore_patterns"]
+    assert not api.upload_file.called
     assert (exported / "README.md").read_text() == "# mine\n"
     assert "was not written by lmtune" in capsys.readouterr().out
 

@@ -57,12 +57,17 @@ def write_model_card(
     """Write ``folder/README.md`` (its code loads from ``repo_id``, else from the folder, or from
     ``final``: where a folder being written will be); ``run`` is the run's run.json (None: what the
     folder alone tells). False when a README.md that lmtune did not write is there: it is kept."""
-    path = folder / CARD_FILE
-    if path.is_file() and MARKER not in path.read_text(encoding="utf-8", errors="replace"):
+    if not lmtunes_card(folder):
         return False
     card = model_card(folder, run, repo_id=repo_id, note=note, final=final)
-    path.write_text(card, encoding="utf-8")
+    (folder / CARD_FILE).write_text(card, encoding="utf-8")
     return True
+
+
+def lmtunes_card(folder: Path) -> bool:
+    """Whether ``folder``'s README.md is lmtune's to write: missing, or a card lmtune wrote."""
+    path = folder / CARD_FILE
+    return not path.is_file() or MARKER in path.read_text(encoding="utf-8", errors="replace")
 
 
 def run_record_near(folder: Path) -> dict[str, Any] | None:

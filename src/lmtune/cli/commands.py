@@ -286,14 +286,22 @@ def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def push(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from pathlib import Path
 
-    from lmtune.checkpoint.card import run_record_near, write_model_card
+    from lmtune.checkpoint.card import lmtunes_card, model_card, run_record_near
+    from lmtune.checkpoint.layout import lmtune_wrote
     from lmtune.outputs.hub import check_push, push_folder
 
     folder = Path(args.folder)
     if not ((folder / "config.json").is_file() or (folder / "adapter_config.json").is_file()):
         raise UserError(f"{folder}: not a model folder (no config.json or adapter_config.json)")
+    if lmtune_wrote(folder):  # its optimizer state, RNG and manifest are no model repo's
+        raise UserError(
+            f"{folder}: a training checkpoint; export it first (lmtune export {folder} DIR), then push DIR"
+        )
     check_push(args.repo_id, option="lmtune push")
-    if not write_model_card(folder, run_record_near(folder), repo_id=args.repo_id):
+    card = None  # the folder's own README.md, pushed as it is
+    if lmtunes_card(folder):
+        card = model_card(folder, run_record_near(folder), repo_id=args.repo_id)
+    else:
         print(f"{folder}/README.md was not written by lmtune: pushed as it is")
     try:
         url = push_folder(
@@ -301,6 +309,7 @@ def push(args: argparse.Namespace, argv: Sequence[str]) -> int:
             args.repo_id,
             private=args.private,
             message=args.message or f"Upload {folder.name} (lmtune)",
+            card=card,
         )
     except Exception as e:  # huggingface_hub's: credentials, network, quota
         said = " ".join(str(e).split())[:300] or type(e).__name__

@@ -46,10 +46,15 @@ def check_push(repo_id: str, option: str = "--push-to-hub") -> None:
         )
 
 
-def push_folder(folder: Path, repo_id: str, *, private: bool, message: str) -> str:
+def push_folder(folder: Path, repo_id: str, *, private: bool, message: str, card: str | None = None) -> str:
     """Upload ``folder``'s files (a run's merged/ left out) to ``repo_id``, creating it when
-    missing; returns the repo's address. huggingface_hub's errors pass through."""
+    missing, with ``card`` as the repo's README.md in place of the folder's (the folder is left as
+    it is: a card written there for the repo, and the upload failing, changed a saved folder that
+    lmtune's records then called changed); returns the repo's address. huggingface_hub's errors
+    pass through."""
     from huggingface_hub import HfApi
+
+    from lmtune.checkpoint.card import CARD_FILE
 
     api = HfApi()
     with quiet_calls():
@@ -59,8 +64,16 @@ def push_folder(folder: Path, repo_id: str, *, private: bool, message: str) -> s
             folder_path=folder,
             repo_type="model",
             commit_message=message,
-            ignore_patterns=NOT_PUSHED,
+            ignore_patterns=NOT_PUSHED + ([CARD_FILE] if card is not None else []),
         )
+        if card is not None:
+            api.upload_file(
+                path_or_fileobj=card.encode("utf-8"),
+                path_in_repo=CARD_FILE,
+                repo_id=repo_id,
+                repo_type="model",
+                commit_message=f"{message}: model card",
+            )
     return str(url)
 
 
