@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -202,6 +205,29 @@ def test_an_export_into_a_users_empty_folder_keeps_its_permissions(run: Path, tm
         os.chown(theirs, 65534, 65534)
         assert main(["export", str(run / "checkpoints" / "step-000002"), str(theirs)]) == 0
         assert (theirs.stat().st_uid, theirs.stat().st_gid) == (65534, 65534)
+
+
+def test_an_export_into_a_folder_you_cannot_write_is_refused(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty 0555 folder was replaced by the export (written beside it, renamed into place) and
+    kept its mode: files its owner could not remove. As root, the refusal is checked in a process
+    without the capability that writes anywhere, as a user's."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    argv = ["export", str(run / "checkpoints" / "step-000002"), str(locked)]
+    if os.geteuid() != 0:
+        code = main(argv)
+        said = capsys.readouterr().err
+    else:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root, and no setpriv to drop the capability that writes anywhere")
+        drop = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+        done = subprocess.run([*drop, sys.executable, "-m", "lmtune", *argv], capture_output=True, text=True)
+        code, said = done.returncode, done.stderr
+    assert code == 2 and not any(locked.iterdir())
+    assert f"{locked}: not writable by you; make it writable (chmod u+w)" in said
 
 
 def test_saved_weights_are_as_readable_as_the_files_beside_them(run: Path, tmp_path: Path) -> None:
