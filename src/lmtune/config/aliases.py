@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from lmtune.config.axolotl_data import datasets_here, separator
-from lmtune.config.hints import BY_VALUE, HINTS
+from lmtune.config.hints import BY_VALUE, HINTS, IN_COMMAND
 from lmtune.errors import UserError, one_line
 
 # Foreign name -> the lmtune setting of the same meaning.
@@ -120,6 +120,9 @@ def explain_unknown(
     meant = ALIASES.get(key, key)
     if upper and meant in accepted:  # names are matched exactly, as argparse matches options
         return f"{written}: names are lower case; did you mean {style(meant)}?"
+    command = IN_COMMAND.get(where.removeprefix("lmtune "), {})
+    if key not in accepted and (answer := command.get(key, command.get(meant))):
+        return f"{shown}: {answer}"
     if (here := _MEANT_HERE.get(key)) in accepted and key not in accepted:
         return f"{shown} is {style(str(here))} in {where}"
     if key in ALIASES and ALIASES[key] not in accepted:

@@ -223,6 +223,33 @@ HINTS: dict[str, str] = {
     ),
 }
 
+# Names another command than train means otherwise, by command: what to do there. Checked before
+# the answers above, which are train's (export's --dtype is no --precision: export takes none).
+_CAST = (
+    "lmtune export writes the checkpoint's weights as saved (fp32); to cast them, load the export with "
+    "transformers (from_pretrained(DIR, dtype=torch.bfloat16)) and save_pretrained it"
+)
+_PUSH_EXPORT = "upload the export afterwards with lmtune push DIR REPO_ID"
+IN_COMMAND: dict[str, dict[str, str]] = {
+    "export": {
+        "precision": _CAST,
+        "dtype": _CAST,
+        "torch_dtype": _CAST,
+        "output_dir": "the folder is lmtune export's second argument: lmtune export CHECKPOINT DIR",
+        "push_to_hub": _PUSH_EXPORT,
+        "hub_model_id": _PUSH_EXPORT,
+    },
+    "generate": {
+        "max_length": "--max-new-tokens N caps the reply's tokens (the prompt's are not counted)",
+    },
+    "eval": {
+        "eval_split": (
+            "lmtune eval scores DATA whole; the examples a run's --eval-split held out are scored by "
+            "giving that run's --config file (its data and eval_split) instead of DATA"
+        ),
+    },
+}
+
 _SCHEDULES = {
     "cosine": (
         "{lr_schedule} cosine is lmtune's default; it decays to lr x {min_lr_ratio} (0.1 by default), "

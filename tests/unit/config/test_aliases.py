@@ -376,6 +376,31 @@ def test_a_train_setting_another_command_does_not_take_says_so(capsys: pytest.Ca
 
 
 @pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["export", "ckpt", "d", "--dtype", "bf16"],
+            "--dtype: lmtune export writes the checkpoint",
+        ),
+        (["export", "ckpt", "d", "--precision", "bf16"], "--precision: lmtune export writes the checkpoint"),
+        (["export", "ckpt", "--output_dir", "d"], "the folder is lmtune export's second argument"),
+        (["export", "ckpt", "d", "--push_to_hub", "me/x"], "afterwards with lmtune push DIR REPO_ID"),
+        (
+            ["generate", "--model", "m", "--max_length", "9"],
+            "--max-length: --max-new-tokens N caps",
+        ),
+        (["eval", "d.jsonl", "--eval-split", "20"], "lmtune eval scores DATA whole; the examples a run's"),
+    ],
+)
+def test_a_name_another_command_means_otherwise_is_answered_there(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """export's --dtype was answered with train's --precision, which export refuses in turn."""
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("lines", "push"),
     [
         ("push_to_hub: true\nhub_model_id: me/tuned\n", "me/tuned"),
