@@ -165,32 +165,38 @@ def test_a_bf16_eval_takes_the_kernels_a_bf16_run_evaluates_with(tmp_path: Path,
     assert chosen(figures["paths"]) == chosen(resolved["paths"])
 
 
+TINY = ["--model", "tiny"]
+
+
 def test_eval_refuses_what_it_cannot_score(
     run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": "3"}) + "\n")
     assert "preference pairs; lmtune eval scores supervised examples" in one_line_error(
-        ["eval", str(pairs)], capsys
+        ["eval", str(pairs), *TINY], capsys
     )
-    said = one_line_error(["eval", "--data", str(pairs)], capsys)  # train's way of naming it
+    said = one_line_error(["eval", "--data", str(pairs), *TINY], capsys)  # train's way of naming it
     assert "give it as arguments: lmtune eval DATA" in said
     assert "name the DATA to eval" in one_line_error(["eval"], capsys)
+    # train's default model, the untrained preset, was scored without a word of it
+    said = one_line_error(["eval", "sample:eval"], capsys)
+    assert "lmtune eval: name the model to score with --model (a folder, a run's final/" in said
     mine = tmp_path / "mine.json"
     mine.write_text('{"my": "notes"}')
-    assert "--json" in one_line_error(["eval", "sample:eval", "--json", str(mine)], capsys)
+    assert "--json" in one_line_error(["eval", "sample:eval", *TINY, "--json", str(mine)], capsys)
     assert mine.read_text() == '{"my": "notes"}'
     assert "lmtune eval DATA --model M" in one_line_error(["evaluate"], capsys)  # litgpt's, Axolotl's
     # Said in lmtune eval's own words: its DATA, its --batch-size, no training's gradient scaler.
-    said = one_line_error(["eval", "sample:eval", "--per_device_eval_batch_size", "4"], capsys)
+    said = one_line_error(["eval", "sample:eval", *TINY, "--per_device_eval_batch_size", "4"], capsys)
     assert said.rstrip().endswith("--per-device-eval-batch-size is --batch-size in lmtune eval")
-    said = one_line_error(["eval", str(tmp_path / "nope.jsonl")], capsys)
+    said = one_line_error(["eval", str(tmp_path / "nope.jsonl"), *TINY], capsys)
     assert said.startswith("error: lmtune eval: no such file or folder:") and "--data" not in said
-    said = one_line_error(["eval", f"{pairs},{pairs}"], capsys)
+    said = one_line_error(["eval", f"{pairs},{pairs}", *TINY], capsys)
     assert "named twice (each of its examples would be counted twice); give it once" in said
     assert "--data-weights" not in said
     assert (
-        one_line_error(["eval", "sample:eval", "--precision", "fp16"], capsys)
+        one_line_error(["eval", "sample:eval", *TINY, "--precision", "fp16"], capsys)
         .rstrip()
         .endswith("--precision: fp16 needs a CUDA GPU; use bf16 on CPU")
     )
@@ -216,6 +222,7 @@ def test_a_field_map_naming_no_field_is_warned_of_as_train_warns(
     data = tmp_path / "pc.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
     batch = ["--global-batch-size", "1"] if command[-1] == "audit" else []
-    main([*command, str(data), "--field-map", "prompt=question", *batch])
+    model = ["--model", "tiny"] if command == ["eval"] else []
+    main([*command, str(data), "--field-map", "prompt=question", *batch, *model])
     said = f"warning: --field-map prompt=question: the first record of {data} has no 'question' field"
     assert said in capsys.readouterr().err

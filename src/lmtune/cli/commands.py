@@ -212,7 +212,7 @@ def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from lmtune.tools.evaluation import evaluate_model
 
-    cfg = _data_settings(args, "eval")
+    cfg = _data_settings(args, "eval", scores_a_model=True)
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1 (got {args.batch_size})")
     out = _json_output(args.json, "eval") if args.json else None
@@ -429,8 +429,10 @@ def _data_and_tokenizer(args: argparse.Namespace, command: str) -> tuple[TrainCo
     return cfg, tokenizer
 
 
-def _data_settings(args: argparse.Namespace, command: str) -> TrainConfig:
-    """The settings of a command that reads DATA arguments as its --data (or a --config file's)."""
+def _data_settings(args: argparse.Namespace, command: str, scores_a_model: bool = False) -> TrainConfig:
+    """The settings of a command that reads DATA arguments as its --data (or a --config file's);
+    ``scores_a_model``: the model must be named (train's default, the untrained preset, scored
+    without a word of it)."""
     from lmtune.config.validate import check_settings
 
     if not hasattr(args, "data") and not hasattr(args, "config"):
@@ -439,10 +441,17 @@ def _data_settings(args: argparse.Namespace, command: str) -> TrainConfig:
     cfg: TrainConfig
     cfg, given = _train_config_given(args)
     check_settings(cfg, cfg.launch.nproc_per_node, given)
-    if not hasattr(args, "data"):  # the --config file's: a missing one is named by its line
-        from lmtune.data.sources import resolve_components
+    from lmtune.data.sources import resolve_components
 
+    if not hasattr(args, "data"):  # the --config file's: a missing one is named by its line
         resolve_components(cfg.data.train)
+    if scores_a_model and "model" not in given:
+        if hasattr(args, "data"):  # `eval RUN/final data.jsonl`: the model given as DATA is said so
+            resolve_components(cfg.data.train, f"lmtune {command}")
+        raise UserError(
+            f"lmtune {command}: name the model to score with --model (a folder, a run's final/, an "
+            "export, a hub id, or a preset such as tiny)"
+        )
     from contextlib import suppress
 
     from lmtune.training.preflight import warn_unmatched_names

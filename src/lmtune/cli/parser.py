@@ -8,6 +8,9 @@ from typing import Any
 from lmtune.cli import commands, generation
 from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 
+# A setting a command needs given (on the command line or in its --config file), as its help says.
+REQUIRED = "(required: here or in the --config file)"
+
 
 def _add_train_options(
     parser: argparse.ArgumentParser,
@@ -40,7 +43,9 @@ def _add_train_options(
         # An unset default (None) is said by the help where it means something ("Default: the
         # tokenizer's own ..."); "(default: None)" after that read as a contradiction.
         shown = (
-            f" (default: {default})"
+            f" {REQUIRED}"
+            if default == REQUIRED
+            else f" (default: {default})"
             if default is not None
             else ""
             if "efault" in s.help
@@ -248,7 +253,8 @@ def _eval_parser(sub: Any) -> None:
         metavar="N",
         help="examples a forward (default: 8); the figures are the same for any (bf16: to rounding)",
     )
-    _add_train_options(ev, EVAL_SETTINGS, config_file=True)
+    # No model by default: train's, the untrained preset, was scored unasked.
+    _add_train_options(ev, EVAL_SETTINGS, config_file=True, defaults={"model": REQUIRED})
     ev.set_defaults(run=commands.evaluate)
 
 
