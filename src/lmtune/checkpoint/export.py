@@ -316,10 +316,22 @@ def _merged_checkpoint(checkpoint: Path, trust_remote_code: bool) -> nn.Module:
         and config.get("seed") == saved.fixed.get("--seed")
     )
     if not same:
+        from lmtune.model.modeling import PRESETS
+
+        found = (
+            f"{record} is not that run's record"
+            if record.is_file()
+            else "it is not in a run's folder (RUN/checkpoints/step-N, with RUN/run.json)"
+        )
+        fix = "export it from its run's folder"
+        if saved is None or saved.fixed.get("--model") not in PRESETS:  # a preset is built by lmtune alone
+            fix += (
+                ", or export the adapter without --merge-lora and merge it with peft "
+                "(PeftModel.from_pretrained(base, DIR).merge_and_unload())"
+            )
         raise UserError(
             f"{checkpoint}: --merge-lora rebuilds the base from the run that saved the checkpoint, and "
-            f"{record} is not that run's record; export the adapter without --merge-lora and merge it "
-            "with peft (PeftModel.from_pretrained(base, DIR).merge_and_unload())"
+            f"{found}; {fix}"
         )
     assert isinstance(config, dict)
     model = build_config(config, str(record)).model
