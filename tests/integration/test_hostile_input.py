@@ -282,7 +282,7 @@ def test_a_disk_too_small_for_a_checkpoint_is_refused_before_the_first_step(
         assert main(["doctor", "--output-dir", str(disk / "out")]) == 2
         assert "of tiny (train's default model; --model sizes yours)" in (printed := capsys.readouterr().out)
         assert re.search(r"FAIL +free disk +13\.0 MB free", printed), printed
-        said = "4 at once (--keep-last 3, and the next before the oldest goes) and final/ ~47.1 MB with room"
+        said = "; 4 at once (--keep-last 3, and the next before the oldest goes) and final/: ~47.1 MB in all"
         assert said in printed and "a smaller --keep-last needs fewer" in printed
         assert main(["doctor", "--output-dir", str(disk / "out"), "--keep-last", "1"]) == 2
         assert "2 at once (--keep-last 1" in capsys.readouterr().out

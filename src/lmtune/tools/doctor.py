@@ -279,7 +279,8 @@ def _disk(env: DistEnv, folder: Path, model: str | None, keep_last: int, saves: 
         "free disk",
         status,
         f"{_disk_size(free)} free in {where}; a checkpoint of {named} ({params / 1e6:,.0f}M parameters) "
-        f"takes ~{_disk_size(checkpoint)}, {kept} ~{_disk_size(room(need))} with room to spare{fewer}",
+        f"takes ~{_disk_size(checkpoint)}; {kept}: ~{_disk_size(room(need))} in all, with room to "
+        f"spare{fewer}",
     )
 
 
