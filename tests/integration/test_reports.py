@@ -213,6 +213,14 @@ def test_runs_of_one_folder_name_are_told_apart_and_a_foreign_metrics_file_is_no
     capsys.readouterr()
     assert main(["report", str(foreign), "--out", str(tmp_path / "f.html")]) == 2
     assert "metrics.jsonl holds no row lmtune writes" in capsys.readouterr().err
+    # One line alone was taken for a row still being written, and "hello" reported as a run.
+    (foreign / "metrics.jsonl").write_text("hello\n")
+    assert main(["report", str(foreign), "--out", str(tmp_path / "f.html")]) == 2
+    assert "holds no row lmtune writes (first: " in capsys.readouterr().err
+    assert not (tmp_path / "f.html").exists()
+    # One run given twice, by two spellings, was overlaid on itself.
+    assert main(["report", both[0], f"{both[0]}/../mix/", "--out", str(tmp_path / "t.html")]) == 2
+    assert "are one run; give each run once" in capsys.readouterr().err
 
 
 def test_a_path_that_cannot_be_written_is_a_user_error(

@@ -383,7 +383,7 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
     write_output(out, page, "--out")
     empty = [name for name in PLOTS if name not in pngs]
     print(
-        f"wrote {args.out}: {len(pngs)} plots"
+        f"wrote {args.out}: {len(pngs)} plot{'s' if len(pngs) != 1 else ''}"
         + (f" (nothing recorded for {', '.join(empty)})" if empty else "")
     )
     if folder is not None:

@@ -80,10 +80,12 @@ def load_run(folder: Path) -> RecordedRun:
             skipped.append(f"{metrics}:{number}: {problem}")
         else:
             rows.append(row)
-    if skipped and not rows and not (folder / "run.json").is_file():
+    if not rows and not (folder / "run.json").is_file() and text.strip():
+        # One line, the last, was taken for a row being written: "hello" was reported as a run.
+        first = brief(skipped[0], 200) if skipped else f"{metrics}:{len(lines)}: {brief(lines[-1], 80)}"
         raise UserError(
-            f"{folder}: its metrics.jsonl holds no row lmtune writes (first: {brief(skipped[0], 200)}), so "
-            "not an lmtune output folder"
+            f"{folder}: its metrics.jsonl holds no row lmtune writes (first: {first}), so not an lmtune "
+            "output folder"
         )
     if skipped:
         warn(f"skipped {len(skipped)} rows that are not what lmtune writes (first: {brief(skipped[0], 200)})")
@@ -480,6 +482,11 @@ def build_html(runs: list[RecordedRun], pngs: dict[str, bytes | None]) -> str:
 
 def report(folders: list[Path]) -> tuple[str, dict[str, bytes]]:
     """The report's page, and the PNG of each plot that had data, by name."""
+    seen: dict[Path, Path] = {}
+    for f in folders:
+        if (earlier := seen.setdefault(f.resolve(), f)) is not f:
+            said = f"{f} and {earlier} are one run" if str(f) != str(earlier) else f"{f} is named twice"
+            raise UserError(f"{said}; give each run once")
     runs = _named_apart([load_run(f) for f in folders])
     pngs = render_plots(runs)
     return build_html(runs, pngs), {name: png for name, png in pngs.items() if png is not None}
