@@ -428,6 +428,25 @@ def test_bench_under_a_launcher_is_refused(
     assert "run it directly, not under torchrun" in capsys.readouterr().err
 
 
+def test_bench_that_can_run_nothing_here_is_refused_before_anything_is_said_or_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`bench --precisions fp16` on a CPU skipped every combination, exit 0, and wrote its empty
+    table over an earlier bench.json of real figures; an unknown strategy was refused only after
+    "results go to bench.json"."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("fp16 runs on a GPU")
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--precisions", "fp16"]) == 2
+    said = capsys.readouterr()
+    assert "no combination of --strategies and --precisions runs here (fp16 needs a CUDA GPU" in said.err
+    assert not (tmp_path / "bench.json").exists() and "results go to" not in said.out
+    assert main(["bench", "--strategies", "foo"]) == 2
+    assert "results go to" not in capsys.readouterr().out
+
+
 def test_generated_control_characters_are_printed_as_escapes(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -155,7 +155,7 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import json
 
     from lmtune.parallel.distributed import launched_rank
-    from lmtune.tools.bench import format_table, measure_peaks, run_bench, to_json
+    from lmtune.tools.bench import check_combinations, format_table, measure_peaks, run_bench, to_json
 
     if launched_rank() is not None:  # each rank would run every combination, in folders of its own
         raise UserError(
@@ -172,12 +172,14 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if args.json
         else _output_file("bench.json", "the default --json", "bench")
     )
+    strategies, precisions = args.strategies.split(","), args.precisions.split(",")
+    check_combinations(strategies, precisions, args.nproc_per_node, args.steps, args.warmup)
     if not args.json:  # said before the minutes of runs, not only after them
         print("lmtune bench: results go to bench.json (--json PATH, or - for standard output)", flush=True)
     rows = run_bench(
         train_config(args),
-        args.strategies.split(","),
-        args.precisions.split(","),
+        strategies,
+        precisions,
         args.nproc_per_node,
         args.steps,
         args.warmup,

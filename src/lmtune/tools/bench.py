@@ -79,6 +79,25 @@ def _measure(out: Path, warmup: int, devices: int) -> BenchRow:
     )
 
 
+def check_combinations(
+    strategies: list[str], precisions: list[str], nproc: int, steps: int, warmup: int
+) -> None:
+    """Before anything runs or is said: known names, steps, and at least one combination that can
+    run here (one of none wrote an empty table over an earlier bench.json, exit 0)."""
+    for s in strategies:
+        if s not in STRATEGIES:
+            raise UserError(f"--strategies: unknown strategy {s!r} (choose from {', '.join(STRATEGIES)})")
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise UserError(f"--precisions: unknown precision {p!r} (choose from {', '.join(PRECISIONS)})")
+    if steps < 1 or warmup < 1:
+        raise UserError("--steps and --warmup must be >= 1")
+    reasons = {skip_reason(s, p, nproc) for s in strategies for p in precisions}
+    if None not in reasons:
+        said = "; ".join(sorted(str(r).removeprefix("skipped: ") for r in reasons))
+        raise UserError(f"no combination of --strategies and --precisions runs here ({said})")
+
+
 def run_bench(
     base: TrainConfig,
     strategies: list[str],
@@ -89,14 +108,7 @@ def run_bench(
 ) -> list[BenchRow]:
     """Run every strategy x precision of ``base`` (``lmtune train``, in a subprocess each); the
     combinations that cannot run here say why."""
-    for s in strategies:
-        if s not in STRATEGIES:
-            raise UserError(f"--strategies: unknown strategy {s!r} (choose from {', '.join(STRATEGIES)})")
-    for p in precisions:
-        if p not in PRECISIONS:
-            raise UserError(f"--precisions: unknown precision {p!r} (choose from {', '.join(PRECISIONS)})")
-    if steps < 1 or warmup < 1:
-        raise UserError("--steps and --warmup must be >= 1")
+    check_combinations(strategies, precisions, nproc, steps, warmup)
     results: list[BenchRow] = []
     with tempfile.TemporaryDirectory(prefix="lmtune-bench-") as tmp:
         for strategy in strategies:
