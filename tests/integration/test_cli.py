@@ -447,6 +447,28 @@ def test_bench_that_can_run_nothing_here_is_refused_before_anything_is_said_or_w
     assert "results go to" not in capsys.readouterr().out
 
 
+def test_a_prompt_that_names_a_file_is_warned_of_and_prompt_file_is_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--prompt-file prompts.txt` was answered "did you mean --prompt?", and `--prompt prompts.txt`
+    then continued the text "prompts.txt" without a word."""
+    import lmtune.model.generate as generate
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.txt").write_text("1+1=\n")
+    assert main(["generate", "--model", "tiny", "--prompt-file", "prompts.txt"]) == 2
+    assert "--prompt-file: a file's text comes on standard input: lmtune generate --model M < FILE" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setattr(generate, "complete", lambda *a, **k: "2")
+    assert main(["generate", "--model", "tiny", "--prompt", "prompts.txt", "--max-new-tokens", "1"]) == 0
+    said = capsys.readouterr()
+    assert said.out == "prompts.txt2\n"
+    assert "--prompt prompts.txt: continuing the text 'prompts.txt', which names a file" in said.err
+    assert main(["generate", "--model", "tiny", "--prompt", "1+1=", "--max-new-tokens", "1"]) == 0
+    assert "names a file" not in capsys.readouterr().err
+
+
 def test_generated_control_characters_are_printed_as_escapes(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -65,6 +65,14 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"--device must be auto, cpu or cuda (got {args.device!r})")
     if args.prompt == "-" or (args.prompt is None and not args.chat and not sys.stdin.isatty()):
         args.prompt = _prompt_from_stdin()
+    elif args.prompt is not None and "\n" not in args.prompt and Path(args.prompt).expanduser().is_file():
+        from lmtune.parallel.launch import warn
+
+        # --prompt prompts.txt continued the text "prompts.txt": a file's text comes on stdin.
+        warn(
+            f"--prompt {args.prompt}: continuing the text {args.prompt!r}, which names a file; for the "
+            f"file's text: lmtune generate ... < {args.prompt}"
+        )
     if args.prompt is None and not args.chat:
         raise UserError("--prompt is needed (or piped input, or --chat, which reads turns from stdin)")
     if args.system is not None and not args.chat:

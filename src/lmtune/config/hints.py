@@ -230,6 +230,10 @@ _CAST = (
     "transformers (from_pretrained(DIR, dtype=torch.bfloat16)) and save_pretrained it"
 )
 _PUSH_EXPORT = "upload the export afterwards with lmtune push DIR REPO_ID"
+_PROMPT_FILE = (
+    "a file's text comes on standard input: lmtune generate --model M < FILE (the whole file is one "
+    "prompt; with --chat, each line a turn of one conversation)"
+)
 IN_COMMAND: dict[str, dict[str, str]] = {
     "export": {
         "precision": _CAST,
@@ -241,6 +245,8 @@ IN_COMMAND: dict[str, dict[str, str]] = {
     },
     "generate": {
         "max_length": "--max-new-tokens N caps the reply's tokens (the prompt's are not counted)",
+        "prompt_file": _PROMPT_FILE,
+        "prompts": _PROMPT_FILE,
     },
     "eval": {
         "eval_split": (
