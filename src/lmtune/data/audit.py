@@ -76,10 +76,9 @@ class AuditReport:
     def unusable(self) -> list[str]:
         """What would stop a training run on this data as it is (exit code 2)."""
         found = []
-        if self.bad.count and not self.skip_bad_lines:
-            found.append(
-                f"{_count(self.bad.count, 'bad line')} would stop training (--skip-bad-lines skips them)"
-            )
+        if self.bad.count and not self.skip_bad_lines:  # all bad: skipping them leaves nothing
+            fix = "--skip-bad-lines skips them" if self.stats.examples else "above: what they need"
+            found.append(f"{_count(self.bad.count, 'bad line')} would stop training ({fix})")
         if self.stops_on_length:
             found.append(
                 f"{_count(self.stops_on_length, 'example')} longer than --max-length {self.max_length} "

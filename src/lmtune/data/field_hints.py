@@ -8,11 +8,32 @@ from collections.abc import Mapping
 from typing import Any
 
 from lmtune.data.sources import Record
-from lmtune.errors import one_line
+from lmtune.errors import UserError, one_line
 
 # Other data sets' names for a prompt and its completion, to suggest a --field-map.
 PROMPT_NAMES = ("question", "query", "input", "prompt_text", "problem", "source")
 COMPLETION_NAMES = ("answer", "response", "output", "target", "completion_text", "solution", "reply")
+
+
+def unknown_format(record: Record, found: str, expected: str) -> UserError:
+    """A record of no format: the --field-map that would read it, or where its records are (a JSON
+    object holding them in a list under one key, as load_dataset's ``field="data"`` reads)."""
+    lists = [n for n, v in record.fields.items() if _records(v) and not _turn_list(v)]
+    if len(record.fields) == 1 and lists:
+        key = lists[0]
+        return UserError(
+            f"{record.where}: the records sit in the list under {key!r} (the layout load_dataset reads "
+            f"with field={key!r}); lmtune reads a JSON list of records, or one record a line: give the "
+            f"list itself (such as jq -c '.{key}[]' FILE > FILE.jsonl)"
+        )
+    return UserError(
+        f"{record.where}: cannot tell the format (fields found: {found}; expected: {expected}; name other "
+        f"fields with --field-map OURS=THEIRS{suggested_map(record)})"
+    )
+
+
+def _records(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) for m in value)
 
 
 def suggested_map(record: Record) -> str:
@@ -45,8 +66,7 @@ def suggested_map(record: Record) -> str:
 
 def _turn_list(value: Any) -> bool:
     """A list of chat turns: objects with a role or a speaker (records under another key are not)."""
-    turns = isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) for m in value)
-    return turns and all({"role", "from", "content", "value"} & set(m) for m in value)
+    return _records(value) and all({"role", "from", "content", "value"} & set(m) for m in value)
 
 
 # Other preference data sets' names for the prompt (Axolotl's chatml.intel: question; Alpaca-like

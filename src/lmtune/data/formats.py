@@ -13,7 +13,7 @@ from typing import Any
 
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import check_chat_template, render_chat
-from lmtune.data.field_hints import suggested_map, suggested_roles
+from lmtune.data.field_hints import suggested_roles, unknown_format
 from lmtune.data.sources import Record
 from lmtune.errors import SettingError, UserError, brief
 
@@ -218,10 +218,7 @@ def render(
     record = names.record(record)
     chosen = detect_format(record.fields) if fmt == "auto" else fmt
     if chosen is None:
-        raise UserError(
-            f"{record.where}: cannot tell the format (fields found: {names.found(record.fields)}; expected: "
-            f"{_expected(names)}; name other fields with --field-map OURS=THEIRS{suggested_map(record)})"
-        )
+        raise unknown_format(record, names.found(record.fields), _expected(names))
     if chosen == "preference":
         raise UserError(
             f"{record.where}: a preference pair (prompt, chosen, rejected) is not a single example; "

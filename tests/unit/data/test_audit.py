@@ -48,9 +48,28 @@ def test_audit_reports_everything_and_fails_on_bad_lines(
     assert "no trainable tokens 1" in out
     assert "EOS keeps its label NO: 3 of 4 kept examples" in out  # the long text lost its EOS
     assert "1 lost their end to --max-length 64" in out
-    assert "unusable as it is (exit code 2): 1 bad line would stop training" in out
+    assert "(exit code 2): 1 bad line would stop training (--skip-bad-lines skips them)" in out
     assert "rank imbalance      2 ranks" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_data_of_no_record_lmtune_reads_says_where_the_records_are(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """HF's {"data": [...]} layout was told to use --field-map, which cannot read it; lines that are
+    all bad were told to skip them, which leaves nothing."""
+    nested = tmp_path / "nested.json"
+    nested.write_text(json.dumps({"data": [{"prompt": "1+1=", "completion": "2"}] * 4}))
+    assert main(["data", "audit", str(nested)]) == 2
+    out = capsys.readouterr().out
+    assert f"{nested}:1: the records sit in the list under 'data' (the layout load_dataset reads" in out
+    assert "--field-map" not in out
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    assert main(["data", "audit", str(wrong)]) == 2
+    out = capsys.readouterr().out
+    assert "such as prompt=question,completion=answer" in out
+    assert "1 bad line would stop training (above: what they need)" in out and "--skip-bad-lines" not in out
 
 
 def test_clean_data_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
