@@ -120,7 +120,10 @@ def _decoded_lines(path: str, bad: BadLines) -> Iterator[tuple[int, str]]:
             try:
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                bad.report(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line)")
+                # A compressed file under a plain name (gzip's, xz's, bzip2's magic bytes).
+                packed = lineno == 1 and raw.startswith((b"\x1f\x8b", b"\xfd7zXZ", b"BZh"))
+                hint = ": it is compressed; name it by its compression (.gz, .xz, .bz2)" if packed else ""
+                bad.report(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line){hint}")
 
 
 # A JSON escape of a UTF-16 surrogate; only when one is present can a parsed string hold a lone one.

@@ -70,9 +70,11 @@ def shown_records(
             continue
         yield _block(record, kept[0] if kept else None, stats, tokenizer, settings, marks, tokens)
     yield from _passed_over(bad, said, label)
+    if not number:  # no --start reaches into an empty file: it was named when none was given
+        raise UserError(f"lmtune data show: {spec} holds no records (empty)")
     if number < start:
-        held = f"holds {number} record{'s' * (number != 1)}" if number else "holds no records"
-        raise UserError(f"lmtune data show: --start {start}: {spec} {held}")
+        held = f"{number} record{'s' * (number != 1)}"
+        raise UserError(f"lmtune data show: --start {start}: {spec} holds {held}")
 
 
 def _bad_label(skipped: bool) -> str:

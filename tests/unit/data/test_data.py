@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 from pathlib import Path
@@ -292,7 +293,11 @@ def test_a_model_folder_given_as_data_is_named_as_such(tmp_path: Path, weights: 
             r"d\.jsonl:2: cannot tell the format \(fields found: 'body', 'id'",
         ),
         (b'{"text": 5}\n', r"d\.jsonl:1: record has a non-string \(int\) 'text' field"),
-        (b'{"text": "ok"}\n{"text": "\xff\xfe"}\n', r"d\.jsonl:2: not valid UTF-8"),
+        (b'{"text": "ok"}\n{"text": "\xff\xfe"}\n', r"d\.jsonl:2: not valid UTF-8 \(byte 11 of the line\)$"),
+        (  # gzip's bytes under a plain name
+            gzip.compress(b'{"text": "ok"}\n'),
+            r"d\.jsonl:1: not valid UTF-8 \(byte 2 of the line\): it is compressed; name it by its",
+        ),
         (b"[1, 2]\n", r"d\.jsonl:1: expected a JSON object"),
         (
             b'{"messages": [{"role": "bot", "content": "x"}]}\n',
