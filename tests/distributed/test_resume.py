@@ -21,7 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lmtune.tools.report import _summary, load_run
+from lmtune.tools.recorded import load_run
+from lmtune.tools.report import _summary
 from tests.conftest import (
     child_pids,
     free_port,

@@ -197,16 +197,20 @@ def test_runs_of_one_folder_name_are_told_apart_and_a_foreign_metrics_file_is_no
 ) -> None:
     """runs/mix and other/mix were both "mix" in every legend and table; a folder whose
     metrics.jsonl is another program's was reported as an lmtune run that stopped."""
-    from lmtune.tools.report import _named_apart, load_run
+    from lmtune.tools.recorded import load_run, named_apart
 
     for parent in ("runs", "other"):
         argv = ["train", "--max-steps", "1", "--no-progress", "--output-dir", str(tmp_path / parent / "mix")]
         assert main(argv) == 0
-    runs = _named_apart([load_run(tmp_path / p / "mix") for p in ("runs", "other")])
+    runs = named_apart([load_run(tmp_path / p / "mix") for p in ("runs", "other")])
     assert [r.name for r in runs] == ["runs/mix", "other/mix"]
     both = [str(tmp_path / "runs" / "mix"), str(tmp_path / "other" / "mix")]
     assert main(["report", *both, "--out", str(tmp_path / "both.html")]) == 0
-    assert "runs/mix" in (tmp_path / "both.html").read_text()
+    page = (tmp_path / "both.html").read_text()
+    assert "runs/mix" in page
+    # The settings lmtune chose are shown as chosen: the lr read "null" where the run trained at 0.001.
+    lr = json.loads((tmp_path / "runs" / "mix" / "run.json").read_text())["resolved"]["lr"]
+    assert f"&quot;lr&quot;: {lr}," in page and "&quot;lr&quot;: null" not in page
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "metrics.jsonl").write_text('{"a": 1}\n{"b": 2}\n')
@@ -273,7 +277,8 @@ def test_report_tells_a_killed_run_from_a_running_one(tmp_path: Path) -> None:
 
     from lmtune.checkpoint.layout import LOCK_FILE
     from lmtune.checkpoint.lock import lock_status
-    from lmtune.tools.report import _summary, load_run
+    from lmtune.tools.recorded import load_run
+    from lmtune.tools.report import _summary
 
     out = tmp_path / "killed"
     out.mkdir()
@@ -327,7 +332,8 @@ def test_report_tells_a_killed_run_from_a_running_one(tmp_path: Path) -> None:
 def test_report_says_which_settings_a_resume_changed(tmp_path: Path) -> None:
     """The configuration shown is the last attempt's: the steps before a resume that changed --lr
     ran with the earlier value, and the summary says so (a hostile entry is left out)."""
-    from lmtune.tools.report import _summary, build_html, load_run
+    from lmtune.tools.recorded import load_run
+    from lmtune.tools.report import _summary, build_html
 
     out = tmp_path / "run"
     out.mkdir()

@@ -443,7 +443,8 @@ def test_a_resume_past_max_steps_trains_nothing_and_records_no_loss(
     card = (tmp_path / "again" / "final" / "README.md").read_text()
     assert "train loss" not in card and "2 of 1" not in card
     assert "2 (its checkpoint was past the 1 this run planned: nothing more was trained)" in card
-    from lmtune.tools.report import _summary, load_run
+    from lmtune.tools.recorded import load_run
+    from lmtune.tools.report import _summary
 
     assert _summary(load_run(tmp_path / "again"))["steps"].startswith("2 (its checkpoint was past the 1 ")
     # It saved its state in its own folder: a longer run continues there (it found no checkpoint).
