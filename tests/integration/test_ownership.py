@@ -227,7 +227,7 @@ def test_an_export_into_a_folder_you_cannot_write_is_refused(
         done = subprocess.run([*drop, sys.executable, "-m", "lmtune", *argv], capture_output=True, text=True)
         code, said = done.returncode, done.stderr
     assert code == 2 and not any(locked.iterdir())
-    assert f"{locked}: not writable by you; make it writable (chmod u+w)" in said
+    assert f"{locked}: not writable by you (its permissions, or a read-only file system)" in said
 
 
 def test_saved_weights_are_as_readable_as_the_files_beside_them(run: Path, tmp_path: Path) -> None:

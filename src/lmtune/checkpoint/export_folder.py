@@ -52,10 +52,6 @@ def check_destination(checkpoint: Path, out: Path, overwrite: bool) -> None:
         return
     if not dest.is_dir():
         raise UserError(f"{where}: exists and is not a folder")
-    if not os.access(dest, os.W_OK):  # swapped in, it would hold files you could not remove
-        raise UserError(
-            f"{where}: not writable by you; make it writable (chmod u+w) or choose another folder"
-        )
     # Written beside and renamed into place: a mount point cannot be renamed, and the working
     # folder would be left behind, deleted, under the shell that ran the export.
     here = Path.cwd().resolve()
@@ -65,6 +61,11 @@ def check_destination(checkpoint: Path, out: Path, overwrite: bool) -> None:
         raise UserError(
             f"{where}: {what}; an export is written beside its folder and renamed into place, so "
             f"give a folder inside it ({dest / 'model'})"
+        )
+    if not os.access(dest, os.W_OK):  # swapped in, it would hold files you could not remove
+        raise UserError(
+            f"{where}: not writable by you (its permissions, or a read-only file system); choose "
+            "another folder"
         )
     if not any(dest.iterdir()):
         return
