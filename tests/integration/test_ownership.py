@@ -580,9 +580,15 @@ def test_named_output_files_replace_only_what_lmtune_wrote(
     assert "a symbolic link" in _error([*report[:3], str(link)], capsys)
     # A run's own entries are not for other files: a checkpoint would fail its manifest.
     inside = run / "checkpoints" / "step-000002" / "r.html"
-    assert "lies inside the run folder" in _error([*report[:3], str(inside)], capsys)
-    assert "lies inside the run folder" in _error([*report[:5], str(run / "final" / "png")], capsys)
+    said = _error([*report[:3], str(inside)], capsys)
+    assert f"lies inside {run.resolve() / 'checkpoints'}, which the run in {run.resolve()} wrote" in said
+    said = _error([*report[:5], str(run / "final" / "png")], capsys)
+    assert f"lies inside {run.resolve() / 'final'}, which the run" in said
     assert not inside.exists() and not (run / "final" / "png").exists()
+    # A folder of one's own beside the run's entries is not the run's (RUN/report.html was taken
+    # and RUN/plots/report.html refused), as for --output-dir.
+    assert main([*report[:3], str(run / "plots" / "r.html")]) == 0
+    shutil.rmtree(run / "plots")
     assert "name a .html or .htm file" in _error([*report[:3], str(tmp_path / "r.png")], capsys)
     table = tmp_path / "table.json"
     for command, content in [

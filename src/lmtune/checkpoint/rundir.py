@@ -261,6 +261,19 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def run_entry_holding(path: Path) -> Path | None:
+    """The entry of a run (its final/, checkpoints/, records, lock) that holds or is ``path``
+    (resolved), or None: a folder of one's own beside a run's entries is not the run's."""
+    run = enclosing_run(path.parent) if path != path.parent else None
+    if (
+        run is None
+        or path == run
+        or path.relative_to(run).parts[0] not in (*RUN_FILES, "final.tmp", LOCK_FILE)
+    ):
+        return None
+    return run / path.relative_to(run).parts[0]
+
+
 def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) -> None:
     """Refuse an output folder that would destroy or read back what the run reads, or another run's,
     before anything is written: ``/``; a folder inside another run's entries (its checkpoints or
@@ -275,11 +288,9 @@ def check_output_dir(output_dir: Path, inputs: dict[str, str], overwrite: bool) 
         raise UserError(f"--output-dir {output_dir}: the root folder; choose a folder of its own")
     # A run's checkpoint or final/ is that run's, never a new run's folder; a folder of its own
     # beside them is not the run's (a run in the working folder left the runs below it theirs).
-    run = enclosing_run(out.parent) if out != out.parent else None
-    if run is not None and out.relative_to(run).parts[0] in (*RUN_FILES, "final.tmp", LOCK_FILE):
-        entry = run / out.relative_to(run).parts[0]
+    if (entry := run_entry_holding(out)) is not None:
         raise UserError(
-            f"--output-dir {output_dir} lies inside {entry}, which the run in {run} wrote; "
+            f"--output-dir {output_dir} lies inside {entry}, which the run in {entry.parent} wrote; "
             "choose a folder outside it"
         )
     home = Path.home().resolve()

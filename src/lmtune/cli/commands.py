@@ -49,13 +49,14 @@ def _write_json(out: Path | None, text: str) -> None:
 
 def _outside_run_entries(folder: Path, option: str, given: str) -> None:
     """Refuse a folder inside a run's checkpoints, final model or other entries: a file there would
-    make a checkpoint fail its manifest, or a final folder refuse to be replaced."""
-    from lmtune.checkpoint.layout import enclosing_run
+    make a checkpoint fail its manifest, or a final folder refuse to be replaced. A folder of its
+    own beside them (RUN/plots) is not the run's, as for --output-dir."""
+    from lmtune.checkpoint.rundir import run_entry_holding
 
-    run = enclosing_run(folder.resolve())
-    if run is not None and run != folder.resolve():
+    if (entry := run_entry_holding(folder.resolve())) is not None:
         raise UserError(
-            f"{option} {given}: lies inside the run folder {run}, among its own files; choose another folder"
+            f"{option} {given}: lies inside {entry}, which the run in {entry.parent} wrote; choose another "
+            "folder"
         )
 
 
