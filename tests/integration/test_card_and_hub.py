@@ -218,6 +218,11 @@ def test_full_model_card_export_card_and_lmtune_push(
     checkpoint = out / "checkpoints" / "step-000001"
     assert main(["push", str(checkpoint), REPO_ID]) == 2
     assert f"{checkpoint}: a training checkpoint; export it first" in capsys.readouterr().err
+    assert main(["push", str(out), REPO_ID]) == 2
+    assert (
+        f"(no config.json or adapter_config.json); a run folder: push its final model, {final}"
+        in capsys.readouterr().err
+    )
     (exported / "README.md").write_text("# mine\n")
     with fake_hub() as api:
         assert main(["push", str(exported), REPO_ID, "--private"]) == 0

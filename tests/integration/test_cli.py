@@ -445,6 +445,9 @@ def test_bench_that_can_run_nothing_here_is_refused_before_anything_is_said_or_w
     assert not (tmp_path / "bench.json").exists() and "results go to" not in said.out
     assert main(["bench", "--strategies", "foo"]) == 2
     assert "results go to" not in capsys.readouterr().out
+    (tmp_path / "bench.json").write_text('{"mine": 1}')  # the bad value is named before this file
+    assert main(["bench", "--strategies", "foo"]) == 2
+    assert "--strategies: unknown strategy 'foo'" in capsys.readouterr().err
 
 
 def test_a_prompt_that_names_a_file_is_warned_of_and_prompt_file_is_answered(

@@ -23,11 +23,11 @@ from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS
 from lmtune.data.sources import EXTENSIONS, data_suffix
 from lmtune.model.lora import ADAPTER_CONFIG
 from lmtune.model.modeling import PRESETS
+from lmtune.outputs.hub import CARD_FILE
 
 if TYPE_CHECKING:
     from lmtune.checkpoint.fingerprint import Fingerprint
 
-CARD_FILE = "README.md"
 RUN_FILE = "run.json"
 # The first line of the body: what marks a card as lmtune's own (to be rewritten, never a user's).
 MARKER = "<!-- model card written by lmtune; it is rewritten when lmtune writes this folder again -->"

@@ -167,14 +167,14 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print("\n".join(measure_peaks(args.precisions.split(","), args.nproc_per_node, args.device)))
         return 0
 
+    strategies, precisions = args.strategies.split(","), args.precisions.split(",")
+    check_combinations(strategies, precisions, args.nproc_per_node, args.steps, args.warmup)
     # A refusal of the default names it as such: the user typed no --json.
     out = (
         _json_output(args.json, "bench")
         if args.json
         else _output_file("bench.json", "the default --json", "bench")
     )
-    strategies, precisions = args.strategies.split(","), args.precisions.split(",")
-    check_combinations(strategies, precisions, args.nproc_per_node, args.steps, args.warmup)
     if not args.json:  # said before the minutes of runs, not only after them
         print("lmtune bench: results go to bench.json (--json PATH, or - for standard output)", flush=True)
     rows = run_bench(
@@ -272,55 +272,6 @@ def _evaluated_data(cfg: TrainConfig, named: bool) -> tuple[TrainConfig, float |
     )
 
 
-def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from pathlib import Path
-
-    from lmtune.checkpoint.export import export
-    from lmtune.errors import UserError
-
-    for given, name in ((args.checkpoint, "CHECKPOINT"), (args.out, "DIR")):
-        if not given.strip():  # Path("") is the working folder
-            raise UserError(f"lmtune export: {name} is empty; give a folder")
-    export(Path(args.checkpoint), Path(args.out), args.trust_remote_code, args.overwrite, args.merge_lora)
-    print(f"wrote {args.out}")
-    return 0
-
-
-def push(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from pathlib import Path
-
-    from lmtune.checkpoint.card import lmtunes_card, model_card, run_record_near
-    from lmtune.checkpoint.layout import lmtune_wrote
-    from lmtune.outputs.hub import check_push, push_folder
-
-    folder = Path(args.folder)
-    if not ((folder / "config.json").is_file() or (folder / "adapter_config.json").is_file()):
-        raise UserError(f"{folder}: not a model folder (no config.json or adapter_config.json)")
-    if lmtune_wrote(folder):  # its optimizer state, RNG and manifest are no model repo's
-        raise UserError(
-            f"{folder}: a training checkpoint; export it first (lmtune export {folder} DIR), then push DIR"
-        )
-    check_push(args.repo_id, option="lmtune push")
-    card = None  # the folder's own README.md, pushed as it is
-    if lmtunes_card(folder):
-        card = model_card(folder, run_record_near(folder), repo_id=args.repo_id)
-    else:
-        print(f"{folder}/README.md was not written by lmtune: pushed as it is")
-    try:
-        url = push_folder(
-            folder,
-            args.repo_id,
-            private=args.private,
-            message=args.message or f"Upload {folder.name} (lmtune)",
-            card=card,
-        )
-    except Exception as e:  # huggingface_hub's: credentials, network, quota
-        said = " ".join(str(e).split())[:300] or type(e).__name__
-        raise UserError(f"pushing {folder} to {args.repo_id} failed ({type(e).__name__}: {said})") from None
-    print(f"pushed {folder} to {url}")
-    return 0
-
-
 def doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.config.settings import parse_nnodes
     from lmtune.config.validate import check_settings
@@ -392,7 +343,7 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if folder is not None:
         removed = _write_pngs(folder, pngs, empty)
         print(
-            f"wrote {len(pngs)} PNG files to {args.png}"
+            f"wrote {len(pngs)} PNG file{'s' if len(pngs) != 1 else ''} to {args.png}"
             + (f" (removed {removed}: no data now)" if removed else "")
         )
     return 0

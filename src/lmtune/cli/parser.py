@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lmtune.cli import commands, generation
+from lmtune.cli import commands, generation, publishing
 from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 
 # A setting a command needs given (on the command line or in its --config file), as its help says.
@@ -204,7 +204,12 @@ def _bench_parser(sub: Any) -> None:
         "--nproc-per-node", type=int, default=2, help="processes for ddp and fsdp (default: 2)"
     )
     bench.add_argument("--steps", type=int, default=20, help="timed steps (default: 20)")
-    bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
+    bench.add_argument(
+        "--warmup",
+        type=int,
+        default=5,
+        help="untimed steps first, at least 1: the first step's start-up is never timed (default: 5)",
+    )
     # The run itself: a train --config file, and the few settings most often varied, as in train.
     _add_train_options(
         bench,
@@ -310,7 +315,7 @@ def _export_parser(sub: Any) -> None:
         action="store_true",
         help="replace DIR when it holds an earlier export (any other non-empty folder is refused)",
     )
-    exp.set_defaults(run=commands.export)
+    exp.set_defaults(run=publishing.export)
 
 
 def _push_parser(sub: Any) -> None:
@@ -326,7 +331,7 @@ def _push_parser(sub: Any) -> None:
     push.add_argument("repo_id", metavar="REPO_ID", help="hub repo, user/name or org/name")
     push.add_argument("--private", "--hub-private", action="store_true", help="create the repo private")
     push.add_argument("--message", default=None, help="commit message (default: Upload FOLDER (lmtune))")
-    push.set_defaults(run=commands.push)
+    push.set_defaults(run=publishing.push)
 
 
 def _doctor_parser(sub: Any) -> None:

@@ -99,8 +99,13 @@ def as_arguments(option: str, parser: Any) -> str:
     """How ``parser``'s command takes ``option``'s values instead, as its arguments (data audit's
     files, report's output folders), or ""."""
     key = canonical(option.split("=", 1)[0])
-    takes = {canonical(x.dest): x.metavar for x in parser._actions if not x.option_strings}
-    return f" (give it as arguments: {parser.prog} {takes[key]} ...)" if key in takes else ""
+    positional = [x for x in parser._actions if not x.option_strings]
+    if key not in {canonical(x.dest) for x in positional}:
+        return ""
+    # All of them, in order: export's --out is its second (CHECKPOINT DIR), not its first.
+    names = [(x.metavar or x.dest.upper()) + (" ..." if x.nargs in ("*", "+") else "") for x in positional]
+    usage = " ".join(names)
+    return f" (give it as arguments: {parser.prog} {usage})"
 
 
 def explain_unknown(

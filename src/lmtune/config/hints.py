@@ -250,8 +250,9 @@ IN_COMMAND: dict[str, dict[str, str]] = {
     },
     "eval": {
         "eval_split": (
-            "lmtune eval scores DATA whole; the examples a run's --eval-split held out are scored by "
-            "giving that run's --config file (its data and eval_split) instead of DATA"
+            "lmtune eval scores DATA whole; to score the examples a run's --eval-split held out, give "
+            "a --config file with the run's data and eval_split (and its example settings) instead of "
+            "DATA: it holds out the same ones"
         ),
     },
 }

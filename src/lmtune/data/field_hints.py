@@ -19,8 +19,8 @@ def unknown_format(record: Record, found: str, expected: str) -> UserError:
     """A record of no format: the --field-map that would read it, or where its records are (a JSON
     object holding them in a list under one key, as load_dataset's ``field="data"`` reads)."""
     lists = [n for n, v in record.fields.items() if _records(v) and not _turn_list(v)]
-    if len(record.fields) == 1 and lists:
-        key = lists[0]
+    if len(lists) == 1 and not any(isinstance(v, list) for n, v in record.fields.items() if n != lists[0]):
+        key = lists[0]  # {"rows": [...], "version": 1}: one list of records, the rest its metadata
         return UserError(
             f"{record.where}: the records sit in the list under {key!r} (the layout load_dataset reads "
             f"with field={key!r}); lmtune reads a JSON list of records, or one record a line: give the "

@@ -120,10 +120,14 @@ def _decoded_lines(path: str, bad: BadLines) -> Iterator[tuple[int, str]]:
             try:
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                # A compressed file under a plain name (gzip's, xz's, bzip2's magic bytes).
-                packed = lineno == 1 and raw.startswith((b"\x1f\x8b", b"\xfd7zXZ", b"BZh"))
-                hint = ": it is compressed; name it by its compression (.gz, .xz, .bz2)" if packed else ""
+                hint = _compressed(raw) if lineno == 1 else ""
                 bad.report(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line){hint}")
+
+
+def _compressed(head: bytes) -> str:
+    """What to say of a file under a plain name that starts as gzip, xz or bzip2 files do."""
+    packed = head.startswith((b"\x1f\x8b", b"\xfd7zXZ", b"BZh"))
+    return ": it is compressed; name it by its compression (.gz, .xz, .bz2)" if packed else ""
 
 
 # A JSON escape of a UTF-16 surrogate; only when one is present can a parsed string hold a lone one.
@@ -177,11 +181,12 @@ def _jsonl(path: str, bad: BadLines) -> Iterator[Record]:
 
 
 def _json(path: str, bad: BadLines) -> Iterator[Record]:
+    with _opened(path) as f:
+        data = f.read()
     try:
-        with _opened(path) as f:
-            text = f.read().decode("utf-8-sig")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
-        raise UserError(f"{path}: not valid UTF-8") from None
+        raise UserError(f"{path}: not valid UTF-8{_compressed(data)}") from None
     first = next((line for line in text.splitlines() if line.strip()), "")
     if first.lstrip().startswith("{") and _one_object(first):  # JSON Lines named .json, as HF reads it
         yield from _jsonl(path, bad)

@@ -428,7 +428,7 @@ def _adapter_base(name: str) -> str | None:
             f"{merged}, beside it"
             if (merged / "config.json").is_file()
             else f"`lmtune export {name} DIR --merge-lora` writes it"
-            if (path / "manifest.json").is_file()  # a checkpoint: its run's record rebuilds the base
+            if (path / "manifest.json").is_file() and (path.parent.parent / "run.json").is_file()
             else "`lmtune export RUN/checkpoints/step-N DIR --merge-lora` writes it for a finished run "
             "(training with --merge-lora writes final/merged)"
         )

@@ -21,6 +21,7 @@ from lmtune.parallel.launch import warn
 # What a run's final/ holds that is not its own model: the merged model (pushed on its own), and
 # lmtune's records of the files it wrote (final/'s, an export's: lmtune.checkpoint.owned).
 NOT_PUSHED = ["merged/*", "merged/**", ".lmtune-*"]
+CARD_FILE = "README.md"  # where the hub, and so every model folder, keeps its model card
 
 
 def check_push(repo_id: str, option: str = "--push-to-hub") -> None:
@@ -53,8 +54,6 @@ def push_folder(folder: Path, repo_id: str, *, private: bool, message: str, card
     lmtune's records then called changed); returns the repo's address. huggingface_hub's errors
     pass through."""
     from huggingface_hub import HfApi
-
-    from lmtune.checkpoint.card import CARD_FILE
 
     api = HfApi()
     with quiet_calls():

@@ -389,7 +389,8 @@ def test_a_train_setting_another_command_does_not_take_says_so(capsys: pytest.Ca
             ["generate", "--model", "m", "--max_length", "9"],
             "--max-length: --max-new-tokens N caps",
         ),
-        (["eval", "d.jsonl", "--eval-split", "20"], "lmtune eval scores DATA whole; the examples a run's"),
+        (["eval", "d.jsonl", "--eval-split", "20"], "lmtune eval scores DATA whole; to score the examples"),
+        (["export", "ckpt", "d", "--out", "x"], "(give it as arguments: lmtune export CHECKPOINT DIR)"),
     ],
 )
 def test_a_name_another_command_means_otherwise_is_answered_there(

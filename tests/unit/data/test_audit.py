@@ -64,6 +64,9 @@ def test_data_of_no_record_lmtune_reads_says_where_the_records_are(
     out = capsys.readouterr().out
     assert f"{nested}:1: the records sit in the list under 'data' (the layout load_dataset reads" in out
     assert "--field-map" not in out
+    nested.write_text(json.dumps({"rows": [{"text": "a"}] * 4, "version": 1}))  # beside metadata
+    assert main(["data", "audit", str(nested)]) == 2
+    assert "the records sit in the list under 'rows'" in capsys.readouterr().out
     wrong = tmp_path / "wrong.jsonl"
     wrong.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
     assert main(["data", "audit", str(wrong)]) == 2

@@ -314,6 +314,13 @@ def test_bad_records_name_file_and_line(tmp_path: Path, content: bytes, message:
         encode_in_memory(recs, byte_tokenizer(), ExampleSettings())
 
 
+def test_a_compressed_json_file_under_a_plain_name_says_so(tmp_path: Path) -> None:
+    f = tmp_path / "d.json"
+    f.write_bytes(gzip.compress(b'[{"text": "ok"}]'))
+    with pytest.raises(UserError, match=r"d\.json: not valid UTF-8: it is compressed; name it by its"):
+        list(records(resolve_sources(str(f)), ExampleSettings(), BadLines(skip=False)))
+
+
 def test_a_csv_row_with_more_or_fewer_fields_than_its_header_is_a_bad_line(tmp_path: Path) -> None:
     """An unquoted comma would otherwise cut the completion at it, silently."""
     f = tmp_path / "d.csv"

@@ -182,7 +182,7 @@ def test_a_missing_mapped_field_names_both_names() -> None:
         ({"Prompt": "q", "Completion": "a"}, "such as prompt=Prompt,completion=Completion)"),
         ({"txt": "hello"}, "such as text=txt)"),
         ({"dialog": [{"role": "user", "content": "a"}]}, "such as messages=dialog)"),
-        ({"data": [{"prompt": "a", "completion": "b"}], "n": 1}, None),  # records under a key, not turns
+        ({"data": [{"prompt": "a"}], "more": [{"completion": "b"}]}, None),  # records under keys, not turns
     ],
 )
 def test_unknown_fields_get_a_field_map_suggestion(row: dict[str, Any], suggestion: str | None) -> None:
