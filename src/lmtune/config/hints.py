@@ -245,6 +245,7 @@ IN_COMMAND: dict[str, dict[str, str]] = {
     },
     "generate": {
         "max_length": "--max-new-tokens N caps the reply's tokens (the prompt's are not counted)",
+        "do_sample": "--temperature T above 0 samples; 0, the default, decodes greedily",
         "prompt_file": _PROMPT_FILE,
         "prompts": _PROMPT_FILE,
     },

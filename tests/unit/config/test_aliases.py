@@ -391,6 +391,7 @@ def test_a_train_setting_another_command_does_not_take_says_so(capsys: pytest.Ca
         ),
         (["eval", "d.jsonl", "--eval-split", "20"], "lmtune eval scores DATA whole; to score the examples"),
         (["export", "ckpt", "d", "--out", "x"], "(give it as arguments: lmtune export CHECKPOINT DIR)"),
+        (["generate", "--model", "m", "--do_sample"], "--do-sample: --temperature T above 0 samples"),
     ],
 )
 def test_a_name_another_command_means_otherwise_is_answered_there(
