@@ -72,7 +72,12 @@ def test_bad_data_line_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFix
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "fine"}\n{"txt": "oops"}\n')
     assert main(["train", "--data", str(data), "--output-dir", str(tmp_path / "o")]) == 2
-    assert f"{data}:2: cannot tell the format" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert f"{data}:2: cannot tell the format" in said
+    # The first bad line stops the run: where the others are found, and how to train without them.
+    assert said.rstrip().endswith(
+        "; lmtune data audit lists every bad line, and --skip-bad-lines passes over them"
+    )
 
 
 def test_too_few_examples_for_one_global_batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -267,7 +267,9 @@ def _build(
 ) -> None:
     """Tokenize ``components`` (one list of every source, or one per source of a mixture) into ``folder``."""
     started = time.perf_counter()
-    bad = BadLines(skip=settings.skip_bad_lines)
+    # The first bad line stops the build: the others are found by the audit, not one run at a time.
+    then = "; lmtune data audit lists every bad line, and --skip-bad-lines passes over them"
+    bad = BadLines(skip=settings.skip_bad_lines, then=then)
     writer = DatasetWriter(folder)
     sources = [s for part in components for s in part]
     workers = build_workers(sources)

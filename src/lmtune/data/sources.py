@@ -57,10 +57,11 @@ class BadLines:
     count: int = 0
     messages: list[str] = field(default_factory=list)
     keep: int = 20
+    then: str = ""  # after the message that stops: what to do (training's: the audit, the skip)
 
     def report(self, message: str) -> None:
         if not self.skip:
-            raise UserError(message)
+            raise UserError(message + self.then)
         self.count += 1
         if len(self.messages) < self.keep:
             self.messages.append(message)
