@@ -265,11 +265,8 @@ def run_entry_holding(path: Path) -> Path | None:
     """The entry of a run (its final/, checkpoints/, records, lock) that holds or is ``path``
     (resolved), or None: a folder of one's own beside a run's entries is not the run's."""
     run = enclosing_run(path.parent) if path != path.parent else None
-    if (
-        run is None
-        or path == run
-        or path.relative_to(run).parts[0] not in (*RUN_FILES, "final.tmp", LOCK_FILE)
-    ):
+    # path lies below run (searched from its parent up), so its first part names the entry.
+    if run is None or path.relative_to(run).parts[0] not in (*RUN_FILES, "final.tmp", LOCK_FILE):
         return None
     return run / path.relative_to(run).parts[0]
 
