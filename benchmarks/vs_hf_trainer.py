@@ -89,9 +89,12 @@ def build_workload(folder: Path, examples: int) -> tuple[Path, Path]:
         eos_token_id=tok.eos_token_id,
         tie_word_embeddings=True,
     )
+    from lmtune.config.verbosity import no_progress_bars
+
     torch.manual_seed(0)
     model_dir = folder / "model"
-    LlamaForCausalLM(config).save_pretrained(model_dir)
+    with no_progress_bars():  # the workload's own save: its bar read as a run's output
+        LlamaForCausalLM(config).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     rng = random.Random(0)
 
