@@ -139,6 +139,23 @@ def test_export_merge_lora_writes_what_train_merged(
     assert said.rstrip().endswith("; export it from its run's folder") and "peft" not in said
 
 
+def test_an_adapter_of_a_preset_is_evaluated_on_the_base_its_run_built(
+    lora_run: tuple[Path, str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lmtune eval --model RUN/final` of a LoRA run on a preset was refused (the adapter names no
+    base): its run.json names the preset and the seed that built it, so it scores what the run
+    evaluated last, as its checkpoint does."""
+    out, _, _ = lora_run
+    run = json.loads((out / "run.json").read_text())
+    data = run["config"]["eval_data"]
+    last = sorted((out / "checkpoints").iterdir())[-1]
+    for model in (out / "final", last):
+        capsys.readouterr()
+        assert main(["eval", data, "--model", str(model), "--json", str(tmp_path / "e.json")]) == 0
+        scored = json.loads((tmp_path / "e.json").read_text())["loss"]
+        assert scored == pytest.approx(run["result"]["eval"]["loss"], abs=1e-6), model
+
+
 def test_the_cards_code_runs(lora_run: tuple[Path, str, Any]) -> None:
     out, _, _ = lora_run
     folder = out / "final" / "merged"

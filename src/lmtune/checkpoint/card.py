@@ -370,8 +370,9 @@ def _usage(where: str, adapter: bool, preset_base: bool, config: dict[str, Any],
     if preset_base:
         return [
             f"The adapter's base is lmtune's built-in preset `{config.get('model')}`, which only lmtune "
-            "builds: load the merged model (a run's `--merge-lora` writes it to final/merged/; "
-            "`lmtune export CHECKPOINT DIR --merge-lora` merges a checkpoint's adapter)."
+            "builds (`lmtune generate` and `lmtune eval` load this folder in its run's folder): elsewhere, "
+            "load the merged model (a run's `--merge-lora` writes it to final/merged/; `lmtune export "
+            "CHECKPOINT DIR --merge-lora` merges a checkpoint's adapter)."
         ]
     load = (
         [

@@ -16,7 +16,7 @@ from lmtune.config.verbosity import no_progress_bars
 from lmtune.errors import UserError, brief
 from lmtune.model.architecture import check_causal, complete, load_error, reason
 from lmtune.model.configs import CONFIG_BYTES, check_config, check_folder
-from lmtune.model.names import looks_like_path, near_folder
+from lmtune.model.names import looks_like_path, near_folder, run_preset
 from lmtune.model.quantization import (
     BASE_QUANTIZATION_FILE,
     DTYPE_NAMES,
@@ -258,6 +258,8 @@ def load_model(
                 f"--model {name}: a LoRA adapter folder; {quantization.option} quantizes a full model, so "
                 "give the merged model folder (final/merged) instead"
             )
+        if base in PRESETS and (preset := run_preset(Path(name).expanduser(), PRESETS)) is not None:
+            seed = preset[1]  # a preset's weights are its seed's: the run's, not this command's
         return _merged_adapter(name, base, seed, trust_remote_code, merge_adapter)
     # A quantized base is checked against memory by plan's account of it, not as fp32 weights.
     config = load_config(name, trust_remote_code, fits_memory=quantization is None)
@@ -422,19 +424,19 @@ def _adapter_base(name: str) -> str | None:
         return None
     check_folder(path, f"--model {name}")
     base = read_json_object(path / "adapter_config.json", follow_links=True).get("base_model_name_or_path")
+    if not base and (preset := run_preset(path, PRESETS)) is not None:
+        return preset[0]  # built with the run's seed (load_model)
     if not base:
         merged = path / "merged"
         instead = (
             f"{merged}, beside it"
             if (merged / "config.json").is_file()
-            else f"`lmtune export {name} DIR --merge-lora` writes it"
-            if (path / "manifest.json").is_file() and (path.parent.parent / "run.json").is_file()
             else "`lmtune export RUN/checkpoints/step-N DIR --merge-lora` writes it for a finished run "
             "(training with --merge-lora writes final/merged)"
         )
         raise UserError(
-            f"--model {name}: a LoRA adapter folder that names no base model (trained on a preset); "
-            f"use the merged model instead: {instead}"
+            f"--model {name}: a LoRA adapter folder that names no base model (trained on a preset), "
+            f"away from its run's run.json, which names the preset; use the merged model instead: {instead}"
         )
     if not isinstance(base, str) or "\0" in base:
         raise UserError(f"--model {name}: adapter_config.json's base_model_name_or_path is {brief(base)}")

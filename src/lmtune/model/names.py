@@ -4,6 +4,8 @@ mistyped one (a hub id and a preset are the other readings: lmtune.model.modelin
 from __future__ import annotations
 
 import difflib
+import json
+from collections.abc import Container
 from pathlib import Path
 
 
@@ -23,3 +25,22 @@ def near_folder(parent: Path, rest: str) -> str:
     if not close:
         return ""
     return str(parent / close[0] / tail) if tail else str(parent / close[0])
+
+
+def run_preset(adapter: Path, presets: Container[str]) -> tuple[str, int] | None:
+    """The preset and seed a LoRA adapter that names no base was trained on, from its run's run.json
+    (beside RUN/final, two up from RUN/checkpoints/step-N), or None: a preset's weights are its
+    seed's, so the base is built again as the run built it."""
+    checkpoint = (adapter / "manifest.json").is_file()
+    record = (adapter.parent.parent if checkpoint else adapter.parent) / "run.json"
+    try:
+        run = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    config = run.get("config") if isinstance(run, dict) else None
+    if not isinstance(config, dict) or not config.get("lora"):
+        return None
+    model, seed = config.get("model"), config.get("seed")
+    if not isinstance(model, str) or model not in presets or type(seed) is not int:
+        return None
+    return model, seed

@@ -109,13 +109,12 @@ def test_a_training_checkpoint_given_as_a_model_says_what_it_is(tmp_path: Path) 
     (tmp_path / "adapter_config.json").write_text('{"base_model_name_or_path": null}')
     with pytest.raises(UserError, match=r"a LoRA adapter folder that names no base model .*lmtune export"):
         load_model(str(tmp_path), seed=0)  # away from a run: export cannot rebuild its base either
-    # In its run's folder, export rebuilds the base from run.json: that command, for this checkpoint.
+    # In a run's folder whose run.json names no preset LoRA run, still refused, and said why.
     checkpoint = tmp_path / "run" / "checkpoints" / "step-000002"
     shutil.copytree(tmp_path, checkpoint, ignore=shutil.ignore_patterns("run"))
-    (tmp_path / "run" / "run.json").write_text("{}")
-    with pytest.raises(UserError) as refused:
+    (tmp_path / "run" / "run.json").write_text('{"config": {"model": "tiny", "seed": 3}}')  # no lora
+    with pytest.raises(UserError, match=r"\(trained on a preset\), away from its run's run.json"):
         load_model(str(checkpoint), seed=0)
-    assert str(refused.value).endswith(f"`lmtune export {checkpoint} DIR --merge-lora` writes it")
 
 
 def test_what_is_no_complete_causal_model_is_refused(tmp_path: Path) -> None:
