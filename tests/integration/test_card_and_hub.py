@@ -154,6 +154,12 @@ def test_an_adapter_of_a_preset_is_evaluated_on_the_base_its_run_built(
         assert main(["eval", data, "--model", str(model), "--json", str(tmp_path / "e.json")]) == 0
         scored = json.loads((tmp_path / "e.json").read_text())["loss"]
         assert scored == pytest.approx(run["result"]["eval"]["loss"], abs=1e-6), model
+    # A checkpoint moved into the folder of a run of another seed is not loaded on that run's base.
+    other = tmp_path / "other"
+    shutil.copytree(last, other / "checkpoints" / last.name)
+    (other / "run.json").write_text(json.dumps({**run, "config": {**run["config"], "seed": 7}}))
+    assert main(["eval", data, "--model", str(other / "checkpoints" / last.name)]) == 2
+    assert "away from its run's run.json" in capsys.readouterr().err
 
 
 def test_the_cards_code_runs(lora_run: tuple[Path, str, Any]) -> None:

@@ -43,4 +43,11 @@ def run_preset(adapter: Path, presets: Container[str]) -> tuple[str, int] | None
     model, seed = config.get("model"), config.get("seed")
     if not isinstance(model, str) or model not in presets or type(seed) is not int:
         return None
+    if checkpoint:  # saved under these settings (its fingerprint), not moved into another run's folder
+        try:
+            fixed = json.loads((adapter / "fingerprint.json").read_text(encoding="utf-8")).get("fixed")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(fixed, dict) or (fixed.get("--model"), fixed.get("--seed")) != (model, seed):
+            return None
     return model, seed
