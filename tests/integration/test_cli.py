@@ -475,6 +475,9 @@ def test_a_prompt_that_names_a_file_is_warned_of_and_prompt_file_is_answered(
     assert "--prompt prompts.txt: continuing the text 'prompts.txt', which names a file" in said.err
     assert main(["generate", "--model", "tiny", "--prompt", "1+1=", "--max-new-tokens", "1"]) == 0
     assert "names a file" not in capsys.readouterr().err
+    # A prompt longer than a file name can be is a prompt (checking it as a path raised ENAMETOOLONG).
+    assert main(["generate", "--model", "tiny", "--prompt", "a" * 400, "--max-new-tokens", "1"]) == 0
+    assert capsys.readouterr().out == "a" * 400 + "2\n"
 
 
 def test_generated_control_characters_are_printed_as_escapes(

@@ -20,6 +20,15 @@ def _prompt_from_stdin() -> str:
     return text
 
 
+def _names_a_file(text: str) -> bool:
+    """Whether a --prompt is also a file's name; a prompt longer than a name can be is none (its
+    check raised "File name too long", and the CLI refused the prompt as a path)."""
+    try:
+        return "\n" not in text and Path(text).expanduser().is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def _check_answer_length(loaded: Any, prompt: str | None, new_tokens: int) -> None:
     """A prompt and answer past the model's positions: refused for a learned position table (the
     answer would fail there), a warning otherwise (it never saw positions that far)."""
@@ -65,7 +74,7 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"--device must be auto, cpu or cuda (got {args.device!r})")
     if args.prompt == "-" or (args.prompt is None and not args.chat and not sys.stdin.isatty()):
         args.prompt = _prompt_from_stdin()
-    elif args.prompt is not None and "\n" not in args.prompt and Path(args.prompt).expanduser().is_file():
+    elif args.prompt is not None and _names_a_file(args.prompt):
         from lmtune.parallel.launch import warn
 
         # --prompt prompts.txt continued the text "prompts.txt": a file's text comes on stdin.
