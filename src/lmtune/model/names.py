@@ -4,9 +4,13 @@ mistyped one (a hub id and a preset are the other readings: lmtune.model.modelin
 from __future__ import annotations
 
 import difflib
-import json
 from collections.abc import Container
 from pathlib import Path
+
+from lmtune.config.files import read_json_object
+from lmtune.errors import UserError
+
+RUN_RECORD_BYTES = 64 << 20  # run.json, as the report reads it
 
 
 def looks_like_path(name: str) -> bool:
@@ -33,21 +37,16 @@ def run_preset(adapter: Path, presets: Container[str]) -> tuple[str, int] | None
     seed's, so the base is built again as the run built it."""
     checkpoint = (adapter / "manifest.json").is_file()
     record = (adapter.parent.parent if checkpoint else adapter.parent) / "run.json"
-    try:
-        run = json.loads(record.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    try:  # read as any file of the user's folders: bounded, and a damaged one names no base
+        config = read_json_object(record, limit=RUN_RECORD_BYTES, follow_links=True).get("config")
+        fixed = read_json_object(adapter / "fingerprint.json").get("fixed") if checkpoint else None
+    except (OSError, UserError):
         return None
-    config = run.get("config") if isinstance(run, dict) else None
     if not isinstance(config, dict) or not config.get("lora"):
         return None
     model, seed = config.get("model"), config.get("seed")
     if not isinstance(model, str) or model not in presets or type(seed) is not int:
         return None
-    if checkpoint:  # saved under these settings (its fingerprint), not moved into another run's folder
-        try:
-            fixed = json.loads((adapter / "fingerprint.json").read_text(encoding="utf-8")).get("fixed")
-        except (OSError, ValueError, AttributeError):
-            return None
-        if not isinstance(fixed, dict) or (fixed.get("--model"), fixed.get("--seed")) != (model, seed):
-            return None
-    return model, seed
+    # A checkpoint saved under these settings (its fingerprint), not moved into another run's folder.
+    saved = (fixed.get("--model"), fixed.get("--seed")) if isinstance(fixed, dict) else None
+    return None if checkpoint and saved != (model, seed) else (model, seed)
