@@ -459,7 +459,7 @@ def test_a_prompt_that_names_a_file_is_warned_of_and_prompt_file_is_answered(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`--prompt-file prompts.txt` was answered "did you mean --prompt?", and `--prompt prompts.txt`
-    then continued the text "prompts.txt" without a word."""
+    (or `@prompts.txt`) then continued the text "prompts.txt" without a word."""
     import lmtune.model.generate as generate
 
     monkeypatch.chdir(tmp_path)
@@ -473,6 +473,11 @@ def test_a_prompt_that_names_a_file_is_warned_of_and_prompt_file_is_answered(
     said = capsys.readouterr()
     assert said.out == "prompts.txt2\n"
     assert "--prompt prompts.txt: continuing the text 'prompts.txt', which names a file" in said.err
+    # curl's @FILE was continued as the text "@prompts.txt" without a word.
+    assert main(["generate", "--model", "tiny", "--prompt", "@prompts.txt", "--max-new-tokens", "1"]) == 0
+    assert "which names a file; for the file's text: lmtune generate ... < prompts.txt" in (
+        capsys.readouterr().err
+    )
     assert main(["generate", "--model", "tiny", "--prompt", "1+1=", "--max-new-tokens", "1"]) == 0
     assert "names a file" not in capsys.readouterr().err
     # A prompt longer than a file name can be is a prompt (checking it as a path raised ENAMETOOLONG).

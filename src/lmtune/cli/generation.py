@@ -20,13 +20,16 @@ def _prompt_from_stdin() -> str:
     return text
 
 
-def _names_a_file(text: str) -> bool:
-    """Whether a --prompt is also a file's name; a prompt longer than a name can be is none (its
-    check raised "File name too long", and the CLI refused the prompt as a path)."""
-    try:
-        return "\n" not in text and Path(text).expanduser().is_file()
-    except (OSError, ValueError):
-        return False
+def _file_named(text: str) -> str | None:
+    """The file a --prompt names, as itself or as curl's ``@FILE``; a prompt longer than a name can
+    be names none (its check raised "File name too long", and the CLI refused the prompt as a path)."""
+    for name in (text, text[1:]) if text.startswith("@") else (text,):
+        try:
+            if "\n" not in name and Path(name).expanduser().is_file():
+                return name
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _check_answer_length(loaded: Any, prompt: str | None, new_tokens: int) -> None:
@@ -74,13 +77,13 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"--device must be auto, cpu or cuda (got {args.device!r})")
     if args.prompt == "-" or (args.prompt is None and not args.chat and not sys.stdin.isatty()):
         args.prompt = _prompt_from_stdin()
-    elif args.prompt is not None and _names_a_file(args.prompt):
+    elif args.prompt is not None and (named := _file_named(args.prompt)) is not None:
         from lmtune.parallel.launch import warn
 
         # --prompt prompts.txt continued the text "prompts.txt": a file's text comes on stdin.
         warn(
             f"--prompt {args.prompt}: continuing the text {args.prompt!r}, which names a file; for the "
-            f"file's text: lmtune generate ... < {args.prompt}"
+            f"file's text: lmtune generate ... < {named}"
         )
     if args.prompt is None and not args.chat:
         raise UserError("--prompt is needed (or piped input, or --chat, which reads turns from stdin)")
