@@ -246,6 +246,16 @@ def test_full_model_card_export_card_and_lmtune_push(
         f"(no config.json or adapter_config.json); a run folder: push its final model, {final}"
         in capsys.readouterr().err
     )
+    # An export's card is pushed with what export wrote of its run and step (it was made again
+    # from the folder alone: "an unrecorded model", no results), loading from the repo.
+    with fake_hub() as api:
+        assert main(["push", str(exported), REPO_ID]) == 0
+    pushed = api.upload_file.call_args.kwargs["path_or_fileobj"].decode()
+    assert pushed == card.replace(f'"{exported}"', f'"{REPO_ID}"').replace(
+        f"--model {exported}", f"--model {REPO_ID}"
+    ).replace("\n# step1\n", "\n# tiny-chat\n")
+    assert str(exported) not in pushed and "Exported from the checkpoint of step 1" in pushed
+    assert (exported / "README.md").read_text() == card
     (exported / "README.md").write_text("# mine\n")
     with fake_hub() as api:
         assert main(["push", str(exported), REPO_ID, "--private"]) == 0
@@ -337,6 +347,9 @@ def test_a_model_not_tuned_on_conversations_is_not_shown_as_a_chat_model(tmp_pat
     chat = model_card(final, {"config": {"model": "tiny"}, "data": {"train": {"formats": {"messages": 9}}}})
     assert "--chat" in chat and "apply_chat_template" in chat and "## Chat template and stop tokens" in chat
     assert "apply_chat_template" in model_card(final, None)  # no run record: the template says chat
+    spaced = tmp_path / "my runs" / "final"  # its path pasted unquoted was two arguments
+    shutil.copytree(final, spaced)
+    assert f"lmtune generate --model '{spaced}' --chat --prompt" in model_card(spaced, None)
 
 
 def test_the_card_says_what_an_eval_split_held_out(tmp_path: Path) -> None:

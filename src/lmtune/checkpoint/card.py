@@ -10,6 +10,8 @@ write is never replaced.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +70,27 @@ def lmtunes_card(folder: Path) -> bool:
     """Whether ``folder``'s README.md is lmtune's to write: missing, or a card lmtune wrote."""
     path = folder / CARD_FILE
     return not path.is_file() or MARKER in path.read_text(encoding="utf-8", errors="replace")
+
+
+def card_for_repo(folder: Path, repo_id: str) -> str:
+    """The card `lmtune push` uploads for ``folder``, whose README.md is lmtune's: made again from
+    its run's record where the folder is a run's final model; else (an export, away from its run)
+    the folder's own card, loading from ``repo_id`` and titled by it. Made again there, it named
+    "an unrecorded model" and lost what export wrote of the run and its step."""
+    run = run_record_near(folder)
+    path = folder / CARD_FILE
+    if run is not None or not path.is_file():
+        return model_card(folder, run, repo_id=repo_id)
+    text = path.read_text(encoding="utf-8")
+    if found := re.search(r'from_pretrained\("([^"\n]*)"\)', text):
+        here = found.group(1)
+        text = text.replace(f'from_pretrained("{here}")', f'from_pretrained("{repo_id}")')
+        generate = "lmtune generate --model "
+        text = text.replace(generate + shlex.quote(here), generate + shlex.quote(repo_id))
+    title = repo_id.split("/")[-1]
+    return re.sub(
+        rf"^{re.escape(MARKER)}\n# [^\n]*", lambda _: f"{MARKER}\n# {title}", text, count=1, flags=re.M
+    )
 
 
 def run_record_near(folder: Path) -> dict[str, Any] | None:
@@ -406,5 +429,6 @@ def _usage(where: str, adapter: bool, preset_base: bool, config: dict[str, Any],
             "reply = model.generate(inputs, max_new_tokens=64)[0][inputs.shape[1] :]",
         ]
     load.append("print(tokenizer.decode(reply, skip_special_tokens=True))")
-    command = f'lmtune generate --model {where}{" --chat" if chat else ""} --prompt "{prompt}"'
+    # Quoted: a folder's path with a space in it was two arguments when pasted.
+    command = f'lmtune generate --model {shlex.quote(where)}{" --chat" if chat else ""} --prompt "{prompt}"'
     return ["```python", *load, "```", "", "or with lmtune:", "", "```bash", command, "```"]

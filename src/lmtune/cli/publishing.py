@@ -21,7 +21,7 @@ def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def push(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from lmtune.checkpoint.card import lmtunes_card, model_card, run_record_near
+    from lmtune.checkpoint.card import card_for_repo, lmtunes_card
     from lmtune.checkpoint.layout import lmtune_wrote
     from lmtune.outputs.hub import check_push, push_folder
 
@@ -38,7 +38,7 @@ def push(args: argparse.Namespace, argv: Sequence[str]) -> int:
     check_push(args.repo_id, option="lmtune push")
     card = None  # the folder's own README.md, pushed as it is
     if lmtunes_card(folder):
-        card = model_card(folder, run_record_near(folder), repo_id=args.repo_id)
+        card = card_for_repo(folder, args.repo_id)
     else:
         print(f"{folder}/README.md was not written by lmtune: pushed as it is")
     try:
