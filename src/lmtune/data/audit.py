@@ -120,7 +120,7 @@ class AuditReport:
                 + self._at("no_stop", self.stops_lost)
             )
         if s.unread_system:
-            found.append(unread_system_said(s.unread_system, s.where))
+            found.append(unread_system_said(s.unread_system, s.where, s.formats))
         if s.empty_answers:
             found.append(
                 f"{_count(s.empty_answers, 'example')} with an empty or blank answer"

@@ -22,7 +22,7 @@ room, but never below half of ``max_length``, and the answers are cut from the r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -311,12 +311,15 @@ def counted_as(meta: dict[str, Any]) -> str:
     return "pairs" if {"preference", "preference_messages"} & set(meta["formats"]) else "examples"
 
 
-def unread_system_said(count: int, where: dict[str, list[str]]) -> str:
+def unread_system_said(count: int, where: dict[str, list[str]], formats: Iterable[str]) -> str:
     """What the data line and the audit say of records whose system prompt is never rendered."""
+    pairs = counted_as({"formats": formats}) == "pairs"
+    kind = "preference" if pairs else "prompt/completion or instruction"
+    fix = "a prompt of messages, a system turn then the user's" if pairs else "messages with a system turn"
     return (
-        f"{count:,} prompt/completion or instruction record{'s' if count != 1 else ''} with a 'system' field"
+        f"{count:,} {kind} record{'s' if count != 1 else ''} with a 'system' field"
         f"{in_parentheses(first_places(where, 'unread_system', count))}, which that format does not render: "
-        "they train without it (write them as messages with a system turn)"
+        f"they train without it (write them as {fix})"
     )
 
 
@@ -331,15 +334,17 @@ def pair_counts(meta: dict[str, Any]) -> str:
             "trains, so the model learns to say nothing (most often a data error)"
             if blank
             else ""
-        ) + (f"; {unread_system_said(system, meta.get('where', {}))}" if system else "")
+        ) + (f"; {unread_system_said(system, meta.get('where', {}), meta['formats'])}" if system else "")
     cut = (
         f" (pairs: {meta.get('prompts_truncated', 0)} prompts cut from the left, "
         f"{meta.get('answers_truncated', 0)} with answers cut from the right)"
     )
     same, empty = meta.get("identical_pairs", 0), meta.get("empty_answer_pairs", 0)
+    system = meta.get("unread_system", 0)
     return (
         (cut if meta.get("truncated") else "")
         + (f"; {same:,} with the same answer as chosen and rejected (no preference to learn)" if same else "")
         + (f"; {empty:,} with an empty answer (most often a data error)" if empty else "")
         + ("; lmtune data audit lists them" if same or empty else "")
+        + (f"; {unread_system_said(system, meta.get('where', {}), meta['formats'])}" if system else "")
     )

@@ -249,12 +249,19 @@ def _encode_examples(
         if blank_answer(ids, trainable, tokenizer, stops):
             stats.empty_answers += 1
             stats.note("empty_answer", rec.where)
-        system = rec.fields.get("system") if r.format == "prompt_completion" else None
-        if isinstance(system, str) and system.strip():
-            stats.unread_system += 1
-            stats.note("unread_system", rec.where)
+        if r.format == "prompt_completion":
+            _count_unread_system(rec, stats)
         out.append(Encoded(ids, trainable))
     return out, stats
+
+
+def _count_unread_system(record: Record, stats: EncodeStats) -> None:
+    """A 'system' field beside a format that renders none (prompt/completion, instruction and
+    preference records; Intel/orca_dpo_pairs has one) trains without it: counted, to be said."""
+    system = record.fields.get("system")
+    if isinstance(system, str) and system.strip():
+        stats.unread_system += 1
+        stats.note("unread_system", record.where)
 
 
 def blank_answer(ids: np.ndarray, trainable: np.ndarray, tokenizer: Any, stops: Collection[int]) -> bool:
@@ -348,6 +355,7 @@ def encode_pairs(
         stats.answers_truncated += bool(cut and cut.answers_cut)
         stats.identical_pairs += np.array_equal(pair.chosen, pair.rejected)
         stats.empty_answer_pairs += not all(a.strip() for a in answer_texts(record, names))
+        _count_unread_system(record, stats)
         stats.tokens += len(pair.prompt) + len(pair.chosen) + len(pair.rejected)  # as the model runs it
         stats.target_tokens += sum(targets)
         # Anywhere in each answer, as for single examples: chat templates put a newline after the

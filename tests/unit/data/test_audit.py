@@ -327,6 +327,19 @@ def test_a_system_prompt_that_a_prompt_completion_record_never_renders_is_named(
     assert main(["data", "audit", str(f), "--global-batch-size", "1"]) == 1
     said = capsys.readouterr().out
     assert f"1 prompt/completion or instruction record with a 'system' field (at {f}:1), which" in said
+    # Intel/orca_dpo_pairs' records (system, question, chosen, rejected): the same, said of pairs.
+    pairs = [
+        {"system": "Be brief." if i % 2 else "", "question": f"{i}+1=", "chosen": str(i + 1), "rejected": "0"}
+        for i in range(4)
+    ]
+    f.write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    argv = ["data", "audit", str(f), "--field-map", "prompt=question", "--global-batch-size", "2"]
+    assert main(argv) == 1
+    said = capsys.readouterr().out
+    assert (
+        f"2 preference records with a 'system' field (at {f}:2, {f}:4), which that format does not "
+        "render: they train without it (write them as a prompt of messages, a system turn then the user's)"
+    ) in said
 
 
 def test_records_that_repeat_an_earlier_one_are_counted_and_named(
