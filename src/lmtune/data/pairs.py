@@ -115,13 +115,24 @@ def conversation(
                 f"{record.where}: preference record has no 'prompt', and {_no_prompt(chosen, rejected)}"
             )
     for name, answer in (("chosen", chosen), ("rejected", rejected)):
-        _check_answer(record, names.name(name), answer)
+        _check_answer(record, names.name(name), answer, prompt)
     return prompt, chosen, rejected
 
 
-def _check_answer(record: Record, shown: str, answer: list[dict[str, str]]) -> None:
+def _check_answer(
+    record: Record, shown: str, answer: list[dict[str, str]], prompt: list[dict[str, str]]
+) -> None:
     """An answer is the model's: it starts and ends with an assistant turn. A user turn there would
     train the model to write the user's part (TRL renders it as given)."""
+    if prompt and answer[: len(prompt)] == prompt:
+        # A conversion's slip: answers as whole conversations beside the prompt. Mapping the
+        # user's role to the assistant's (the hint below) trained the prompt as the answer.
+        n = len(prompt)
+        raise UserError(
+            f"{record.where}: the '{shown}' answer repeats the prompt's {n} turn{'s' if n != 1 else ''}; an "
+            "answer holds only the reply after the prompt: remove them from both answers, or drop the "
+            "prompt field (the turns both answers start with are then the prompt, as in TRL)"
+        )
     for where, message in (("starts", answer[0]), ("ends", answer[-1])):
         if message["role"] != "assistant":
             raise UserError(

@@ -186,6 +186,19 @@ def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
             },
             "pairs.jsonl:1: the 'chosen' answer starts with a user turn",
         ),
+        (  # answers as whole conversations beside the prompt: the role-mapping hint trained the prompt
+            {
+                "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+                "chosen": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a"},
+                ],
+                "rejected": [{"role": "assistant", "content": "b"}],
+            },
+            "pairs.jsonl:1: the 'chosen' answer repeats the prompt's 2 turns; an answer holds only the reply "
+            "after the prompt: remove them from both answers, or drop the prompt field",
+        ),
         (
             {
                 "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
