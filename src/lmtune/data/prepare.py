@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -183,7 +184,10 @@ def encode_into(
             stats.merge(chunk_stats)
         return stats
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds torch threads
-    with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer, settings)) as pool:
+    with (
+        _main_not_rerun(),
+        ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer, settings)) as pool,
+    ):
         for encoded, chunk_stats, messages in pool.imap(_worker_encode, chunks(recs)):
             check_stop()
             for message in messages:
@@ -191,6 +195,25 @@ def encode_into(
             sink.write(encoded)
             stats.merge(chunk_stats)
     return stats
+
+
+@contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """Spawned workers that do not run the user's script again. Spawn re-imports ``__main__`` in
+    every worker, for functions defined there; lmtune's workers need none, and a script without an
+    ``if __name__ == "__main__":`` guard (the README's Python example) called lmtune.train in each
+    one: the worker failed on the run's lock, the pool started another, without end."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    hidden = {name: main.__dict__.pop(name) for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__spec__ = None  # spawn reads the attribute; absent, and no __file__: nothing to re-import
+    try:
+        yield
+    finally:
+        del main.__spec__
+        main.__dict__.update(hidden)
 
 
 def build_workers(sources: list[Source]) -> int:

@@ -81,6 +81,31 @@ def test_empty_data_is_a_user_error_and_leaves_no_entry(tmp_path: Path) -> None:
     assert "--max-length (now" not in str(e.value)
 
 
+def test_worker_processes_do_not_run_the_users_script_again(tmp_path: Path) -> None:
+    """Spawned workers re-imported ``__main__``: a script without an ``if __name__ ==
+    "__main__":`` guard ran again in each (there lmtune.train failed on the run's lock and the
+    pool started another worker, without end, on data of 16 MiB or more)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import sys\n"
+        "print('SCRIPT BODY', flush=True)\n"
+        "from lmtune.config.groups import ExampleSettings\n"
+        "from lmtune.data.prepare import _ListSink, encode_into\n"
+        "from lmtune.data.sources import BadLines, Record\n"
+        "from lmtune.model.modeling import byte_tokenizer\n"
+        "recs = [Record('mem', i + 1, {'text': f'example {i}'}) for i in range(3000)]\n"
+        "sink = _ListSink()\n"
+        "encode_into(recs, byte_tokenizer(), ExampleSettings(), sink, BadLines(skip=False), workers=2)\n"
+        "print(len(sink.examples), sys.modules['__main__'].__file__ == __file__, __spec__, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["SCRIPT BODY", "3000 True None"]
+
+
 def test_worker_processes_give_the_same_result_and_the_same_errors() -> None:
     from lmtune.data.prepare import _ListSink, encode_into
     from lmtune.data.sources import BadLines, Record
