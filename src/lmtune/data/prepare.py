@@ -207,7 +207,8 @@ def _main_not_rerun() -> Iterator[None]:
     if main is None:
         yield
         return
-    hidden = {name: main.__dict__.pop(name) for name in ("__file__", "__spec__") if name in main.__dict__}
+    names: tuple[str, ...] = ("__file__", "__spec__")
+    hidden = {name: main.__dict__.pop(name) for name in names if name in main.__dict__}
     main.__spec__ = None  # spawn reads the attribute; absent, and no __file__: nothing to re-import
     try:
         yield
