@@ -4,6 +4,7 @@ here they are put together, and the loop's components registered (one line each)
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -21,6 +22,7 @@ from lmtune.checkpoint.rundir import acquire, final_problem, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.data.prepare import cache_root, data_cache_dir
+from lmtune.errors import StoppedBySignal
 from lmtune.model.precision import check_device
 from lmtune.outputs.reporters import open_reporters, parse_report_to
 from lmtune.outputs.runlog import ExampleOrderLog, RunLog, loss_at, read_metrics
@@ -71,7 +73,29 @@ def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
     Raises:
         UserError: for invalid settings, data or paths.
         TrainingStopped: when training cannot go on (a non-finite loss with --on-nan stop).
+        KeyboardInterrupt: from Python (``given`` None), after Ctrl+C stopped the run (its step
+            finished and saved, or before training began): a loop or a notebook cell stops there,
+            as Python's Ctrl+C stops it; it went on to the next run.
     """
+    threads_before = torch.get_num_threads()
+    stop = StopRequest()
+    try:
+        result = _train(cfg, given, stop)
+    except StoppedBySignal as e:
+        if given is None and e.signum == signal.SIGINT:
+            raise KeyboardInterrupt(str(e)) from None
+        raise
+    finally:
+        torch.set_num_threads(threads_before)  # the caller's torch work runs as it did before
+    if given is None and result.stopped_by == "signal" and stop.signum == signal.SIGINT:
+        raise KeyboardInterrupt(
+            f"stopped by Ctrl+C at step {result.steps}, with a checkpoint saved in {result.output_dir}; "
+            "the same call resumes"
+        )
+    return result
+
+
+def _train(cfg: TrainConfig, given: frozenset[str] | None, stop: StopRequest) -> TrainResult:
     env = read_dist_env(checked(cfg).model.device)
     validate(cfg, env.world_size, in_process=True, given=given)
     check_device(cfg.model.precision, env.device)
@@ -89,7 +113,7 @@ def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
             lock,
             process_group(env),
             RunLog(env, output_dir, cfg.logging.progress) as log,
-            StopRequest() as stop,
+            stop,
             said_plainly(cfg, env.device),
         ):
             run = RunContext(

@@ -481,6 +481,54 @@ def test_a_signal_while_the_run_is_built_stops_it_before_any_step(
     assert [r["step"] for r in train_rows(tmp_path / "out")] == [1, 2]
 
 
+def test_ctrl_c_stops_a_python_loop_of_runs_after_saving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From Python, Ctrl+C stopped the run (saved) and lmtune.train returned: a notebook's loop
+    trained the next run whole, and one before the first step raised an Exception, which `except
+    Exception` swallowed. Now KeyboardInterrupt after the save, and the same call resumes; the
+    caller's torch thread count is left as it was."""
+    import os
+    import signal
+
+    import lmtune
+    import lmtune.training.build as build
+
+    original = torch.optim.AdamW.step
+    steps: list[int] = []
+
+    def step(self: torch.optim.AdamW, *args: object, **kwargs: object) -> object:
+        steps.append(1)
+        if len(steps) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    cfg = lmtune.TrainConfig(model="tiny", max_steps=4, output_dir=str(tmp_path / "out"), progress=False)
+    torch.set_num_threads(1)
+    with pytest.raises(
+        KeyboardInterrupt, match="stopped by Ctrl\\+C at step 3, with a checkpoint saved"
+    ) as e:
+        lmtune.train(cfg)  # the step under way when the signal came is finished (its flag is read once)
+    assert str(e.value).endswith(f"saved in {tmp_path / 'out'}; the same call resumes")
+    assert torch.get_num_threads() == 1 and len(steps) == 3
+    assert (tmp_path / "out" / "checkpoints" / "step-000003").is_dir()
+    monkeypatch.setattr(torch.optim.AdamW, "step", original)
+    assert lmtune.train(cfg).steps == 4  # the same call resumes
+    assert [r["step"] for r in train_rows(tmp_path / "out")] == [1, 2, 3, 4]
+    chosen = build.choose_paths
+
+    def signalled(*args: object, **kwargs: object) -> object:
+        os.kill(os.getpid(), signal.SIGINT)  # before the first step
+        return chosen(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(build, "choose_paths", signalled)
+    with pytest.raises(KeyboardInterrupt, match="stopped by SIGINT before training began"):
+        lmtune.train(lmtune.TrainConfig(model="tiny", max_steps=1, output_dir=str(tmp_path / "b")))
+    assert torch.get_num_threads() == 1
+    capsys.readouterr()
+
+
 def test_a_signal_while_the_run_is_built_keeps_the_earlier_run_it_would_resume_or_replace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
