@@ -272,6 +272,15 @@ def test_a_micro_batch_alone_says_the_global_batch_is_the_default(
         out_dir = ["--output-dir", str(tmp_path / f"b{len(given[1])}")]
         assert main([*common, "--micro-batch-size", "4", *given, *out_dir, "--overwrite"]) == 0
         assert "is the default" not in capsys.readouterr().out
+    # From Python the same (it said nothing: whether 32 was given was taken as unknown).
+    import lmtune
+
+    py = {"data": str(data), "max_steps": 1, "save_every": 0, "progress": False}
+    lmtune.train(lmtune.TrainConfig(**py, per_device_train_batch_size=4, output_dir=str(tmp_path / "p")))
+    assert "give --global-batch-size 4 for one per step" in capsys.readouterr().out
+    cfg = lmtune.TrainConfig(**py, micro_batch_size=4, global_batch_size=32, output_dir=str(tmp_path / "q"))
+    lmtune.train(cfg)
+    assert "is the default" not in capsys.readouterr().out
 
 
 def test_max_prompt_length_is_for_preference_pairs(

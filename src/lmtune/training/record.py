@@ -20,7 +20,7 @@ from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.state import optimizer_state_bytes
 from lmtune.config.groups import ObjectiveSettings
 from lmtune.config.run_groups import names_checkpoint
-from lmtune.config.settings import TrainConfig, setting_named, to_dict, warmup_steps
+from lmtune.config.settings import TrainConfig, given_names, setting_named, to_dict, warmup_steps
 from lmtune.config.threads import busy_at_start, spinning_among_others, thread_wait
 from lmtune.data.pairs import examples_noun
 from lmtune.model.attention import attention_description
@@ -215,12 +215,8 @@ def _default_batch_note(layout: BatchLayout, cfg: TrainConfig, given: frozenset[
     """Where only the micro-batch was given: HF's per_device_train_batch_size alone means one
     micro-batch per step there, while here the global batch rules and its default is easy to miss."""
     default = setting_named("global_batch_size").default
-    if (
-        given is None  # a TrainConfig from Python: whether 32 was given is not known
-        or "global_batch_size" in given
-        or cfg.batch.micro_batch_size is None
-        or layout.accumulation == 1
-    ):
+    given = given_names(cfg) if given is None else given  # from Python: the names TrainConfig took
+    if "global_batch_size" in given or cfg.batch.micro_batch_size is None or layout.accumulation == 1:
         return None
     return (
         f"global batch {default} is the default: --micro-batch-size (HF's per_device_train_batch_size) "
