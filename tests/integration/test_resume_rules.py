@@ -481,6 +481,23 @@ def test_a_signal_while_the_run_is_built_stops_it_before_any_step(
     assert [r["step"] for r in train_rows(tmp_path / "out")] == [1, 2]
 
 
+def test_a_runs_record_given_as_config_trains_that_run_again(
+    base: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--config RUN/run.json` was "unknown setting config / resolved / ..."; its config alone
+    refused the recorded defaults of a feature that is off (lora_rank 16 without lora)."""
+    monkeypatch.chdir(tmp_path)
+    first = tmp_path / "a"
+    argv = _args(base["data"], first, "--lora", "--lora-rank", "4", "--eval-split", "0.1")
+    assert main(argv) == 0
+    again = tmp_path / "b"
+    assert main(["train", "--config", str(first / "run.json"), "--output-dir", str(again)]) == 0
+    trained = [[(r["step"], r["loss"], r["grad_norm"]) for r in train_rows(out)] for out in (first, again)]
+    assert trained[0] == trained[1] and len(trained[0]) == STEPS  # the same losses, step by step
+    recorded = json.loads((again / "run.json").read_text())["config"]
+    assert recorded == json.loads((first / "run.json").read_text())["config"] | {"output_dir": str(again)}
+
+
 def test_ctrl_c_stops_a_python_loop_of_runs_after_saving(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

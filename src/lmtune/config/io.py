@@ -263,6 +263,8 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     if not isinstance(loaded, dict):
         raise UserError(f"--config: {path}: expected a mapping of settings, got {type(loaded).__name__}")
     lines = _key_lines(text, path)
+    if _is_run_record(loaded):
+        loaded, lines = _recorded_settings(loaded, lines)
 
     def at(key: str) -> str:
         return f"--config {path}" + (f":{lines[key]}" if key in lines else "") + ": "
@@ -273,6 +275,21 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     known = {s.name for s in config_fields()}
     refuse_recipe(loaded, at, known, lambda: _named_settings(others, path, lines))
     return _named_settings(loaded, path, lines)
+
+
+def _is_run_record(loaded: dict[Any, Any]) -> bool:
+    """A run's run.json: its settings under "config", beside what the run resolved and reached."""
+    return isinstance(loaded.get("config"), dict) and {"resolved", "environment"} <= loaded.keys()
+
+
+def _recorded_settings(run: dict[Any, Any], lines: dict[str, int]) -> tuple[dict[Any, Any], dict[str, int]]:
+    """The settings a run.json records that differ from their defaults: the run again (every
+    setting is recorded, and one of a feature that is off, at its default, is refused as given)."""
+    known = {s.name for s in config_fields()}
+    settings = {
+        k: v for k, v in run["config"].items() if k not in known or v != setting_named(str(k)).default
+    }
+    return settings, {k.removeprefix("config."): n for k, n in lines.items() if k.startswith("config.")}
 
 
 # A group's name may mean something else given a value: a setting (lora: true), another tool's (optim).
