@@ -233,6 +233,8 @@ def _given(s: Setting, key: str, value: Any) -> Any:
 
     if s.type is str and value is None and s.optional:
         return None  # an unset path or name: refused, where it needs one, by the run's checks
+    if s.type is str and isinstance(value, bool) and {"on", "off"} <= set(s.choices):
+        value = "on" if value else "off"  # TRL's packing=True, as YAML's packing: true is taken
     if s.type is str:
         value = as_text(value, s.name)
     if s.type is int and isinstance(value, float) and value.is_integer():
@@ -342,7 +344,7 @@ def _group_fields(group: str, values: dict[Any, Any]) -> dict[str, Any]:
 # The settings that take several values: a list as YAML and Python give it is joined as the flag
 # writes it; a list for any other is refused (output_dir=["a", "b"] made a folder "a,b").
 SOURCES = ("data", "eval_data")  # lists of sources: a YAML mapping each, a path's commas escaped
-LISTS = (*SOURCES, "data_weights", "lora_target_modules")
+LISTS = (*SOURCES, "data_weights", "lora_target_modules", "report_to")  # HF's report_to=["wandb"]
 MAPPINGS = ("field_map",)
 
 

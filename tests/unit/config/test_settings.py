@@ -130,6 +130,9 @@ def test_the_python_api_takes_the_peers_switches_as_yaml_does() -> None:
         UserError, match=r"^TrainConfig: bf16: true is precision bf16 in lmtune, which the call "
     ):
         TrainConfig(bf16=True, precision="fp32")  # no file to name
+    # TRL's packing=True and HF's report_to list, as YAML takes them ("expected str" before).
+    assert (TrainConfig(packing=True).packing, TrainConfig(packing=False).packing) == ("on", "off")
+    assert TrainConfig(report_to=["tensorboard", "wandb"]).logging.report_to == "tensorboard,wandb"
 
 
 def test_a_wrong_type_set_on_a_group_is_refused_before_the_run() -> None:
