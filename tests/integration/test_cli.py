@@ -30,6 +30,8 @@ from tests.conftest import one_line_error, run_lmtune, write_jsonl
         (["--strategy", "dp", "--device", "cpu"], "needs CUDA GPUs"),
         (["--lr", "1e-4", "--learning_rate", "2e-4"], "--lr is set twice (as --lr and --learning_rate)"),
         (["--num-train-epochs", "2", "--epochs", "3"], "--epochs is set twice"),
+        # The first file was left unread, without a word.
+        (["--config", "a.yaml", "--config=b.yaml"], "--config is given twice; it reads one file"),
         (["--eval-split", "-3"], "--eval-split: must be a fraction in (0, 1) or a whole number of examples"),
         (["--eval-split", "2.5"], "--eval-split: must be a fraction in (0, 1) or a whole number of examples"),
     ],

@@ -104,9 +104,15 @@ def spelled_twice(parser: argparse.ArgumentParser, argv: list[str]) -> str | Non
     from lmtune.config.settings import option_name
 
     first: dict[str, str] = {}
+    configs = 0
     for token in argv:
         option = token.split("=", 1)[0]
         action = parser._option_string_actions.get(option) if option.startswith("--") else None
+        configs += action is not None and action.dest == "config"
+        if configs > 1:  # the first file was left unread without a word
+            return (
+                "--config is given twice; it reads one file: put the settings in one, and flags override it"
+            )
         if action is None or action.dest in ("help", "config", "verbose"):
             continue
         name = option.replace("_", "-").removeprefix("--no-").removeprefix("--")
