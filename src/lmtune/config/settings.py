@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -237,6 +238,8 @@ def _given(s: Setting, key: str, value: Any) -> Any:
         value = "on" if value else "off"  # TRL's packing=True, as YAML's packing: true is taken
     if s.type is str:
         value = as_text(value, s.name)
+    if s.name in _FOLDERS_MADE and isinstance(value, str):
+        value = _folder_named(key, value)
     if s.type is int and isinstance(value, float) and value.is_integer():
         value = int(value)  # num_train_epochs=3.0, as HF's TrainingArguments take it
     # The CLI's and YAML's "1.0" is refused as written (io._coerce): a split converted reads 40.0.
@@ -248,6 +251,23 @@ def _given(s: Setting, key: str, value: Any) -> Any:
         why = fraction_reason(s.name, value) if s.type is int and isinstance(value, float) else ""
         raise wrong(key, f"TrainConfig: {key}", f"{problem} (got {brief(value)}){why}")
     return value
+
+
+# Folders lmtune makes where a path names them: a ~ or a variable left as written made a folder of
+# that name in the working folder (./~/runs/a, an invitation to rm -rf ~).
+_FOLDERS_MADE = ("output_dir", "cache_dir")
+
+
+def _folder_named(key: str, path: str) -> str:
+    """``path`` with ``~`` expanded, as the HF Trainer's output_dir is; refused with a variable in it
+    (``${HOME}/runs``), which a shell expands but a file or a script's string does not."""
+    if re.search(r"\$(\{\w+\}|[A-Za-z_]\w*)", path):
+        raise WrongValue(
+            key,
+            f"TrainConfig: {key}",
+            f"names a variable, which lmtune does not expand (got {brief(path)}); write the path itself",
+        )
+    return os.path.expanduser(path)
 
 
 def _assembled(

@@ -135,6 +135,20 @@ def test_the_python_api_takes_the_peers_switches_as_yaml_does() -> None:
     assert TrainConfig(report_to=["tensorboard", "wandb"]).logging.report_to == "tensorboard,wandb"
 
 
+def test_a_folder_lmtune_makes_expands_its_tilde_and_refuses_a_variable() -> None:
+    """`output_dir: ~/runs/a` in a file made ./~/runs/a, `${HOME}/a` a folder named ${HOME}."""
+    import os
+
+    assert TrainConfig(output_dir="~/runs/a").checkpoint.output_dir == os.path.expanduser("~/runs/a")
+    assert TrainConfig(cache_dir="~/c").data.cache_dir == os.path.expanduser("~/c")
+    for path in ("${HOME}/runs/a", "$HOME/a"):
+        with pytest.raises(
+            UserError, match=r"^TrainConfig: output_dir: names a variable, which lmtune does not"
+        ):
+            TrainConfig(output_dir=path)
+    assert TrainConfig(output_dir="runs/a$").checkpoint.output_dir == "runs/a$"  # no variable's name
+
+
 def test_a_wrong_type_set_on_a_group_is_refused_before_the_run() -> None:
     packing = setting_named("packing")
     assert packing.group is not None
