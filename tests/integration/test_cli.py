@@ -506,3 +506,17 @@ def test_generated_control_characters_are_printed_as_escapes(
     monkeypatch.setattr(generate, "complete", lambda *a, **k: "\x00\x1b[2Jok\r\n\tend\x7f")
     assert main(["generate", "--model", "tiny", "--prompt", "1+1=", "--max-new-tokens", "3"]) == 0
     assert capsys.readouterr().out == "1+1=\\x00\\x1b[2Jok\\x0d\n\tend\\x7f\n"
+
+
+def test_a_flag_that_turns_a_feature_off_sets_aside_the_config_files_settings_of_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--config lora.yaml --no-lora` (a full fine-tune from the same file) was refused: the file's
+    lora.rank "applies with --lora only". A flag of that feature with it off still is."""
+    config = tmp_path / "lora.yaml"
+    config.write_text("lora:\n  enabled: true\n  rank: 4\nmax_steps: 1\nsave_every: 0\n")
+    out = ["--output-dir", str(tmp_path / "out"), "--no-progress"]
+    assert main(["train", "--config", str(config), "--no-lora", *out]) == 0
+    assert "886,272 parameters, all trainable" in capsys.readouterr().out
+    assert main(["train", "--config", str(config), "--no-lora", "--lora-rank", "8", *out]) == 2
+    assert "--lora-rank: applies with --lora only" in capsys.readouterr().err

@@ -68,13 +68,19 @@ def _train_config_given(args: argparse.Namespace) -> tuple[Any, frozenset[str]]:
     """The run's config, and the settings given by flag or in the --config file (lmtune's names)."""
     from lmtune.config.io import config_and_given, load_yaml
     from lmtune.config.settings import config_fields
+    from lmtune.config.validate import SWITCHED_OFF_WITH
 
     values: dict[str, Any] = {}
     source = ""
+    flags = {f.name: getattr(args, f.name) for f in config_fields() if hasattr(args, f.name)}
     if hasattr(args, "config"):
         values.update(load_yaml(args.config))
         source = args.config
-    values.update({f.name: getattr(args, f.name) for f in config_fields() if hasattr(args, f.name)})
+        for switch, settings in SWITCHED_OFF_WITH.items():
+            if flags.get(switch) is False:  # the file's run with that feature off, as the flag asks
+                for name in settings:
+                    values.pop(name, None)
+    values.update(flags)
     if isinstance(values.get("data"), list):  # the DATA arguments of eval and data audit/show
         values["data"] = _data_arguments(values["data"])
     for name in ("data", "eval_data"):
