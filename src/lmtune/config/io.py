@@ -302,7 +302,9 @@ def _named_settings(
     settings: dict[str, Any] = {}
     origin: dict[str, str] = {}  # flat name -> the key that gave it
     for key, value in loaded.items():
-        name = str(key).replace("-", "_")
+        # A JSON key with a space around it ("lr ") was "unknown setting lr; did you mean lr?", while
+        # "learning_rate " was taken (aliases are matched stripped).
+        name = str(key).strip().replace("-", "_")
         group = GROUPS.get(name)
         entries = {name: (str(key), value)}
         if group and not isinstance(value, dict) and name not in _FLAT:  # `batch: 5`: "unknown setting"

@@ -325,3 +325,13 @@ def test_load_best_at_end_takes_the_loss_unless_a_metric_is_given() -> None:
     given = TrainConfig(load_best_at_end=True, metric_for_best="eval_perplexity")
     assert given.eval.metric_for_best == "eval_perplexity"
     assert TrainConfig().eval.metric_for_best is None
+
+
+def test_a_key_with_a_space_around_it_is_its_name(tmp_path: Path) -> None:
+    """JSON's "lr " was "unknown setting lr; did you mean lr?" where "learning_rate " was taken."""
+    path = tmp_path / "run.json"
+    path.write_text('{"lr ": 0.005, " learning_rate": 0.005}')
+    with pytest.raises(UserError, match=r"lr is set twice"):
+        load_yaml(str(path))
+    path.write_text('{"lr ": 0.005, "max_steps ": 3}')
+    assert load_yaml(str(path)) == {"lr": 0.005, "max_steps": 3}
