@@ -145,6 +145,8 @@ _FRACTIONS = {
     "eval_every": _STEPS_SHARE,
     "log_every": _STEPS_SHARE,
     "epochs": " (lmtune trains whole epochs: --max-steps N stops within one)",
+    # transformers 5 takes warmup_steps=0.1 as a ratio.
+    "warmup_steps": " (a share of the training steps is --warmup-ratio)",
 }
 
 

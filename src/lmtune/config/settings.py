@@ -234,6 +234,8 @@ def _given(s: Setting, key: str, value: Any) -> Any:
 
     if s.type is str and value is None and s.optional:
         return None  # an unset path or name: refused, where it needs one, by the run's checks
+    if (loaded := _loaded_object(s.name, value)) is not None:
+        raise WrongType(key, f"TrainConfig: {key}", loaded)
     if s.type is str and isinstance(value, bool) and {"on", "off"} <= set(s.choices):
         value = "on" if value else "off"  # TRL's packing=True, as YAML's packing: true is taken
     if s.type is str:
@@ -251,6 +253,27 @@ def _given(s: Setting, key: str, value: Any) -> Any:
         why = fraction_reason(s.name, value) if s.type is int and isinstance(value, float) else ""
         raise wrong(key, f"TrainConfig: {key}", f"{problem} (got {brief(value)}){why}")
     return value
+
+
+def _loaded_object(name: str, value: Any) -> str | None:
+    """What to give instead of a model or data already in memory (an HF user's habit), which
+    lmtune's runs take by name, as their processes and checkpoints do: "expected str" before."""
+    if name in ("model", "reference_model") and hasattr(value, "save_pretrained"):
+        return (
+            f"takes a model's name or folder, not a loaded {type(value).__name__}: save it with "
+            "model.save_pretrained(DIR) and its tokenizer's save_pretrained(DIR), then give DIR"
+        )
+    if name in SOURCES and hasattr(value, "save_to_disk"):
+        return (
+            f"takes files or folders, not a loaded {type(value).__name__}: save it with "
+            "dataset.save_to_disk(DIR), then give DIR"
+        )
+    records = isinstance(value, (list, tuple)) and value and all(isinstance(e, dict) for e in value)
+    if name in SOURCES and records and not any("path" in e for e in value):
+        return (
+            "takes files or folders, not records: write them to a .jsonl file, one a line, and give its path"
+        )
+    return None
 
 
 # Folders lmtune makes where a path names them: a ~ or a variable left as written made a folder of
@@ -345,6 +368,8 @@ def _sources(key: str, entries: list[Any], flat: _Fields) -> str:
             return {**entry, "path": os.fspath(entry["path"])}
         return os.fspath(entry) if isinstance(entry, os.PathLike) else entry
 
+    if (loaded := _loaded_object(key, entries)) is not None:
+        raise WrongType(key, f"TrainConfig: {key}", loaded)
     spec, weights = yaml_sources([as_text(e) for e in entries], option_name(key), "TrainConfig: ")
     if weights is not None:
         flat.set("data", "weights", weights, f"{key}=[{{..., 'weight': ...}}]")

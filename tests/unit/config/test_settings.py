@@ -395,3 +395,21 @@ def test_the_lazy_names_are_offered_by_dir() -> None:
     import lmtune
 
     assert {"TrainConfig", "train", "__version__"} <= set(dir(lmtune))
+
+
+def test_a_model_or_data_in_memory_is_answered_with_how_to_give_it() -> None:
+    """An HF user's model=model, data=dataset or data=[records] said "expected str"."""
+    import datasets
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    with pytest.raises(
+        TypeError, match=r"^TrainConfig: model: takes a model's name or folder, not a loaded "
+    ):
+        TrainConfig(model=model)
+    with pytest.raises(TypeError, match=r"save it with dataset.save_to_disk\(DIR\), then give DIR"):
+        TrainConfig(data=datasets.Dataset.from_dict({"text": ["a"]}))
+    with pytest.raises(TypeError, match=r"^TrainConfig: eval_data: takes files or folders, not records: "):
+        TrainConfig(eval_data=[{"prompt": "1+1=", "completion": "2"}])
+    with pytest.raises(TypeError, match=r"\(got 0.1\) \(a share of the training steps is --warmup-ratio\)"):
+        TrainConfig(warmup_steps=0.1)
