@@ -122,6 +122,7 @@ def build_parts(
     obstacle = mask_obstacle(loaded.model)
     check_model_layout(cfg, obstacle, objective.unit == "pairs", log.info)
     tokenizer = loaded.tokenizer
+    had_template = bool(getattr(tokenizer, "chat_template", None))
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
     warn_unused_names(cfg, data_info, log.info)
@@ -136,6 +137,11 @@ def build_parts(
             f"{', '.join(formats) or 'no examples'}"
         )
     chat = bool(set(CHAT_FORMATS) & set(formats))
+    evaluated = set(data_info["eval"]["formats"]) if data_info.get("eval") else set()
+    if not had_template and not (set(CHAT_FORMATS) & (set(formats) | evaluated)):
+        # The built-in template the data's reading gave it (its key hashes it) is no part of a model
+        # tuned on no conversation: saved, vLLM, pipelines and TRL would prompt it in that format.
+        tokenizer.chat_template = None
     if chat:
         # The reply's end-of-turn token trains; saved models must also stop generating there.
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
