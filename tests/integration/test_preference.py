@@ -125,6 +125,9 @@ def test_conversational_pairs_train(
     assert line.split(";")[0] == f"objective {objective}: {knobs[objective]}"
     saved = "adapter_model.safetensors" if "--lora" in extra else "model.safetensors"
     assert (out / "final" / saved).is_file()
+    if "--lora" in extra:  # the adapter trained without dropout, and its config says so (0.05 before)
+        for folder in (out / "final", out / "checkpoints" / "step-000002"):
+            assert json.loads((folder / "adapter_config.json").read_text())["lora_dropout"] == 0.0
     config = json.loads((out / "final" / "generation_config.json").read_text())
     assert config["eos_token_id"]  # chat data: the saved model stops at the end of turn
     rows = train_rows(out)

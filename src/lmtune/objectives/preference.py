@@ -51,6 +51,11 @@ def disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        # The adapter's config as saved (adapter_config.json) says so too: it said 0.05, and a peft
+        # user training the adapter on got dropout this run never used.
+        for adapter in (getattr(module, "peft_config", None) or {}).values():
+            if isinstance(getattr(adapter, "lora_dropout", None), float):
+                adapter.lora_dropout = 0.0
     config = getattr(model, "config", None)
     for key in ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop"):
         if isinstance(getattr(config, key, None), float):
