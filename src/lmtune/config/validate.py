@@ -144,6 +144,16 @@ _FOREIGN_CHOICES = {
         "16-true": (_LIGHTNING, "fp16 here, which keeps the weights in fp32"),
         "no": ("accelerate's", "fp32 here"),
     },
+    # TRL's trainers and loss types by name: "cpo" was answered "the closest is ipo".
+    "objective": {
+        "cpo": (
+            "TRL's",
+            "not here: it adds an NLL term to its loss (orpo has one; simpo is TRL's CPO with loss_type "
+            "simpo and cpo_alpha 0)",
+        ),
+        "kto": ("TRL's", "not here: it trains on unpaired examples, and lmtune's objectives on pairs"),
+        "sigmoid": ("TRL's loss_type", "dpo here"),
+    },
 }
 
 
