@@ -155,6 +155,10 @@ def test_conversational_pairs_train(
         (["--objective", "ipo", "--label-smoothing", "0.1"], "--label-smoothing: applies to --objective dpo"),
         (["--objective", "dpo", "--beta", "0"], "--beta: must be > 0"),
         (["--objective", "cpo"], "TRL's cpo is not here: it adds an NLL term"),  # was "the closest is ipo"
+        (  # each record was "has no 'messages' field"
+            ["--objective", "dpo", "--data-format", "messages"],
+            "--data-format: reads single examples, and --objective dpo trains on pairs",
+        ),
         (
             ["--objective", "dpo", "--reference-model", "nope", "--global-batch-size", "8"],
             "--reference-model nope: could not load it",

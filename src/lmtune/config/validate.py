@@ -252,6 +252,13 @@ def _check_objective(cfg: TrainConfig, need: Need) -> None:
     need(o.orpo_lambda >= 0, "orpo_lambda", "must be >= 0")
     need(o.neftune_alpha >= 0, "neftune_alpha", "must be >= 0")
     need(o.reference_model is None or bool(o.reference_model.strip()), "reference_model", "must name a model")
+    single = cfg.examples.format not in ("auto", "preference")
+    need(  # each preference record was refused as having no such field
+        not (preference and single),
+        "data_format",
+        f"reads single examples, and --objective {o.name} trains on pairs: give --data-format preference "
+        "or auto (answers as messages are read as conversations)",
+    )
     metric = cfg.eval.metric_for_best or ""
     need(
         preference or not metric.startswith("eval_rewards/"),
