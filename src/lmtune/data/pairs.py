@@ -65,9 +65,14 @@ def _text(record: Record, name: str, names: FieldMap) -> str:
     value = record.fields.get(name)
     if not isinstance(value, str):
         problem = field_kind(record, name)
+        kinds = (
+            '; it takes text, or a list of messages ({"role": ..., "content": ...})'
+            if isinstance(value, list)
+            else ""
+        )
         raise UserError(
             f"{record.where}: preference record has {problem} '{names.name(name)}' field "
-            f"(fields found: {names.found(record.fields)})"
+            f"(fields found: {names.found(record.fields)}){kinds}"
         )
     return value
 

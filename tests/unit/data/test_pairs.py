@@ -173,6 +173,10 @@ def test_truncation_cuts_the_prompt_left_and_the_answers_right() -> None:
             "pairs.jsonl:1: preference record has no 'prompt' field, and its chosen and rejected texts share",
         ),
         ({"prompt": "q", "chosen": 3, "rejected": "b"}, "a non-string \\(int\\) 'chosen'"),
+        (
+            {"prompt": "q", "chosen": ["y"], "rejected": "b"},
+            "'chosen' field \\(fields found: .*\\); it takes text, or a list of messages",
+        ),
         ({"prompt": "q", "chosen": "a", "rejected": None}, "has a null 'rejected' field"),
         (
             {"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"},
