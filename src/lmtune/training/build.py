@@ -137,7 +137,7 @@ def build_parts(
             f"{', '.join(formats) or 'no examples'}"
         )
     chat = bool(set(CHAT_FORMATS) & set(formats))
-    evaluated = set(data_info["eval"]["formats"]) if data_info.get("eval") else set()
+    evaluated = set(data_info.get("eval", {}).get("formats", ()))  # a split of --data: its formats
     if not had_template and not (set(CHAT_FORMATS) & (set(formats) | evaluated)):
         # The built-in template the data's reading gave it (its key hashes it) is no part of a model
         # tuned on no conversation: saved, vLLM, pipelines and TRL would prompt it in that format.
