@@ -4,7 +4,6 @@ here they are put together, and the loop's components registered (one line each)
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -22,7 +21,6 @@ from lmtune.checkpoint.rundir import acquire, final_problem, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.data.prepare import cache_root, data_cache_dir
-from lmtune.errors import StoppedBySignal
 from lmtune.model.precision import check_device
 from lmtune.outputs.reporters import open_reporters, parse_report_to
 from lmtune.outputs.runlog import ExampleOrderLog, RunLog, loss_at, read_metrics
@@ -53,7 +51,7 @@ from lmtune.training.preflight import check_same_settings, checked, validate
 from lmtune.training.record import result_record, run_record
 from lmtune.training.reference import attach_references
 from lmtune.training.samples import sample_generator
-from lmtune.training.signals import StopRequest
+from lmtune.training.signals import StopRequest, ctrl_c_raised, threads_kept
 from lmtune.training.step import StepOptions, Trainee
 
 
@@ -73,26 +71,10 @@ def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
     Raises:
         UserError: for invalid settings, data or paths.
         TrainingStopped: when training cannot go on (a non-finite loss with --on-nan stop).
-        KeyboardInterrupt: from Python (``given`` None), after Ctrl+C stopped the run (its step
-            finished and saved, or before training began): a loop or a notebook cell stops there,
-            as Python's Ctrl+C stops it; it went on to the next run.
+        KeyboardInterrupt: from Python (``given`` None), after Ctrl+C stopped it (signals.py).
     """
-    threads_before = torch.get_num_threads()
-    stop = StopRequest()
-    try:
-        result = _train(cfg, given, stop)
-    except StoppedBySignal as e:
-        if given is None and e.signum == signal.SIGINT:
-            raise KeyboardInterrupt(str(e)) from None
-        raise
-    finally:
-        torch.set_num_threads(threads_before)  # the caller's torch work runs as it did before
-    if given is None and result.stopped_by == "signal" and stop.signum == signal.SIGINT:
-        raise KeyboardInterrupt(
-            f"stopped by Ctrl+C at step {result.steps}, with a checkpoint saved in {result.output_dir}; "
-            "the same call resumes"
-        )
-    return result
+    with threads_kept(), ctrl_c_raised(stop := StopRequest(), python=given is None):
+        return _train(cfg, given, stop)
 
 
 def _train(cfg: TrainConfig, given: frozenset[str] | None, stop: StopRequest) -> TrainResult:

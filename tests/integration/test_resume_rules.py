@@ -523,11 +523,8 @@ def test_ctrl_c_stops_a_python_loop_of_runs_after_saving(
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     cfg = lmtune.TrainConfig(model="tiny", max_steps=4, output_dir=str(tmp_path / "out"), progress=False)
     torch.set_num_threads(1)
-    with pytest.raises(
-        KeyboardInterrupt, match="stopped by Ctrl\\+C at step 3, with a checkpoint saved"
-    ) as e:
+    with pytest.raises(KeyboardInterrupt, match=r"stopped by Ctrl\+C with its last step saved .*; the same"):
         lmtune.train(cfg)  # the step under way when the signal came is finished (its flag is read once)
-    assert str(e.value).endswith(f"saved in {tmp_path / 'out'}; the same call resumes")
     assert torch.get_num_threads() == 1 and len(steps) == 3
     assert (tmp_path / "out" / "checkpoints" / "step-000003").is_dir()
     monkeypatch.setattr(torch.optim.AdamW, "step", original)

@@ -64,11 +64,18 @@ def train_config(args: argparse.Namespace) -> Any:
     return _train_config_given(args)[0]
 
 
+# A feature's switch and the settings that apply only with it on: a flag that turns it off (--no-lora)
+# sets aside a --config file's settings of it (its lora.rank was refused as given for LoRA off).
+SWITCHED_OFF_WITH = {
+    "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora"),
+    "load_in_4bit": ("bnb_4bit_quant_type",),
+}
+
+
 def _train_config_given(args: argparse.Namespace) -> tuple[Any, frozenset[str]]:
     """The run's config, and the settings given by flag or in the --config file (lmtune's names)."""
     from lmtune.config.io import config_and_given, load_yaml
     from lmtune.config.settings import config_fields
-    from lmtune.config.validate import SWITCHED_OFF_WITH
 
     values: dict[str, Any] = {}
     source = ""

@@ -277,13 +277,6 @@ def _check_objective(cfg: TrainConfig, need: Need) -> None:
     )
 
 
-# A feature's switch and the settings that apply only with it on: a flag that turns it off (--no-lora)
-# sets aside a --config file's settings of it (its lora.rank was refused as given for LoRA off).
-SWITCHED_OFF_WITH = {
-    "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora"),
-    "load_in_4bit": ("bnb_4bit_quant_type",),
-}
-
 # Given at all, even at its default, one of these asks for what the run would not do: an Axolotl
 # config's `lora_r: 16` without `adapter: lora` trained every weight, TRL's `beta: 0.1` under
 # --objective sft trained no preference.

@@ -17,7 +17,7 @@ from lmtune.checkpoint.state import ModelParts
 from lmtune.config.mixture import shown_spec
 from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps
 from lmtune.data.audit import stops_lost_warning
-from lmtune.data.chat import end_of_turn_ids, use_chat_template
+from lmtune.data.chat import drop_unlearned_template, end_of_turn_ids, use_chat_template
 from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.formats import CHAT_FORMATS, builtin_template_note
 from lmtune.data.mixture import check_sources_kept, mixture_line, per_source, source_index, training_mixture
@@ -122,7 +122,6 @@ def build_parts(
     obstacle = mask_obstacle(loaded.model)
     check_model_layout(cfg, obstacle, objective.unit == "pairs", log.info)
     tokenizer = loaded.tokenizer
-    had_template = bool(getattr(tokenizer, "chat_template", None))
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
     warn_unused_names(cfg, data_info, log.info)
@@ -137,11 +136,6 @@ def build_parts(
             f"{', '.join(formats) or 'no examples'}"
         )
     chat = bool(set(CHAT_FORMATS) & set(formats))
-    evaluated = set(data_info.get("eval", {}).get("formats", ()))  # a split of --data: its formats
-    if not had_template and not (set(CHAT_FORMATS) & (set(formats) | evaluated)):
-        # The built-in template the data's reading gave it (its key hashes it) is no part of a model
-        # tuned on no conversation: saved, vLLM, pipelines and TRL would prompt it in that format.
-        tokenizer.chat_template = None
     if chat:
         # The reply's end-of-turn token trains; saved models must also stop generating there.
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
@@ -294,6 +288,7 @@ def prepare_data(
     """Tokenize (or read from the cache) the training and evaluation data; report what was done."""
     settings = cfg.examples
     cache_dir = data_cache_dir(cfg.data)
+    had_template = bool(getattr(tokenizer, "chat_template", None))
     info: dict[str, Any] = {}
     prepared: dict[str, TokenizedDataset] = {}
     for name, spec, option in (("train", cfg.data.train, "--data"), ("eval", _eval_spec(cfg), "--eval-data")):
@@ -363,6 +358,8 @@ def prepare_data(
     if mixture is not None:
         info["train"]["mixture"] = mixture.describe()
         log.info(f"mixture (an epoch of {mixture.epoch_size:,}): {mixture_line(mixture)}")
+    if not had_template:  # an --eval-split's formats are --data's
+        drop_unlearned_template(tokenizer, [f for part in info.values() for f in part.get("formats", ())])
     return prepared["train"], prepared.get("eval"), info
 
 

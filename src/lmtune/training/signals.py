@@ -6,8 +6,12 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType, TracebackType
 from typing import Any
+
+import torch
 
 from lmtune.errors import StoppedBySignal
 from lmtune.parallel.health import ended_ranks
@@ -74,3 +78,31 @@ class StopRequest:
     ) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def ctrl_c_raised(stop: StopRequest, python: bool) -> Iterator[None]:
+    """From Python (``python``), Ctrl+C ends the call as Python's own Ctrl+C does, with
+    KeyboardInterrupt, once the run has stopped (its step finished and saved, or before training
+    began): lmtune.train returned, and a loop of runs or a notebook cell went on to the next one;
+    before the first step it raised StoppedBySignal, an Exception that ``except Exception`` took."""
+    try:
+        yield
+    except StoppedBySignal as e:
+        if python and e.signum == signal.SIGINT:
+            raise KeyboardInterrupt(str(e)) from None
+        raise
+    if python and stop.pending() == signal.SIGINT:
+        raise KeyboardInterrupt(
+            "stopped by Ctrl+C with its last step saved (the log says which); the same call resumes"
+        )
+
+
+@contextmanager
+def threads_kept() -> Iterator[None]:
+    """torch's thread count as it was before the run set its own: the caller's work runs as before."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
