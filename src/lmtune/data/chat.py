@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -278,11 +277,13 @@ def use_chat_template(tokenizer: Any, choice: str) -> list[str]:
     return new
 
 
-def drop_unlearned_template(tokenizer: Any, formats: Iterable[str]) -> None:
-    """The built-in template that reading the data gave a tokenizer that had none (the data's key
-    hashes it) off again where the data (``formats``) held no conversation: saved with the model,
-    vLLM, pipelines and TRL prompted a model tuned on text in a format it never learned."""
+def drop_unlearned_template(tokenizer: Any, had_one: bool, info: dict[str, Any]) -> None:
+    """The built-in template that reading the data gave a tokenizer that had none (``had_one``;
+    the data's key hashes it) off again where the data (``info``: its record per part, an
+    --eval-split's formats being --data's) held no conversation: saved with the model, vLLM,
+    pipelines and TRL prompted a model tuned on text in a format it never learned."""
     from lmtune.data.formats import BUILTIN_CHAT_TEMPLATE, CHAT_FORMATS  # it renders with this module
 
-    if not set(CHAT_FORMATS) & set(formats) and tokenizer.chat_template == BUILTIN_CHAT_TEMPLATE:
+    formats = {f for part in info.values() for f in part.get("formats", ())}
+    if not had_one and not set(CHAT_FORMATS) & formats and tokenizer.chat_template == BUILTIN_CHAT_TEMPLATE:
         tokenizer.chat_template = None

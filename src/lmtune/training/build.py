@@ -286,17 +286,15 @@ def prepare_data(
     check_stop: Callable[[], None] = lambda: None,
 ) -> tuple[TokenizedDataset, TokenizedDataset | None, dict[str, Any]]:
     """Tokenize (or read from the cache) the training and evaluation data; report what was done."""
-    settings = cfg.examples
     cache_dir = data_cache_dir(cfg.data)
     had_template = bool(getattr(tokenizer, "chat_template", None))
     info: dict[str, Any] = {}
     prepared: dict[str, TokenizedDataset] = {}
-    for name, spec, option in (("train", cfg.data.train, "--data"), ("eval", _eval_spec(cfg), "--eval-data")):
-        if spec is None:
-            continue
+    specs = (("train", cfg.data.train, "--data"), ("eval", _eval_spec(cfg), "--eval-data"))
+    for name, spec, option in ((n, s, o) for n, s, o in specs if s is not None):
         wanted = Wanted(spec, option, per_source=per_source(cfg.data, spec, option))
         p = prepare(
-            wanted, tokenizer, settings, env, cache_dir, cfg.data.cache_per_node, check_stop=check_stop
+            wanted, tokenizer, cfg.examples, env, cache_dir, cfg.data.cache_per_node, check_stop=check_stop
         )
         if wanted.per_source:
             p.dataset.sources = source_index(spec, p.dataset.meta, option)
@@ -358,8 +356,7 @@ def prepare_data(
     if mixture is not None:
         info["train"]["mixture"] = mixture.describe()
         log.info(f"mixture (an epoch of {mixture.epoch_size:,}): {mixture_line(mixture)}")
-    if not had_template:  # an --eval-split's formats are --data's
-        drop_unlearned_template(tokenizer, [f for part in info.values() for f in part.get("formats", ())])
+    drop_unlearned_template(tokenizer, had_template, info)
     return prepared["train"], prepared.get("eval"), info
 
 
