@@ -488,14 +488,22 @@ def test_a_runs_record_given_as_config_trains_that_run_again(
     refused the recorded defaults of a feature that is off (lora_rank 16 without lora)."""
     monkeypatch.chdir(tmp_path)
     first = tmp_path / "a"
-    argv = _args(base["data"], first, "--lora", "--lora-rank", "4", "--eval-split", "0.1")
+    argv = _args(base["data"], first, "--lora", "--lora-rank", "4", "--eval-split", "0.1", "--overwrite")
     assert main(argv) == 0
+    # Without a new --output-dir: the recorded folder, finished; its --overwrite is not taken again
+    # (it deleted the run being read and trained it over).
+    recorded_first = (first / "run.json").read_bytes()
+    assert main(["train", "--config", str(first / "run.json")]) == 0
+    assert (first / "run.json").read_bytes() == recorded_first
     again = tmp_path / "b"
     assert main(["train", "--config", str(first / "run.json"), "--output-dir", str(again)]) == 0
     trained = [[(r["step"], r["loss"], r["grad_norm"]) for r in train_rows(out)] for out in (first, again)]
     assert trained[0] == trained[1] and len(trained[0]) == STEPS  # the same losses, step by step
     recorded = json.loads((again / "run.json").read_text())["config"]
-    assert recorded == json.loads((first / "run.json").read_text())["config"] | {"output_dir": str(again)}
+    assert recorded == json.loads((first / "run.json").read_text())["config"] | {
+        "output_dir": str(again),
+        "overwrite": False,
+    }
 
 
 def test_ctrl_c_stops_a_python_loop_of_runs_after_saving(

@@ -284,12 +284,19 @@ def _is_run_record(loaded: dict[Any, Any]) -> bool:
     return isinstance(loaded.get("config"), dict) and {"resolved", "environment"} <= loaded.keys()
 
 
+# How the recorded run met its folder and the hub, not what it trained: taken again, --overwrite
+# (without a new --output-dir) deleted the run being read, --resume continued its checkpoint.
+_NOT_REPLAYED = ("resume", "overwrite", "push_to_hub", "hub_private")
+
+
 def _recorded_settings(run: dict[Any, Any], lines: dict[str, int]) -> tuple[dict[Any, Any], dict[str, int]]:
     """The settings a run.json records that differ from their defaults: the run again (every
     setting is recorded, and one of a feature that is off, at its default, is refused as given)."""
     known = {s.name for s in config_fields()}
     settings = {
-        k: v for k, v in run["config"].items() if k not in known or v != setting_named(str(k)).default
+        k: v
+        for k, v in run["config"].items()
+        if k not in _NOT_REPLAYED and (k not in known or v != setting_named(str(k)).default)
     }
     return settings, {k.removeprefix("config."): n for k, n in lines.items() if k.startswith("config.")}
 
