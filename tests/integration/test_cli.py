@@ -489,6 +489,9 @@ def test_a_prompt_that_names_a_file_is_warned_of_and_prompt_file_is_answered(
     assert "which names a file; for the file's text: lmtune generate ... < prompts.txt" in (
         capsys.readouterr().err
     )
+    (tmp_path / "my prompts.txt").write_text("1+1=\n")  # the command it suggests quotes the name
+    assert main(["generate", "--model", "tiny", "--prompt", "my prompts.txt", "--max-new-tokens", "1"]) == 0
+    assert "lmtune generate ... < 'my prompts.txt'" in capsys.readouterr().err
     assert main(["generate", "--model", "tiny", "--prompt", "1+1=", "--max-new-tokens", "1"]) == 0
     assert "names a file" not in capsys.readouterr().err
     # A prompt longer than a file name can be is a prompt (checking it as a path raised ENAMETOOLONG).
@@ -517,6 +520,11 @@ def test_a_flag_that_turns_a_feature_off_sets_aside_the_config_files_settings_of
     config.write_text("lora:\n  enabled: true\n  rank: 4\nmax_steps: 1\nsave_every: 0\n")
     out = ["--output-dir", str(tmp_path / "out"), "--no-progress"]
     assert main(["train", "--config", str(config), "--no-lora", *out]) == 0
+    assert "886,272 parameters, all trainable" in capsys.readouterr().out
+    # Axolotl's QLoRA: --no-lora is a full fine-tune, of a base it does not quantize.
+    qlora = tmp_path / "qlora.yaml"
+    qlora.write_text("adapter: qlora\nlora_r: 4\nmax_steps: 1\nsave_every: 0\n")
+    assert main(["train", "--config", str(qlora), "--no-lora", *out, "--overwrite"]) == 0
     assert "886,272 parameters, all trainable" in capsys.readouterr().out
     assert main(["train", "--config", str(config), "--no-lora", "--lora-rank", "8", *out]) == 2
     assert "--lora-rank: applies with --lora only" in capsys.readouterr().err

@@ -67,7 +67,11 @@ def train_config(args: argparse.Namespace) -> Any:
 # A feature's switch and the settings that apply only with it on: a flag that turns it off (--no-lora)
 # sets aside a --config file's settings of it (its lora.rank was refused as given for LoRA off).
 SWITCHED_OFF_WITH = {
-    "lora": ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora"),
+    # Axolotl's adapter: qlora with --no-lora: a full fine-tune, which loads no quantized base.
+    "lora": (
+        *("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora"),
+        *("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type"),
+    ),
     "load_in_4bit": ("bnb_4bit_quant_type",),
 }
 

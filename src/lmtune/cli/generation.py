@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -83,7 +84,7 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         # --prompt prompts.txt continued the text "prompts.txt": a file's text comes on stdin.
         warn(
             f"--prompt {args.prompt}: continuing the text {args.prompt!r}, which names a file; for the "
-            f"file's text: lmtune generate ... < {named}"
+            f"file's text: lmtune generate ... < {shlex.quote(named)}"
         )
     if args.prompt is None and not args.chat:
         raise UserError("--prompt is needed (or piped input, or --chat, which reads turns from stdin)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def push(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"{folder}: not a model folder (no config.json or adapter_config.json){run}")
     if lmtune_wrote(folder):  # its optimizer state, RNG and manifest are no model repo's
         raise UserError(
-            f"{folder}: a training checkpoint; export it first (lmtune export {folder} DIR), then push DIR"
+            f"{folder}: a training checkpoint; export it first (lmtune export "
+            f"{shlex.quote(str(folder))} DIR), then push DIR"
         )
     check_push(args.repo_id, option="lmtune push")
     card = None  # the folder's own README.md, pushed as it is

@@ -408,7 +408,7 @@ def _group_entries(
     ((written, file_lines),) = lines.items()
     entries = {}
     for key, value in values.items():
-        name = str(key).replace("-", "_")
+        name = str(key).strip().replace("-", "_")
         given = f"{written}.{key}"
         if name not in fields and name not in flat_names:
             line = file_lines.get(given, file_lines.get(written))

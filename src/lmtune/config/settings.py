@@ -268,6 +268,11 @@ def _loaded_object(name: str, value: Any) -> str | None:
             f"takes files or folders, not a loaded {type(value).__name__}: save it with "
             "dataset.save_to_disk(DIR), then give DIR"
         )
+    if name in SOURCES and hasattr(value, "to_json") and hasattr(value, "columns"):  # a pandas frame
+        return (
+            "takes files or folders, not a DataFrame: write it with df.to_json(PATH, orient='records', "
+            "lines=True), then give PATH"
+        )
     records = isinstance(value, (list, tuple)) and value and all(isinstance(e, dict) for e in value)
     if name in SOURCES and records and not any("path" in e for e in value):
         return (
@@ -282,15 +287,21 @@ _FOLDERS_MADE = ("output_dir", "cache_dir")
 
 
 def _folder_named(key: str, path: str) -> str:
-    """``path`` with ``~`` expanded, as the HF Trainer's output_dir is; refused with a variable in it
-    (``${HOME}/runs``), which a shell expands but a file or a script's string does not."""
-    if re.search(r"\$(\{\w+\}|[A-Za-z_]\w*)", path):
+    """``path`` with ``~`` expanded, as the HF Trainer's output_dir is (``~user`` as a shell does);
+    refused with a variable in it (``${HOME}/runs``, or ``$NAME`` of one that is set), which a shell
+    expands but a file or a script's string does not; a folder that is there is taken as named."""
+    expanded = os.path.expanduser(path)
+    if expanded.startswith("~"):  # ~nosuch: later a traceback, "Could not determine home directory"
+        user = expanded[1:].split("/", 1)[0]
+        raise WrongValue(key, f"TrainConfig: {key}", f"{brief(path)}: no user {user!r}, so no home folder")
+    variables = re.finditer(r"\$(?:\{(\w+)\}|([A-Za-z_]\w*))", path)
+    if not os.path.exists(expanded) and any(v[1] or v[2] in os.environ for v in variables):
         raise WrongValue(
             key,
             f"TrainConfig: {key}",
             f"names a variable, which lmtune does not expand (got {brief(path)}); write the path itself",
         )
-    return os.path.expanduser(path)
+    return expanded
 
 
 def _assembled(
@@ -314,6 +325,8 @@ def _assembled(
                 )
             key = ALIASES[key]  # a peer's name (learning_rate, lora_r), as the CLI and YAML take it
         value = peer_unset(key, value)
+        if (loaded := _loaded_object(key, value)) is not None:  # a DatasetDict is a mapping, not a group
+            raise WrongType(key, f"TrainConfig: {key}", loaded)
         if key in SOURCES and isinstance(value, list) and any(isinstance(v, dict) for v in value):
             value = _sources(key, value, flat)
         if kind is not None and isinstance(value, dict):  # a group as YAML nests it: lora={"rank": 8}

@@ -333,5 +333,5 @@ def test_a_key_with_a_space_around_it_is_its_name(tmp_path: Path) -> None:
     path.write_text('{"lr ": 0.005, " learning_rate": 0.005}')
     with pytest.raises(UserError, match=r"lr is set twice"):
         load_yaml(str(path))
-    path.write_text('{"lr ": 0.005, "max_steps ": 3}')
-    assert load_yaml(str(path)) == {"lr": 0.005, "max_steps": 3}
+    path.write_text('{"lr ": 0.005, "max_steps ": 3, "lora": {" rank": 4}}')
+    assert load_yaml(str(path)) == {"lr": 0.005, "max_steps": 3, "lora_rank": 4}

@@ -141,12 +141,15 @@ def test_a_folder_lmtune_makes_expands_its_tilde_and_refuses_a_variable() -> Non
 
     assert TrainConfig(output_dir="~/runs/a").checkpoint.output_dir == os.path.expanduser("~/runs/a")
     assert TrainConfig(cache_dir="~/c").data.cache_dir == os.path.expanduser("~/c")
-    for path in ("${HOME}/runs/a", "$HOME/a"):
-        with pytest.raises(
-            UserError, match=r"^TrainConfig: output_dir: names a variable, which lmtune does not"
-        ):
+    for path in ("${HOME}/runs/a", "$HOME/a", "${UNSET_HERE}/a"):
+        with pytest.raises(UserError, match=r"^TrainConfig: output_dir: names a variable, which lmtune"):
             TrainConfig(output_dir=path)
-    assert TrainConfig(output_dir="runs/a$").checkpoint.output_dir == "runs/a$"  # no variable's name
+    # No variable of that name is set ($b), or none is named ($): a folder's own name, taken.
+    for path in ("runs/a$", "runs/a$b_UNSET_HERE", "runs/$HOMEx"):
+        assert TrainConfig(output_dir=path).checkpoint.output_dir == path
+    # ~nosuch stayed as written, then "Could not determine home directory" with a traceback.
+    with pytest.raises(UserError, match=r"^TrainConfig: output_dir: '~nosuch_here/a': no user 'nosuch_here'"):
+        TrainConfig(output_dir="~nosuch_here/a")
 
 
 def test_a_wrong_type_set_on_a_group_is_refused_before_the_run() -> None:
@@ -409,6 +412,12 @@ def test_a_model_or_data_in_memory_is_answered_with_how_to_give_it() -> None:
         TrainConfig(model=model)
     with pytest.raises(TypeError, match=r"save it with dataset.save_to_disk\(DIR\), then give DIR"):
         TrainConfig(data=datasets.Dataset.from_dict({"text": ["a"]}))
+    # A DatasetDict is a mapping: taken as the data group's fields, then "expected str" at the run.
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})})
+    with pytest.raises(
+        TypeError, match=r"^TrainConfig: data: takes files or folders, not a loaded DatasetDict"
+    ):
+        TrainConfig(data=splits)
     with pytest.raises(TypeError, match=r"^TrainConfig: eval_data: takes files or folders, not records: "):
         TrainConfig(eval_data=[{"prompt": "1+1=", "completion": "2"}])
     with pytest.raises(TypeError, match=r"\(got 0.1\) \(a share of the training steps is --warmup-ratio\)"):
