@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import re
 import types
 import typing
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from lmtune.config.groups import (
     ScheduleSettings,
     setting,
 )
+from lmtune.config.python_values import FOLDERS_MADE, SOURCES, folder_named, in_memory
 from lmtune.config.run_groups import (
     CheckpointSettings,
     EvalSettings,
@@ -234,14 +234,16 @@ def _given(s: Setting, key: str, value: Any) -> Any:
 
     if s.type is str and value is None and s.optional:
         return None  # an unset path or name: refused, where it needs one, by the run's checks
-    if (loaded := _loaded_object(s.name, value)) is not None:
+    if (loaded := in_memory(s.name, value)) is not None:
         raise WrongType(key, f"TrainConfig: {key}", loaded)
     if s.type is str and isinstance(value, bool) and {"on", "off"} <= set(s.choices):
         value = "on" if value else "off"  # TRL's packing=True, as YAML's packing: true is taken
     if s.type is str:
         value = as_text(value, s.name)
-    if s.name in _FOLDERS_MADE and isinstance(value, str):
-        value = _folder_named(key, value)
+    if s.name in FOLDERS_MADE and isinstance(value, str):
+        value, problem = folder_named(value)
+        if problem:
+            raise WrongValue(key, f"TrainConfig: {key}", problem)
     if s.type is int and isinstance(value, float) and value.is_integer():
         value = int(value)  # num_train_epochs=3.0, as HF's TrainingArguments take it
     # The CLI's and YAML's "1.0" is refused as written (io._coerce): a split converted reads 40.0.
@@ -253,55 +255,6 @@ def _given(s: Setting, key: str, value: Any) -> Any:
         why = fraction_reason(s.name, value) if s.type is int and isinstance(value, float) else ""
         raise wrong(key, f"TrainConfig: {key}", f"{problem} (got {brief(value)}){why}")
     return value
-
-
-def _loaded_object(name: str, value: Any) -> str | None:
-    """What to give instead of a model or data already in memory (an HF user's habit), which
-    lmtune's runs take by name, as their processes and checkpoints do: "expected str" before."""
-    if name in ("model", "reference_model") and hasattr(value, "save_pretrained"):
-        return (
-            f"takes a model's name or folder, not a loaded {type(value).__name__}: save it with "
-            "model.save_pretrained(DIR) and its tokenizer's save_pretrained(DIR), then give DIR"
-        )
-    if name in SOURCES and hasattr(value, "save_to_disk"):
-        return (
-            f"takes files or folders, not a loaded {type(value).__name__}: save it with "
-            "dataset.save_to_disk(DIR), then give DIR"
-        )
-    if name in SOURCES and hasattr(value, "to_json") and hasattr(value, "columns"):  # a pandas frame
-        return (
-            "takes files or folders, not a DataFrame: write it with df.to_json(PATH, orient='records', "
-            "lines=True), then give PATH"
-        )
-    records = isinstance(value, (list, tuple)) and value and all(isinstance(e, dict) for e in value)
-    if name in SOURCES and records and not any("path" in e for e in value):
-        return (
-            "takes files or folders, not records: write them to a .jsonl file, one a line, and give its path"
-        )
-    return None
-
-
-# Folders lmtune makes where a path names them: a ~ or a variable left as written made a folder of
-# that name in the working folder (./~/runs/a, an invitation to rm -rf ~).
-_FOLDERS_MADE = ("output_dir", "cache_dir")
-
-
-def _folder_named(key: str, path: str) -> str:
-    """``path`` with ``~`` expanded, as the HF Trainer's output_dir is (``~user`` as a shell does);
-    refused with a variable in it (``${HOME}/runs``, or ``$NAME`` of one that is set), which a shell
-    expands but a file or a script's string does not; a folder that is there is taken as named."""
-    expanded = os.path.expanduser(path)
-    if expanded.startswith("~"):  # ~nosuch: later a traceback, "Could not determine home directory"
-        user = expanded[1:].split("/", 1)[0]
-        raise WrongValue(key, f"TrainConfig: {key}", f"{brief(path)}: no user {user!r}, so no home folder")
-    variables = re.finditer(r"\$(?:\{(\w+)\}|([A-Za-z_]\w*))", path)
-    if not os.path.exists(expanded) and any(v[1] or v[2] in os.environ for v in variables):
-        raise WrongValue(
-            key,
-            f"TrainConfig: {key}",
-            f"names a variable, which lmtune does not expand (got {brief(path)}); write the path itself",
-        )
-    return expanded
 
 
 def _assembled(
@@ -325,7 +278,7 @@ def _assembled(
                 )
             key = ALIASES[key]  # a peer's name (learning_rate, lora_r), as the CLI and YAML take it
         value = peer_unset(key, value)
-        if (loaded := _loaded_object(key, value)) is not None:  # a DatasetDict is a mapping, not a group
+        if (loaded := in_memory(key, value)) is not None:  # a DatasetDict is a mapping, not a group
             raise WrongType(key, f"TrainConfig: {key}", loaded)
         if key in SOURCES and isinstance(value, list) and any(isinstance(v, dict) for v in value):
             value = _sources(key, value, flat)
@@ -381,7 +334,7 @@ def _sources(key: str, entries: list[Any], flat: _Fields) -> str:
             return {**entry, "path": os.fspath(entry["path"])}
         return os.fspath(entry) if isinstance(entry, os.PathLike) else entry
 
-    if (loaded := _loaded_object(key, entries)) is not None:
+    if (loaded := in_memory(key, entries)) is not None:
         raise WrongType(key, f"TrainConfig: {key}", loaded)
     spec, weights = yaml_sources([as_text(e) for e in entries], option_name(key), "TrainConfig: ")
     if weights is not None:
@@ -401,7 +354,6 @@ def _group_fields(group: str, values: dict[Any, Any]) -> dict[str, Any]:
 
 # The settings that take several values: a list as YAML and Python give it is joined as the flag
 # writes it; a list for any other is refused (output_dir=["a", "b"] made a folder "a,b").
-SOURCES = ("data", "eval_data")  # lists of sources: a YAML mapping each, a path's commas escaped
 LISTS = (*SOURCES, "data_weights", "lora_target_modules", "report_to")  # HF's report_to=["wandb"]
 MAPPINGS = ("field_map",)
 

@@ -1,0 +1,61 @@
+"""Values a TrainConfig is given from Python that no file or flag holds: a model or data already in
+memory, and folders written with ``~`` or a variable, as a script's strings keep them."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from lmtune.errors import brief
+
+SOURCES = ("data", "eval_data")  # lists of sources: a YAML mapping each, a path's commas escaped
+
+
+def in_memory(name: str, value: Any) -> str | None:
+    """What to give instead of a model or data already in memory (an HF user's habit), which
+    lmtune's runs take by name, as their processes and checkpoints do: "expected str" before."""
+    if name in ("model", "reference_model") and hasattr(value, "save_pretrained"):
+        return (
+            f"takes a model's name or folder, not a loaded {type(value).__name__}: save it with "
+            "model.save_pretrained(DIR) and its tokenizer's save_pretrained(DIR), then give DIR"
+        )
+    if name in SOURCES and hasattr(value, "save_to_disk"):
+        return (
+            f"takes files or folders, not a loaded {type(value).__name__}: save it with "
+            "dataset.save_to_disk(DIR), then give DIR"
+        )
+    if name in SOURCES and hasattr(value, "to_json") and hasattr(value, "columns"):  # a pandas frame
+        return (
+            "takes files or folders, not a DataFrame: write it with df.to_json(PATH, orient='records', "
+            "lines=True), then give PATH"
+        )
+    records = isinstance(value, (list, tuple)) and value and all(isinstance(e, dict) for e in value)
+    if name in SOURCES and records and not any("path" in e for e in value):
+        return (
+            "takes files or folders, not records: write them to a .jsonl file, one a line, and give its path"
+        )
+    return None
+
+
+# Folders lmtune makes where a path names them: a ~ or a variable left as written made a folder of
+# that name in the working folder (./~/runs/a, an invitation to rm -rf ~).
+FOLDERS_MADE = ("output_dir", "cache_dir")
+
+
+def folder_named(path: str) -> tuple[str, str | None]:
+    """``path`` with ``~`` expanded, as the HF Trainer's output_dir is (``~user`` as a shell does),
+    and why it is refused (None: it is not): a variable in it (``${HOME}/runs``, or ``$NAME`` of one
+    that is set), which a shell expands but a file or a script's string does not; a folder that is
+    there is taken as named."""
+    expanded = os.path.expanduser(path)
+    if expanded.startswith("~"):  # ~nosuch: later a traceback, "Could not determine home directory"
+        user = expanded[1:].split("/", 1)[0]
+        return path, f"{brief(path)}: no user {user!r}, so no home folder"
+    variables = re.finditer(r"\$(?:\{(\w+)\}|([A-Za-z_]\w*))", path)
+    if not os.path.exists(expanded) and any(v[1] or v[2] in os.environ for v in variables):
+        return (
+            path,
+            f"names a variable, which lmtune does not expand (got {brief(path)}); write the path itself",
+        )
+    return expanded, None
