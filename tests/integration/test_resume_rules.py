@@ -485,22 +485,29 @@ def test_a_runs_record_given_as_config_trains_that_run_again(
     base: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`--config RUN/run.json` was "unknown setting config / resolved / ..."; its config alone
-    refused the recorded defaults of a feature that is off (lora_rank 16 without lora)."""
+    refused the recorded defaults of a feature that is off (lora_rank 16 without lora). From another
+    folder, its relative paths are read from the folder the run started in."""
     monkeypatch.chdir(tmp_path)
+    shutil.copy(base["data"], tmp_path / "my data.jsonl")
+    argv = _args(Path("my data.jsonl"), Path("a"), "--lora", "--lora-rank", "4", "--eval-split", "0.1")
+    assert main([*argv, "--overwrite"]) == 0
     first = tmp_path / "a"
-    argv = _args(base["data"], first, "--lora", "--lora-rank", "4", "--eval-split", "0.1", "--overwrite")
-    assert main(argv) == 0
     # Without a new --output-dir: the recorded folder, finished; its --overwrite is not taken again
     # (it deleted the run being read and trained it over).
     recorded_first = (first / "run.json").read_bytes()
-    assert main(["train", "--config", str(first / "run.json")]) == 0
-    assert (first / "run.json").read_bytes() == recorded_first
+    assert main(["train", "--config", "a/run.json"]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--config", str(first / "run.json")]) == 0  # the same run: finished
+    assert (first / "run.json").read_bytes() == recorded_first and not (elsewhere / "a").exists()
     again = tmp_path / "b"
     assert main(["train", "--config", str(first / "run.json"), "--output-dir", str(again)]) == 0
     trained = [[(r["step"], r["loss"], r["grad_norm"]) for r in train_rows(out)] for out in (first, again)]
     assert trained[0] == trained[1] and len(trained[0]) == STEPS  # the same losses, step by step
     recorded = json.loads((again / "run.json").read_text())["config"]
     assert recorded == json.loads((first / "run.json").read_text())["config"] | {
+        "data": str(tmp_path / "my data.jsonl"),
         "output_dir": str(again),
         "overwrite": False,
     }

@@ -18,6 +18,7 @@ from lmtune.config.files import SETTINGS_BYTES, read_text
 from lmtune.config.hints import HINTS
 from lmtune.config.mixture import yaml_sources
 from lmtune.config.recipes import recipe_groups, refuse_recipe
+from lmtune.config.replay import is_run_record, recorded_settings
 from lmtune.config.settings import (
     GROUPS,
     Setting,
@@ -265,8 +266,8 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     if not isinstance(loaded, dict):
         raise UserError(f"--config: {path}: expected a mapping of settings, got {type(loaded).__name__}")
     lines = _key_lines(text, path)
-    if _is_run_record(loaded):
-        loaded, lines = _recorded_settings(loaded, lines)
+    if is_run_record(loaded):
+        loaded, lines = recorded_settings(loaded, lines)
 
     def at(key: str) -> str:
         return f"--config {path}" + (f":{lines[key]}" if key in lines else "") + ": "
@@ -277,28 +278,6 @@ def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     known = {s.name for s in config_fields()}
     refuse_recipe(loaded, at, known, lambda: _named_settings(others, path, lines))
     return _named_settings(loaded, path, lines)
-
-
-def _is_run_record(loaded: dict[Any, Any]) -> bool:
-    """A run's run.json: its settings under "config", beside what the run resolved and reached."""
-    return isinstance(loaded.get("config"), dict) and {"resolved", "environment"} <= loaded.keys()
-
-
-# How the recorded run met its folder and the hub, not what it trained: taken again, --overwrite
-# (without a new --output-dir) deleted the run being read, --resume continued its checkpoint.
-_NOT_REPLAYED = ("resume", "overwrite", "push_to_hub", "hub_private")
-
-
-def _recorded_settings(run: dict[Any, Any], lines: dict[str, int]) -> tuple[dict[Any, Any], dict[str, int]]:
-    """The settings a run.json records that differ from their defaults: the run again (every
-    setting is recorded, and one of a feature that is off, at its default, is refused as given)."""
-    known = {s.name for s in config_fields()}
-    settings = {
-        k: v
-        for k, v in run["config"].items()
-        if k not in _NOT_REPLAYED and (k not in known or v != setting_named(str(k)).default)
-    }
-    return settings, {k.removeprefix("config."): n for k, n in lines.items() if k.startswith("config.")}
 
 
 # A group's name may mean something else given a value: a setting (lora: true), another tool's (optim).

@@ -47,6 +47,7 @@ def environment_info(env: DistEnv, threads: int) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
+        "working_folder": os.getcwd(),  # what its relative paths are read from (--config run.json)
         "world_size": env.world_size,
         "device": str(env.device),
         "backend": env.backend,
