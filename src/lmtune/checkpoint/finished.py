@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtune.checkpoint.layout import list_checkpoints
-from lmtune.config.files import read_json_object
+from lmtune.config.files import RUN_RECORD_BYTES, read_json_object
 from lmtune.config.mixture import same_weights
 from lmtune.config.run_groups import names_checkpoint
 from lmtune.config.settings import option_name
@@ -29,7 +29,6 @@ class Finished:
 
 
 FINISHED_KEY = "finished"  # under run.json's "result"
-RUN_RECORD_BYTES = 64 << 20
 
 
 # Known only once the --reference-model is loaded, after a finished run is recognised: a finished

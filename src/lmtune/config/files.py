@@ -19,6 +19,7 @@ from lmtune.errors import UserError
 KIB, MIB = 1 << 10, 1 << 20
 # Caps by kind: lmtune's own records are a few KiB; a settings file or a template is written by hand.
 RECORD_BYTES = 4 * MIB
+RUN_RECORD_BYTES = 64 * MIB  # a run's run.json: its settings, results and long data lists
 SETTINGS_BYTES = 1 * MIB
 
 

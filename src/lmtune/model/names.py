@@ -7,10 +7,8 @@ import difflib
 from collections.abc import Container
 from pathlib import Path
 
-from lmtune.config.files import read_json_object
+from lmtune.config.files import RUN_RECORD_BYTES, read_json_object
 from lmtune.errors import UserError
-
-RUN_RECORD_BYTES = 64 << 20  # run.json, as the report reads it
 
 
 def looks_like_path(name: str) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from lmtune.config.files import decode_json, read_bytes, read_json
+from lmtune.config.files import RUN_RECORD_BYTES, decode_json, read_bytes, read_json
 from lmtune.errors import UserError, brief
 from lmtune.outputs.reporters import is_number
 from lmtune.outputs.runlog import row_problem
@@ -80,7 +80,7 @@ def _run_info(folder: Path) -> dict[str, Any]:
     """run.json's sections as the report reads them ({} when absent or unreadable, with a warning)."""
     path = folder / "run.json"
     try:
-        loaded: Any = read_json(path, limit=64 << 20)
+        loaded: Any = read_json(path, limit=RUN_RECORD_BYTES)
     except FileNotFoundError:
         return {}
     except UserError as e:
