@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import PurePath
 
 from lmtune.errors import SettingError, UserError, brief
@@ -19,16 +20,23 @@ def named_items(spec: str) -> list[tuple[str, str]]:
     """The comma-separated items of a --data or --eval-data value, as (name, item): an item's name
     is given as ``NAME=ITEM``, else it is the item's file stem (``chat`` for ``data/chat.jsonl``).
     A comma inside a path is written ``\\,`` (a YAML list of paths is joined so: :func:`joined`)."""
-    items: list[tuple[str, str]] = []
+    return [(name or item_name(item), item) for name, item in _split(spec) if item]
+
+
+def _split(spec: str) -> list[tuple[str | None, str]]:
+    """Each item of ``spec`` as (the name given as ``NAME=``, or None; the item), empty ones kept."""
+    items: list[tuple[str | None, str]] = []
     for raw in (s.strip().replace("\\,", ",") for s in re.split(r"(?<!\\),", spec)):
-        if not raw:
-            continue
         named = _NAMED.fullmatch(raw)
-        if named:
-            items.append((named.group(1), named.group(2).strip()))
-        else:
-            items.append((item_name(raw), raw))
+        items.append((named.group(1), named.group(2).strip()) if named else (None, raw))
     return items
+
+
+def with_paths(spec: str, path: Callable[[str], str]) -> str:
+    """``spec`` with each item's path as ``path`` gives it, its name and the commas in paths kept."""
+    return joined(
+        [f"{name}={path(item)}" if name else path(item) if item else item for name, item in _split(spec)]
+    )
 
 
 def item_name(item: str) -> str:

@@ -5,18 +5,18 @@ it started in where they name nothing in this one."""
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
+from lmtune.config.mixture import with_paths
 from lmtune.config.settings import config_fields, setting_named
 
 # How the recorded run met its folder and the hub, not what it trained: taken again, --overwrite
 # (without a new --output-dir) deleted the run being read, --resume continued its checkpoint.
 _NOT_REPLAYED = ("resume", "overwrite", "push_to_hub", "hub_private")
 # Settings that name files or folders: data specs (NAME=PATH items, commas in a path as \,) and paths.
-_PATHS = ("data", "eval_data", "model", "reference_model", "sample_prompts", "cache_dir", "output_dir")
-_NAMED = re.compile(r"([A-Za-z0-9_][A-Za-z0-9_.-]*=)?(.+)")
+_SPECS = ("data", "eval_data")
+_PATHS = ("model", "reference_model", "sample_prompts", "cache_dir", "output_dir")
 
 
 def is_run_record(loaded: dict[Any, Any]) -> bool:
@@ -36,24 +36,22 @@ def recorded_settings(run: dict[Any, Any], lines: dict[str, int]) -> tuple[dict[
     environment = run.get("environment")
     origin = environment.get("working_folder") if isinstance(environment, dict) else None
     if isinstance(origin, str) and Path(origin).is_dir():
-        settings = {k: _from(Path(origin), v) if k in _PATHS else v for k, v in settings.items()}
+        settings = {
+            k: _from(Path(origin), v, spec=k in _SPECS) if k in _SPECS + _PATHS else v
+            for k, v in settings.items()
+        }
     return settings, {k.removeprefix("config."): n for k, n in lines.items() if k.startswith("config.")}
 
 
-def _from(origin: Path, value: Any) -> Any:
-    """``value``'s relative paths that name nothing here but something in ``origin`` (the folder
-    the run started in), made absolute: from another folder its data was "no such file"."""
+def _from(origin: Path, value: Any, spec: bool) -> Any:
+    """``value``'s relative paths (each source of a data ``spec``, else the one path) that name
+    nothing here but something in ``origin`` (the folder the run started in), made absolute: from
+    another folder its data was "no such file"."""
+
+    def there(path: str) -> str:
+        found = origin / path
+        return str(found) if not os.path.isabs(path) and not Path(path).exists() and found.exists() else path
+
     if not isinstance(value, str):
         return value
-    items = []
-    for raw in re.split(r"(?<!\\),", value):
-        match = _NAMED.fullmatch(raw.strip().replace("\\,", ","))
-        if match is None:
-            items.append(raw)
-            continue
-        name, path = match.group(1) or "", match.group(2)
-        there = origin / path
-        if not os.path.isabs(path) and not Path(path).exists() and there.exists():
-            path = str(there)
-        items.append(name + path.replace(",", "\\,"))
-    return ",".join(items)
+    return with_paths(value, there) if spec else there(value)

@@ -335,3 +335,34 @@ def test_a_key_with_a_space_around_it_is_its_name(tmp_path: Path) -> None:
         load_yaml(str(path))
     path.write_text('{"lr ": 0.005, "max_steps ": 3, "lora": {" rank": 4}}')
     assert load_yaml(str(path)) == {"lr": 0.005, "max_steps": 3, "lora_rank": 4}
+
+
+def test_a_run_record_read_from_another_folder_finds_the_runs_relative_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each source of a data spec (its name and escaped commas kept) and each single path is read
+    from the folder the run started in where it names nothing here; a path is one path, commas and
+    `=` in it included (split as a data spec, an output folder `lr=1e-3` was a source named lr)."""
+    from lmtune.config.replay import recorded_settings
+
+    origin, here = tmp_path / "origin", tmp_path / "here"
+    for made in ("data/a,1.jsonl", "b.jsonl", "runs/a,b/x", "runs/a/x", "lr=1e-3/x"):
+        (origin / made).parent.mkdir(parents=True, exist_ok=True)
+        (origin / made).write_text("{}")
+    here.mkdir()
+    (here / "b.jsonl").write_text("{}")  # named here too: read here
+    monkeypatch.chdir(here)
+    run = {
+        "config": {
+            "data": "chat=data/a\\,1.jsonl,b.jsonl,sample",
+            "output_dir": "runs/a,b",
+            "model": "Qwen/Qwen2.5-0.5B",
+        },
+        "resolved": {},
+        "environment": {"working_folder": str(origin)},
+    }
+    settings, _ = recorded_settings(run, {})
+    assert settings["data"] == f"chat={origin / 'data' / 'a'}\\,1.jsonl,b.jsonl,sample"
+    assert settings["output_dir"] == str(origin / "runs/a,b") and settings["model"] == "Qwen/Qwen2.5-0.5B"
+    run["config"]["output_dir"] = "lr=1e-3"
+    assert recorded_settings(run, {})[0]["output_dir"] == str(origin / "lr=1e-3")
