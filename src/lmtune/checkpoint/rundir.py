@@ -31,6 +31,7 @@ from lmtune.checkpoint.owned import listed as names_listed
 from lmtune.checkpoint.owned import users_files_said
 from lmtune.config.files import unwritable
 from lmtune.config.mixture import named_items
+from lmtune.config.replay import is_run_record
 from lmtune.config.run_groups import names_checkpoint
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, decided_by_main, stop_if_signalled
@@ -121,7 +122,7 @@ def _ran_here(folder: Path) -> bool:
     from lmtune.checkpoint.layout import list_checkpoints, verify
 
     record = earlier_record(folder)
-    if isinstance(record.get("config"), dict) and isinstance(record.get("environment"), dict):
+    if is_run_record(record):
         return True
     return any(verify(p) is None for p in list_checkpoints(folder))
 

@@ -20,8 +20,9 @@ _PATHS = ("model", "reference_model", "sample_prompts", "cache_dir", "output_dir
 
 
 def is_run_record(loaded: dict[Any, Any]) -> bool:
-    """A run's run.json: its settings under "config", beside what the run resolved and reached."""
-    return isinstance(loaded.get("config"), dict) and {"resolved", "environment"} <= loaded.keys()
+    """A run's run.json: its settings under "config", beside the machine it ran on (written at the
+    run's start, before any result)."""
+    return isinstance(loaded.get("config"), dict) and isinstance(loaded.get("environment"), dict)
 
 
 def recorded_settings(run: dict[Any, Any], lines: dict[str, int]) -> tuple[dict[Any, Any], dict[str, int]]:
