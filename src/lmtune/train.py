@@ -146,7 +146,6 @@ def _run(run: RunContext) -> TrainResult:
     checkpoints.check_room(state, built.layout.total_steps, cfg.optim, merged=cfg.lora.merge)
     trainee = Trainee(built.model, built.optimizer, schedule(cfg, built, state.step), built.scaler)
     log.open_metrics(state.step)
-    # A resumed run's history (metrics.jsonl keeps the rows up to its checkpoint), on rank 0.
     history = read_metrics(output_dir, kind=None) if env.is_main and state.step else []
     if env.is_main:
         log.add_reporters(
@@ -177,7 +176,8 @@ def _run(run: RunContext) -> TrainResult:
     last_eval = result.evals[-1] if result.evals else None
     done = TrainResult(output_dir, result.state.step, result.last_loss, last_eval)
     if result.stop == "signal":
-        log.info(f"stopped at step {result.state.step}; {resume_advice(cfg.checkpoint.overwrite)}")
+        advice = resume_advice(cfg.checkpoint.overwrite, python=run.given is None)
+        log.info(f"stopped at step {result.state.step}; {advice}")
         report_outcome(result.state.step, stopped=True, env=env, overwrite=cfg.checkpoint.overwrite)
         return replace(done, stopped_by="signal")
     finish(run, built, result, checkpoints, trained_from=state.step, record=run_info)

@@ -541,6 +541,8 @@ def test_ctrl_c_stops_a_python_loop_of_runs_after_saving(
     with pytest.raises(KeyboardInterrupt, match=r"stopped by Ctrl\+C with its last step saved .*; the same"):
         lmtune.train(cfg)  # the step under way when the signal came is finished (its flag is read once)
     assert torch.get_num_threads() == 1 and len(steps) == 3
+    said = "".join(capsys.readouterr())  # the stop line names the call, not a command
+    assert "call lmtune.train with the same settings again to resume" in said and "same command" not in said
     assert (tmp_path / "out" / "checkpoints" / "step-000003").is_dir()
     monkeypatch.setattr(torch.optim.AdamW, "step", original)
     assert lmtune.train(cfg).steps == 4  # the same call resumes

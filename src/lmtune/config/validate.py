@@ -302,17 +302,18 @@ def _check_applicable(cfg: TrainConfig, need: Need, given: frozenset[str]) -> No
     o, lora = cfg.objective, cfg.lora
     sgd, adam = cfg.optim.name == "sgd", ("adam_beta1", "adam_beta2", "adam_eps")
     referenced = f"applies to --objective {' and '.join(WITH_REFERENCE)} only (the others need no reference)"
+    lora_only = "applies with --lora only (LoRA is off: every weight would train)"
     applies = {
-        "lora_rank": (lora.enabled, "applies with --lora only (LoRA is off: every weight would train)"),
-        "lora_alpha": (lora.enabled, "applies with --lora only"),
+        "lora_rank": (lora.enabled, lora_only),
+        "lora_alpha": (lora.enabled, lora_only),
         "lora_dropout": (
             lora.enabled and (o.name not in PREFERENCE or lora.dropout == 0),
-            "applies with --lora only"
+            lora_only
             if not lora.enabled
             else f"has no effect under --objective {o.name}, which turns all dropout off (as TRL's "
             "disable_dropout)",
         ),
-        "lora_target_modules": (lora.enabled, "applies with --lora only"),
+        "lora_target_modules": (lora.enabled, lora_only),
         "merge_lora": (lora.enabled, "needs --lora"),
         "bnb_4bit_quant_type": (cfg.model.load_in_4bit, "needs --load-in-4bit"),
         "beta": (

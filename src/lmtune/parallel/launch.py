@@ -70,9 +70,13 @@ def report_stopped(message: str) -> None:
     print(f"lmtune: {message}", file=sys.stderr, flush=True)
 
 
-def resume_advice(overwrite: bool, where: str = "") -> str:
-    """How to continue a run stopped by a signal: its command again, less --overwrite (which
-    would start it over, deleting the checkpoint it just saved)."""
+def resume_advice(overwrite: bool, where: str = "", python: bool = False) -> str:
+    """How to continue a run stopped by a signal: its command (``python``: its call of
+    ``lmtune.train``) again, less --overwrite (which would start it over, deleting the checkpoint it
+    just saved)."""
+    if python:
+        less = " without overwrite=True" if overwrite else ""
+        return f"call lmtune.train with the same settings again{less} to resume"
     if overwrite:
         return f"run the same command without --overwrite{where} to resume (with it, the run starts over)"
     return f"run the same command again{where} to resume"
