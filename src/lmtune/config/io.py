@@ -290,6 +290,7 @@ def _named_settings(
     settings: dict[str, Any] = {}
     origin: dict[str, str] = {}  # flat name -> the key that gave it
     for key, value in loaded.items():
+        _check_key(key, path, lines)
         # A JSON key with a space around it ("lr ") was "unknown setting lr; did you mean lr?", while
         # "learning_rate " was taken (aliases are matched stripped).
         name = str(key).strip().replace("-", "_")
@@ -344,6 +345,37 @@ def _named_settings(
                 reason = str(e).removeprefix(f"{option_name(name)}: ")
                 raise UserError(f"{places[name]}: {reason}") from None
     return resolved, places
+
+
+def _check_key(key: Any, path: str, lines: dict[str, int]) -> None:
+    """A key that cannot be a setting's name as YAML read it: an unquoted ``NO:`` (YAML 1.1's false)
+    was "unknown setting False", and a flag written as a key (``--lr: 0.1``) "unknown setting __lr"."""
+    if isinstance(key, str) and not key.strip().startswith("-"):
+        return
+    raw = (
+        key
+        if isinstance(key, str)
+        else next(
+            (r for r in lines if "." not in r and _scalar(r) == key and type(_scalar(r)) is type(key)), None
+        )
+    )
+    here = f"--config {path}" + (f":{lines[raw]}" if raw in lines else "")
+    if isinstance(key, str):
+        name = key.strip().lstrip("-").replace("-", "_")
+        raise UserError(
+            f"{here}: {one_line(key, 60)} is written as a flag: a file's key is {one_line(name, 60)}"
+        )
+    raise UserError(
+        f"{here}: the key {one_line(str(raw or key), 60)} reads as {key!r}, not a setting's name (YAML takes "
+        "an unquoted number, yes/no, on/off or true/false as a value): quote it if it is a name"
+    )
+
+
+def _scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def _key_lines(text: str, path: str) -> dict[str, int]:

@@ -35,6 +35,14 @@ def in_memory(name: str, value: Any) -> str | None:
         return (
             "takes files or folders, not records: write them to a .jsonl file, one a line, and give its path"
         )
+    kept = (str, bytes, os.PathLike, list, tuple, dict)  # paths, and the lists and groups of them
+    streamed = hasattr(value, "__iter__") and not isinstance(value, kept)
+    if name in SOURCES and streamed:  # a generator, an iterator, a datasets.IterableDataset
+        return (
+            f"takes files or folders, not an iterable ({type(value).__name__}): write its records "
+            "to a .jsonl file, one a line, and give its path (lmtune reads its data whole, to shuffle it "
+            "and count it the same way on every rank)"
+        )
     return None
 
 

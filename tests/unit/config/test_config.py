@@ -87,7 +87,7 @@ def test_help_lists_every_setting_with_its_default() -> None:
         # A setting that would have no effect is refused rather than ignored.
         ({"lora_rank": 8}, "--lora-rank: applies with --lora only .LoRA is off: every weight would train."),
         ({"lora_target_modules": "q_proj"}, "--lora-target-modules: applies with --lora only"),
-        ({"lora_alpha": 32}, "--lora-alpha: applies with --lora only .LoRA is off: every weight would train."),
+        ({"lora_alpha": 32}, "--lora-alpha: applies with --lora only .LoRA is off: every weight would"),
         ({"lora_dropout": 0.1}, "--lora-dropout: applies with --lora only .LoRA is off"),
         ({"beta": 0.3}, "--beta: applies to --objective dpo, ipo, simpo only"),
         # TRL's ORPOConfig.beta is ORPO's weight: a TRL user's beta would have changed no loss.
@@ -337,6 +337,23 @@ def test_a_key_with_a_space_around_it_is_its_name(tmp_path: Path) -> None:
         load_yaml(str(path))
     path.write_text('{"lr ": 0.005, "max_steps ": 3, "lora": {" rank": 4}}')
     assert load_yaml(str(path)) == {"lr": 0.005, "max_steps": 3, "lora_rank": 4}
+
+
+def test_a_key_yaml_reads_as_a_value_or_written_as_a_flag_is_said_so(tmp_path: Path) -> None:
+    """YAML 1.1's unquoted `NO:` was "unknown setting False" (no line), `--lr:` "unknown setting
+    __lr"."""
+    path = tmp_path / "run.yaml"
+    for text, said in (
+        ("lr: 0.1\nNO: 3\n", r"run.yaml:2: the key NO reads as False, not a setting's name .*quote it"),
+        ("on: 1\n", r"run.yaml:1: the key on reads as True"),
+        ("--max-steps: 3\n", r"run.yaml:1: --max-steps is written as a flag: a file's key is max_steps$"),
+    ):
+        path.write_text(text)
+        with pytest.raises(UserError, match=said):
+            load_yaml(str(path))
+    path.write_text("'NO': 3\n")  # quoted: a name, answered as one
+    with pytest.raises(UserError, match="unknown setting NO"):
+        load_yaml(str(path))
 
 
 def test_a_run_record_read_from_another_folder_finds_the_runs_relative_paths(

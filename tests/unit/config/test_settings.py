@@ -420,5 +420,11 @@ def test_a_model_or_data_in_memory_is_answered_with_how_to_give_it() -> None:
         TrainConfig(data=splits)
     with pytest.raises(TypeError, match=r"^TrainConfig: eval_data: takes files or folders, not records: "):
         TrainConfig(eval_data=[{"prompt": "1+1=", "completion": "2"}])
+    # Streamed data (a generator, datasets' IterableDataset) got a bare "expected str".
+    streamed = datasets.Dataset.from_dict({"text": ["a"]}).to_iterable_dataset()
+    for given in (streamed, ({"text": t} for t in "ab")):
+        with pytest.raises(TypeError, match=r"^TrainConfig: data: takes files or folders, not an iterable"):
+            TrainConfig(data=given)
+    assert TrainConfig(data=["a.jsonl", Path("b.jsonl")]).data.train  # paths are not streams
     with pytest.raises(TypeError, match=r"\(got 0.1\) \(a share of the training steps is --warmup-ratio\)"):
         TrainConfig(warmup_steps=0.1)
