@@ -7,6 +7,10 @@ from __future__ import annotations
 # Foreign name -> what to do instead. ``{name}`` becomes a setting's name in the style of the place
 # it was written: ``--global-batch-size`` on the command line, ``global_batch_size`` in YAML.
 _MEET = "the job meets at {rdzv_endpoint} HOST:PORT (node 0's address), with {nnodes} and {node_rank}"
+_OWN_TOKENIZER = (
+    "lmtune loads the tokenizer saved with the model ({model}); for another one, save the model and "
+    "that tokenizer into one folder (their save_pretrained(DIR)) and give DIR as {model}"
+)
 HINTS: dict[str, str] = {
     "gradient_accumulation_steps": (
         "lmtune derives gradient accumulation from {global_batch_size} (examples per optimizer step "
@@ -171,6 +175,10 @@ HINTS: dict[str, str] = {
     "model_type": "lmtune loads every model as a causal LM (transformers' AutoModelForCausalLM): remove it",
     "tokenizer_type": "lmtune loads the tokenizer saved with the model ({model}): remove it",
     "tokenizer_config": "lmtune loads the tokenizer saved with the model ({model})",
+    # HF's run_clm.py, and a Trainer user's tokenizer= / TRL's processing_class=.
+    "tokenizer_name": _OWN_TOKENIZER,
+    "tokenizer": _OWN_TOKENIZER,
+    "processing_class": _OWN_TOKENIZER,
     "dataset_prepared_path": (
         "lmtune caches the tokenized data where {cache_dir} says (else LMTUNE_CACHE_DIR), keyed by the data, "
         "the tokenizer and the settings that shape it"

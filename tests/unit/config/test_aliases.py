@@ -216,6 +216,8 @@ def test_python_config_names_the_setting_it_meant() -> None:
         TrainConfig(lerning_rate=1e-4)
     with pytest.raises(TypeError, match="derives gradient accumulation"):
         TrainConfig(gradient_accumulation_steps=4)
+    with pytest.raises(TypeError, match="'tokenizer': lmtune loads the tokenizer saved with the model"):
+        TrainConfig(tokenizer="gpt2")  # was "did you mean 'tokenizer_type'?"
 
 
 def test_help_shows_lmtune_names_only(capsys: pytest.CaptureFixture[str]) -> None:
