@@ -143,6 +143,7 @@ def test_conversational_pairs_train(
             ["--objective", "sft"],
             "holds preference pairs (prompt, chosen, rejected); tune on them with --objective",
         ),
+        (["--objective", "sft"], "records that hold 'messages' too, as UltraFeedback's, train on those with"),
         (["--objective", "dpo", "--data", "TEXT"], "--objective dpo tunes on preference pairs"),
         (["--objective", "dpo", "--data", "BAD"], "bad.jsonl:2: preference record has no 'rejected' field"),
         (["--objective", "dpo", "--data", "SAME"], "same.jsonl: every pair has the same chosen and rejected"),

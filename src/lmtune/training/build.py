@@ -262,7 +262,8 @@ def check_data_kind(
             )
         raise UserError(
             f"{option}: holds preference pairs (prompt, chosen, rejected); tune on them with --objective "
-            "dpo, ipo, simpo or orpo (--objective sft trains on single examples)"
+            "dpo, ipo, simpo or orpo (--objective sft trains on single examples; records that hold "
+            "'messages' too, as UltraFeedback's, train on those with --data-format messages)"
         )
 
 
