@@ -295,9 +295,9 @@ def candidates(setup: Setup) -> list[Setup]:
     return out
 
 
-def format_row(e: Estimate) -> str:
+def format_row(e: Estimate, width: int = 40) -> str:
     parts = [
-        f"{e.setup.label():<40}",
+        f"{e.setup.label():<{width}}",
         f"B={e.setup.micro_batch_size:<4}",
         *(
             f"{getattr(e, k) / MIB:>9,.0f}"
@@ -309,11 +309,13 @@ def format_row(e: Estimate) -> str:
     return " ".join(parts)
 
 
-HEADER = (
-    f"{'setup':<40} {'micro':<6}"
-    + "".join(f"{h:>10}" for h in ("weights", "grads", "optim", "activ.", "logits", "buffers", "runtime"))
-    + f"{'total MiB':>11}"
-)
+def header(width: int = 40) -> str:
+    """The table's head over :func:`format_row`'s rows of the same ``width`` (the longest setup's)."""
+    return (
+        f"{'setup':<{width}} {'micro':<6}"
+        + "".join(f"{h:>10}" for h in ("weights", "grads", "optim", "activ.", "logits", "buffers", "runtime"))
+        + f"{'total MiB':>11}"
+    )
 
 
 def to_json(e: Estimate) -> dict[str, Any]:
@@ -401,6 +403,8 @@ def plan(cfg: TrainConfig, memory: int | None, calibrate_runs: bool, workdir: Pa
 
 def format_report(report: PlanReport) -> str:
     r = report.requested
+    # A long setup (paged_adamw8bit+lora+nf4+ckpt+dpo) pushed its row's figures out of their columns.
+    width = max(40, *(len(e.setup.label()) for e in (r, *(c for c, _ in report.candidates))))
     lines = [
         f"memory plan of {report.model}: {r.setup.label()}, micro-batch {r.setup.micro_batch_size}"
         + (f" pairs = {r.setup.rows} rows" if r.setup.pairs_apart else "")
@@ -409,8 +413,8 @@ def format_report(report: PlanReport) -> str:
         + f"{r.setup.accumulation} micro-step(s) per step, "
         + (f"loss in chunks of {r.setup.loss_chunk} tokens" if r.setup.loss_chunk else "full logits"),
         "",
-        HEADER,
-        format_row(r),
+        header(width),
+        format_row(r, width),
     ]
     if r.host.gpu:
         lines += [
@@ -440,10 +444,10 @@ def format_report(report: PlanReport) -> str:
         + (
             ", with the CPU process's own memory measured for the setup above:" if r.host.measured_on else ":"
         ),
-        HEADER,
+        header(width),
     ]
     fitting = sorted((x for x in report.candidates if x[1] > 0), key=lambda x: (-x[1], x[0].total))
-    lines += [format_row(e) for e, _ in fitting] or ["  none: even a micro-batch of 1 does not fit"]
+    lines += [format_row(e, width) for e, _ in fitting] or ["  none: even a micro-batch of 1 does not fit"]
     too_big = [e for e, best in report.candidates if best == 0]
     if too_big:
         lines += ["does not fit at micro-batch 1:"] + [

@@ -525,3 +525,23 @@ def test_packed_rows_are_planned_as_a_steps_longest_examples_fill_them(tmp_path:
     many = row_length(TrainConfig(data=str(long), **{**common, "max_length": 256}), None, per_rank=8)
     assert many.most == 8 and 128 < many.length < 256  # no two of them fit in one row
     assert row_length(TrainConfig(**common), None, per_rank=8).most == 0  # no --data: rows of --max-length
+
+
+def test_a_long_setup_keeps_the_tables_columns() -> None:
+    """A setup past 40 characters (paged_adamw8bit+lora+nf4+ckpt+dpo) pushed its row's figures
+    out from under their headings."""
+    from lmtune.tools.plan import PlanReport, format_report
+
+    config = load_config("tiny")
+    facts = model_facts(config, LORA, "bf16", 64, "cpu")
+    long = Setup(
+        "ddp", "paged_adamw8bit", True, True, "bf16", 2, 64, 16, 1, quantization="nf4", objective="dpo"
+    )
+    short = replace(long, optimizer="adamw", lora=False, quantization=None, objective="sft")
+    requested, other = (estimate(s, facts, Host(), padded=False) for s in (long, short))
+    report = PlanReport("tiny", requested, [(other, 2), (requested, 2)], 2**30, "given", None, 2)
+    lines = format_report(report).splitlines()
+    heads, rows = ([x for x in lines if x.startswith(start)] for start in ("setup ", "ddp "))
+    assert len(heads) == 2 and len(rows) == 3 and len(long.label()) > 40
+    for row in rows:  # each row's micro-batch under "micro", its last figure ending under "total MiB"
+        assert len(row) == len(heads[0]) and row.index("B=") == heads[0].index("micro")
