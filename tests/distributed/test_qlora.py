@@ -197,7 +197,9 @@ def test_merged_is_the_dequantized_base_with_the_adapter(runs: dict[str, Any], t
     # an exported adapter too.
     export(runs["qlora"] / "checkpoints" / "step-000006", tmp_path / "exported")
     for folder in ("final", "checkpoints/step-000006", str(tmp_path / "exported")):
-        loaded = load_model(str(runs["qlora"] / folder), 5).model.eval()
+        adapted = load_model(str(runs["qlora"] / folder), 5)
+        assert "(4-bit nf4, as trained) + adapter" in adapted.source  # eval's line: a 4-bit base's loss
+        loaded = adapted.model.eval()
         with torch.no_grad():
             assert float((loaded(input_ids=ids).logits - m).abs().max()) <= 1e-4, folder
 

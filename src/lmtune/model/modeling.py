@@ -369,7 +369,8 @@ def _merged_adapter(name: str, base: str, seed: int, trust_remote_code: bool, me
         model=merged,
         tokenizer=load_tokenizer(name, trust_remote_code),
         default_lr=FINETUNE_LR,
-        source=f"{base} + adapter {name}",
+        # The loss of a QLoRA adapter is its quantized base's: said, so it is not read as the full model's.
+        source=f"{base}{f' ({q.bits}-bit {q.quant_type}, as trained)' if q else ''} + adapter {name}",
     )
 
 
