@@ -127,6 +127,14 @@ def _ran_here(folder: Path) -> bool:
     return any(verify(p) is None for p in list_checkpoints(folder))
 
 
+def _empty_record(path: Path) -> bool:
+    """An empty metrics.jsonl: what a run killed before its run.json leaves (the log is opened
+    first). It holds nothing to lose, whoever made it, so it neither stands for a run nor is at
+    stake: that folder was refused, --overwrite too, as one holding files not lmtune's."""
+    plain = path.name == "metrics.jsonl" and not path.is_symlink() and path.is_file()
+    return plain and not path.stat().st_size
+
+
 def check_earlier_run(
     output_dir: Path,
     continued: bool,
@@ -149,7 +157,7 @@ def check_earlier_run(
     # A finished run's: judged once the run is built (run again, it writes nothing there).
     if (overwrite or not recorded_finish(output_dir)) and (problem := final_problem(output_dir)):
         raise UserError(problem)
-    present = [n for n in RUN_FILES if (output_dir / n).exists()]
+    present = [n for n in RUN_FILES if (output_dir / n).exists() and not _empty_record(output_dir / n)]
     if overwrite:
         if present and not _ran_here(output_dir):
             raise UserError(

@@ -223,6 +223,21 @@ def test_an_earlier_run_is_not_replaced_without_overwrite(tmp_path: Path) -> Non
     assert (tmp_path / "checkpoints" / ".step-000005.tmp").is_dir()
 
 
+def test_a_run_killed_before_its_run_json_leaves_a_folder_the_next_run_takes(tmp_path: Path) -> None:
+    """Killed in the half second after metrics.jsonl is opened and before run.json is written (a
+    `| head` closing the pipe did it), a run left an empty metrics.jsonl, and the folder was refused
+    as holding files not lmtune's, --overwrite too. A row in it is still at stake."""
+    (tmp_path / "metrics.jsonl").touch()
+    said: list[str] = []
+    check_earlier_run(tmp_path, continued=False, overwrite=False, config={"lr": 1.0}, warn=said.append)
+    check_earlier_run(tmp_path, continued=False, overwrite=True, config={"lr": 1.0}, warn=said.append)
+    assert said == []
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    for overwrite in (False, True):
+        with pytest.raises(UserError, match=r"holds metrics\.jsonl but no lmtune run"):
+            check_earlier_run(tmp_path, continued=False, overwrite=overwrite, config={"lr": 1.0})
+
+
 def _tiny_parts() -> tuple[ModelParts, Any, torch.optim.Optimizer]:
     from lmtune.model.modeling import load_model
 
