@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import re
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,7 @@ from lmtune.data.dataset import held_out_count, held_per_source
 from lmtune.data.formats import CHAT_FORMATS, FieldMap, ensure_chat_template
 from lmtune.data.mixture import Mixture, SourceIndex, mixture_of, mixture_order
 from lmtune.data.pair_audit import PairAudit, audit_pairs, pair_lines
-from lmtune.data.pairs import examples_noun, unread_system_said
+from lmtune.data.pairs import examples_noun, unread_said
 from lmtune.data.prepare import encode_into
 from lmtune.data.readers import records
 from lmtune.data.repeats import Repeats
@@ -119,8 +119,8 @@ class AuditReport:
                 f"{self.stops_lost:,} of {_count(s.examples, 'example')} lose their stop token's label"
                 + self._at("no_stop", self.stops_lost)
             )
-        if s.unread_system:
-            found.append(unread_system_said(s.unread_system, s.where, s.formats))
+        if unread := unread_said(asdict(s)):
+            found.append(unread)
         if s.empty_answers:
             found.append(
                 f"{_count(s.empty_answers, 'example')} with an empty or blank answer"

@@ -12,6 +12,8 @@ from lmtune.errors import UserError, one_line
 
 # Other data sets' names for a prompt and its completion, to suggest a --field-map.
 PROMPT_NAMES = ("question", "query", "input", "prompt_text", "problem", "source")
+# ... and for what an instruction is about (its input).
+INPUT_NAMES = ("context", "passage", "document")
 COMPLETION_NAMES = ("answer", "response", "output", "target", "completion_text", "solution", "reply")
 
 
@@ -50,6 +52,9 @@ def suggested_map(record: Record) -> str:
     completion = next((n for n in COMPLETION_NAMES if isinstance(fields.get(n), str)), None)
     if completion is not None and isinstance(fields.get("instruction"), str):  # lmtune's output
         suggested.setdefault("output", completion)
+        passage = next((n for n in INPUT_NAMES if isinstance(fields.get(n), str)), None)
+        if passage is not None and "input" not in fields:  # Dolly's context: the instruction is about it
+            suggested.setdefault("input", passage)
     elif completion is not None:
         prompt = next((n for n in ("prompt", *PROMPT_NAMES) if isinstance(fields.get(n), str)), None)
         if prompt is not None:

@@ -22,7 +22,7 @@ room, but never below half of ``max_length``, and the answers are cut from the r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -327,40 +327,63 @@ def counted_as(meta: dict[str, Any]) -> str:
     return "pairs" if {"preference", "preference_messages"} & set(meta["formats"]) else "examples"
 
 
-def unread_system_said(count: int, where: dict[str, list[str]], formats: Iterable[str]) -> str:
-    """What the data line and the audit say of records whose system prompt is never rendered."""
-    pairs = counted_as({"formats": formats}) == "pairs"
-    kind = "preference" if pairs else "prompt/completion or instruction"
-    fix = "a prompt of messages, a system turn then the user's" if pairs else "messages with a system turn"
-    return (
-        f"{count:,} {kind} record{'s' if count != 1 else ''} with a 'system' field"
-        f"{in_parentheses(first_places(where, 'unread_system', count))}, which that format does not render: "
-        f"they train without it (write them as {fix})"
-    )
+def unread_said(meta: dict[str, Any]) -> str:
+    """What the data line and the audit say of records (their cache meta's counts) with text their
+    format never reads: a system prompt in a field of its own, Dolly's context ("" when none)."""
+    where, formats = meta.get("where", {}), set(meta.get("formats", ()))
+    said = []
+    if count := meta.get("unread_system", 0):
+        one = count == 1
+        if counted_as({"formats": formats}) == "pairs":
+            kind, fix = (
+                "preference",
+                f"write {'it' if one else 'them'} as a prompt of messages, a system turn then the user's",
+            )
+        elif formats <= {"messages", "sharegpt"}:
+            kind, fix = "conversation", "put it in the conversation as its first turn, of role system"
+        else:
+            kind = (
+                "prompt/completion or instruction" if formats <= {"prompt_completion"} else "single-example"
+            )
+            fix = f"write {'it' if one else 'them'} as messages with a system turn"
+        said.append(
+            f"{count:,} {kind} record{'' if one else 's'} with a 'system' field"
+            f"{in_parentheses(first_places(where, 'unread_system', count))}, which that format does not "
+            f"render: {'it trains' if one else 'they train'} without it ({fix})"
+        )
+    if count := meta.get("unread_context", 0):
+        one = count == 1
+        said.append(
+            f"{count:,} record{'' if one else 's'} with a 'context' field"
+            f"{in_parentheses(first_places(where, 'unread_context', count))}, which no format reads: "
+            f"{'it trains' if one else 'they train'} without it (an instruction record, as Dolly's, reads "
+            "it as its input with --field-map input=context)"
+        )
+    return "; ".join(said)
 
 
 def pair_counts(meta: dict[str, Any]) -> str:
     """What truncation did to preference pairs, and how many have the same answer twice or an empty
     one, for the data line of the log; of single examples, how many have an empty answer."""
     if counted_as(meta) != "pairs":
-        blank, system = meta.get("empty_answers", 0), meta.get("unread_system", 0)
+        blank, unread = meta.get("empty_answers", 0), unread_said(meta)
         return (
             f"; {blank:,} with an empty answer"
             f"{in_parentheses(first_places(meta.get('where', {}), 'empty_answer', blank))}: only the stop "
             "trains, so the model learns to say nothing (most often a data error)"
             if blank
             else ""
-        ) + (f"; {unread_system_said(system, meta.get('where', {}), meta['formats'])}" if system else "")
+        ) + (f"; {unread}" if unread else "")
     cut = (
         f" (pairs: {meta.get('prompts_truncated', 0)} prompts cut from the left, "
         f"{meta.get('answers_truncated', 0)} with answers cut from the right)"
     )
     same, empty = meta.get("identical_pairs", 0), meta.get("empty_answer_pairs", 0)
-    system = meta.get("unread_system", 0)
+    unread = unread_said(meta)
     return (
         (cut if meta.get("truncated") else "")
         + (f"; {same:,} with the same answer as chosen and rejected (no preference to learn)" if same else "")
         + (f"; {empty:,} with an empty answer (most often a data error)" if empty else "")
         + ("; lmtune data audit lists them" if same or empty else "")
-        + (f"; {unread_system_said(system, meta.get('where', {}), meta['formats'])}" if system else "")
+        + (f"; {unread}" if unread else "")
     )

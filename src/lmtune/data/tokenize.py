@@ -50,9 +50,11 @@ class EncodeStats:
     identical_pairs: int = 0  # kept pairs whose answers are the same tokens: no preference in them
     empty_answer_pairs: int = 0  # kept pairs with an answer of no text (a data error, most often)
     empty_answers: int = 0  # kept single examples that train their stop alone (an empty answer)
-    # Prompt/completion and instruction records with a system prompt, which their format never renders
-    # (Axolotl's alpaca_w_system): the model trains without it.
+    # Records with a system prompt beside fields whose format never renders one (Axolotl's
+    # alpaca_w_system, a ShareGPT export's own column): the model trains without it.
     unread_system: int = 0
+    # Instruction records with Dolly's 'context' (the passage the instruction is about) unread.
+    unread_context: int = 0
     # Where the first examples of each kind of loss are (``file:line``), so a message can name them:
     # "no_targets", "too_long", "empty_answer", "no_stop".
     where: dict[str, list[str]] = field(default_factory=dict)
@@ -249,19 +251,27 @@ def _encode_examples(
         if blank_answer(ids, trainable, tokenizer, stops):
             stats.empty_answers += 1
             stats.note("empty_answer", rec.where)
-        if r.format == "prompt_completion":
-            _count_unread_system(rec, stats)
+        _count_unread(rec, stats, names if r.format == "prompt_completion" else None)
         out.append(Encoded(ids, trainable))
     return out, stats
 
 
-def _count_unread_system(record: Record, stats: EncodeStats) -> None:
-    """A 'system' field beside a format that renders none (prompt/completion, instruction and
-    preference records; Intel/orca_dpo_pairs has one) trains without it: counted, to be said."""
-    system = record.fields.get("system")
-    if isinstance(system, str) and system.strip():
-        stats.unread_system += 1
-        stats.note("unread_system", record.where)
+def _count_unread(record: Record, stats: EncodeStats, instruction: FieldMap | None = None) -> None:
+    """Text a record's format never reads, so it trains without it: counted, to be said. A 'system'
+    field beside any fields but a text's (prompt/completion, instruction, preference records:
+    Intel/orca_dpo_pairs; messages and ShareGPT with the system prompt in a column of its own);
+    of an ``instruction``-style record (its field map given), Dolly's 'context' not mapped to its
+    input."""
+    fields = record.fields
+    for name, mapped in (("system", None), ("context", instruction)):
+        value = fields.get(name)
+        if name == "context" and (mapped is None or name in mapped.fields.values()):
+            continue
+        if name == "system" and any(_system_turn(v) for v in fields.values()):
+            continue  # a conversation that has its own system turn: the column repeats it, most often
+        if isinstance(value, str) and value.strip() and not isinstance(fields.get("text"), str):
+            setattr(stats, f"unread_{name}", getattr(stats, f"unread_{name}") + 1)
+            stats.note(f"unread_{name}", record.where)
 
 
 def blank_answer(ids: np.ndarray, trainable: np.ndarray, tokenizer: Any, stops: Collection[int]) -> bool:
@@ -275,6 +285,12 @@ def blank_answer(ids: np.ndarray, trainable: np.ndarray, tokenizer: Any, stops: 
         if not tokenizer.decode([int(t) for t in ids[start:end] if int(t) not in stops]).strip():
             return True
     return False
+
+
+def _system_turn(value: Any) -> bool:
+    """Whether ``value`` is a list of turns with a system turn (lmtune's, or ShareGPT's names)."""
+    turns = value if isinstance(value, list) else []
+    return any(isinstance(t, dict) and "system" in (t.get("role"), t.get("from")) for t in turns)
 
 
 def _is_pair(record: Record, fmt: str, names: FieldMap) -> bool:
@@ -355,7 +371,7 @@ def encode_pairs(
         stats.answers_truncated += bool(cut and cut.answers_cut)
         stats.identical_pairs += np.array_equal(pair.chosen, pair.rejected)
         stats.empty_answer_pairs += not all(a.strip() for a in answer_texts(record, names))
-        _count_unread_system(record, stats)
+        _count_unread(record, stats)
         stats.tokens += len(pair.prompt) + len(pair.chosen) + len(pair.rejected)  # as the model runs it
         stats.target_tokens += sum(targets)
         # Anywhere in each answer, as for single examples: chat templates put a newline after the

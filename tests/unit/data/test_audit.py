@@ -342,6 +342,53 @@ def test_a_system_prompt_that_a_prompt_completion_record_never_renders_is_named(
     ) in said
 
 
+def test_a_system_column_beside_a_conversation_and_dollys_context_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ShareGPT or messages export with the system prompt in a column of its own, and Dolly's
+    'context' once its response was mapped as lmtune's hint said (the hint named output=response
+    alone), trained without them while the audit said "clean"."""
+    f = tmp_path / "d.jsonl"
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Arr"}]
+    rows = [
+        {
+            "system": "You are a pirate.",
+            "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Arr"}],
+        },
+        {"system": "You are a pirate.", "messages": turns},
+        {
+            "system": "Be nice.",
+            "messages": [{"role": "system", "content": "Be nice."}, *turns],
+        },  # its own turn
+    ]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["data", "audit", str(f), "--global-batch-size", "1"]) == 1
+    said = capsys.readouterr().out
+    assert (
+        f"2 conversation records with a 'system' field (at {f}:1, {f}:2), which that format does not render: "
+        "they train without it (put it in the conversation as its first turn, of role system)"
+    ) in said
+    dolly = {"instruction": "Summarize", "context": "Long text here.", "response": "Short.", "category": "qa"}
+    f.write_text(json.dumps(dolly) + "\n")
+    assert main(["data", "audit", str(f), "--global-batch-size", "1"]) == 2
+    assert "such as output=response,input=context)" in capsys.readouterr().out
+    assert main(["data", "audit", str(f), "--global-batch-size", "1", "--field-map", "output=response"]) == 1
+    assert (
+        f"1 record with a 'context' field (at {f}:1), which no format reads: it trains"
+        in capsys.readouterr().out
+    )
+    argv = [
+        "data",
+        "audit",
+        str(f),
+        "--global-batch-size",
+        "1",
+        "--field-map",
+        "output=response,input=context",
+    ]
+    assert main(argv) == 0
+
+
 def test_records_that_repeat_an_earlier_one_are_counted_and_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
