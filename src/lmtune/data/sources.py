@@ -197,9 +197,10 @@ def _item_sources(item: str, option: str) -> list[Source]:
         if weights := _model_files(path):
             said = f"{item}: a model folder (it holds {weights}), not data; a model is given with --model"
             raise _refused(option, said)
-        files = sorted(p for p in path.rglob("*") if p.is_file() and data_suffix(p) in EXTENSIONS)
+        files = _folder_files(path)
         if not files:
             raise _refused(option, f"{item}: folder has no {', '.join(EXTENSIONS)} files")
+        _refuse_splits(item, path, files, option)
         inside = next((d for d in dict.fromkeys(f.parent for f in files) if _model_files(d)), None)
         if inside is not None:
             said = f"{item}: holds a model ({inside}), not only data; a model is given with --model"
@@ -228,6 +229,61 @@ def _item_sources(item: str, option: str) -> list[Source]:
             "data set: give the files themselves (FILE,FILE,...: their names say their format)",
         )
     return [Source("hf_hub", name, split or "train")]
+
+
+# A data set's papers, not its records: a LICENSE.txt beside the .jsonl files trained as text.
+_NOT_RECORDS = frozenset(
+    {"readme", "license", "licence", "notice", "citation", "copying", "changelog", "authors"}
+)
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """The data files a folder given as data holds, in order of their names: not hidden ones nor
+    those in hidden folders (a notebook's .ipynb_checkpoints copies, macOS's ._ files, .git), nor
+    a README, LICENSE and the like."""
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and data_suffix(p) in EXTENSIONS
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        and p.name.split(".")[0].lower() not in _NOT_RECORDS
+    )
+
+
+# The words that name a split in a file's name, as the datasets library reads a folder's files.
+_SPLIT_WORDS = {
+    "train": "train", "training": "train",
+    "test": "held out", "testing": "held out", "validation": "held out", "valid": "held out",
+    "val": "held out", "dev": "held out", "eval": "held out", "evaluation": "held out",
+}  # fmt: skip
+
+
+def _refuse_splits(item: str, folder: Path, files: list[Path], option: str) -> None:
+    """A folder whose file names split it (train.jsonl beside test.jsonl, as a hub data set's are)
+    is refused: read whole, its held-out split trained with the rest, unsaid."""
+    splits: dict[str, list[Path]] = {}
+    for f in files:
+        words = re.split(r"[^a-z]+", str(f.relative_to(folder)).lower())
+        kind = next((_SPLIT_WORDS[w] for w in words if w in _SPLIT_WORDS), None)
+        if kind is not None:
+            splits.setdefault(kind, []).append(f)
+    if len(splits) < 2:
+        return
+
+    def listed(kind: str) -> str:
+        return ",".join(str(f).replace(",", "\\,") for f in splits[kind])
+
+    train, held = listed("train"), listed("held out")
+    give = {
+        "--data": f"give --data {train} and --eval-data {held}",
+        "--eval-data": f"give --eval-data {held} (and --data {train})",
+    }.get(option, f"give one split's files ({train}, or {held})")
+    raise _refused(
+        option,
+        f"{item}: holds a train split and a held-out one by their file names (read whole, the held-out "
+        f"files would train too): {give}",
+    )
 
 
 # The datasets library's packaged loaders: load_dataset("json") without data_files reads every such

@@ -110,6 +110,29 @@ def test_folder_reads_every_supported_file(tmp_path: Path) -> None:
     assert [r["text"] for r in read(str(tmp_path / "x"))] == ["a", "b", "c"]
 
 
+def test_a_folder_leaves_out_hidden_files_and_papers_and_refuses_split_files(tmp_path: Path) -> None:
+    """A folder trained a notebook's .ipynb_checkpoints copy, macOS's ._ file, a LICENSE.txt as
+    text, and a hub data set's test.jsonl with its train.jsonl."""
+    x = tmp_path / "x"
+    (x / ".ipynb_checkpoints").mkdir(parents=True)
+    (x / "a.jsonl").write_text('{"text": "a"}\n')
+    (x / ".ipynb_checkpoints" / "a-checkpoint.jsonl").write_text('{"text": "a"}\n')
+    (x / "._a.jsonl").write_bytes(b"\x00\x05\x16\x07")
+    (x / "LICENSE.txt").write_text("MIT\n")
+    (x / "README.txt").write_text("about\n")
+    assert [s.name for s in resolve_sources(str(x))] == [str(x / "a.jsonl")]
+    (x / "split" / "validation").mkdir(parents=True)
+    (x / "split" / "train-00000.jsonl").write_text('{"text": "t"}\n')
+    (x / "split" / "validation" / "part.jsonl").write_text('{"text": "v"}\n')
+    held = f"--eval-data {x / 'split' / 'validation' / 'part.jsonl'}"
+    for given in (x, x / "split"):
+        with pytest.raises(
+            UserError, match=rf"holds a train split and a held-out one by their file names .*{held}$"
+        ):
+            resolve_sources(str(given))
+    assert len(resolve_sources(str(x / "split" / "validation"))) == 1  # one split's folder: read
+
+
 def test_compressed_files_read_as_their_format(tmp_path: Path) -> None:
     """HF's loaders and Axolotl read train.jsonl.gz; it was an unsupported file type."""
     import bz2
