@@ -30,7 +30,7 @@ import numpy as np
 
 from lmtune.data.field_hints import suggested_pair_field, unread_pair_prompt
 from lmtune.data.formats import FieldMap, chat_text, field_kind, messages_field
-from lmtune.data.sources import BadLines, Record, first_places, in_parentheses
+from lmtune.data.sources import BadLines, Record, first_places, in_parentheses, skipped_lines
 from lmtune.errors import UserError
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
@@ -386,4 +386,29 @@ def pair_counts(meta: dict[str, Any]) -> str:
         + (f"; {empty:,} with an empty answer (most often a data error)" if empty else "")
         + ("; lmtune data audit lists them" if same or empty else "")
         + (f"; {unread}" if unread else "")
+    )
+
+
+def counted(n: int, meta: dict[str, Any]) -> str:
+    """``1 example``, ``250 examples``, ``3 pairs``: ``n`` of what ``meta``'s data set holds."""
+    noun = counted_as(meta)
+    return f"{n:,} {noun if n != 1 else noun.removesuffix('s')}"
+
+
+def data_line(named: str, meta: dict[str, Any], how: str, files: list[str] | None = None) -> str:
+    """The log's line for a tokenized data set (its cache ``meta``), ``named`` as the run gives it,
+    with the ``files`` a folder or a glob of it read."""
+    where = meta.get("where", {})
+    shown = (
+        ", ".join(files[:4]) + (f" and {len(files) - 4:,} more" if len(files) > 4 else "") if files else ""
+    )
+    return (
+        f"{named}{f' ({len(files):,} files: {shown})' if files else ''}: {counted(meta['examples'], meta)}, "
+        f"{meta['tokens']:,} tokens ({how}); "
+        f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long"
+        f"{in_parentheses(first_places(where, 'too_long', meta['dropped_too_long']))}, "
+        f"{meta['dropped_no_targets']} dropped with no trainable tokens"
+        f"{in_parentheses(first_places(where, 'no_targets', meta['dropped_no_targets']))}"
+        + (f", {skipped_lines(meta['bad_lines'])}" if meta["bad_lines"] else "")
+        + pair_counts(meta)
     )

@@ -14,17 +14,16 @@ from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.fingerprint import Fingerprint, fingerprint
 from lmtune.checkpoint.state import ModelParts
-from lmtune.config.mixture import shown_spec
+from lmtune.config.mixture import named_items, shown_spec
 from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps
 from lmtune.data.audit import stops_lost_warning
 from lmtune.data.chat import drop_unlearned_template, end_of_turn_ids, use_chat_template
 from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.formats import CHAT_FORMATS, builtin_template_note
 from lmtune.data.mixture import check_sources_kept, mixture_line, per_source, source_index, training_mixture
-from lmtune.data.pairs import counted_as, pair_counts
+from lmtune.data.pairs import counted, data_line
 from lmtune.data.prepare import Wanted, cache_root, data_cache_dir, prepare
 from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
-from lmtune.data.sources import first_places, in_parentheses, skipped_lines
 from lmtune.data.tokenize import EncodeStats
 from lmtune.errors import SettingError, UserError
 from lmtune.model.attention import supports_varlen, use_varlen
@@ -267,12 +266,6 @@ def check_data_kind(
         )
 
 
-def _counted(n: int, meta: dict[str, Any]) -> str:
-    """``1 example``, ``250 examples``, ``3 pairs``: ``n`` of what ``meta``'s data set holds."""
-    noun = counted_as(meta)
-    return f"{n:,} {noun if n != 1 else noun.removesuffix('s')}"
-
-
 def _eval_spec(cfg: TrainConfig) -> str | None:
     if cfg.data.eval is None and cfg.data.train == SAMPLE_DATA and cfg.data.eval_split is None:
         return SAMPLE_EVAL
@@ -314,17 +307,12 @@ def prepare_data(
             },
         }
         how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
-        where = info[name]["where"]
         shown = {SAMPLE_DATA: "the built-in sample", SAMPLE_EVAL: "the built-in sample's held-out split"}
+        files = meta.get("sources", [])
+        if len(files) > len(named_items(spec)):  # a folder or a glob: which files it read
+            info[name]["files"] = files
         log.info(
-            f"{name} data {shown.get(spec, shown_spec(spec))}: {_counted(meta['examples'], meta)}, "
-            f"{meta['tokens']:,} tokens ({how}); "
-            f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long"
-            f"{in_parentheses(first_places(where, 'too_long', meta['dropped_too_long']))}, "
-            f"{meta['dropped_no_targets']} dropped with no trainable tokens"
-            f"{in_parentheses(first_places(where, 'no_targets', meta['dropped_no_targets']))}"
-            + (f", {skipped_lines(meta['bad_lines'])}" if meta["bad_lines"] else "")
-            + pair_counts(meta)
+            data_line(f"{name} data {shown.get(spec, shown_spec(spec))}", meta, how, info[name].get("files"))
         )
         if (
             name == "train"
@@ -347,7 +335,7 @@ def prepare_data(
         info["train"]["held_out"] = len(prepared["eval"])
         info["train"]["training_examples"] = len(prepared["train"])
         log.info(
-            f"eval data: {_counted(len(prepared['eval']), prepared['train'].meta)} of --data held out "
+            f"eval data: {counted(len(prepared['eval']), prepared['train'].meta)} of --data held out "
             f"(--eval-split); {len(prepared['train']):,} left to train on"
         )
     for name, data in prepared.items():

@@ -420,3 +420,19 @@ def test_training_counts_single_examples_with_an_empty_answer() -> None:
     said = pair_counts({"formats": stats.formats, "empty_answers": stats.empty_answers, "where": stats.where})
     assert said.startswith("; 2 with an empty answer (at pairs.jsonl:1, pairs.jsonl:2): only the stop trains")
     assert pair_counts({"formats": {"text": 1}}) == ""
+
+
+def test_the_data_line_names_the_files_a_folder_or_glob_read() -> None:
+    """A folder's files were trained unnamed: the log (and run.json) did not say which."""
+    from lmtune.data.pairs import data_line
+
+    meta = {"examples": 6, "tokens": 90, "truncated": 0, "dropped_too_long": 0, "dropped_no_targets": 0}
+    meta |= {"bad_lines": 0, "formats": {"text": 6}}
+    files = [f"d/{i}.jsonl" for i in range(6)]
+    line = data_line("train data d", meta, "from the cache", files)
+    assert line.startswith(
+        "train data d (6 files: d/0.jsonl, d/1.jsonl, d/2.jsonl, d/3.jsonl and 2 more): 6 examples, 90 tokens"
+    )
+    assert data_line("train data a.jsonl", meta, "from the cache").startswith(
+        "train data a.jsonl: 6 examples"
+    )
