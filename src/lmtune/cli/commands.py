@@ -450,7 +450,10 @@ def show_data(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from lmtune.data.audit import audit, format_report, holding_out, plot_histogram
+    from dataclasses import replace
+
+    from lmtune.data.audit import audit, format_report, holding_out
+    from lmtune.data.audit_plot import plot_histogram
 
     cfg, tokenizer = _data_and_tokenizer(args, "data audit")
     plot = _output_file(args.plot, "--plot", "png") if args.plot else None
@@ -469,4 +472,12 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if plot is not None:
         write_output(plot, plot_histogram(report), "--plot")
         print(f"  histogram           {plot}")
-    return report.exit_code
+    if cfg.data.eval is None:
+        return report.exit_code
+    # The evaluation data, as training reads it (a bad line there stops the run too), and what of
+    # it training trains on: its loss would say how well the model remembers, not generalises.
+    held = audit(cfg.data.eval, tokenizer, cfg.examples, seed=cfg.seed, global_batch_size=1)
+    if held.repeats is not None and report.repeats is not None:
+        held = replace(held, in_training=held.repeats.also_in(report.repeats))
+    print("\n" + format_report(held).replace("audit of ", "audit of --eval-data ", 1))
+    return max(report.exit_code, held.exit_code)

@@ -424,7 +424,7 @@ def _data_parser(sub: Any) -> None:
     )
     aud.add_argument("data", nargs="*", default=argparse.SUPPRESS, metavar="DATA", help=_DATA_HELP)
     # Train's settings that decide what training makes of the data: the same names and defaults.
-    _add_train_options(aud, AUDIT_SETTINGS, config_file=True)
+    _add_train_options(aud, (*AUDIT_SETTINGS, "eval_data"), config_file=True)
     aud.add_argument("--plot", metavar="PNG", default=None, help="also write the length histogram as a PNG")
     aud.set_defaults(run=commands.audit)
     show = _command(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -10,7 +9,6 @@ from typing import Any
 import numpy as np
 
 from lmtune.config.groups import ExampleSettings
-from lmtune.config.marks import PNG_METADATA
 from lmtune.config.mixture import parse_weights, source_names
 from lmtune.data.chat import end_of_turn_ids
 from lmtune.data.dataset import held_out_count, held_per_source
@@ -61,6 +59,8 @@ class AuditReport:
     stops_on_length: int = 0
     chat_template: str | None = None  # --chat-template: training refuses it for data of no conversation
     repeats: Repeats | None = None  # records that repeat an earlier one
+    # Evaluation data's: how many of its records training trains on too, and the first few places.
+    in_training: tuple[int, list[tuple[str, str]]] | None = None
 
     @property
     def trained(self) -> int:
@@ -121,6 +121,11 @@ class AuditReport:
             )
         if unread := unread_said(asdict(s)):
             found.append(unread)
+        if self.in_training and self.in_training[0]:
+            found.append(
+                f"{_count(self.in_training[0], 'evaluation record')} also in --data: their loss says how "
+                "well the model remembers them, not how it generalises"
+            )
         if s.empty_answers:
             found.append(
                 f"{_count(s.empty_answers, 'example')} with an empty or blank answer"
@@ -408,6 +413,10 @@ def format_report(report: AuditReport) -> str:
     ]
     if report.repeats is not None:
         lines.insert(-1, report.repeats.line())
+    if report.in_training is not None:
+        count, places = report.in_training
+        shown = f" ({', '.join(f'{mine} = {theirs}' for mine, theirs in places)})" if places else ""
+        lines.insert(-1, f"  also in --data      {count:,}{shown}")
     if len(report.lengths):
         q = np.percentile(report.lengths, [0, 50, 95, 100]).astype(int)
         lines.append(f"  token lengths       min {q[0]}, median {q[1]}, p95 {q[2]}, max {q[3]}")
@@ -472,26 +481,3 @@ def _verdict(report: AuditReport) -> str:
     if report.problems:
         return f"will train badly (exit code 1): {'; '.join(report.problems)}"
     return "clean"
-
-
-def plot_histogram(report: AuditReport) -> bytes:
-    """The token-length histogram as a PNG."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'lmtune[plot]'") from None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.hist(report.lengths, bins=50, color="#4477aa")
-    ax.axvline(report.max_length, color="#cc3311", linestyle="--", label=f"--max-length {report.max_length}")
-    ax.set_xlabel("tokens per example (after truncation)")
-    ax.set_ylabel("examples")
-    ax.set_title(f"{report.spec}: {len(report.lengths):,} examples")
-    ax.legend()
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100, metadata=PNG_METADATA)
-    plt.close(fig)
-    return buffer.getvalue()

@@ -175,9 +175,20 @@ def _jsonl(path: str, bad: BadLines) -> Iterator[Record]:
             bad.report(f"{e}{array}")
             continue
         if not isinstance(record, dict):
-            bad.report(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}{array}")
+            bad.report(f"{path}:{lineno}: expected a JSON object, got {json_kind(record)}{array}")
             continue
         yield Record(path, lineno, record)
+
+
+def json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words (Python's "NoneType" and "str" said nothing to
+    a data set's author)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    kinds = {str: "a string", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def _json(path: str, bad: BadLines) -> Iterator[Record]:
@@ -193,12 +204,12 @@ def _json(path: str, bad: BadLines) -> Iterator[Record]:
         return
     data = _parse_json(text, path)
     if not isinstance(data, list):
-        raise UserError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+        raise UserError(f"{path}: expected a JSON list of records, got {json_kind(data)}")
     lines = list(_element_lines(text))
     shared = {line for line, count in Counter(lines).items() if count > 1}
     for (i, record), line in zip(enumerate(data, start=1), lines, strict=True):
         if not isinstance(record, dict):  # a bad line, as in JSONL: --skip-bad-lines passes over it
-            bad.report(f"{path}:{line}: record {i} is not a JSON object ({type(record).__name__})")
+            bad.report(f"{path}:{line}: record {i} is not a JSON object (it is {json_kind(record)})")
             continue
         yield Record(path, line, record, i if line in shared else 0)
 

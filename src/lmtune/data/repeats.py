@@ -63,6 +63,17 @@ class Repeats:
         places = [(self._where(int(later[i])), self._where(int(first[i]))) for i in shown]
         return int(repeat.sum()), places
 
+    def also_in(self, other: Repeats) -> tuple[int, list[tuple[str, str]]]:
+        """How many of these records train on what one of ``other``'s does (evaluation records
+        that are training's too), and (this one, other's) for the first of them."""
+        theirs = np.frombuffer(other._digests, dtype=np.uint64) if other._digests else np.zeros(0, np.uint64)
+        mine = np.frombuffer(self._digests, dtype=np.uint64) if self._digests else np.zeros(0, np.uint64)
+        order = np.argsort(theirs, kind="stable")
+        at = np.minimum(np.searchsorted(theirs[order], mine), max(len(order) - 1, 0))
+        shared = np.flatnonzero(theirs[order][at] == mine) if len(order) else np.zeros(0, np.int64)
+        places = [(self._where(int(i)), other._where(int(order[at[i]]))) for i in shared[:PLACES_KEPT]]
+        return len(shared), places
+
     def _where(self, number: int) -> str:
         source = self._sources[bisect.bisect_right(self._starts, number) - 1]
         return Record(source, self._lines[number], {}, self._items[number]).where

@@ -459,8 +459,30 @@ def test_an_empty_file_and_a_json_array_named_jsonl_are_said_as_such(
     one.write_text(json.dumps([{"text": "a"}, {"text": "b"}]) + "\n")
     pretty.write_text('[\n  {"text": "a"},\n  {"text": "b"}\n]\n')
     assert main(["data", "audit", str(one)]) == 2
-    said = f"{one}:1: expected a JSON object, got list (a JSON array of records? name the file .json)"
+    said = f"{one}:1: expected a JSON object, got a list (a JSON array of records? name the file .json)"
     assert said in capsys.readouterr().out
     assert main(["data", "audit", str(pretty)]) == 2
     out = capsys.readouterr().out
     assert f"{pretty}:1: not valid JSON" in out and out.count("name the file .json") == 1
+
+
+def test_the_evaluation_data_is_audited_with_what_training_trains_of_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--config` with eval_data: the audit read the training data alone and said "clean" where
+    training stopped on a bad evaluation line; --eval-data was refused; eval records that are
+    training's too were said only when the two specs were the same."""
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps({"text": f"example {i}"}) + "\n" for i in range(4)))
+    held.write_text(json.dumps({"text": "example 2"}) + "\n" + json.dumps({"text": "new"}) + "\n")
+    argv = ["data", "audit", str(train), "--global-batch-size", "2", "--eval-data", str(held)]
+    assert main(argv) == 1
+    said = capsys.readouterr().out
+    assert f"audit of --eval-data {held}" in said
+    assert f"  also in --data      1 ({held}:1 = {train}:3)" in said
+    assert "1 evaluation record also in --data: their loss says how well the model remembers" in said
+    held.write_text(json.dumps({"text": "new"}) + "\n" + '"a string"\n')
+    config = tmp_path / "run.yaml"
+    config.write_text(f"data: {train}\neval_data: {held}\nglobal_batch_size: 2\n")
+    assert main(["data", "audit", "--config", str(config)]) == 2  # as training stops on it
+    assert f"{held}:2: expected a JSON object, got a string" in capsys.readouterr().out
