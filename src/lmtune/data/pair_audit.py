@@ -81,7 +81,8 @@ def pair_lines(report: PairAudit) -> list[str]:
     )
     lines = [
         f"  preference pairs    {report.pairs:,}: identical chosen and rejected  {report.identical:,}, "
-        f"an empty answer  {report.empty:,}, prompt alone over --max-length  {report.prompt_fills:,}",
+        f"an empty answer  {report.empty:,}, prompt alone over --max-length  {report.prompt_fills:,} "
+        "(train on them with --objective dpo, ipo, simpo or orpo: sft refuses pairs)",
         f"  answer lengths      chosen {report.chosen_tokens / n:.1f} tokens on average, rejected "
         f"{report.rejected_tokens / n:.1f}; {share}",
     ]

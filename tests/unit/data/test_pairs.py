@@ -322,6 +322,9 @@ def test_audit_reports_pair_problems(tmp_path: Path) -> None:
     text = format_report(report)
     assert "identical chosen and rejected  2" in text and "chosen longer than rejected" in text
     assert "3 pairs with identical or empty answers" in text
+    assert (
+        "(train on them with --objective dpo, ipo, simpo or orpo: sft refuses pairs)" in text
+    )  # said "clean"
     assert BadLines(skip=True).count == 0
     # Training cuts a prompt to --max-prompt-length first: the audit measures what remains.
     cut = audit(str(path), byte_tokenizer(), ExampleSettings(max_length=64, max_prompt_length=16))
