@@ -226,3 +226,16 @@ def test_a_field_map_naming_no_field_is_warned_of_as_train_warns(
     main([*command, str(data), "--field-map", "prompt=question", *batch, *model])
     said = f"warning: --field-map prompt=question: the first record of {data} has no 'question' field"
     assert said in capsys.readouterr().err
+
+
+def test_lines_skipped_by_skip_bad_lines_are_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """4 of 6 lines skipped, and neither the line nor the JSON said so."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "one"}\n"a string"\n3\nnull\n[1]\n{"text": "two"}\n')
+    figures = tmp_path / "e.json"
+    argv = ["eval", str(data), "--model", "tiny", "--skip-bad-lines", "--json", str(figures)]
+    assert main(argv) == 0
+    assert "(2 examples, " in capsys.readouterr().out
+    assert json.loads(figures.read_text())["bad_lines_skipped"] == 4
+    assert main(argv[:-2]) == 0
+    assert "0 dropped, 4 bad lines skipped: lmtune data audit lists them)" in capsys.readouterr().out

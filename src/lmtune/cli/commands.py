@@ -230,6 +230,7 @@ def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import json
 
+    from lmtune.data.sources import skipped_lines
     from lmtune.tools.evaluation import evaluate_model
 
     cfg = _data_settings(args, "eval", scores_a_model=True)
@@ -242,11 +243,14 @@ def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if done.paths.products is not None:  # a CPU bf16 evaluation: the kernels it took, as a run says them
         print(done.paths.line(), file=sys.stderr)
     dropped = meta.get("dropped_too_long", 0) + meta.get("dropped_no_targets", 0)
+    skipped = meta.get("bad_lines", 0)  # --skip-bad-lines': the score is of the other lines
     print(
         f"eval of {scored} with {done.model}: loss {r.loss:.4f}, perplexity "
         f"{r.metrics['eval_perplexity']:.3f} ({r.examples:,} example{'s' if r.examples != 1 else ''}, "
         f"{r.target_tokens:,} target tokens; "
-        f"{meta.get('truncated', 0):,} truncated, {dropped:,} dropped)",
+        f"{meta.get('truncated', 0):,} truncated, {dropped:,} dropped"
+        + (f", {skipped_lines(skipped)}: lmtune data audit lists them" if skipped else "")
+        + ")",
         file=sys.stderr if args.json == "-" else sys.stdout,
     )
     for name in r.sources:
@@ -258,6 +262,7 @@ def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         )
     if args.json:
         record = {"model": cfg.model.name, "data": cfg.data.train, **r.record(), "dropped": dropped}
+        record["bad_lines_skipped"] = skipped
         if held_out is not None:
             record["eval_split"] = held_out
         if done.paths.products is not None:
