@@ -15,6 +15,7 @@ from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import check_chat_template, render_chat
 from lmtune.data.field_hints import suggested_roles, unknown_format
 from lmtune.data.sources import Record
+from lmtune.data.turn_checks import text_content, turn_trains
 from lmtune.errors import SettingError, UserError, brief
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -229,6 +230,9 @@ def render(
         return Rendered(
             text=text, spans=((0, len(text)),), add_special_tokens=True, append_eos=True, format="text"
         )
+    if chosen == "prompt_completion" and _conversational(record):
+        turns, untrained = _prompt_and_answer(record, names, every_turn=train_on_prompt)
+        return _render_messages(record, tokenizer, turns, "messages", untrained, every_turn=train_on_prompt)
     if chosen == "prompt_completion":
         if "prompt" in record.fields or "instruction" not in record.fields:
             prompt, completion = _string(record, "prompt", names), _string(record, "completion", names)
@@ -250,6 +254,24 @@ def render(
     return _render_messages(record, tokenizer, turns, chosen, untrained, every_turn=train_on_prompt)
 
 
+def _conversational(record: Record) -> bool:
+    """A prompt/completion record of messages (TRL's conversational prompt-completion: a prompt of
+    turns, a completion of the assistant's)."""
+    return all(isinstance(record.fields.get(name), list) for name in ("prompt", "completion"))
+
+
+def _prompt_and_answer(
+    record: Record, names: FieldMap, every_turn: bool = False
+) -> tuple[list[dict[str, str]], frozenset[int]]:
+    """A conversational prompt/completion record's turns, the prompt's first, and those that do not
+    train: the prompt's (as TRL's completion-only loss; every turn trains under ``every_turn``) and
+    any its own flag keeps out."""
+    prompt, kept = _conversation(record, "messages", names, "prompt", every_turn)
+    answer, flagged = _conversation(record, "messages", names, "completion", every_turn)
+    untrained = kept if every_turn else frozenset(range(len(prompt)))
+    return prompt + answer, untrained | {len(prompt) + i for i in flagged}
+
+
 def trained_content(record: Record, names: FieldMap) -> Any | None:
     """What a record's example trains on, comparable between records: its text and the spans that
     train, a chat's turns and which train, a pair's prompt and answers; not its other fields (an
@@ -261,6 +283,9 @@ def trained_content(record: Record, names: FieldMap) -> Any | None:
     try:
         if fmt in ("messages", "sharegpt"):
             turns, untrained = _conversation(mapped, fmt, names)
+            return [turns, sorted(untrained)]
+        if fmt == "prompt_completion" and _conversational(mapped):
+            turns, untrained = _prompt_and_answer(mapped, names)
             return [turns, sorted(untrained)]
         rendered = render(record, "auto", names, None)  # text or prompt/completion; no format raises
         return [rendered.text, rendered.spans]
@@ -307,7 +332,7 @@ def _conversation(
                 f"tool calling, so the call would not train (the turn would train as {alone}): leave "
                 "such records out (--skip-bad-lines skips them)"
             )
-        content = _text_content(record, m.get(content_key), where) if isinstance(m, Mapping) else None
+        content = text_content(record, m.get(content_key), where) if isinstance(m, Mapping) else None
         if content is None or role_key not in m:
             sharegpt = isinstance(m, Mapping) and {"from", "value"} <= set(m) and role_key != "from"
             hint = "; ShareGPT turns name them with --field-map role=from,content=value" if sharegpt else ""
@@ -326,53 +351,10 @@ def _conversation(
                 f"{', '.join(ROLES)}; ShareGPT's {', '.join(SHAREGPT_ROLES)}; name others with "
                 f"--field-map ROLE=VALUE, such as {suggested_roles(raw, role_key, roles)})"
             )
-        if not _trains(record, m, where, role, every_turn):
+        if not turn_trains(record, m, where, role, every_turn):
             untrained.add(i)
         turns.append({"role": role, "content": content})
     return turns, frozenset(untrained)
-
-
-def _trains(record: Record, turn: Mapping[str, Any], where: str, role: str, every_turn: bool) -> bool:
-    """Whether a turn's own flag lets it train (Axolotl's ``weight`` 0 or 1 of ShareGPT turns, and
-    ``training``): unless it says 0 (false). Only the assistant's turns train, every turn under
-    ``every_turn`` (--train-on-prompt).
-
-    Raises:
-        UserError: a flag of another value, or one that asks to train a turn that is not the assistant's.
-    """
-    flags = {k: turn[k] for k in ("weight", "training") if k in turn}
-    for key, value in flags.items():
-        if value not in (0, 1) or (key == "training" and not isinstance(value, bool)):
-            raise UserError(
-                f"{record.where}: {where} has {key} {brief(value)}; a turn's {key} is "
-                f"{'0 or 1' if key == 'weight' else 'true or false'}: whether the turn trains"
-            )
-    if role != "assistant" and any(flags.values()) and not every_turn:
-        asked = ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in flags.items())
-        raise UserError(
-            f"{record.where}: {where} ({role}) asks to train ({asked}); lmtune trains the assistant's "
-            "turns (every turn with --train-on-prompt)"
-        )
-    return all(flags.values())
-
-
-def _text_content(record: Record, content: Any, what: str) -> str | None:
-    """A message's content as text: a string, or a list of text parts (``{"type": "text", "text":
-    ...}``, as multimodal chat data and TRL's conversational data write it) joined, as transformers'
-    chat templates render them one after another; None when it is neither."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list) or not content or not all(isinstance(p, Mapping) for p in content):
-        return None
-    other = next((p for p in content if p.get("type") != "text" or not isinstance(p.get("text"), str)), None)
-    if other is not None:
-        kind = other.get("type")
-        raise UserError(
-            f"{record.where}: {what} has a content part that is not text "
-            f"({'type ' + brief(kind) if kind is not None else 'no type'}); lmtune trains on text: "
-            'give only {"type": "text", "text": ...} parts, or a string'
-        )
-    return "".join(p["text"] for p in content)
 
 
 def messages_field(record: Record, name: str, names: FieldMap) -> list[dict[str, str]]:

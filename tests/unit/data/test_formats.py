@@ -47,6 +47,20 @@ def test_sharegpt_trains_exactly_as_the_same_messages() -> None:
     assert forced == ours
 
 
+def test_trls_conversational_prompt_completion_trains_its_completion() -> None:
+    """TRL's conversational prompt-completion records ("prompt" and "completion" lists of messages)
+    were refused ("a non-string (list) 'prompt' field"). They train as the conversation they make,
+    the completion's turns alone: the same tokens as its messages with the prompt's assistant turn
+    kept out of training."""
+    record = {"prompt": CHAT[:4], "completion": CHAT[4:]}
+    ids, trained = _encoded([record])[0][0]
+    whole_ids, whole_trained = _encoded([{"messages": CHAT}])[0][0]
+    assert ids == whole_ids and sum(trained) < sum(whole_trained)
+    only_last = [{**t, "weight": 0} if i == 2 else t for i, t in enumerate(CHAT)]
+    assert _encoded([record]) == _encoded([{"messages": only_last}])
+    assert _encoded([record], train_on_prompt=True) == _encoded([{"messages": CHAT}], train_on_prompt=True)
+
+
 def test_content_as_text_parts_trains_as_the_same_strings() -> None:
     """Multimodal-style and TRL conversational data write a message's content as a list of parts."""
     parts = [
