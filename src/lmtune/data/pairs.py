@@ -328,8 +328,9 @@ def counted_as(meta: dict[str, Any]) -> str:
 
 
 def unread_said(meta: dict[str, Any]) -> str:
-    """What the data line and the audit say of records (their cache meta's counts) with text their
-    format never reads: a system prompt in a field of its own, Dolly's context ("" when none)."""
+    """What the data line and the audit say of records (their cache meta's counts) trained without
+    text they hold: a system prompt in a field of its own, a prompt --truncation left cut away,
+    Dolly's context ("" when none)."""
     where, formats = meta.get("where", {}), set(meta.get("formats", ()))
     said = []
     if count := meta.get("unread_system", 0):
@@ -350,6 +351,13 @@ def unread_said(meta: dict[str, Any]) -> str:
             f"{count:,} {kind} record{'' if one else 's'} with a 'system' field"
             f"{in_parentheses(first_places(where, 'unread_system', count))}, which that format does not "
             f"render: {'it trains' if one else 'they train'} without it ({fix})"
+        )
+    if count := meta.get("prompt_cut_away", 0):
+        said.append(
+            f"{count:,} example{'' if count == 1 else 's'} whose prompt --truncation left cut away whole"
+            f"{in_parentheses(first_places(where, 'prompt_cut_away', count))}: "
+            f"{'it trains' if count == 1 else 'they train'} an answer to no question (a larger "
+            "--max-length keeps the prompt; --truncation drop leaves such examples out)"
         )
     if count := meta.get("unread_context", 0):
         one = count == 1

@@ -55,6 +55,8 @@ class EncodeStats:
     unread_system: int = 0
     # Instruction records with Dolly's 'context' (the passage the instruction is about) unread.
     unread_context: int = 0
+    # Kept examples whose prompt --truncation left cut away whole: an answer to no question.
+    prompt_cut_away: int = 0
     # Where the first examples of each kind of loss are (``file:line``), so a message can name them:
     # "no_targets", "too_long", "empty_answer", "no_stop".
     where: dict[str, list[str]] = field(default_factory=dict)
@@ -148,6 +150,16 @@ def truncate(
     )
 
 
+def _prompt_cut_away(kept: tuple[np.ndarray, np.ndarray], trainable: np.ndarray, tokenizer: Any) -> bool:
+    """Whether --truncation left kept no word of a prompt (at most its last punctuation and
+    newlines): an answer to no question. Not of an example that had no prompt (a text's)."""
+    ids, kept_trainable = kept
+    if trainable.all() or len(ids) == len(trainable):
+        return False
+    left = tokenizer.decode(ids[~kept_trainable].tolist(), skip_special_tokens=True)
+    return not any(ch.isalnum() for ch in left)
+
+
 def _encode_batch(backend: Any, rendered: list[Rendered]) -> dict[int, Any]:
     """Every rendered text's Encoding, by position. The Rust tokenizer directly: it encodes a batch
     on every core, and its Encoding objects answer span lookups without converting every token's
@@ -230,6 +242,9 @@ def _encode_examples(
                 stats.dropped_too_long += 1
                 stats.note("too_long", rec.where)
                 continue
+            if _prompt_cut_away(kept, trainable, tokenizer):
+                stats.prompt_cut_away += 1
+                stats.note("prompt_cut_away", rec.where)
             ids, trainable = kept
         targets = int(trainable[1:].sum())  # position 0 is never predicted
         if targets == 0:  # would train as a loss of 0 on nothing

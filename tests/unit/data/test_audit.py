@@ -486,3 +486,23 @@ def test_the_evaluation_data_is_audited_with_what_training_trains_of_it(
     config.write_text(f"data: {train}\neval_data: {held}\nglobal_batch_size: 2\n")
     assert main(["data", "audit", "--config", str(config)]) == 2  # as training stops on it
     assert f"{held}:2: expected a JSON object, got a string" in capsys.readouterr().out
+
+
+def test_a_prompt_left_truncation_cut_away_is_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--truncation left kept the answer of an over-long example and none of its question: the
+    audit said "clean". A prompt of which words are left is cut as asked, unsaid."""
+    f = tmp_path / "d.jsonl"
+    rows = [
+        {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},  # keeps "nd 3"
+        {"instruction": "Say hello.", "input": "", "output": "Hello!"},  # keeps "\n" alone
+    ]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["data", "audit", str(f), "--global-batch-size", "1", "--max-length", "8", "--truncation", "left"]
+    assert main(argv) == 1
+    assert (
+        f"1 example whose prompt --truncation left cut away whole (at {f}:2): it trains an answer to no "
+        "question"
+    ) in capsys.readouterr().out
+    assert main([*argv[:-4], "--max-length", "40"]) == 0
