@@ -52,6 +52,8 @@ def iter_records(
         "hf_hub": lambda: _hf_hub(source.name, source.split or "train"),
         "sample": lambda: _sample(source.split or "train", text_field),
     }
+    if source.kind in ("jsonl", "json", "csv", "tsv", "txt"):
+        _check_utf8(source.name)
     # Damaged bytes in an archive read as bad lines before its check at the end fails: said as
     # the damage, with the first line it spoilt (skipped lines were counted, the error stops here).
     try:
@@ -66,6 +68,30 @@ def iter_records(
         if damage is None:
             raise
         raise _spoilt(source.name, f"cannot be decompressed ({damage})", str(e)) from None
+
+
+# Byte-order marks of the encodings Windows tools save "Unicode" text in (UTF-32's first: its
+# little-endian mark begins with UTF-16's).
+_OTHER_ENCODINGS = (
+    (codecs.BOM_UTF32_LE, "UTF-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"),
+    (codecs.BOM_UTF16_BE, "UTF-16"),
+)
+
+
+def _check_utf8(path: str) -> None:
+    """A text file saved in UTF-16 or UTF-32 (Excel's and PowerShell's "Unicode") is said as such
+    with how to convert it: its lines read as bad UTF-8 and broken JSON, its CSV header as the
+    names of no field."""
+    with _opened(path) as f:
+        head = f.read(4)
+    encoding = next((name for mark, name in _OTHER_ENCODINGS if head.startswith(mark)), None)
+    if encoding is not None:
+        raise UserError(
+            f"{path}: {encoding} text (it starts with {encoding}'s byte-order mark); lmtune reads UTF-8: "
+            f"convert it, such as iconv -f {encoding} -t UTF-8 FILE > NEW"
+        )
 
 
 def _spoilt(path: str, damage: str, bad_line: str) -> Undecompressable:

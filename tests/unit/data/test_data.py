@@ -564,3 +564,14 @@ def test_sample_task_is_deterministic_and_splits_are_disjoint() -> None:
         a, b = prompt[:-1].split("+")
         assert int(answer) == int(a) + int(b)
     assert np.all(np.array([len(t) for t in train]) > 4)
+
+
+def test_a_utf16_file_is_named_as_such_with_how_to_convert_it(tmp_path: Path) -> None:
+    """Excel's and PowerShell's "Unicode" text read as bad UTF-8 lines and a CSV field named
+    '\\udcff\\udcfep\\x00r\\x00...'."""
+    for name, text in (("d.jsonl", '{"text": "a"}\n'), ("d.csv", "prompt,completion\nq,a\n")):
+        (tmp_path / name).write_bytes(text.encode("utf-16"))  # with its byte-order mark
+        with pytest.raises(UserError, match=r"d\.\w+: UTF-16 text .*iconv -f UTF-16 -t UTF-8 FILE > NEW$"):
+            read(str(tmp_path / name))
+    (tmp_path / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + b'{"text": "a"}\n')  # UTF-8's own mark: read
+    assert read(str(tmp_path / "d.jsonl")) == [{"text": "a"}]
