@@ -333,6 +333,11 @@ def _conversation(
                 "such records out (--skip-bad-lines skips them)"
             )
         content = text_content(record, m.get(content_key), where) if isinstance(m, Mapping) else None
+        if isinstance(m, Mapping) and role_key in m and content_key in m and m[content_key] is None:
+            raise UserError(  # was "must be an object with a 'role' and a 'content'", which it has
+                f"{record.where}: {where} has a null '{content_key}'; lmtune trains on each turn's text: "
+                "give it a string, or leave such records out (--skip-bad-lines skips them)"
+            )
         if content is None or role_key not in m:
             sharegpt = isinstance(m, Mapping) and {"from", "value"} <= set(m) and role_key != "from"
             hint = "; ShareGPT turns name them with --field-map role=from,content=value" if sharegpt else ""

@@ -408,3 +408,21 @@ def test_a_forced_chat_format_names_the_missing_field_and_a_template_typo_is_sug
         render(Record("d.jsonl", 1, {"prompt": "a", "completion": "b"}), "messages", names, byte_tokenizer())
     with pytest.raises(UserError, match=r"--chat-template chatmll: must be one of .*; did you mean chatml\?"):
         read_template("chatmll")
+
+
+def test_a_text_part_without_text_and_a_null_content_are_said_as_they_are() -> None:
+    """{"type": "text", "content": ...} was "a content part that is not text (type 'text')", and a
+    null content "must be an object with a 'role' and a 'content'", which the message has."""
+    names = FieldMap.of(ExampleSettings())
+    for turn, said in (
+        (
+            {"role": "user", "content": [{"type": "text", "content": "hi"}]},
+            "a text part without a 'text' string",
+        ),
+        (
+            {"role": "user", "content": None},
+            "message 1 has a null 'content'; lmtune trains on each turn's text",
+        ),
+    ):
+        with pytest.raises(UserError, match=said):
+            render(Record("d.jsonl", 1, {"messages": [turn, CHAT[2]]}), "auto", names, byte_tokenizer())
