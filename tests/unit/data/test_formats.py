@@ -78,7 +78,7 @@ def test_content_as_text_parts_trains_as_the_same_strings() -> None:
         CHAT[0],
         {"role": "user", "content": [{"type": "image", "url": "x.png"}, {"type": "text", "text": "?"}]},
     ]
-    for content, kind in ((image, "type 'image'"), ([CHAT[0], {"role": "user", "content": None}], None)):
+    for content, kind in ((image, "type 'image'"), ([CHAT[0], {"role": "user", "content": 3}], None)):
         with pytest.raises(UserError, match=r"d\.jsonl:1: message 2 ") as e:
             render(
                 Record("d.jsonl", 1, {"messages": content}),
