@@ -50,6 +50,24 @@ def test_training_options_still_learn(tmp_path: Path, extra: dict[str, object]) 
         assert products == {"choice": BF16, "decided": "rule: AMX"}
 
 
+def test_compile_under_activation_checkpointing_compiles_and_trains_as_eager(tmp_path: Path) -> None:
+    """transformers checkpoints inside a block's forward, and a checkpoint traced by torch.compile
+    takes no graph break (attention is left out of the graphs): every block ran eagerly, unsaid
+    (0 graphs). The checkpoint now goes around the compiled forward."""
+    losses = {}
+    for name, extra in (("eager", ()), ("compiled", ("--compile",))):
+        out = tmp_path / name
+        argv = ["train", "--activation-checkpointing", "--max-steps", "3", "--output-dir", str(out), *extra]
+        proc = run_lmtune(argv)
+        assert proc.returncode == 0, proc.stderr
+        losses[name] = [r["loss"] for r in train_rows(out)]
+        if extra:
+            assert "; activation checkpointing; compiled per block" in proc.stdout
+            assert json.loads((out / "run.json").read_text())["result"]["compile"]["graphs"] > 0
+            assert "torch.compile made no graph" not in proc.stdout
+    assert losses["compiled"] == pytest.approx(losses["eager"], abs=1e-5)
+
+
 def _varied_run(tmp_path: Path, env: dict[str, str]) -> tuple[dict[str, object], dict[int, int]]:
     """200 steps of examples of every length from 8 to 200 tokens, one example per micro-batch
     pair: a new token count at almost every step."""

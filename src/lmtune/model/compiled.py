@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from types import MethodType
 from typing import Any
 
@@ -56,18 +57,37 @@ def compiles_whole(model: nn.Module) -> bool:
     return not decoder_blocks(model)
 
 
+def _checkpointing(block: nn.Module, forward: Any) -> Any | None:
+    """The checkpoint function transformers' checkpointing wrapper of ``forward`` applies to
+    ``block`` (its ``_gradient_checkpointing_func``: lmtune's kwargs bound), or None where the block
+    is not checkpointed that way."""
+    wrapper = getattr(getattr(forward, "__code__", None), "co_name", "") == "forward_with_checkpointing"
+    if not (wrapper and hasattr(forward, "__wrapped__") and getattr(block, "gradient_checkpointing", False)):
+        return None
+    return getattr(block, "_gradient_checkpointing_func", None)
+
+
 def _compile_training_forward(block: nn.Module) -> None:
     """The block's forward compiled where it computes gradients. Evaluation, generation, the
     start-up checks and a frozen reference run it eagerly: each would add its own graphs (no grad,
     other shapes) and push the block's frames past torch.compile's recompile limit, after which
     they run eagerly in training too."""
     own = type(block).forward
+    # Under activation checkpointing the checkpoint goes around the compiled forward, not into it:
+    # transformers' wrapper checkpoints inside the class's forward, and a checkpoint traced by
+    # torch.compile takes no graph break (attention is one), so every block ran eagerly, unsaid.
+    checkpoint = _checkpointing(block, own)
+    inner = own.__wrapped__ if checkpoint is not None else own  # type: ignore[attr-defined]
     # dynamic: the token count changes every step; one graph for all of them, not a recompile for
     # the second count met.
-    compiled = torch.compile(own, dynamic=True)
+    compiled = torch.compile(inner, dynamic=True)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return (compiled if torch.is_grad_enabled() else own)(self, *args, **kwargs)
+        if not torch.is_grad_enabled():
+            return own(self, *args, **kwargs)
+        if checkpoint is not None and self.training:
+            return checkpoint(partial(compiled, self), *args, **kwargs)
+        return compiled(self, *args, **kwargs)
 
     setattr(forward, _MARK, True)
     # The class's forward rebound to the block, not a closure over it: a deep copy (a preference

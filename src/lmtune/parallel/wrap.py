@@ -75,11 +75,12 @@ def wrap_model(
 
 
 def decoder_blocks(module: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks, by the class names the model lists as ``_no_split_modules``."""
+    """The repeated transformer blocks, by the class names the model lists as ``_no_split_modules``,
+    also once FSDP2 has sharded them (their class is then ``FSDP<name>``, a subclass)."""
     names: set[str] = set()
     for m in module.modules():
         names.update(getattr(m, "_no_split_modules", None) or ())
-    return [m for m in module.modules() if type(m).__name__ in names]
+    return [m for m in module.modules() if any(c.__name__ in names for c in type(m).__mro__)]
 
 
 def _fully_shard(module: nn.Module, low: torch.dtype | None) -> nn.Module:

@@ -66,6 +66,12 @@ def count(params: Iterable[torch.nn.Parameter]) -> int:
 def result_record(result: FitResult, built: Built, run: RunContext) -> dict[str, Any]:
     """run.json's ``result`` (collective: every rank's peak memory and optimizer state)."""
     state, optimizer, env = result.state, built.optimizer, run.env
+    compiled = compile_record(built.parts.model) if run.cfg.model.compile else None
+    if compiled is not None and not compiled["graphs"] and math.isfinite(result.last_loss):
+        run.log.info(
+            "--compile: torch.compile made no graph (each failed at its first call), so the run went "
+            "on eagerly; TORCH_LOGS=graph_breaks says why"
+        )
     return {
         "peak_memory_per_rank": all_gather_object(peak_memory_bytes(env.device), env),
         "optimizer_state_bytes_per_rank": all_gather_object(optimizer_state_bytes(optimizer), env),
@@ -80,8 +86,15 @@ def result_record(result: FitResult, built: Built, run: RunContext) -> dict[str,
         "eval": result.evals[-1].record() if result.evals else None,
         # Whether --compile compiled: its log line says when it could not start; no graphs after
         # training say every one failed at its first call and ran eagerly.
-        "compile": compile_record(built.parts.model) if run.cfg.model.compile else None,
+        "compile": compiled,
     }
+
+
+def _optimizer_part(name: str, device_type: str) -> str:
+    """The optimizer as it runs: bitsandbytes pages optimizer state to the GPU's memory only."""
+    if name == "paged_adamw8bit" and device_type != "cuda":
+        return "adamw8bit (paged_adamw8bit pages state on a GPU only)"
+    return name
 
 
 def _objective_line(o: ObjectiveSettings, reference: str | None) -> str:
@@ -134,7 +147,9 @@ def run_record(run: RunContext, built: Built, resumed: CheckpointManager, peak: 
         f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} "
         f"step{'s' if layout.total_steps != 1 else ''} at lr {built.lr:.3g} "
         f"({cfg.schedule.name}{_lr_note(cfg, built)}); precision {cfg.model.precision}"
+        + f"; optimizer {_optimizer_part(cfg.optim.name, env.device.type)}"
         + ("; activation checkpointing" if cfg.model.activation_checkpointing else "")
+        + ("; compiled per block (the first steps compile)" if cfg.model.compile else "")
         + f"; {_loss_part(cfg, built)}"
         + (f"; NEFTune noise alpha {cfg.objective.neftune_alpha:g}" if cfg.objective.neftune_alpha else "")
     )

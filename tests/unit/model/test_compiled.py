@@ -60,3 +60,13 @@ def test_blocks_with_a_hooked_forward_are_left_eager() -> None:
     assert getattr(model.blocks[0].forward, "__self__", None) is model.blocks[0]
     assert model.blocks[0].forward.__func__ is Block.forward  # nothing was compiled
     assert compile_record(model)["compiled"] == "0 of 2 decoder blocks"
+
+
+def test_blocks_are_found_once_fsdp_has_swapped_their_class() -> None:
+    """FSDP2 makes each sharded block an FSDP<Block>: a compiled FSDP run's run.json said it had
+    compiled "nothing" beside its 4 graphs."""
+    model = Model()
+    assert compile_blocks(model) is None
+    for block in model.blocks:
+        block.__class__ = type(f"FSDP{type(block).__name__}", (type(block),), {})
+    assert compile_record(model)["compiled"] == "2 of 2 decoder blocks"
