@@ -27,6 +27,11 @@ class Rows(NamedTuple):
     most: int = 0  # packed rows a micro-batch holds at most (0: as many as the micro-batch)
 
 
+# The plan of no --data (the built-in sample's few tokens an example say nothing of a user's):
+# full rows, the most any data fills; a trial read it as 3.6x the demo's own peak.
+_WITHOUT_DATA = "no --data: packed rows of --max-length, the most any data fills; --data plans yours"
+
+
 def row_length(cfg: TrainConfig, apart: str | None = None, per_rank: int = 0) -> Rows:
     """The rows of a micro-batch and how that was decided.
 
@@ -42,7 +47,7 @@ def row_length(cfg: TrainConfig, apart: str | None = None, per_rank: int = 0) ->
     from lmtune.training.build import prepare_data
 
     if cfg.batch.packing == "on" and cfg.data.train == SAMPLE_DATA:
-        return Rows(cfg.examples.max_length, True, "--packing on: rows of --max-length")
+        return Rows(cfg.examples.max_length, True, _WITHOUT_DATA)
     env = read_dist_env("cpu")
     quiet = _QuietLog()
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
@@ -65,7 +70,9 @@ def row_length(cfg: TrainConfig, apart: str | None = None, per_rank: int = 0) ->
             else ("text data may be packed into rows of --max-length")
         )
         if cfg.data.train == SAMPLE_DATA or not per_rank or train.is_pairs:  # rows of --max-length
-            return Rows(cfg.examples.max_length, True, why)
+            return Rows(
+                cfg.examples.max_length, True, _WITHOUT_DATA if cfg.data.train == SAMPLE_DATA else why
+            )
         from lmtune.data.packing import pack_bins
 
         step = np.sort(np.minimum(lengths, cfg.examples.max_length))[-per_rank:]
