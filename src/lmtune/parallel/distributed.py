@@ -163,7 +163,38 @@ def cpu_threads_per_process(env: DistEnv, requested: int = 0) -> int:
     """
     if requested > 0:
         return requested
-    return max(1, available_cores() // env.local_world_size)
+    return _omp_threads(env) or max(1, available_cores() // env.local_world_size)
+
+
+def _omp_threads(env: DistEnv) -> int:
+    """The user's OMP_NUM_THREADS (0 when unset, not a count, or the 1 that torchrun sets for
+    several processes of a machine where the user set none, which would leave cores idle)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    threads = int(value) if value.isdigit() else 0
+    return 0 if threads == 1 and env.local_world_size > 1 else threads
+
+
+def threads_note(env: DistEnv, requested: int, threads: int) -> str | None:
+    """What the log says of the threads a CPU process runs, where they are not the plain even share:
+    OMP_NUM_THREADS followed or set aside, more threads than cores."""
+    cores, value = available_cores(), os.environ.get("OMP_NUM_THREADS", "").strip()
+    if threads * env.local_world_size > cores:
+        given = f"--threads-per-process {requested}" if requested else f"OMP_NUM_THREADS={value}"
+        return (
+            f"warning: {given}: {threads * env.local_world_size} threads on this machine's {cores} cores "
+            "oversubscribe them (a step runs several times slower); leave it out to share the cores"
+        )
+    if value and not requested and _omp_threads(env) == threads:
+        return f"threads: {threads} per process (OMP_NUM_THREADS={value})"
+    if value == "1" and not requested:
+        return (
+            f"threads: {threads} per process, the cores shared among {env.local_world_size} processes "
+            f"(OMP_NUM_THREADS={value}, which torchrun sets for several processes, set aside; "
+            "--threads-per-process N sets them)"
+        )
+    if value and not requested:
+        return f"threads: {threads} per process (OMP_NUM_THREADS={value} is no count of threads: set aside)"
+    return None
 
 
 def available_cores() -> int:

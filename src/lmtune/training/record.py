@@ -27,7 +27,7 @@ from lmtune.model.attention import attention_description
 from lmtune.model.compiled import compile_record
 from lmtune.model.quantization import footprint, parameter_count
 from lmtune.objectives.base import Objective
-from lmtune.parallel.distributed import DistEnv, all_gather_object
+from lmtune.parallel.distributed import DistEnv, all_gather_object, threads_note
 from lmtune.training.batch_layout import BATCHING_NAMES, BatchLayout
 from lmtune.training.build import Built
 from lmtune.training.context import RunContext
@@ -156,6 +156,7 @@ def run_record(run: RunContext, built: Built, resumed: CheckpointManager, peak: 
     notes = (
         # A resume keeps its batch.
         None if resumed.resumed_from else _default_batch_note(layout, cfg, run.given),
+        threads_note(env, cfg.launch.threads_per_process, run.threads) if env.device.type == "cpu" else None,
         _left_out_note(layout, built.objective.unit),
         _warmup_note(cfg, layout.total_steps, built.lr),
     )
