@@ -9,7 +9,9 @@ through the same table.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import json
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -289,6 +291,8 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
     "completion_only_loss": {"true": {}},
     "assistant_only_loss": {"true": {}},
     "tf32": {"false": {}},  # the HF Trainer's: PyTorch's default, which lmtune keeps
+    # The HF Trainer's, as its docs advise it: lmtune's checkpointing is non-reentrant.
+    "gradient_checkpointing_kwargs": {"use_reentrant=false": {}},
     # Axolotl's loader classes: the ones lmtune uses for every model.
     "model_type": {"automodelforcausallm": {}},
     "tokenizer_type": {"autotokenizer": {}},
@@ -364,10 +368,25 @@ def _shown(value: Any) -> str:
 def value_switched(key: str, value: Any) -> dict[str, Any]:
     """The settings another tool's ``key: value`` sets, and their values (:data:`_VALUE_SWITCHES`)."""
     switches = _VALUE_SWITCHES.get(canonical(key))
-    value = _one(value)
-    if switches is None or isinstance(value, (list, dict)):
+    written = _switch_value(value)
+    if switches is None or written is None:
         return {}
-    return dict(switches.get(str(value).lower(), {}))
+    return dict(switches.get(written, {}))
+
+
+def _switch_value(value: Any) -> str | None:
+    """A value as :data:`_VALUE_SWITCHES` lists it: lower case, a list of one as that one, a
+    mapping (from YAML, or a flag's JSON: HF's --gradient_checkpointing_kwargs '{"use_reentrant":
+    false}') as ``key=value,...``; None for what it lists none of (a list)."""
+    value = _one(value)
+    if isinstance(value, str) and value.strip().startswith("{"):
+        with contextlib.suppress(ValueError):
+            value = json.loads(value)
+    if isinstance(value, dict):
+        return ",".join(f"{k}={_shown(v)}" for k, v in sorted(value.items(), key=str)).lower()
+    if isinstance(value, list) or (isinstance(value, int) and abs(value) > 10**100):
+        return None  # (str(value) of an int past 4,300 digits fails)
+    return str(value).lower()
 
 
 def _one(value: Any) -> Any:
@@ -389,10 +408,8 @@ def _value_switches(
     """
     out = dict(values)
     for key, value in ((k, _one(v)) for k, v in values.items()):
-        switches = _VALUE_SWITCHES.get(canonical(key))
-        if switches is None or isinstance(value, (list, dict)):
-            continue  # (str(value) of an int past 4,300 digits fails)
-        switched = switches.get(str(value).lower())
+        switches, written = _VALUE_SWITCHES.get(canonical(key)), _switch_value(value)
+        switched = switches.get(written) if switches is not None and written is not None else None
         if switched is None:
             continue
         given = {ALIASES.get(canonical(k), canonical(k)): v for k, v in out.items()}

@@ -457,6 +457,18 @@ def test_bitsandbytes_and_cpo_settings_that_say_what_lmtune_does_are_taken(tmp_p
     assert (cfg.model.load_in_4bit, cfg.model.precision, cfg.objective.name) == (True, "bf16", "simpo")
     yaml_file.write_text("adapter: qlora\nbnb_4bit_compute_dtype: torch.float32\n")
     assert build_config(load_yaml(str(yaml_file))).model.precision == "fp32"
+    # The HF Trainer's checkpointing as its docs advise it (was refused: "non-reentrant already").
+    yaml_file.write_text(
+        "gradient_checkpointing: true\ngradient_checkpointing_kwargs:\n  use_reentrant: false\n"
+    )
+    assert build_config(load_yaml(str(yaml_file))).model.activation_checkpointing
+    yaml_file.write_text(
+        "gradient_checkpointing: true\ngradient_checkpointing_kwargs: {use_reentrant: true}\n"
+    )
+    with pytest.raises(
+        UserError, match="gradient_checkpointing_kwargs: activation_checkpointing true is non-re"
+    ):
+        load_yaml(str(yaml_file))
     # TRL's SFTConfig and the Trainer's, saying what lmtune does by default.
     yaml_file.write_text("completion_only_loss: true\nassistant_only_loss: true\ntf32: false\n")
     assert not build_config(load_yaml(str(yaml_file))).examples.train_on_prompt
