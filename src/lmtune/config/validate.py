@@ -99,7 +99,9 @@ def value_problem(s: Setting, value: object) -> str | None:
         # Another tool's name for one of them: named, else the closest (a typo).
         whose, theirs = _FOREIGN_CHOICES.get(s.name, {}).get(str(value).lower(), ("", ""))
         close = difflib.get_close_matches(str(value), [str(c) for c in s.choices], n=1, cutoff=0.6)
-        hint = f"; {whose} {value} is {theirs}" if theirs else ""
+        hint = f"; {whose + ' ' if whose else ''}{value} is {theirs}" if theirs else ""
+        if str(value).lower() in s.choices:  # BF16: the choices are lower case
+            hint = f"; in lower case: {str(value).lower()}"
         hint = hint or (f"; the closest is {close[0]}" if close else "")
         return f"must be one of {', '.join(s.choices)}{hint}"
     return None
@@ -143,6 +145,13 @@ _FOREIGN_CHOICES = {
         "bf16-true": (_LIGHTNING, "bf16 here, which keeps the weights in fp32"),
         "16-true": (_LIGHTNING, "fp16 here, which keeps the weights in fp32"),
         "no": ("accelerate's", "fp32 here"),
+        **dict.fromkeys(("float32", "torch.float32"), ("PyTorch's dtype", "fp32 here")),
+        **dict.fromkeys(("bfloat16", "torch.bfloat16"), ("PyTorch's dtype", "bf16 here")),
+        **dict.fromkeys(("float16", "half", "torch.float16"), ("PyTorch's dtype", "fp16 here")),
+    },
+    "device": {
+        **dict.fromkeys(("gpu", "cuda:0"), ("", "cuda here (a process per GPU: --nproc-per-node N)")),
+        "mps": ("", "not here: lmtune trains on cpu or cuda"),
     },
     # TRL's trainers and loss types by name: "cpo" was answered "the closest is ipo".
     "objective": {

@@ -134,7 +134,12 @@ def read_dist_env(device: str = "auto") -> DistEnv:
     local_rank, local_world_size = launched.local_rank, launched.local_world_size
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
-        raise SettingError("device", "--device", "cuda: no CUDA device is available on this machine")
+        build = (
+            f" (this PyTorch, {torch.__version__}, is built for the CPU alone)"
+            if torch.version.cuda is None
+            else ""
+        )
+        raise SettingError("device", "--device", f"cuda: no CUDA device is available on this machine{build}")
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
             raise UserError(

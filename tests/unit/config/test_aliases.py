@@ -650,6 +650,15 @@ def test_other_tools_names_of_choices_are_answered(capsys: pytest.CaptureFixture
         assert f"Lightning's (litgpt's) {theirs} is {ours} (got" in capsys.readouterr().err
     assert main(["train", "--precision", "bf16-true"]) == 2
     assert "bf16-true is bf16 here, which keeps the weights in fp32" in capsys.readouterr().err
+    # PyTorch's dtypes, capitals, and a GPU by its common name ("the closest is cpu").
+    for argv, said in (
+        (["--precision", "float32"], "PyTorch's dtype float32 is fp32 here"),
+        (["--precision", "half"], "PyTorch's dtype half is fp16 here"),
+        (["--precision", "BF16"], "; in lower case: bf16 (got 'BF16')"),
+        (["--device", "gpu"], "; gpu is cuda here (a process per GPU: --nproc-per-node N)"),
+    ):
+        assert main(["train", *argv]) == 2
+        assert said in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
