@@ -329,3 +329,40 @@ BY_VALUE: dict[str, dict[str, str]] = {
     "lr_scheduler": _SCHEDULES,
     "lr_scheduler_type": _SCHEDULES,
 }
+
+
+# Other tools' names of lmtune's choices.
+_TRANSFORMERS, _LIGHTNING = "transformers'", "Lightning's (litgpt's)"
+FOREIGN_CHOICES: dict[str, dict[str, tuple[str, str]]] = {
+    "optimizer": {
+        theirs: (_TRANSFORMERS, f"{ours} here" + (" (32-bit state, not paged)" if "32bit" in theirs else ""))
+        for theirs, ours in TRANSFORMERS_OPTIMIZERS.items()
+        if theirs != ours
+    },
+    # lmtune's half precisions are Lightning's mixed ones: fp32 weights and optimizer state.
+    "precision": {
+        "bf16-mixed": (_LIGHTNING, "bf16 here"),
+        "16-mixed": (_LIGHTNING, "fp16 here"),
+        **dict.fromkeys(("32-true", "32"), (_LIGHTNING, "fp32 here")),
+        "bf16-true": (_LIGHTNING, "bf16 here, which keeps the weights in fp32"),
+        "16-true": (_LIGHTNING, "fp16 here, which keeps the weights in fp32"),
+        "no": ("accelerate's", "fp32 here"),
+        **dict.fromkeys(("float32", "torch.float32"), ("PyTorch's dtype", "fp32 here")),
+        **dict.fromkeys(("bfloat16", "torch.bfloat16"), ("PyTorch's dtype", "bf16 here")),
+        **dict.fromkeys(("float16", "half", "torch.float16"), ("PyTorch's dtype", "fp16 here")),
+    },
+    "device": {
+        **dict.fromkeys(("gpu", "cuda:0"), ("", "cuda here (a process per GPU: --nproc-per-node N)")),
+        "mps": ("", "not here: lmtune trains on cpu or cuda"),
+    },
+    # TRL's trainers and loss types by name: "cpo" was answered "the closest is ipo".
+    "objective": {
+        "cpo": (
+            "TRL's",
+            "not here: it adds an NLL term to its loss (orpo has one; simpo is TRL's CPO with loss_type "
+            "simpo and cpo_alpha 0)",
+        ),
+        "kto": ("TRL's", "not here: it trains on unpaired examples, and lmtune's objectives on pairs"),
+        "sigmoid": ("TRL's loss_type", "dpo here"),
+    },
+}

@@ -22,7 +22,7 @@ from lmtune.config.groups import (
     OptimSettings,
     ScheduleSettings,
 )
-from lmtune.config.hints import TRANSFORMERS_OPTIMIZERS
+from lmtune.config.hints import FOREIGN_CHOICES
 from lmtune.config.mixture import named_items, parse_weights, source_names
 from lmtune.config.run_groups import (
     BEST_METRICS,
@@ -97,7 +97,7 @@ def value_problem(s: Setting, value: object) -> str | None:
         return "is too large"
     if s.choices and value is not None and value not in s.choices:
         # Another tool's name for one of them: named, else the closest (a typo).
-        whose, theirs = _FOREIGN_CHOICES.get(s.name, {}).get(str(value).lower(), ("", ""))
+        whose, theirs = FOREIGN_CHOICES.get(s.name, {}).get(str(value).lower(), ("", ""))
         close = difflib.get_close_matches(str(value), [str(c) for c in s.choices], n=1, cutoff=0.6)
         hint = f"; {whose + ' ' if whose else ''}{value} is {theirs}" if theirs else ""
         if str(value).lower() in s.choices:  # BF16: the choices are lower case
@@ -127,43 +127,6 @@ def _finite(value: object) -> bool:
         return math.isfinite(value)  # type: ignore[arg-type]
     except OverflowError:  # an int past float's range: TrainConfig(lr=10**400)
         return False
-
-
-# Other tools' names of lmtune's choices.
-_TRANSFORMERS, _LIGHTNING = "transformers'", "Lightning's (litgpt's)"
-_FOREIGN_CHOICES = {
-    "optimizer": {
-        theirs: (_TRANSFORMERS, f"{ours} here" + (" (32-bit state, not paged)" if "32bit" in theirs else ""))
-        for theirs, ours in TRANSFORMERS_OPTIMIZERS.items()
-        if theirs != ours
-    },
-    # lmtune's half precisions are Lightning's mixed ones: fp32 weights and optimizer state.
-    "precision": {
-        "bf16-mixed": (_LIGHTNING, "bf16 here"),
-        "16-mixed": (_LIGHTNING, "fp16 here"),
-        **dict.fromkeys(("32-true", "32"), (_LIGHTNING, "fp32 here")),
-        "bf16-true": (_LIGHTNING, "bf16 here, which keeps the weights in fp32"),
-        "16-true": (_LIGHTNING, "fp16 here, which keeps the weights in fp32"),
-        "no": ("accelerate's", "fp32 here"),
-        **dict.fromkeys(("float32", "torch.float32"), ("PyTorch's dtype", "fp32 here")),
-        **dict.fromkeys(("bfloat16", "torch.bfloat16"), ("PyTorch's dtype", "bf16 here")),
-        **dict.fromkeys(("float16", "half", "torch.float16"), ("PyTorch's dtype", "fp16 here")),
-    },
-    "device": {
-        **dict.fromkeys(("gpu", "cuda:0"), ("", "cuda here (a process per GPU: --nproc-per-node N)")),
-        "mps": ("", "not here: lmtune trains on cpu or cuda"),
-    },
-    # TRL's trainers and loss types by name: "cpo" was answered "the closest is ipo".
-    "objective": {
-        "cpo": (
-            "TRL's",
-            "not here: it adds an NLL term to its loss (orpo has one; simpo is TRL's CPO with loss_type "
-            "simpo and cpo_alpha 0)",
-        ),
-        "kto": ("TRL's", "not here: it trains on unpaired examples, and lmtune's objectives on pairs"),
-        "sigmoid": ("TRL's loss_type", "dpo here"),
-    },
-}
 
 
 def _check_optim(o: OptimSettings, need: Need) -> None:
@@ -491,11 +454,14 @@ def _check_batch(batch: BatchSettings, world_size: int, need: Need) -> None:
     # SettingErrors: a --config file's value is named by its line (the micro batch's when set).
     if batch.micro_batch_size is None:
         if size % world_size:
+            below = size - size % world_size
             raise SettingError(
                 "global_batch_size",
                 f"--global-batch-size {size}",
-                f"does not divide over {processes}; use a multiple of {world_size} (a resumed run keeps its "
-                f"global batch: run it on a number of processes that divides {size})",
+                f"does not divide over {processes}; give a multiple of {world_size} (such as "
+                f"{max(world_size, below)} or {below + world_size}), or "
+                f"run on a number of processes that divides {size} (as a resumed run must: it keeps its "
+                "global batch)",
             )
     elif size % (batch.micro_batch_size * world_size):
         per_step = batch.micro_batch_size * world_size
