@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from lmtune.tools.bench import skip_reason
 from tests.conftest import run_lmtune
@@ -43,3 +46,22 @@ def test_skip_reasons() -> None:
     assert skip_reason("fsdp", "bf16", nproc=1) is not None
     assert skip_reason("fsdp", "bf16", nproc=2) is None
     assert skip_reason("single", "bf16", nproc=1) is None
+
+
+def test_a_combination_the_runs_settings_refuse_is_listed_not_the_bench_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A --config with adamw8bit and --strategies single,fsdp ended the whole bench (exit 2, nothing
+    measured): fsdp is listed with the reason, as fp16 on a CPU is, and single is measured."""
+    import subprocess
+
+    from lmtune.config.settings import TrainConfig
+    from lmtune.tools import bench
+
+    spawned: list[list[str]] = []
+    monkeypatch.setattr(
+        subprocess, "run", lambda cmd, **_: spawned.append(cmd) or SimpleNamespace(returncode=1, stderr="x")
+    )
+    rows = bench.run_bench(TrainConfig(optimizer="adamw8bit"), ["single", "fsdp"], ["fp32"], 2, 1, 1)
+    assert [r.strategy for r in rows] == ["single", "fsdp"] and len(spawned) == 1
+    assert rows[1].status.startswith("skipped: --optimizer: does not work with --strategy fsdp")

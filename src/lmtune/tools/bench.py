@@ -21,6 +21,7 @@ import torch
 
 from lmtune.config.io import MEASURING_RUN, to_argv
 from lmtune.config.settings import TrainConfig, choices
+from lmtune.config.validate import check_settings
 from lmtune.errors import UserError
 from lmtune.outputs.runlog import read_metrics, tokens_per_second
 
@@ -118,15 +119,20 @@ def run_bench(
                     results.append(BenchRow(strategy, precision, reason))
                     continue
                 out = Path(tmp) / f"{strategy}-{precision}"
-                run = base.replace(
-                    strategy=strategy,
-                    precision=precision,
-                    nproc_per_node=nproc if strategy in ("ddp", "fsdp") else 1,
-                    max_steps=warmup + steps,
-                    output_dir=str(out),
-                    profile=True,
-                    **MEASURING_RUN,
-                )
+                try:
+                    run = base.replace(
+                        strategy=strategy,
+                        precision=precision,
+                        nproc_per_node=nproc if strategy in ("ddp", "fsdp") else 1,
+                        max_steps=warmup + steps,
+                        output_dir=str(out),
+                        profile=True,
+                        **MEASURING_RUN,
+                    )
+                    check_settings(run, run.launch.nproc_per_node)
+                except UserError as e:  # the run's own settings and this combination (adamw8bit and fsdp)
+                    results.append(BenchRow(strategy, precision, f"skipped: {e}"))
+                    continue
                 cmd = [sys.executable, "-m", "lmtune", "train", *to_argv(run)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
                 if proc.returncode != 0:
