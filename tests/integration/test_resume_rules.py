@@ -304,14 +304,19 @@ def test_a_changed_lr_and_length_apply_from_the_resume_step(
         "changes": ["--lr 0.001 -> 0.0005", "total steps 6 -> 9", "--micro-batch-size auto -> 2"],
     }
     first["changes"].append("--neftune-alpha none -> 5.0")
-    assert main(_args(base["data"], out, "--max-steps", "11", "--lr", "5e-4", "--micro-batch-size", "2")) == 0
-    second = {"step": 9, "changes": ["total steps 9 -> 11", "--neftune-alpha 5.0 -> none"]}
+    again = ("--max-steps", "11", "--lr", "5e-4", "--micro-batch-size", "2", "--packing", "on")
+    assert main(_args(base["data"], out, *again)) == 0
+    # How a step is computed is said too (--packing, checkpointing, compile, the loss's chunks).
+    second = {
+        "step": 9,
+        "changes": ["total steps 9 -> 11", "--packing auto -> on", "--neftune-alpha 5.0 -> none"],
+    }
     assert json.loads((out / "run.json").read_text())["resolved"]["changed_on_resume"] == [first, second]
     card = (out / "final" / "README.md").read_text()
     assert (
         "| changed on resume | after step 6: --lr 0.001 -> 0.0005, total steps 6 -> 9, --micro-batch-size "
-        "auto -> 2, --neftune-alpha none -> 5.0; after step 9: total steps 9 -> 11, --neftune-alpha 5.0 "
-        "-> none (the rows above hold the last resume's settings) |"
+        "auto -> 2, --neftune-alpha none -> 5.0; after step 9: total steps 9 -> 11, --packing auto -> on, "
+        "--neftune-alpha 5.0 -> none (the rows above hold the last resume's settings) |"
     ) in card
     assert main(["export", str(out / "checkpoints" / "step-000009"), str(base["root"] / "step9")]) == 0
     exported = (base["root"] / "step9" / "README.md").read_text()

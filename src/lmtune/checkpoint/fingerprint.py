@@ -123,6 +123,11 @@ def fingerprint(
         "--precision": cfg.model.precision,
         # How each rank's share of a step is split: any split trains the same, so it may change.
         "--micro-batch-size": cfg.batch.micro_batch_size or "auto",
+        # How a step is computed: the same training, said when it changes (it was not).
+        "--packing": cfg.batch.packing,
+        "--activation-checkpointing": cfg.model.activation_checkpointing,
+        "--compile": cfg.model.compile,
+        "--loss-chunk-size": cfg.model.loss_chunk_size or "auto",
     }
     if cfg.objective.name != "sft":
         o = cfg.objective
@@ -227,7 +232,14 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
 
 
 # What a setting a checkpoint does not record was: an sft run's names no objective.
-_UNRECORDED = {"--objective": "sft"}
+_UNRECORDED: dict[str, Any] = {
+    "--objective": "sft",
+    # An older checkpoint's, which recorded none of these: their defaults.
+    "--packing": "auto",
+    "--activation-checkpointing": False,
+    "--compile": False,
+    "--loss-chunk-size": "auto",
+}
 STARTING_WEIGHTS = "starting weights (--model)"
 # Checked only where the checkpoint records them: an older one does not.
 _IF_RECORDED = (STARTING_WEIGHTS, REFERENCE_WEIGHTS)
