@@ -222,7 +222,9 @@ def _samples_files(output_dir: Path) -> list[str]:
     ]
 
 
-def replace_earlier_run(output_dir: Path, env: DistEnv, signum: int) -> None:
+def replace_earlier_run(
+    output_dir: Path, env: DistEnv, signum: int, say: Callable[[str], None] = lambda _: None
+) -> None:
     """``--overwrite``: delete what an earlier run wrote, by rank 0 with the lock held, once the new
     run's model and data are loaded (a typo in the command must not cost the earlier run), and
     checked again (:func:`check_earlier_run` checked it before): a user's files are kept. Not when
@@ -231,7 +233,17 @@ def replace_earlier_run(output_dir: Path, env: DistEnv, signum: int) -> None:
 
     def replace() -> None:
         refuse_users_steps(output_dir, "--overwrite")
-        remove_own_entries(output_dir)
+        earlier = [
+            n for n in (*RUN_FILES, "final.tmp") if (output_dir / n).exists() or (output_dir / n).is_symlink()
+        ]
+        kept = remove_own_entries(output_dir)
+        if earlier:  # deleted: said, as any deletion of a run's results is
+            also = (
+                f"; kept what lmtune did not write there: {names_listed([str(k) for k in kept])}"
+                if kept
+                else ""
+            )
+            say(f"--overwrite: removed the earlier run's {', '.join(earlier)} from {output_dir}{also}")
 
     decided_by_main(replace, None, env)
 
@@ -379,4 +391,4 @@ def prepare_output(
         check_earlier_run(output_dir, continued, overwrite, config, warn)
 
     decided_by_main(prepare, None, env)
-    return partial(replace_earlier_run, output_dir, env) if overwrite else lambda signum: None
+    return partial(replace_earlier_run, output_dir, env, say=warn) if overwrite else lambda signum: None
