@@ -327,6 +327,14 @@ def test_accumulation_in_a_config_is_translated_with_its_own_numbers(tmp_path: P
         match="; 4 per device x 2 accumulation on one device is global_batch_size: 8, micro_batch_size: 4",
     ):
         load_yaml(str(yaml_file))
+    # With a global batch given too, which the accumulation contradicts: it was not named.
+    yaml_file.write_text(
+        "per_device_train_batch_size: 4\ngradient_accumulation_steps: 8\nglobal_batch_size: 64\n"
+    )
+    with pytest.raises(
+        UserError, match=r"\(the global_batch_size: 64 given with it is 16 accumulation steps on one"
+    ):
+        load_yaml(str(yaml_file))
 
 
 def test_torchtunes_batch_size_is_the_micro_batch_of_its_accumulation(tmp_path: Path) -> None:
