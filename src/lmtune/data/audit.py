@@ -468,10 +468,15 @@ def _stop_line(report: AuditReport) -> str:
     # Of pairs, the answers cut at the end (a prompt cut by --max-prompt-length keeps its answers).
     cut = s.answers_truncated if report.pairs is not None else s.truncated
     if report.stops_lost and cut and report.truncation == "right":
-        line += (
-            f"; {cut:,} lost their end to --max-length {report.max_length} (raise it, or use "
-            "--truncation left or drop)"
+        # Documents (text records): the rest is lost whichever end is cut; lmtune does not chunk them
+        # as HF's run_clm does.
+        fix = (
+            "raise it, or split long documents into pieces of that many tokens first: each record trains "
+            "as one example"
+            if set(s.formats) == {"text"}
+            else "raise it, or use --truncation left or drop"
         )
+        line += f"; {cut:,} lost their end to --max-length {report.max_length} ({fix})"
     return label + line
 
 

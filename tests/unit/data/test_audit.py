@@ -506,3 +506,15 @@ def test_a_prompt_left_truncation_cut_away_is_said(
         "question"
     ) in capsys.readouterr().out
     assert main([*argv[:-4], "--max-length", "40"]) == 0
+
+
+def test_documents_cut_at_max_length_are_told_to_be_split_not_cut_otherwise(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """For text records the advice was --truncation left or drop: each loses the rest of a document
+    as well."""
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"text": "word " * 200}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    assert main(["data", "audit", str(f), "--max-length", "64", "--global-batch-size", "1"]) == 1
+    said = capsys.readouterr().out
+    assert "1 lost their end to --max-length 64 (raise it, or split long documents into pieces" in said
