@@ -119,9 +119,11 @@ def test_audit_reads_the_data_of_a_train_config_file(
     )
 
 
-def _chat(i: int, words: int) -> dict[str, object]:
+def _chat(i: int, words: int, question: str = "") -> dict[str, object]:
     reply = " ".join(["word"] * words)
-    return {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": reply}]}
+    return {
+        "messages": [{"role": "user", "content": f"{question}q{i}"}, {"role": "assistant", "content": reply}]
+    }
 
 
 @pytest.mark.parametrize(
@@ -164,7 +166,19 @@ def _chat(i: int, words: int) -> dict[str, object]:
             2,
             "would stop",
         ),
-        ([_chat(i, 40) for i in range(4)], ["--max-length", "64", "--truncation", "left"], 0, "clean"),
+        # Left truncation keeps the end of turn, and here some of the question (all of it cut away: 1).
+        (
+            [_chat(i, 8, "question " * 10) for i in range(4)],
+            ["--max-length", "64", "--truncation", "left"],
+            0,
+            "clean",
+        ),
+        (
+            [_chat(i, 40) for i in range(4)],
+            ["--max-length", "64", "--truncation", "left"],
+            1,
+            "cut away whole",
+        ),
     ],
 )
 def test_exit_code_says_clean_trains_badly_or_unusable(
