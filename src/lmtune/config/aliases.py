@@ -205,7 +205,7 @@ def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Calla
         )
     if not (type(micro) is int and micro > 0):
         micro = 8  # HF Trainer's default per_device_train_batch_size
-    given = (  # the global batch given too, which the accumulation contradicts
+    contradicted = (  # the global batch given too, which the accumulation contradicts
         f" (the {style('global_batch_size')}{sep}{batch} given with it is {batch // micro} accumulation "
         f"steps on one device: drop {style('gradient_accumulation_steps')} to keep it)"
         if type(batch) is int and batch > 0 and batch != micro * value and batch % micro == 0
@@ -214,7 +214,7 @@ def accumulation_here(key: str, value: Any, values: dict[str, Any], style: Calla
     return (
         f"; {micro} per device x {value} accumulation on one device is {style('global_batch_size')}{sep}"
         f"{micro * value}, {style('micro_batch_size')}{sep}{micro}, and the same numbers train the same on "
-        f"any number of processes{given}"
+        f"any number of processes{contradicted}"
     )
 
 

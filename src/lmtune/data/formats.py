@@ -7,6 +7,7 @@ tokenizer happens to encode a role marker.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -78,11 +79,12 @@ class FieldMap:
                     f"{SHAREGPT_NAMES[ours]!r}: give {SHAREGPT_NAMES[ours]}={theirs}",
                 )
             elif ours not in FIELDS:
+                close = difflib.get_close_matches(ours.lower(), [*FIELDS, *ROLES], n=1, cutoff=0.75)
                 raise SettingError(
                     "field_map",
                     "--field-map",
                     f"{ours!r} is none of lmtune's fields ({', '.join(FIELDS)}) or roles "
-                    f"({', '.join(ROLES)})",
+                    f"({', '.join(ROLES)})" + (f"; did you mean {close[0]}={theirs}?" if close else ""),
                 )
             elif ours == "text" and fields.get("text", theirs) != theirs:
                 raise UserError(f"--field-map text={theirs} and --text-field {settings.text_field} differ")
@@ -220,6 +222,19 @@ def render(
     chosen = detect_format(record.fields) if fmt == "auto" else fmt
     if chosen is None:
         raise unknown_format(record, names.found(record.fields), _expected(names))
+    try:
+        return _render_as(record, chosen, names, tokenizer, train_on_prompt)
+    except UserError as e:  # a forced format's field missing, where the record is of another format
+        detected = detect_format(record.fields) if fmt != "auto" else None
+        if detected in (None, chosen, "preference"):
+            raise
+        raise UserError(f"{e}; it is a {detected} record, which --data-format auto reads as one") from None
+
+
+def _render_as(
+    record: Record, chosen: str, names: FieldMap, tokenizer: Any, train_on_prompt: bool
+) -> Rendered:
+    """:func:`render` of a record (its fields under lmtune's names) in format ``chosen``."""
     if chosen == "preference":
         raise UserError(
             f"{record.where}: a preference pair (prompt, chosen, rejected) is not a single example; "

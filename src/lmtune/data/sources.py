@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import glob
 import hashlib
+import itertools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -164,6 +165,7 @@ def resolve_components(spec: str, option: str = "--data") -> list[tuple[str, lis
     """Each named item of ``spec`` (lmtune.config.mixture.named_items) with its sources; a source
     reached twice (``a.jsonl,a.jsonl``, a file and a glob that matches it) is refused: each of its
     examples would count twice, unasked."""
+    _refuse_split_name(spec, option)
     parts = [(name, _item_sources(item, option)) for name, item in named_items(spec)]
     seen: set[tuple[str, str, str | None]] = set()
     for source in (s for _, part in parts for s in part):
@@ -180,6 +182,20 @@ def resolve_components(spec: str, option: str = "--data") -> list[tuple[str, lis
             )
         seen.add(key)
     return parts
+
+
+def _refuse_split_name(spec: str, option: str) -> None:
+    """A file whose name holds a comma, given as it is (``a,b.jsonl``): its pieces were sought as
+    files ("no such file: a", with a near name of another file)."""
+    items = [item for _, item in named_items(spec)]
+    for first, second in itertools.pairwise(items):
+        whole = f"{first},{second}"
+        if not Path(first).expanduser().exists() and Path(whole).expanduser().exists():
+            raise _refused(
+                option,
+                f"no such file or folder: {first} (did you mean {whole.replace(',', chr(92) + ',')}? A comma "
+                "inside a name is written \\,)",
+            )
 
 
 def _item_sources(item: str, option: str) -> list[Source]:

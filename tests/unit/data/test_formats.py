@@ -426,3 +426,27 @@ def test_a_text_part_without_text_and_a_null_content_are_said_as_they_are() -> N
     ):
         with pytest.raises(UserError, match=said):
             render(Record("d.jsonl", 1, {"messages": [turn, CHAT[2]]}), "auto", names, byte_tokenizer())
+
+
+def test_a_forced_format_a_misspelt_field_map_and_a_comma_in_a_name_say_what_was_meant(
+    tmp_path: Path,
+) -> None:
+    """--data-format text on Alpaca records said to skip every line; --field-map promt=... listed
+    lmtune's fields without the one meant; a,b.jsonl given as it is was "no such file: a" with another
+    file's near name."""
+    alpaca = Record("d.jsonl", 1, {"instruction": "Say hi.", "input": "", "output": "hi"})
+    with pytest.raises(
+        UserError, match=r"; it is a prompt_completion record, which --data-format auto reads as one$"
+    ):
+        render(alpaca, "text", FieldMap.of(ExampleSettings()), byte_tokenizer())
+    with pytest.raises(UserError, match=r"; did you mean prompt=question\?$"):
+        FieldMap.of(ExampleSettings(field_map="promt=question"))
+    from lmtune.data.sources import resolve_sources
+
+    (tmp_path / "a,b.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "a.parquet").write_text("")
+    with pytest.raises(
+        UserError, match=r"no such file or folder: .*a \(did you mean .*a\\,b\.jsonl\? A comma"
+    ):
+        resolve_sources(f"{tmp_path / 'a'},b.jsonl")
+    assert len(resolve_sources(str(tmp_path / "a\\,b.jsonl"))) == 1  # as the hint writes it
