@@ -38,6 +38,7 @@ def test_bench_table_and_json(tmp_path: Path) -> None:
     assert ok["peak_memory_mib"] > 0 and set(ok["phase_ms"]) == {"data", "forward", "backward", "optimizer"}
     assert rows[("dp", "fp32")]["status"].startswith("skipped: DataParallel needs 2+ CUDA GPUs")
     assert rows[("single", "fp16")]["status"].startswith("skipped: fp16 needs a CUDA GPU")
+    assert rows[("single", "fp16")]["tokens_per_s"] is None  # no figures for what did not run (0.0)
     assert "tokens/s" in proc.stdout and "MFU" in proc.stdout
 
 

@@ -221,9 +221,16 @@ def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     memory = parse_size(args.memory_per_device) if args.memory_per_device else None
     with tempfile.TemporaryDirectory(prefix="lmtune-plan-") as workdir:
         report = plan(cfg, memory, args.calibrate, Path(workdir))
-    print(format_report(report), file=sys.stderr if args.json == "-" else sys.stdout)
+    shown = sys.stderr if args.json == "-" else sys.stdout
+    print(format_report(report), file=shown)
     if args.json:
         _write_json(out, json.dumps(json_marked(report_json(report), "plan"), indent=2))
+    if report.requested.total > report.memory:  # a script's `lmtune plan && lmtune train` stops here
+        print(
+            f"the setup asked for does not fit {report.memory / 2**30:,.1f} GiB per device (exit code 1)",
+            file=shown,
+        )
+        return 1
     return 0
 
 

@@ -272,7 +272,7 @@ def _plan_parser(sub: Any) -> None:
         "the peak memory per device of the setup the train options describe: weights, gradients, "
         "optimizer state, activations, logits, communication buffers. Then list the setups "
         "(strategy x optimizer x checkpointing x LoRA) that fit --memory-per-device, each with its "
-        "largest micro-batch.",
+        "largest micro-batch. Exit 0 when the setup asked for fits, 1 when it does not.",
     )
     pl.add_argument(
         "--memory-per-device",

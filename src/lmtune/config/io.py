@@ -98,8 +98,8 @@ def _coerce(s: Setting, value: Any) -> Any:
     if {"on", "off"} <= set(s.choices):  # packing: true, as TRL writes it (--packing True too)
         if isinstance(value, bool):
             return "on" if value else "off"
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return "on" if value.lower() == "true" else "off"
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):  # as YAML 1.1's
+            return "on" if value.lower() in ("true", "yes") else "off"
     if name == "eval_split" and (type(value) is int or (isinstance(value, str) and value.strip().isdigit())):
         return int(value)  # a count stays one: TrainConfig refuses a split of 40.0 as written so
     if kind is int and isinstance(value, float) and value.is_integer():

@@ -214,4 +214,9 @@ def measure_peaks(precisions: list[str], nproc: int, device_name: str) -> list[s
 
 
 def to_json(rows: list[BenchRow]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in rows]
+    """The rows as JSON; a combination that did not run has no figures (null, not 0.0)."""
+    figures = ("devices", "tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_busy", "peak_memory_mib")
+    return [
+        asdict(r) if r.status == "ok" else {**asdict(r), **dict.fromkeys((*figures, "step_ms", "phase_ms"))}
+        for r in rows
+    ]

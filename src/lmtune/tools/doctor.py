@@ -157,7 +157,8 @@ def _cpu_threads(env: DistEnv) -> Check:
     work when this process started, which slows every run on them."""
     from lmtune.config.threads import busy_at_start, thread_wait
 
-    said = f"{torch.get_num_threads()} threads, waiting {thread_wait()}"
+    threads = torch.get_num_threads()
+    said = f"{threads} thread{'s' if threads != 1 else ''}, waiting {thread_wait()}"
     found = all_gather_object((said, busy_at_start()), env)
     lines = _by_rank([line for line, _ in found])
     if any(busy for _, busy in found):

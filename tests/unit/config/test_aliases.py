@@ -250,6 +250,7 @@ def test_packing_takes_trls_true_and_false() -> None:
     parse = build_parser().parse_args
     assert train_config(parse(["train", "--packing", "True"])).batch.packing == "on"
     assert train_config(parse(["train", "--packing", "false"])).batch.packing == "off"
+    assert train_config(parse(["train", "--packing", "yes"])).batch.packing == "on"  # as YAML takes it
     # TRL's bare --packing (a bool there): on, before another option too.
     assert train_config(parse(["train", "--packing"])).batch.packing == "on"
     assert train_config(parse(["train", "--packing", "--lr", "1e-3"])).batch.packing == "on"

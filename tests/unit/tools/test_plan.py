@@ -201,7 +201,10 @@ def test_plan_command_prints_a_table_and_json() -> None:
     proc = run_lmtune(
         ["plan", "--model", "small", "--nproc-per-node", "2", "--memory-per-device", "1GiB", "--json", "-"]
     )
-    assert proc.returncode == 0, proc.stderr
+    # The setup asked for (3.8 GiB) does not fit: exit 1, as `lmtune plan && lmtune train` needs
+    # (it was 0), with the table and the JSON all the same.
+    assert proc.returncode == 1, proc.stderr
+    assert "the setup asked for does not fit 1.0 GiB per device (exit code 1)" in proc.stderr
     assert "setups that fit 1.0 GiB per device" in proc.stderr and "fsdp x2" in proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["requested"]["setup"]["strategy"] == "ddp"
