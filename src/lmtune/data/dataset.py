@@ -98,6 +98,18 @@ class TokenizedDataset:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def digests(self) -> np.ndarray:
+        """A 64-bit digest of each example's tokens (a polynomial hash, vectorised), to find the
+        examples two data sets share."""
+        ids = self.input_ids.astype(np.uint64) + np.uint64(1)
+        starts, lengths = self.offsets[:-1], np.diff(self.offsets)  # all of the arrays' examples
+        position = np.arange(len(ids), dtype=np.uint64) - np.repeat(starts, lengths).astype(np.uint64)
+        with np.errstate(over="ignore"):
+            weighted = ids * np.power(np.uint64(1_000_003), position, dtype=np.uint64)
+        sums = np.add.reduceat(weighted, starts) if len(ids) else np.zeros(0, np.uint64)
+        digests: np.ndarray = sums ^ (lengths.astype(np.uint64) << np.uint64(48))
+        return digests
+
     def pair_lengths(self) -> np.ndarray:
         """Per pair: its prompt's, chosen and rejected answer's token counts (``[len, 3]``)."""
         assert self.parts is not None
@@ -336,6 +348,10 @@ class SplitView(TokenizedDataset):
         kept: np.ndarray = super().lengths()[self.indices]
         return kept
 
+    def digests(self) -> np.ndarray:
+        kept: np.ndarray = super().digests()[self.indices]
+        return kept
+
     def pair_lengths(self) -> np.ndarray:
         kept: np.ndarray = super().pair_lengths()[self.indices]
         return kept
@@ -390,3 +406,13 @@ def held_per_source(sources: SourceIndex, share: float, seed: int) -> np.ndarray
             )
         held.append(lo + np.sort(np.random.default_rng([seed, i]).permutation(n)[:count]))
     return np.concatenate(held)
+
+
+def shared_examples(
+    train: TokenizedDataset, held: TokenizedDataset, most_tokens: int = 50_000_000
+) -> int | None:
+    """How many of ``held``'s examples are ``train``'s too (the same tokens); None past
+    ``most_tokens`` of both together, where the digests would cost more than a warning is worth."""
+    if len(train.input_ids) + len(held.input_ids) > most_tokens or not len(train) or not len(held):
+        return None
+    return int(np.isin(held.digests(), train.digests()).sum())

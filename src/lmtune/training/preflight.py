@@ -19,6 +19,7 @@ from lmtune.config.run_groups import names_checkpoint
 from lmtune.config.settings import TrainConfig, config_fields, option_name, value_of
 from lmtune.config.validate import PREFERENCE, check_settings
 from lmtune.data.chat import read_template
+from lmtune.data.dataset import TokenizedDataset, shared_examples
 from lmtune.data.formats import FieldMap, unused_names
 from lmtune.data.readers import iter_records
 from lmtune.data.sources import BadLines, resolve_sources
@@ -246,7 +247,12 @@ def settings_differences(by_rank: list[dict[str, Any]]) -> list[str]:
     return found
 
 
-def warn_unused_names(cfg: TrainConfig, data_info: dict[str, Any], info: Callable[[str], None]) -> None:
+def warn_unused_names(
+    cfg: TrainConfig,
+    data_info: dict[str, Any],
+    info: Callable[[str], None],
+    data: tuple[TokenizedDataset, TokenizedDataset | None] | None = None,
+) -> None:
     """A warning for --text-field, --field-map and --txt-mode values the data never used: a setting
     that changed nothing usually means other data, or another field, was meant."""
     formats = {f for split in data_info.values() for f in split.get("formats", {})}
@@ -262,6 +268,14 @@ def warn_unused_names(cfg: TrainConfig, data_info: dict[str, Any], info: Callabl
             "warning: --eval-data is the training data: its loss says how well the model fits what it "
             "trains on, not how it does on examples it never saw (--eval-split N holds N of them out)"
         )
+    elif cfg.data.eval is not None and data is not None and (held := data[1]) is not None:
+        shared = shared_examples(data[0], held)  # (of its own examples: copies of training ones, say)
+        if shared:
+            info(
+                f"warning: {shared:,} of the {len(held):,} --eval-data examples are training examples "
+                "too: their loss says how well the model remembers them (lmtune data audit DATA --eval-data "
+                "EVAL names them)"
+            )
     mode = cfg.examples.txt_mode
     given = [(cfg.data.train, "--data"), (cfg.data.eval, "--eval-data")]
     if mode != ExampleSettings().txt_mode and not any(

@@ -575,3 +575,20 @@ def test_a_utf16_file_is_named_as_such_with_how_to_convert_it(tmp_path: Path) ->
             read(str(tmp_path / name))
     (tmp_path / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + b'{"text": "a"}\n')  # UTF-8's own mark: read
     assert read(str(tmp_path / "d.jsonl")) == [{"text": "a"}]
+
+
+def test_examples_two_data_sets_share_are_counted_by_their_tokens() -> None:
+    """--eval-data that repeats some training examples (a copy of part of the data) was warned of
+    only when it was the very same data."""
+    from lmtune.data.dataset import SplitView, shared_examples
+
+    def encoded(texts: list[str]) -> Any:
+        recs = [Record("d.jsonl", i + 1, {"text": t}) for i, t in enumerate(texts)]
+        return encode_in_memory(recs, byte_tokenizer(), ExampleSettings())[0]
+
+    train = encoded([f"example {i}" for i in range(6)])
+    held = encoded(["example 2", "example 5", "something new", "example 2 "])
+    assert shared_examples(train, held) == 2
+    assert shared_examples(SplitView(train, np.array([0, 1, 2])), held) == 1  # of the view's examples
+    assert shared_examples(train, SplitView(held, np.array([2, 3]))) == 0
+    assert shared_examples(train, held, most_tokens=10) is None  # not worth its cost past that
