@@ -123,11 +123,7 @@ def fingerprint(
         "--precision": cfg.model.precision,
         # How each rank's share of a step is split: any split trains the same, so it may change.
         "--micro-batch-size": cfg.batch.micro_batch_size or "auto",
-        # How a step is computed: the same training, said when it changes (it was not).
-        "--packing": cfg.batch.packing,
-        "--activation-checkpointing": cfg.model.activation_checkpointing,
-        "--compile": cfg.model.compile,
-        "--loss-chunk-size": cfg.model.loss_chunk_size or "auto",
+        **_computed_as(cfg),
     }
     if cfg.objective.name != "sft":
         o = cfg.objective
@@ -144,6 +140,16 @@ def fingerprint(
         if s.group == "examples":  # the data settings the training data's hash takes in
             described[option_name(s.name)] = getattr(cfg.examples, s.field)
     return Fingerprint(fixed, adjustable, described)
+
+
+def _computed_as(cfg: TrainConfig) -> dict[str, Any]:
+    """How a step is computed: the same training, said when a resume changes it (it was not)."""
+    return {
+        "--packing": cfg.batch.packing,
+        "--activation-checkpointing": cfg.model.activation_checkpointing,
+        "--compile": cfg.model.compile,
+        "--loss-chunk-size": cfg.model.loss_chunk_size or "auto",
+    }
 
 
 def mixture_fingerprint(spec: str, weights: str) -> str:

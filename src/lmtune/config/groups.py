@@ -185,11 +185,12 @@ class ExampleSettings:
     truncation: str = setting(
         "right",
         (
-            "Examples longer than --max-length: right (cut the end) | left (cut the start) | drop | error. "
-            "Pairs (prompt + longer answer): right and left both cut the prompt left, the answers right. "
-            "Counts go to the log and run.json."
+            "Examples longer than --max-length: right (cut the end) | left (cut the start) | drop | error | "
+            "split (a document, a text record, trains as consecutive pieces of --max-length tokens, as HF's "
+            "run_clm chunks texts; other examples are cut as right). Pairs (prompt + longer answer): right, "
+            "left and split cut the prompt left, the answers right. Counts go to the log and run.json."
         ),
-        choices=("right", "left", "drop", "error"),
+        choices=("right", "left", "drop", "error", "split"),
     )
     max_prompt_length: int | None = setting(
         None,

@@ -370,6 +370,13 @@ def _over_line(report: AuditReport) -> str:
             f"  over --max-length   {s.truncated:,} truncated, {s.dropped_too_long:,} would stop training "
             f"(--max-length {report.max_length}, --truncation error{at})"
         )
+    if s.documents_split:  # --truncation split
+        places = in_parentheses(first_places(s.where, "split", s.documents_split))
+        return (
+            f"  over --max-length   {_count(s.documents_split, 'document')} split into "
+            f"{s.documents_split + s.pieces_added:,} pieces of at most --max-length {report.max_length}"
+            f"{places}; {s.truncated:,} other examples truncated, {s.dropped_too_long:,} dropped"
+        )
     return (
         f"  over --max-length   {s.truncated:,} truncated, {s.dropped_too_long:,} dropped "
         f"(--max-length {report.max_length}; dropped: too long, or left with nothing to train, as a "
@@ -381,10 +388,11 @@ def format_report(report: AuditReport) -> str:
     """The report as the terminal shows it."""
     s = report.stats
     lines = [f"audit of {report.spec}"]
-    total_read = s.examples + s.dropped_too_long + s.dropped_no_targets + report.bad.count
+    total_read = s.examples - s.pieces_added + s.dropped_too_long + s.dropped_no_targets + report.bad.count
     formats = ", ".join(f"{k} {v:,}" for k, v in sorted(s.formats.items())) or "none"
+    pieces = f" (as {s.examples:,} examples: --truncation split)" if s.pieces_added else ""
     lines += [
-        f"  records             {total_read:,} read, {s.examples:,} kept",
+        f"  records             {total_read:,} read, {s.examples - s.pieces_added:,} kept{pieces}",
         f"  formats             {formats}",
         f"  bad lines           {report.bad.count:,}",
     ]
@@ -462,7 +470,9 @@ def _stop_line(report: AuditReport) -> str:
         return label + "-: no example to check"
     pad_is_eos = "yes" if report.pad_is_eos else "no"
     line = (
-        f"{'yes' if not report.stops_lost else 'NO'}: {s.eos_trained:,} of {s.examples:,} kept examples "
+        # A split document's pieces but its last end nothing: its record is counted by that one.
+        f"{'yes' if not report.stops_lost else 'NO'}: {s.eos_trained - s.pieces_added:,} of "
+        f"{s.examples - s.pieces_added:,} kept {'records' if s.pieces_added else 'examples'} "
         f"train a stop token ({' or '.join(report.stops)}); pad == eos: {pad_is_eos}"
     )
     # Of pairs, the answers cut at the end (a prompt cut by --max-prompt-length keeps its answers).

@@ -413,10 +413,22 @@ def data_line(named: str, meta: dict[str, Any], how: str, files: list[str] | Non
     return (
         f"{named}{f' ({len(files):,} files: {shown})' if files else ''}: {counted(meta['examples'], meta)}, "
         f"{meta['tokens']:,} tokens ({how}); "
-        f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long"
+        + _split_part(meta)
+        + f"{meta['truncated']} truncated, {meta['dropped_too_long']} dropped as too long"
         f"{in_parentheses(first_places(where, 'too_long', meta['dropped_too_long']))}, "
         f"{meta['dropped_no_targets']} dropped with no trainable tokens"
         f"{in_parentheses(first_places(where, 'no_targets', meta['dropped_no_targets']))}"
         + (f", {skipped_lines(meta['bad_lines'])}" if meta["bad_lines"] else "")
         + pair_counts(meta)
+    )
+
+
+def _split_part(meta: dict[str, Any]) -> str:
+    """``2 documents split into 9 pieces of --max-length, `` (--truncation split), or ""."""
+    split = meta.get("documents_split", 0)
+    pieces = split + meta.get("pieces_added", 0)
+    return (
+        f"{split:,} document{'s' if split != 1 else ''} split into {pieces:,} pieces of --max-length, "
+        if split
+        else ""
     )

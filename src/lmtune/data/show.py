@@ -102,6 +102,8 @@ def _block(
         return f"== {record.where} ({fmt}): not trained: {_dropped(stats, settings)}"
     trained = int(example.trainable.sum())
     cut = ", truncated" if stats.truncated else ""
+    if stats.documents_split:  # one record's examples: its pieces; the first is shown
+        cut = f", the first of its {stats.examples:,} pieces (--truncation split)"
     if example.parts is None:
         size = f"{len(example.ids)} tokens"
     else:  # --max-length holds the prompt and the longer answer

@@ -57,6 +57,10 @@ class EncodeStats:
     unread_context: int = 0
     # Kept examples whose prompt --truncation left cut away whole: an answer to no question.
     prompt_cut_away: int = 0
+    # Documents (text records) --truncation split made several examples of, and how many examples
+    # that added (a record's pieces past its first): the records read are examples less these.
+    documents_split: int = 0
+    pieces_added: int = 0
     # Where the first examples of each kind of loss are (``file:line``), so a message can name them:
     # "no_targets", "too_long", "empty_answer", "no_stop".
     where: dict[str, list[str]] = field(default_factory=dict)
@@ -123,7 +127,7 @@ def trainable_mask(enc: Any, spans: tuple[tuple[int, int], ...], text_length: in
 def cut_long_text(r: Rendered, max_length: int, truncation: str) -> Rendered:
     """``r`` with the text that truncation would discard anyway cut off (spans moved along)."""
     limit = CHARS_PER_TOKEN * (max_length + CUT_MARGIN_TOKENS)
-    if len(r.text) <= limit:
+    if len(r.text) <= limit or (truncation == "split" and r.format == "text"):  # a document: all of it
         return r
     start = len(r.text) - limit if truncation == "left" else 0
     spans = tuple(
@@ -231,44 +235,84 @@ def _encode_examples(
         if r.append_eos and not (len(ids) and ids[-1] == eos):
             ids = np.append(ids, np.int32(eos))
             trainable = np.append(trainable, True)
-        kept = None
+        if len(ids) > max_length and truncation == "split" and r.format == "text":
+            pieces = split_document(ids, trainable, max_length)
+            stats.documents_split += 1
+            stats.note("split", rec.where)
+            kept_pieces = [
+                _kept(piece, rec, stats, (tokenizer, stops), cut=None, ends=n == len(pieces) - 1)
+                for n, piece in enumerate(pieces)  # each a document's part: only the last one ends it
+            ]
+            out += [k for k in kept_pieces if k is not None]
+            stats.pieces_added += max(sum(k is not None for k in kept_pieces) - 1, 0)
+            continue
+        cut_here = False
         if len(ids) > max_length:
+            mode = "right" if truncation == "split" else truncation  # split: documents (text records)
             try:
-                kept = truncate(ids, trainable, max_length, truncation, rec.where, cut[i])
+                shortened = truncate(ids, trainable, max_length, mode, rec.where, cut[i])
             except UserError as e:
                 bad.report(str(e))
                 continue
-            if kept is None:
+            if shortened is None:
                 stats.dropped_too_long += 1
                 stats.note("too_long", rec.where)
                 continue
-            if _prompt_cut_away(kept, trainable, tokenizer):
+            if _prompt_cut_away(shortened, trainable, tokenizer):
                 stats.prompt_cut_away += 1
                 stats.note("prompt_cut_away", rec.where)
-            ids, trainable = kept
-        targets = int(trainable[1:].sum())  # position 0 is never predicted
-        if targets == 0:  # would train as a loss of 0 on nothing
-            if kept is not None:  # the prompt alone fills --max-length: dropped for being too long
-                stats.dropped_too_long += 1
-                stats.note("too_long", rec.where)
-            else:
-                stats.dropped_no_targets += 1
-                stats.note("no_targets", rec.where)
-            continue
-        stats.examples += 1
-        stats.truncated += bool(kept is not None)
-        stats.tokens += len(ids)
-        stats.target_tokens += targets
-        stopped = bool((trainable & np.isin(ids, stops)).any())
-        stats.eos_trained += stopped
-        if not stopped:
-            stats.note("no_stop", rec.where)
-        if blank_answer(ids, trainable, tokenizer, stops):
-            stats.empty_answers += 1
-            stats.note("empty_answer", rec.where)
-        _count_unread(rec, stats, names if r.format == "prompt_completion" else None)
-        out.append(Encoded(ids, trainable))
+            (ids, trainable), cut_here = shortened, True
+        kept = _kept((ids, trainable), rec, stats, (tokenizer, stops), cut=cut_here)
+        if kept is not None:
+            _count_unread(rec, stats, names if r.format == "prompt_completion" else None)
+            out.append(kept)
     return out, stats
+
+
+def split_document(
+    ids: np.ndarray, trainable: np.ndarray, max_length: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """--truncation split: a document (a text record) as consecutive pieces of --max-length tokens,
+    as HF's run_clm and Axolotl's completion data chunk long texts; a last piece of one token (it
+    would predict nothing) is left out."""
+    starts = range(0, len(ids), max_length)
+    return [(ids[a : a + max_length], trainable[a : a + max_length]) for a in starts if len(ids) - a > 1]
+
+
+def _kept(
+    example: tuple[np.ndarray, np.ndarray],
+    rec: Record,
+    stats: EncodeStats,
+    stopping: tuple[Any, np.ndarray],
+    cut: bool | None,
+    ends: bool = True,
+) -> Encoded | None:
+    """One example counted into ``stats`` (None: dropped, with nothing to train); ``cut``: by
+    truncation (None: a piece of a split document, which has no answer to be blank); ``ends``: the
+    example is where its record ends (a document's earlier pieces do not, so they train no stop, as
+    they should not)."""
+    (ids, trainable), (tokenizer, stops) = example, stopping
+    targets = int(trainable[1:].sum())  # position 0 is never predicted
+    if targets == 0:  # would train as a loss of 0 on nothing
+        if cut:  # the prompt alone fills --max-length: dropped for being too long
+            stats.dropped_too_long += 1
+            stats.note("too_long", rec.where)
+        else:
+            stats.dropped_no_targets += 1
+            stats.note("no_targets", rec.where)
+        return None
+    stats.examples += 1
+    stats.truncated += bool(cut)
+    stats.tokens += len(ids)
+    stats.target_tokens += targets
+    stopped = not ends or bool((trainable & np.isin(ids, stops)).any())
+    stats.eos_trained += stopped
+    if not stopped:
+        stats.note("no_stop", rec.where)
+    if cut is not None and blank_answer(ids, trainable, tokenizer, stops):
+        stats.empty_answers += 1
+        stats.note("empty_answer", rec.where)
+    return Encoded(ids, trainable)
 
 
 def _count_unread(record: Record, stats: EncodeStats, instruction: FieldMap | None = None) -> None:

@@ -592,3 +592,27 @@ def test_examples_two_data_sets_share_are_counted_by_their_tokens() -> None:
     assert shared_examples(SplitView(train, np.array([0, 1, 2])), held) == 1  # of the view's examples
     assert shared_examples(train, SplitView(held, np.array([2, 3]))) == 0
     assert shared_examples(train, held, most_tokens=10) is None  # not worth its cost past that
+
+
+def test_truncation_split_trains_a_document_as_consecutive_pieces() -> None:
+    """A document past --max-length lost all but its first --max-length tokens whichever way it was
+    cut (HF's run_clm and Axolotl's completion data chunk it). Under --truncation split its tokens
+    train as pieces of --max-length, in order, the EOS in the last; other formats are cut as right."""
+    text = "".join(f"w{i:03d} " for i in range(60))  # 300 byte tokens, +BOS +EOS
+    recs = [
+        Record("d.jsonl", 1, {"text": text}),
+        Record("d.jsonl", 2, {"prompt": "q" * 10, "completion": "a" * 100}),
+        Record("d.jsonl", 3, {"text": "short"}),
+    ]
+    settings = ExampleSettings(max_length=64, truncation="split")
+    data, stats = encode_in_memory(recs, byte_tokenizer(), settings)
+    whole, _ = encode_in_memory(recs[:1], byte_tokenizer(), ExampleSettings(max_length=1024))
+    pieces = [data[i] for i in range(5)]
+    assert [len(p.input_ids) for p in pieces] == [64, 64, 64, 64, 46]  # 302 tokens
+    assert np.concatenate([p.input_ids for p in pieces]).tolist() == whole[0].input_ids.tolist()
+    assert all((p.labels != IGNORE_INDEX)[1:].all() for p in pieces)  # every token trains
+    assert (stats.documents_split, stats.pieces_added, stats.truncated, stats.examples) == (1, 4, 1, 7)
+    assert len(data[5].input_ids) == 64  # the prompt/completion record, cut as right
+    assert (
+        stats.eos_trained - stats.pieces_added == 2
+    )  # the document's end and "short"'s; the cut one lost it
