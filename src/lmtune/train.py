@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from lmtune.training.build import Built, build_parts, loaders, schedule
 from lmtune.training.context import CallableModule, RunContext
 from lmtune.training.evaluate import EvalResult, evaluate
 from lmtune.training.failures import said_plainly
-from lmtune.training.finish import finish, recorded_result, say_finished
+from lmtune.training.finish import TrainResult, finish, finished_result
 from lmtune.training.loop import FitSettings, LoopParts, fit
 from lmtune.training.optim import set_hyperparameters
 from lmtune.training.perf import PEAKS_FILE, MfuMeter, PhaseTimer, Probe, best_peak_flops, mfu_meter
@@ -53,15 +53,6 @@ from lmtune.training.reference import attach_references
 from lmtune.training.samples import sample_generator
 from lmtune.training.signals import StopRequest, ctrl_c_raised, threads_kept
 from lmtune.training.step import StepOptions, Trainee
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    output_dir: Path
-    steps: int
-    last_loss: float
-    eval: EvalResult | None
-    stopped_by: str | None = None  # signal | early_stopping: ended before its last step
 
 
 def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
@@ -135,8 +126,7 @@ def _run(run: RunContext) -> TrainResult:
     checkpoints = _checkpoints(run, built, best, timeouts)
     earlier = checkpoints.finished_or_checked(built.layout.total_steps)
     if earlier is not None:
-        say_finished(run, earlier.step)
-        return TrainResult(output_dir, earlier.step, *recorded_result(output_dir))  # as run.json has them
+        return finished_result(run, earlier.step)  # as run.json has it
     refused_by_main(lambda: final_problem(output_dir), env)  # a finished run that trains on replaces it
     reference = attach_references(run, built, data_cache_dir(cfg.data))  # before a resume's weights
     fresh = TrainerState.fresh(cfg.batch.global_batch_size, env.world_size, cfg.seed, len(built.train_data))

@@ -95,6 +95,14 @@ def test_a_finished_run_says_so_and_changes_nothing(
     again = train(train_config(build_parser().parse_args(_args(base["data"], base["out"]))))
     recorded = json.loads((base["out"] / "run.json").read_text())["result"]
     assert (again.steps, again.last_loss) == (STEPS, recorded["last_loss"])
+    assert again.not_applied == ()
+    # ... and says what of this call it did not apply (a loop over learning rates into one folder
+    # returned the first run's result each time, the log line alone saying so).
+    changed = train(
+        train_config(build_parser().parse_args([*_args(base["data"], base["out"]), "--lr", "0.5"]))
+    )
+    assert changed.steps == STEPS and len(changed.not_applied) == 1
+    assert changed.not_applied[0].startswith("--lr 0.5, was ")
 
 
 def _finished_copy(base: dict[str, Path], name: str, checkpoints: tuple[int, ...]) -> Path:

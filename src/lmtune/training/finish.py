@@ -3,6 +3,7 @@ under --merge-lora, their model cards, the demo's answers, and the upload under 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,24 @@ def finish(
         push_final(run.output_dir, cfg.checkpoint, cfg.lora.merge, log)
 
 
+@dataclass(frozen=True)
+class TrainResult:
+    output_dir: Path
+    steps: int
+    last_loss: float
+    eval: EvalResult | None
+    stopped_by: str | None = None  # signal | early_stopping: ended before its last step
+    # A finished run called again: its recorded result, and the settings of this call it did not
+    # apply (a loop over learning rates into one output_dir returned the first run's result each time).
+    not_applied: tuple[str, ...] = ()
+
+
+def finished_result(run: RunContext, step: int) -> TrainResult:
+    """A finished run run again: said (:func:`say_finished`), and its result as run.json has it."""
+    changed = say_finished(run, step)
+    return TrainResult(run.output_dir, step, *recorded_result(run.output_dir), not_applied=tuple(changed))
+
+
 def recorded_result(output_dir: Path) -> tuple[float, EvalResult | None]:
     """A finished run's last loss and last evaluation, as its run.json recorded them (nan and
     None where it holds none, or not in lmtune's form)."""
@@ -94,9 +113,9 @@ def recorded_result(output_dir: Path) -> tuple[float, EvalResult | None]:
         return float("nan"), None
 
 
-def say_finished(run: RunContext, step: int) -> None:
+def say_finished(run: RunContext, step: int) -> list[str]:
     """A finished run run again: nothing to do, and which of this command's changed settings
-    therefore apply to nothing."""
+    therefore apply to nothing (returned: on rank 0)."""
     out = run.output_dir
     saved = step_folder(out, step)
     held = saved if lmtune_wrote(saved) and verify(saved, hashes=False) is None else None
@@ -114,6 +133,7 @@ def say_finished(run: RunContext, step: int) -> None:
             f"  not applied ({'; '.join(changed)}): they would apply to further steps only; "
             "for a new run with them, choose another --output-dir or add --overwrite"
         )
+    return changed
 
 
 def _model_of(output_dir: Path, step: int, held: Path | None) -> str:
