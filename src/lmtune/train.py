@@ -19,6 +19,7 @@ from lmtune.checkpoint.manager import CheckpointManager, Trainable
 from lmtune.checkpoint.resume import recorded_paths
 from lmtune.checkpoint.rundir import acquire, final_problem, prepare_output
 from lmtune.checkpoint.state import TrainerState
+from lmtune.config.python_values import in_python_names
 from lmtune.config.settings import TrainConfig, to_dict
 from lmtune.data.prepare import cache_root, data_cache_dir
 from lmtune.model.precision import check_device
@@ -64,7 +65,8 @@ def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
         TrainingStopped: when training cannot go on (a non-finite loss with --on-nan stop).
         KeyboardInterrupt: from Python (``given`` None), after Ctrl+C stopped it (signals.py).
     """
-    with threads_kept(), ctrl_c_raised(stop := StopRequest(), python=given is None):
+    python = given is None
+    with threads_kept(), ctrl_c_raised(stop := StopRequest(), python), in_python_names(python):
         return _train(cfg, given, stop)
 
 

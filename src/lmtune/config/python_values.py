@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from lmtune.errors import brief
+from lmtune.errors import SettingError, brief
 
 SOURCES = ("data", "eval_data")  # lists of sources: a YAML mapping each, a path's commas escaped
 
@@ -67,3 +69,19 @@ def folder_named(path: str) -> tuple[str, str | None]:
             f"names a variable, which lmtune does not expand (got {brief(path)}); write the path itself",
         )
     return expanded, None
+
+
+@contextmanager
+def in_python_names(python: bool) -> Iterator[None]:
+    """From Python (``python``), a setting's error at the run's start names the settings as a
+    TrainConfig takes them (``micro_batch_size``), not as flags (``--micro-batch-size``)."""
+    try:
+        yield
+    except SettingError as e:
+        if not python:
+            raise
+        from lmtune.config.settings import config_fields, option_name  # it reads this module
+
+        names = {option_name(s.name): s.name for s in config_fields()}
+        reason = re.sub(r"--[a-z][a-z0-9-]*", lambda m: names.get(m.group(0), m.group(0)), e.reason)
+        raise SettingError(e.setting, f"TrainConfig: {e.setting}", reason) from None

@@ -428,3 +428,16 @@ def test_a_model_or_data_in_memory_is_answered_with_how_to_give_it() -> None:
     assert TrainConfig(data=["a.jsonl", Path("b.jsonl")]).data.train  # paths are not streams
     with pytest.raises(TypeError, match=r"\(got 0.1\) \(a share of the training steps is --warmup-ratio\)"):
         TrainConfig(warmup_steps=0.1)
+
+
+def test_a_runs_setting_error_from_python_names_the_settings_as_python_gives_them(tmp_path: Path) -> None:
+    """lmtune.train said "--micro-batch-size 5: --global-batch-size 32 does not divide ..." to a
+    caller who wrote micro_batch_size=5."""
+    import lmtune
+
+    cfg = TrainConfig(model="tiny", max_steps=1, output_dir=str(tmp_path / "o"), micro_batch_size=5)
+    with pytest.raises(
+        UserError, match=r"^TrainConfig: micro_batch_size: global_batch_size 32 does not divide"
+    ):
+        lmtune.train(cfg)
+    assert not (tmp_path / "o").exists()
