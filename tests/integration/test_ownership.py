@@ -297,7 +297,10 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path, monkeypatch:
     said: list[str] = []
     replace_earlier_run(tmp_path, read_dist_env("cpu"), 0, said.append)
     # What it deleted is said (it deleted without a word), with what it kept.
-    assert len(said) == 1 and said[0].startswith("--overwrite: removed the earlier run's final, checkpoints")
+    assert len(said) == 1
+    assert said[0].startswith(
+        "--overwrite: removed the earlier run's final, lmtune's files in checkpoints/, "
+    )
     assert "kept what lmtune did not write there: " in said[0] and "my-notes.txt" in said[0]
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == [

@@ -256,6 +256,8 @@ def _changes(a: dict[str, Any], b: dict[str, Any], both: bool = False) -> list[s
     """``name old -> new`` for each entry that differs; ``both``: of the entries both sides have."""
 
     def shown(value: Any) -> str:
+        if isinstance(value, bool):  # as the flags and YAML write it, not Python's True
+            return str(value).lower()
         return "none" if value is None else one_line(str(value), 80)
 
     # Both sides' entries: one recorded only by the checkpoint (a quantized base) differs too.

@@ -233,19 +233,32 @@ def replace_earlier_run(
 
     def replace() -> None:
         refuse_users_steps(output_dir, "--overwrite")
-        earlier = [
-            n for n in (*RUN_FILES, "final.tmp") if (output_dir / n).exists() or (output_dir / n).is_symlink()
-        ]
+        earlier = [n for n in (*RUN_FILES, "final.tmp") if _has_own(output_dir / n)]
         kept = remove_own_entries(output_dir)
-        if earlier:  # deleted: said, as any deletion of a run's results is
-            also = (
-                f"; kept what lmtune did not write there: {names_listed([str(k) for k in kept])}"
-                if kept
-                else ""
+        if earlier or kept:  # deleted: said, as any deletion of a run's results is
+            gone = ", ".join(
+                n if not (output_dir / n).exists() else f"lmtune's files in {n}/" for n in earlier
             )
-            say(f"--overwrite: removed the earlier run's {', '.join(earlier)} from {output_dir}{also}")
+            done = [f"removed the earlier run's {gone} from {output_dir}"] if earlier else []
+            done += (
+                [f"kept what lmtune did not write there: {names_listed([str(k) for k in kept])}"]
+                if kept
+                else []
+            )
+            say(f"--overwrite: {'; '.join(done)}")
 
     decided_by_main(replace, None, env)
+
+
+def _has_own(path: Path) -> bool:
+    """Whether ``path``, an entry of a run's names, holds something --overwrite removes: itself, or
+    in one of the folders where lmtune removes only its own entries, one of those."""
+    if not (path.exists() or path.is_symlink()):
+        return False
+    pattern = _OWN_ENTRIES.get(path.name)
+    if pattern is None or path.is_symlink() or not path.is_dir():
+        return True
+    return any(pattern.fullmatch(entry.name) for entry in path.iterdir())
 
 
 def remove_own_entries(output_dir: Path) -> list[Path]:

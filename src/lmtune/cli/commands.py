@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from lmtune.config.settings import TrainConfig
 
 
-def _output_file(given: str, option: str, kind: Kind) -> Path:
+def output_file(given: str, option: str, kind: Kind) -> Path:
     """Where a command writes ``option``'s file, checked before its work: a file named for its
     kind outside a run's own entries, new or lmtune's earlier one (its missing folders are made
     when it is written)."""
@@ -36,7 +36,7 @@ def _output_file(given: str, option: str, kind: Kind) -> Path:
 def _json_output(given: str, kind: Kind) -> Path | None:
     """``--json``'s file, or None for ``-``: the JSON goes to standard output alone (for a pipe),
     and the table meant for a person to standard error."""
-    return None if given == "-" else _output_file(given, "--json", kind)
+    return None if given == "-" else output_file(given, "--json", kind)
 
 
 def _write_json(out: Path | None, text: str) -> None:
@@ -190,7 +190,7 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     out = (
         _json_output(args.json, "bench")
         if args.json
-        else _output_file("bench.json", "the default --json", "bench")
+        else output_file("bench.json", "the default --json", "bench")
     )
     if not args.json:  # said before the minutes of runs, not only after them
         print("lmtune bench: results go to bench.json (--json PATH, or - for standard output)", flush=True)
@@ -353,7 +353,7 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     if Path(args.out).expanduser().is_dir() or args.out.endswith("/"):  # a folder: the report goes in it
         args.out = str(Path(args.out) / "report.html")
-    out = _output_file(args.out, "--out", "report")
+    out = output_file(args.out, "--out", "report")
     folder = Path(args.png).expanduser() if args.png else None
     if folder is not None:
         if folder.exists() and not folder.is_dir():
@@ -398,7 +398,7 @@ def _write_pngs(folder: Path, pngs: dict[str, bytes], empty: list[str]) -> str:
     return ", ".join(path.name for path in stale)
 
 
-def _data_and_tokenizer(args: argparse.Namespace, command: str) -> tuple[TrainConfig, Any]:
+def data_and_tokenizer(args: argparse.Namespace, command: str) -> tuple[TrainConfig, Any]:
     """The settings of a ``lmtune data`` command (its DATA arguments are its --data) and the
     tokenizer training would use, with its chat template."""
     from lmtune.model.modeling import load_tokenizer
@@ -442,54 +442,3 @@ def _data_settings(args: argparse.Namespace, command: str, scores_a_model: bool 
     with suppress(UserError):  # as train warns; unreadable data is refused in the command's words
         warn_unmatched_names(cfg, lambda message: print(message, file=sys.stderr))
     return cfg
-
-
-def show_data(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from lmtune.data.show import Marks, shown_records
-
-    if args.start < 1 or args.count < 1:
-        raise UserError(f"lmtune data show: {'--start' if args.start < 1 else '--count'} must be >= 1")
-    cfg, tokenizer = _data_and_tokenizer(args, "data show")
-    marks = Marks.choose(sys.stdout.isatty())
-    blocks = shown_records(
-        cfg.data.train, tokenizer, cfg.examples, args.start, args.count, marks, args.tokens
-    )
-    for i, block in enumerate(blocks):
-        if i == 0 and not args.tokens:
-            print(f"({marks.legend})")
-        print(block, flush=True)
-    return 0
-
-
-def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from dataclasses import replace
-
-    from lmtune.data.audit import audit, format_report, holding_out
-    from lmtune.data.audit_plot import plot_histogram
-
-    cfg, tokenizer = _data_and_tokenizer(args, "data audit")
-    plot = _output_file(args.plot, "--plot", "png") if args.plot else None
-    report = audit(
-        cfg.data.train,
-        tokenizer,
-        cfg.examples,  # every line is read either way; a bad one is reported
-        cfg.launch.nproc_per_node,
-        cfg.batch.global_batch_size,
-        cfg.batch.micro_batch_size,
-        cfg.seed,
-        cfg.data.weights,
-    )
-    report = holding_out(report, cfg.data.eval_split, cfg.seed, cfg.data.weights)
-    print(format_report(report))
-    if plot is not None:
-        write_output(plot, plot_histogram(report), "--plot")
-        print(f"  histogram           {plot}")
-    if cfg.data.eval is None:
-        return report.exit_code
-    # The evaluation data, as training reads it (a bad line there stops the run too), and what of
-    # it training trains on: its loss would say how well the model remembers, not generalises.
-    held = audit(cfg.data.eval, tokenizer, cfg.examples, seed=cfg.seed, global_batch_size=1)
-    if held.repeats is not None and report.repeats is not None:
-        held = replace(held, in_training=held.repeats.also_in(report.repeats))
-    print("\n" + format_report(held).replace("audit of ", "audit of --eval-data ", 1))
-    return max(report.exit_code, held.exit_code)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lmtune.cli import commands, generation, publishing
+from lmtune.cli import commands, data_commands, generation, publishing
 from lmtune.config.environment import VERBOSE as VERBOSE_ENV
 
 # A setting a command needs given (on the command line or in its --config file), as its help says.
@@ -122,7 +122,7 @@ _DATA_HELP = "files, globs, folders, data set names, or 'sample' (default: a --c
 _AUDIT = (
     "model trust_remote_code data_format text_field field_map train_on_prompt chat_template max_length "
     "truncation max_prompt_length skip_bad_lines txt_mode global_batch_size micro_batch_size seed "
-    "nproc_per_node data_weights eval_split"
+    "nproc_per_node data_weights eval_split objective"
 )
 AUDIT_SETTINGS = tuple(_AUDIT.split())
 # What `lmtune eval` reads: how records become examples, as training reads them, and how it runs.
@@ -426,7 +426,7 @@ def _data_parser(sub: Any) -> None:
     # Train's settings that decide what training makes of the data: the same names and defaults.
     _add_train_options(aud, (*AUDIT_SETTINGS, "eval_data"), config_file=True)
     aud.add_argument("--plot", metavar="PNG", default=None, help="also write the length histogram as a PNG")
-    aud.set_defaults(run=commands.audit)
+    aud.set_defaults(run=data_commands.audit)
     show = _command(
         data,
         "show",
@@ -450,4 +450,4 @@ def _data_parser(sub: Any) -> None:
     show.add_argument(
         "--tokens", action="store_true", help="one line per token: position, id, piece, trained or not"
     )
-    show.set_defaults(run=commands.show_data)
+    show.set_defaults(run=data_commands.show_data)

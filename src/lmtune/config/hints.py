@@ -187,7 +187,10 @@ HINTS: dict[str, str] = {
         "lmtune has no switch for PyTorch's deterministic GPU kernels; a run follows {seed}, and a "
         "resume repeats the uninterrupted run exactly"
     ),
-    "gradient_checkpointing_kwargs": "{activation_checkpointing} true is non-reentrant already",
+    "gradient_checkpointing_kwargs": (
+        "{activation_checkpointing} true checkpoints non-reentrant (use_reentrant false), always: drop it "
+        "(a reentrant checkpoint runs DDP's gradient hooks twice)"
+    ),
     "ddp_find_unused_parameters": "lmtune sets DDP up itself: remove it",
     "remove_unused_columns": "lmtune reads only the fields its data format uses: remove it",
     "dataset_num_proc": "lmtune tokenizes in its own worker processes: remove it",

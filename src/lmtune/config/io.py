@@ -366,8 +366,8 @@ def _check_key(key: Any, path: str, lines: dict[str, int]) -> None:
             f"{here}: {one_line(key, 60)} is written as a flag: a file's key is {one_line(name, 60)}"
         )
     raise UserError(
-        f"{here}: the key {one_line(str(raw or key), 60)} reads as {key!r}, not a setting's name (YAML takes "
-        "an unquoted number, yes/no, on/off or true/false as a value): quote it if it is a name"
+        f"{here}: the key {one_line(str(raw or key), 60)} reads as {str(key).lower()}, not a setting's name "
+        "(YAML takes an unquoted number, yes/no, on/off or true/false as a value): quote it if it is a name"
     )
 
 

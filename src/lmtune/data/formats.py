@@ -16,7 +16,7 @@ from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import check_chat_template, render_chat
 from lmtune.data.field_hints import suggested_roles, unknown_format
 from lmtune.data.sources import Record
-from lmtune.data.turn_checks import text_content, turn_trains
+from lmtune.data.turn_checks import refuse_undesired, text_content, turn_trains
 from lmtune.errors import SettingError, UserError, brief
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -245,6 +245,7 @@ def _render_as(
         return Rendered(
             text=text, spans=((0, len(text)),), add_special_tokens=True, append_eos=True, format="text"
         )
+    refuse_undesired(record, chosen)
     if chosen == "prompt_completion" and _conversational(record):
         turns, untrained = _prompt_and_answer(record, names, every_turn=train_on_prompt)
         return _render_messages(record, tokenizer, turns, "messages", untrained, every_turn=train_on_prompt)

@@ -87,3 +87,17 @@ def pair_lines(report: PairAudit) -> list[str]:
         f"{report.rejected_tokens / n:.1f}; {share}",
     ]
     return lines + [f"    {m}" for m in report.examples]
+
+
+def kind_refused(pairs: bool, objective: str) -> str:
+    """Why training with ``objective`` refuses data that holds ``pairs`` (or single examples), as
+    train's check says it ("" where it takes them)."""
+    preference = objective in ("dpo", "ipo", "simpo", "orpo")
+    if pairs and not preference:
+        return (
+            f"--objective {objective} trains on single examples, and the data holds preference pairs: "
+            "tune on them with --objective dpo, ipo, simpo or orpo"
+        )
+    if preference and not pairs:
+        return f"--objective {objective} tunes on preference pairs, and the data holds single examples"
+    return ""

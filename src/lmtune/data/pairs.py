@@ -362,10 +362,10 @@ def unread_said(meta: dict[str, Any]) -> str:
     if count := meta.get("unread_context", 0):
         one = count == 1
         said.append(
-            f"{count:,} record{'' if one else 's'} with a 'context' field"
-            f"{in_parentheses(first_places(where, 'unread_context', count))}, which no format reads: "
+            f"{count:,} record{'' if one else 's'} with a context (or an input) its format does not read"
+            f"{in_parentheses(first_places(where, 'unread_context', count))}: "
             f"{'it trains' if one else 'they train'} without it (an instruction record, as Dolly's, reads "
-            "it as its input with --field-map input=context)"
+            "it as its input: --field-map input=context, with instruction and output, not prompt)"
         )
     return "; ".join(said)
 

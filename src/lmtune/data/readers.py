@@ -26,7 +26,7 @@ from lmtune.config.settings import SAMPLE_DATA as SAMPLE
 from lmtune.config.settings import SAMPLE_EVAL
 from lmtune.data.addition import addition_examples
 from lmtune.data.sources import BadLines, Record, Source
-from lmtune.errors import UserError
+from lmtune.errors import UserError, brief
 
 
 def records(sources: list[Source], settings: ExampleSettings, bad: BadLines) -> Iterator[Record]:
@@ -72,12 +72,9 @@ def iter_records(
 
 # Byte-order marks of the encodings Windows tools save "Unicode" text in (UTF-32's first: its
 # little-endian mark begins with UTF-16's).
-_OTHER_ENCODINGS = (
-    (codecs.BOM_UTF32_LE, "UTF-32"),
-    (codecs.BOM_UTF32_BE, "UTF-32"),
-    (codecs.BOM_UTF16_LE, "UTF-16"),
-    (codecs.BOM_UTF16_BE, "UTF-16"),
-)
+_OTHER_ENCODINGS = [(mark, "UTF-32") for mark in (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)] + [
+    (mark, "UTF-16") for mark in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+]
 
 
 def _check_utf8(path: str) -> None:
@@ -88,10 +85,19 @@ def _check_utf8(path: str) -> None:
         head = f.read(4)
     encoding = next((name for mark, name in _OTHER_ENCODINGS if head.startswith(mark)), None)
     if encoding is not None:
+        converted = (
+            f"{_read_as_text(path)}iconv -f {encoding} -t UTF-8 {'' if _read_as_text(path) else 'FILE '}> NEW"
+        )
         raise UserError(
             f"{path}: {encoding} text (it starts with {encoding}'s byte-order mark); lmtune reads UTF-8: "
-            f"convert it, such as iconv -f {encoding} -t UTF-8 FILE > NEW"
+            f"convert it, such as {converted}"
         )
+
+
+def _read_as_text(path: str) -> str:
+    """The command that writes a compressed file's text out, piped to the next (or "")."""
+    tool = {".gz": "gunzip -c", ".bz2": "bzip2 -dc", ".xz": "xz -dc"}.get(Path(path).suffix.lower())
+    return f"{tool} FILE | " if tool else ""
 
 
 def _spoilt(path: str, damage: str, bad_line: str) -> Undecompressable:
@@ -430,7 +436,14 @@ def _rows(dataset: Any, name: str) -> Iterator[Record]:
 def _hf_disk(path: str, split: str | None) -> Iterator[Record]:
     from datasets import DatasetDict, load_from_disk
 
-    loaded = load_from_disk(path)  # memory-mapped Arrow: nothing is read into RAM up front
+    try:
+        loaded = load_from_disk(path)  # memory-mapped Arrow: nothing is read into RAM up front
+    except (FileNotFoundError, KeyError, ValueError, TypeError) as e:  # a dataset_dict.json of another kind
+        held = "dataset_dict.json" if (Path(path) / "dataset_dict.json").is_file() else "state.json"
+        raise UserError(
+            f"{path}: holds {held} but is no folder datasets' save_to_disk wrote ({type(e).__name__}: "
+            f"{brief(str(e), 80)}); give its data files themselves"
+        ) from None
     if isinstance(loaded, DatasetDict):
         if split is None and "train" not in loaded:  # the one to train on is the user's to name
             raise UserError(

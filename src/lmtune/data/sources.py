@@ -11,6 +11,7 @@ import difflib
 import glob
 import hashlib
 import itertools
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -184,6 +185,17 @@ def resolve_components(spec: str, option: str = "--data") -> list[tuple[str, lis
     return parts
 
 
+def files_read(spec: str, option: str = "--data") -> list[str]:
+    """The files a --data value's folders and globs read, as resolved now ([] where it names each
+    file itself): a cache entry of the same content built from other names keeps those."""
+    files, expanded = [], False
+    for (_, sources), (_, item) in zip(resolve_components(spec, option), named_items(spec), strict=True):
+        local = [s.name for s in sources if s.kind not in ("sample", "hf_hub", "hf_disk")]
+        files += local
+        expanded |= len(sources) != 1 or (bool(local) and Path(local[0]) != Path(item).expanduser())
+    return files if expanded else []
+
+
 def _refuse_split_name(spec: str, option: str) -> None:
     """A file whose name holds a comma, given as it is (``a,b.jsonl``): its pieces were sought as
     files ("no such file: a", with a near name of another file)."""
@@ -206,6 +218,8 @@ def _item_sources(item: str, option: str) -> list[Source]:
         matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         if not matches:
             raise _refused(option, f"{item}: no file matches")
+        if len(matches) > 1:  # a glob over a data set's split files, as a folder of them
+            _refuse_splits(item, Path(os.path.commonpath(matches)), matches, option)
         return [_file_source(p, option) for p in matches]
     if path.is_dir():
         if _is_saved_dataset(path):
@@ -250,6 +264,7 @@ def _item_sources(item: str, option: str) -> list[Source]:
 # A data set's papers, not its records: a LICENSE.txt beside the .jsonl files trained as text.
 _NOT_RECORDS = frozenset(
     {"readme", "license", "licence", "notice", "citation", "copying", "changelog", "authors"}
+    | {"dataset_infos", "dataset_info", "dataset_dict", "state"}  # a hub data set's or datasets' metadata
 )
 
 

@@ -319,13 +319,16 @@ def _count_unread(record: Record, stats: EncodeStats, instruction: FieldMap | No
     """Text a record's format never reads, so it trains without it: counted, to be said. A 'system'
     field beside any fields but a text's (prompt/completion, instruction, preference records:
     Intel/orca_dpo_pairs; messages and ShareGPT with the system prompt in a column of its own);
-    of an ``instruction``-style record (its field map given), Dolly's 'context' not mapped to its
-    input."""
+    of a prompt/completion or instruction record (``instruction``: its field map), Dolly's
+    'context' not mapped to an instruction's input, or an input beside a prompt (which reads none)."""
     fields = record.fields
-    for name, mapped in (("system", None), ("context", instruction)):
-        value = fields.get(name)
-        if name == "context" and (mapped is None or name in mapped.fields.values()):
-            continue
+    passage = None
+    if instruction is not None:  # prompt/completion records read no input; instruction records read it
+        ours = instruction.apply(fields)
+        passage = ours.get("input") if "prompt" in ours else None
+        if "context" not in instruction.fields.values():
+            passage = passage or fields.get("context")
+    for name, value in (("system", fields.get("system")), ("context", passage)):
         if name == "system" and any(_system_turn(v) for v in fields.values()):
             continue  # a conversation that has its own system turn: the column repeats it, most often
         if isinstance(value, str) and value.strip() and not isinstance(fields.get("text"), str):

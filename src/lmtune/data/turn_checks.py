@@ -1,5 +1,5 @@
 """A chat turn's own checks: whether its flags let it train (Axolotl's weight, training), and its
-content as text (a string, or a list of text parts)."""
+content as text (a string, or a list of text parts); and a completion's own label (TRL's KTO)."""
 
 from __future__ import annotations
 
@@ -56,3 +56,14 @@ def text_content(record: Record, content: Any, what: str) -> str | None:
             'give only {"type": "text", "text": ...} parts, or a string'
         )
     return "".join(p["text"] for p in content)
+
+
+def refuse_undesired(record: Record, fmt: str) -> None:
+    """A prompt/completion record (``fmt``) labelled false (TRL's KTO data: an answer not to give)
+    would train as one to give: the audit said "clean"."""
+    if fmt == "prompt_completion" and record.fields.get("label") is False:
+        raise UserError(
+            f"{record.where}: a completion labelled false (KTO's unpaired data: an answer not to give) "
+            "would train as one to give; lmtune has no KTO: leave such records out (--skip-bad-lines "
+            "skips them), or pair a prompt's answers as chosen and rejected for --objective dpo"
+        )

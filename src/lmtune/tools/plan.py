@@ -112,11 +112,11 @@ def measure_host(
     if not 1.0 <= allocator <= 3.0 or m1 < allocator * t1:
         # Noise larger than the tensors' difference: solved, a random 18M model's plan came out as
         # "0 MiB of its own, 3.00 bytes per tensor byte", 28% over its run. Each byte resident once,
-        # with the process's own memory what neither run's tensors explain.
+        # with the process's own memory what the larger run's tensors leave (no run predicted low).
         allocator = 1.0
         measured_on += "; the two runs' difference was noise, so each tensor byte is counted once"
     return Host(
-        runtime=max(0, int(min(m1 - allocator * t1, m2 - allocator * t2))),
+        runtime=max(0, int(max(m1 - allocator * t1, m2 - allocator * t2))),
         allocator=allocator,
         measured_on=measured_on,
     )

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.fingerprint import Fingerprint, fingerprint
 from lmtune.checkpoint.state import ModelParts
-from lmtune.config.mixture import named_items, shown_spec
+from lmtune.config.mixture import shown_spec
 from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps
 from lmtune.data.audit import stops_lost_warning
 from lmtune.data.chat import drop_unlearned_template, end_of_turn_ids, use_chat_template
@@ -24,6 +24,7 @@ from lmtune.data.mixture import check_sources_kept, mixture_line, per_source, so
 from lmtune.data.pairs import counted, data_line
 from lmtune.data.prepare import Wanted, cache_root, data_cache_dir, prepare
 from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
+from lmtune.data.sources import files_read
 from lmtune.data.tokenize import EncodeStats
 from lmtune.errors import SettingError, UserError
 from lmtune.model.attention import supports_varlen, use_varlen
@@ -308,8 +309,7 @@ def prepare_data(
         }
         how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
         shown = {SAMPLE_DATA: "the built-in sample", SAMPLE_EVAL: "the built-in sample's held-out split"}
-        files = meta.get("sources", [])
-        if len(files) > len(named_items(spec)):  # a folder or a glob: which files it read
+        if files := files_read(spec, option):  # a folder's or a glob's, as this run resolved them
             info[name]["files"] = files
         log.info(
             data_line(f"{name} data {shown.get(spec, shown_spec(spec))}", meta, how, info[name].get("files"))

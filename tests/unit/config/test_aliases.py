@@ -475,7 +475,7 @@ def test_bitsandbytes_and_cpo_settings_that_say_what_lmtune_does_are_taken(tmp_p
         "gradient_checkpointing: true\ngradient_checkpointing_kwargs: {use_reentrant: true}\n"
     )
     with pytest.raises(
-        UserError, match="gradient_checkpointing_kwargs: activation_checkpointing true is non-re"
+        UserError, match="gradient_checkpointing_kwargs: activation_checkpointing true checkpoints non-re"
     ):
         load_yaml(str(yaml_file))
     # TRL's SFTConfig and the Trainer's, saying what lmtune does by default.

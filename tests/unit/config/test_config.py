@@ -344,8 +344,8 @@ def test_a_key_yaml_reads_as_a_value_or_written_as_a_flag_is_said_so(tmp_path: P
     __lr"."""
     path = tmp_path / "run.yaml"
     for text, said in (
-        ("lr: 0.1\nNO: 3\n", r"run.yaml:2: the key NO reads as False, not a setting's name .*quote it"),
-        ("on: 1\n", r"run.yaml:1: the key on reads as True"),
+        ("lr: 0.1\nNO: 3\n", r"run.yaml:2: the key NO reads as false, not a setting's name .*quote it"),
+        ("on: 1\n", r"run.yaml:1: the key on reads as true"),
         ("--max-steps: 3\n", r"run.yaml:1: --max-steps is written as a flag: a file's key is max_steps$"),
     ):
         path.write_text(text)

@@ -387,10 +387,13 @@ def test_a_system_column_beside_a_conversation_and_dollys_context_are_named(
     assert main(["data", "audit", str(f), "--global-batch-size", "1"]) == 2
     assert "such as output=response,input=context)" in capsys.readouterr().out
     assert main(["data", "audit", str(f), "--global-batch-size", "1", "--field-map", "output=response"]) == 1
-    assert (
-        f"1 record with a 'context' field (at {f}:1), which no format reads: it trains"
-        in capsys.readouterr().out
+    assert f"1 record with a context (or an input) its format does not read (at {f}:1): it trains" in (
+        capsys.readouterr().out
     )
+    # Mapped as a prompt/completion record, the input is read by no format either (it was unsaid).
+    mapped = ["data", "audit", str(f), "--global-batch-size", "1", "--field-map"]
+    assert main([*mapped, "prompt=instruction,completion=response,input=context"]) == 1
+    assert "with a context (or an input) its format does not read" in capsys.readouterr().out
     argv = [
         "data",
         "audit",
@@ -532,3 +535,27 @@ def test_documents_cut_at_max_length_are_told_to_be_split_not_cut_otherwise(
     assert main(["data", "audit", str(f), "--max-length", "64", "--global-batch-size", "1"]) == 1
     said = capsys.readouterr().out
     assert "1 lost their end to --max-length 64 (raise it, or split long documents into pieces" in said
+
+
+def test_the_objective_a_config_gives_takes_the_datas_kind_as_training_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`data audit --config sft.yaml` said pairs were clean (exit 0) where `train --config sft.yaml`
+    refused them; the objective is read where a config file or --objective gives it."""
+    pairs, texts = tmp_path / "pairs.jsonl", tmp_path / "texts.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "chosen": "a", "rejected": "b"}) + "\n" for i in range(4))
+    )
+    texts.write_text("".join(json.dumps({"text": f"t {i}"}) + "\n" for i in range(4)))
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"data: {pairs}\nglobal_batch_size: 2\n")
+    assert main(["data", "audit", "--config", str(config)]) == 2
+    assert "objective           --objective sft trains on single examples, and the data holds" in (
+        capsys.readouterr().out
+    )
+    assert main(["data", "audit", str(pairs), "--global-batch-size", "2"]) == 0  # no objective given
+    assert main(["data", "audit", str(pairs), "--global-batch-size", "2", "--objective", "dpo"]) == 0
+    assert main(["data", "audit", str(texts), "--global-batch-size", "2", "--objective", "dpo"]) == 2
+    assert "--objective dpo tunes on preference pairs, and the data holds single examples" in (
+        capsys.readouterr().out
+    )

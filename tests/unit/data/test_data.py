@@ -131,6 +131,8 @@ def test_a_folder_leaves_out_hidden_files_and_papers_and_refuses_split_files(tmp
         ):
             resolve_sources(str(given))
     assert len(resolve_sources(str(x / "split" / "validation"))) == 1  # one split's folder: read
+    with pytest.raises(UserError, match="holds a train split and a held-out one"):  # a glob over both
+        resolve_sources(f"{x / 'split'}/**/*.jsonl")
 
 
 def test_compressed_files_read_as_their_format(tmp_path: Path) -> None:
@@ -616,3 +618,21 @@ def test_truncation_split_trains_a_document_as_consecutive_pieces() -> None:
     assert (
         stats.eos_trained - stats.pieces_added == 2
     )  # the document's end and "short"'s; the cut one lost it
+
+
+def test_a_hub_data_sets_metadata_is_not_data_and_a_folder_names_its_files(tmp_path: Path) -> None:
+    """A cloned hub data set's dataset_infos.json read as a record ("cannot tell the format"); a
+    dataset_dict.json that datasets did not write was a KeyError traceback; a folder of one file and
+    a cache entry built from other names listed no file, or the other names."""
+    from lmtune.data.sources import files_read
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "data.jsonl").write_text('{"text": "a"}\n')
+    (hub / "dataset_infos.json").write_text('{"default": {"features": {}}}')
+    assert [Path(s.name).name for s in resolve_sources(str(hub))] == ["data.jsonl"]
+    assert files_read(str(hub)) == [str(hub / "data.jsonl")]  # one file, named all the same
+    assert files_read(str(hub / "data.jsonl")) == []  # a file given by its name: nothing to add
+    (hub / "dataset_dict.json").write_text('{"other": 1}')  # not save_to_disk's
+    with pytest.raises(UserError, match=r"holds dataset_dict\.json but is no folder datasets' save_to_disk"):
+        read(str(hub))

@@ -450,3 +450,17 @@ def test_a_forced_format_a_misspelt_field_map_and_a_comma_in_a_name_say_what_was
     ):
         resolve_sources(f"{tmp_path / 'a'},b.jsonl")
     assert len(resolve_sources(str(tmp_path / "a\\,b.jsonl"))) == 1  # as the hint writes it
+
+
+def test_a_completion_labelled_false_does_not_train_as_one_to_give() -> None:
+    """TRL's KTO records (prompt, completion, label): label false trained as a target, the audit
+    "clean"."""
+    names = FieldMap.of(ExampleSettings())
+    kept = render(
+        Record("d.jsonl", 1, {"prompt": "2+2=", "completion": "4", "label": True}), "auto", names, None
+    )
+    assert kept.text == "2+2=4"
+    with pytest.raises(UserError, match=r"d\.jsonl:2: a completion labelled false .*lmtune has no KTO"):
+        render(
+            Record("d.jsonl", 2, {"prompt": "2+2=", "completion": "5", "label": False}), "auto", names, None
+        )
