@@ -28,6 +28,8 @@ TWO = replace(ONE, world_size=2, local_world_size=2, backend="gloo")
         (ONE, "2", 6, 6, None),  # --threads-per-process decides
         (TWO, None, 8, 8, "--threads-per-process 8: 16 threads on this machine's 8 cores oversubscribe"),
         (ONE, "many", 0, 8, "(OMP_NUM_THREADS=many is no count of threads: set aside)"),
+        (replace(TWO, local_world_size=16), None, 0, 1, None),  # more processes than cores: theirs to say
+        (ONE, "12", 0, 12, "OMP_NUM_THREADS=12: 12 threads on this machine's 8 cores oversubscribe"),
     ],
 )
 def test_threads_follow_the_flag_the_users_omp_setting_or_the_shared_cores(

@@ -183,7 +183,7 @@ def threads_note(env: DistEnv, requested: int, threads: int) -> str | None:
     """What the log says of the threads a CPU process runs, where they are not the plain even share:
     OMP_NUM_THREADS followed or set aside, more threads than cores."""
     cores, value = available_cores(), os.environ.get("OMP_NUM_THREADS", "").strip()
-    if threads * env.local_world_size > cores:
+    if threads * env.local_world_size > cores and (requested or _omp_threads(env)):
         given = f"--threads-per-process {requested}" if requested else f"OMP_NUM_THREADS={value}"
         return (
             f"warning: {given}: {threads * env.local_world_size} threads on this machine's {cores} cores "
