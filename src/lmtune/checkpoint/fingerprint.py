@@ -146,6 +146,7 @@ def _computed_as(cfg: TrainConfig) -> dict[str, Any]:
     """How a step is computed: the same training, said when a resume changes it (it was not)."""
     return {
         "--packing": cfg.batch.packing,
+        "--group-by-length": cfg.batch.group_by_length,
         "--activation-checkpointing": cfg.model.activation_checkpointing,
         "--compile": cfg.model.compile,
         "--loss-chunk-size": cfg.model.loss_chunk_size or "auto",
@@ -242,6 +243,7 @@ _UNRECORDED: dict[str, Any] = {
     "--objective": "sft",
     # An older checkpoint's, which recorded none of these: their defaults.
     "--packing": "auto",
+    "--group-by-length": True,
     "--activation-checkpointing": False,
     "--compile": False,
     "--loss-chunk-size": "auto",

@@ -226,10 +226,12 @@ def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.json:
         _write_json(out, json.dumps(json_marked(report_json(report), "plan"), indent=2))
     if report.requested.total > report.memory:  # a script's `lmtune plan && lmtune train` stops here
-        print(
-            f"the setup asked for does not fit {report.memory / 2**30:,.1f} GiB per device (exit code 1)",
-            file=shown,
+        size = (
+            f"{report.memory / 2**30:,.1f} GiB"
+            if report.memory >= 2**30
+            else f"{report.memory / 2**20:,.0f} MiB"
         )
+        print(f"the setup asked for does not fit {size} per device (exit code 1)", file=shown)
         return 1
     return 0
 

@@ -402,6 +402,12 @@ def _check_data(cfg: TrainConfig, need: Need) -> None:
 def _check_evaluation_data(cfg: TrainConfig, need: Need) -> None:
     split, eval_data = cfg.data.eval_split, cfg.data.eval
     need(split is None or eval_data is None, "eval_split", "is instead of --eval-data: give one")
+    need(  # it would hold out pieces of documents whose other pieces train (HF splits before chunking)
+        split is None or cfg.examples.truncation != "split",
+        "eval_split",
+        "holds out examples, and --truncation split makes several of each document: their neighbours "
+        "would train; give held-out documents as --eval-data",
+    )
     need(
         split is None or 0 < split < 1 or (split >= 1 and float(split).is_integer()),
         "eval_split",

@@ -481,8 +481,7 @@ def _stop_line(report: AuditReport) -> str:
         # Documents (text records): the rest is lost whichever end is cut; lmtune does not chunk them
         # as HF's run_clm does.
         fix = (
-            "raise it, or split long documents into pieces of that many tokens first: each record trains "
-            "as one example"
+            "raise it, or --truncation split trains each document as pieces of that many tokens"
             if set(s.formats) == {"text"}
             else "raise it, or use --truncation left or drop"
         )

@@ -416,3 +416,22 @@ def shared_examples(
     if len(train.input_ids) + len(held.input_ids) > most_tokens or not len(train) or not len(held):
         return None
     return int(np.isin(held.digests(), train.digests()).sum())
+
+
+def named_here(dataset: TokenizedDataset, names: list[str]) -> TokenizedDataset:
+    """A cache entry's places (``file:line``) under this run's ``names`` for its files: an entry of
+    the same content, built from files named otherwise, named those in this run's log and run.json."""
+    meta = dataset.meta
+    built = meta.get("sources", [])
+    if built == names or len(built) != len(names):
+        return dataset
+    swap = dict(zip(built, names, strict=True))
+
+    def here(place: str) -> str:
+        name = next((b for b in swap if place.startswith(f"{b}:")), None)
+        return place if name is None else swap[name] + place[len(name) :]
+
+    where = {kind: [here(p) for p in places] for kind, places in meta.get("where", {}).items()}
+    examples = [here(m) for m in meta.get("bad_line_examples", [])]
+    dataset.meta = {**meta, "sources": names, "where": where, "bad_line_examples": examples}
+    return dataset

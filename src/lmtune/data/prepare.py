@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from lmtune.config import environment
 from lmtune.config.files import read_text
 from lmtune.config.groups import DataSettings, ExampleSettings
-from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset
+from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset, named_here
 from lmtune.data.formats import FieldMap, ensure_chat_template
 from lmtune.data.leftovers import CACHE_WAIT_TIMEOUT_ENV, CACHE_WAIT_TIMEOUT_S, remove_entry, remove_stale
 from lmtune.data.mixture import COMPONENTS_META
@@ -413,8 +413,8 @@ def prepare(
         dataset = _reuse(cache_dir, entry, vocab, nonce)
     if not builder:
         dataset = _open_built(folder, vocab, error_file, f"{entry}.tmp-{nonce}-*", check_stop)
-        return Prepared(dataset=dataset, built=False, key=key, folder=folder)
-    if dataset is not None:
+    if dataset is not None:  # read from the cache: its places under this run's names for the files
+        dataset = named_here(dataset, [s.name for s in sources])
         return Prepared(dataset=dataset, built=False, key=key, folder=folder)
     tmp = cache_dir / f"{entry}.tmp-{nonce}-{env.rank}"
     try:

@@ -154,14 +154,18 @@ def truncate(
     )
 
 
-def _prompt_cut_away(kept: tuple[np.ndarray, np.ndarray], trainable: np.ndarray, tokenizer: Any) -> bool:
-    """Whether --truncation left kept no word of a prompt (at most its last punctuation and
-    newlines): an answer to no question. Not of an example that had no prompt (a text's)."""
-    ids, kept_trainable = kept
-    if trainable.all() or len(ids) == len(trainable):
-        return False
-    left = tokenizer.decode(ids[~kept_trainable].tolist(), skip_special_tokens=True)
-    return not any(ch.isalnum() for ch in left)
+def _prompt_cut_away(
+    kept: tuple[np.ndarray, np.ndarray], whole: tuple[np.ndarray, np.ndarray], tokenizer: Any
+) -> bool:
+    """Whether --truncation left kept no word of a prompt that had words (at most its last
+    punctuation and newlines): an answer to no question. Not of a text, whose untrained BOS is no
+    prompt."""
+
+    def words(ids: np.ndarray, trainable: np.ndarray) -> bool:
+        text = tokenizer.decode(ids[~trainable].tolist(), skip_special_tokens=True)
+        return any(ch.isalnum() for ch in text)
+
+    return words(*whole) and not words(*kept)
 
 
 def _encode_batch(backend: Any, rendered: list[Rendered]) -> dict[int, Any]:
@@ -258,7 +262,7 @@ def _encode_examples(
                 stats.dropped_too_long += 1
                 stats.note("too_long", rec.where)
                 continue
-            if _prompt_cut_away(shortened, trainable, tokenizer):
+            if mode == "left" and _prompt_cut_away(shortened, (ids, trainable), tokenizer):
                 stats.prompt_cut_away += 1
                 stats.note("prompt_cut_away", rec.where)
             (ids, trainable), cut_here = shortened, True
@@ -273,10 +277,13 @@ def split_document(
     ids: np.ndarray, trainable: np.ndarray, max_length: int
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """--truncation split: a document (a text record) as consecutive pieces of --max-length tokens,
-    as HF's run_clm and Axolotl's completion data chunk long texts; a last piece of one token (it
-    would predict nothing) is left out."""
-    starts = range(0, len(ids), max_length)
-    return [(ids[a : a + max_length], trainable[a : a + max_length]) for a in starts if len(ids) - a > 1]
+    as HF's run_clm and Axolotl's completion data chunk long texts; the last has two tokens at least
+    (one would predict nothing)."""
+    starts = list(range(0, len(ids), max_length))
+    if len(ids) - starts[-1] == 1 and len(starts) > 1:  # a last piece of one token would predict nothing:
+        starts[-1] -= 1  # the one before gives it a token (every token trains once, the EOS too)
+    ends = [*starts[1:], len(ids)]
+    return [(ids[a:b], trainable[a:b]) for a, b in zip(starts, ends, strict=True)]
 
 
 def _kept(

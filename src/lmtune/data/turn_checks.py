@@ -61,7 +61,8 @@ def text_content(record: Record, content: Any, what: str) -> str | None:
 def refuse_undesired(record: Record, fmt: str) -> None:
     """A prompt/completion record (``fmt``) labelled false (TRL's KTO data: an answer not to give)
     would train as one to give: the audit said "clean"."""
-    if fmt == "prompt_completion" and record.fields.get("label") is False:
+    label = record.fields.get("label")
+    if fmt == "prompt_completion" and (label is False or label == 0 or str(label).lower() == "false"):
         raise UserError(
             f"{record.where}: a completion labelled false (KTO's unpaired data: an answer not to give) "
             "would train as one to give; lmtune has no KTO: leave such records out (--skip-bad-lines "

@@ -265,7 +265,8 @@ def setup_from(
 
 
 def largest_micro_batch(setup: Setup, predict: Callable[[Setup], Estimate], memory: int, limit: int) -> int:
-    """The largest micro-batch (up to ``limit``) whose predicted peak fits ``memory``; 0 if none."""
+    """The largest micro-batch dividing ``limit`` (the global batch per device) whose predicted peak
+    fits ``memory``; 0 if none."""
     best = 0
     lo, hi = 1, limit
     while lo <= hi:  # the peak grows with the micro-batch, so bisect
@@ -275,7 +276,8 @@ def largest_micro_batch(setup: Setup, predict: Callable[[Setup], Estimate], memo
             best, lo = mid, mid + 1
         else:
             hi = mid - 1
-    return best
+    # One that divides the global batch per device, as training takes it (19 of 32 was offered).
+    return max((d for d in range(1, best + 1) if limit % d == 0), default=0)
 
 
 def candidates(setup: Setup) -> list[Setup]:

@@ -106,6 +106,11 @@ def test_help_lists_every_setting_with_its_default() -> None:
             "--train-on-prompt: applies to --objective sft only",
         ),
         ({"neftune_alpha": -1.0}, "--neftune-alpha: must be >= 0"),
+        # It held out pieces of documents whose other pieces trained.
+        (
+            {"eval_split": 0.1, "truncation": "split"},
+            "--eval-split: holds out examples, and --truncation split",
+        ),
         (
             {"objective": "dpo", "max_prompt_length": 512},
             r"--max-prompt-length: must be in \[1, --max-length\)",

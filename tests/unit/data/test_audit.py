@@ -523,6 +523,11 @@ def test_a_prompt_left_truncation_cut_away_is_said(
         "question"
     ) in capsys.readouterr().out
     assert main([*argv[:-4], "--max-length", "40"]) == 0
+    # A text cut either way has no prompt to lose (its untrained BOS read as one cut away, exit 1).
+    f.write_text(json.dumps({"text": "word " * 40}) + "\n")
+    for mode in ("right", "left"):
+        assert main([*argv[:-1], mode]) in (0, 1)
+        assert "cut away whole" not in capsys.readouterr().out
 
 
 def test_documents_cut_at_max_length_are_told_to_be_split_not_cut_otherwise(
@@ -534,7 +539,7 @@ def test_documents_cut_at_max_length_are_told_to_be_split_not_cut_otherwise(
     f.write_text(json.dumps({"text": "word " * 200}) + "\n" + json.dumps({"text": "short"}) + "\n")
     assert main(["data", "audit", str(f), "--max-length", "64", "--global-batch-size", "1"]) == 1
     said = capsys.readouterr().out
-    assert "1 lost their end to --max-length 64 (raise it, or split long documents into pieces" in said
+    assert "1 lost their end to --max-length 64 (raise it, or --truncation split trains each document" in said
 
 
 def test_the_objective_a_config_gives_takes_the_datas_kind_as_training_does(
@@ -550,8 +555,9 @@ def test_the_objective_a_config_gives_takes_the_datas_kind_as_training_does(
     config = tmp_path / "sft.yaml"
     config.write_text(f"data: {pairs}\nglobal_batch_size: 2\n")
     assert main(["data", "audit", "--config", str(config)]) == 2
-    assert "objective           --objective sft trains on single examples, and the data holds" in (
-        capsys.readouterr().out
+    assert (
+        "result              unusable as it is (exit code 2): --objective sft trains on single examples"
+        in (capsys.readouterr().out)
     )
     assert main(["data", "audit", str(pairs), "--global-batch-size", "2"]) == 0  # no objective given
     assert main(["data", "audit", str(pairs), "--global-batch-size", "2", "--objective", "dpo"]) == 0

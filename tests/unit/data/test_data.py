@@ -636,3 +636,20 @@ def test_a_hub_data_sets_metadata_is_not_data_and_a_folder_names_its_files(tmp_p
     (hub / "dataset_dict.json").write_text('{"other": 1}')  # not save_to_disk's
     with pytest.raises(UserError, match=r"holds dataset_dict\.json but is no folder datasets' save_to_disk"):
         read(str(hub))
+
+
+def test_a_cache_entry_read_for_files_of_other_names_says_their_places() -> None:
+    """A folder Z with the content of a folder X read X's cache entry, whose places (data line,
+    run.json) named X's files."""
+    from lmtune.data.dataset import named_here
+
+    recs = [Record("X/a.jsonl", 1, {"text": "x" * 900}), Record("X/b.jsonl", 2, {"text": "ok"})]
+    data, _ = encode_in_memory(recs, byte_tokenizer(), ExampleSettings(max_length=64))
+    data.meta = {"sources": ["X/a.jsonl", "X/b.jsonl"], "where": {"no_stop": ["X/a.jsonl:1"]}}
+    data.meta["bad_line_examples"] = ["X/b.jsonl:2: not valid JSON"]
+    named_here(data, ["Z/a1.jsonl", "Z/b1.jsonl"])
+    assert data.meta["where"] == {"no_stop": ["Z/a1.jsonl:1"]} and data.meta["sources"] == [
+        "Z/a1.jsonl",
+        "Z/b1.jsonl",
+    ]
+    assert data.meta["bad_line_examples"] == ["Z/b1.jsonl:2: not valid JSON"]

@@ -464,3 +464,13 @@ def test_a_completion_labelled_false_does_not_train_as_one_to_give() -> None:
         render(
             Record("d.jsonl", 2, {"prompt": "2+2=", "completion": "5", "label": False}), "auto", names, None
         )
+
+
+def test_kto_labels_in_other_spellings_are_refused() -> None:
+    """label 0 and "false" trained as targets (only JSON false was caught)."""
+    names = FieldMap.of(ExampleSettings())
+    for label in (0, "false", "False"):
+        with pytest.raises(UserError, match="a completion labelled false"):
+            render(
+                Record("d.jsonl", 1, {"prompt": "a", "completion": "b", "label": label}), "auto", names, None
+            )

@@ -580,3 +580,26 @@ def test_a_host_fit_the_noise_decides_counts_each_tensor_byte_once(
     host = plan_module.measure_host(TrainConfig(model="tiny"), setup, config, predict_cut, tmp_path)
     assert host.allocator == 1.0 and "the two runs' difference was noise" in host.measured_on
     assert host.runtime > 400 * 2**20  # what the second run's tensors leave: no run predicted low
+
+
+def test_the_largest_micro_batch_divides_the_global_batch_per_device() -> None:
+    """The table offered B=19 of a global batch of 32, which training refuses."""
+    from lmtune.tools.plan import largest_micro_batch
+
+    setup = Setup("single", "adamw", False, False, "fp32", 1, 64, 1, 1)
+
+    def predict(s: Setup) -> Estimate:
+        return Estimate(
+            s,
+            weights=0,
+            gradients=0,
+            optimizer=0,
+            activations=s.micro_batch_size,
+            logits=0,
+            buffers=0,
+            host=Host(),
+        )
+
+    assert largest_micro_batch(setup, predict, memory=19, limit=32) == 16
+    assert largest_micro_batch(setup, predict, memory=19, limit=30) == 15
+    assert largest_micro_batch(setup, predict, memory=0, limit=32) == 0
