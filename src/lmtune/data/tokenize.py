@@ -154,18 +154,19 @@ def truncate(
     )
 
 
-def _prompt_cut_away(
-    kept: tuple[np.ndarray, np.ndarray], whole: tuple[np.ndarray, np.ndarray], tokenizer: Any
-) -> bool:
-    """Whether --truncation left kept no word of a prompt that had words (at most its last
-    punctuation and newlines): an answer to no question. Not of a text, whose untrained BOS is no
-    prompt."""
+def _prompt_cut_away(kept: tuple[np.ndarray, np.ndarray], worded: bool, tokenizer: Any) -> bool:
+    """Whether --truncation left kept no word of a prompt that had words (``worded``, of the whole
+    rendered text: a text cut before tokenizing may have lost it already): an answer to no
+    question. Not of a text, whose untrained BOS is no prompt."""
+    ids, trainable = kept
+    left = tokenizer.decode(ids[~trainable].tolist(), skip_special_tokens=True)
+    return worded and not any(ch.isalnum() for ch in left)
 
-    def words(ids: np.ndarray, trainable: np.ndarray) -> bool:
-        text = tokenizer.decode(ids[~trainable].tolist(), skip_special_tokens=True)
-        return any(ch.isalnum() for ch in text)
 
-    return words(*whole) and not words(*kept)
+def _worded_prompt(r: Rendered) -> bool:
+    """Whether ``r``'s text outside its trained spans has words (a prompt, a user turn)."""
+    edges = [0, *(x for span in r.spans for x in span), len(r.text)]
+    return any(ch.isalnum() for a, b in zip(edges[::2], edges[1::2], strict=True) for ch in r.text[a:b])
 
 
 def _encode_batch(backend: Any, rendered: list[Rendered]) -> dict[int, Any]:
@@ -210,6 +211,7 @@ def _encode_examples(
     records: list[Record] = []
     rendered: list[Rendered] = []
     cut: list[bool] = []
+    worded: list[bool] = []  # a prompt with words, before a long text was cut short
     for record in chunk:
         try:
             full = render(record, fmt, names, tokenizer, train_on_prompt=train_on_prompt)
@@ -220,6 +222,7 @@ def _encode_examples(
         rendered.append(short)
         records.append(record)
         cut.append(short is not full)
+        worded.append(truncation == "left" and _worded_prompt(full))
     eos = tokenizer.eos_token_id
     # A trained stop: EOS, or in chat data the template's end-of-turn token (which may be EOS).
     chat = any(r.format in CHAT_FORMATS for r in rendered)
@@ -262,7 +265,7 @@ def _encode_examples(
                 stats.dropped_too_long += 1
                 stats.note("too_long", rec.where)
                 continue
-            if mode == "left" and _prompt_cut_away(shortened, (ids, trainable), tokenizer):
+            if mode == "left" and _prompt_cut_away(shortened, worded[i], tokenizer):
                 stats.prompt_cut_away += 1
                 stats.note("prompt_cut_away", rec.where)
             (ids, trainable), cut_here = shortened, True
