@@ -35,6 +35,7 @@ from lmtune.data.sources import (
     BadLines,
     Record,
     Source,
+    files_read,
     first_places,
     in_parentheses,
     resolve_components,
@@ -48,8 +49,8 @@ from lmtune.parallel.launch import warn
 # The entries' version, bumped when the same data tokenizes otherwise (2: an opening assistant turn
 # trains without its header; tool calls refused; 3: a pair of whole texts splits at HH's last
 # assistant marker or a word's start; 4: preference records count an unread system field; 5:
-# conversations count theirs, and instruction records an unread context); a
-# checkpoint's data key keeps 1: older runs resume.
+# conversations count theirs, and instruction records an unread context); a checkpoint's data key
+# keeps 1: older runs resume.
 CACHE_VERSION, _KEY_VERSION = 5, 1
 LARGE_INPUT_BYTES = 16 << 20
 CACHE_ENV = environment.CACHE_DIR
@@ -62,6 +63,7 @@ class Prepared:
     built: bool  # this process tokenized it (False: it read the cache)
     key: str  # the data's, as a checkpoint's fingerprint records it
     folder: Path  # the cache entry
+    files: tuple[str, ...] = ()  # the spec's folders' and globs' files, as this run resolved them
 
 
 @dataclass(frozen=True)
@@ -389,14 +391,14 @@ def prepare(
     its builder before any other rank opens it)."""
     ensure_chat_template(tokenizer)
     wanted = spec if isinstance(spec, Wanted) else Wanted(spec, option)
-    components = [part for _, part in resolve_components(wanted.spec, wanted.option)]
+    named = resolve_components(wanted.spec, wanted.option)
+    components, files = [part for _, part in named], files_read(wanted.spec, named)
     if not wanted.per_source:
         components = [[s for part in components for s in part]]
     sources = [s for part in components for s in part]
     if not sources:
         raise UserError(f"{wanted.option}: no data given")
-    vocab = len(tokenizer)
-    builder = env.is_main or (per_node and env.local_rank == 0)
+    vocab, builder = len(tokenizer), env.is_main or (per_node and env.local_rank == 0)
     dataset: TokenizedDataset | None = None
 
     def verdict() -> tuple[str, str, str]:  # rank 0's: the others wait for it (and its errors) here
@@ -415,7 +417,7 @@ def prepare(
         dataset = _open_built(folder, vocab, error_file, f"{entry}.tmp-{nonce}-*", check_stop)
     if dataset is not None:  # read from the cache: its places under this run's names for the files
         dataset = named_here(dataset, [s.name for s in sources])
-        return Prepared(dataset=dataset, built=False, key=key, folder=folder)
+        return Prepared(dataset=dataset, built=False, key=key, folder=folder, files=files)
     tmp = cache_dir / f"{entry}.tmp-{nonce}-{env.rank}"
     try:
         with _said_for_the_cache(tmp):
@@ -442,7 +444,7 @@ def prepare(
         _fsync_folder(cache_dir)
     except OSError:  # another node's builder finished first on a shared disk
         shutil.rmtree(tmp, ignore_errors=True)
-    return Prepared(dataset=TokenizedDataset.open(folder, vocab), built=True, key=key, folder=folder)
+    return Prepared(TokenizedDataset.open(folder, vocab), built=True, key=key, folder=folder, files=files)
 
 
 def _open_built(

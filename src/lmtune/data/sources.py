@@ -185,15 +185,16 @@ def resolve_components(spec: str, option: str = "--data") -> list[tuple[str, lis
     return parts
 
 
-def files_read(spec: str, option: str = "--data") -> list[str]:
-    """The files a --data value's folders and globs read, as resolved now ([] where it names each
-    file itself): a cache entry of the same content built from other names keeps those."""
-    files, expanded = [], False
-    for (_, sources), (_, item) in zip(resolve_components(spec, option), named_items(spec), strict=True):
+def files_read(spec: str, parts: list[tuple[str, list[Source]]]) -> tuple[str, ...]:
+    """The files the folders and globs of ``spec`` read, ``parts`` its items' sources as
+    :func:`resolve_components` gave them (() where it names each file itself)."""
+    files: list[str] = []
+    expanded = False
+    for (_, sources), (_, item) in zip(parts, named_items(spec), strict=True):
         local = [s.name for s in sources if s.kind not in ("sample", "hf_hub", "hf_disk")]
         files += local
         expanded |= len(sources) != 1 or (bool(local) and Path(local[0]) != Path(item).expanduser())
-    return files if expanded else []
+    return tuple(files) if expanded else ()
 
 
 def _refuse_split_name(spec: str, option: str) -> None:

@@ -24,7 +24,6 @@ from lmtune.data.mixture import check_sources_kept, mixture_line, per_source, so
 from lmtune.data.pairs import counted, data_line
 from lmtune.data.prepare import Wanted, cache_root, data_cache_dir, prepare
 from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
-from lmtune.data.sources import files_read
 from lmtune.data.tokenize import EncodeStats
 from lmtune.errors import SettingError, UserError
 from lmtune.model.attention import supports_varlen, use_varlen
@@ -309,8 +308,8 @@ def prepare_data(
         }
         how = f"tokenized in {meta['build_seconds']:.1f}s" if builders else "from the cache"
         shown = {SAMPLE_DATA: "the built-in sample", SAMPLE_EVAL: "the built-in sample's held-out split"}
-        if files := files_read(spec, option):  # a folder's or a glob's, as this run resolved them
-            info[name]["files"] = files
+        if p.files:  # a folder's or a glob's, as this run resolved them
+            info[name]["files"] = list(p.files)
         log.info(
             data_line(f"{name} data {shown.get(spec, shown_spec(spec))}", meta, how, info[name].get("files"))
         )

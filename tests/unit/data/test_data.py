@@ -624,15 +624,16 @@ def test_a_hub_data_sets_metadata_is_not_data_and_a_folder_names_its_files(tmp_p
     """A cloned hub data set's dataset_infos.json read as a record ("cannot tell the format"); a
     dataset_dict.json that datasets did not write was a KeyError traceback; a folder of one file and
     a cache entry built from other names listed no file, or the other names."""
-    from lmtune.data.sources import files_read
+    from lmtune.data.sources import files_read, resolve_components
 
     hub = tmp_path / "hub"
     hub.mkdir()
     (hub / "data.jsonl").write_text('{"text": "a"}\n')
     (hub / "dataset_infos.json").write_text('{"default": {"features": {}}}')
     assert [Path(s.name).name for s in resolve_sources(str(hub))] == ["data.jsonl"]
-    assert files_read(str(hub)) == [str(hub / "data.jsonl")]  # one file, named all the same
-    assert files_read(str(hub / "data.jsonl")) == []  # a file given by its name: nothing to add
+    for spec, files in ((str(hub), (str(hub / "data.jsonl"),)), (str(hub / "data.jsonl"), ())):
+        # One file of a folder is named all the same; a file given by its name adds nothing.
+        assert files_read(spec, resolve_components(spec)) == files
     (hub / "dataset_dict.json").write_text('{"other": 1}')  # not save_to_disk's
     with pytest.raises(UserError, match=r"holds dataset_dict\.json but is no folder datasets' save_to_disk"):
         read(str(hub))
