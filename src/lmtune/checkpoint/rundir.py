@@ -233,13 +233,9 @@ def replace_earlier_run(
 
     def replace() -> None:
         refuse_users_steps(output_dir, "--overwrite")
-        earlier = [n for n in (*RUN_FILES, "final.tmp") if _has_own(output_dir / n)]
-        kept = remove_own_entries(output_dir)
-        if earlier or kept:  # deleted: said, as any deletion of a run's results is
-            gone = ", ".join(
-                n if not (output_dir / n).exists() else f"lmtune's files in {n}/" for n in earlier
-            )
-            done = [f"removed the earlier run's {gone} from {output_dir}"] if earlier else []
+        removed, kept = remove_own_entries(output_dir)
+        if removed or kept:  # deleted: said, as any deletion of a run's results is
+            done = [f"removed the earlier run's {', '.join(removed)} from {output_dir}"] if removed else []
             done += (
                 [f"kept what lmtune did not write there: {names_listed([str(k) for k in kept])}"]
                 if kept
@@ -250,21 +246,12 @@ def replace_earlier_run(
     decided_by_main(replace, None, env)
 
 
-def _has_own(path: Path) -> bool:
-    """Whether ``path``, an entry of a run's names, holds something --overwrite removes: itself, or
-    in one of the folders where lmtune removes only its own entries, one of those."""
-    if not (path.exists() or path.is_symlink()):
-        return False
-    pattern = _OWN_ENTRIES.get(path.name)
-    if pattern is None or path.is_symlink() or not path.is_dir():
-        return True
-    return any(pattern.fullmatch(entry.name) for entry in path.iterdir())
-
-
-def remove_own_entries(output_dir: Path) -> list[Path]:
-    """Delete what an earlier run wrote into ``output_dir``; returns what was kept (a user's files
-    inside checkpoints/ or samples/). Links are removed, never followed."""
-    kept = []
+def remove_own_entries(output_dir: Path) -> tuple[list[str], list[Path]]:
+    """Delete what an earlier run wrote into ``output_dir``; returns what it removed (an entry, or
+    ``lmtune's files in NAME/`` where a user's stay) and what was kept (a user's files inside
+    checkpoints/ or samples/). Links are removed, never followed."""
+    removed: list[str] = []
+    kept: list[Path] = []
     for name in (*RUN_FILES, "final.tmp"):
         target = output_dir / name
         if not (target.exists() or target.is_symlink()):
@@ -274,18 +261,25 @@ def remove_own_entries(output_dir: Path) -> list[Path]:
             continue
         pattern = _OWN_ENTRIES.get(name)
         if pattern is not None and target.is_dir() and not target.is_symlink():
+            own = False
             for entry in target.iterdir():
                 if not pattern.fullmatch(entry.name):
                     kept.append(entry)
-                elif name == "checkpoints":
+                    continue
+                own = True
+                if name == "checkpoints":
                     kept += remove_checkpoint(entry)  # a user's step-N, or files put into one, stay
                 else:
                     _remove(entry)
             if not any(target.iterdir()):
                 target.rmdir()
+                removed.append(name)
+            elif own:
+                removed.append(f"lmtune's files in {name}/")
         else:
             _remove(target)
-    return kept
+            removed.append(name)
+    return removed, kept
 
 
 def _remove(path: Path) -> None:
