@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmtune.config.validate import PREFERENCE
 from lmtune.data.formats import FieldMap
 from lmtune.data.pairs import answer_texts, rendered_pairs, tokenize_pairs
 from lmtune.data.sources import BadLines, Record
@@ -89,15 +90,20 @@ def pair_lines(report: PairAudit) -> list[str]:
     return lines + [f"    {m}" for m in report.examples]
 
 
-def kind_refused(pairs: bool, objective: str) -> str:
-    """Why training with ``objective`` refuses data that holds ``pairs`` (or single examples), as
-    train's check says it ("" where it takes them)."""
-    preference = objective in ("dpo", "ipo", "simpo", "orpo")
+def kind_refused(pairs: bool, objective: str, takes_pairs: bool | None = None) -> str:
+    """Why training with ``objective`` (``takes_pairs``: its loss's unit, by default a preference
+    objective's) refuses data that holds ``pairs`` (or single examples): what `lmtune train` and the
+    audit of its config say ("" where it takes them)."""
+    preference = objective in PREFERENCE if takes_pairs is None else takes_pairs
     if pairs and not preference:
         return (
-            f"--objective {objective} trains on single examples, and the data holds preference pairs: "
-            "tune on them with --objective dpo, ipo, simpo or orpo"
+            f"--objective {objective} trains on single examples, and the data holds preference pairs "
+            "(prompt, chosen, rejected); tune on them with --objective dpo, ipo, simpo or orpo (records "
+            "that hold 'messages' too, as UltraFeedback's, train on those with --data-format messages)"
         )
     if preference and not pairs:
-        return f"--objective {objective} tunes on preference pairs, and the data holds single examples"
+        return (
+            f"--objective {objective} tunes on preference pairs, and the data holds single examples (a "
+            "pair is a record of 'prompt', 'chosen' and 'rejected': strings, or lists of messages)"
+        )
     return ""

@@ -21,6 +21,7 @@ from lmtune.data.chat import drop_unlearned_template, end_of_turn_ids, use_chat_
 from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.formats import CHAT_FORMATS, builtin_template_note
 from lmtune.data.mixture import check_sources_kept, mixture_line, per_source, source_index, training_mixture
+from lmtune.data.pair_audit import kind_refused
 from lmtune.data.pairs import counted, data_line
 from lmtune.data.prepare import Wanted, cache_root, data_cache_dir, prepare
 from lmtune.data.sampling import EvalBatches, EvalSampler, TrainSampler
@@ -250,20 +251,11 @@ def check_data_kind(
     objective: Objective, train_data: TokenizedDataset, eval_data: TokenizedDataset | None
 ) -> None:
     """Preference objectives train on pairs, the others on single examples."""
-    pairs = objective.unit == "pairs"
     for data, option in ((train_data, "--data"), (eval_data, "--eval-data")):
-        if data is None or data.is_pairs == pairs:
-            continue
-        if pairs:
-            raise UserError(
-                f"{option}: --objective {objective.name} tunes on preference pairs, records of "
-                "'prompt', 'chosen' and 'rejected' (strings, or lists of messages); these are single examples"
-            )
-        raise UserError(
-            f"{option}: holds preference pairs (prompt, chosen, rejected); tune on them with --objective "
-            "dpo, ipo, simpo or orpo (--objective sft trains on single examples; records that hold "
-            "'messages' too, as UltraFeedback's, train on those with --data-format messages)"
-        )
+        if data is not None and (
+            refused := kind_refused(data.is_pairs, objective.name, objective.unit == "pairs")
+        ):
+            raise UserError(f"{option}: {refused}")
 
 
 def _eval_spec(cfg: TrainConfig) -> str | None:
