@@ -48,21 +48,14 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
         cfg.data.weights,
     )
     report = holding_out(report, cfg.data.eval_split, cfg.seed, cfg.data.weights)
-    # The objective a --config file (or --objective) gives takes the data's kind: what training
-    # refuses is no "clean" audit (pairs under sft said exit 0 where train stopped).
-    wrong_kind = kind_refused(report.pairs is not None, cfg.objective.name)
-    wrong_kind = wrong_kind if hasattr(args, "config") or hasattr(args, "objective") else ""
-    text = format_report(report)
-    if wrong_kind:  # its result line: unusable, with what else it found
-        found = text.rsplit("\n", 1)[1].partition("): ")[2]
-        text = text.rsplit("\n", 1)[0] + "\n  result              unusable as it is (exit code 2): "
-        text += "; ".join(x for x in (wrong_kind, found) if x)
-    print(text)
+    if hasattr(args, "config") or hasattr(args, "objective"):
+        # The objective a --config file (or --objective) gives takes the data's kind: what training
+        # refuses is no "clean" audit (pairs under sft said exit 0 where train stopped).
+        report = replace(report, kind_refused=kind_refused(report.pairs is not None, cfg.objective.name))
+    print(format_report(report))
     if plot is not None:
         write_output(plot, plot_histogram(report), "--plot")
         print(f"  histogram           {plot}")
-    if wrong_kind:
-        return 2
     if cfg.data.eval is None:
         return report.exit_code
     # The evaluation data, as training reads it (a bad line there stops the run too), and what of

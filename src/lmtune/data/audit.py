@@ -58,6 +58,7 @@ class AuditReport:
     # Under --truncation error, the over-long examples (counted as dropped) that would stop training.
     stops_on_length: int = 0
     chat_template: str | None = None  # --chat-template: training refuses it for data of no conversation
+    kind_refused: str = ""  # what the objective of a --config or --objective refuses of this data
     repeats: Repeats | None = None  # records that repeat an earlier one
     # Evaluation data's: how many of its records training trains on too, and the first few places.
     in_training: tuple[int, list[tuple[str, str]]] | None = None
@@ -75,7 +76,7 @@ class AuditReport:
     @property
     def unusable(self) -> list[str]:
         """What would stop a training run on this data as it is (exit code 2)."""
-        found = []
+        found = [self.kind_refused] if self.kind_refused else []
         if self.bad.count and not self.skip_bad_lines:  # all bad: skipping them leaves nothing
             fix = "--skip-bad-lines skips them" if self.stats.examples else "above: what they need"
             found.append(f"{_count(self.bad.count, 'bad line')} would stop training ({fix})")

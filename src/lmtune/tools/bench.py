@@ -215,8 +215,8 @@ def measure_peaks(precisions: list[str], nproc: int, device_name: str) -> list[s
 
 def to_json(rows: list[BenchRow]) -> list[dict[str, Any]]:
     """The rows as JSON; a combination that did not run has no figures (null, not 0.0)."""
-    figures = ("devices", "tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_busy", "peak_memory_mib")
+    named = ("strategy", "precision", "status")  # what a row is; the rest are its figures
     return [
-        asdict(r) if r.status == "ok" else {**asdict(r), **dict.fromkeys((*figures, "step_ms", "phase_ms"))}
+        asdict(r) if r.status == "ok" else {k: v if k in named else None for k, v in asdict(r).items()}
         for r in rows
     ]
