@@ -124,7 +124,8 @@ def build_parts(
     tokenizer = loaded.tokenizer
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
-    warn_unused_names(cfg, data_info, log.info, (train_data, eval_data))
+    # The eval examples that are training's too: rank 0 says it, so the other ranks hash no tokens.
+    warn_unused_names(cfg, data_info, log.info, (train_data, eval_data) if env.is_main else None)
     longest = max(int(d.lengths().max(initial=0)) for d in (train_data, eval_data) if d is not None)
     check_positions(loaded.model, min(longest, cfg.examples.max_length), log.info)
     run.heartbeat.beat("load")

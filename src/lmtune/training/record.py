@@ -90,9 +90,10 @@ def result_record(result: FitResult, built: Built, run: RunContext) -> dict[str,
     }
 
 
-def _optimizer_part(name: str, device_type: str) -> str:
-    """The optimizer as it runs: bitsandbytes pages optimizer state to the GPU's memory only."""
-    if name == "paged_adamw8bit" and device_type != "cuda":
+def _optimizer_part(name: str, optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer as it runs, read from the one built (training/optim.py pages state only on a
+    GPU, where bitsandbytes has memory to page it to)."""
+    if name == "paged_adamw8bit" and type(optimizer).__name__ != "PagedAdamW8bit":
         return "adamw8bit (paged_adamw8bit pages state on a GPU only)"
     return name
 
@@ -147,7 +148,7 @@ def run_record(run: RunContext, built: Built, resumed: CheckpointManager, peak: 
         f"({BATCHING_NAMES[built.batching]}, {attention} attention); {layout.total_steps} "
         f"step{'s' if layout.total_steps != 1 else ''} at lr {built.lr:.3g} "
         f"({cfg.schedule.name}{_lr_note(cfg, built)}); precision {cfg.model.precision}"
-        + f"; optimizer {_optimizer_part(cfg.optim.name, env.device.type)}"
+        + f"; optimizer {_optimizer_part(cfg.optim.name, built.optimizer)}"
         + ("; activation checkpointing" if cfg.model.activation_checkpointing else "")
         + ("; compiled per block (the first steps compile)" if cfg.model.compile else "")
         + f"; {_loss_part(cfg, built)}"
