@@ -51,7 +51,7 @@ class Repeats:
 
     def found(self) -> tuple[int, list[tuple[str, str]]]:
         """How many records repeat an earlier one, and (repeat, first) for the first of them."""
-        digests = np.frombuffer(self._digests, dtype=np.uint64) if self._digests else np.zeros(0, np.uint64)
+        digests = self._digest_array()
         order = np.argsort(digests, kind="stable")  # equal digests in record order
         ordered = digests[order]
         repeat = np.zeros(len(order), dtype=bool)
@@ -66,13 +66,16 @@ class Repeats:
     def also_in(self, other: Repeats) -> tuple[int, list[tuple[str, str]]]:
         """How many of these records train on what one of ``other``'s does (evaluation records
         that are training's too), and (this one, other's) for the first of them."""
-        theirs = np.frombuffer(other._digests, dtype=np.uint64) if other._digests else np.zeros(0, np.uint64)
-        mine = np.frombuffer(self._digests, dtype=np.uint64) if self._digests else np.zeros(0, np.uint64)
+        theirs, mine = other._digest_array(), self._digest_array()
         order = np.argsort(theirs, kind="stable")
         at = np.minimum(np.searchsorted(theirs[order], mine), max(len(order) - 1, 0))
         shared = np.flatnonzero(theirs[order][at] == mine) if len(order) else np.zeros(0, np.int64)
         places = [(self._where(int(i)), other._where(int(order[at[i]]))) for i in shared[:PLACES_KEPT]]
         return len(shared), places
+
+    def _digest_array(self) -> np.ndarray:
+        """The records' digests, in record order, as an array (numpy reads none from an empty buffer)."""
+        return np.frombuffer(self._digests, dtype=np.uint64) if self._digests else np.zeros(0, np.uint64)
 
     def _where(self, number: int) -> str:
         source = self._sources[bisect.bisect_right(self._starts, number) - 1]
