@@ -232,6 +232,7 @@ def _item_sources(item: str, option: str) -> list[Source]:
         if not files:
             raise _refused(option, f"{item}: folder has no {', '.join(EXTENSIONS)} files")
         _refuse_splits(item, path, files, option)
+        _refuse_notes(item, path, files, option)
         inside = next((d for d in dict.fromkeys(f.parent for f in files) if _model_files(d)), None)
         if inside is not None:
             said = f"{item}: holds a model ({inside}), not only data; a model is given with --model"
@@ -315,6 +316,25 @@ def _refuse_splits(item: str, folder: Path, files: list[Path], option: str) -> N
         option,
         f"{item}: holds a train split and a held-out one by their file names (read whole, the held-out "
         f"files would train too): {give}",
+    )
+
+
+def _refuse_notes(item: str, folder: Path, files: list[Path], option: str) -> None:
+    """A folder of records (.jsonl, .parquet, ...) that holds plain text too (a notes.txt) is
+    refused: read whole, each line of the text trained as an example beside the records."""
+    text = [f for f in files if data_suffix(f) == ".txt"]
+    if not text or len(text) == len(files):
+        return
+    records = [f for f in files if data_suffix(f) != ".txt"]
+
+    def named(some: list[Path]) -> str:
+        shown = ", ".join(str(f.relative_to(folder)) for f in some[:3])
+        return shown + (f" and {len(some) - 3} more" if len(some) > 3 else "")
+
+    raise _refused(
+        option,
+        f"{item}: holds plain text ({named(text)}) beside records ({named(records)}); read whole, each "
+        f"line of the text would train as an example: give the files to read ({option} FILE,FILE,...)",
     )
 
 

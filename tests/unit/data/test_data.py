@@ -105,9 +105,24 @@ def test_saved_splits_without_train_are_named_not_guessed(tmp_path: Path) -> Non
 def test_folder_reads_every_supported_file(tmp_path: Path) -> None:
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "1.jsonl").write_text('{"text": "a"}\n')
-    (tmp_path / "x" / "2.txt").write_text("b\nc\n")
+    (tmp_path / "x" / "2.json").write_text('[{"text": "b"}]')
     (tmp_path / "x" / "notes.md").write_text("ignored\n")
-    assert [r["text"] for r in read(str(tmp_path / "x"))] == ["a", "b", "c"]
+    assert [r["text"] for r in read(str(tmp_path / "x"))] == ["a", "b"]
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "1.txt").write_text("b\nc\n")
+    (tmp_path / "t" / "2.txt.gz").write_bytes(gzip.compress(b"d\n"))
+    assert [r["text"] for r in read(str(tmp_path / "t"))] == ["b", "c", "d"]
+
+
+def test_a_folder_of_records_with_plain_text_beside_them_is_refused(tmp_path: Path) -> None:
+    """A notes.txt among a folder's .jsonl files trained each of its lines as an example."""
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "a.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n')
+    (tmp_path / "x" / "notes.txt").write_text("tune the lr\n")
+    with pytest.raises(UserError, match=r"holds plain text \(notes.txt\) beside records \(a.jsonl\)"):
+        resolve_sources(str(tmp_path / "x"))
+    given = f"{tmp_path / 'x' / 'a.jsonl'},{tmp_path / 'x' / 'notes.txt'}"
+    assert len(resolve_sources(given)) == 2  # named, both are read
 
 
 def test_a_folder_leaves_out_hidden_files_and_papers_and_refuses_split_files(tmp_path: Path) -> None:
@@ -150,7 +165,8 @@ def test_compressed_files_read_as_their_format(tmp_path: Path) -> None:
     (tmp_path / "d.txt.gz").write_bytes(gzip.compress("".join(r["text"] + "\n" for r in rows).encode()))
     for name in ("a.jsonl.gz", "b.json.bz2", "c.csv.xz", "d.txt.gz"):
         assert read(str(tmp_path / name)) == rows, name
-    assert read(str(tmp_path)) == rows * 4  # a folder's compressed files too
+    (tmp_path / "d.txt.gz").unlink()  # plain text beside records is refused in a folder
+    assert read(str(tmp_path)) == rows * 3  # a folder's compressed files too
     (tmp_path / "e.jsonl.gz").write_bytes(gzip.compress(jsonl)[:40])
     with pytest.raises(UserError, match=r"e\.jsonl\.gz: cannot be decompressed \(Compressed file ended"):
         read(str(tmp_path / "e.jsonl.gz"))
