@@ -51,7 +51,8 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if hasattr(args, "config") or hasattr(args, "objective"):
         # The objective a --config file (or --objective) gives takes the data's kind: what training
         # refuses is no "clean" audit (pairs under sft said exit 0 where train stopped).
-        report = replace(report, kind_refused=kind_refused(report.pairs is not None, cfg.objective.name))
+        refused = kind_refused(report.pairs is not None, cfg.objective.name)
+        report = replace(report, kind_refused=refused, objective=cfg.objective.name)
     print(format_report(report))
     if plot is not None:
         write_output(plot, plot_histogram(report), "--plot")

@@ -59,6 +59,7 @@ class AuditReport:
     stops_on_length: int = 0
     chat_template: str | None = None  # --chat-template: training refuses it for data of no conversation
     kind_refused: str = ""  # what the objective of a --config or --objective refuses of this data
+    objective: str = ""  # that objective: pairs under a preference one are not told to take one
     repeats: Repeats | None = None  # records that repeat an earlier one
     # Evaluation data's: how many of its records training trains on too, and the first few places.
     in_training: tuple[int, list[tuple[str, str]]] | None = None
@@ -438,7 +439,7 @@ def format_report(report: AuditReport) -> str:
             span = f"{first:>6}-{last:<6}" if last > first else f"{first:>6} {'':<6}"
             lines.append(f"    {span} {count:>9,} {bar}")
     if report.pairs is not None:
-        lines += pair_lines(report.pairs)
+        lines += pair_lines(report.pairs, report.objective)
     if report.mixture is not None:
         trained = report.trained_lengths
         lines += mixture_lines(report.mixture, report.lengths if trained is None else trained)

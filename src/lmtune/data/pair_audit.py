@@ -63,8 +63,9 @@ def audit_pairs(
     return report
 
 
-def pair_lines(report: PairAudit) -> list[str]:
-    """The audit's lines about pairs."""
+def pair_lines(report: PairAudit, objective: str = "") -> list[str]:
+    """The audit's lines about pairs; where ``objective`` (the run's, where known) is not a preference
+    one, which objectives take them."""
     n = max(report.pairs, 1)
     # Ties say nothing about length: the share is of the pairs whose answers differ in length.
     differ = report.pairs - report.same_length
@@ -82,8 +83,8 @@ def pair_lines(report: PairAudit) -> list[str]:
     )
     lines = [
         f"  preference pairs    {report.pairs:,}: identical chosen and rejected  {report.identical:,}, "
-        f"an empty answer  {report.empty:,}, prompt alone over --max-length  {report.prompt_fills:,} "
-        "(train on them with --objective dpo, ipo, simpo or orpo: sft refuses pairs)",
+        f"an empty answer  {report.empty:,}, prompt alone over --max-length  {report.prompt_fills:,}"
+        + ("" if objective in PREFERENCE else " (train on them with --objective dpo, ipo, simpo or orpo)"),
         f"  answer lengths      chosen {report.chosen_tokens / n:.1f} tokens on average, rejected "
         f"{report.rejected_tokens / n:.1f}; {share}",
     ]

@@ -4,6 +4,7 @@ truncation, bad records, collation, and the data audit."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -323,8 +324,10 @@ def test_audit_reports_pair_problems(tmp_path: Path) -> None:
     assert "identical chosen and rejected  2" in text and "chosen longer than rejected" in text
     assert "3 pairs with identical or empty answers" in text
     assert (
-        "(train on them with --objective dpo, ipo, simpo or orpo: sft refuses pairs)" in text
-    )  # said "clean"
+        "prompt alone over --max-length  1 (train on them with --objective dpo, ipo, simpo or orpo)" in text
+    )
+    # Audited for a preference objective, the pairs are not told to take one.
+    assert "(train on them" not in format_report(replace(report, objective="dpo"))
     assert BadLines(skip=True).count == 0
     # Training cuts a prompt to --max-prompt-length first: the audit measures what remains.
     cut = audit(str(path), byte_tokenizer(), ExampleSettings(max_length=64, max_prompt_length=16))
