@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from lmtune.config.groups import ExampleSettings
-from lmtune.data.formats import FieldMap, ensure_chat_template
+from lmtune.data.formats import CHAT_FORMATS, FieldMap, ensure_chat_template
 from lmtune.data.readers import records
 from lmtune.data.sources import BadLines, Record, resolve_sources
 from lmtune.data.tokenize import Encoded, EncodeStats, encode_chunk
@@ -53,6 +53,7 @@ def shown_records(
     label = _bad_label(settings.skip_bad_lines)
     names = FieldMap.of(settings)
     number, said = 0, 0
+    formats: set[str] = set()
     # One record at a time, as training encodes it; a too-long one is shown as --truncation treats it.
     sources = resolve_sources(spec, "lmtune data show")
     for number, record in enumerate(records(sources, settings, bad), start=1):
@@ -60,7 +61,7 @@ def shown_records(
             bad.messages.clear()  # lines passed over before the records shown are not shown
             continue
         if number >= start + count:
-            return
+            break
         yield from _passed_over(bad, said, label)
         said = len(bad.messages)
         kept, stats = encode_chunk([record], tokenizer, settings, names, bad)
@@ -68,8 +69,16 @@ def shown_records(
             yield from _passed_over(bad, said, label)
             said = len(bad.messages)
             continue
+        formats.update(stats.formats)
         yield _block(record, kept[0] if kept else None, stats, tokenizer, settings, marks, tokens)
-    yield from _passed_over(bad, said, label)
+    else:
+        yield from _passed_over(bad, said, label)
+    if settings.chat_template is not None and formats and not formats & set(CHAT_FORMATS):
+        # Shown templated by nothing: training refuses the option for data of no conversation.
+        yield (
+            f"note: --chat-template {settings.chat_template} applies to conversations (messages records), "
+            f"and these records hold {', '.join(sorted(formats))}: training refuses it for such data"
+        )
     if not number:  # no --start reaches into an empty file: it was named when none was given
         raise UserError(f"lmtune data show: {spec} holds no records (empty)")
     if number < start:

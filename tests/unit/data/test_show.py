@@ -65,6 +65,14 @@ def test_show_pairs_and_what_training_drops(tmp_path: Path, capsys: pytest.Captu
     assert f"== {long}:1 (text): not trained: longer than --max-length" in capsys.readouterr().out
     assert main(["data", "show", str(long), "--max-length", "8"]) == 0  # cut on the right, as training does
     assert "(text, 8 tokens, 7 trained, truncated)" in capsys.readouterr().out
+    # Shown as text, where training refuses a chat template for data of no conversation.
+    assert main(["data", "show", str(long), "--chat-template", "chatml"]) == 0
+    assert "note: --chat-template chatml applies to conversations (messages records), and these records " in (
+        capsys.readouterr().out
+    )
+    data = _write(tmp_path / "d.jsonl", ROWS)
+    assert main(["data", "show", str(data), "--chat-template", "chatml", "-n", "2"]) == 0
+    assert "note:" not in capsys.readouterr().out  # a conversation among them: the template shapes it
     prompt = _write(tmp_path / "prompt.jsonl", [{"prompt": "x" * 50, "completion": "y"}])
     assert main(["data", "show", str(prompt), "--max-length", "8"]) == 0  # the cut leaves only prompt
     said = "(prompt_completion): not trained: cut to --max-length 8 (--truncation right), nothing to train"
