@@ -4,27 +4,25 @@ cannot be read goes to :class:`BadLines`."""
 
 from __future__ import annotations
 
-import bz2
 import codecs
 import csv
-import gzip
 import io
 import itertools
 import json
-import lzma
 import re
-import zlib
 from collections import Counter
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from lmtune.config.groups import ExampleSettings
 from lmtune.config.settings import SAMPLE_DATA as SAMPLE
 from lmtune.config.settings import SAMPLE_EVAL
+from lmtune.data import opening
 from lmtune.data.addition import addition_examples
+from lmtune.data.opening import check_utf8, compressed_hint, opened
 from lmtune.data.sources import BadLines, Record, Source
 from lmtune.errors import UserError, brief
 
@@ -53,113 +51,33 @@ def iter_records(
         "sample": lambda: _sample(source.split or "train", text_field),
     }
     if source.kind in ("jsonl", "json", "csv", "tsv", "txt"):
-        _check_utf8(source.name)
+        check_utf8(source.name)
     # Damaged bytes in an archive read as bad lines before its check at the end fails: said as
     # the damage, with the first line it spoilt (skipped lines were counted, the error stops here).
     try:
         yield from readers[source.kind]()
-    except Undecompressable as e:
+    except opening.Undecompressable as e:
         spoilt = [m for m in bad.messages if m.startswith(f"{source.name}:")]
         if not spoilt:
             raise
-        raise _spoilt(source.name, str(e).removeprefix(f"{source.name}: "), spoilt[0]) from None
+        raise opening.spoilt(source.name, str(e).removeprefix(f"{source.name}: "), spoilt[0]) from None
     except UserError as e:
-        damage = _damage(source.name) if Path(source.name).suffix.lower() in _OPENERS else None
+        damage = opening.damage(source.name) if Path(source.name).suffix.lower() in opening.OPENERS else None
         if damage is None:
             raise
-        raise _spoilt(source.name, f"cannot be decompressed ({damage})", str(e)) from None
-
-
-# Byte-order marks of the encodings Windows tools save "Unicode" text in (UTF-32's first: its
-# little-endian mark begins with UTF-16's).
-_OTHER_ENCODINGS = [(mark, "UTF-32") for mark in (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)] + [
-    (mark, "UTF-16") for mark in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
-]
-
-
-def _check_utf8(path: str) -> None:
-    """A text file saved in UTF-16 or UTF-32 (Excel's and PowerShell's "Unicode") is said as such
-    with how to convert it: its lines read as bad UTF-8 and broken JSON, its CSV header as the
-    names of no field."""
-    with _opened(path) as f:
-        head = f.read(4)
-    encoding = next((name for mark, name in _OTHER_ENCODINGS if head.startswith(mark)), None)
-    if encoding is not None:
-        converted = (
-            f"{_read_as_text(path)}iconv -f {encoding} -t UTF-8 {'' if _read_as_text(path) else 'FILE '}> NEW"
-        )
-        raise UserError(
-            f"{path}: {encoding} text (it starts with {encoding}'s byte-order mark); lmtune reads UTF-8: "
-            f"convert it, such as {converted}"
-        )
-
-
-def _read_as_text(path: str) -> str:
-    """The command that writes a compressed file's text out, piped to the next (or "")."""
-    tool = {".gz": "gunzip -c", ".bz2": "bzip2 -dc", ".xz": "xz -dc"}.get(Path(path).suffix.lower())
-    return f"{tool} FILE | " if tool else ""
-
-
-def _spoilt(path: str, damage: str, bad_line: str) -> Undecompressable:
-    line, _, problem = bad_line.removeprefix(f"{path}:").partition(": ")
-    return Undecompressable(
-        f"{path}: {damage}: the archive is damaged, which is why line {line} read as {problem}"
-    )
-
-
-_OPENERS: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
-
-
-@contextmanager
-def _opened(path: str) -> Iterator[BinaryIO]:
-    """``path`` open for reading its bytes, decompressed where its name says so (``.gz``): a
-    damaged or truncated archive is named, not a traceback."""
-    opener = _OPENERS.get(Path(path).suffix.lower())
-    if opener is None:
-        with open(path, "rb") as f:
-            yield f
-        return
-    try:
-        with opener(path, "rb") as f:
-            yield f
-    except DECOMPRESSION_ERRORS as e:
-        raise Undecompressable(f"{path}: cannot be decompressed ({e or type(e).__name__})") from None
-
-
-class Undecompressable(UserError):
-    """A compressed data file that does not decompress: damaged or cut short."""
-
-
-DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
-
-
-def _damage(path: str) -> str | None:
-    """What is wrong with the archive at ``path``, found by reading it all, or None."""
-    try:
-        with _OPENERS[Path(path).suffix.lower()](path, "rb") as f:
-            while f.read(1 << 20):
-                pass
-    except DECOMPRESSION_ERRORS as e:
-        return str(e) or type(e).__name__
-    return None
+        raise opening.spoilt(source.name, f"cannot be decompressed ({damage})", str(e)) from None
 
 
 def _decoded_lines(path: str, bad: BadLines) -> Iterator[tuple[int, str]]:
-    with _opened(path) as f:
+    with opened(path) as f:
         for lineno, raw in enumerate(f, start=1):
             if lineno == 1 and raw.startswith(codecs.BOM_UTF8):  # editors on Windows write one
                 raw = raw[len(codecs.BOM_UTF8) :]
             try:
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                hint = _compressed(raw) if lineno == 1 else ""
+                hint = compressed_hint(raw) if lineno == 1 else ""
                 bad.report(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the line){hint}")
-
-
-def _compressed(head: bytes) -> str:
-    """What to say of a file under a plain name that starts as gzip, xz or bzip2 files do."""
-    packed = head.startswith((b"\x1f\x8b", b"\xfd7zXZ", b"BZh"))
-    return ": it is compressed; name it by its compression (.gz, .xz, .bz2)" if packed else ""
 
 
 # A JSON escape of a UTF-16 surrogate; only when one is present can a parsed string hold a lone one.
@@ -224,12 +142,12 @@ def json_kind(value: object) -> str:
 
 
 def _json(path: str, bad: BadLines) -> Iterator[Record]:
-    with _opened(path) as f:
+    with opened(path) as f:
         data = f.read()
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
-        raise UserError(f"{path}: not valid UTF-8{_compressed(data)}") from None
+        raise UserError(f"{path}: not valid UTF-8{compressed_hint(data)}") from None
     first = next((line for line in text.splitlines() if line.strip()), "")
     if first.lstrip().startswith("{") and _one_object(first):  # JSON Lines named .json, as HF reads it
         yield from _jsonl(path, bad)
@@ -292,7 +210,7 @@ def _csv(path: str, bad: BadLines, delimiter: str = ",") -> Iterator[Record]:
     # Python's default, 128 KiB a field, refused a long document that a JSONL line may hold.
     csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
     # Bytes that are not UTF-8 kept as escapes: the row holding them is a bad line, not the file.
-    with _opened(path) as raw, io.TextIOWrapper(raw, "utf-8-sig", "surrogateescape", newline="") as f:
+    with opened(path) as raw, io.TextIOWrapper(raw, "utf-8-sig", "surrogateescape", newline="") as f:
         part: _CsvPart | None = _CsvPart(f, None, 0)
         while part is not None:
             part = yield from _csv_part(path, part, bad, delimiter)

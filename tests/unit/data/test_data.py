@@ -591,6 +591,11 @@ def test_a_utf16_file_is_named_as_such_with_how_to_convert_it(tmp_path: Path) ->
         (tmp_path / name).write_bytes(text.encode("utf-16"))  # with its byte-order mark
         with pytest.raises(UserError, match=r"d\.\w+: UTF-16 text .*iconv -f UTF-16 -t UTF-8 FILE > NEW$"):
             read(str(tmp_path / name))
+    # Without a mark (Python's encoding="utf-16-le", some exports): by its zero bytes.
+    for encoding, said in (("utf-16-le", "UTF-16LE"), ("utf-16-be", "UTF-16BE"), ("utf-32-le", "UTF-32LE")):
+        (tmp_path / "d.jsonl").write_bytes('{"text": "a"}\n'.encode(encoding))
+        with pytest.raises(UserError, match=rf"{said} text \(its first characters are ASCII .*-f {said} "):
+            read(str(tmp_path / "d.jsonl"))
     (tmp_path / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + b'{"text": "a"}\n')  # UTF-8's own mark: read
     assert read(str(tmp_path / "d.jsonl")) == [{"text": "a"}]
 
