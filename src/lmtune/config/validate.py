@@ -58,6 +58,8 @@ def check_settings(cfg: TrainConfig, world_size: int, given: frozenset[str] | No
         if not ok:
             setting = setting_named(name)
             value = value_of(cfg, setting)
+            if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+                value = int(value)  # a float setting given as 16 is shown so, not "16.0"
             # A switch's value is the option itself ("--merge-lora: needs --lora", not "(got True)"); an
             # unset one has none to show.
             got = (

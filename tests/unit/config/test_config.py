@@ -87,7 +87,10 @@ def test_help_lists_every_setting_with_its_default() -> None:
         # A setting that would have no effect is refused rather than ignored.
         ({"lora_rank": 8}, "--lora-rank: applies with --lora only .LoRA is off: every weight would train."),
         ({"lora_target_modules": "q_proj"}, "--lora-target-modules: applies with --lora only"),
-        ({"lora_alpha": 32}, "--lora-alpha: applies with --lora only .LoRA is off: every weight would"),
+        (
+            {"lora_alpha": 32},
+            r"--lora-alpha: applies with --lora only .LoRA is off: every weight would train. \(got 32\)$",
+        ),
         ({"lora_dropout": 0.1}, "--lora-dropout: applies with --lora only .LoRA is off"),
         ({"beta": 0.3}, "--beta: applies to --objective dpo, ipo, simpo only"),
         # TRL's ORPOConfig.beta is ORPO's weight: a TRL user's beta would have changed no loss.
