@@ -469,6 +469,13 @@ def test_bench_that_can_run_nothing_here_is_refused_before_anything_is_said_or_w
     (tmp_path / "bench.json").write_text('{"mine": 1}')  # the bad value is named before this file
     assert main(["bench", "--strategies", "foo"]) == 2
     assert "--strategies: unknown strategy 'foo'" in capsys.readouterr().err
+    for command in (
+        ["bench"],
+        ["plan", "--model", "tiny"],
+        ["eval", "sample", "--model", "tiny"],
+    ):  # an empty name was the default bench.json
+        assert main([*command, "--json", ""]) == 2
+        assert "--json: give a file's name (got an empty one)" in capsys.readouterr().err
 
 
 def test_a_prompt_that_names_a_file_is_warned_of_and_prompt_file_is_answered(

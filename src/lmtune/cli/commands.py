@@ -21,6 +21,8 @@ def output_file(given: str, option: str, kind: Kind) -> Path:
     """Where a command writes ``option``'s file, checked before its work: a file named for its
     kind outside a run's own entries, new or lmtune's earlier one (its missing folders are made
     when it is written)."""
+    if not given.strip():  # Path("") is the working folder
+        raise UserError(f"{option}: give a file's name (got an empty one)")
     path = Path(given).expanduser()
     suffixes = {"png": (".png",), "report": (".html", ".htm")}.get(kind, ())
     if suffixes and path.suffix.lower() not in suffixes:
@@ -189,10 +191,10 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     # A refusal of the default names it as such: the user typed no --json.
     out = (
         _json_output(args.json, "bench")
-        if args.json
+        if args.json is not None
         else output_file("bench.json", "the default --json", "bench")
     )
-    if not args.json:  # said before the minutes of runs, not only after them
+    if args.json is None:  # said before the minutes of runs, not only after them
         print("lmtune bench: results go to bench.json (--json PATH, or - for standard output)", flush=True)
     rows = run_bench(
         train_config(args),
@@ -217,7 +219,7 @@ def plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     cfg, given = _train_config_given(args)
     validate(cfg, cfg.launch.nproc_per_node, given=given)
-    out = _json_output(args.json, "plan") if args.json else None
+    out = _json_output(args.json, "plan") if args.json is not None else None
     memory = parse_size(args.memory_per_device) if args.memory_per_device else None
     with tempfile.TemporaryDirectory(prefix="lmtune-plan-") as workdir:
         report = plan(cfg, memory, args.calibrate, Path(workdir))
@@ -245,7 +247,7 @@ def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cfg = _data_settings(args, "eval", scores_a_model=True)
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1 (got {args.batch_size})")
-    out = _json_output(args.json, "eval") if args.json else None
+    out = _json_output(args.json, "eval") if args.json is not None else None
     cfg, held_out, scored = _evaluated_data(cfg, hasattr(args, "data"))
     done = evaluate_model(cfg, args.batch_size, held_out)
     r, meta = done.result, done.data
