@@ -36,7 +36,7 @@ def audit(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from lmtune.data.pair_audit import kind_refused
 
     cfg, tokenizer = data_and_tokenizer(args, "data audit")
-    plot = output_file(args.plot, "--plot", "png") if args.plot else None
+    plot = output_file(args.plot, "--plot", "png") if args.plot is not None else None
     report = audit(
         cfg.data.train,
         tokenizer,
