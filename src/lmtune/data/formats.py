@@ -14,6 +14,7 @@ from typing import Any
 
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import check_chat_template, render_chat
+from lmtune.data.chat_spans import NOT_LOCATED, found_replies
 from lmtune.data.field_hints import suggested_roles, unknown_format
 from lmtune.data.sources import Record
 from lmtune.data.turn_checks import refuse_undesired, text_content, turn_trains
@@ -412,11 +413,11 @@ def _render_messages(
                 at = max(at, end)
             spans += [(at, len(text))] if at < len(text) else []
         else:
-            spans = [
-                _reply_span(tokenizer, messages, i, text)
-                for i, m in enumerate(messages)
-                if m["role"] == "assistant" and i not in untrained
-            ]
+            replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i not in untrained]
+            try:
+                spans = [_reply_span(tokenizer, messages, i, text) for i in replies]
+            except UserError:  # a template whose turns render otherwise once later ones follow
+                spans = found_replies(tokenizer, messages, replies, text)
     except UserError as e:
         raise UserError(f"{record.where}: {e}") from None
     return Rendered(text=text, spans=tuple(spans), add_special_tokens=False, append_eos=False, format=fmt)
@@ -437,10 +438,7 @@ def _reply_span(tokenizer: Any, messages: list[dict[str, str]], i: int, text: st
     upto = chat_text(tokenizer, messages[: i + 1], generation_prompt=False)
     before = chat_text(tokenizer, messages[:i], generation_prompt=True) if i else _opening(tokenizer, upto)
     if not (upto.startswith(before) and text.startswith(upto)):
-        raise UserError(
-            "the chat template does not render the conversation turn by turn, so "
-            "the assistant replies cannot be located; use a template that appends turns"
-        )
+        raise UserError(NOT_LOCATED)
     return len(before), len(upto)
 
 

@@ -474,3 +474,70 @@ def test_kto_labels_in_other_spellings_are_refused() -> None:
             render(
                 Record("d.jsonl", 1, {"prompt": "a", "completion": "b", "label": label}), "auto", names, None
             )
+
+
+# The features of real templates that render a turn otherwise once later turns follow it.
+QWEN3 = (  # the empty thinking block only on replies after the last user turn, the last one's always
+    "{%- set ns = namespace(last=messages|length - 1) %}"
+    "{%- for m in messages[::-1] %}{%- if m.role == 'user' and ns.last == messages|length - 1 %}"
+    "{%- set ns.last = messages|length - 1 - loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- if m.role != 'assistant' %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{%- set c = m.content %}{%- if '</think>' in c %}{%- set c = c.split('</think>')[-1] %}"
+    "{%- endif %}{%- if loop.index0 > ns.last and loop.last %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + c.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + c }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+PHI3 = (  # EOS closes the text where no generation prompt follows
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+MISTRAL = (  # the system prompt folded into the last user turn
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set rest = messages[1:] %}{%- else %}{%- set rest = messages %}{%- endif %}{{- bos_token }}"
+    "{%- for m in rest %}{%- if m['role'] == 'user' %}{%- if loop.last and system is defined %}"
+    "{{- '[INST] ' + system + '\\n\\n' + m['content'] + '[/INST]' }}{%- else %}"
+    "{{- '[INST] ' + m['content'] + '[/INST]' }}{%- endif %}"
+    "{%- else %}{{- ' ' + m['content'] + eos_token }}{%- endif %}{%- endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "replies"),
+    [
+        (QWEN3, ["4.<|im_end|>\n", "<think>\n\n</think>\n\n6.<|im_end|>\n"]),
+        (PHI3, ["4.<|end|>\n", "6.<|end|>\n<|eos|>"]),
+        (MISTRAL, [" 4.<|eos|>", " 6.<|eos|>"]),
+    ],
+)
+def test_replies_of_a_template_that_renders_a_turn_otherwise_later_are_found_as_written(
+    template: str, replies: list[str]
+) -> None:
+    """Qwen3's, Phi-3's and Mistral's own templates made every conversation of more than one
+    exchange (Mistral's: with a system prompt) a bad line that stopped training: "the chat template
+    does not render the conversation turn by turn". Each reply trains what it would as the last
+    turn of a conversation found turn by turn: the same text, up to its end of turn."""
+    from lmtune.data.chat import use_chat_template
+
+    tokenizer = byte_tokenizer()
+    use_chat_template(tokenizer, "chatml")  # its markers special tokens
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>", "<|user|>", "<|assistant|>"]})
+    tokenizer.chat_template = template
+    names = FieldMap.of(ExampleSettings())
+    whole = render(Record("d.jsonl", 1, {"messages": CHAT}), "auto", names, tokenizer)
+    assert [whole.text[a:b] for a, b in whole.spans] == replies
+    for i in (2, 4):  # each exchange alone, found turn by turn, trains the same reply
+        alone = render(Record("d.jsonl", 1, {"messages": CHAT[i - 1 : i + 1]}), "auto", names, tokenizer)
+        assert [alone.text[a:b] for a, b in alone.spans] == [replies[-1].replace("6.", CHAT[i]["content"])]
+    data, stats = encode_in_memory([Record("d.jsonl", 1, {"messages": CHAT})], tokenizer, ExampleSettings())
+    assert stats.examples == 1 and stats.eos_trained == 1
+    # A reply that is a word of the template's own (its role's name) is the reply's, not the header's.
+    named = [*CHAT[:2], {"role": "assistant", "content": "INST"}, *CHAT[3:]]
+    worded = render(Record("d.jsonl", 1, {"messages": named}), "auto", names, tokenizer)
+    assert [worded.text[a:b] for a, b in worded.spans][0] == replies[0].replace("4.", "INST")
+    # A reply the template rewrites (Qwen3 drops an earlier turn's thinking) cannot be found: said.
+    thought = [*CHAT[:2], {"role": "assistant", "content": "<think>add</think>4."}, *CHAT[3:]]
+    if template is QWEN3:
+        with pytest.raises(UserError, match=r"d.jsonl:1: the chat template does not render .*gemma\|FILE"):
+            render(Record("d.jsonl", 1, {"messages": thought}), "auto", names, tokenizer)
