@@ -159,19 +159,18 @@ class AuditReport:
         return self.exit_code == 0
 
 
-def stops_lost_warning(lost: int, kept: int, chat: bool, unit: str, examples: ExampleSettings) -> str:
+def stops_lost_warning(
+    lost: int, kept: int, chat: bool, unit: str, examples: ExampleSettings, cut_any: bool
+) -> str:
     """The start's warning when most training examples train no stop token, with its likely cause:
-    a chat template with no end-of-turn token after the reply, or --max-length's cut (of a pair's
-    answers whatever --truncation says; of an example's end unless --truncation left)."""
+    a chat template with no end-of-turn token after the reply, or --max-length's cut where it cut
+    any (of a pair's answers whatever --truncation says; of an example's end unless left)."""
     cut = f"--max-length {examples.max_length} cut"
-    if chat:
-        why = " after the reply"
-    elif unit == "pairs":
+    why = " after the reply" if chat else ""
+    if not chat and cut_any and unit == "pairs":
         why = f" ({cut} the answers' ends; a larger --max-length or smaller --max-prompt-length keeps them)"
-    elif examples.truncation != "left":
+    elif not chat and cut_any and examples.truncation != "left":
         why = f" ({cut} it off; --truncation left keeps the ends)"
-    else:
-        why = ""
     return (
         f"warning: {lost:,} of {kept:,} training {examples_noun(unit)} train no stop token{why}, so the "
         "model may not learn to stop (lmtune data audit shows which)"

@@ -49,9 +49,9 @@ from lmtune.parallel.launch import warn
 # The entries' version, bumped when the same data tokenizes otherwise (2: an opening assistant turn
 # trains without its header; tool calls refused; 3: a pair of whole texts splits at HH's last
 # assistant marker or a word's start; 4: preference records count an unread system field; 5:
-# conversations count theirs, and instruction records an unread context); a checkpoint's data key
-# keeps 1: older runs resume.
-CACHE_VERSION, _KEY_VERSION = 5, 1
+# conversations count theirs, and instruction records an unread context; 6: the EOS a tokenizer
+# appends itself trains); a checkpoint's data key keeps 1: older runs resume.
+CACHE_VERSION, _KEY_VERSION = 6, 1
 LARGE_INPUT_BYTES = 16 << 20
 CACHE_ENV = environment.CACHE_DIR
 # A waiting rank gives up when the builder has written nothing for this long (it died, or hangs).

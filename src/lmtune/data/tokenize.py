@@ -239,7 +239,9 @@ def _encode_examples(
             enc = backend.encode(r.text, add_special_tokens=r.add_special_tokens)
         ids = np.asarray(enc.ids, dtype=np.int32)
         trainable = trainable_mask(enc, r.spans, len(r.text))
-        if r.append_eos and not (len(ids) and ids[-1] == eos):
+        if r.append_eos and len(ids) and ids[-1] == eos:
+            trainable[-1] = True  # a tokenizer's own EOS (add_eos_token): it is the stop to learn
+        elif r.append_eos:
             ids = np.append(ids, np.int32(eos))
             trainable = np.append(trainable, True)
         if len(ids) > max_length and truncation == "split" and r.format == "text":

@@ -145,7 +145,8 @@ def build_parts(
             log.info(note)
     kept, stopping = data_info["train"]["examples"], data_info["train"]["eos_trained"]
     if stopping < kept / 2:
-        log.info(stops_lost_warning(kept - stopping, kept, chat, objective.unit, cfg.examples))
+        cut = bool(data_info["train"].get("truncated"))
+        log.info(stops_lost_warning(kept - stopping, kept, chat, objective.unit, cfg.examples, cut_any=cut))
     layout = batch_layout(cfg, env.world_size, len(train_data))
     lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr(cfg, loaded, objective.unit)[0]
     batching = batching_of(cfg, data_info["train"]["formats"], obstacle)

@@ -479,6 +479,25 @@ def test_prompt_completion_trains_only_the_completion_and_eos() -> None:
     assert labels[-1] == tok.eos_token_id
 
 
+def test_an_eos_the_tokenizer_appends_itself_trains_as_the_one_lmtune_appends() -> None:
+    """A tokenizer whose post-processor adds EOS (add_eos_token=True, as some Llama ones are saved)
+    had that EOS kept untrained, a special token: no example trained a stop, and the run blamed
+    --max-length."""
+    from tokenizers import processors
+
+    tok = byte_tokenizer()
+    bos, eos = (tok.bos_token, tok.bos_token_id), (tok.eos_token, tok.eos_token_id)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos[0]} $A {eos[0]}", special_tokens=[bos, eos]
+    )
+    rows = [{"text": "abc"}, {"prompt": "Q: 2+2?\nA: ", "completion": "4"}]
+    theirs, stats, _ = encode(rows, tok)
+    ours, _, _ = encode(rows)
+    for a, b in zip(theirs, ours, strict=True):
+        assert a.input_ids.tolist() == b.input_ids.tolist() and a.labels.tolist() == b.labels.tolist()
+    assert stats.eos_trained == 2
+
+
 def test_instruction_alias() -> None:
     data, stats, tok = encode([{"instruction": "Add.", "input": "2 2", "output": "4"}])
     assert stats.formats == {"prompt_completion": 1}

@@ -530,12 +530,12 @@ def test_replies_of_a_template_that_renders_a_turn_otherwise_later_are_found_as_
     for i in (2, 4):  # each exchange alone, found turn by turn, trains the same reply
         alone = render(Record("d.jsonl", 1, {"messages": CHAT[i - 1 : i + 1]}), "auto", names, tokenizer)
         assert [alone.text[a:b] for a, b in alone.spans] == [replies[-1].replace("6.", CHAT[i]["content"])]
-    data, stats = encode_in_memory([Record("d.jsonl", 1, {"messages": CHAT})], tokenizer, ExampleSettings())
+    _, stats = encode_in_memory([Record("d.jsonl", 1, {"messages": CHAT})], tokenizer, ExampleSettings())
     assert stats.examples == 1 and stats.eos_trained == 1
     # A reply that is a word of the template's own (its role's name) is the reply's, not the header's.
     named = [*CHAT[:2], {"role": "assistant", "content": "INST"}, *CHAT[3:]]
     worded = render(Record("d.jsonl", 1, {"messages": named}), "auto", names, tokenizer)
-    assert [worded.text[a:b] for a, b in worded.spans][0] == replies[0].replace("4.", "INST")
+    assert next(worded.text[a:b] for a, b in worded.spans) == replies[0].replace("4.", "INST")
     # A reply the template rewrites (Qwen3 drops an earlier turn's thinking) cannot be found: said.
     thought = [*CHAT[:2], {"role": "assistant", "content": "<think>add</think>4."}, *CHAT[3:]]
     if template is QWEN3:
