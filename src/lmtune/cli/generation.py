@@ -153,10 +153,11 @@ def _chat(
     turns = [prompt] if prompt is not None else _stdin_turns(interactive)
     for turn in turns:
         messages.append({"role": "user", "content": turn})
-        reply = chat_reply(model, tokenizer, messages, **options)
+        generated = chat_reply(model, tokenizer, messages, **options)
+        reply = generated.rstrip()
         messages.append({"role": "assistant", "content": reply})
         print(f"assistant> {visible(reply)}" if interactive else visible(reply), flush=True)
-        _note_if_empty(reply)
+        _note_if_empty(generated)
 
 
 def _untrained_template(model: str, tokenizer: Any) -> str | None:

@@ -86,11 +86,12 @@ def complete_greedy(
 
 def chat_reply(model: nn.Module, tokenizer: Any, messages: list[dict[str, str]], **options: Any) -> str:
     """The assistant's next reply to ``messages``, rendered with the tokenizer's chat template (which
-    writes its own special tokens) and ended by the end-of-turn token the model was trained with."""
+    writes its own special tokens) and ended by the end-of-turn token the model was trained with;
+    as generated (a reply of whitespace alone is one)."""
     from lmtune.data.chat import render_chat
 
     prompt = render_chat(tokenizer, messages, generation_prompt=True)
-    return complete(model, tokenizer, prompt, add_special_tokens=False, **options).rstrip()
+    return complete(model, tokenizer, prompt, add_special_tokens=False, **options)
 
 
 @contextmanager
