@@ -46,9 +46,15 @@ def _check_answer_length(loaded: Any, prompt: str | None, new_tokens: int) -> No
         f"--max-new-tokens {new_tokens}: with the prompt's {prompt_tokens} tokens, past the model's "
         f"{limit} positions"
     )
+    if learned and prompt_tokens >= limit:  # no answer fits: the prompt is what to shorten
+        raise UserError(
+            f"--prompt: its {prompt_tokens} tokens fill the model's {limit} positions (a learned table: "
+            "it cannot run past it), leaving no room for an answer; give a shorter prompt"
+        )
     if learned:
-        room = max(limit - prompt_tokens, 0)
-        raise UserError(f"{said} (a learned table: it cannot run past it); give {room} or fewer")
+        raise UserError(
+            f"{said} (a learned table: it cannot run past it); give {limit - prompt_tokens} or fewer"
+        )
     from lmtune.parallel.launch import warn
 
     warn(f"{said}: it never saw positions that far, so its answer may come apart there")

@@ -46,3 +46,20 @@ def test_rotary_positions_past_the_trained_ones_are_a_warning() -> None:
     assert len(said) == 1 and said[0].startswith(
         "warning: examples of up to 300 tokens, past the model's 256"
     )
+
+
+def test_a_prompt_past_a_learned_table_is_what_generate_asks_to_shorten() -> None:
+    """A prompt that filled the table alone was answered "give 0 or fewer" --max-new-tokens, which
+    the option refuses."""
+    from types import SimpleNamespace
+
+    from lmtune.cli.generation import _check_answer_length
+    from lmtune.model.modeling import byte_tokenizer
+
+    loaded = SimpleNamespace(model=_gpt2(16), tokenizer=byte_tokenizer())
+    with pytest.raises(UserError, match=r"--max-new-tokens 8: .* give 5 or fewer$"):
+        _check_answer_length(loaded, "x" * 10, 8)  # 11 tokens with the BOS
+    with pytest.raises(
+        UserError, match=r"--prompt: its 20 tokens fill the model's 16 positions .* shorter prompt$"
+    ):
+        _check_answer_length(loaded, "x" * 19, 1)
