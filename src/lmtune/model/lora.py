@@ -268,9 +268,11 @@ def merged_model(base: nn.Module, adapter_folder: Path, merge: bool = True) -> n
 def _quiet_peft() -> Iterator[None]:
     """:func:`quiet_calls` around peft, which also warns that the rank and alpha patterns it adds
     for a MoE's experts (doubling a fused gate_up_proj's rank, for adapters of transformers 4)
-    match nothing in an adapter of transformers 5: true and harmless."""
+    match nothing in an adapter of transformers 5: true and harmless; nor that it sets
+    fan_in_fan_out for GPT-2's Conv1D layers, as it should."""
     with quiet_calls(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys", RuntimeWarning)
+        warnings.filterwarnings("ignore", r"fan_in_fan_out is set to False", UserWarning)
         yield
 
 

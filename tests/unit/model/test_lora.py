@@ -176,3 +176,14 @@ def test_default_lora_leaves_out_linear_layers_with_a_forward_of_their_own() -> 
     said.clear()
     adapted = add_lora(AutoModelForCausalLM.from_config(falcon), LoraSettings(enabled=True), said.append)
     assert not said and any("query_key_value.lora_A" in name for name, _ in adapted.named_parameters())
+
+
+def test_gpt2s_conv1d_layers_take_lora_without_peft_s_warning(recwarn: pytest.WarningsRecorder) -> None:
+    """peft's "fan_in_fan_out is set to False but the target module is 'Conv1D'" showed on every
+    GPT-2 LoRA run: it sets the flag itself, as it should."""
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32)
+    model = add_lora(transformers.GPT2LMHeadModel(config), LoraSettings(enabled=True))
+    assert any("lora_A" in name for name, _ in model.named_parameters())
+    assert not [w for w in recwarn if "fan_in_fan_out" in str(w.message)]
