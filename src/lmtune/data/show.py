@@ -109,7 +109,10 @@ def _block(
     fmt = next(iter(stats.formats), "?")
     if example is None:
         return f"== {record.where} ({fmt}): not trained: {_dropped(stats, settings)}"
-    trained = int(example.trainable.sum())
+    # The first token is never predicted (nothing precedes it): without a BOS, a text trains from its second.
+    trainable = example.trainable.copy()
+    trainable[:1] = False
+    trained = int(trainable.sum())
     cut = ", truncated" if stats.truncated else ""
     if stats.documents_split:  # one record's examples: its pieces; the first is shown
         cut = f", the first of its {stats.examples:,} pieces (--truncation split)"
@@ -120,9 +123,9 @@ def _block(
         size = f"prompt {prompt} + chosen {chosen} + rejected {len(example.ids) - prompt - chosen} tokens"
     head = f"== {record.where} ({fmt}, {size}, {trained} trained{cut})"
     if tokens:
-        return "\n".join([head, *_token_rows(example, tokenizer)])
+        return "\n".join([head, *_token_rows(example.ids, trainable, tokenizer)])
     if example.parts is None:
-        return f"{head}\n{_marked(example.ids, example.trainable, tokenizer, marks)}"
+        return f"{head}\n{_marked(example.ids, trainable, tokenizer, marks)}"
     parts = {
         "prompt": (0, prompt),
         "chosen": (prompt, prompt + chosen),
@@ -130,7 +133,7 @@ def _block(
     }
     lines = [head]
     for name, (a, b) in parts.items():
-        lines.append(f"-- {name}:\n{_marked(example.ids[a:b], example.trainable[a:b], tokenizer, marks)}")
+        lines.append(f"-- {name}:\n{_marked(example.ids[a:b], trainable[a:b], tokenizer, marks)}")
     return "\n".join(lines)
 
 
@@ -155,10 +158,10 @@ def _marked(ids: np.ndarray, trainable: np.ndarray, tokenizer: Any, marks: Marks
     return "".join(out)
 
 
-def _token_rows(example: Encoded, tokenizer: Any) -> list[str]:
+def _token_rows(ids: np.ndarray, trainable: np.ndarray, tokenizer: Any) -> list[str]:
     """One line per token: position, id, the token as the vocabulary writes it, trained or not."""
-    pieces = tokenizer.convert_ids_to_tokens(example.ids.tolist())
+    pieces = tokenizer.convert_ids_to_tokens(ids.tolist())
     return [
-        f"{i:6d} {int(t):8d}  {'train' if example.trainable[i] else '     '}  {piece!r}"
-        for i, (t, piece) in enumerate(zip(example.ids, pieces, strict=True))
+        f"{i:6d} {int(t):8d}  {'train' if trainable[i] else '     '}  {piece!r}"
+        for i, (t, piece) in enumerate(zip(ids, pieces, strict=True))
     ]

@@ -108,3 +108,17 @@ def test_show_refuses_what_it_cannot_show(tmp_path: Path, capsys: pytest.Capture
     assert f"--start 9: {broken} holds 3 records" in capsys.readouterr().err
     assert main(["data", "show"]) == 2
     assert "name the DATA to show, or a --config file" in capsys.readouterr().err
+
+
+def test_show_counts_a_text_without_a_bos_from_its_second_token(tmp_path: Path) -> None:
+    """GPT-2's tokenizer adds no BOS: the first token was marked trained and counted, where it is
+    never predicted."""
+    from tokenizers import processors
+
+    from lmtune.data.show import Marks, shown_records
+
+    tok = byte_tokenizer()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A", special_tokens=[])
+    data = _write(tmp_path / "d.jsonl", [{"text": "abc"}])
+    [block] = shown_records(str(data), tok, ExampleSettings(), 1, 1, Marks("[[", "]]"), False)
+    assert block.splitlines()[1:] == ["a[[bc<|eos|>]]"] and "(text, 4 tokens, 3 trained)" in block
