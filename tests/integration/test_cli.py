@@ -151,7 +151,7 @@ def test_yaml_config_file_is_used(tmp_path: Path, capsys: pytest.CaptureFixture[
     cfg = tmp_path / "run.yaml"
     cfg.write_text(json.dumps({"lr": -3}))  # JSON is YAML
     assert main(["train", "--config", str(cfg)]) == 2
-    assert f"--config {cfg}:1: lr: must be > 0 (got -3.0)" in capsys.readouterr().err
+    assert f"--config {cfg}:1: lr: must be > 0 (got -3)" in capsys.readouterr().err
 
 
 def test_resume_never_refuses_to_overwrite_checkpoints(
