@@ -25,12 +25,14 @@ from types import TracebackType
 from lmtune.checkpoint.layout import LOCK_FILE
 from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
+from lmtune.config.run_groups import LaunchSettings
 from lmtune.errors import UserError
 from lmtune.parallel.failure_report import oom_kills, out_of_memory_kills
 from lmtune.parallel.launch import LOCK_TOKEN_ENV
 
-# torchrun's run id when none is given: shared by unrelated jobs, so it proves nothing.
-_ANONYMOUS_RUN_IDS = ("", "none")
+# torchrun's run id when none is given, and lmtune's --rdzv-id: shared by unrelated jobs, so they
+# prove nothing (a second job of the README's command took a running job's folder over).
+_ANONYMOUS_RUN_IDS = ("", "none", LaunchSettings().rdzv_id)
 
 
 @dataclass(frozen=True)
@@ -219,9 +221,10 @@ def take(output_dir: Path, run_id: str, warn: Callable[[str], None], created: in
 
 def _take_over(current: LockHolder, me: LockHolder, output_dir: Path, warn: Callable[[str], None]) -> None:
     """Refuse a lock held by a live run (or one on another host, which cannot be checked from
-    here); a restarted attempt of the same job takes its own lock over silently."""
+    here); a restarted attempt of the same job (its own --rdzv-id) takes its own lock over silently,
+    where its holder is not a live process here."""
     same_job = current.run_id == me.run_id and me.run_id not in _ANONYMOUS_RUN_IDS
-    if same_job:
+    if same_job and not (current.host == me.host and _alive(current)):
         return
     if current.host != me.host or _alive(current):
         raise UserError(

@@ -16,7 +16,6 @@ from lmtune.checkpoint.fingerprint import Fingerprint, fingerprint
 from lmtune.checkpoint.state import ModelParts
 from lmtune.config.mixture import shown_spec
 from lmtune.config.settings import SAMPLE_DATA, SAMPLE_EVAL, TrainConfig, warmup_steps
-from lmtune.data.audit import stops_lost_warning
 from lmtune.data.chat import drop_unlearned_template, end_of_turn_ids, use_chat_template
 from lmtune.data.dataset import TokenizedDataset, split_off
 from lmtune.data.formats import CHAT_FORMATS, builtin_template_note
@@ -65,7 +64,7 @@ from lmtune.training.batch_layout import (
 from lmtune.training.context import RunContext
 from lmtune.training.loop import FitData
 from lmtune.training.optim import build_schedule, default_lr, optimizer_for
-from lmtune.training.preflight import warn_unused_names
+from lmtune.training.preflight import check_same_data, warn_of_lost_stops, warn_unused_names
 from lmtune.training.reference import attach_references, main_digest, needs_reference, with_live_reference
 
 
@@ -143,10 +142,7 @@ def build_parts(
         log.info(f"chat data: saved models stop at {tokenizer.convert_ids_to_tokens(stops)}")
         if (note := builtin_template_note(tokenizer)) is not None:
             log.info(note)
-    kept, stopping = data_info["train"]["examples"], data_info["train"]["eos_trained"]
-    if stopping < kept / 2:
-        cut = bool(data_info["train"].get("truncated"))
-        log.info(stops_lost_warning(kept - stopping, kept, chat, objective.unit, cfg.examples, cut_any=cut))
+    warn_of_lost_stops(data_info["train"], chat, objective.unit, cfg.examples, log.info)
     layout = batch_layout(cfg, env.world_size, len(train_data))
     lr = cfg.optim.lr if cfg.optim.lr is not None else default_lr(cfg, loaded, objective.unit)[0]
     batching = batching_of(cfg, data_info["train"]["formats"], obstacle)
@@ -287,7 +283,9 @@ def prepare_data(
         if wanted.per_source:
             p.dataset.sources = source_index(spec, p.dataset.meta, option)
             check_sources_kept(p.dataset, option)
-        builders = [r for r, built in enumerate(all_gather_object(p.built, env)) if built]
+        gathered = all_gather_object((p.built, p.key, len(p.dataset)), env)
+        check_same_data(name, spec, option, gathered)
+        builders = [r for r, (built, _, _) in enumerate(gathered) if built]
         meta = p.dataset.meta
         info[name] = {
             "spec": spec,

@@ -18,6 +18,7 @@ from lmtune.config.mixture import joined
 from lmtune.config.run_groups import names_checkpoint
 from lmtune.config.settings import TrainConfig, config_fields, option_name, value_of
 from lmtune.config.validate import PREFERENCE, check_settings
+from lmtune.data.audit import stops_lost_warning
 from lmtune.data.chat import read_template
 from lmtune.data.dataset import TokenizedDataset, shared_examples
 from lmtune.data.formats import FieldMap, unused_names
@@ -223,6 +224,39 @@ def check_same_settings(cfg: TrainConfig, env: DistEnv, strategy: str) -> None:
             + "; ".join(problems[:5])
             + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             + " (every process must run the same: one command, or the same config on every node)"
+        )
+
+
+def warn_of_lost_stops(
+    train: dict[str, Any], chat: bool, unit: str, examples: ExampleSettings, info: Callable[[str], None]
+) -> None:
+    """Where most training examples train no stop token, say so, with its likely cause."""
+    kept, stopping = train["examples"], train["eos_trained"]
+    if stopping < kept / 2:
+        info(stops_lost_warning(kept - stopping, kept, chat, unit, examples, bool(train.get("truncated"))))
+
+
+def check_same_data(name: str, spec: str, option: str, gathered: list[tuple[bool, str, int]]) -> None:
+    """Every process read the same data (collective, each rank's key and count gathered): a node
+    whose own copy of the files (or whose --cache-per-node cache) differs drew its samples from
+    another order and epoch, silently, or ended its epoch early and hung the others.
+
+    Raises:
+        UserError: on every rank, naming what each read.
+    """
+    read: dict[tuple[str, int], list[int]] = {}
+    for rank, (_, key, examples) in enumerate(gathered):
+        read.setdefault((key, examples), []).append(rank)
+    if len(read) > 1:
+        shown = "; ".join(
+            f"{examples:,} examples (content {key[:12]}) on rank{'s' * (len(ranks) > 1)} "
+            + ",".join(map(str, ranks))
+            for (key, examples), ranks in read.items()
+        )
+        raise UserError(
+            f"{option} {spec}: the processes of this job read different {name} data: {shown}; every node "
+            "must read the same files (a node's own copy differs, or its --cache-per-node cache was built "
+            "from other files)"
         )
 
 

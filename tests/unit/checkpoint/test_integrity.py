@@ -177,6 +177,12 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path: Path) -> None:
     with acquire(tmp_path, "job-7", warnings.append) as held:
         assert held.owned
     assert len(warnings) == 1
+    # A second job of lmtune's default --rdzv-id, or a live holder here of the same id, is another
+    # run: a second multi-node job of the README's command took a training job's folder over.
+    for run_id, host, pid in (("lmtune", "elsewhere", 1), ("job-7", socket.gethostname(), os.getpid())):
+        lock.write_text(json.dumps({**holder, "host": host, "pid": pid, "run_id": run_id, "token": "t"}))
+        with pytest.raises(UserError, match="another run is using it"):
+            acquire(tmp_path, run_id, warnings.append)
 
 
 def test_a_worker_accepts_its_launchers_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

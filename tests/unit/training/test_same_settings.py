@@ -48,3 +48,20 @@ def test_nodes_with_another_strategy_are_refused(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(UserError, match="--strategy ddp on ranks 0,2, fsdp on rank 1") as e:
         check_same_settings(TrainConfig(lr=1e-3), ENV, "ddp")
     assert "--lr 0.001 on ranks 0,1, unset on rank 2" in str(e.value)
+
+
+def test_processes_that_read_different_data_are_refused_naming_what_each_read() -> None:
+    """Two nodes with their own copies of the data (--cache-per-node) that differ drew samples from
+    orders of other lengths, silently, or one ended its epoch early and the others hung, the hang
+    blamed on the rank that waited."""
+    from lmtune.training.preflight import check_same_data
+
+    same = [(True, "a" * 64, 400), (False, "a" * 64, 400)]
+    check_same_data("train", "d.jsonl", "--data", same)
+    apart = [*same, (True, "b" * 64, 300)]
+    with pytest.raises(
+        UserError,
+        match=r"^--data d.jsonl: the processes of this job read different train data: 400 examples "
+        r"\(content a{12}\) on ranks 0,1; 300 examples \(content b{12}\) on rank 2; every node must",
+    ):
+        check_same_data("train", "d.jsonl", "--data", apart)
