@@ -37,7 +37,7 @@ from lmtune.parallel.health import Heartbeat
 from lmtune.parallel.launch import report_outcome, resume_advice, warn
 from lmtune.parallel.wrap import resolve_strategy, unwrap
 from lmtune.testing.faults import install as install_faults
-from lmtune.tools.doctor import DoctorSettings, check_or_fail
+from lmtune.tools.doctor import DoctorSettings, check_or_fail, check_shared_output
 from lmtune.training import callbacks as cb
 from lmtune.training.best import BestTracker, best_tracker
 from lmtune.training.build import Built, build_parts, loaders, schedule
@@ -113,6 +113,8 @@ def _run(run: RunContext) -> TrainResult:
     cfg, env, log, output_dir = run.cfg, run.env, run.log, run.output_dir
     started = time.time()
     check_same_settings(cfg, env, run.strategy)
+    if env.world_size > env.local_world_size:  # several nodes: one folder for all
+        check_shared_output(env, output_dir)
     replace_earlier_run = prepare_output(
         output_dir,
         resume=cfg.checkpoint.resume,

@@ -193,10 +193,13 @@ def test_doctor_passes_on_two_ranks(tmp_path: Path) -> None:
 
 
 def _on_two_nodes(
-    command: str, per_node: tuple[list[str], list[str]], envs: tuple[dict[str, str], ...] = ({}, {})
+    command: str,
+    per_node: tuple[list[str], list[str]],
+    envs: tuple[dict[str, str], ...] = ({}, {}),
+    cwds: tuple[Path | None, Path | None] = (None, None),
 ) -> list[tuple[int, str]]:
     """Two launchers of ``command`` on loopback, as two nodes, each with its own arguments (and
-    environment variables)."""
+    environment variables, and working folder)."""
     port = free_port()
     nodes = []
     for node in (0, 1):
@@ -209,6 +212,7 @@ def _on_two_nodes(
                 stderr=subprocess.STDOUT,
                 text=True,
                 env=env,
+                cwd=cwds[node],
             )
         )
     outputs = [p.communicate(timeout=300)[0] for p in reversed(nodes)][::-1]
@@ -293,6 +297,21 @@ def test_nodes_started_with_different_settings_stop_with_the_differences_named(t
     assert [code for code, _ in ran] == [2, 2], ran
     said = "given different settings: --max-steps 3 on rank 0, 6 on rank 1"
     assert any(said in output for _, output in ran), ran
+
+
+def test_nodes_that_see_other_output_folders_stop_before_they_write(tmp_path: Path) -> None:
+    """A relative --output-dir from two working folders (or a node-local disk): each node kept its
+    own checkpoints, a resume failed on files rank 0 had written elsewhere, and node 1's unfinished
+    saves were left as "not one lmtune made"."""
+    args = ["--data", "sample", "--global-batch-size", "8", "--max-steps", "2", "--output-dir", "out"]
+    cwds = (tmp_path / "node-0", tmp_path / "node-1")
+    for cwd in cwds:
+        cwd.mkdir()
+    ran = _on_two_nodes("train", (args, args), cwds=cwds)
+    assert [code for code, _ in ran] == [2, 2], ran
+    said = "--output-dir out: rank(s) 1 ("
+    assert all(said in output and "see another folder than rank 0" in output for _, output in ran), ran
+    assert not [p for cwd in cwds for p in cwd.iterdir()]  # nothing written, nothing left
 
 
 def test_doctor_on_two_nodes_passes_and_names_the_node_that_sees_another_output_folder(

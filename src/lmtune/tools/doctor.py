@@ -197,6 +197,20 @@ def _all_reduce(env: DistEnv) -> list[Check]:
     return [Check("all-reduce", OK, "sums right; " + ", ".join(rows))]
 
 
+def check_shared_output(env: DistEnv, folder: Path) -> None:
+    """A job of several nodes writes one output folder (collective): where a node sees another
+    folder (not shared storage), its checkpoints were its own, a resume failed on files rank 0 had
+    written elsewhere, and its unfinished saves were never cleaned up.
+
+    Raises:
+        UserError: on every rank, naming the ranks and hosts that see another folder.
+    """
+    remedy = "give every node one folder of storage they all mount (an absolute path there)"
+    check = _shared_folder(env, folder, "--output-dir", remedy)
+    if check.status == FAIL:
+        raise UserError(f"--output-dir {check.detail}")
+
+
 def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 2**20 else f"{n >> 10} KiB"
 
