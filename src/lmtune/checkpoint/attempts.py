@@ -37,6 +37,8 @@ def earlier_attempts(output_dir: Path, resumed_from: Path | None, step: int) -> 
     resolved, result = info.get("resolved"), info.get("result")
     earlier = read_attempts(resolved.get("attempts")) if isinstance(resolved, dict) else []
     ended = ENDINGS.get(result.get("stopped_by"), OTHER_END) if isinstance(result, dict) else NO_RESULT
+    if isinstance(result, dict) and ended == ENDINGS[None] and "final_step" not in result:  # killed in final/
+        ended = NO_RESULT
     try:
         steps = [row["step"] for row in read_metrics(output_dir) if is_int(row.get("step"))]
     except (UserError, OSError):  # none (a checkpoint copied in), or unreadable: no step to name

@@ -37,6 +37,11 @@ def test_each_resume_adds_how_the_attempt_before_it_ended(tmp_path: Path) -> Non
     assert finished_status(both) == "finished after 2 resumes"
     assert finished_status(both[:1]) == "finished after 1 resume"
     assert finished_status(None) == "finished"
+    # Its steps all run, killed while it wrote final/: a result without the step final/ holds.
+    (killed / "run.json").write_text(json.dumps({"result": {"stopped_by": None, "steps": 8}}))
+    assert earlier_attempts(killed, killed / "checkpoints" / "step-4", 8)[-1]["ended"] == first[0]["ended"]
+    (killed / "run.json").write_text(json.dumps({"result": {"stopped_by": None, "final_step": 8}}))
+    assert earlier_attempts(killed, killed / "checkpoints" / "step-4", 8)[-1]["ended"] == "finished"
 
 
 def test_a_fresh_run_or_another_folders_checkpoint_has_no_earlier_attempt(tmp_path: Path) -> None:
