@@ -117,6 +117,21 @@ def _finished_copy(base: dict[str, Path], name: str, checkpoints: tuple[int, ...
     return out
 
 
+def test_a_finished_runs_damaged_last_checkpoint_is_named_not_called_missing(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A truncated optimizer.pt in the last step's checkpoint was "No checkpoint holds step 6", which
+    sent the user to --overwrite, deleting everything."""
+    out = _finished_copy(base, "finished-damaged", (STEPS,))
+    optimizer = out / f"checkpoints/step-{STEPS:06d}/optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    capsys.readouterr()
+    assert main(_args(base["data"], out)) == 0
+    said = capsys.readouterr().out
+    assert f"Its checkpoint {out / 'checkpoints' / f'step-{STEPS:06d}'} is damaged (" in said
+    assert "No checkpoint holds" not in said
+
+
 @pytest.mark.parametrize("checkpoints", [(), (SAVE,)], ids=["no checkpoint", "an older one"])
 def test_a_finished_run_is_finished_whatever_checkpoints_it_holds(
     base: dict[str, Path], capsys: pytest.CaptureFixture[str], checkpoints: tuple[int, ...]
