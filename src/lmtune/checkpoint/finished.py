@@ -109,8 +109,12 @@ def began_from(output_dir: Path, resume: str | Path) -> bool:
     return recorded_resume(output_dir) == str(Path(resume).resolve())
 
 
-# Settings that say where and how a command runs, not what it trains.
-_NOT_THE_RUN = frozenset({"output_dir", "resume", "overwrite", "progress", "doctor", "cache_dir"})
+# Settings that say where and how a command runs, not what it trains (a node's rendezvous address,
+# threads, restarts: a finished run run again from another port listed it as "not applied").
+_NOT_THE_RUN = frozenset({"output_dir", "resume", "overwrite", "progress", "doctor", "cache_dir"}) | {
+    "cache_per_node", "num_workers", "threads_per_process", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id",
+    "max_restarts",
+}  # fmt: skip
 
 
 def check_continued_into(output_dir: Path, resume: Path, config: dict[str, Any]) -> None:
