@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from lmtune.checkpoint.lock import lock_id
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
 from lmtune.checkpoint.resume import recorded_paths
 from lmtune.checkpoint.rundir import acquire, final_problem, prepare_output
@@ -80,7 +81,7 @@ def _train(cfg: TrainConfig, given: frozenset[str] | None, stop: StopRequest) ->
         torch.set_num_threads(threads)
     output_dir = Path(cfg.checkpoint.output_dir)
     # Before anything is written: one run per folder (lmtune's launcher may hold it for the job).
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    run_id = lock_id(os.environ.get("TORCHELASTIC_RUN_ID", ""), cfg.launch.rdzv_endpoint)
     lock = acquire(output_dir, run_id, warn) if env.is_main else nullcontext()
     heartbeat = Heartbeat.from_env(env.rank)
     try:

@@ -257,7 +257,7 @@ def _launch(
         threading.Thread(
             target=_stop_on_user_error, args=(Path(error_dir), user_error, ended), daemon=True
         ).start()
-    watchdog = None
+    watchdog, watching = None, None
     if cfg.health.hang_timeout > 0:
         # The workers' heartbeats go beside their error reports; this launcher watches its own ranks.
         os.environ[HEALTH_DIR_ENV] = error_dir
@@ -268,7 +268,8 @@ def _launch(
             floor_s=cfg.health.hang_timeout,
             on_hang=partial(_end_workers, error_dir),
         )
-        threading.Thread(target=watchdog.run, args=(ended,), daemon=True, name="lmtune-watchdog").start()
+        watching = threading.Thread(target=watchdog.run, args=(ended,), daemon=True, name="lmtune-watchdog")
+        watching.start()
     if not single_node:
         _meet_other_nodes(cfg.launch, Path(error_dir), ended, release)
     kills_before = oom_kills()
@@ -295,6 +296,8 @@ def _launch(
     except ChildFailedError as e:
         ended.set()
         hung = watchdog is not None and bool(watchdog.hangs)
+        if hung and watching is not None:  # its diagnosis, written as the workers failed: said first
+            watching.join(timeout=30)
         advice = _memory_advice(cfg) if out_of_memory_kills(kills_before) else ""
         return failed(e, Path(error_dir), hung, advice)
     except SignalException as e:

@@ -177,12 +177,23 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path: Path) -> None:
     with acquire(tmp_path, "job-7", warnings.append) as held:
         assert held.owned
     assert len(warnings) == 1
-    # A second job of lmtune's default --rdzv-id, or a live holder here of the same id, is another
-    # run: a second multi-node job of the README's command took a training job's folder over.
-    for run_id, host, pid in (("lmtune", "elsewhere", 1), ("job-7", socket.gethostname(), os.getpid())):
-        lock.write_text(json.dumps({**holder, "host": host, "pid": pid, "run_id": run_id, "token": "t"}))
-        with pytest.raises(UserError, match="another run is using it"):
-            acquire(tmp_path, run_id, warnings.append)
+    # Two jobs of one command (the default --rdzv-id), each on its own rendezvous port, are two
+    # jobs: the second took the first one's folder over.
+    from lmtune.checkpoint.lock import lock_id
+
+    assert (
+        lock_id("lmtune", "node0:29521")
+        == lock_id("lmtune", "127.0.0.1:29521")
+        != lock_id("lmtune", "h:29522")
+    )
+    assert (
+        lock_id("none", "h:29500") == "none" and lock_id("uuid-1", None) == "uuid-1"
+    )  # torchrun's; one node
+    lock.write_text(
+        json.dumps({**holder, "pid": os.getpid(), "run_id": lock_id("lmtune", "h:29521"), "token": "t"})
+    )
+    with pytest.raises(UserError, match="another run is using it"):
+        acquire(tmp_path, lock_id("lmtune", "h:29522"), warnings.append)
 
 
 def test_a_worker_accepts_its_launchers_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
