@@ -36,7 +36,8 @@ def found_replies(
     spans, at = [], 0
     for i, message in enumerate(messages):
         content = message["content"].strip()
-        if message["role"] == "system":
+        if message["role"] == "system":  # passed where it stands; a template may move or drop it
+            at = _passed(text, content, at, messages[i + 1 :])
             continue
         if not content:
             raise UserError(NOT_LOCATED)
@@ -50,6 +51,15 @@ def found_replies(
         spans += [(start, len(text) if i == len(messages) - 1 else end)] if i in replies else []
         at = end
     return spans
+
+
+def _passed(text: str, system: str, at: int, after: list[dict[str, str]]) -> int:
+    """Where the rendering is past a system prompt that stands before the next turn's text (a user
+    turn's words inside it are not that turn), else ``at``: Mistral's moves it, or drops it."""
+    found = text.find(system, at) if system else -1
+    following = next((m["content"].strip() for m in after if m["role"] != "system"), "")
+    ahead = text.find(following, at) if following else -1
+    return found + len(system) if found >= 0 and (ahead < 0 or found <= ahead) else at
 
 
 def _reply_bounds(

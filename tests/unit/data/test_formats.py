@@ -532,6 +532,10 @@ def test_replies_of_a_template_that_renders_a_turn_otherwise_later_are_found_as_
         assert [alone.text[a:b] for a, b in alone.spans] == [replies[-1].replace("6.", CHAT[i]["content"])]
     _, stats = encode_in_memory([Record("d.jsonl", 1, {"messages": CHAT})], tokenizer, ExampleSettings())
     assert stats.examples == 1 and stats.eos_trained == 1
+    # A user turn's words inside the system prompt before it are not that turn.
+    inside = [{"role": "system", "content": "Answer What is 2+2? and more."}, *CHAT[1:]]
+    passed = render(Record("d.jsonl", 1, {"messages": inside}), "auto", names, tokenizer)
+    assert [passed.text[a:b] for a, b in passed.spans] == replies
     # A reply that is a word of the template's own (its role's name) is the reply's, not the header's.
     named = [*CHAT[:2], {"role": "assistant", "content": "INST"}, *CHAT[3:]]
     worded = render(Record("d.jsonl", 1, {"messages": named}), "auto", names, tokenizer)
