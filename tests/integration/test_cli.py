@@ -412,14 +412,15 @@ def test_generate_past_the_models_positions(capsys: pytest.CaptureFixture[str]) 
         GPT2Config(vocab_size=260, n_embd=32, n_layer=1, n_head=2, n_positions=64)
     )
     loaded = SimpleNamespace(model=gpt2, tokenizer=byte_tokenizer())
-    _check_answer_length(loaded, "1+2=", 50)
+    _check_answer_length(loaded.model, loaded.tokenizer, "1+2=", 50)
     with pytest.raises(
         UserError, match=r"--max-new-tokens 70: with the prompt's \d+ tokens, past the model's 64"
     ):
-        _check_answer_length(loaded, "1+2=", 70)
+        _check_answer_length(loaded.model, loaded.tokenizer, "1+2=", 70)
     from lmtune.model.modeling import load_model
 
-    _check_answer_length(load_model("tiny", seed=0), "1+2=", 1030)  # the generate command's check
+    tiny = load_model("tiny", seed=0)
+    _check_answer_length(tiny.model, tiny.tokenizer, "1+2=", 1030)  # the generate command's check
     assert "past the model's 1024 positions: it never saw positions that far" in capsys.readouterr().err
 
 

@@ -33,23 +33,25 @@ def _file_named(text: str) -> str | None:
     return None
 
 
-def _check_answer_length(loaded: Any, prompt: str | None, new_tokens: int) -> None:
+def _check_answer_length(
+    model: Any, tokenizer: Any, prompt: str | None, new_tokens: int, chat: bool = False
+) -> None:
     """A prompt and answer past the model's positions: refused for a learned position table (the
-    answer would fail there), a warning otherwise (it never saw positions that far)."""
-    from lmtune.model.tokens import position_limit
+    answer would fail there), a warning otherwise (it never saw positions that far). ``chat``: the
+    prompt is the conversation rendered, its special tokens written by the template."""
+    from lmtune.model.tokens import position_limit, prompt_ids
 
-    limit, learned = position_limit(loaded.model)
-    prompt_tokens = len(loaded.tokenizer(prompt)["input_ids"]) if prompt is not None else 0
+    limit, learned = position_limit(model)
+    prompt_tokens = len(prompt_ids(tokenizer, prompt, not chat)) if prompt is not None else 0
     if limit is None or prompt_tokens + new_tokens <= limit:
         return
-    said = (
-        f"--max-new-tokens {new_tokens}: with the prompt's {prompt_tokens} tokens, past the model's "
-        f"{limit} positions"
-    )
+    what = f"the {'conversation' if chat else 'prompt'}'s {prompt_tokens} tokens"
+    said = f"--max-new-tokens {new_tokens}: with {what}, past the model's {limit} positions"
     if learned and prompt_tokens >= limit:  # no answer fits: the prompt is what to shorten
         raise UserError(
-            f"--prompt: its {prompt_tokens} tokens fill the model's {limit} positions (a learned table: "
-            "it cannot run past it), leaving no room for an answer; give a shorter prompt"
+            f"{'the conversation' if chat else '--prompt'}: its {prompt_tokens} tokens fill the model's "
+            f"{limit} positions (a learned table: it cannot run past it), leaving no room for an answer; "
+            f"give a shorter {'one' if chat else 'prompt'}"
         )
     if learned:
         raise UserError(
@@ -100,7 +102,9 @@ def generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     loaded = load_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code)
     if unembedded := tokens_without_embeddings(loaded.model, loaded.tokenizer, args.model):
         raise UserError(f"{unembedded}: {UNEMBEDDED}")
-    _check_answer_length(loaded, None if args.chat else args.prompt, args.max_new_tokens)
+    _check_answer_length(
+        loaded.model, loaded.tokenizer, None if args.chat else args.prompt, args.max_new_tokens
+    )
     model = loaded.model.to(device)
     from lmtune.model.generate import Sampling
 
@@ -150,6 +154,7 @@ def _chat(
     model: Any, tokenizer: Any, prompt: str | None, system: str | None, options: dict[str, Any]
 ) -> None:
     """One reply to --prompt, or a conversation over stdin's lines (interactive on a terminal)."""
+    from lmtune.data.chat import render_chat
     from lmtune.data.formats import ensure_chat_template
     from lmtune.model.generate import chat_reply
 
@@ -159,6 +164,8 @@ def _chat(
     turns = [prompt] if prompt is not None else _stdin_turns(interactive)
     for turn in turns:
         messages.append({"role": "user", "content": turn})
+        asked = render_chat(tokenizer, messages, generation_prompt=True)
+        _check_answer_length(model, tokenizer, asked, options["max_new_tokens"], chat=True)
         generated = chat_reply(model, tokenizer, messages, **options)
         reply = generated.rstrip()
         messages.append({"role": "assistant", "content": reply})

@@ -39,9 +39,9 @@ def found_replies(
         if message["role"] == "system":  # passed where it stands; a template may move or drop it
             at = _passed(text, content, at, messages[i + 1 :])
             continue
-        if not content:
-            raise UserError(NOT_LOCATED)
         if message["role"] != "assistant":
+            if not content:  # an empty turn: nothing of it to find (an empty reply is its marker)
+                continue
             found = text.find(content, at)
             if found < 0:
                 raise UserError(NOT_LOCATED)
@@ -71,7 +71,8 @@ def _reply_bounds(
     header = _generation_header(tokenizer, before)
     opened = text.find(header, at) if header else -1
     after = opened + len(header) if opened >= 0 else at
-    found = text.find(content, after)
+    # An empty reply is its end of turn alone: the first marker after the generation prompt.
+    found = text.find(content, after) if content else min(_places(text, stops, after), default=-1)
     while found >= 0:  # the first place it is followed by an end of turn, not a word in the template
         end = found + len(content)
         rest = text[end:].lstrip(" \n")
@@ -82,8 +83,12 @@ def _reply_bounds(
                 close += 1
             start = after if opened >= 0 else at + len(text[at:found].rstrip(" "))
             return start, close
-        found = text.find(content, found + 1)
+        found = text.find(content, found + 1) if content else -1
     raise UserError(NOT_LOCATED)
+
+
+def _places(text: str, stops: list[str], start: int) -> list[int]:
+    return [at for at in (text.find(stop, start) for stop in stops) if at >= 0]
 
 
 def _generation_header(tokenizer: Any, before: list[dict[str, str]]) -> str:

@@ -12,7 +12,7 @@ from torch import nn
 
 from lmtune.errors import UserError, one_line
 from lmtune.model.masks import own_code
-from lmtune.model.tokens import stop_ids
+from lmtune.model.tokens import appends_eos, prompt_ids, stop_ids
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ def complete(
     """Continue ``prompt`` until a stop token (EOS, or a chat model's end of turn, as its generation
     config lists them) or ``max_new_tokens``."""
     device = next(model.parameters()).device
-    encoded = tokenizer(prompt, add_special_tokens=add_special_tokens, return_tensors="pt").to(device)
+    ids = torch.tensor([prompt_ids(tokenizer, prompt, add_special_tokens)], device=device)
+    encoded = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     sampled = sampling.temperature > 0
     options: dict[str, Any] = {"do_sample": sampled}
     if sampled:
@@ -69,6 +70,8 @@ def complete_greedy(
     ends where generation starts): the demo's 50 answers in one call rather than 50."""
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt").to(device)
+    if appends_eos(tokenizer):  # padded on the left: every prompt's own EOS is the last column
+        encoded = {name: values[:, :-1] for name, values in encoded.items()}
     was_training = model.training
     model.eval()
     with _its_own(model):

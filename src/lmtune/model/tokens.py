@@ -132,3 +132,22 @@ def check_positions(model: nn.Module, longest: int, warn: Any) -> None:
         f"warning: examples of up to {longest} tokens, past the model's {limit} positions "
         "(max_position_embeddings): it never saw positions that far; --max-length caps examples"
     )
+
+
+def prompt_ids(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """A prompt to continue, as token ids: less the EOS a tokenizer that appends one itself
+    (``add_eos_token``) writes after it, which would ask the model to go on past its own end."""
+    ids: list[int] = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+    return ids[:-1] if add_special_tokens and ids and appends_eos(tokenizer) else ids
+
+
+def appends_eos(tokenizer: Any) -> bool:
+    """Whether the tokenizer's own special tokens end every text with EOS (a Llama tokenizer saved
+    with ``add_eos_token``)."""
+    eos = tokenizer.eos_token_id
+    with_specials = tokenizer("a")["input_ids"]
+    return (
+        eos is not None
+        and with_specials[-1:] == [eos]
+        and tokenizer("a", add_special_tokens=False)["input_ids"][-1:] != [eos]
+    )

@@ -27,7 +27,7 @@ from torch import nn
 from lmtune.config.files import TooLarge, read_text
 from lmtune.config.run_groups import SampleSettings
 from lmtune.errors import UserError
-from lmtune.model.tokens import stop_ids
+from lmtune.model.tokens import prompt_ids, stop_ids
 from lmtune.outputs.runlog import RunLog
 from lmtune.parallel.distributed import DistEnv, broadcast
 from lmtune.parallel.wrap import unwrap
@@ -85,7 +85,7 @@ def read_prompts(path: Path, tokenizer: Any, max_tokens: int | None = None) -> l
         if not line.strip():
             continue
         shown, rendered, specials = _prompt_text(line, path, number, tokenizer)
-        ids = tokenizer(rendered, add_special_tokens=specials)["input_ids"]
+        ids = prompt_ids(tokenizer, rendered, specials)
         if not ids:
             raise UserError(f"{path}:{number}: the prompt is empty")
         if max_tokens is not None and len(ids) > max_tokens:

@@ -496,6 +496,12 @@ def test_an_eos_the_tokenizer_appends_itself_trains_as_the_one_lmtune_appends() 
     for a, b in zip(theirs, ours, strict=True):
         assert a.input_ids.tolist() == b.input_ids.tolist() and a.labels.tolist() == b.labels.tolist()
     assert stats.eos_trained == 2
+    # A prompt to continue ends before that EOS (generate, --sample-prompts, the demo's answers):
+    # it asked the model to go on past its own end.
+    from lmtune.model.tokens import appends_eos, prompt_ids
+
+    assert appends_eos(tok) and not appends_eos(byte_tokenizer())
+    assert prompt_ids(tok, "ab") == [bos[1], ord("a"), ord("b")] == prompt_ids(byte_tokenizer(), "ab")
 
 
 def test_instruction_alias() -> None:

@@ -532,6 +532,10 @@ def test_replies_of_a_template_that_renders_a_turn_otherwise_later_are_found_as_
         assert [alone.text[a:b] for a, b in alone.spans] == [replies[-1].replace("6.", CHAT[i]["content"])]
     _, stats = encode_in_memory([Record("d.jsonl", 1, {"messages": CHAT})], tokenizer, ExampleSettings())
     assert stats.examples == 1 and stats.eos_trained == 1
+    # An empty reply (or user turn) trains its end of turn, as turn by turn: it was a bad line.
+    empty = [*CHAT[:2], {"role": "assistant", "content": ""}, {"role": "user", "content": ""}, *CHAT[4:]]
+    blank = render(Record("d.jsonl", 1, {"messages": empty}), "auto", names, tokenizer)
+    assert [blank.text[a:b] for a, b in blank.spans] == [replies[0].replace("4.", ""), replies[1]]
     # A user turn's words inside the system prompt before it are not that turn.
     inside = [{"role": "system", "content": "Answer What is 2+2? and more."}, *CHAT[1:]]
     passed = render(Record("d.jsonl", 1, {"messages": inside}), "auto", names, tokenizer)

@@ -58,8 +58,8 @@ def test_a_prompt_past_a_learned_table_is_what_generate_asks_to_shorten() -> Non
 
     loaded = SimpleNamespace(model=_gpt2(16), tokenizer=byte_tokenizer())
     with pytest.raises(UserError, match=r"--max-new-tokens 8: .* give 5 or fewer$"):
-        _check_answer_length(loaded, "x" * 10, 8)  # 11 tokens with the BOS
+        _check_answer_length(loaded.model, loaded.tokenizer, "x" * 10, 8)  # 11 tokens with the BOS
     with pytest.raises(
         UserError, match=r"--prompt: its 20 tokens fill the model's 16 positions .* shorter prompt$"
     ):
-        _check_answer_length(loaded, "x" * 19, 1)
+        _check_answer_length(loaded.model, loaded.tokenizer, "x" * 19, 1)
