@@ -131,8 +131,8 @@ class AuditReport:
         if s.empty_answers:
             found.append(
                 f"{_count(s.empty_answers, 'example')} with an empty or blank answer"
-                f"{self._at('empty_answer', s.empty_answers)}: only the stop token trains, so the model "
-                "learns to say nothing"
+                f"{self._at('empty_answer', s.empty_answers)}: only the stop token (after any blank space) "
+                "trains, so the model learns to say nothing"
             )
         if s.dropped_no_targets:
             found.append(

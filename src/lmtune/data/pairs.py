@@ -376,9 +376,9 @@ def pair_counts(meta: dict[str, Any]) -> str:
     if counted_as(meta) != "pairs":
         blank, unread = meta.get("empty_answers", 0), unread_said(meta)
         return (
-            f"; {blank:,} with an empty answer"
+            f"; {blank:,} with an empty or blank answer"
             f"{in_parentheses(first_places(meta.get('where', {}), 'empty_answer', blank))}: only the stop "
-            "trains, so the model learns to say nothing (most often a data error)"
+            "(after any blank space) trains, so the model learns to say nothing (most often a data error)"
             if blank
             else ""
         ) + (f"; {unread}" if unread else "")

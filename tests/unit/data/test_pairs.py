@@ -424,7 +424,9 @@ def test_training_counts_single_examples_with_an_empty_answer() -> None:
     _, stats, _ = encode(rows, byte_tokenizer())
     assert (stats.examples, stats.empty_answers) == (4, 2)
     said = pair_counts({"formats": stats.formats, "empty_answers": stats.empty_answers, "where": stats.where})
-    assert said.startswith("; 2 with an empty answer (at pairs.jsonl:1, pairs.jsonl:2): only the stop trains")
+    assert said.startswith(
+        "; 2 with an empty or blank answer (at pairs.jsonl:1, pairs.jsonl:2): only the stop ("
+    )
     assert pair_counts({"formats": {"text": 1}}) == ""
 
 
