@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -15,10 +14,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from lmtune.checkpoint.lock import lock_id
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
 from lmtune.checkpoint.resume import recorded_paths
-from lmtune.checkpoint.rundir import acquire, final_problem, prepare_output
+from lmtune.checkpoint.rundir import final_problem, job_lock, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.python_values import in_python_names
 from lmtune.config.settings import TrainConfig, to_dict
@@ -80,14 +78,13 @@ def _train(cfg: TrainConfig, given: frozenset[str] | None, stop: StopRequest) ->
     if env.device.type == "cpu":
         torch.set_num_threads(threads)
     output_dir = Path(cfg.checkpoint.output_dir)
-    # Before anything is written: one run per folder (lmtune's launcher may hold it for the job).
-    run_id = lock_id(os.environ.get("TORCHELASTIC_RUN_ID", ""), cfg.launch.rdzv_endpoint)
-    lock = acquire(output_dir, run_id, warn) if env.is_main else nullcontext()
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     heartbeat = Heartbeat.from_env(env.rank)
     try:
         with (
-            lock,
             process_group(env),
+            # Before anything is written: one run per folder (lmtune's launcher may hold it for the job).
+            job_lock(output_dir, run_id, env, warn),
             RunLog(env, output_dir, cfg.logging.progress) as log,
             stop,
             said_plainly(cfg, env.device),

@@ -25,12 +25,14 @@ from types import TracebackType
 from lmtune.checkpoint.layout import LOCK_FILE
 from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
+from lmtune.config.run_groups import LaunchSettings
 from lmtune.errors import UserError
 from lmtune.parallel.failure_report import oom_kills, out_of_memory_kills
 from lmtune.parallel.launch import LOCK_TOKEN_ENV
 
-# torchrun's run id when none is given: shared by unrelated jobs, so it proves nothing.
-_ANONYMOUS_RUN_IDS = ("", "none")
+# torchrun's run id when none is given, and lmtune's default --rdzv-id: shared by unrelated jobs
+# (a second job of the README's command took a running job's folder over), so they prove nothing.
+_ANONYMOUS_RUN_IDS = ("", "none", LaunchSettings().rdzv_id)
 
 
 @dataclass(frozen=True)
@@ -173,15 +175,18 @@ def remove_made(folder: Path, made: int) -> None:
             return
 
 
-def take(output_dir: Path, run_id: str, warn: Callable[[str], None], created: int) -> RunLock:
+def take(
+    output_dir: Path, run_id: str, warn: Callable[[str], None], created: int, inherited: str | None = None
+) -> RunLock:
     """Take the lock of ``output_dir`` (an existing folder; ``created``: the folders this run made,
-    it and those above it) for this process, or accept the launcher's.
+    it and those above it) for this process, or accept the launcher's (``inherited``: its token,
+    by default from the environment lmtune's launcher gave this process).
 
     Raises:
         UserError: when another live run holds it, or the folder cannot be written.
     """
     path = output_dir / LOCK_FILE
-    inherited = environment.token(LOCK_TOKEN_ENV)
+    inherited = inherited or environment.token(LOCK_TOKEN_ENV)
     pid = os.getpid()
     me = LockHolder(
         host=socket.gethostname(),
@@ -217,22 +222,13 @@ def take(output_dir: Path, run_id: str, warn: Callable[[str], None], created: in
     raise UserError(f"--output-dir {output_dir}: its lock keeps changing hands; is another run starting?")
 
 
-def lock_id(run_id: str, rdzv_endpoint: str | None) -> str:
-    """The job's id in its output folder's lock: the rendezvous id, with the rendezvous port where
-    lmtune's launcher meets the nodes. Every node of a job gives that port, and two jobs that run
-    at once cannot share it on one host: two jobs of one command under the default --rdzv-id, each
-    on its own port, were one job to the lock, and the second took the first one's folder over."""
-    if not rdzv_endpoint or run_id in _ANONYMOUS_RUN_IDS:
-        return run_id
-    return f"{run_id}@{rdzv_endpoint.rsplit(':', 1)[-1]}"
-
-
 def _take_over(current: LockHolder, me: LockHolder, output_dir: Path, warn: Callable[[str], None]) -> None:
     """Refuse a lock held by a live run (or one on another host, which cannot be checked from
-    here); the same job (:func:`lock_id`: its node 0's launcher, where rank 0 runs on another node,
-    or a restarted attempt) takes its own lock over silently."""
+    here); a restarted attempt of the same job (its own --rdzv-id, a SLURM job id) takes its own
+    lock over silently where its holder is not a live process here (two torchrun jobs of one id
+    on two ports shared a folder)."""
     same_job = current.run_id == me.run_id and me.run_id not in _ANONYMOUS_RUN_IDS
-    if same_job:
+    if same_job and not (current.host == me.host and _alive(current)):
         return
     if current.host != me.host or _alive(current):
         raise UserError(

@@ -11,6 +11,7 @@ import re
 import shutil
 import stat
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,14 @@ from lmtune.checkpoint.layout import (
 from lmtune.checkpoint.lock import RunLock, take
 from lmtune.checkpoint.owned import listed as names_listed
 from lmtune.checkpoint.owned import users_files_said
+from lmtune.config import environment
+from lmtune.config.environment import LOCK_TOKEN
 from lmtune.config.files import unwritable
 from lmtune.config.mixture import named_items
 from lmtune.config.replay import is_run_record
 from lmtune.config.run_groups import names_checkpoint
 from lmtune.errors import UserError
-from lmtune.parallel.distributed import DistEnv, decided_by_main, stop_if_signalled
+from lmtune.parallel.distributed import DistEnv, all_gather_object, decided_by_main, stop_if_signalled
 from lmtune.parallel.health import HANG_REPORT, HEALTH_DIR_ENV, users_hang_report
 
 # What an earlier run leaves; none of it is written through a symbolic link.
@@ -54,7 +57,9 @@ _OWN_ENTRIES = {
 }
 
 
-def acquire(output_dir: Path, run_id: str, warn: Callable[[str], None]) -> RunLock:
+def acquire(
+    output_dir: Path, run_id: str, warn: Callable[[str], None], inherited: str | None = None
+) -> RunLock:
     """Take the lock of ``output_dir`` for this process, or accept the launcher's
     (:func:`lmtune.checkpoint.lock.take`), once the folder is one lmtune may write in.
 
@@ -64,7 +69,20 @@ def acquire(output_dir: Path, run_id: str, warn: Callable[[str], None]) -> RunLo
     # The folders this run makes (--output-dir new/run: new/ too), removed again if it writes nothing.
     created = sum(1 for _ in itertools.takewhile(lambda p: not p.exists(), (output_dir, *output_dir.parents)))
     _check_folder(output_dir)
-    return take(output_dir, run_id, warn, created)
+    return take(output_dir, run_id, warn, created, inherited)
+
+
+def job_lock(
+    output_dir: Path, run_id: str, env: DistEnv, warn: Callable[[str], None]
+) -> RunLock | nullcontext[None]:
+    """The output folder's lock for the job (collective, in its process group): rank 0 takes it, or
+    accepts the one lmtune's launcher holds for the job, whose token every rank hands in (rank 0 may
+    run on a node whose launcher holds none); a refusal is raised on every rank."""
+    tokens = all_gather_object(environment.token(LOCK_TOKEN), env)
+    inherited = next((token for token in tokens if token), None)
+    held: list[RunLock] = []
+    decided_by_main(lambda: held.append(acquire(output_dir, run_id, warn, inherited)), None, env)
+    return held[0] if held else nullcontext()
 
 
 def _check_folder(output_dir: Path) -> None:

@@ -160,13 +160,11 @@ def _launch_job(argv: list[str], cfg: Any) -> int:
     from contextlib import nullcontext
     from pathlib import Path
 
-    from lmtune.checkpoint.lock import lock_id
     from lmtune.checkpoint.rundir import acquire
     from lmtune.parallel.launch import job_of, relaunch, warn
 
     job = job_of(cfg.launch)
-    held_as = lock_id(job.run_id, cfg.launch.rdzv_endpoint)
-    lock = acquire(Path(cfg.checkpoint.output_dir), held_as, warn) if job.hosts else nullcontext()
+    lock = acquire(Path(cfg.checkpoint.output_dir), job.run_id, warn) if job.hosts else nullcontext()
     with lock as held:
         if held is None:
             return relaunch(argv, cfg, job, None, lambda: None)

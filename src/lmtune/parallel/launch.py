@@ -228,6 +228,22 @@ def warn(message: str) -> None:
     print(f"lmtune: warning: {message}", file=sys.stderr, flush=True)
 
 
+def _watch(cfg: TrainConfig, error_dir: str, ended: threading.Event) -> tuple[Watchdog, threading.Thread]:
+    """This launcher's watchdog over its own ranks, whose heartbeats go beside their error reports,
+    and the thread it runs in (until ``ended``)."""
+    os.environ[HEALTH_DIR_ENV] = error_dir
+    flight_recorder(Path(cfg.checkpoint.output_dir))
+    watchdog = Watchdog(
+        folder=Path(error_dir),
+        output_dir=Path(cfg.checkpoint.output_dir),
+        floor_s=cfg.health.hang_timeout,
+        on_hang=partial(_end_workers, error_dir),
+    )
+    watching = threading.Thread(target=watchdog.run, args=(ended,), daemon=True, name="lmtune-watchdog")
+    watching.start()
+    return watchdog, watching
+
+
 def _launch(
     argv: list[str], cfg: TrainConfig, run_id: str, single_node: bool, release: Callable[[], None]
 ) -> int:
@@ -257,19 +273,7 @@ def _launch(
         threading.Thread(
             target=_stop_on_user_error, args=(Path(error_dir), user_error, ended), daemon=True
         ).start()
-    watchdog, watching = None, None
-    if cfg.health.hang_timeout > 0:
-        # The workers' heartbeats go beside their error reports; this launcher watches its own ranks.
-        os.environ[HEALTH_DIR_ENV] = error_dir
-        flight_recorder(Path(cfg.checkpoint.output_dir))
-        watchdog = Watchdog(
-            folder=Path(error_dir),
-            output_dir=Path(cfg.checkpoint.output_dir),
-            floor_s=cfg.health.hang_timeout,
-            on_hang=partial(_end_workers, error_dir),
-        )
-        watching = threading.Thread(target=watchdog.run, args=(ended,), daemon=True, name="lmtune-watchdog")
-        watching.start()
+    watchdog = _watch(cfg, error_dir, ended) if cfg.health.hang_timeout > 0 else None
     if not single_node:
         _meet_other_nodes(cfg.launch, Path(error_dir), ended, release)
     kills_before = oom_kills()
@@ -295,9 +299,9 @@ def _launch(
         raise UserError(_unreachable(cfg.launch, e)) from None
     except ChildFailedError as e:
         ended.set()
-        hung = watchdog is not None and bool(watchdog.hangs)
-        if hung and watching is not None:  # its diagnosis, written as the workers failed: said first
-            watching.join(timeout=30)
+        hung = watchdog is not None and bool(watchdog[0].hangs)
+        if watchdog is not None and hung:  # its diagnosis, written as the workers failed: said first
+            watchdog[1].join(timeout=30)
         advice = _memory_advice(cfg) if out_of_memory_kills(kills_before) else ""
         return failed(e, Path(error_dir), hung, advice)
     except SignalException as e:

@@ -177,23 +177,18 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path: Path) -> None:
     with acquire(tmp_path, "job-7", warnings.append) as held:
         assert held.owned
     assert len(warnings) == 1
-    # Two jobs of one command (the default --rdzv-id), each on its own rendezvous port, are two
-    # jobs: the second took the first one's folder over.
-    from lmtune.checkpoint.lock import lock_id
-
-    assert (
-        lock_id("lmtune", "node0:29521")
-        == lock_id("lmtune", "127.0.0.1:29521")
-        != lock_id("lmtune", "h:29522")
-    )
-    assert (
-        lock_id("none", "h:29500") == "none" and lock_id("uuid-1", None) == "uuid-1"
-    )  # torchrun's; one node
-    lock.write_text(
-        json.dumps({**holder, "pid": os.getpid(), "run_id": lock_id("lmtune", "h:29521"), "token": "t"})
-    )
-    with pytest.raises(UserError, match="another run is using it"):
-        acquire(tmp_path, lock_id("lmtune", "h:29522"), warnings.append)
+    # lmtune's default --rdzv-id is every job's, and a live holder here of the same id is another
+    # job (two torchrun jobs of one id on two ports): a second job took a running job's folder over.
+    for run_id, host, pid in (("lmtune", "elsewhere", 1), ("job-7", socket.gethostname(), os.getpid())):
+        lock.write_text(json.dumps({**holder, "host": host, "pid": pid, "run_id": run_id, "token": "t"}))
+        with pytest.raises(UserError, match="another run is using it"):
+            acquire(tmp_path, run_id, warnings.append)
+    # The job's own launcher's lock, its token handed in by the ranks of its node (rank 0 may run
+    # on another node), is accepted: not taken, not refused.
+    lock.write_text(json.dumps({**holder, "pid": os.getpid(), "run_id": "lmtune", "token": "a" * 32}))
+    with acquire(tmp_path, "lmtune", warnings.append, inherited="a" * 32) as held:
+        assert not held.owned
+    assert lock.is_file()
 
 
 def test_a_worker_accepts_its_launchers_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
