@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from lmtune.config import environment
 from lmtune.config.files import read_text
 from lmtune.config.groups import DataSettings, ExampleSettings
+from lmtune.data.builders import NODE_COPY_DIFFERS, tell_waiters
 from lmtune.data.dataset import META_FILE, DatasetWriter, TokenizedDataset, named_here
 from lmtune.data.formats import FieldMap, ensure_chat_template
 from lmtune.data.leftovers import CACHE_WAIT_TIMEOUT_ENV, CACHE_WAIT_TIMEOUT_S, remove_entry, remove_stale
@@ -401,17 +402,21 @@ def prepare(
     vocab, builder = len(tokenizer), env.is_main or (per_node and env.local_rank == 0)
     dataset: TokenizedDataset | None = None
 
+    split = [len(part) for part in components] if wanted.per_source else None
+
     def verdict() -> tuple[str, str, str]:  # rank 0's: the others wait for it (and its errors) here
         nonlocal dataset
         # The inputs hashed once; a nonce per run keeps error markers of runs apart.
-        split = [len(part) for part in components] if wanted.per_source else None
         (key, entry), nonce = cache_key(sources, tokenizer, settings, split), uuid.uuid4().hex[:8]
         dataset = _reuse(cache_dir, entry, vocab, nonce)
         return key, entry, nonce
 
     key, entry, nonce = decided_by_main(verdict, ("", "", ""), env)
     folder, error_file = cache_dir / entry, cache_dir / f"{entry}.error-{nonce}"
-    if builder and not env.is_main:  # a node's own builder (--cache-per-node)
+    if builder and not env.is_main:  # a node's own builder (--cache-per-node), of its own copy
+        if cache_key(sources, tokenizer, settings, split)[0] != key:  # built, it would poison the entry
+            told = f"{wanted.option} {wanted.spec}: {NODE_COPY_DIFFERS}"
+            raise UserError(tell_waiters(error_file, env, told))
         dataset = _reuse(cache_dir, entry, vocab, nonce)
     if not builder:
         dataset = _open_built(folder, vocab, error_file, f"{entry}.tmp-{nonce}-*", check_stop)
@@ -423,18 +428,7 @@ def prepare(
         with _said_for_the_cache(tmp):
             _build(components, tokenizer, settings, tmp, wanted, check_stop)
     except UserError as e:
-        if env.world_size == 1:  # no rank waits for it
-            raise
-        # Renamed into place whole: a waiting rank that saw the file half written would report
-        # its own vaguer error next to this one.
-        part = error_file.with_name(f"{error_file.name}.part-{env.rank}")  # node builders share a disk
-        try:
-            error_file.parent.mkdir(parents=True, exist_ok=True)
-            part.write_text(str(e), encoding="utf-8")
-            part.replace(error_file)
-        except OSError:  # a disk with no room even for this: the waiting ranks' own timeout says it
-            with suppress(OSError):
-                part.unlink(missing_ok=True)
+        tell_waiters(error_file, env, str(e))
         raise
     finally:
         if not (tmp / META_FILE).is_file():

@@ -125,3 +125,24 @@ def test_worker_processes_give_the_same_result_and_the_same_errors() -> None:
     bad = [*recs[:4000], Record("mem", 4001, {"nothing": 1}), *recs[4000:]]
     with pytest.raises(UserError, match="mem:4001: cannot tell the format"):
         encode_into(bad, byte_tokenizer(), ExampleSettings(), _ListSink(), BadLines(skip=False), workers=2)
+
+
+def test_a_node_builder_of_another_copy_of_the_data_refuses_to_build_under_rank_0s_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--cache-per-node: node 1's builder stored its own, other copy of the files under rank 0's key
+    (a cache entry poisoned for every later run), and the job trained on two data sets unsaid."""
+    import torch
+
+    from lmtune.parallel.distributed import DistEnv
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(8)])
+    node_builder = DistEnv(rank=1, local_rank=0, world_size=2, local_world_size=1, device=torch.device("cpu"),
+                           backend="gloo")  # fmt: skip
+    # Rank 0's verdict, of its own copy: another key than this node's files have.
+    monkeypatch.setattr("lmtune.data.prepare.decided_by_main", lambda *a: ("0" * 64, "entry-of-rank-0", "n"))
+    cache = tmp_path / "cache"
+    with pytest.raises(UserError, match=r"d.jsonl: this node's copy of the data differs from rank 0's"):
+        prepare(str(data), byte_tokenizer(), ExampleSettings(), node_builder, cache, per_node=True)
+    said = (cache / "entry-of-rank-0.error-n").read_text()  # the ranks waiting on this node read it
+    assert "differs from rank 0's" in said and not (cache / "entry-of-rank-0").exists()
