@@ -125,7 +125,7 @@ def test_a_finished_runs_damaged_last_checkpoint_is_named_not_called_missing(
 ) -> None:
     """A truncated optimizer.pt in the last step's checkpoint was "No checkpoint holds step 6", which
     sent the user to --overwrite, deleting everything."""
-    out = _finished_copy(base, "finished-damaged", (STEPS,))
+    out = _finished_copy(base, "finished-truncated", (STEPS,))
     optimizer = out / f"checkpoints/step-{STEPS:06d}/optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:100])
     capsys.readouterr()
