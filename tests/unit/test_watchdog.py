@@ -69,3 +69,31 @@ def test_samples_on_rank_0_are_behind_the_evaluation_that_waits_for_them(tmp_pat
     _beat(tmp_path, 0, 40, "sample", now - 45)
     _beat(tmp_path, 1, 40, "eval", now - 40)
     assert Watchdog(tmp_path, tmp_path, floor_s=30, on_hang=lambda: None).check(now) is None
+
+
+def test_each_nodes_watchdog_adds_its_view_to_the_jobs_report(tmp_path: Path) -> None:
+    """Two nodes' launchers wrote one shared hang-report.txt, the last writer's view alone: the
+    culprit, seen by the other node, was not in it. A report of an earlier run is replaced."""
+    import subprocess
+    import threading
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "hang-report.txt").write_text("lmtune hang report\nan earlier run's\n")
+    old = time.time() - 100
+    os.utime(out / "hang-report.txt", (old, old))
+    now = time.time()
+    for node, rank in ((0, 0), (1, 1)):
+        beats = tmp_path / f"node-{node}"
+        beats.mkdir()
+        rank_process = subprocess.Popen(["sleep", "60"])  # its stack is asked for with a signal
+        _beat(beats, rank, 15, "forward" if rank else "backward", now - 60 + rank, pid=rank_process.pid)
+        ended = threading.Event()
+        try:
+            Watchdog(beats, out, floor_s=10, on_hang=ended.set, started=now - 1).run(ended)
+        finally:
+            rank_process.kill()
+            rank_process.wait()
+    report = (out / "hang-report.txt").read_text()
+    assert report.startswith("lmtune hang report\n") and "an earlier run's" not in report
+    assert "rank 0 stopped advancing first" in report and "rank 1 stopped advancing first" in report

@@ -153,6 +153,7 @@ class Watchdog:
     slowest_step_s: float = 0.0
     hangs: int = 0
     _last: dict[int, tuple[int, int, float]] = field(default_factory=dict)  # rank -> (pid, step, since)
+    started: float = field(default_factory=time.time)  # a report written since is this job's
 
     def limit(self, beat: Beat) -> float:
         base = max(self.floor_s, 10 * self.slowest_step_s)
@@ -202,7 +203,11 @@ class Watchdog:
             try:
                 if users_hang_report(path):  # put there since the run started
                     raise OSError(f"{path} is not lmtune's report; it is kept")
-                path.write_text(HANG_REPORT_HEAD + report, encoding="utf-8")
+                if path.is_file() and path.stat().st_mtime >= self.started:  # another node's, this job's
+                    with path.open("a", encoding="utf-8") as f:  # each node watches its own ranks
+                        f.write("\n" + report)
+                else:
+                    path.write_text(HANG_REPORT_HEAD + report, encoding="utf-8")
                 where = f"{path}"
             except OSError as e:
                 where = f"(could not write {path}: {e})"
