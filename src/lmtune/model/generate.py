@@ -39,7 +39,7 @@ def complete(
     """Continue ``prompt`` until a stop token (EOS, or a chat model's end of turn, as its generation
     config lists them) or ``max_new_tokens``."""
     device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids(tokenizer, prompt, add_special_tokens)], device=device)
+    ids = torch.tensor([prompt_ids(tokenizer, prompt, add_special_tokens)], dtype=torch.long, device=device)
     encoded = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     sampled = sampling.temperature > 0
     options: dict[str, Any] = {"do_sample": sampled}
