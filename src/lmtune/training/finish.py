@@ -118,16 +118,17 @@ def say_finished(run: RunContext, step: int) -> list[str]:
     therefore apply to nothing (returned: on rank 0)."""
     out = run.output_dir
     saved = step_folder(out, step)
-    damage = verify(saved, hashes=False) if lmtune_wrote(saved) else "none"
-    held = saved if damage is None else None
+    wrote = lmtune_wrote(saved)
+    damage = verify(saved, hashes=False) if wrote else None
+    held = saved if wrote and damage is None else None
     # More steps continue from a checkpoint of the last one; without it, they are refused.
     onward = (
         "Raise --max-steps or --epochs to train on"
         if held is not None
-        else f"No checkpoint holds step {step} to train on from (--save-every); --overwrite starts afresh"
-        if damage == "none"
         else f"Its checkpoint {saved} is damaged ({damage}): more steps would continue from an earlier "
         "one (--resume names it); --overwrite starts afresh"
+        if damage
+        else f"No checkpoint holds step {step} to train on from (--save-every); --overwrite starts afresh"
     )
     model = _model_of(out, step, held)
     run.log.info(f"{out} holds this run, finished at step {step} ({model}): nothing to do. {onward}")
