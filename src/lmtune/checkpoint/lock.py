@@ -23,12 +23,10 @@ from pathlib import Path
 from types import TracebackType
 
 from lmtune.checkpoint.layout import LOCK_FILE
-from lmtune.config import environment
 from lmtune.config.files import KIB, is_int, read_json_object
 from lmtune.config.run_groups import LaunchSettings
 from lmtune.errors import UserError
 from lmtune.parallel.failure_report import oom_kills, out_of_memory_kills
-from lmtune.parallel.launch import LOCK_TOKEN_ENV
 
 # torchrun's run id when none is given, and lmtune's default --rdzv-id: shared by unrelated jobs
 # (a second job of the README's command took a running job's folder over), so they prove nothing.
@@ -180,13 +178,12 @@ def take(
 ) -> RunLock:
     """Take the lock of ``output_dir`` (an existing folder; ``created``: the folders this run made,
     it and those above it) for this process, or accept the launcher's (``inherited``: its token,
-    by default from the environment lmtune's launcher gave this process).
+    which :func:`lmtune.checkpoint.rundir.job_lock` gathers from the job's ranks).
 
     Raises:
         UserError: when another live run holds it, or the folder cannot be written.
     """
     path = output_dir / LOCK_FILE
-    inherited = inherited or environment.token(LOCK_TOKEN_ENV)
     pid = os.getpid()
     me = LockHolder(
         host=socket.gethostname(),

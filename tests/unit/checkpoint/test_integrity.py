@@ -28,7 +28,13 @@ from lmtune.checkpoint.layout import (
     verify,
 )
 from lmtune.checkpoint.resume import resumable_when_full
-from lmtune.checkpoint.rundir import acquire, check_earlier_run, remove_leftovers, replace_earlier_run
+from lmtune.checkpoint.rundir import (
+    acquire,
+    check_earlier_run,
+    job_lock,
+    remove_leftovers,
+    replace_earlier_run,
+)
 from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import save_checkpoint
 from lmtune.config.groups import ExampleSettings
@@ -194,8 +200,8 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path: Path) -> None:
 def test_a_worker_accepts_its_launchers_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with acquire(tmp_path, "run", print) as launcher:
         monkeypatch.setenv(LOCK_TOKEN_ENV, launcher.holder.token)
-        with acquire(tmp_path, "run", print) as worker:
-            assert not worker.owned
+        with job_lock(tmp_path, "run", read_dist_env("cpu"), print) as worker:
+            assert worker is not None and not worker.owned
         assert (tmp_path / LOCK_FILE).is_file()  # the worker leaves the launcher's lock alone
 
 
