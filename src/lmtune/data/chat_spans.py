@@ -68,7 +68,7 @@ def _reply_bounds(
     """Where a reply of text ``content`` after the turns ``before`` (found up to ``at``) trains: from
     the end of the generation prompt (without one, Mistral's, from the separator before it, " ",
     which a token of its first word holds) through the marker that closes it."""
-    header = _generation_header(tokenizer, before)
+    header = generation_header(tokenizer, before)
     opened = text.find(header, at) if header else -1
     after = opened + len(header) if opened >= 0 else at
     # An empty reply is its end of turn alone: the first marker after the generation prompt.
@@ -91,9 +91,10 @@ def _places(text: str, stops: list[str], start: int) -> list[int]:
     return [at for at in (text.find(stop, start) for stop in stops) if at >= 0]
 
 
-def _generation_header(tokenizer: Any, before: list[dict[str, str]]) -> str:
+def generation_header(tokenizer: Any, before: list[dict[str, str]]) -> str:
     """What the generation prompt adds after the turns ``before`` a reply ("" where it does not
-    add to their rendering, as Phi-3's, which ends it with EOS otherwise)."""
+    add to their rendering, as Phi-3's, which ends it with EOS otherwise). Raises the template's
+    UserError where it cannot render them."""
     if not before:
         return ""
     asked, said = (render_chat(tokenizer, before, generation_prompt=g) for g in (True, False))

@@ -14,7 +14,7 @@ from typing import Any
 
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import check_chat_template, render_chat
-from lmtune.data.chat_spans import NOT_LOCATED, found_replies
+from lmtune.data.chat_spans import NOT_LOCATED, found_replies, generation_header
 from lmtune.data.field_hints import suggested_roles, unknown_format
 from lmtune.data.sources import Record
 from lmtune.data.turn_checks import refuse_undesired, text_content, turn_trains
@@ -458,9 +458,7 @@ def _opening(tokenizer: Any, upto: str) -> str:
     train either."""
     empty = _empty_prompt(tokenizer)
     try:  # the header the generation prompt adds after a turn, without the separator before it
-        turn = [{"role": "user", "content": "x"}]
-        asked, said = (chat_text(tokenizer, turn, generation_prompt=g) for g in (True, False))
-        header = asked[len(said) :].lstrip() if asked.startswith(said) else ""
+        header = generation_header(tokenizer, [{"role": "user", "content": "x"}]).lstrip()
     except UserError:
         header = ""
     if not header or (empty and upto.startswith(empty) and empty.endswith(header)):
