@@ -237,21 +237,22 @@ def warn_of_lost_stops(
 
 
 def check_same_data(name: str, spec: str, option: str, gathered: list[tuple[bool, str, int]]) -> None:
-    """Every process read the same data (collective, each rank's key and count gathered): a node
-    whose own copy of the files (or whose --cache-per-node cache) differs drew its samples from
-    another order and epoch, silently, or ended its epoch early and hung the others.
+    """Every process read the same data (collective, each rank's count gathered): a node whose own
+    copy of the files (or whose --cache-per-node cache) differs drew its samples from another order
+    and epoch, silently, or ended its epoch early and hung the others. The cache key is rank 0's on
+    every rank (it is broadcast), so only the count tells; a node's own copy of other content is
+    caught by its builder's hash.
 
     Raises:
-        UserError: on every rank, naming what each read.
+        UserError: on every rank, naming how many examples each read.
     """
-    read: dict[tuple[str, int], list[int]] = {}
-    for rank, (_, key, examples) in enumerate(gathered):
-        read.setdefault((key, examples), []).append(rank)
+    read: dict[int, list[int]] = {}
+    for rank, (_, _, examples) in enumerate(gathered):
+        read.setdefault(examples, []).append(rank)
     if len(read) > 1:
         shown = "; ".join(
-            f"{examples:,} examples (content {key[:12]}) on rank{'s' * (len(ranks) > 1)} "
-            + ",".join(map(str, ranks))
-            for (key, examples), ranks in read.items()
+            f"{examples:,} examples on rank{'s' * (len(ranks) > 1)} " + ",".join(map(str, ranks))
+            for examples, ranks in read.items()
         )
         raise UserError(
             f"{option} {spec}: the processes of this job read different {name} data: {shown}; every node "
