@@ -294,7 +294,7 @@ def _assembled(
             from lmtune.config.aliases import explain_unknown
 
             known = [*_BY_NAME, *GROUPS]
-            raise UnknownSetting(f"TrainConfig: {explain_unknown(key, known, repr, 'TrainConfig')}")
+            raise UnknownSetting(f"TrainConfig: {explain_unknown(key, known, repr, 'TrainConfig', value)}")
     for group, changes in flat.by_group.items():
         if group:
             values[group] = dataclasses.replace(values[group], **changes)
