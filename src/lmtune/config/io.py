@@ -289,8 +289,9 @@ def _named_settings(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     settings: dict[str, Any] = {}
     origin: dict[str, str] = {}  # flat name -> the key that gave it
+    if problems := [p for key in loaded if (p := _key_problem(key, path, lines))]:
+        raise UserError("\n".join(problems))
     for key, value in loaded.items():
-        _check_key(key, path, lines)
         # A JSON key with a space around it ("lr ") was "unknown setting lr; did you mean lr?", while
         # "learning_rate " was taken (aliases are matched stripped).
         name = str(key).strip().replace("-", "_")
@@ -347,26 +348,23 @@ def _named_settings(
     return resolved, places
 
 
-def _check_key(key: Any, path: str, lines: dict[str, int]) -> None:
+def _key_problem(key: Any, path: str, lines: dict[str, int]) -> str | None:
     """A key that cannot be a setting's name as YAML read it: an unquoted ``NO:`` (YAML 1.1's false)
     was "unknown setting False", and a flag written as a key (``--lr: 0.1``) "unknown setting __lr"."""
     if isinstance(key, str) and not key.strip().startswith("-"):
-        return
+        return None
     raw = (
         key
         if isinstance(key, str)
-        else next(
-            (r for r in lines if "." not in r and _scalar(r) == key and type(_scalar(r)) is type(key)), None
-        )
+        else next((r for r in lines if _scalar(r) == key and type(_scalar(r)) is type(key)), None)
     )
     here = f"--config {path}" + (f":{lines[raw]}" if raw in lines else "")
     if isinstance(key, str):
         name = key.strip().lstrip("-").replace("-", "_")
-        raise UserError(
-            f"{here}: {one_line(key, 60)} is written as a flag: a file's key is {one_line(name, 60)}"
-        )
-    raise UserError(
-        f"{here}: the key {one_line(str(raw or key), 60)} reads as {str(key).lower()}, not a setting's name "
+        return f"{here}: {one_line(key, 60)} is written as a flag: a file's key is {one_line(name, 60)}"
+    read = "null" if key is None else str(key).lower()
+    return (
+        f"{here}: the key {one_line(str(raw or key), 60)} reads as {read}, not a setting's name "
         "(YAML takes an unquoted number, yes/no, on/off or true/false as a value): quote it if it is a name"
     )
 

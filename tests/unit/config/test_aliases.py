@@ -219,7 +219,7 @@ def test_python_config_names_the_setting_it_meant() -> None:
     with pytest.raises(TypeError, match="'tokenizer': lmtune loads the tokenizer saved with the model"):
         TrainConfig(tokenizer="gpt2")  # was "did you mean 'tokenizer_type'?"
     # The value is answered as the CLI and YAML answer it (was the general list of optimizers).
-    with pytest.raises(TypeError, match="'optim': transformers' adamw_8bit is 'optimizer' adamw8bit$"):
+    with pytest.raises(TypeError, match=r"'optim': transformers' adamw_8bit is 'optimizer' adamw8bit$"):
         TrainConfig(optim="adamw_8bit")
 
 

@@ -355,6 +355,12 @@ def test_a_key_yaml_reads_as_a_value_or_written_as_a_flag_is_said_so(tmp_path: P
         ("lr: 0.1\nNO: 3\n", r"run.yaml:2: the key NO reads as false, not a setting's name .*quote it"),
         ("on: 1\n", r"run.yaml:1: the key on reads as true"),
         ("--max-steps: 3\n", r"run.yaml:1: --max-steps is written as a flag: a file's key is max_steps$"),
+        # A number with a dot lost its line, and of several such keys only the first was said.
+        (
+            "lr: 0.1\n3.5: x\nnull: 3\n",
+            r"^--config \S*run.yaml:2: the key 3.5 reads as 3.5, .*\n"
+            r"--config \S*run.yaml:3: the key null reads as null,",
+        ),
     ):
         path.write_text(text)
         with pytest.raises(UserError, match=said):
