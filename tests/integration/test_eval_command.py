@@ -44,6 +44,25 @@ def test_eval_gives_the_runs_own_figures_for_its_start_and_its_end(run: Path, tm
     )
 
 
+def test_eval_on_the_data_a_model_was_trained_on_says_so(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lmtune eval --model RUN/final sample` scored the examples the run trained on, unsaid, as if
+    held out (the run's own evaluation is of `sample:eval`)."""
+    for model in (run / "final", run / "checkpoints" / "step-000004"):
+        capsys.readouterr()
+        assert main(["eval", "sample", "--model", str(model), "--json", "-"]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["trained_on"] == "sample"
+        assert (
+            f"note: these are the examples {model} was trained on (its run's --data sample; it "
+            "evaluated on sample:eval): their loss says how well it fits them, not how it does on data "
+            "it has not seen"
+        ) in " ".join(err.split())
+    assert _eval(tmp_path, str(run / "final"))["trained_on"] is None
+    assert "note:" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("held", ["eval_split: 6", "eval_data: held.jsonl"])
 def test_eval_of_a_config_scores_what_its_run_evaluates(
     held: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -66,6 +85,7 @@ def test_eval_of_a_config_scores_what_its_run_evaluates(
         argv = ["eval", "--config", str(config), "--model", str(tmp_path / "run" / "final")]
         assert main([*argv, "--json", str(figures)]) == 0
     scored = json.loads(figures.read_text())
+    assert scored["trained_on"] is None  # what its --eval-split holds out is not what it trained on
     assert scored["loss"] == pytest.approx(last["eval_loss"], abs=1e-6)
     assert (scored["examples"], scored["target_tokens"]) == (last["eval_examples"], last["eval_tokens"])
     for name in ("a", "b") if "split" in held else ():  # the run's per-source figures too

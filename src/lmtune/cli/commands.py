@@ -264,6 +264,14 @@ def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         + ")",
         file=sys.stderr if args.json == "-" else sys.stdout,
     )
+    if done.trained_on is not None:
+        trained, held = done.trained_on
+        print(
+            f"note: these are the examples {cfg.model.name} was trained on (its run's --data {trained}"
+            + (f"; it evaluated on {held}" if held else "")
+            + "): their loss says how well it fits them, not how it does on data it has not seen",
+            file=sys.stderr,
+        )
     for name in r.sources:
         tokens = r.metrics[f"eval_tokens/{name}"]
         print(
@@ -274,6 +282,7 @@ def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.json:
         record = {"model": cfg.model.name, "data": cfg.data.train, **r.record(), "dropped": dropped}
         record["bad_lines_skipped"] = skipped
+        record["trained_on"] = done.trained_on and done.trained_on[0]  # the run's --data, or None
         if held_out is not None:
             record["eval_split"] = held_out
         if done.paths.products is not None:

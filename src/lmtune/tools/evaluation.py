@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from lmtune.checkpoint.card import run_record_near
 from lmtune.config.mixture import item_name, named_items, source_names
 from lmtune.config.settings import TrainConfig
 from lmtune.data.chat import use_chat_template
@@ -37,6 +39,9 @@ class Evaluation:
     data: dict[str, Any]  # the tokenized data's counts (examples, truncated, dropped, ...)
     model: str  # what was loaded, as the start line of a run says it
     paths: Paths  # the CPU bf16 kernels it ran with, chosen as a run chooses its own
+    # Where the data scored is the model's run's --data (same content, tokenizer and settings), its
+    # loss is on examples it trained on: that --data, and the run's evaluation data (if any).
+    trained_on: tuple[str, str | None] | None = None
 
 
 def evaluate_model(cfg: TrainConfig, batch_size: int, held_out: float | None = None) -> Evaluation:
@@ -79,7 +84,8 @@ def evaluate_model(cfg: TrainConfig, batch_size: int, held_out: float | None = N
     else:
         apart = _named_apart(cfg.data.train)
     wanted = Wanted(cfg.data.train, "lmtune eval", per_source=apart)
-    data = prepare(wanted, tokenizer, cfg.examples, env, cache).dataset
+    prepared = prepare(wanted, tokenizer, cfg.examples, env, cache)
+    data = prepared.dataset
     if apart:
         data.sources = source_index(cfg.data.train, data.meta, "--data")
         check_sources_kept(data, "lmtune eval")
@@ -113,7 +119,20 @@ def evaluate_model(cfg: TrainConfig, batch_size: int, held_out: float | None = N
     loader = make_eval_loader(data, collate, batch_size, env)
     autocast = autocast_context(cfg.model.precision, env.device, products.fp32)
     result = evaluate(loss_module, loader, env, autocast, sources=data.sources)
-    return Evaluation(result, data.meta, loaded.source, paths)
+    trained_on = _run_trained_on(cfg.model.name, prepared.key) if held_out is None else None
+    return Evaluation(result, data.meta, loaded.source, paths, trained_on)
+
+
+def _run_trained_on(model: str, key: str) -> tuple[str, str | None] | None:
+    """The --data of the run whose folder holds ``model`` (OUTPUT/final, a checkpoint), and what it
+    evaluated on, where that data's key is ``key``: the examples scored are the ones it trained on."""
+    run = run_record_near(Path(model)) if Path(model).is_dir() else None
+    data = (run or {}).get("data")
+    train, held = (data.get(k) if isinstance(data, dict) else None for k in ("train", "eval"))
+    if not (isinstance(train, dict) and train.get("key") == key and isinstance(train.get("spec"), str)):
+        return None
+    spec = held.get("spec") if isinstance(held, dict) else None
+    return str(train["spec"]), spec if isinstance(spec, str) else None
 
 
 def _named_apart(spec: str) -> bool:
