@@ -256,6 +256,8 @@ def test_a_node_started_without_node_0_waits_the_join_timeout_and_no_longer() ->
     proc, took = node_1(port)
     assert proc.returncode == 2 and took < 45, (took, proc.stderr)
     assert f"--rdzv-endpoint 127.0.0.1:{port}: this node could not reach the job's rendezvous" in proc.stderr
+    # Node 0 refused (its folder's lock, a setting): said there, so named here as a cause to read.
+    assert "a node 0 that was started stopped before the job began: its own output says why" in proc.stderr
     assert "frame #" not in proc.stderr and len(proc.stderr.splitlines()) <= 3, proc.stderr  # no C++ log
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))

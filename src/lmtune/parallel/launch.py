@@ -347,7 +347,8 @@ def _unreachable(launch: LaunchSettings, e: BaseException) -> str:
     return (
         f"--rdzv-endpoint {where}: this node could not reach the job's rendezvous there ({cause}); "
         "start node 0 (--node-rank 0) with the same --rdzv-endpoint, and check that this machine can "
-        "reach that address and port"
+        "reach that address and port (a node 0 that was started stopped before the job began: its own "
+        "output says why, as a refused --output-dir)"
     )
 
 
