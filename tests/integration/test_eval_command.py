@@ -61,6 +61,16 @@ def test_eval_on_the_data_a_model_was_trained_on_says_so(
         ) in " ".join(err.split())
     assert _eval(tmp_path, str(run / "final"))["trained_on"] is None
     assert "note:" not in capsys.readouterr().err
+    # Of a run that held some out with --eval-split: all but those trained.
+    rows = [{"prompt": f"{i} plus {i}:", "completion": f" {2 * i}"} for i in range(30)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    split = ["--eval-split", "6", "--max-steps", "1", "--global-batch-size", "4", "--no-progress"]
+    assert (
+        main(["train", "--data", str(tmp_path / "d.jsonl"), *split, "--output-dir", str(tmp_path / "s")]) == 0
+    )
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "d.jsonl"), "--model", str(tmp_path / "s" / "final")]) == 0
+    assert "d.jsonl, less the 6 examples its --eval-split 6 held out): their loss" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("held", ["eval_split: 6", "eval_data: held.jsonl"])

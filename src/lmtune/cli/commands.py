@@ -268,8 +268,7 @@ def evaluate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         trained, held = done.trained_on
         print(
             f"note: these are the examples {cfg.model.name} was trained on (its run's --data {trained}"
-            + (f"; it evaluated on {held}" if held else "")
-            + "): their loss says how well it fits them, not how it does on data it has not seen",
+            f"{held}): their loss says how well it fits them, not how it does on data it has not seen",
             file=sys.stderr,
         )
     for name in r.sources:

@@ -40,8 +40,8 @@ class Evaluation:
     model: str  # what was loaded, as the start line of a run says it
     paths: Paths  # the CPU bf16 kernels it ran with, chosen as a run chooses its own
     # Where the data scored is the model's run's --data (same content, tokenizer and settings), its
-    # loss is on examples it trained on: that --data, and the run's evaluation data (if any).
-    trained_on: tuple[str, str | None] | None = None
+    # loss is on examples it trained on: that --data, and how the run says what it evaluated on.
+    trained_on: tuple[str, str] | None = None
 
 
 def evaluate_model(cfg: TrainConfig, batch_size: int, held_out: float | None = None) -> Evaluation:
@@ -123,7 +123,7 @@ def evaluate_model(cfg: TrainConfig, batch_size: int, held_out: float | None = N
     return Evaluation(result, data.meta, loaded.source, paths, trained_on)
 
 
-def _run_trained_on(model: str, key: str) -> tuple[str, str | None] | None:
+def _run_trained_on(model: str, key: str) -> tuple[str, str] | None:
     """The --data of the run whose folder holds ``model`` (OUTPUT/final, a checkpoint), and what it
     evaluated on, where that data's key is ``key``: the examples scored are the ones it trained on."""
     run = run_record_near(Path(model)) if Path(model).is_dir() else None
@@ -132,7 +132,11 @@ def _run_trained_on(model: str, key: str) -> tuple[str, str | None] | None:
     if not (isinstance(train, dict) and train.get("key") == key and isinstance(train.get("spec"), str)):
         return None
     spec = held.get("spec") if isinstance(held, dict) else None
-    return str(train["spec"]), spec if isinstance(spec, str) else None
+    if not isinstance(spec, str):
+        return str(train["spec"]), ""
+    if spec.startswith("--eval-split"):  # held out of these very examples
+        return str(train["spec"]), f", less the {held.get('examples', 'few')} examples its {spec} held out"
+    return str(train["spec"]), f"; it evaluated on {spec}"
 
 
 def _named_apart(spec: str) -> bool:
