@@ -131,8 +131,7 @@ def _run_trained_on(model: str, key: str) -> tuple[str, str] | None:
     train, held = (data.get(k) if isinstance(data, dict) else None for k in ("train", "eval"))
     if not (isinstance(train, dict) and train.get("key") == key and isinstance(train.get("spec"), str)):
         return None
-    spec = held.get("spec") if isinstance(held, dict) else None
-    if not isinstance(spec, str):
+    if not isinstance(held, dict) or not isinstance(spec := held.get("spec"), str):
         return str(train["spec"]), ""
     if spec.startswith("--eval-split"):  # held out of these very examples
         return str(train["spec"]), f", less the {held.get('examples', 'few')} examples its {spec} held out"
