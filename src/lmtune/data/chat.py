@@ -18,14 +18,17 @@ from lmtune.errors import SettingError, UserError, brief, one_line
 _PROBE = "lmtune-end-of-turn-probe"
 
 
-def end_of_turn_ids(tokenizer: Any) -> list[int]:
-    """The special token the chat template writes right after an assistant reply ([] when none).
+def end_of_turn_ids(tokenizer: Any, followed: bool = False) -> list[int]:
+    """The special token the chat template writes right after an assistant reply ([] when none);
+    ``followed``: after a reply that another turn follows (gpt-oss ends the last reply with
+    ``<|return|>``, earlier ones with ``<|end|>``).
 
     Found by rendering a one-exchange conversation and tokenizing what follows the reply's text,
     so it works for any template (ChatML's ``<|im_end|>``, Llama 3's ``<|eot_id|>``, Gemma's
     ``<end_of_turn>``, or EOS in lmtune's built-in template).
     """
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+    messages += [{"role": "user", "content": "hi"}] if followed else []
     text = render_chat(tokenizer, messages, generation_prompt=False)
     after = text[text.rfind(_PROBE) + len(_PROBE) :]
     special = set(tokenizer.all_special_ids) | {

@@ -14,7 +14,7 @@ from typing import Any
 
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import check_chat_template, render_chat
-from lmtune.data.chat_spans import NOT_LOCATED, found_replies, generation_header
+from lmtune.data.chat_spans import conversation_spans
 from lmtune.data.field_hints import suggested_roles, unknown_format
 from lmtune.data.sources import Record
 from lmtune.data.turn_checks import refuse_undesired, text_content, turn_trains
@@ -166,6 +166,9 @@ class Rendered:
     add_special_tokens: bool  # the tokenizer's BOS and the like (chat templates write their own)
     append_eos: bool  # train an EOS after the text (chat templates end their own turns)
     format: str
+    # A conversation's system prompt that its chat template does not write (Mistral v0.3's writes it
+    # only into a conversation that ends with a user turn): it trains without it, to be said.
+    system_left_out: bool = False
 
 
 def detect_format(fields: Mapping[str, Any]) -> str | None:
@@ -399,47 +402,30 @@ def _render_messages(
     every_turn: bool = False,
 ) -> Rendered:
     """Render with the tokenizer's chat template; each assistant turn's own text is trainable
-    (``every_turn``: all of the text), less the turns in ``untrained``.
-
-    A turn's span is what rendering up to and including it adds to the rendering of the
-    conversation before it with the generation prompt: the reply and its end-of-turn marker.
-    """
+    (``every_turn``: all of the text), less the turns in ``untrained`` (:func:`conversation_spans`)."""
     try:
         text = chat_text(tokenizer, messages, generation_prompt=False)
-        if every_turn:  # all of it, less the turns kept out
-            spans, at = [], 0
-            for start, end in (_turn_span(tokenizer, messages, i, text) for i in sorted(untrained)):
-                spans += [(at, start)] if start > at else []
-                at = max(at, end)
-            spans += [(at, len(text))] if at < len(text) else []
-        else:
-            replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i not in untrained]
-            try:
-                spans = [_reply_span(tokenizer, messages, i, text) for i in replies]
-            except UserError:  # a template whose turns render otherwise once later ones follow
-                spans = found_replies(tokenizer, messages, replies, text)
+        spans = conversation_spans(tokenizer, messages, text, untrained, every_turn)
     except UserError as e:
         raise UserError(f"{record.where}: {e}") from None
-    return Rendered(text=text, spans=tuple(spans), add_special_tokens=False, append_eos=False, format=fmt)
+    left_out = _system_left_out(tokenizer, messages, text)
+    return Rendered(
+        text, tuple(spans), add_special_tokens=False, append_eos=False, format=fmt, system_left_out=left_out
+    )
 
 
-def _turn_span(tokenizer: Any, messages: list[dict[str, str]], i: int, text: str) -> tuple[int, int]:
-    """What turn ``i`` adds to the rendering: a reply as :func:`_reply_span`, another turn whole."""
-    if messages[i]["role"] == "assistant":
-        return _reply_span(tokenizer, messages, i, text)
-    before = chat_text(tokenizer, messages[:i], generation_prompt=False) if i else ""
-    upto = chat_text(tokenizer, messages[: i + 1], generation_prompt=False)
-    if not text.startswith(upto) or not upto.startswith(before):
-        raise UserError("the chat template does not render the conversation turn by turn")
-    return len(before), len(upto)
+def _system_left_out(tokenizer: Any, messages: list[dict[str, str]], text: str) -> bool:
+    """Whether the template leaves a system turn's text out of ``text`` (``messages`` rendered):
+    where its words are there, they may be another turn's (a user's that repeats them), so the
+    conversation is rendered again with a word of no one's in their place."""
+    system = [i for i, m in enumerate(messages) if m["role"] == "system" and m["content"].strip()]
+    if any(messages[i]["content"].strip() not in text for i in system):
+        return True
+    probe = [{**m, "content": _SYSTEM_PROBE} if i in system else m for i, m in enumerate(messages)]
+    return bool(system) and _SYSTEM_PROBE not in chat_text(tokenizer, probe, generation_prompt=False)
 
 
-def _reply_span(tokenizer: Any, messages: list[dict[str, str]], i: int, text: str) -> tuple[int, int]:
-    upto = chat_text(tokenizer, messages[: i + 1], generation_prompt=False)
-    before = chat_text(tokenizer, messages[:i], generation_prompt=True) if i else _opening(tokenizer, upto)
-    if not (upto.startswith(before) and text.startswith(upto)):
-        raise UserError(NOT_LOCATED)
-    return len(before), len(upto)
+_SYSTEM_PROBE = "lmtune0system0probe"
 
 
 def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:
@@ -450,29 +436,6 @@ def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:
         return messages[-1]["content"], chat_text(tokenizer, messages, generation_prompt=True)
     except UserError as e:
         raise UserError(f"{record.where}: {e}") from None
-
-
-def _opening(tokenizer: Any, upto: str) -> str:
-    """What precedes a reply that opens the conversation (``upto``: it rendered alone): the
-    template's start and the assistant's role header, which a reply after another turn does not
-    train either."""
-    empty = _empty_prompt(tokenizer)
-    try:  # the header the generation prompt adds after a turn, without the separator before it
-        header = generation_header(tokenizer, [{"role": "user", "content": "x"}]).lstrip()
-    except UserError:
-        header = ""
-    if not header or (empty and upto.startswith(empty) and empty.endswith(header)):
-        return empty
-    at = upto.find(header)
-    return upto[: at + len(header)] if at >= 0 else empty
-
-
-def _empty_prompt(tokenizer: Any) -> str:
-    """What precedes a reply that opens the conversation."""
-    try:
-        return chat_text(tokenizer, [], generation_prompt=True)
-    except Exception:  # many templates index messages[0]; then nothing precedes it
-        return ""
 
 
 def builtin_template_note(tokenizer: Any) -> str | None:

@@ -352,6 +352,15 @@ def unread_said(meta: dict[str, Any]) -> str:
             f"{in_parentheses(first_places(where, 'unread_system', count))}, which that format does not "
             f"render: {'it trains' if one else 'they train'} without it ({fix})"
         )
+    if count := meta.get("system_left_out", 0):
+        one = count == 1
+        said.append(
+            f"{count:,} conversation{'' if one else 's'} whose system turn the chat template does not "
+            f"write{in_parentheses(first_places(where, 'system_left_out', count))}: "
+            f"{'it trains' if one else 'they train'} without it (Mistral v0.3's template writes a system "
+            "prompt only into a conversation that ends with a user turn; --chat-template FILE.jinja "
+            "that writes it trains with it)"
+        )
     if count := meta.get("prompt_cut_away", 0):
         said.append(
             f"{count:,} example{'' if count == 1 else 's'} whose prompt --truncation left cut away whole"

@@ -51,8 +51,9 @@ from lmtune.parallel.launch import warn
 # trains without its header; tool calls refused; 3: a pair of whole texts splits at HH's last
 # assistant marker or a word's start; 4: preference records count an unread system field; 5:
 # conversations count theirs, and instruction records an unread context; 6: the EOS a tokenizer
-# appends itself trains); a checkpoint's data key keeps 1: older runs resume.
-CACHE_VERSION, _KEY_VERSION = 6, 1
+# appends itself trains; 7: Phi-3's empty replies train their own end of turn, conversations count
+# a system turn their template leaves out); a checkpoint's data key keeps 1: older runs resume.
+CACHE_VERSION, _KEY_VERSION = 7, 1
 LARGE_INPUT_BYTES = 16 << 20
 CACHE_ENV = environment.CACHE_DIR
 # A waiting rank gives up when the builder has written nothing for this long (it died, or hangs).

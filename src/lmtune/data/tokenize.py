@@ -53,6 +53,8 @@ class EncodeStats:
     # Records with a system prompt beside fields whose format never renders one (Axolotl's
     # alpaca_w_system, a ShareGPT export's own column): the model trains without it.
     unread_system: int = 0
+    # Conversations whose system turn their chat template does not render (Mistral v0.3's).
+    system_left_out: int = 0
     # Instruction records with Dolly's 'context' (the passage the instruction is about) unread.
     unread_context: int = 0
     # Kept examples whose prompt --truncation left cut away whole: an answer to no question.
@@ -274,6 +276,9 @@ def _encode_examples(
         kept = _kept((ids, trainable), rec, stats, (tokenizer, stops), cut=cut_here)
         if kept is not None:
             _count_unread(rec, stats, names if r.format == "prompt_completion" else None)
+            if r.system_left_out:
+                stats.system_left_out += 1
+                stats.note("system_left_out", rec.where)
             out.append(kept)
     return out, stats
 

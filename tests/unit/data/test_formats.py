@@ -3,6 +3,7 @@ format would, with no conversion script."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -549,3 +550,100 @@ def test_replies_of_a_template_that_renders_a_turn_otherwise_later_are_found_as_
     if template is QWEN3:
         with pytest.raises(UserError, match=r"d.jsonl:1: the chat template does not render .*gemma\|FILE"):
             render(Record("d.jsonl", 1, {"messages": thought}), "auto", names, tokenizer)
+
+
+def _templated(template: str) -> Any:
+    from lmtune.data.chat import use_chat_template
+
+    tokenizer = byte_tokenizer()
+    use_chat_template(tokenizer, "chatml")  # its markers special tokens
+    markers = ["<|end|>", "<|user|>", "<|assistant|>", "<|return|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": markers})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def _trained(tokenizer: Any, messages: list[dict[str, Any]], every_turn: bool = False) -> list[str]:
+    names = FieldMap.of(ExampleSettings())
+    r = render(
+        Record("d.jsonl", 1, {"messages": messages}), "auto", names, tokenizer, train_on_prompt=every_turn
+    )
+    return [r.text[a:b] for a, b in r.spans]
+
+
+@pytest.mark.parametrize(
+    ("template", "header"),
+    [(QWEN3, "<|im_start|>assistant\n"), (PHI3, "<|assistant|>\n"), (MISTRAL, "[/INST]")],
+)
+def test_a_reply_found_in_the_whole_rendering_is_found_after_its_own_header(
+    template: str, header: str
+) -> None:
+    """Phi-3's generation prompt takes the place of its closing EOS, so none was found: an empty
+    reply trained the user turn's end marker before it (and, last, the reply's header too), a
+    blank one nothing of its own; a reply ending in a tab or \\r\\n was a bad line."""
+    tokenizer = _templated(template)
+    names = FieldMap.of(ExampleSettings())
+    for reply in ("", "  ", "4.\t", "4.\r\n"):
+        for last in (False, True):
+            turns = [*CHAT[:2], {"role": "assistant", "content": reply}]
+            turns += [] if last else CHAT[3:]
+            r = render(Record("d.jsonl", 1, {"messages": turns}), "auto", names, tokenizer)
+            start, end = r.spans[0]
+            assert r.text[:start].endswith(header) or r.text[: start + 1].endswith(header + " "), (
+                reply,
+                last,
+            )
+            assert reply.strip() in r.text[start:end], (reply, last)
+
+
+def test_templates_that_end_or_open_replies_otherwise_later_are_found() -> None:
+    """gpt-oss ends the last reply with <|return|> and earlier ones with <|end|>; Qwen3-Thinking's
+    generation prompt opens the thinking block, which earlier replies do not show; Qwen3 rewrites a
+    last reply's thinking block. Each conversation of more than one exchange was a bad line."""
+    ending = (
+        "{% for m in messages %}{{ '<|' + m.role + '|>' + m.content }}{% if m.role == 'assistant' %}"
+        "{{ '<|return|>' if loop.last else '<|end|>' }}{% else %}{{ '<|end|>' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+    )
+    assert _trained(_templated(ending), CHAT) == ["4.<|end|>", "6.<|return|>"]
+    thinking = QWEN3.replace(
+        "{{- '<|im_start|>assistant\\n' }}{%- endif %}\"",
+        "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}\"",
+    )
+    thinking = thinking[: thinking.rindex("'<|im_start|>assistant\\n'")] + (
+        "'<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+    )
+    assert _trained(_templated(thinking), CHAT) == ["4.<|im_end|>\n", "\n</think>\n\n6.<|im_end|>\n"]
+    rewritten = [*CHAT[:4], {"role": "assistant", "content": "<think>add</think>6."}]
+    assert _trained(_templated(QWEN3), rewritten) == [
+        "4.<|im_end|>\n",
+        "<think>\n\n</think>\n\n6.<|im_end|>\n",
+    ]
+
+
+def test_train_on_prompt_keeps_a_weighted_out_reply_of_such_a_template_out() -> None:
+    """--train-on-prompt with a reply of weight 0 was refused ("a turn's text is not found") where
+    the replies are found in the whole rendering."""
+    turns = [*CHAT[1:2], {"role": "assistant", "content": "5.", "weight": 0}, *CHAT[3:]]
+    trained = "".join(_trained(_templated(QWEN3), turns, every_turn=True))
+    assert "5." not in trained and "What is 2+2?" in trained and trained.endswith("6.<|im_end|>\n")
+
+
+def test_a_system_prompt_the_template_leaves_out_is_counted_and_said() -> None:
+    """Mistral v0.3's writes a system prompt only into a conversation that ends with a user turn:
+    every training conversation trained without it, unsaid; and a first user turn that begins with
+    the system prompt's words was a bad line."""
+    from lmtune.data.pairs import unread_said
+
+    tokenizer = _templated(MISTRAL)
+    echoed = [CHAT[0], {"role": "user", "content": "Be brief. What is 2+2?"}, *CHAT[2:]]
+    assert _trained(tokenizer, echoed) == [" 4.<|eos|>", " 6.<|eos|>"]
+    records = [Record("d.jsonl", n, {"messages": m}) for n, m in ((1, CHAT), (2, CHAT[1:]), (3, echoed))]
+    _, stats = encode_in_memory(records, tokenizer, ExampleSettings())
+    assert stats.system_left_out == 2 and stats.where["system_left_out"] == ["d.jsonl:1", "d.jsonl:3"]
+    assert unread_said(dataclasses.asdict(stats)).startswith(
+        "2 conversations whose system turn the chat template does not write (at d.jsonl:1, d.jsonl:3): "
+        "they train without it"
+    )
+    _, kept = encode_in_memory(records, _templated(QWEN3), ExampleSettings())
+    assert kept.system_left_out == 0
