@@ -220,7 +220,9 @@ def _item_sources(item: str, option: str) -> list[Source]:
         if not matches:
             raise _refused(option, f"{item}: no file matches")
         if len(matches) > 1:  # a glob over a data set's split files, as a folder of them
-            _refuse_splits(item, Path(os.path.commonpath(matches)), matches, option)
+            folder = Path(os.path.commonpath(matches))
+            _refuse_splits(item, folder, matches, option)
+            _refuse_notes(item, folder, matches, option, "matches")
         return [_file_source(p, option) for p in matches]
     if path.is_dir():
         if _is_saved_dataset(path):
@@ -319,9 +321,10 @@ def _refuse_splits(item: str, folder: Path, files: list[Path], option: str) -> N
     )
 
 
-def _refuse_notes(item: str, folder: Path, files: list[Path], option: str) -> None:
-    """A folder of records (.jsonl, .parquet, ...) that holds plain text too (a notes.txt) is
-    refused: read whole, each line of the text trained as an example beside the records."""
+def _refuse_notes(item: str, folder: Path, files: list[Path], option: str, holds: str = "holds") -> None:
+    """A folder of records (.jsonl, .parquet, ...) that holds plain text too (a notes.txt), or a
+    glob that matches both, is refused: read whole, each line of the text trained as an example
+    beside the records."""
     text = [f for f in files if data_suffix(f) == ".txt"]
     if not text or len(text) == len(files):
         return
@@ -333,7 +336,7 @@ def _refuse_notes(item: str, folder: Path, files: list[Path], option: str) -> No
 
     raise _refused(
         option,
-        f"{item}: holds plain text ({named(text)}) beside records ({named(records)}); read whole, each "
+        f"{item}: {holds} plain text ({named(text)}) beside records ({named(records)}); read whole, each "
         f"line of the text would train as an example: give the files to read ({option} FILE,FILE,...)",
     )
 

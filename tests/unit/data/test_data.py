@@ -121,6 +121,9 @@ def test_a_folder_of_records_with_plain_text_beside_them_is_refused(tmp_path: Pa
     (tmp_path / "x" / "notes.txt").write_text("tune the lr\n")
     with pytest.raises(UserError, match=r"holds plain text \(notes.txt\) beside records \(a.jsonl\)"):
         resolve_sources(str(tmp_path / "x"))
+    # A glob that matches both, as the folder holds them (it trained the notes).
+    with pytest.raises(UserError, match=r"x/\*: matches plain text \(notes.txt\) beside records \(a.jsonl\)"):
+        resolve_sources(str(tmp_path / "x" / "*"))
     given = f"{tmp_path / 'x' / 'a.jsonl'},{tmp_path / 'x' / 'notes.txt'}"
     assert len(resolve_sources(given)) == 2  # named, both are read
 
