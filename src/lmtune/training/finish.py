@@ -10,7 +10,7 @@ from typing import Any
 from lmtune.checkpoint.card import write_run_cards
 from lmtune.checkpoint.export import save_hf_folder
 from lmtune.checkpoint.finished import changed_settings, earlier_record
-from lmtune.checkpoint.layout import lmtune_wrote, step_folder, verify
+from lmtune.checkpoint.layout import lmtune_wrote, resume_instead, saved_checkpoints, step_folder, verify
 from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.owned import record_written
 from lmtune.config.settings import SAMPLE_DATA, to_dict
@@ -122,11 +122,13 @@ def say_finished(run: RunContext, step: int) -> list[str]:
     damage = verify(saved, hashes=False) if wrote else None
     held = saved if wrote and damage is None else None
     # More steps continue from a checkpoint of the last one; without it, they are refused.
+    older = [c for c in saved_checkpoints(out) if c != saved]
     onward = (
         "Raise --max-steps or --epochs to train on"
         if held is not None
-        else f"Its checkpoint {saved} is damaged ({damage}): more steps would continue from an earlier "
-        "one (--resume names it); --overwrite starts afresh"
+        else f"Its checkpoint {saved} is damaged ({damage}): to train on, "
+        + resume_instead(older, "no earlier checkpoint is left to continue from")
+        + "; --overwrite starts afresh"
         if damage
         else f"No checkpoint holds step {step} to train on from (--save-every); --overwrite starts afresh"
     )
