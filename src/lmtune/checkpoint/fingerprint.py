@@ -125,6 +125,8 @@ def fingerprint(
         "--micro-batch-size": cfg.batch.micro_batch_size or "auto",
         **_computed_as(cfg),
     }
+    if cfg.schedule.name == "cosine":  # recorded since its warmup is transformers' (from 0)
+        adjustable[COSINE_WARMUP] = "step/warmup"
     if cfg.objective.name != "sft":
         o = cfg.objective
         adjustable |= {
@@ -238,6 +240,7 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
     return _changes(saved.adjustable, now.adjustable)
 
 
+COSINE_WARMUP = "cosine warmup"
 # What a setting a checkpoint does not record was: an sft run's names no objective.
 _UNRECORDED: dict[str, Any] = {
     "--objective": "sft",
@@ -247,6 +250,8 @@ _UNRECORDED: dict[str, Any] = {
     "--activation-checkpointing": False,
     "--compile": False,
     "--loss-chunk-size": "auto",
+    # An older cosine run's warmup reached the learning rate a step sooner.
+    COSINE_WARMUP: "(step+1)/warmup",
 }
 STARTING_WEIGHTS = "starting weights (--model)"
 # Checked only where the checkpoint records them: an older one does not.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -452,7 +453,8 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def warmup_steps(schedule: ScheduleSettings, total_steps: int) -> int:
-    """Warmup in optimizer steps: as set, or --warmup-ratio of the run."""
+    """Warmup in optimizer steps: as set, or --warmup-ratio of the run, rounded up as transformers
+    rounds it (a ratio of a short run is at least one step)."""
     if schedule.warmup_steps is not None:
         return schedule.warmup_steps
-    return round(schedule.warmup_ratio * total_steps)
+    return math.ceil(schedule.warmup_ratio * total_steps)

@@ -220,9 +220,9 @@ def _item_sources(item: str, option: str) -> list[Source]:
         if not matches:
             raise _refused(option, f"{item}: no file matches")
         if len(matches) > 1:  # a glob over a data set's split files, as a folder of them
-            folder = Path(os.path.commonpath(matches))
-            _refuse_splits(item, folder, matches, option)
-            _refuse_notes(item, folder, matches, option, "matches")
+            common = Path(os.path.commonpath(matches))
+            _refuse_splits(item, common, matches, option)
+            _refuse_notes(item, common, matches, option, "matches")
         return [_file_source(p, option) for p in matches]
     if path.is_dir():
         if _is_saved_dataset(path):

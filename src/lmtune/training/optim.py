@@ -101,9 +101,10 @@ def _bitsandbytes_optim(name: str) -> Any:
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
-    """LR multiplier: linear warmup from ~0 to 1, then cosine decay to ``min_ratio`` at the end."""
+    """LR multiplier: linear warmup from 0 to 1, then cosine decay to ``min_ratio`` at the end, as
+    transformers' ``cosine_with_min_lr`` (the warmup's first step at 0, as every schedule here)."""
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return step / warmup_steps
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

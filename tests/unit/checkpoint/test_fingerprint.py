@@ -83,3 +83,23 @@ def test_a_starting_weights_hash_that_follows_from_another_change_is_not_said() 
     said = str(refused.value)
     assert "--reference-model none -> models/other" in said
     assert "starting weights" not in said and "changed since" not in said
+
+
+def test_an_older_cosine_checkpoint_resumed_says_its_warmup_is_now_transformers() -> None:
+    """Cosine's warmup is transformers' now (from 0, a step later to the learning rate): a resume
+    of a checkpoint saved under the former one says so, as it applies from the resume step."""
+    from transformers import LlamaConfig
+
+    from lmtune.checkpoint.fingerprint import COSINE_WARMUP, fingerprint
+    from lmtune.config.settings import TrainConfig
+
+    def made(schedule: str) -> Fingerprint:
+        cfg = TrainConfig(lr_schedule=schedule, warmup_steps=3)
+        return fingerprint(cfg, data_key="k", examples=8, model_config=LlamaConfig(), lr=1e-3, total_steps=9)
+
+    now = made("cosine")
+    older = Fingerprint(now.fixed, {k: v for k, v in now.adjustable.items() if k != COSINE_WARMUP})
+    assert compare(older, now, Path("c")) == ["cosine warmup (step+1)/warmup -> step/warmup"]
+    assert compare(now, now, Path("c")) == []
+    linear = made("linear")  # its warmup was always transformers'
+    assert COSINE_WARMUP not in linear.adjustable and compare(linear, linear, Path("c")) == []
