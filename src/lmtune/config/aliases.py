@@ -251,13 +251,32 @@ def resolve_names(
             here = accumulation_here(key, value, values, style) + datasets_here(canonical(key), value, style)
             unknown.append(where(key) + why + here)
             continue
+        if value is None and canonical(key) in PEER_NULLS:
+            value = PEER_NULLS[canonical(key)]
+        if name in out and _same(out[name], value):
+            # Two names of one setting that agree: TRL's dumps write gradient_checkpointing beside
+            # its new name.
+            continue
         if name in out:
             both = f"as {one_line(given_as[name], 60)} and {one_line(key, 60)}"
-            raise UserError(f"{where(key)}{style(name)} is set twice ({both}); give it once")
+            unknown.append(f"{where(key)}{style(name)} is set twice ({both}); give it once")
+            continue
         out[name], given_as[name] = value, key
     if unknown:
         raise UserError("\n".join(unknown))
     return out
+
+
+# Another tool's key whose null means a value of lmtune's setting: the HF Trainer's (and Axolotl's)
+# save_total_limit null, its default, keeps every checkpoint (TrainingArguments.to_dict() writes it).
+PEER_NULLS: dict[str, Any] = {"save_total_limit": 0}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two values of one setting that say the same (1e-4 and "1e-4", True and "true")."""
+    return bool(a == b) or (
+        a is not None and b is not None and str(a).strip().lower() == str(b).strip().lower()
+    )
 
 
 # The dtypes' names in bitsandbytes' and transformers' configs, by lmtune's precision.
@@ -275,7 +294,8 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
         "false": {},
     },
     "lora_target_linear": {"true": {"lora_target_modules": "all-linear"}, "false": {}},  # Axolotl
-    "loss_type": {  # TRL's DPOConfig (sigmoid, ipo) and CPOConfig (simpo)
+    "loss_type": {  # TRL's DPOConfig (sigmoid, ipo), CPOConfig (simpo) and SFTConfig (nll, its default)
+        "nll": {"objective": "sft"},
         "sigmoid": {"objective": "dpo"},
         "ipo": {"objective": "ipo"},
         "simpo": {"objective": "simpo"},
@@ -297,6 +317,10 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
     "completion_only_loss": {"true": {}},
     "assistant_only_loss": {"true": {}},
     "tf32": {"false": {}},  # the HF Trainer's: PyTorch's default, which lmtune keeps
+    # The HF Trainer's and TRL's, saying what lmtune always does (other values are answered).
+    "dataloader_drop_last": {"true": {}},
+    "average_tokens_across_devices": {"true": {}},
+    "shuffle_dataset": {"true": {}},
     # The HF Trainer's, as its docs advise it: lmtune's checkpointing is non-reentrant.
     "gradient_checkpointing_kwargs": {"use_reentrant=false": {}},
     # Axolotl's loader classes: the ones lmtune uses for every model.

@@ -193,6 +193,28 @@ HINTS: dict[str, str] = {
     ),
     "ddp_find_unused_parameters": "lmtune sets DDP up itself: remove it",
     "remove_unused_columns": "lmtune reads only the fields its data format uses: remove it",
+    # The HF Trainer's and TRL's settings that name what lmtune always does, or has not.
+    "packing_strategy": (
+        "lmtune packs by its own rule ({packing} on | off | auto), exact: a packed step trains what the "
+        "same examples unpacked would, each example attending to itself alone (TRL's bfd with position ids)"
+    ),
+    "lr_scheduler_kwargs": (
+        "lmtune's schedules take their settings by name: {min_lr_ratio} (transformers' min_lr_rate), "
+        "{decay_ratio} (wsd's decay share), {warmup_steps} | {warmup_ratio}"
+    ),
+    "dataloader_drop_last": (
+        "lmtune always trains whole global batches, as dataloader_drop_last: true (the examples left past "
+        "an epoch's last whole batch sit that epoch out; the log says how many)"
+    ),
+    "average_tokens_across_devices": (
+        "lmtune always normalises a step's loss by the target tokens of every process and micro-step: "
+        "remove it"
+    ),
+    "shuffle_dataset": "lmtune shuffles the examples every epoch, by {seed}: remove it",
+    "label_smoothing_factor": (
+        "lmtune's supervised loss has no label smoothing; {label_smoothing} is the preference "
+        "objectives' (DPO's robust loss)"
+    ),
     "dataset_num_proc": "lmtune tokenizes in its own worker processes: remove it",
     "do_train": "lmtune train trains: remove it",
     "do_eval": "evaluation runs when there is {eval_data} or {eval_split}: remove it",
@@ -274,8 +296,16 @@ _SCHEDULES = {
         "{lr_schedule} cosine is lmtune's default; it decays to lr x {min_lr_ratio} (0.1 by default), "
         "transformers' and Axolotl's to 0: add {min_lr_ratio} 0 for theirs"
     ),
-    "linear": "{lr_schedule} linear (warmup, then linear decay to 0)",
+    "linear": (
+        "{lr_schedule} linear (warmup, then linear decay to 0; lmtune warms up over 5% of the steps "
+        "unless told, transformers not at all: add {warmup_steps} 0 for theirs)"
+    ),
+    "constant": (
+        "{lr_schedule} constant with {warmup_steps} 0 (lmtune warms up over 5% of the steps unless "
+        "told; transformers' constant has no warmup)"
+    ),
     "constant_with_warmup": "{lr_schedule} constant (constant after the warmup)",
+    "cosine_with_min_lr": "{lr_schedule} cosine, with its min_lr_rate as {min_lr_ratio}",
     "warmup_stable_decay": "{lr_schedule} wsd",
 }
 # Foreign names whose answer depends on the value given (as text, lower case; "*": any other).
@@ -317,7 +347,7 @@ BY_VALUE: dict[str, dict[str, str]] = {
         "sigmoid": "TRL's sigmoid loss is {objective} dpo",
         "ipo": "TRL's ipo loss is {objective} ipo",
         "simpo": "TRL's simpo loss (CPOConfig) is {objective} simpo",
-        "*": "lmtune's preference losses are {objective} dpo (TRL's sigmoid) | ipo | simpo | orpo; "
+        "*": "lmtune's losses are {objective} sft (TRL's nll) | dpo (TRL's sigmoid) | ipo | simpo | orpo; "
         "TRL's {value} is none of them",
     },
     "precompute_ref_log_probs": {

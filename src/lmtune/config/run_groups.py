@@ -58,6 +58,10 @@ class EvalSettings:
     )
 
     def __post_init__(self) -> None:
+        metric = self.metric_for_best
+        if isinstance(metric, str) and metric and not metric.startswith("eval_"):
+            # As the HF Trainer reads metric_for_best_model: loss is eval_loss.
+            object.__setattr__(self, "metric_for_best", f"eval_{metric}")
         if self.load_best_at_end and self.metric_for_best is None:
             # As the HF Trainer's load_best_model_at_end: the best by the loss unless told otherwise.
             object.__setattr__(self, "metric_for_best", "eval_loss")

@@ -4,6 +4,7 @@ hint that names what to do (exit 2); typos get the closest names. Flags and YAML
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ def _value(name: str) -> Any:
         return 3
     if s.type is float:
         return 0.25
-    return "other/value"
+    return "eval_other/value" if name == "metric_for_best" else "other/value"  # as HF, eval_ is added
 
 
 def _flag_args(flag: str, name: str) -> list[str]:
@@ -909,3 +910,57 @@ def test_axolotls_sample_packing_is_packing(tmp_path: Path, value: str, packing:
     yaml_file = tmp_path / "axolotl.yaml"
     yaml_file.write_text(f"sample_packing: {value}\n")
     assert build_config(load_yaml(str(yaml_file))).batch.packing == packing
+
+
+def test_a_trainer_or_sft_config_dump_is_taken_where_it_says_what_lmtune_does(tmp_path: Path) -> None:
+    """TrainingArguments.to_dict() and SFTConfig dumps: save_total_limit null (keep every one) was
+    "remove it for the default, 3", the opposite; gradient_checkpointing beside its new name with
+    the same value was "set twice" and hid every other answer; loss_type nll (SFT's own) was "none of
+    the preference losses"; metric_for_best_model loss (the HF Trainer reads eval_loss) was refused."""
+    dump = tmp_path / "dump.yaml"
+    dump.write_text(
+        "save_total_limit: null\nactivation_checkpointing: true\ngradient_checkpointing: true\n"
+        "loss_type: nll\ndataloader_drop_last: true\naverage_tokens_across_devices: true\n"
+        "metric_for_best_model: loss\neval_split: 10\n"
+    )
+    cfg = build_config(load_yaml(str(dump)))
+    assert (cfg.checkpoint.keep_last, cfg.model.activation_checkpointing, cfg.objective.name) == (
+        0,
+        True,
+        "sft",
+    )
+    assert cfg.eval.metric_for_best == "eval_loss"
+    assert TrainConfig(metric_for_best="perplexity").eval.metric_for_best == "eval_perplexity"
+    # Names that differ are refused, with every other answer of the file at once.
+    dump.write_text("lr: 1e-3\nlearning_rate: 2e-3\npacking_strategy: bfd\nlabel_smoothing_factor: 0.1\n")
+    with pytest.raises(UserError) as refused:
+        load_yaml(str(dump))
+    lines = str(refused.value).splitlines()
+    assert len(lines) == 3 and lines[0].endswith(
+        "dump.yaml:2: lr is set twice (as lr and learning_rate); give it once"
+    )
+    assert "packing_strategy: lmtune packs by its own rule" in lines[1]
+    assert "label_smoothing_factor: lmtune's supervised loss has no label smoothing" in lines[2]
+
+
+@pytest.mark.parametrize(
+    ("written", "answer"),
+    [
+        ("lr_scheduler_type: constant", "lr_schedule constant with warmup_steps 0 (lmtune warms up over 5%"),
+        ("lr_scheduler_type: linear", "add warmup_steps 0 for theirs"),
+        ("lr_scheduler_type: cosine_with_min_lr", "lr_schedule cosine, with its min_lr_rate as min_lr_ratio"),
+        ("lr_scheduler_kwargs: {min_lr_rate: 0.1}", "min_lr_ratio (transformers' min_lr_rate)"),
+        ("dataloader_drop_last: false", "lmtune always trains whole global batches"),
+        ("shuffle_dataset: false", "lmtune shuffles the examples every epoch, by seed"),
+        ("loss_type: dft", "lmtune's losses are objective sft (TRL's nll) | dpo"),
+    ],
+)
+def test_trainer_and_sft_settings_lmtune_has_otherwise_are_answered(
+    tmp_path: Path, written: str, answer: str
+) -> None:
+    """Answered by the closest name's hint before (packing_strategy was "did you mean
+    logging_strategy?"), or not at all; the schedules' answers leave out lmtune's default warmup."""
+    path = tmp_path / "run.yaml"
+    path.write_text(written + "\n")
+    with pytest.raises(UserError, match=re.escape(answer)):
+        load_yaml(str(path))

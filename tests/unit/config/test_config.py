@@ -340,7 +340,7 @@ def test_load_best_at_end_takes_the_loss_unless_a_metric_is_given() -> None:
 def test_a_key_with_a_space_around_it_is_its_name(tmp_path: Path) -> None:
     """JSON's "lr " was "unknown setting lr; did you mean lr?" where "learning_rate " was taken."""
     path = tmp_path / "run.json"
-    path.write_text('{"lr ": 0.005, " learning_rate": 0.005}')
+    path.write_text('{"lr ": 0.005, " learning_rate": 0.006}')
     with pytest.raises(UserError, match=r"lr is set twice"):
         load_yaml(str(path))
     path.write_text('{"lr ": 0.005, "max_steps ": 3, "lora": {" rank": 4}}')
