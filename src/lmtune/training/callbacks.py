@@ -78,7 +78,10 @@ class Callback:
 
 
 class StepLogger(Callback):
-    """metrics.jsonl train rows (every ``every`` steps and the last) and the progress bar."""
+    """metrics.jsonl train rows (every ``every`` steps and the last) and the progress bar. A row of
+    several steps holds their mean loss, as the HF Trainer's logging_steps log it (``loss_steps``:
+    how many; since the resume for the first row of a resumed run), and its last step's other
+    figures (``step_loss``: that step's own loss)."""
 
     def __init__(
         self,
@@ -88,18 +91,29 @@ class StepLogger(Callback):
         device: torch.device,
     ):
         self.log, self.every, self.mfu, self.device = log, every, mfu, device
+        self.losses: list[float] = []  # the finite step losses since the last row
 
     def on_train_begin(self, state: TrainerState, layout: BatchLayout) -> None:
         self.log.start_progress(layout.total_steps, initial=state.step)
 
     def on_step_end(self, step: StepEnd, control: Control) -> None:
+        r = step.result
+        self.losses += [] if r.nonfinite else [r.loss]
         if step.state.step % self.every and not step.finished:
             self.log.advance()  # the bar counts every step, the figures are the logged step's
             return
-        r = step.result
         mfu = self.mfu(r.tokens, r.examples, step.seconds, r.target_tokens)
-        self.log.record(step_row(step, mfu, peak_memory_bytes(self.device)))
-        shown = {"loss": f"{r.loss:.4f}", "lr": f"{step.lr:.2e}", "tok/s": f"{r.tokens / step.seconds:,.0f}"}
+        row = step_row(step, mfu, peak_memory_bytes(self.device))
+        if self.every > 1:
+            mean = sum(self.losses) / len(self.losses) if self.losses else r.loss
+            row |= {"loss": mean, "loss_steps": len(self.losses), "step_loss": r.loss}
+        self.losses = []
+        self.log.record(row)
+        shown = {
+            "loss": f"{row['loss']:.4f}",
+            "lr": f"{step.lr:.2e}",
+            "tok/s": f"{r.tokens / step.seconds:,.0f}",
+        }
         if mfu is not None:
             shown["mfu"] = f"{100 * mfu:.0f}%"
         self.log.advance(shown)

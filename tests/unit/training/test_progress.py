@@ -51,10 +51,45 @@ def test_the_log_counts_every_step_whatever_log_every(
         end = SimpleNamespace(
             state=SimpleNamespace(step=step),
             finished=step == 6,
-            result=SimpleNamespace(loss=1.0, tokens=10, examples=1, target_tokens=4),
+            result=SimpleNamespace(loss=1.0, tokens=10, examples=1, target_tokens=4, nonfinite=False),
             seconds=1.0,
             lr=1e-3,
         )
         logger.on_step_end(end, None)  # type: ignore[arg-type]
     assert log._lines.done == 6
     assert "train: step 6/6 (100%), loss 1.0000" in capsys.readouterr().out
+
+
+def test_a_row_of_several_steps_holds_their_mean_loss_as_the_hf_trainers_logging_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--log-every N (HF's logging_steps) wrote its last step's loss under the name the HF Trainer
+    gives the mean of the N steps' losses (TensorBoard's train/loss too); a step that was not
+    finite (skipped under --on-nan skip) is left out of the mean."""
+    from types import SimpleNamespace
+
+    from lmtune.training.callbacks import StepLogger
+
+    log = RunLog(read_dist_env("cpu"), tmp_path, progress=False)
+    rows: list[dict[str, object]] = []
+    monkeypatch.setattr(log, "record", rows.append)
+    monkeypatch.setattr(
+        "lmtune.training.callbacks.step_row", lambda step, *a: {"step": step.state.step, "loss": 0}
+    )
+    for every in (3, 1):
+        rows.clear()
+        logger = StepLogger(log, every=every, mfu=lambda *a: None, device=read_dist_env("cpu").device)
+        for step, loss in enumerate([1.0, 2.0, 3.0, 4.0, float("nan"), 6.0, 7.0], start=1):
+            result = SimpleNamespace(loss=loss, tokens=10, examples=1, target_tokens=4, nonfinite=step == 5)
+            end = SimpleNamespace(
+                state=SimpleNamespace(step=step), finished=step == 7, result=result, seconds=1.0, lr=1e-3
+            )
+            logger.on_step_end(end, None)  # type: ignore[arg-type]
+        if every == 3:
+            assert rows == [
+                {"step": 3, "loss": 2.0, "loss_steps": 3, "step_loss": 3.0},
+                {"step": 6, "loss": 5.0, "loss_steps": 2, "step_loss": 6.0},
+                {"step": 7, "loss": 7.0, "loss_steps": 1, "step_loss": 7.0},
+            ]
+        else:  # each step's own row, as before
+            assert [r["loss"] for r in rows] == [0] * 7
