@@ -344,8 +344,20 @@ def _named_settings(
                 _coerce(setting_named(name), value)
             except UserError as e:
                 reason = str(e).removeprefix(f"{option_name(name)}: ")
-                raise UserError(f"{places[name]}: {reason}") from None
+                raise UserError(f"{places[name]}: {as_file_names(reason)}") from None
     return resolved, places
+
+
+def as_file_names(text: str) -> str:
+    """``text`` with the settings it names by flag (--warmup-ratio) named as a file or a TrainConfig
+    call names them (warmup_ratio)."""
+    names = {s.name for s in config_fields()}
+
+    def named(found: re.Match[str]) -> str:
+        name = found.group(1).replace("-", "_")
+        return name if name in names else found.group(0)
+
+    return re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)", named, text)
 
 
 def _key_problem(key: Any, path: str, lines: dict[str, int]) -> str | None:

@@ -756,7 +756,11 @@ def test_hf_shares_of_the_run_below_1_are_answered(
     with pytest.raises(UserError, match=r":1: save_steps: expected int, got 0.25 \(the HF Trainer's share"):
         load_yaml(str(yaml_file))
     yaml_file.write_text("num_epochs: 0.5\n")
-    with pytest.raises(UserError, match=r"got 0.5 \(lmtune trains whole epochs: --max-steps N stops within"):
+    # Other settings named as the file names them (a flag's spelling was said in YAML).
+    with pytest.raises(UserError, match=r"got 0.5 \(lmtune trains whole epochs: max_steps N stops within"):
+        load_yaml(str(yaml_file))
+    yaml_file.write_text("warmup_steps: 0.1\n")  # transformers 5's ratio
+    with pytest.raises(UserError, match=r"got 0.1 \(a share of the training steps is warmup_ratio\)$"):
         load_yaml(str(yaml_file))
     assert main(["train", "--eval_steps", "0.1"]) == 2
     assert "--eval-every: expected int, got '0.1' (the HF Trainer's share" in capsys.readouterr().err
