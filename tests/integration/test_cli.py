@@ -266,6 +266,14 @@ def test_a_micro_batch_alone_says_the_global_batch_is_the_default(
     assert "global batch 32 = 4 x 1 x 8 accumulation" in out
     assert "global batch 32 is the default: --micro-batch-size (HF's per_device_train_batch_size)" in out
     assert "give --global-batch-size 4 for one per step" in out
+    assert "packing:" not in out
+    # Packing asked for: the batch counts examples still, where TRL's packed batch counts rows.
+    packed = ["--global-batch-size", "8", "--packing", "on", "--output-dir", str(tmp_path / "k")]
+    assert main([*common, *packed]) == 0
+    assert (
+        "packing: the global batch counts examples (8 a step, packed into rows of up to --max-length 512 "
+        "tokens), not packed rows as TRL's per_device_train_batch_size does under packing"
+    ) in capsys.readouterr().out
     # A resume keeps its global batch: nothing to advise there (it advised what a resume refuses).
     first = ["train", "--data", str(data), "--no-progress", "--output-dir", str(tmp_path / "r")]
     assert main([*first, "--max-steps", "1"]) == 0

@@ -160,6 +160,7 @@ def run_record(run: RunContext, built: Built, resumed: CheckpointManager, peak: 
         threads_note(env, cfg.launch.threads_per_process, run.threads) if env.device.type == "cpu" else None,
         _left_out_note(layout, built.objective.unit),
         _warmup_note(cfg, layout.total_steps, built.lr),
+        _packed_batch_note(cfg, built, layout),
     )
     for note in notes:
         if note:
@@ -240,6 +241,18 @@ def _default_batch_note(layout: BatchLayout, cfg: TrainConfig, given: frozenset[
         f"global batch {default} is the default: --micro-batch-size (HF's per_device_train_batch_size) "
         f"sets only the micro-batch, so each step accumulates {layout.accumulation * layout.world_size} of "
         f"them; give --global-batch-size {layout.micro_batch_size * layout.world_size} for one per step"
+    )
+
+
+def _packed_batch_note(cfg: TrainConfig, built: Built, layout: BatchLayout) -> str | None:
+    """Packing asked for: the batch sizes still count examples, where TRL's packed batch counts
+    rows (its per_device_train_batch_size of packed rows trains several times the examples)."""
+    if cfg.batch.packing != "on" or built.batching != "pack":
+        return None
+    return (
+        f"packing: the global batch counts examples ({layout.global_batch_size} a step, packed into rows "
+        f"of up to --max-length {cfg.examples.max_length} tokens), not packed rows as TRL's "
+        "per_device_train_batch_size does under packing; a step trains what its examples would unpacked"
     )
 
 
