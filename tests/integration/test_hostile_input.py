@@ -38,7 +38,7 @@ from tests.conftest import one_line_error as _error
         ("epochs: [1, 2]\n", "run.yaml:1: epochs: expected int"),
         (
             "num_epochs: 2.5\n",
-            "run.yaml:1: num_epochs: expected int, got 2.5 (lmtune trains whole epochs: --max-steps",
+            "run.yaml:1: num_epochs: expected int, got 2.5 (lmtune trains whole epochs: max_steps",
         ),
         # Named as the file has it (an alias, a nested group), with its line.
         ("seed: 1\nlearning_rate: abc\n", "run.yaml:2: learning_rate: expected float, got 'abc'"),

@@ -122,7 +122,7 @@ def checkpoint_record(checkpoint: Path, step: int) -> dict[str, Any] | None:
     evals = [r for r in rows if r.get("kind") == "eval"]
     result: dict[str, Any] = {"steps": step}
     if trained:
-        result["last_loss"] = trained[-1].get("loss")
+        result["last_loss"] = trained[-1].get("step_loss", trained[-1].get("loss"))  # --log-every N: its own
     if evals:
         last = evals[-1]
         result["eval"] = {

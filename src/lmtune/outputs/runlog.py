@@ -251,13 +251,14 @@ def read_metrics(output_dir: Path, kind: str | None = "train") -> list[dict[str,
 
 
 def loss_at(rows: list[dict[str, Any]], step: int) -> float:
-    """The training loss ``rows`` (metrics.jsonl's) logged at ``step``; nan where none is."""
-    losses = [
-        r["loss"]
-        for r in rows
-        if r.get("kind") == "train" and r.get("step") == step and isinstance(r.get("loss"), (int, float))
+    """The training loss of step ``step`` as ``rows`` (metrics.jsonl's) logged it; nan where none is
+    (a row of several steps, --log-every N, holds their mean in ``loss`` and this one's in
+    ``step_loss``)."""
+    logged = [
+        r.get("step_loss", r.get("loss")) for r in rows if r.get("kind") == "train" and r.get("step") == step
     ]
-    return float(losses[-1]) if losses else float("nan")
+    losses = [float(loss) for loss in logged if isinstance(loss, (int, float))]
+    return losses[-1] if losses else float("nan")
 
 
 def _rows(path: Path) -> Iterator[tuple[dict[str, Any] | None, str]]:

@@ -93,3 +93,16 @@ def test_a_row_of_several_steps_holds_their_mean_loss_as_the_hf_trainers_logging
             ]
         else:  # each step's own row, as before
             assert [r["loss"] for r in rows] == [0] * 7
+
+
+def test_a_steps_own_loss_is_read_back_from_a_row_of_several() -> None:
+    """A run stopped after its last checkpoint and run again recorded the window's mean as its last
+    loss (run.json's result, the card) where the step's own is recorded otherwise."""
+    from lmtune.outputs.runlog import loss_at
+
+    rows = [
+        {"kind": "train", "step": 4, "loss": 2.5, "loss_steps": 4, "step_loss": 2.0},
+        {"kind": "train", "step": 5, "loss": 1.5},  # --log-every 1: the step's own
+    ]
+    assert (loss_at(rows, 4), loss_at(rows, 5)) == (2.0, 1.5)
+    assert loss_at(rows, 6) != loss_at(rows, 6)  # none: nan
