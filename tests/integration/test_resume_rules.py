@@ -134,13 +134,18 @@ def test_a_finished_runs_damaged_last_checkpoint_is_named_not_called_missing(
     assert f"Its checkpoint {out / 'checkpoints' / f'step-{STEPS:06d}'} is damaged (" in said
     assert "No checkpoint holds" not in said
     # None earlier to name: said (it pointed to "an earlier one" that was not there); with one, named.
-    assert "to train on, no earlier checkpoint is left to continue from; --overwrite starts afresh" in said
+    assert (
+        "to train on, no earlier whole checkpoint is left to continue from; --overwrite starts afresh" in said
+    )
     (out / "checkpoints").rename(out / "checkpoints.kept")
     shutil.copytree(base["out"] / f"checkpoints/step-{SAVE:06d}", out / f"checkpoints/step-{SAVE:06d}")
     (out / "checkpoints.kept" / f"step-{STEPS:06d}").rename(out / f"checkpoints/step-{STEPS:06d}")
     assert main(_args(base["data"], out)) == 0
     older = out / "checkpoints" / f"step-{SAVE:06d}"
     assert f"to train on, --resume {older} continues from the one before it" in capsys.readouterr().out
+    (older / "optimizer.pt").unlink()  # the one before damaged too: not named
+    assert main(_args(base["data"], out)) == 0
+    assert "no earlier whole checkpoint is left to continue from" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("checkpoints", [(), (SAVE,)], ids=["no checkpoint", "an older one"])

@@ -122,12 +122,12 @@ def say_finished(run: RunContext, step: int) -> list[str]:
     damage = verify(saved, hashes=False) if wrote else None
     held = saved if wrote and damage is None else None
     # More steps continue from a checkpoint of the last one; without it, they are refused.
-    older = [c for c in saved_checkpoints(out) if c != saved]
+    older = [c for c in saved_checkpoints(out) if c != saved and verify(c, hashes=False) is None]
     onward = (
         "Raise --max-steps or --epochs to train on"
         if held is not None
         else f"Its checkpoint {saved} is damaged ({damage}): to train on, "
-        + resume_instead(older, "no earlier checkpoint is left to continue from")
+        + resume_instead(older, "no earlier whole checkpoint is left to continue from")
         + "; --overwrite starts afresh"
         if damage
         else f"No checkpoint holds step {step} to train on from (--save-every); --overwrite starts afresh"
