@@ -357,9 +357,9 @@ def unread_said(meta: dict[str, Any]) -> str:
         said.append(
             f"{count:,} conversation{'' if one else 's'} whose system turn the chat template does not "
             f"write{in_parentheses(first_places(where, 'system_left_out', count))}: "
-            f"{'it trains' if one else 'they train'} without it (Mistral v0.3's template writes a system "
-            "prompt only into a conversation that ends with a user turn; --chat-template FILE.jinja "
-            "that writes it trains with it)"
+            f"{'it trains' if one else 'they train'} without it (some templates, as Mistral v0.3's, write "
+            "a system prompt only into a conversation that ends with a user turn; --chat-template "
+            "FILE.jinja that writes it trains with it)"
         )
     if count := meta.get("prompt_cut_away", 0):
         said.append(
