@@ -253,7 +253,7 @@ def resolve_names(
             continue
         if value is None and canonical(key) in PEER_NULLS:
             value = PEER_NULLS[canonical(key)]
-        if name in out and _same(out[name], value):
+        if name in out and same_value(out[name], value):
             # Two names of one setting that agree: TRL's dumps write gradient_checkpointing beside
             # its new name.
             continue
@@ -272,7 +272,7 @@ def resolve_names(
 PEER_NULLS: dict[str, Any] = {"save_total_limit": 0}
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     """Two values of one setting that say the same (1e-4 and "1e-4", True and "true")."""
     return bool(a == b) or (
         a is not None and b is not None and str(a).strip().lower() == str(b).strip().lower()
@@ -317,10 +317,20 @@ _VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
     "completion_only_loss": {"true": {}},
     "assistant_only_loss": {"true": {}},
     "tf32": {"false": {}},  # the HF Trainer's: PyTorch's default, which lmtune keeps
-    # The HF Trainer's and TRL's, saying what lmtune always does (other values are answered).
+    # The HF Trainer's and TRL's, saying what lmtune always does (other values are answered), as
+    # their dumps (to_dict()) write them at their defaults.
     "dataloader_drop_last": {"true": {}},
     "average_tokens_across_devices": {"true": {}},
-    "shuffle_dataset": {"true": {}},
+    # TRL's shuffles once before training; every epoch's sampler shuffles anyway, as lmtune does.
+    "shuffle_dataset": {"true": {}, "false": {}},
+    "label_smoothing_factor": {"0": {}, "0.0": {}},
+    "use_cpu": {"false": {}},
+    "no_cuda": {"false": {}},
+    "disable_tqdm": {"false": {}},
+    "eval_strategy": {"no": {}},
+    "evaluation_strategy": {"no": {}},
+    # TRL's packing strategy: lmtune's packing is exact, each example its own attention, as bfd's.
+    "packing_strategy": {"bfd": {}},
     # The HF Trainer's, as its docs advise it: lmtune's checkpointing is non-reentrant.
     "gradient_checkpointing_kwargs": {"use_reentrant=false": {}},
     # Axolotl's loader classes: the ones lmtune uses for every model.

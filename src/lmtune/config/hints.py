@@ -196,7 +196,8 @@ HINTS: dict[str, str] = {
     # The HF Trainer's and TRL's settings that name what lmtune always does, or has not.
     "packing_strategy": (
         "lmtune packs by its own rule ({packing} on | off | auto), exact: a packed step trains what the "
-        "same examples unpacked would, each example attending to itself alone (TRL's bfd with position ids)"
+        "same examples unpacked would, each example attending to itself alone (TRL's bfd with position "
+        "ids, which is taken; its wrapped, which cuts examples across rows, lmtune has not)"
     ),
     "lr_scheduler_kwargs": (
         "lmtune's schedules take their settings by name: {min_lr_ratio} (transformers' min_lr_rate), "
@@ -294,7 +295,8 @@ IN_COMMAND: dict[str, dict[str, str]] = {
 _SCHEDULES = {
     "cosine": (
         "{lr_schedule} cosine is lmtune's default; it decays to lr x {min_lr_ratio} (0.1 by default), "
-        "transformers' and Axolotl's to 0: add {min_lr_ratio} 0 for theirs"
+        "transformers' and Axolotl's to 0: add {min_lr_ratio} 0 for theirs (and {warmup_steps} 0 where "
+        "you give no warmup: lmtune warms up over 5% of the steps unless told)"
     ),
     "linear": (
         "{lr_schedule} linear (warmup, then linear decay to 0; lmtune warms up over 5% of the steps "
@@ -305,7 +307,10 @@ _SCHEDULES = {
         "told; transformers' constant has no warmup)"
     ),
     "constant_with_warmup": "{lr_schedule} constant (constant after the warmup)",
-    "cosine_with_min_lr": "{lr_schedule} cosine, with its min_lr_rate as {min_lr_ratio}",
+    "cosine_with_min_lr": (
+        "{lr_schedule} cosine, with its min_lr_rate as {min_lr_ratio} (and {warmup_steps} 0 where you give "
+        "no warmup: lmtune warms up over 5% of the steps unless told)"
+    ),
     "warmup_stable_decay": "{lr_schedule} wsd",
 }
 # Foreign names whose answer depends on the value given (as text, lower case; "*": any other).

@@ -266,13 +266,17 @@ def _assembled(
     values: dict[str, Any] = dict(start) if start else {n: k() for n, k in GROUPS.items()}
     values.setdefault("seed", _BY_NAME["seed"].default)
     flat = _Fields()
-    from lmtune.config.aliases import ALIASES, peers_switched  # it reads the settings for its messages
+    # It reads the settings for its messages.
+    from lmtune.config.aliases import ALIASES, PEER_NULLS, peers_switched, same_value
 
     settings = peers_switched(settings, lambda _: "TrainConfig: ", str, "the call")
 
     for key, value in settings.items():
         kind, written = GROUPS.get(key), key
         if key not in _BY_NAME and ALIASES.get(key) in _BY_NAME:
+            value = PEER_NULLS.get(key, value) if value is None else value  # save_total_limit=None
+            if ALIASES[key] in settings and same_value(settings[ALIASES[key]], value):
+                continue  # one value under two names (TRL's gradient_checkpointing beside its new one)
             if ALIASES[key] in settings:
                 raise UnknownSetting(
                     f"TrainConfig: {ALIASES[key]} is set twice (as {key} and {ALIASES[key]})"

@@ -935,8 +935,14 @@ def test_a_trainer_or_sft_config_dump_is_taken_where_it_says_what_lmtune_does(tm
     )
     assert cfg.eval.metric_for_best == "eval_loss"
     assert TrainConfig(metric_for_best="perplexity").eval.metric_for_best == "eval_perplexity"
+    # Their defaults that say what lmtune does: taken (each was answered, one per key of a dump).
+    dump.write_text(
+        "label_smoothing_factor: 0.0\nshuffle_dataset: false\nuse_cpu: false\ndisable_tqdm: false\n"
+        "eval_strategy: 'no'\npacking_strategy: bfd\n"
+    )
+    assert build_config(load_yaml(str(dump))) == TrainConfig()
     # Names that differ are refused, with every other answer of the file at once.
-    dump.write_text("lr: 1e-3\nlearning_rate: 2e-3\npacking_strategy: bfd\nlabel_smoothing_factor: 0.1\n")
+    dump.write_text("lr: 1e-3\nlearning_rate: 2e-3\npacking_strategy: wrapped\nlabel_smoothing_factor: 0.1\n")
     with pytest.raises(UserError) as refused:
         load_yaml(str(dump))
     lines = str(refused.value).splitlines()
@@ -955,7 +961,6 @@ def test_a_trainer_or_sft_config_dump_is_taken_where_it_says_what_lmtune_does(tm
         ("lr_scheduler_type: cosine_with_min_lr", "lr_schedule cosine, with its min_lr_rate as min_lr_ratio"),
         ("lr_scheduler_kwargs: {min_lr_rate: 0.1}", "min_lr_ratio (transformers' min_lr_rate)"),
         ("dataloader_drop_last: false", "lmtune always trains whole global batches"),
-        ("shuffle_dataset: false", "lmtune shuffles the examples every epoch, by seed"),
         ("loss_type: dft", "lmtune's losses are objective sft (TRL's nll) | dpo"),
     ],
 )

@@ -307,6 +307,13 @@ def test_settings_live_in_groups_with_flat_names(tmp_path: Path) -> None:
     assert TrainConfig(learning_rate=1.0, lora_r=4).optim.lr == 1.0 and TrainConfig(lora_r=4).lora.rank == 4
     with pytest.raises(TypeError, match=r"lr is set twice \(as learning_rate and lr\)"):
         TrainConfig(learning_rate=1.0, lr=2.0)
+    # One value under both (a TRL dump's gradient_checkpointing beside its new name) is taken, as in
+    # YAML; so is HF's save_total_limit=None, its default: every checkpoint kept.
+    assert TrainConfig(
+        gradient_checkpointing=True, activation_checkpointing=True
+    ).model.activation_checkpointing
+    assert TrainConfig(learning_rate=1.0, lr=1.0).optim.lr == 1.0
+    assert TrainConfig(save_total_limit=None).checkpoint.keep_last == 0
     # In a group's mapping and by a flat name (one would be dropped without a word), in either order.
     with pytest.raises(TypeError, match=r"lora_rank is set twice \(as lora=\{'rank': \.\.\.\} and lora_r\)"):
         TrainConfig(lora={"enabled": True, "rank": 8}, lora_r=4)
