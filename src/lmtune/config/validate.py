@@ -307,8 +307,12 @@ def _check_applicable(cfg: TrainConfig, need: Need, given: frozenset[str]) -> No
         ),
         "reference": (o.name in WITH_REFERENCE, referenced),
         "reference_model": (o.name in WITH_REFERENCE, referenced),
-        # HF Trainer lets warmup_steps win silently; one of them is what the user meant.
-        "warmup_ratio": (cfg.schedule.warmup_steps is None, "is instead of --warmup-steps: give one"),
+        # HF Trainer lets warmup_steps win silently; one of them is what the user meant. A ratio of 0
+        # beside them (transformers 4's dumps write both) asks nothing: the steps are taken, as there.
+        "warmup_ratio": (
+            cfg.schedule.warmup_steps is None or cfg.schedule.warmup_ratio == 0,
+            "is instead of --warmup-steps: give one",
+        ),
         "decay_ratio": (cfg.schedule.name == "wsd", "applies to --lr-schedule wsd only"),
         "min_lr_ratio": (
             cfg.schedule.name in ("cosine", "wsd"),

@@ -125,6 +125,15 @@ def test_invalid_settings_name_the_option(values: dict[str, object], needle: str
         validate(build_config(values), world_size=1)
 
 
+def test_a_ratio_of_no_warmup_beside_warmup_steps_asks_nothing() -> None:
+    """transformers 4's dumps write warmup_ratio 0.0 beside warmup_steps (HF takes the steps): it
+    was "give one"."""
+    for steps in (0, 5):
+        cfg = build_config({"warmup_ratio": 0.0, "warmup_steps": steps})
+        validate(cfg, world_size=1)
+        assert cfg.schedule.warmup_steps == steps
+
+
 def test_a_setting_given_for_a_feature_that_is_off_is_refused_at_its_default(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
