@@ -361,6 +361,14 @@ def unread_said(meta: dict[str, Any]) -> str:
             "a system prompt only into a conversation that ends with a user turn; --chat-template "
             "FILE.jinja that writes it trains with it)"
         )
+    if count := meta.get("unread_reasoning", 0):
+        one = count == 1
+        said.append(
+            f"{count:,} conversation{'' if one else 's'} with a turn's reasoning in a field of its own "
+            f"(reasoning_content, thinking){in_parentheses(first_places(where, 'unread_reasoning', count))}, "
+            f"which lmtune does not render: {'it trains' if one else 'they train'} without it (write the "
+            "reasoning into the reply's content, as the template would show it: Qwen3's <think>...</think>)"
+        )
     if count := meta.get("prompt_cut_away", 0):
         said.append(
             f"{count:,} example{'' if count == 1 else 's'} whose prompt --truncation left cut away whole"

@@ -55,6 +55,8 @@ class EncodeStats:
     unread_system: int = 0
     # Conversations whose system turn their chat template does not render (Mistral v0.3's).
     system_left_out: int = 0
+    # Conversations with a turn's reasoning in a field of its own (reasoning_content), not rendered.
+    unread_reasoning: int = 0
     # Instruction records with Dolly's 'context' (the passage the instruction is about) unread.
     unread_context: int = 0
     # Kept examples whose prompt --truncation left cut away whole: an answer to no question.
@@ -337,7 +339,8 @@ def _count_unread(record: Record, stats: EncodeStats, instruction: FieldMap | No
     field beside any fields but a text's (prompt/completion, instruction, preference records:
     Intel/orca_dpo_pairs; messages and ShareGPT with the system prompt in a column of its own);
     of a prompt/completion or instruction record (``instruction``: its field map), Dolly's
-    'context' not mapped to an instruction's input, or an input beside a prompt (which reads none)."""
+    'context' not mapped to an instruction's input, or an input beside a prompt (which reads none);
+    a turn's reasoning in a field of its own (``reasoning_content``), which no turn renders."""
     fields = record.fields
     passage = None
     if instruction is not None:  # prompt/completion records read no input; instruction records read it
@@ -345,6 +348,9 @@ def _count_unread(record: Record, stats: EncodeStats, instruction: FieldMap | No
         passage = ours.get("input") if "prompt" in ours else None
         if "context" not in instruction.fields.values():
             passage = passage or fields.get("context")
+    if any(_reasoning(v) for v in fields.values()):
+        stats.unread_reasoning += 1
+        stats.note("unread_reasoning", record.where)
     for name, value in (("system", fields.get("system")), ("context", passage)):
         if name == "system" and any(_system_turn(v) for v in fields.values()):
             continue  # a conversation that has its own system turn: the column repeats it, most often
@@ -364,6 +370,20 @@ def blank_answer(ids: np.ndarray, trainable: np.ndarray, tokenizer: Any, stops: 
         if not tokenizer.decode([int(t) for t in ids[start:end] if int(t) not in stops]).strip():
             return True
     return False
+
+
+# A turn's reasoning in a field of its own (Qwen3's and DeepSeek's reasoning_content, gpt-oss's
+# thinking): lmtune renders a turn's role and content only.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _reasoning(value: Any) -> bool:
+    """Whether ``value`` is a list of turns of which one holds reasoning in a field of its own."""
+    turns = value if isinstance(value, list) else []
+    return any(
+        isinstance(t, dict) and any(isinstance(t.get(f), str) and t[f].strip() for f in REASONING_FIELDS)
+        for t in turns
+    )
 
 
 def _system_turn(value: Any) -> bool:

@@ -647,3 +647,18 @@ def test_a_system_prompt_the_template_leaves_out_is_counted_and_said() -> None:
     )
     _, kept = encode_in_memory(records, _templated(QWEN3), ExampleSettings())
     assert kept.system_left_out == 0
+
+
+def test_a_turns_reasoning_in_a_field_of_its_own_is_counted_and_said() -> None:
+    """Qwen3's and DeepSeek's reasoning_content (gpt-oss's thinking) beside a reply's content was
+    dropped silently: the reply trained an empty thinking block, the audit said "clean"."""
+    from lmtune.data.pairs import unread_said
+
+    reasoned = [*CHAT[:4], {"role": "assistant", "content": "6.", "reasoning_content": "3 and 3 make 6"}]
+    records = [Record("d.jsonl", 1, {"messages": CHAT}), Record("d.jsonl", 2, {"messages": reasoned})]
+    _, stats = encode_in_memory(records, _templated(QWEN3), ExampleSettings())
+    assert stats.unread_reasoning == 1 and stats.where["unread_reasoning"] == ["d.jsonl:2"]
+    assert unread_said(dataclasses.asdict(stats)).startswith(
+        "1 conversation with a turn's reasoning in a field of its own (reasoning_content, thinking) (at "
+        "d.jsonl:2), which lmtune does not render: it trains without it"
+    )
