@@ -327,6 +327,44 @@ def counted_as(meta: dict[str, Any]) -> str:
     return "pairs" if {"preference", "preference_messages"} & set(meta["formats"]) else "examples"
 
 
+# What else the data line and the audit count of records trained without text they hold: (count's
+# key, what is counted, what it holds, what it trains, what to do).
+_UNREAD = (
+    (
+        "system_left_out",
+        "conversation",
+        "whose system turn the chat template does not write",
+        "without it",
+        "some templates, as Mistral v0.3's, write a system prompt only into a conversation that ends "
+        "with a user turn; --chat-template FILE.jinja that writes it trains with it",
+    ),
+    (
+        "unread_reasoning",
+        "conversation",
+        "with a turn's reasoning in a field of its own (reasoning_content, thinking) that lmtune does not "
+        "render",
+        "without it",
+        "write the reasoning into the reply's content, as the template would show it: Qwen3's "
+        "<think>...</think>",
+    ),
+    (
+        "prompt_cut_away",
+        "example",
+        "whose prompt --truncation left cut away whole",
+        "an answer to no question",
+        "a larger --max-length keeps the prompt; --truncation drop leaves such examples out",
+    ),
+    (
+        "unread_context",
+        "record",
+        "with a context (or an input) its format does not read",
+        "without it",
+        "an instruction record, as Dolly's, reads it as its input: --field-map input=context, with "
+        "instruction and output, not prompt",
+    ),
+)
+
+
 def unread_said(meta: dict[str, Any]) -> str:
     """What the data line and the audit say of records (their cache meta's counts) trained without
     text they hold: a system prompt in a field of its own, a prompt --truncation left cut away,
@@ -352,38 +390,13 @@ def unread_said(meta: dict[str, Any]) -> str:
             f"{in_parentheses(first_places(where, 'unread_system', count))}, which that format does not "
             f"render: {'it trains' if one else 'they train'} without it ({fix})"
         )
-    if count := meta.get("system_left_out", 0):
-        one = count == 1
-        said.append(
-            f"{count:,} conversation{'' if one else 's'} whose system turn the chat template does not "
-            f"write{in_parentheses(first_places(where, 'system_left_out', count))}: "
-            f"{'it trains' if one else 'they train'} without it (some templates, as Mistral v0.3's, write "
-            "a system prompt only into a conversation that ends with a user turn; --chat-template "
-            "FILE.jinja that writes it trains with it)"
-        )
-    if count := meta.get("unread_reasoning", 0):
-        one = count == 1
-        said.append(
-            f"{count:,} conversation{'' if one else 's'} with a turn's reasoning in a field of its own "
-            f"(reasoning_content, thinking){in_parentheses(first_places(where, 'unread_reasoning', count))}, "
-            f"which lmtune does not render: {'it trains' if one else 'they train'} without it (write the "
-            "reasoning into the reply's content, as the template would show it: Qwen3's <think>...</think>)"
-        )
-    if count := meta.get("prompt_cut_away", 0):
-        said.append(
-            f"{count:,} example{'' if count == 1 else 's'} whose prompt --truncation left cut away whole"
-            f"{in_parentheses(first_places(where, 'prompt_cut_away', count))}: "
-            f"{'it trains' if count == 1 else 'they train'} an answer to no question (a larger "
-            "--max-length keeps the prompt; --truncation drop leaves such examples out)"
-        )
-    if count := meta.get("unread_context", 0):
-        one = count == 1
-        said.append(
-            f"{count:,} record{'' if one else 's'} with a context (or an input) its format does not read"
-            f"{in_parentheses(first_places(where, 'unread_context', count))}: "
-            f"{'it trains' if one else 'they train'} without it (an instruction record, as Dolly's, reads "
-            "it as its input: --field-map input=context, with instruction and output, not prompt)"
-        )
+    for key, noun, what, trains, fix in _UNREAD:
+        if count := meta.get(key, 0):
+            one, places = count == 1, in_parentheses(first_places(where, key, count))
+            said.append(
+                f"{count:,} {noun}{'' if one else 's'} {what}{places}: "
+                f"{'it trains' if one else 'they train'} {trains} ({fix})"
+            )
     return "; ".join(said)
 
 

@@ -659,6 +659,6 @@ def test_a_turns_reasoning_in_a_field_of_its_own_is_counted_and_said() -> None:
     _, stats = encode_in_memory(records, _templated(QWEN3), ExampleSettings())
     assert stats.unread_reasoning == 1 and stats.where["unread_reasoning"] == ["d.jsonl:2"]
     assert unread_said(dataclasses.asdict(stats)).startswith(
-        "1 conversation with a turn's reasoning in a field of its own (reasoning_content, thinking) (at "
-        "d.jsonl:2), which lmtune does not render: it trains without it"
+        "1 conversation with a turn's reasoning in a field of its own (reasoning_content, thinking) that "
+        "lmtune does not render (at d.jsonl:2): it trains without it"
     )
