@@ -18,6 +18,7 @@ from typing import Any
 
 from lmtune.config.axolotl_data import datasets_here, separator
 from lmtune.config.hints import BY_VALUE, HINTS, IN_COMMAND
+from lmtune.config.switches import DTYPES, PEER_NULLS, VALUE_SWITCHES
 from lmtune.errors import UserError, one_line
 
 # Foreign name -> the lmtune setting of the same meaning.
@@ -267,76 +268,11 @@ def resolve_names(
     return out
 
 
-# Another tool's key whose null means a value of lmtune's setting: the HF Trainer's (and Axolotl's)
-# save_total_limit null, its default, keeps every checkpoint (TrainingArguments.to_dict() writes it).
-PEER_NULLS: dict[str, Any] = {"save_total_limit": 0}
-
-
 def same_value(a: Any, b: Any) -> bool:
     """Two values of one setting that say the same (1e-4 and "1e-4", True and "true")."""
     return bool(a == b) or (
         a is not None and b is not None and str(a).strip().lower() == str(b).strip().lower()
     )
-
-
-# The dtypes' names in bitsandbytes' and transformers' configs, by lmtune's precision.
-_DTYPES = {
-    "fp32": ("float32", "fp32", "torch.float32"),
-    "bf16": ("bfloat16", "bf16", "torch.bfloat16"),
-    "fp16": ("float16", "fp16", "torch.float16"),
-}
-# Another tool's key whose value says what lmtune settings do: (its key, value as text) -> ours.
-_VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
-    "adapter": {"lora": {"lora": True}, "qlora": {"lora": True, "load_in_4bit": True}},  # Axolotl
-    "rl": {  # Axolotl ("true": its first releases' DPO)
-        **{name: {"objective": name} for name in ("dpo", "ipo", "simpo", "orpo")},
-        "true": {"objective": "dpo"},
-        "false": {},
-    },
-    "lora_target_linear": {"true": {"lora_target_modules": "all-linear"}, "false": {}},  # Axolotl
-    "loss_type": {  # TRL's DPOConfig (sigmoid, ipo), CPOConfig (simpo) and SFTConfig (nll, its default)
-        "nll": {"objective": "sft"},
-        "sigmoid": {"objective": "dpo"},
-        "ipo": {"objective": "ipo"},
-        "simpo": {"objective": "simpo"},
-    },
-    "sample_packing": {"true": {"packing": "on"}, "false": {"packing": "off"}},  # Axolotl
-    "precompute_ref_log_probs": {"true": {"reference": "logprobs"}, "false": {"reference": "live"}},  # TRL
-    # HF Trainer's, TRL's and Axolotl's half-precision switches (false: not that one, asks nothing).
-    "bf16": {"true": {"precision": "bf16"}, "false": {}},
-    "fp16": {"true": {"precision": "fp16"}, "false": {}},
-    # bitsandbytes' (peft, TRL, Axolotl): a 4-bit layer computes in the run's precision, and its
-    # constants are always quantized too; values that say so are taken.
-    "bnb_4bit_compute_dtype": {
-        **{name: {"precision": ours} for ours, names in _DTYPES.items() for name in names},
-    },
-    "bnb_4bit_use_double_quant": {"true": {}},
-    "cpo_alpha": {"0": {}, "0.0": {}},  # TRL's CPOConfig: SimPO is cpo_alpha 0, lmtune's simpo
-    # TRL's SFTConfig: lmtune trains completions and assistant turns only (false is answered:
-    # TRL's two settings are one in lmtune, --train-on-prompt, which is not what either says).
-    "completion_only_loss": {"true": {}},
-    "assistant_only_loss": {"true": {}},
-    "tf32": {"false": {}},  # the HF Trainer's: PyTorch's default, which lmtune keeps
-    # The HF Trainer's and TRL's, saying what lmtune always does (other values are answered), as
-    # their dumps (to_dict()) write them at their defaults.
-    "dataloader_drop_last": {"true": {}},
-    "average_tokens_across_devices": {"true": {}},
-    # TRL's shuffles once before training; every epoch's sampler shuffles anyway, as lmtune does.
-    "shuffle_dataset": {"true": {}, "false": {}},
-    "label_smoothing_factor": {"0": {}, "0.0": {}},
-    "use_cpu": {"false": {}},
-    "no_cuda": {"false": {}},
-    "disable_tqdm": {"false": {}},
-    "eval_strategy": {"no": {}},
-    "evaluation_strategy": {"no": {}},
-    # TRL's packing strategy: lmtune's packing is exact, each example its own attention, as bfd's.
-    "packing_strategy": {"bfd": {}},
-    # The HF Trainer's, as its docs advise it: lmtune's checkpointing is non-reentrant.
-    "gradient_checkpointing_kwargs": {"use_reentrant=false": {}},
-    # Axolotl's loader classes: the ones lmtune uses for every model.
-    "model_type": {"automodelforcausallm": {}},
-    "tokenizer_type": {"autotokenizer": {}},
-}
 
 
 def peers_switched(
@@ -346,7 +282,7 @@ def peers_switched(
     giver: str = "the file",
 ) -> dict[str, Any]:
     """``values`` with other tools' switches as lmtune's settings: HF Trainer's yes/no
-    ``push_to_hub`` beside ``hub_model_id``, and :data:`_VALUE_SWITCHES` (Axolotl's ``adapter:
+    ``push_to_hub`` beside ``hub_model_id``, and :data:`VALUE_SWITCHES` (Axolotl's ``adapter:
     qlora``, TRL's ``loss_type: sigmoid``, ``bf16: true``); ``giver`` names what gave ``values``."""
     _check_pairs(values, where, style, giver)
     return _value_switches(_hub_switch(values, where, style), where, style, giver)
@@ -392,7 +328,7 @@ def _check_pairs(
             "bnb_4bit_compute_dtype",
             f"applies to a 4-bit base ({style('load_in_4bit')}), which {giver} does not ask for",
         )
-    ours = next((p for p, names in _DTYPES.items() if compute in names), None)
+    ours = next((p for p, names in DTYPES.items() if compute in names), None)
     if ours in ("bf16", "fp16") and low(ours) == "false":
         refuse(
             "bnb_4bit_compute_dtype",
@@ -406,8 +342,8 @@ def _shown(value: Any) -> str:
 
 
 def value_switched(key: str, value: Any) -> dict[str, Any]:
-    """The settings another tool's ``key: value`` sets, and their values (:data:`_VALUE_SWITCHES`)."""
-    switches = _VALUE_SWITCHES.get(canonical(key))
+    """The settings another tool's ``key: value`` sets, and their values (:data:`VALUE_SWITCHES`)."""
+    switches = VALUE_SWITCHES.get(canonical(key))
     written = _switch_value(value)
     if switches is None or written is None:
         return {}
@@ -415,7 +351,7 @@ def value_switched(key: str, value: Any) -> dict[str, Any]:
 
 
 def _switch_value(value: Any) -> str | None:
-    """A value as :data:`_VALUE_SWITCHES` lists it: lower case, a list of one as that one, a
+    """A value as :data:`VALUE_SWITCHES` lists it: lower case, a list of one as that one, a
     mapping (from YAML, or a flag's JSON: HF's --gradient_checkpointing_kwargs '{"use_reentrant":
     false}') as ``key=value,...``; None for what it lists none of (a list)."""
     value = _one(value)
@@ -437,7 +373,7 @@ def _one(value: Any) -> Any:
 def _value_switches(
     values: dict[str, Any], where: Callable[[str], str], style: Callable[[str], str], giver: str
 ) -> dict[str, Any]:
-    """Another tool's key whose value lmtune's settings say (:data:`_VALUE_SWITCHES`: Axolotl's
+    """Another tool's key whose value lmtune's settings say (:data:`VALUE_SWITCHES`: Axolotl's
     ``adapter: qlora`` is ``lora: true`` and ``load_in_4bit: true``, TRL's ``loss_type: sigmoid`` is
     ``objective: dpo``) becomes them; the same setting given by the file too is fine when it agrees
     (Axolotl's QLoRA configs give ``load_in_4bit: true`` beside ``adapter: qlora``). Another value
@@ -448,7 +384,7 @@ def _value_switches(
     """
     out = dict(values)
     for key, value in ((k, _one(v)) for k, v in values.items()):
-        switches, written = _VALUE_SWITCHES.get(canonical(key)), _switch_value(value)
+        switches, written = VALUE_SWITCHES.get(canonical(key)), _switch_value(value)
         switched = switches.get(written) if switches is not None and written is not None else None
         if switched is None:
             continue

@@ -339,14 +339,14 @@ BY_VALUE: dict[str, dict[str, str]] = {
         "auto": "lmtune takes the precision as given: {precision} bf16 (GPUs, CPUs with bf16 units) or fp32",
     },
     "fp16": {"false": "lmtune's default {precision} is fp32 already: remove it"},
-    # Axolotl's adapter: lora and qlora are taken (_VALUE_SWITCHES); any other is none of lmtune's.
+    # Axolotl's adapter: lora and qlora are taken (switches.VALUE_SWITCHES); any other is none of lmtune's.
     "adapter": {
         "lora": "Axolotl's adapter lora is {lora}",
         "qlora": "Axolotl's adapter qlora is {lora} with {load_in_4bit}",
         "*": "Axolotl's adapters are lora and qlora (here {lora}, and {load_in_4bit} for qlora); "
         "{value} is neither",
     },
-    # A --config file's TRL values that lmtune's settings say are taken (_VALUE_SWITCHES); flags
+    # A --config file's TRL values that lmtune's settings say are taken (switches.VALUE_SWITCHES); flags
     # are answered.
     "loss_type": {
         "sigmoid": "TRL's sigmoid loss is {objective} dpo",

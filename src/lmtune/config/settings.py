@@ -267,7 +267,8 @@ def _assembled(
     values.setdefault("seed", _BY_NAME["seed"].default)
     flat = _Fields()
     # It reads the settings for its messages.
-    from lmtune.config.aliases import ALIASES, PEER_NULLS, peers_switched, same_value
+    from lmtune.config.aliases import ALIASES, peers_switched, same_value
+    from lmtune.config.switches import PEER_NULLS
 
     settings = peers_switched(settings, lambda _: "TrainConfig: ", str, "the call")
 

@@ -114,7 +114,8 @@ def test_held_out_share_of_a_mixture_is_evaluated_per_source(tmp_path: Path) -> 
         ),
         ({"eval_data": "a=x.jsonl,b=y.jsonl", "metric_for_best": "eval_loss/c"}, r"METRIC/a\|b"),
         ({"eval_data": "a=x.jsonl,b=y.jsonl", "metric_for_best": "eval_lost/a"}, r"--metric-for-best"),
-        ({"eval_data": "x.jsonl", "metric_for_best": "loss"}, r"--metric-for-best: must be"),
+        # loss is eval_loss, as the HF Trainer reads it; another name is not.
+        ({"eval_data": "x.jsonl", "metric_for_best": "bleu"}, r"--metric-for-best: must be"),
         # A slash of a metric's own name is not a source's (TRL logs rewards/chosen).
         (
             {"eval_data": "x.jsonl", "metric_for_best": "eval_rewards/chosen", "objective": "dpo"},
