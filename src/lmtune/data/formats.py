@@ -415,14 +415,18 @@ def _render_messages(
 
 
 def _system_left_out(tokenizer: Any, messages: list[dict[str, str]], text: str) -> bool:
-    """Whether the template leaves a system turn's text out of ``text`` (``messages`` rendered):
-    where its words are there, they may be another turn's (a user's that repeats them), so the
-    conversation is rendered again with a word of no one's in their place."""
-    system = [i for i, m in enumerate(messages) if m["role"] == "system" and m["content"].strip()]
-    if any(messages[i]["content"].strip() not in text for i in system):
+    """Whether the template leaves a system turn's text out of ``text`` (``messages`` rendered).
+    Where its words are there as often as the turns hold them, they are written; where fewer
+    times, the copy there may be another turn's (a user's that repeats them), so the conversation
+    is rendered again with a word of no one's in their place (only then: most conversations hold
+    their system prompt once)."""
+    system = [m["content"].strip() for m in messages if m["role"] == "system" and m["content"].strip()]
+    if any(words not in text for words in system):
         return True
-    probe = [{**m, "content": _SYSTEM_PROBE} if i in system else m for i, m in enumerate(messages)]
-    return bool(system) and _SYSTEM_PROBE not in chat_text(tokenizer, probe, generation_prompt=False)
+    if all(text.count(words) >= sum(m["content"].count(words) for m in messages) for words in system):
+        return False
+    probe = [{**m, "content": _SYSTEM_PROBE} if m["role"] == "system" else m for m in messages]
+    return _SYSTEM_PROBE not in chat_text(tokenizer, probe, generation_prompt=False)
 
 
 _SYSTEM_PROBE = "lmtune0system0probe"
