@@ -26,6 +26,7 @@ from lmtune.data.sources import EXTENSIONS, data_suffix
 from lmtune.model.lora import ADAPTER_CONFIG
 from lmtune.model.modeling import PRESETS
 from lmtune.outputs.hub import CARD_FILE
+from lmtune.outputs.runlog import own_loss
 
 if TYPE_CHECKING:
     from lmtune.checkpoint.fingerprint import Fingerprint
@@ -122,7 +123,7 @@ def checkpoint_record(checkpoint: Path, step: int) -> dict[str, Any] | None:
     evals = [r for r in rows if r.get("kind") == "eval"]
     result: dict[str, Any] = {"steps": step}
     if trained:
-        result["last_loss"] = trained[-1].get("step_loss", trained[-1].get("loss"))  # --log-every N: its own
+        result["last_loss"] = own_loss(trained[-1])
     if evals:
         last = evals[-1]
         result["eval"] = {

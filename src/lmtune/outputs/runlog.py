@@ -250,13 +250,16 @@ def read_metrics(output_dir: Path, kind: str | None = "train") -> list[dict[str,
     return [r for r in rows if isinstance(r.get("kind"), str) and (kind is None or r["kind"] == kind)]
 
 
+def own_loss(row: dict[str, Any]) -> Any:
+    """A train row's own step's loss: ``step_loss`` in a row of several steps (--log-every N), whose
+    ``loss`` is their mean."""
+    return row.get("step_loss", row.get("loss"))
+
+
 def loss_at(rows: list[dict[str, Any]], step: int) -> float:
-    """The training loss of step ``step`` as ``rows`` (metrics.jsonl's) logged it; nan where none is
-    (a row of several steps, --log-every N, holds their mean in ``loss`` and this one's in
-    ``step_loss``)."""
-    logged = [
-        r.get("step_loss", r.get("loss")) for r in rows if r.get("kind") == "train" and r.get("step") == step
-    ]
+    """The training loss of step ``step`` as ``rows`` (metrics.jsonl's) logged it (:func:`own_loss`);
+    nan where none is."""
+    logged = [own_loss(r) for r in rows if r.get("kind") == "train" and r.get("step") == step]
     losses = [float(loss) for loss in logged if isinstance(loss, (int, float))]
     return losses[-1] if losses else float("nan")
 
