@@ -174,7 +174,7 @@ def switch_given(key: str, value: Any, values: dict[str, Any], style: Callable[[
     them (TRL's --loss_type sigmoid beside --objective dpo): it adds nothing, so say to drop it."""
     switched = value_switched(key, True if value is None else value)  # None: a bare --bf16
     given = {ALIASES.get(canonical(k), canonical(k)): v for k, v in values.items()}
-    if not switched or any(str(given.get(n)).lower() != str(v).lower() for n, v in switched.items()):
+    if not switched or any(not same_value(given.get(n), v) for n, v in switched.items()):
         return ""
     shown = ", ".join(f"{style(n)} {str(v).lower()}" for n, v in switched.items())
     return f"; {shown} {'is' if len(switched) == 1 else 'are'} given, so drop {style(canonical(key))}"
