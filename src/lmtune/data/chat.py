@@ -16,6 +16,7 @@ from lmtune.config.files import TooLarge, read_text
 from lmtune.errors import SettingError, UserError, brief, one_line
 
 _PROBE = "lmtune-end-of-turn-probe"
+_USER_PROBE, _NEXT_PROBE = "lmtune-user-probe", "lmtune-next-user-probe"
 
 
 def end_of_turn_ids(tokenizer: Any, followed: bool = False) -> list[int]:
@@ -27,17 +28,32 @@ def end_of_turn_ids(tokenizer: Any, followed: bool = False) -> list[int]:
     so it works for any template (ChatML's ``<|im_end|>``, Llama 3's ``<|eot_id|>``, Gemma's
     ``<end_of_turn>``, or EOS in lmtune's built-in template).
     """
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
-    messages += [{"role": "user", "content": "hi"}] if followed else []
+    messages = [{"role": "user", "content": _USER_PROBE}, {"role": "assistant", "content": _PROBE}]
+    messages += [{"role": "user", "content": _NEXT_PROBE}] if followed else []
     text = render_chat(tokenizer, messages, generation_prompt=False)
     after = text[text.rfind(_PROBE) + len(_PROBE) :]
     special = set(tokenizer.all_special_ids) | {
         i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
     }
+    if followed and _NEXT_PROBE in after:
+        after = _less_user_header(after[: after.find(_NEXT_PROBE)], text[: text.find(_USER_PROBE)], tokenizer)
     for token in tokenizer(after, add_special_tokens=False)["input_ids"]:
         if token in special:
             return [int(token)]
     return []
+
+
+def _less_user_header(between: str, first: str, tokenizer: Any) -> str:
+    """What closes a reply, of the text ``between`` it and the next user turn's words: less that
+    turn's header, as the first user turn's (``first``: the text before its words) ends from its
+    last special token on. A template that closes replies with nothing of its own then gives no
+    token, where the next turn's opening (``<|user|>``) was taken for the reply's end of turn."""
+    texts = [t for t in tokenizer.all_special_tokens if t] + [
+        str(t) for t in tokenizer.added_tokens_decoder.values() if getattr(t, "special", False)
+    ]
+    opens = max((first.rfind(t) for t in texts), default=-1)
+    header = first[opens:] if opens >= 0 else ""
+    return between.removesuffix(header) if header and between.endswith(header) else between
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,9 @@ def _opened(text: str, header: str, at: int) -> tuple[int, str]:
     written there. A generation prompt that adds more than earlier replies show (Qwen3-Thinking's
     opens the thinking block) is found by its first line where the whole would skip a reply."""
     opened = text.find(header, at) if header else -1
-    line = header[: header.find("\n") + 1]
+    # Its first line with words: a header that opens with a newline ("\nAssistant: ") has no
+    # shorter first line to find (the newline alone is any turn's).
+    line = header[: header.find("\n", len(header) - len(header.lstrip())) + 1]
     if line and line != header and (early := text.find(line, at)) >= 0 and (opened < 0 or early < opened):
         return early, line
     return opened, header

@@ -621,6 +621,24 @@ def test_templates_that_end_or_open_replies_otherwise_later_are_found() -> None:
     ]
 
 
+def test_the_next_turns_header_is_not_a_replys_end_nor_a_newline_its_header() -> None:
+    """A template that closes replies with nothing of its own trained the next user turn's header
+    (``<|user|>``) as an earlier reply's end; a generation prompt opening with a newline
+    ("\nAssistant: ") trained every reply's header, its first line being the newline alone."""
+    closed_by_nothing = (
+        "{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
+    )
+    with pytest.raises(UserError, match="the assistant replies cannot be located"):
+        _trained(_templated(closed_by_nothing), CHAT)
+    newline_first = (
+        "{% for m in messages %}{% if m.role == 'user' %}{{ 'User: ' + m.content + '\\n' }}"
+        "{% elif m.role == 'assistant' %}{{ '\\nAssistant: ' + m.content + '<|end|>\\n' }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '\\nAssistant: ' }}{% else %}{{ eos_token }}{% endif %}"
+    )
+    assert _trained(_templated(newline_first), CHAT) == ["4.<|end|>\n", "6.<|end|>\n<|eos|>"]
+
+
 def test_train_on_prompt_keeps_a_weighted_out_reply_of_such_a_template_out() -> None:
     """--train-on-prompt with a reply of weight 0 was refused ("a turn's text is not found") where
     the replies are found in the whole rendering."""
