@@ -351,3 +351,16 @@ def test_report_says_which_settings_a_resume_changed(tmp_path: Path) -> None:
     assert f"<td>changed on resume</td><td>{said.replace('>', '&gt;')}</td>" in build_html([run], {})
     (out / "run.json").write_text(json.dumps({"config": {"lr": 5e-4}}))
     assert "changed on resume" not in build_html([load_run(out)], {})
+
+
+def test_the_reports_last_train_loss_is_the_last_steps_own(tmp_path: Path) -> None:
+    """Under --log-every N a row's loss is its steps' mean; the report said that as the last train
+    loss where the final line, run.json and the card say the last step's own."""
+    from lmtune.tools.recorded import load_run
+    from lmtune.tools.report import _summary
+
+    out = tmp_path / "windowed"
+    out.mkdir()
+    row = {"kind": "train", "step": 5, "loss": 2.5291, "loss_steps": 5, "step_loss": 2.5163}
+    (out / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    assert _summary(load_run(out))["last train loss"] == "2.5163"

@@ -181,8 +181,9 @@ def read_fingerprint(folder: Path) -> Fingerprint | None:
     )
 
 
-def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
-    """The adjustable settings that changed, as ``name old -> new``.
+def compare(saved: Fingerprint, now: Fingerprint, folder: Path, step: int | None = None) -> list[str]:
+    """The adjustable settings that changed, as ``name old -> new``; ``step``: the checkpoint's (a
+    change of the warmup's formula past its warmup changes nothing).
 
     Raises:
         UserError: naming every fixed setting that differs.
@@ -237,7 +238,21 @@ def compare(saved: Fingerprint, now: Fingerprint, folder: Path) -> list[str]:
             f"cannot resume from {folder}: this run differs in what defines it: "
             f"{'; '.join(refused)}{said}. {todo}"
         )
-    return _changes(saved.adjustable, now.adjustable)
+    return _changes(*_warmup_compared(saved.adjustable, now.adjustable, step))
+
+
+def _warmup_compared(
+    saved: dict[str, Any], now: dict[str, Any], step: int | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both sides less the cosine warmup's formula where it changes nothing: a side that is not a
+    cosine warmup (another schedule, no warmup), or a resume past the saved run's warmup."""
+    warming = all(
+        side.get("--lr-schedule") == "cosine" and (side.get("warmup steps") or 0) > 0 for side in (saved, now)
+    )
+    if warming and (step is None or step < saved["warmup steps"]):
+        return saved, now
+    saved, now = ({k: v for k, v in side.items() if k != COSINE_WARMUP} for side in (saved, now))
+    return saved, now
 
 
 COSINE_WARMUP = "cosine warmup"

@@ -140,7 +140,7 @@ def check_continuable(folder: Path, now: Fingerprint, parts: ModelParts) -> list
         recorded = (saved_state.global_batch_size, saved_state.seed, saved_state.examples)
         saved = Fingerprint(dict(zip(keys, recorded, strict=True)), now.adjustable)
         now = Fingerprint({k: now.fixed[k] for k in keys}, now.adjustable)
-    return compare(saved, now, folder)
+    return compare(saved, now, folder, read_state(folder).step)
 
 
 def continue_from(

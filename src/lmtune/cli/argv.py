@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from typing import Any
 
 from lmtune.errors import UserError
 
@@ -96,16 +97,19 @@ def hub_flags(argv: list[str]) -> list[str]:
 
 
 def spelled_twice(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
-    """A setting given under two of its names (``--lr 1e-4 --learning-rate 2e-4``): which value
-    was meant is not for lmtune to guess (a YAML file that does so is refused too). The same name
-    repeated, or a yes/no option with its ``--no-`` form, is argparse's rule: the last one wins
-    (a later flag overrides a script's); not for a list (``--data a.jsonl --data b.jsonl`` would
-    train on b alone), which takes its items comma-separated."""
+    """A setting given under two of its names with other values (``--lr 1e-4 --learning-rate
+    2e-4``): which was meant is not for lmtune to guess (a YAML file that does so is refused too;
+    the same value under both is taken, as there). The same name repeated, or a yes/no option with
+    its ``--no-`` form, is argparse's rule: the last one wins (a later flag overrides a script's);
+    not for a list (``--data a.jsonl --data b.jsonl`` would train on b alone), which takes its items
+    comma-separated."""
+    from lmtune.config.aliases import same_value
     from lmtune.config.settings import option_name
 
     first: dict[str, str] = {}
+    values: dict[str, Any] = {}
     configs = 0
-    for token in argv:
+    for at, token in enumerate(argv):
         option = token.split("=", 1)[0]
         action = parser._option_string_actions.get(option) if option.startswith("--") else None
         configs += action is not None and action.dest == "config"
@@ -121,10 +125,19 @@ def spelled_twice(parser: argparse.ArgumentParser, argv: list[str]) -> str | Non
                 f"{option_name(action.dest)} is given twice; give its items once, comma-separated "
                 f"({option_name(action.dest)} {LIST_SETTINGS[action.dest]})"
             )
+        value = _flag_value(action, token, argv[at + 1 : at + 2])
         earlier = first.setdefault(action.dest, name)
-        if earlier != name:
+        if earlier != name and not same_value(values[action.dest], value):
             return f"{option_name(action.dest)} is set twice (as --{earlier} and {option}); give it once"
+        values.setdefault(action.dest, value)
     return None
+
+
+def _flag_value(action: argparse.Action, token: str, after: list[str]) -> Any:
+    """The value ``token`` gives its option: a yes/no flag's, or the text after ``=`` or next."""
+    if action.nargs == 0:
+        return not token.startswith("--no-")
+    return token.split("=", 1)[1] if "=" in token else (after[0] if after else None)
 
 
 # Settings that hold several items, and an example of them.

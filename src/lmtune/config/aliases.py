@@ -18,7 +18,7 @@ from typing import Any
 
 from lmtune.config.axolotl_data import datasets_here, separator
 from lmtune.config.hints import BY_VALUE, HINTS, IN_COMMAND
-from lmtune.config.switches import DTYPES, PEER_NULLS, VALUE_SWITCHES
+from lmtune.config.switches import DTYPES, PEER_NULLS, READ_AS, VALUE_SWITCHES, steps_left_unset
 from lmtune.errors import UserError, one_line
 
 # Foreign name -> the lmtune setting of the same meaning.
@@ -254,9 +254,13 @@ def resolve_names(
             continue
         if value is None and canonical(key) in PEER_NULLS:
             value = PEER_NULLS[canonical(key)]
-        if name in out and same_value(out[name], value):
-            # Two names of one setting that agree: TRL's dumps write gradient_checkpointing beside
-            # its new name.
+        read = READ_AS.get(name, lambda v: v)
+        if name in out and (same_value(read(out[name]), read(value)) or value is None):
+            # Two names of one setting that agree (TRL's dumps write gradient_checkpointing beside
+            # its new name), or one of them left empty (a dump's null: unset, asking nothing).
+            continue
+        if name in out and out[name] is None:
+            out[name], given_as[name] = value, key
             continue
         if name in out:
             both = f"as {one_line(given_as[name], 60)} and {one_line(key, 60)}"
@@ -265,14 +269,36 @@ def resolve_names(
         out[name], given_as[name] = value, key
     if unknown:
         raise UserError("\n".join(unknown))
-    return out
+    return steps_left_unset(out)
 
 
 def same_value(a: Any, b: Any) -> bool:
-    """Two values of one setting that say the same (1e-4 and "1e-4", True and "true")."""
-    return bool(a == b) or (
-        a is not None and b is not None and str(a).strip().lower() == str(b).strip().lower()
-    )
+    """Two values of one setting that say the same (1e-4 and "1e-4", which YAML reads as text, or
+    0.0001; True and "true"); not True and 1, which Python counts equal where the setting refuses 1."""
+    if a is None or b is None:
+        return a is b
+    text_a, text_b = (str(v).strip().lower() for v in (a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return text_a == text_b
+    numbers = [_number(v) for v in (a, b)]
+    if numbers[0] is not None and numbers[1] is not None:
+        return numbers[0] == numbers[1]
+    return bool(a == b) or text_a == text_b
+
+
+def _as_switch(value: Any) -> Any:
+    """A yes/no as True or False, however written (``packing: true`` is lmtune's packing on)."""
+    text = str(value).strip().lower()
+    return True if text in ("true", "yes", "on") else False if text in ("false", "no", "off") else value
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, int | float):
+        return float(value)
+    try:
+        return float(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def peers_switched(
@@ -322,6 +348,14 @@ def _check_pairs(
             f"is a setting of TRL's CPOConfig, whose loss_type {loss or 'sigmoid (its default)'} is CPO, "
             f"which lmtune has not ({style('objective')} simpo is loss_type: simpo with cpo_alpha: 0)",
         )
+    strategy = next((n for n in ("eval_strategy", "evaluation_strategy") if low(n) in ("no", "false")), None)
+    asked = [given[k] for k in given if _asks_evaluation(k, values[given[k]])]
+    if strategy is not None and asked:
+        refuse(
+            strategy,
+            f"never evaluates in the HF Trainer, and {giver} gives {', '.join(asked)}, with which lmtune "
+            f"evaluates: remove {given[strategy]} to evaluate, or {', '.join(asked)} not to",
+        )
     compute = low("bnb_4bit_compute_dtype")
     if compute is not None and low("load_in_4bit") != "true" and low("adapter") != "qlora":
         refuse(
@@ -335,6 +369,12 @@ def _check_pairs(
             f"is {style('precision')} {ours} in lmtune (a 4-bit layer computes in the run's "
             f"precision), which {giver} turns off ({ours}: false)",
         )
+
+
+def _asks_evaluation(key: str, value: Any) -> bool:
+    """Whether ``key`` (canonical) is a setting that makes lmtune evaluate, given ``value``."""
+    name = ALIASES.get(key, key)
+    return name in ("eval_every", "eval_data", "eval_split") and value not in (None, 0, "", [])
 
 
 def _shown(value: Any) -> str:
@@ -409,7 +449,7 @@ def _value_switches(
         for name, ours in switched.items():
             if name not in given:
                 out[name] = ours
-            elif str(given[name]).lower() != str(ours).lower():
+            elif not same_value(*(_as_switch(v) for v in (given[name], ours))):
                 written, other = (_shown(v) for v in (value, given[name]))
                 raise UserError(
                     f"{where(key)}{key}: {written} is {style(name)} {str(ours).lower()} in "

@@ -352,6 +352,7 @@ BY_VALUE: dict[str, dict[str, str]] = {
         "sigmoid": "TRL's sigmoid loss is {objective} dpo",
         "ipo": "TRL's ipo loss is {objective} ipo",
         "simpo": "TRL's simpo loss (CPOConfig) is {objective} simpo",
+        "nll": "TRL's nll loss (SFTConfig's) is {objective} sft, lmtune's default: remove it",
         "*": "lmtune's losses are {objective} sft (TRL's nll) | dpo (TRL's sigmoid) | ipo | simpo | orpo; "
         "TRL's {value} is none of them",
     },

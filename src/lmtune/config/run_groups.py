@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 from lmtune.config.groups import setting
+from lmtune.config.switches import metric_as_read
 
 # --metric-for-best: these, or one of them of a source evaluated apart (eval_loss/NAME).
 BEST_METRICS = ("eval_loss", "eval_perplexity", "eval_rewards/accuracies", "eval_rewards/margins")
@@ -58,10 +59,7 @@ class EvalSettings:
     )
 
     def __post_init__(self) -> None:
-        metric = self.metric_for_best
-        if isinstance(metric, str) and metric and not metric.startswith("eval_"):
-            # As the HF Trainer reads metric_for_best_model: loss is eval_loss.
-            object.__setattr__(self, "metric_for_best", f"eval_{metric}")
+        object.__setattr__(self, "metric_for_best", metric_as_read(self.metric_for_best))
         if self.load_best_at_end and self.metric_for_best is None:
             # As the HF Trainer's load_best_model_at_end: the best by the loss unless told otherwise.
             object.__setattr__(self, "metric_for_best", "eval_loss")

@@ -267,8 +267,8 @@ def _assembled(
     values.setdefault("seed", _BY_NAME["seed"].default)
     flat = _Fields()
     # It reads the settings for its messages.
-    from lmtune.config.aliases import ALIASES, peers_switched, same_value
-    from lmtune.config.switches import PEER_NULLS
+    from lmtune.config.aliases import ALIASES, peers_switched
+    from lmtune.config.switches import PEER_NULLS, steps_left_unset
 
     settings = peers_switched(settings, lambda _: "TrainConfig: ", str, "the call")
 
@@ -276,12 +276,6 @@ def _assembled(
         kind, written = GROUPS.get(key), key
         if key not in _BY_NAME and ALIASES.get(key) in _BY_NAME:
             value = PEER_NULLS.get(key, value) if value is None else value  # save_total_limit=None
-            if ALIASES[key] in settings and same_value(settings[ALIASES[key]], value):
-                continue  # one value under two names (TRL's gradient_checkpointing beside its new one)
-            if ALIASES[key] in settings:
-                raise UnknownSetting(
-                    f"TrainConfig: {ALIASES[key]} is set twice (as {key} and {ALIASES[key]})"
-                )
             key = ALIASES[key]  # a peer's name (learning_rate, lora_r), as the CLI and YAML take it
         value = peer_unset(key, value)
         if (loaded := in_memory(key, value)) is not None:  # a DatasetDict is a mapping, not a group
@@ -301,6 +295,8 @@ def _assembled(
 
             known = [*_BY_NAME, *GROUPS]
             raise UnknownSetting(f"TrainConfig: {explain_unknown(key, known, repr, 'TrainConfig', value)}")
+    if (schedule := flat.by_group.get("schedule")) is not None and schedule != steps_left_unset(schedule):
+        del schedule["warmup_steps"], flat.given_as["schedule", "warmup_steps"]
     for group, changes in flat.by_group.items():
         if group:
             values[group] = dataclasses.replace(values[group], **changes)
@@ -321,6 +317,16 @@ class _Fields:
         """Refused when given already (a group's mapping and a flat name: ``lora={"rank": 8},
         lora_r=4``), as YAML refuses it."""
         if (group, name) in self.given_as:
+            from lmtune.config.aliases import same_value
+
+            earlier = self.by_group[group][name]
+            # One value under two names (TRL's gradient_checkpointing beside its new one), or one
+            # of them None (a dump's unset): taken, as YAML takes them.
+            if same_value(earlier, value) or value is None:
+                return
+            if earlier is None:
+                self.by_group[group][name] = value
+                return
             setting = next(s.name for s in SETTINGS if (s.group or "", s.field) == (group, name))
             first = self.given_as[group, name]
             raise UnknownSetting(

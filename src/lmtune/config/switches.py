@@ -4,11 +4,32 @@ qlora``, TRL's ``loss_type: sigmoid``, the HF Trainer's dumps at their defaults)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # Another tool's key whose null means a value of lmtune's setting: the HF Trainer's (and Axolotl's)
 # save_total_limit null, its default, keeps every checkpoint (TrainingArguments.to_dict() writes it).
 PEER_NULLS: dict[str, Any] = {"save_total_limit": 0}
+
+
+def metric_as_read(metric: Any) -> Any:
+    """A metric's name as the HF Trainer reads metric_for_best_model: ``loss`` is ``eval_loss``."""
+    if isinstance(metric, str) and metric and not metric.startswith("eval_"):
+        return f"eval_{metric}"
+    return metric
+
+
+def steps_left_unset(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (lmtune's names) less a ``warmup_steps`` of 0 beside a ratio that warms up:
+    transformers 4's dumps write both, and its Trainer takes the ratio where the steps are 0."""
+    if values.get("warmup_steps") == 0 and values.get("warmup_ratio") not in (None, 0):
+        return {k: v for k, v in values.items() if k != "warmup_steps"}
+    return values
+
+
+# lmtune's settings whose values are read otherwise than written: two names of one of them agree
+# where they read the same.
+READ_AS: dict[str, Callable[[Any], Any]] = {"metric_for_best": metric_as_read}
 
 
 # The dtypes' names in bitsandbytes' and transformers' configs, by lmtune's precision.
@@ -59,8 +80,9 @@ VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
     "use_cpu": {"false": {}},
     "no_cuda": {"false": {}},
     "disable_tqdm": {"false": {}},
-    "eval_strategy": {"no": {}},
-    "evaluation_strategy": {"no": {}},
+    # (YAML reads an unquoted no as false.)
+    "eval_strategy": {"no": {}, "false": {}},
+    "evaluation_strategy": {"no": {}, "false": {}},
     # TRL's packing strategy: lmtune's packing is exact, each example its own attention, as bfd's.
     "packing_strategy": {"bfd": {}},
     # The HF Trainer's, as its docs advise it: lmtune's checkpointing is non-reentrant.

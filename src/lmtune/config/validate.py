@@ -308,7 +308,8 @@ def _check_applicable(cfg: TrainConfig, need: Need, given: frozenset[str]) -> No
         "reference": (o.name in WITH_REFERENCE, referenced),
         "reference_model": (o.name in WITH_REFERENCE, referenced),
         # HF Trainer lets warmup_steps win silently; one of them is what the user meant. A ratio of 0
-        # beside them (transformers 4's dumps write both) asks nothing: the steps are taken, as there.
+        # beside them (transformers 4's dumps write both) asks nothing: the steps are taken, as there
+        # (steps of 0 beside a ratio were left unset as the names were read: the ratio is taken).
         "warmup_ratio": (
             cfg.schedule.warmup_steps is None or cfg.schedule.warmup_ratio == 0,
             "is instead of --warmup-steps: give one",

@@ -341,8 +341,8 @@ _UNREAD = (
     (
         "unread_reasoning",
         "conversation",
-        "with a turn's reasoning in a field of its own (reasoning_content, thinking) that lmtune does not "
-        "render",
+        "whose last reply has its reasoning in a field of its own (reasoning_content, thinking) that "
+        "lmtune does not render",
         "without it",
         "write the reasoning into the reply's content, as the template would show it: Qwen3's "
         "<think>...</think>",

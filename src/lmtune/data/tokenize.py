@@ -10,7 +10,7 @@ import numpy as np
 
 from lmtune.config.groups import ExampleSettings
 from lmtune.data.chat import end_of_turn_ids
-from lmtune.data.formats import CHAT_FORMATS, FieldMap, Rendered, detect_format, render
+from lmtune.data.formats import CHAT_FORMATS, SHAREGPT_ROLES, FieldMap, Rendered, detect_format, render
 from lmtune.data.pairs import (
     PairTokens,
     answer_targets,
@@ -55,7 +55,7 @@ class EncodeStats:
     unread_system: int = 0
     # Conversations whose system turn their chat template does not render (Mistral v0.3's).
     system_left_out: int = 0
-    # Conversations with a turn's reasoning in a field of its own (reasoning_content), not rendered.
+    # Conversations whose last reply has its reasoning in a field of its own (reasoning_content).
     unread_reasoning: int = 0
     # Instruction records with Dolly's 'context' (the passage the instruction is about) unread.
     unread_context: int = 0
@@ -340,7 +340,7 @@ def _count_unread(record: Record, stats: EncodeStats, instruction: FieldMap | No
     Intel/orca_dpo_pairs; messages and ShareGPT with the system prompt in a column of its own);
     of a prompt/completion or instruction record (``instruction``: its field map), Dolly's
     'context' not mapped to an instruction's input, or an input beside a prompt (which reads none);
-    a turn's reasoning in a field of its own (``reasoning_content``), which no turn renders."""
+    the last reply's reasoning in a field of its own (``reasoning_content``), which no turn renders."""
     fields = record.fields
     passage = None
     if instruction is not None:  # prompt/completion records read no input; instruction records read it
@@ -378,12 +378,13 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _reasoning(value: Any) -> bool:
-    """Whether ``value`` is a list of turns of which one holds reasoning in a field of its own."""
-    turns = value if isinstance(value, list) else []
-    return any(
-        isinstance(t, dict) and any(isinstance(t.get(f), str) and t[f].strip() for f in REASONING_FIELDS)
-        for t in turns
-    )
+    """Whether ``value`` is a list of turns whose last reply holds reasoning in a field of its own.
+    An earlier reply's is not counted: the templates that render reasoning (Qwen3's, DeepSeek's,
+    gpt-oss's) drop it from the turns before the last user turn, as lmtune does."""
+    turns = [t for t in value if isinstance(t, dict)] if isinstance(value, list) else []
+    replies = [t for t in turns if "assistant" in (t.get("role"), SHAREGPT_ROLES.get(str(t.get("from"))))]
+    last = replies[-1] if replies else {}
+    return any(isinstance(last.get(f), str) and last[f].strip() for f in REASONING_FIELDS)
 
 
 def _system_turn(value: Any) -> bool:

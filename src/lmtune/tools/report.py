@@ -22,6 +22,7 @@ from lmtune.config.marks import HTML_HEAD, PNG_METADATA
 from lmtune.data.pairs import counted_as
 from lmtune.errors import UserError
 from lmtune.outputs.reporters import is_number
+from lmtune.outputs.runlog import own_loss
 from lmtune.tools.recorded import RecordedRun, load_runs, settings_of
 
 SMOOTHING = 0.9  # exponential moving average of the training loss (as TensorBoard's slider)
@@ -281,7 +282,8 @@ def _summary(run: RecordedRun) -> dict[str, str]:
         "earlier attempts": attempts_line(resolved.get("attempts")) or "-",
         # The settings below are the last attempt's: the earlier steps ran with these changed.
         "changed on resume": resume_changes(resolved.get("changed_on_resume")) or "-",
-        "last train loss": f"{last['loss']:.4f}" if is_number(last.get("loss")) else "-",
+        # The last step's own, as the final line and the card say it (a --log-every row's is a mean).
+        "last train loss": f"{own_loss(last):.4f}" if is_number(own_loss(last)) else "-",
         "objective": str(resolved.get("objective", "sft"))
         + (f" (reference: {resolved['reference']})" if resolved.get("reference") else ""),
         "last eval loss": f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})"

@@ -262,6 +262,11 @@ def _warmup_note(cfg: TrainConfig, total: int, lr: float) -> str | None:
     warmup = warmup_steps(cfg.schedule, total)
     if warmup < total:
         return None
+    if total == 1:  # the warmup starts from 0, as transformers' does
+        return (
+            "warning: the warmup (1 step) is as long as the run: its one step runs at learning rate 0 "
+            "and trains nothing; give --warmup-steps 0 for a step at the learning rate"
+        )
     return (
         f"warning: the warmup ({warmup} steps) is as long as the run ({total}) or longer: the learning "
         f"rate is still rising at the last step and never reaches {lr:.3g}"

@@ -103,3 +103,9 @@ def test_an_older_cosine_checkpoint_resumed_says_its_warmup_is_now_transformers(
     assert compare(now, now, Path("c")) == []
     linear = made("linear")  # its warmup was always transformers'
     assert COSINE_WARMUP not in linear.adjustable and compare(linear, linear, Path("c")) == []
+    # Only a cosine warmup on both sides, resumed within it, is the formula's change.
+    for saved, resumed in ((now, linear), (linear, now), (older, linear)):
+        assert compare(saved, resumed, Path("c")) == [
+            "--lr-schedule " + " -> ".join(s.adjustable["--lr-schedule"] for s in (saved, resumed))
+        ]
+    assert compare(older, now, Path("c"), step=2) != [] and compare(older, now, Path("c"), step=3) == []

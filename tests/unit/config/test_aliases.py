@@ -973,3 +973,57 @@ def test_trainer_and_sft_settings_lmtune_has_otherwise_are_answered(
     path.write_text(written + "\n")
     with pytest.raises(UserError, match=re.escape(answer)):
         load_yaml(str(path))
+
+
+def test_one_value_under_two_names_is_taken_everywhere_and_read_as_the_setting_reads_it(
+    tmp_path: Path,
+) -> None:
+    """The same value under two names was "set twice" where YAML read it as text (1e-4 beside
+    0.0001), under two peers' names in TrainConfig, beside a null, as metric names HF reads alike,
+    and on the command line; True beside 1 was taken in one order and refused in the other."""
+    from lmtune.cli.argv import spelled_twice
+
+    dump = tmp_path / "dump.yaml"
+    for text, read in [
+        ("learning_rate: 1e-4\nlr: 0.0001\n", lambda c: c.optim.lr == 1e-4),
+        ("metric_for_best_model: null\nmetric_for_best: eval_loss\n", lambda c: c.eval.metric_for_best),
+        ("metric_for_best_model: eval_loss\nmetric_for_best: loss\n", lambda c: c.eval.metric_for_best),
+        # transformers 4's dumps: steps 0 beside a ratio is the ratio, as its Trainer takes it.
+        ("warmup_ratio: 0.1\nwarmup_steps: 0\n", lambda c: c.schedule.warmup_steps is None),
+        ("sample_packing: true\npacking: true\n", lambda c: c.batch.packing == "on"),
+        ("adapter: qlora\nload_in_4bit: 'yes'\n", lambda c: c.model.load_in_4bit),
+    ]:
+        dump.write_text(text)
+        assert read(build_config(load_yaml(str(dump)))), text
+    for first, second in (("true", "1"), ("1", "true")):
+        dump.write_text(f"activation_checkpointing: {first}\ngradient_checkpointing: {second}\n")
+        with pytest.raises(UserError, match="activation_checkpointing is set twice"):
+            load_yaml(str(dump))
+    assert TrainConfig(num_train_epochs=2, num_epochs=2).epochs == 2
+    assert TrainConfig(warmup_steps=0, warmup_ratio=0.1).schedule.warmup_ratio == 0.1
+    assert TrainConfig(warmup_steps=0).schedule.warmup_steps == 0  # alone: no warmup
+    with pytest.raises(TypeError, match=r"epochs is set twice \(as num_train_epochs and num_epochs\)"):
+        TrainConfig(num_train_epochs=2, num_epochs=3)
+    parser = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    assert spelled_twice(parser, ["--lr", "1e-4", "--learning-rate=0.0001"]) is None
+    assert spelled_twice(parser, ["--gradient-checkpointing", "--activation-checkpointing"]) is None
+    assert "set twice" in str(spelled_twice(parser, ["--lr", "1e-4", "--learning-rate", "2e-4"]))
+    assert "set twice" in str(
+        spelled_twice(parser, ["--gradient-checkpointing", "--no-activation-checkpointing"])
+    )
+
+
+def test_eval_strategy_no_beside_what_makes_lmtune_evaluate_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The HF Trainer never evaluates under eval_strategy no, whatever eval_steps says; lmtune took
+    it as asking nothing and evaluated. TRL's loss_type nll on the command line said it was none
+    of lmtune's losses, after naming it as sft."""
+    dump = tmp_path / "dump.yaml"
+    dump.write_text("eval_strategy: 'no'\neval_steps: 2\nval_set_size: 0.1\n")
+    with pytest.raises(UserError, match=r"dump.yaml:1: eval_strategy: no never evaluates in the HF Trainer"):
+        load_yaml(str(dump))
+    dump.write_text("evaluation_strategy: no\neval_steps: null\n")  # YAML's unquoted no: false
+    assert build_config(load_yaml(str(dump))) == TrainConfig()
+    assert main(["train", "--loss_type", "nll"]) == 2
+    assert "TRL's nll loss (SFTConfig's) is --objective sft, lmtune's default" in capsys.readouterr().err

@@ -673,10 +673,13 @@ def test_a_turns_reasoning_in_a_field_of_its_own_is_counted_and_said() -> None:
     from lmtune.data.pairs import unread_said
 
     reasoned = [*CHAT[:4], {"role": "assistant", "content": "6.", "reasoning_content": "3 and 3 make 6"}]
-    records = [Record("d.jsonl", 1, {"messages": CHAT}), Record("d.jsonl", 2, {"messages": reasoned})]
+    # An earlier reply's reasoning is one the templates that render reasoning drop too: not counted
+    # (its advice, to write it into the content, made Qwen3's conversation a bad line).
+    earlier = [*CHAT[:2], {"role": "assistant", "content": "4.", "reasoning_content": "2 and 2"}, *CHAT[3:]]
+    records = [Record("d.jsonl", n, {"messages": m}) for n, m in ((1, CHAT), (2, reasoned), (3, earlier))]
     _, stats = encode_in_memory(records, _templated(QWEN3), ExampleSettings())
     assert stats.unread_reasoning == 1 and stats.where["unread_reasoning"] == ["d.jsonl:2"]
     assert unread_said(dataclasses.asdict(stats)).startswith(
-        "1 conversation with a turn's reasoning in a field of its own (reasoning_content, thinking) that "
-        "lmtune does not render (at d.jsonl:2): it trains without it"
+        "1 conversation whose last reply has its reasoning in a field of its own (reasoning_content, "
+        "thinking) that lmtune does not render (at d.jsonl:2): it trains without it"
     )

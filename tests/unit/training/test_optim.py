@@ -208,3 +208,5 @@ def test_a_warmup_as_long_as_the_run_is_said() -> None:
     assert _warmup_note(TrainConfig(warmup_steps=10), 10, 1e-3) is not None
     assert _warmup_note(TrainConfig(warmup_steps=9), 10, 1e-3) is None
     assert _warmup_note(TrainConfig(), 10, 1e-3) is None  # the default ratio: a share of the run
+    # One step with the default ratio's one step of warmup (from 0): it trains nothing.
+    assert "runs at learning rate 0 and trains nothing" in str(_warmup_note(TrainConfig(), 1, 1e-3))
