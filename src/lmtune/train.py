@@ -137,12 +137,8 @@ def _run(run: RunContext) -> TrainResult:
     set_hyperparameters(built.optimizer, cfg.optim)
     checkpoints.check_room(state, built.layout.total_steps, cfg.optim, merged=cfg.lora.merge)
     trainee = Trainee(built.model, built.optimizer, schedule(cfg, built, state.step), built.scaler)
-    log.open_metrics(state.step)
+    log.open_metrics(state.step, last=state.step >= built.layout.total_steps)
     history = read_metrics(output_dir, kind=None) if env.is_main and state.step else []
-    if env.is_main:
-        log.add_reporters(
-            open_reporters(parse_report_to(cfg.logging.report_to), output_dir, to_dict(cfg), history)
-        )
     data, eval_loader = loaders(run, built)
     probe = Probe(env.device, cfg.model.precision, run.threads, built.products.fp32)
     peak = best_peak_flops(probe, cache_root() / PEAKS_FILE, store=env.is_main, info=log.info)
@@ -158,6 +154,12 @@ def _run(run: RunContext) -> TrainResult:
     run_info = run_record(run, built, checkpoints, peak)
     stop_if_signalled(run.stop.pending() if state.step else 0, env)  # a resume stopped now keeps run.json
     log.write_json("run.json", run_info)
+    # Opened once run.json names the folder a run's: a mistake found while the run is built (a bad
+    # --sample-prompts file) left their files in a folder lmtune then refused as not a run's.
+    if env.is_main:
+        log.add_reporters(
+            open_reporters(parse_report_to(cfg.logging.report_to), output_dir, to_dict(cfg), history)
+        )
     result = fit(trainee, data, state, loop, FitSettings(env, step, run.stop, run.stop.before_first_step))
     if result.state.step == state.step:  # no step left to train here: the loss logged at that step
         result = replace(result, last_loss=loss_at(history, state.step))

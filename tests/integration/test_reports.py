@@ -364,3 +364,53 @@ def test_the_reports_last_train_loss_is_the_last_steps_own(tmp_path: Path) -> No
     row = {"kind": "train", "step": 5, "loss": 2.5291, "loss_steps": 5, "step_loss": 2.5163}
     (out / "metrics.jsonl").write_text(json.dumps(row) + "\n")
     assert _summary(load_run(out))["last train loss"] == "2.5163"
+
+
+def test_a_mistake_found_while_the_run_is_built_leaves_no_reporters_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad --sample-prompts file under --report-to left reporting.json and tensorboard/ in the
+    folder, which the corrected command (even with --overwrite) then refused as not a run's."""
+    bad, good = tmp_path / "bad.txt", tmp_path / "good.jsonl"
+    bad.write_text("27+45=\n")
+    good.write_text('"27+45="\n')
+    out = tmp_path / "run"
+    args = [
+        "train",
+        "--max-steps",
+        "1",
+        "--report-to",
+        "tensorboard",
+        "--output-dir",
+        str(out),
+        "--no-progress",
+    ]
+    assert main([*args, "--sample-prompts", str(bad)]) == 2
+    assert "bad.txt:1: not JSON" in capsys.readouterr().err
+    assert not (out / "reporting.json").exists() and not (out / "tensorboard").exists()
+    assert main([*args, "--sample-prompts", str(good)]) == 0
+
+
+def test_tensorboard_given_at_a_resume_gets_the_config_too(tmp_path: Path) -> None:
+    """--report-to tensorboard added when a run resumed: its history was written, its config and
+    hyperparameters not (they were written only by a run's first attempt)."""
+    import shutil
+
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from tests.conftest import write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", [f"text {i}" for i in range(16)])
+    out = tmp_path / "out"
+    args = ["train", "--data", str(data), "--output-dir", str(out), "--max-steps", "4", "--save-every", "2"]
+    args += ["--global-batch-size", "8", "--no-progress"]
+    assert main(args) == 0
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoints" / "step-000004")
+    record = json.loads((out / "run.json").read_text())
+    del record["result"]  # as a run stopped after its step-2 checkpoint
+    (out / "run.json").write_text(json.dumps(record))
+    assert main([*args, "--report-to", "tensorboard"]) == 0
+    (events_file,) = (out / "tensorboard").glob("events.out.tfevents.*")
+    tags = [v.tag for e in EventFileLoader(str(events_file)).Load() for v in e.summary.value]
+    assert tags.count("config/text_summary") == 1 and tags.count("train/loss") == 4

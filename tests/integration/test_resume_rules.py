@@ -703,3 +703,34 @@ def test_the_same_command_with_its_resume_continues_where_the_run_got_to(
     assert [r["step"] for r in train_rows(out)] == [4, 5, 6]
     more = _args(base["data"], base["out"], "--max-steps", "9", "--resume", "never")
     _fails(more, capsys, "--resume never, but")
+
+
+def test_a_run_killed_while_writing_final_logs_its_final_evaluation_once(base: dict[str, Path]) -> None:
+    """Killed after its last step's checkpoint, while it wrote final/ (as a run whose final/ is
+    gone): the rerun evaluated again and metrics.jsonl (and TensorBoard) held the last eval twice."""
+    out = base["root"] / "final-killed"
+    args = _args(base["data"], out, "--eval-data", str(base["other"]), "--eval-every", str(SAVE))
+    assert main(args) == 0
+    shutil.rmtree(out / "final")
+    record = json.loads((out / "run.json").read_text())
+    del record["result"]  # written after final/
+    (out / "run.json").write_text(json.dumps(record))
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [SAVE, STEPS]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, STEPS + 1))
+
+
+def test_merge_lora_asked_of_a_finished_lora_run_names_export(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--merge-lora added to a finished LoRA run was only "they would apply to further steps only":
+    merging needs no step, and export merges the checkpoint's adapter."""
+    out = base["root"] / "lora-finished"
+    args = _args(base["data"], out, "--lora", "--save-every", str(STEPS))
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "--merge-lora"]) == 0
+    said = capsys.readouterr().out
+    assert "not applied (--merge-lora True, was False)" in said
+    assert f"lmtune export {out / 'checkpoints' / 'step-000006'} DIR --merge-lora" in said

@@ -126,7 +126,9 @@ class TensorBoard:
         ours = sorted(set(folder.glob(_EVENTS)) - before)  # the writer opens its file at once
         if len(ours) == 1:
             _remember_run_id(output_dir, "tensorboard", ours[0].name)
-        if resume_step == 0 or earlier:
+        # A resumed run writes them where no event file holds them: the earlier attempt's was
+        # dropped, or it had none (--report-to tensorboard given at the resume).
+        if resume_step == 0 or earlier or not before:
             self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
             # In this run's own folder (add_hparams would start another run beside it).
             events = self.writer._get_file_writer()  # type: ignore[no-untyped-call]

@@ -36,11 +36,13 @@ class InfoLog(Protocol):
     def info(self, message: str) -> None: ...
 
 
-def open_jsonl(path: Path, keep_through_step: int) -> Any:
-    """Open a per-step JSONL file for appending, dropping rows after ``keep_through_step``.
+def open_jsonl(path: Path, keep_through_step: int, redone: str | None = None) -> Any:
+    """Open a per-step JSONL file for appending, dropping rows after ``keep_through_step`` (and
+    its rows of kind ``redone``).
 
     Rows after the checkpoint a run resumes from were written by the attempt that died; the
-    resumed run writes them again.
+    resumed run writes them again. So are the final evaluation's, written after the last step's
+    checkpoint: an attempt killed while writing final/ had logged them.
     """
     kept: list[str] = []
     if keep_through_step > 0 and path.is_file():
@@ -48,7 +50,8 @@ def open_jsonl(path: Path, keep_through_step: int) -> Any:
             if row is None:
                 break  # a line cut off by the crash ends what can be kept
             step = row.get("step", 0)
-            if isinstance(step, int) and step <= keep_through_step:
+            again = redone is not None and row.get("kind") == redone and step == keep_through_step
+            if isinstance(step, int) and step <= keep_through_step and not again:
                 kept.append(line)
     path.parent.mkdir(parents=True, exist_ok=True)
     f = path.open("w", encoding="utf-8")
@@ -160,10 +163,12 @@ class RunLog:
         if self.active:
             output_dir.mkdir(parents=True, exist_ok=True)
 
-    def open_metrics(self, resume_step: int) -> None:
-        """Start metrics.jsonl; a resumed run keeps the rows up to its checkpoint and appends."""
+    def open_metrics(self, resume_step: int, last: bool = False) -> None:
+        """Start metrics.jsonl; a resumed run keeps the rows up to its checkpoint and appends (less
+        the final evaluation's where it resumes from the ``last`` step's: it is evaluated again)."""
         if self.active:
-            self._metrics = open_jsonl(self.output_dir / "metrics.jsonl", resume_step)
+            redone = "eval" if last else None
+            self._metrics = open_jsonl(self.output_dir / "metrics.jsonl", resume_step, redone)
 
     def __enter__(self) -> RunLog:
         return self

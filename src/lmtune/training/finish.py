@@ -136,9 +136,15 @@ def say_finished(run: RunContext, step: int) -> list[str]:
     run.log.info(f"{out} holds this run, finished at step {step} ({model}): nothing to do. {onward}")
     changed = changed_settings(out, to_dict(run.cfg)) if run.env.is_main else []
     if changed:
+        # Merging needs no step: the checkpoint's adapter merges as it is.
+        merge = (
+            f"; a merged model of this one: lmtune export {held} DIR --merge-lora"
+            if held is not None and any(c.startswith("--merge-lora") for c in changed)
+            else ""
+        )
         run.log.info(
             f"  not applied ({'; '.join(changed)}): they would apply to further steps only; "
-            "for a new run with them, choose another --output-dir or add --overwrite"
+            f"for a new run with them, choose another --output-dir or add --overwrite{merge}"
         )
     return changed
 
