@@ -38,6 +38,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "dpo-lora-live": {"objective": "dpo", "lora": True, "lora_dropout": 0.0, "reference": "live"},
     "dpo-fsdp": {"objective": "dpo", "strategy": "fsdp"},
     "dpo-fsdp-live": {"objective": "dpo", "strategy": "fsdp", "reference": "live"},
+    "dpo-fsdp-bf16": {"objective": "dpo", "strategy": "fsdp", "precision": "bf16"},
     "ipo-packed": {"objective": "ipo", "packing": "on", "beta": 0.5},
     "simpo": {"objective": "simpo", "beta": 2.0},
     "orpo-full-logits": {"objective": "orpo", "loss_chunk_size": 0},

@@ -87,11 +87,23 @@ def fit_vocabulary(
 
 def fit_embeddings(model: nn.Module, tokenizer: Any) -> bool:
     """Grow the embeddings (and an untied head) to the tokenizer's size; new rows start at the mean
-    of the others, as transformers does. True when they grew."""
+    of the others. True when they grew.
+
+    Exactly the mean: transformers' mean resizing draws them around it from the unseeded global
+    generator (1e-9 of the rows' covariance), so two identical runs started from other weights, 2
+    ranks did not train as 1 process, and a resume found its starting weights changed."""
+    import torch
+
     rows = embedding_rows(model)
     if len(tokenizer) <= rows:  # many models ship spare rows beyond the tokenizer's ids
         return False
-    model.resize_token_embeddings(len(tokenizer))  # type: ignore[operator]
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)  # type: ignore[operator]
+    layers = [getattr(model, f"get_{side}_embeddings", lambda: None)() for side in ("input", "output")]
+    weights = {id(w): w for w in (getattr(m, "weight", None) for m in layers) if isinstance(w, torch.Tensor)}
+    with torch.no_grad():
+        for weight in weights.values():
+            if weight.shape[0] > rows:
+                weight[rows:] = weight[:rows].double().mean(dim=0).to(weight.dtype)
     return True
 
 

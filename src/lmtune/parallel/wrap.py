@@ -88,7 +88,10 @@ def _fully_shard(module: nn.Module, low: torch.dtype | None) -> nn.Module:
     backward), the root holds the rest (embeddings, final norm, head).
 
     Under bf16/fp16 the gathered parameters are cast to that dtype, which halves the all-gather,
-    while gradients are reduced and the sharded master weights kept in fp32.
+    while gradients are reduced and the sharded master weights kept in fp32. The residual stream
+    stays fp32, as autocast keeps it in one process: the blocks' inputs are not cast, and the
+    input embeddings' output is fp32 (a bf16 stream rounded every block's sum: the same pairs'
+    log-probs moved with the batch they came in, and a DPO run's first loss was not ln 2).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -99,11 +102,20 @@ def _fully_shard(module: nn.Module, low: torch.dtype | None) -> nn.Module:
             "--strategy fsdp: found no decoder blocks to shard (the model lists no _no_split_modules); "
             "use --strategy ddp"
         )
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    policy = MixedPrecisionPolicy(
+        param_dtype=low, reduce_dtype=torch.float32 if low else None, cast_forward_inputs=False
+    )
+    embeddings = getattr(module, "get_input_embeddings", lambda: None)()
+    if low is not None and isinstance(embeddings, nn.Module):
+        embeddings.register_forward_hook(_as_fp32)
     for block in blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
     return module
+
+
+def _as_fp32(module: nn.Module, inputs: Any, output: Any) -> Any:
+    return output.float() if isinstance(output, torch.Tensor) and output.is_floating_point() else output
 
 
 def _check_packed_weights(module: nn.Module, low: torch.dtype | None) -> None:

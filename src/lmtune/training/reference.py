@@ -182,6 +182,9 @@ def cache_key(digest: str, data_key: str, run: RunContext, chunk: int, micro: in
         "pairs_per_batch": micro,
         "device": run.env.device.type,
     }
+    if run.strategy == "fsdp" and cfg.model.precision != "fp32":
+        # FSDP2 gathers weights in bf16/fp16 (rounded), where one process's autocast reads fp32 ones.
+        parts["gathered"] = cfg.model.precision
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
