@@ -84,7 +84,7 @@ def test_a_finished_run_says_so_and_changes_nothing(
     assert {p: p.read_bytes() for p in base["out"].rglob("*") if p.is_file()} == before
     # A setting changed for a run that will not train again: said to have no effect there.
     # Where and how it runs is no setting of the run (a node's new rendezvous port was listed).
-    where = ["--threads-per-process", "1", "--num-workers", "1"]
+    where = ["--threads-per-process", "1", "--num-workers", "1", "--device", "cpu", "--strategy", "single"]
     assert main([*_args(base["data"], base["out"]), "--lr", "0.5", "--weight-decay", "0.25", *where]) == 0
     said = capsys.readouterr().out
     assert "not applied (--lr 0.5, was " in said and "--weight-decay 0.25, was " in said

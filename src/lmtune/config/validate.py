@@ -468,11 +468,12 @@ def _check_batch(batch: BatchSettings, world_size: int, need: Need) -> None:
     if batch.micro_batch_size is None:
         if size % world_size:
             below = size - size % world_size
+            near = sorted({max(world_size, below), below + world_size})  # one where the batch is below
             raise SettingError(
                 "global_batch_size",
                 f"--global-batch-size {size}",
                 f"does not divide over {processes}; give a multiple of {world_size} (such as "
-                f"{max(world_size, below)} or {below + world_size}), or "
+                f"{' or '.join(map(str, near))}), or "
                 f"run on a number of processes that divides {size} (as a resumed run must: it keeps its "
                 "global batch)",
             )

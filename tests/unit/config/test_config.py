@@ -199,6 +199,9 @@ def test_default_micro_batch_is_the_per_process_share() -> None:
     # Resuming, "use a multiple of 3" cannot be followed: the global batch is the run's.
     with pytest.raises(UserError, match=r"does not divide over 3 processes; .* that divides 32"):
         validate(cfg, world_size=3)
+    # Below the world size, one multiple to give (it said "such as 4 or 4").
+    with pytest.raises(UserError, match=r"multiple of 4 \(such as 4\), or"):
+        validate(build_config({"global_batch_size": 2}), world_size=4)
 
 
 def test_sample_data_trains_longer_by_default() -> None:
