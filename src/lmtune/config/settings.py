@@ -318,16 +318,17 @@ class _Fields:
         lora_r=4``), as YAML refuses it."""
         if (group, name) in self.given_as:
             from lmtune.config.aliases import same_value
+            from lmtune.config.switches import READ_AS
 
-            earlier = self.by_group[group][name]
+            setting = next(s.name for s in SETTINGS if (s.group or "", s.field) == (group, name))
+            earlier, read = self.by_group[group][name], READ_AS.get(setting, lambda v: v)
             # One value under two names (TRL's gradient_checkpointing beside its new one), or one
             # of them None (a dump's unset): taken, as YAML takes them.
-            if same_value(earlier, value) or value is None:
+            if same_value(read(earlier), read(value)) or value is None:
                 return
             if earlier is None:
                 self.by_group[group][name] = value
                 return
-            setting = next(s.name for s in SETTINGS if (s.group or "", s.field) == (group, name))
             first = self.given_as[group, name]
             raise UnknownSetting(
                 f"TrainConfig: {setting} is set twice (as {first} and {given_as}); give it once"
