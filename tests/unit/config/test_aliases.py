@@ -1000,6 +1000,10 @@ def test_one_value_under_two_names_is_taken_everywhere_and_read_as_the_setting_r
         with pytest.raises(UserError, match="activation_checkpointing is set twice"):
             load_yaml(str(dump))
     assert TrainConfig(num_train_epochs=2, num_epochs=2).epochs == 2
+    assert (
+        TrainConfig(metric_for_best_model="eval_loss", metric_for_best="loss").eval.metric_for_best
+        == "eval_loss"
+    )
     assert TrainConfig(warmup_steps=0, warmup_ratio=0.1).schedule.warmup_ratio == 0.1
     assert TrainConfig(warmup_steps=0).schedule.warmup_steps == 0  # alone: no warmup
     with pytest.raises(TypeError, match=r"epochs is set twice \(as num_train_epochs and num_epochs\)"):
