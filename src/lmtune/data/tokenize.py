@@ -378,12 +378,11 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _reasoning(value: Any) -> bool:
-    """Whether ``value`` is a list of turns whose last reply holds reasoning in a field of its own.
-    An earlier reply's is not counted: the templates that render reasoning (Qwen3's, DeepSeek's,
-    gpt-oss's) drop it from the turns before the last user turn, as lmtune does."""
+    """Whether ``value`` is a list of turns whose last reply holds reasoning in a field of its own
+    (the templates that render it, Qwen3's, DeepSeek's, gpt-oss's, drop an earlier reply's)."""
     turns = [t for t in value if isinstance(t, dict)] if isinstance(value, list) else []
-    replies = [t for t in turns if "assistant" in (t.get("role"), SHAREGPT_ROLES.get(str(t.get("from"))))]
-    last = replies[-1] if replies else {}
+    roles = [(t.get("role"), SHAREGPT_ROLES.get(str(t.get("from")))) for t in turns]
+    last = next((t for t, r in zip(reversed(turns), reversed(roles), strict=True) if "assistant" in r), {})
     return any(isinstance(last.get(f), str) and last[f].strip() for f in REASONING_FIELDS)
 
 
