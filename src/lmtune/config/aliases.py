@@ -351,10 +351,10 @@ def _check_pairs(
     strategy = next((n for n in ("eval_strategy", "evaluation_strategy") if low(n) in ("no", "false")), None)
     asked = [given[k] for k in given if _asks_evaluation(k, values[given[k]])]
     if strategy is not None and asked:
-        refuse(
-            strategy,
-            f"never evaluates in the HF Trainer, and {giver} gives {', '.join(asked)}, with which lmtune "
-            f"evaluates: remove {given[strategy]} to evaluate, or {', '.join(asked)} not to",
+        raise UserError(  # "no", as written: YAML reads an unquoted no as false
+            f"{where(given[strategy])}{given[strategy]}: no never evaluates in the HF Trainer, and {giver} "
+            f"gives {', '.join(asked)}, with which lmtune evaluates: remove {given[strategy]} to evaluate, "
+            f"or {', '.join(asked)} not to"
         )
     compute = low("bnb_4bit_compute_dtype")
     if compute is not None and low("load_in_4bit") != "true" and low("adapter") != "qlora":
