@@ -250,11 +250,14 @@ def _given(s: Setting, key: str, value: Any) -> Any:
     # The CLI's and YAML's "1.0" is refused as written (io._coerce): a split converted reads 40.0.
     problem = split_written_as_decimal(s.name, value) or value_problem(s, value)
     if problem is not None:
-        from lmtune.config.io import fraction_reason  # it reads these settings
+        from lmtune.config.io import as_file_names, fraction_reason  # it reads these settings
 
         wrong = WrongType if not typed_as(value, s.type, s.optional) else WrongValue
         why = fraction_reason(s.name, value) if s.type is int and isinstance(value, float) else ""
-        raise wrong(key, f"TrainConfig: {key}", f"{problem} (got {brief(value)}){why}")
+        reason = f"{problem} (got {brief(value)}){why}"
+        error = wrong(key, f"TrainConfig: {key}", reason)  # its reason as the CLI names settings
+        error.args = (f"TrainConfig: {key}: {as_file_names(reason)}",)  # as a call names them
+        raise error
     return value
 
 

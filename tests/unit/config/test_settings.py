@@ -433,7 +433,8 @@ def test_a_model_or_data_in_memory_is_answered_with_how_to_give_it() -> None:
         with pytest.raises(TypeError, match=r"^TrainConfig: data: takes files or folders, not an iterable"):
             TrainConfig(data=given)
     assert TrainConfig(data=["a.jsonl", Path("b.jsonl")]).data.train  # paths are not streams
-    with pytest.raises(TypeError, match=r"\(got 0.1\) \(a share of the training steps is --warmup-ratio\)"):
+    # Another setting is named as a call names it (it said --warmup-ratio).
+    with pytest.raises(TypeError, match=r"\(got 0.1\) \(a share of the training steps is warmup_ratio\)$"):
         TrainConfig(warmup_steps=0.1)
 
 
