@@ -36,22 +36,20 @@ def end_of_turn_ids(tokenizer: Any, followed: bool = False) -> list[int]:
         i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
     }
     if followed and _NEXT_PROBE in after:
-        after = _less_user_header(after[: after.find(_NEXT_PROBE)], text[: text.find(_USER_PROBE)], tokenizer)
+        texts = [t for t in tokenizer.convert_ids_to_tokens(sorted(special)) if isinstance(t, str) and t]
+        after = _less_user_header(after[: after.find(_NEXT_PROBE)], text[: text.find(_USER_PROBE)], texts)
     for token in tokenizer(after, add_special_tokens=False)["input_ids"]:
         if token in special:
             return [int(token)]
     return []
 
 
-def _less_user_header(between: str, first: str, tokenizer: Any) -> str:
+def _less_user_header(between: str, first: str, special: list[str]) -> str:
     """What closes a reply, of the text ``between`` it and the next user turn's words: less that
     turn's header, as the first user turn's (``first``: the text before its words) ends from its
-    last special token on. A template that closes replies with nothing of its own then gives no
+    last ``special`` token on. A template that closes replies with nothing of its own then gives no
     token, where the next turn's opening (``<|user|>``) was taken for the reply's end of turn."""
-    texts = [t for t in tokenizer.all_special_tokens if t] + [
-        str(t) for t in tokenizer.added_tokens_decoder.values() if getattr(t, "special", False)
-    ]
-    opens = max((first.rfind(t) for t in texts), default=-1)
+    opens = max((first.rfind(t) for t in special), default=-1)
     header = first[opens:] if opens >= 0 else ""
     return between.removesuffix(header) if header and between.endswith(header) else between
 
