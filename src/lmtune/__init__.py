@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["TrainConfig", "__version__", "errors", "train"]
+__all__ = ["TrainConfig", "TrainResult", "__version__", "errors", "train"]
 
 if TYPE_CHECKING:
     from lmtune.config.settings import TrainConfig
     from lmtune.train import train
+    from lmtune.training.finish import TrainResult
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +19,10 @@ def __getattr__(name: str) -> Any:
         from lmtune.config.settings import TrainConfig
 
         return TrainConfig
+    if name == "TrainResult":  # for a notebook's type hints
+        from lmtune.training.finish import TrainResult
+
+        return TrainResult
     if name == "train":
         from lmtune.train import train
 

@@ -20,6 +20,7 @@ from lmtune.checkpoint.rundir import final_problem, job_lock, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.python_values import in_python_names
 from lmtune.config.settings import TrainConfig, to_dict
+from lmtune.config.verbosity import run_quiet_restored
 from lmtune.data.prepare import cache_root, data_cache_dir
 from lmtune.model.precision import check_device
 from lmtune.outputs.reporters import open_reporters, parse_report_to
@@ -43,7 +44,7 @@ from lmtune.training.build import Built, build_parts, loaders, schedule
 from lmtune.training.context import CallableModule, RunContext
 from lmtune.training.evaluate import EvalResult, evaluate
 from lmtune.training.failures import said_plainly
-from lmtune.training.finish import TrainResult, finish, finished_result
+from lmtune.training.finish import TrainResult, finish, finished_result, recorded_best
 from lmtune.training.loop import FitSettings, LoopParts, fit
 from lmtune.training.optim import set_hyperparameters
 from lmtune.training.perf import PEAKS_FILE, MfuMeter, PhaseTimer, Probe, best_peak_flops, mfu_meter
@@ -65,8 +66,13 @@ def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
         KeyboardInterrupt: from Python (``given`` None), after Ctrl+C stopped it (signals.py).
     """
     python = given is None
-    with threads_kept(), ctrl_c_raised(stop := StopRequest(), python), in_python_names(python):
-        return _train(cfg, given, stop)
+    stop = StopRequest()
+    with threads_kept(), run_quiet_restored(), ctrl_c_raised(stop, python) as finished:
+        with in_python_names(python):
+            result = _train(cfg, given, stop)
+        if result.stopped_by != "signal":
+            finished.append(True)
+        return result
 
 
 def _train(cfg: TrainConfig, given: frozenset[str] | None, stop: StopRequest) -> TrainResult:
@@ -178,7 +184,9 @@ def _run(run: RunContext) -> TrainResult:
     run_info["result"]["finished"] = checkpoints.finished_record(result.state.step, built.layout.total_steps)
     log.write_json("run.json", run_info)
     report_outcome(result.state.step, stopped=False, env=env)
-    return replace(done, stopped_by=run_info["result"]["stopped_by"])
+    recorded = run_info["result"]
+    chosen, final_step = recorded_best(recorded), recorded["final_step"]
+    return replace(done, stopped_by=recorded["stopped_by"], best=chosen, final_step=final_step)
 
 
 def _checkpoints(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,11 @@ from safetensors.torch import load_file
 
 from lmtune.cli import main
 from lmtune.config.files import read_json_object
+from lmtune.config.settings import TrainConfig
 from lmtune.errors import UserError
+from lmtune.train import train
 from lmtune.training.best import BEST_FILE, BestTracker
+from lmtune.training.finish import TrainResult
 from tests.conftest import train_rows, uneven_texts, write_jsonl
 
 
@@ -31,16 +35,36 @@ def _first_stop(losses: list[float], patience: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainResult]:
     root = tmp_path_factory.mktemp("best")
     data = write_jsonl(root / "d.jsonl", uneven_texts(200, seed=4))
     out = root / "out"
-    argv = ["train", "--data", str(data), "--eval-split", "40", "--output-dir", str(out), "--no-progress"]
-    argv += ["--metric-for-best", "eval_loss", "--eval-every", "2", "--early-stopping-patience", "2"]
-    argv += ["--load-best-at-end", "--keep-last", "1", "--save-every", "4", "--global-batch-size", "8"]
+    cfg = TrainConfig(data=str(data), eval_split=40, output_dir=str(out), progress=False)
+    cfg = cfg.replace(metric_for_best="eval_loss", eval_every=2, early_stopping_patience=2)
+    cfg = cfg.replace(load_best_at_end=True, keep_last=1, save_every=4, global_batch_size=8)
     # A learning rate far too high: the eval loss soon rises, so the patience rule must fire.
-    assert main([*argv, "--lr", "3e-2", "--max-steps", "60", "--seed", "2"]) == 0
-    return out
+    return out, train(cfg.replace(lr=3e-2, max_steps=60, seed=2))
+
+
+@pytest.fixture(scope="module")
+def run(trained: tuple[Path, TrainResult]) -> Path:
+    return trained[0]
+
+
+def test_the_result_names_the_model_final_holds(trained: tuple[Path, TrainResult], tmp_path: Path) -> None:
+    """TrainResult said the last step's evaluation alone: a notebook took it for final/'s model,
+    which --load-best-at-end had taken from an earlier step. Its best and final_step are run.json's,
+    also for the finished run called again (run.json's config replayed, as a notebook does)."""
+    out, result = trained
+    recorded = json.loads((out / "run.json").read_text())
+    best = recorded["result"]["best"]
+    assert result.best is not None and asdict(result.best) == best and result.stopped_by == "early_stopping"
+    assert result.final_step == best["step"] == recorded["result"]["final_step"] < result.steps
+    assert result.eval is not None and result.eval.loss != best["value"]  # the last evaluation's
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    again = train(TrainConfig(**recorded["config"]).replace(output_dir=str(copy)))
+    assert (again.best, again.final_step, again.steps) == (result.best, result.final_step, result.steps)
 
 
 def test_early_stopping_stops_at_the_evaluation_the_rule_names(run: Path) -> None:

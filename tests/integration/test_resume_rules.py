@@ -601,6 +601,15 @@ def test_ctrl_c_stops_a_python_loop_of_runs_after_saving(
     with pytest.raises(KeyboardInterrupt, match="stopped by SIGINT before training began"):
         lmtune.train(lmtune.TrainConfig(model="tiny", max_steps=1, output_dir=str(tmp_path / "b")))
     assert torch.get_num_threads() == 1
+    # Ctrl+C during the last step: the run finishes (final/ saved), and the message said a call resumes it.
+    monkeypatch.setattr(build, "choose_paths", chosen)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    steps.clear()
+    done = tmp_path / "c"
+    with pytest.raises(KeyboardInterrupt, match=r"after the run's last step: it finished .*nothing is left"):
+        lmtune.train(lmtune.TrainConfig(model="tiny", max_steps=2, output_dir=str(done), progress=False))
+    assert (done / "final" / "model.safetensors").is_file() and len(steps) == 2
+    assert json.loads((done / "run.json").read_text())["result"]["finished"]["step"] == 2
     capsys.readouterr()
 
 

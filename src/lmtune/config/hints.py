@@ -129,6 +129,13 @@ HINTS: dict[str, str] = {
         "fields) and rename fields with {field_map}"
     ),
     "dataset": "give the files as lmtune's {data}",
+    # TRL's trainers' arguments, as a script passes them on to TrainConfig
+    "train_dataset": "give the files as lmtune's {data}",
+    "eval_dataset": "give the evaluation files as lmtune's {eval_data}",
+    "peft_config": (
+        "LoRA is lmtune's {lora} with {lora_rank} (peft's r), {lora_alpha}, {lora_dropout} and "
+        "{lora_target_modules}"
+    ),
     "test_datasets": "give the evaluation files as lmtune's {eval_data}",
     "field_messages": "map field names with {field_map} messages=FIELD,role=FIELD,content=FIELD",
     "message_property_mappings": "map field names with {field_map} messages=FIELD,role=FIELD,content=FIELD",

@@ -26,11 +26,11 @@ from lmtune.config.settings import (
     as_text,
     config_fields,
     option_name,
-    peer_unset,
     setting_named,
     to_dict,
     value_of,
 )
+from lmtune.config.switches import peer_unset
 from lmtune.config.validate import split_written_as_decimal
 from lmtune.errors import SettingError, UserError, WrongType, WrongValue, brief, one_line
 

@@ -32,6 +32,11 @@ def in_memory(name: str, value: Any) -> str | None:
             "takes files or folders, not a DataFrame: write it with df.to_json(PATH, orient='records', "
             "lines=True), then give PATH"
         )
+    if name == "lora" and type(value).__name__ == "LoraConfig":  # TRL's peft_config habit
+        return (
+            "takes True or lmtune's LoRA settings, not peft's LoraConfig: give lora=True with lora_rank "
+            "(its r), lora_alpha, lora_dropout and lora_target_modules"
+        )
     records = isinstance(value, (list, tuple)) and value and all(isinstance(e, dict) for e in value)
     if name in SOURCES and records and not any("path" in e for e in value):
         return (
@@ -85,3 +90,13 @@ def in_python_names(python: bool) -> Iterator[None]:
         names = {option_name(s.name): s.name for s in config_fields()}
         reason = re.sub(r"--[a-z][a-z0-9-]*", lambda m: names.get(m.group(0), m.group(0)), e.reason)
         raise SettingError(e.setting, f"TrainConfig: {e.setting}", reason) from None
+
+
+def typed_as(value: object, kind: type, optional: bool) -> bool:
+    """Whether ``value`` is of a setting's type: the CLI and YAML convert values, the Python API
+    (``TrainConfig(lr="abc")``) does not, and a wrong type would fail later with a traceback."""
+    if value is None:
+        return optional
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))

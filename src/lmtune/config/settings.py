@@ -36,7 +36,7 @@ from lmtune.config.groups import (
     ScheduleSettings,
     setting,
 )
-from lmtune.config.python_values import FOLDERS_MADE, SOURCES, folder_named, in_memory
+from lmtune.config.python_values import FOLDERS_MADE, SOURCES, folder_named, in_memory, typed_as
 from lmtune.config.run_groups import (
     CheckpointSettings,
     EvalSettings,
@@ -45,6 +45,7 @@ from lmtune.config.run_groups import (
     LoggingSettings,
     SampleSettings,
 )
+from lmtune.config.switches import peer_unset
 from lmtune.errors import UnknownSetting, UserError, WrongType, WrongValue, brief
 
 __all__ = [
@@ -170,6 +171,20 @@ class TrainConfig:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_given", given)
 
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], **settings: Any) -> TrainConfig:
+        """The settings of a YAML or JSON file, read as ``lmtune train --config`` reads it (names
+        with dashes or underscores, YAML's numbers, other tools' names, a run.json's config), with
+        ``settings`` over them as flags override a file's.
+
+        Raises:
+            UserError: naming the file and line, for what ``--config`` refuses.
+        """
+        from lmtune.config.io import config_and_given, load_yaml
+
+        cfg = config_and_given(load_yaml(os.fspath(path)), os.fspath(path))[0]
+        return cfg.replace(**settings) if settings else cfg
+
     def replace(self, **settings: Any) -> TrainConfig:
         """A copy with these settings (flat names, or whole groups) changed."""
         changed = copy.copy(self)
@@ -198,33 +213,6 @@ def _all_settings() -> tuple[Setting, ...]:
 
 SETTINGS = _all_settings()
 _BY_NAME = {s.name: s for s in SETTINGS}
-
-
-def peer_unset(name: str, value: Any) -> Any:
-    """``value``, or lmtune's for how Hugging Face configs write "not set": ``max_steps: -1`` (the
-    epochs decide) and ``neftune_noise_alpha: null`` (off), as configs written from
-    TrainingArguments or SFTConfig hold them, and ``val_set_size: 0`` (none held out), as Axolotl's."""
-    # Not str(value): an int of more than 4,300 digits has no str (TrainConfig(max_steps=10**5000)).
-    written = value.strip() if isinstance(value, str) else value
-    if isinstance(written, bool):
-        return value
-    if name == "max_steps" and written in ("-1", -1) and not isinstance(written, float):
-        return None
-    if name == "neftune_alpha" and value is None:
-        return 0.0
-    if name == "eval_split" and written in ("0", "0.0", 0):
-        return None  # Axolotl's val_set_size: 0, its default: no evaluation split
-    return value
-
-
-def typed_as(value: object, kind: type, optional: bool) -> bool:
-    """Whether ``value`` is of a setting's type: the CLI and YAML convert values, the Python API
-    (``TrainConfig(lr="abc")``) does not, and a wrong type would fail later with a traceback."""
-    if value is None:
-        return optional
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
 
 
 def _given(s: Setting, key: str, value: Any) -> Any:
@@ -274,8 +262,13 @@ def _assembled(
     from lmtune.config.switches import PEER_NULLS, steps_left_unset
 
     settings = peers_switched(settings, lambda _: "TrainConfig: ", str, "the call")
+    # All at once: another tool's dump has several. One left None (unset) asks nothing, as in YAML.
+    if unknown := [_unknown(k, v) for k, v in settings.items() if _is_unknown(k) and v is not None]:
+        raise UnknownSetting("\n".join(unknown))
 
     for key, value in settings.items():
+        if _is_unknown(key):
+            continue
         kind, written = GROUPS.get(key), key
         if key not in _BY_NAME and ALIASES.get(key) in _BY_NAME:
             value = PEER_NULLS.get(key, value) if value is None else value  # save_total_limit=None
@@ -293,11 +286,8 @@ def _assembled(
         elif key in _BY_NAME:
             s = _BY_NAME[key]
             flat.set(s.group or "", s.field, _given(s, key, value), written)
-        else:
-            from lmtune.config.aliases import explain_unknown
-
-            known = [*_BY_NAME, *GROUPS]
-            raise UnknownSetting(f"TrainConfig: {explain_unknown(key, known, repr, 'TrainConfig', value)}")
+        else:  # a group's name given a plain value (batch=5)
+            raise UnknownSetting(_unknown(key, value))
     if (schedule := flat.by_group.get("schedule")) is not None and schedule != steps_left_unset(schedule):
         del schedule["warmup_steps"], flat.given_as["schedule", "warmup_steps"]
     for group, changes in flat.by_group.items():
@@ -306,7 +296,42 @@ def _assembled(
         else:
             values.update(changes)
     named = {(s.group or "", s.field): s.name for s in SETTINGS}
-    return values, frozenset(named[key] for key in flat.given_as)
+    return values, frozenset(named[key] for key in flat.given_as if key not in _dumped(flat.given_as))
+
+
+def _dumped(given_as: dict[tuple[str, str], str]) -> set[tuple[str, str]]:
+    """The fields of the groups a call names every setting of: a dump's (``asdict(cfg)``, run.json's
+    config), which names them all as a group object holds them; its changed values count, not its
+    defaults as asked for (``lora_rank`` of a dump with LoRA off, refused given by name)."""
+    dumped: set[tuple[str, str]] = set()
+    for group in GROUPS:
+        fields = {(group, s.field) for s in SETTINGS if s.group == group}
+        if fields <= given_as.keys():
+            dumped |= fields
+    return dumped
+
+
+def _is_unknown(key: str) -> bool:
+    from lmtune.config.aliases import ALIASES
+
+    return key not in _BY_NAME and key not in GROUPS and ALIASES.get(key) not in _BY_NAME
+
+
+def _unknown(key: str, value: Any) -> str:
+    """Why TrainConfig does not take ``key``, in one line."""
+    from lmtune.config.aliases import explain_unknown
+
+    if isinstance(key, str) and "-" in key and not _is_unknown(python := key.replace("-", "_")):
+        # A YAML file's spelling (yaml.safe_load of lmtune's examples): "did you mean 'output_dir'?"
+        return (
+            f"TrainConfig: {key!r} is {python!r} in Python; TrainConfig.from_file reads a YAML file as "
+            "lmtune train --config does"
+        )
+    why = explain_unknown(key, [*_BY_NAME, *GROUPS], repr, "TrainConfig", value)
+    if key in GROUPS and why.endswith(f"did you mean {key!r}?"):  # batch=5 (optim="adamw_8bit" is HF's)
+        fields = ", ".join(s.field for s in SETTINGS if s.group == key)
+        why = f"{key!r} is a group of settings ({fields}): give them by name, or as a mapping"
+    return f"TrainConfig: {why}"
 
 
 @dataclasses.dataclass

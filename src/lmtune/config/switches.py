@@ -91,3 +91,20 @@ VALUE_SWITCHES: dict[str, dict[str, dict[str, Any]]] = {
     "model_type": {"automodelforcausallm": {}},
     "tokenizer_type": {"autotokenizer": {}},
 }
+
+
+def peer_unset(name: str, value: Any) -> Any:
+    """``value``, or lmtune's for how Hugging Face configs write "not set": ``max_steps: -1`` (the
+    epochs decide) and ``neftune_noise_alpha: null`` (off), as configs written from
+    TrainingArguments or SFTConfig hold them, and ``val_set_size: 0`` (none held out), as Axolotl's."""
+    # Not str(value): an int of more than 4,300 digits has no str (TrainConfig(max_steps=10**5000)).
+    written = value.strip() if isinstance(value, str) else value
+    if isinstance(written, bool):
+        return value
+    if name == "max_steps" and written in ("-1", -1) and not isinstance(written, float):
+        return None
+    if name == "neftune_alpha" and value is None:
+        return 0.0
+    if name == "eval_split" and written in ("0", "0.0", 0):
+        return None  # Axolotl's val_set_size: 0, its default: no evaluation split
+    return value

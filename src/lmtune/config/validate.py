@@ -24,6 +24,7 @@ from lmtune.config.groups import (
 )
 from lmtune.config.hints import FOREIGN_CHOICES
 from lmtune.config.mixture import named_items, parse_weights, source_names
+from lmtune.config.python_values import typed_as
 from lmtune.config.run_groups import (
     BEST_METRICS,
     CheckpointSettings,
@@ -41,7 +42,6 @@ from lmtune.config.settings import (
     option_name,
     parse_nnodes,
     setting_named,
-    typed_as,
     value_of,
 )
 from lmtune.errors import SettingError, brief, too_long_to_show

@@ -22,6 +22,12 @@ from lmtune.config.environment import switch
 # package it asks for a faster 4-bit kernel from the hub (offline: a skipped trust check).
 KERNELS_HUB_LOGGER = "kernels._internals.hf_hub"
 BITSANDBYTES_LOGGERS = ("bitsandbytes", KERNELS_HUB_LOGGER)
+# Quieted for a whole run (the int8 notice comes at every product), put back when lmtune.train returns.
+RUN_QUIETED_LOGGERS = (
+    "bitsandbytes.backends.cpu.ops",
+    KERNELS_HUB_LOGGER,
+    "bitsandbytes.autograd._functions",  # a logger's record in bitsandbytes 0.50
+)
 # Warning categories other packages use for their own plans (deprecations, renamed properties).
 _FOREIGN_CATEGORIES = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
 
@@ -69,3 +75,17 @@ def no_progress_bars() -> Iterator[None]:
     finally:
         if enabled and not verbose():
             hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+@contextmanager
+def run_quiet_restored() -> Iterator[None]:
+    """What a run quiets for its whole length (bitsandbytes' notices: the int8 one comes at every
+    product) put back when the call into lmtune returns: a notebook's own later use of those
+    packages warns as it did before."""
+    saved = [(logging.getLogger(name), logging.getLogger(name).level) for name in RUN_QUIETED_LOGGERS]
+    with warnings.catch_warnings():
+        try:
+            yield
+        finally:
+            for logger, level in saved:
+                logger.setLevel(level)

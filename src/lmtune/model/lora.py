@@ -23,7 +23,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 def _peft() -> Any:
     try:
-        with quiet_calls(*BITSANDBYTES_LOGGERS):  # peft imports bitsandbytes when installed
+        with quiet_calls(*BITSANDBYTES_LOGGERS):  # some peft versions import bitsandbytes with it
             import peft
     except ImportError as e:
         raise UserError(
@@ -269,8 +269,10 @@ def _quiet_peft() -> Iterator[None]:
     """:func:`quiet_calls` around peft, which also warns that the rank and alpha patterns it adds
     for a MoE's experts (doubling a fused gate_up_proj's rank, for adapters of transformers 4)
     match nothing in an adapter of transformers 5: true and harmless; nor that it sets
-    fan_in_fan_out for GPT-2's Conv1D layers, as it should."""
-    with quiet_calls(), warnings.catch_warnings():
+    fan_in_fan_out for GPT-2's Conv1D layers, as it should. peft imports bitsandbytes where it
+    first builds an adapter layer (not on its own import): its missing-kernel notice, which names
+    a ``trust_remote_code`` that is not lmtune's, came on every LoRA run."""
+    with quiet_calls(*BITSANDBYTES_LOGGERS), warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys", RuntimeWarning)
         warnings.filterwarnings("ignore", r"fan_in_fan_out is set to False", UserWarning)
         yield

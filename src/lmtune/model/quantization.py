@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lmtune.config.groups import ModelSettings
-from lmtune.config.verbosity import KERNELS_HUB_LOGGER, verbose
+from lmtune.config.verbosity import RUN_QUIETED_LOGGERS, verbose
 from lmtune.errors import UserError
 from lmtune.model.precision import low_precision_dtype
 
@@ -47,15 +47,14 @@ def quiet_bitsandbytes() -> None:
     """bitsandbytes warns on CPU that optional 4-bit matmul kernels are missing (a faster kernel
     package), and at every int8 product that its inputs are cast to fp16 (its design); neither is
     something a user can act on. The int8 notice comes at every product of the run, so it is
-    filtered for the process (by its text), unless -v/LMTUNE_VERBOSE=1 asks for everything.
+    filtered for the run (by its text; lmtune.train puts the filters and levels back as it
+    returns: verbosity.run_quiet_restored), unless -v/LMTUNE_VERBOSE=1 asks for everything.
     On an AVX-512 BF16 CPU its import asks the ``kernels`` package for that kernel from the hub,
     which logs, offline, that it skipped the publisher's trust check: the same notice again."""
     if verbose():
         return
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    logging.getLogger(KERNELS_HUB_LOGGER).setLevel(logging.ERROR)
-    # A logger's record in bitsandbytes 0.50, a warning in earlier versions.
-    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    for name in RUN_QUIETED_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
 
 

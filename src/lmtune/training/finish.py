@@ -17,6 +17,7 @@ from lmtune.config.settings import SAMPLE_DATA, to_dict
 from lmtune.model.modeling import merged_into_base
 from lmtune.outputs.hub import push_final
 from lmtune.parallel.distributed import barrier
+from lmtune.training.best import Best
 from lmtune.training.build import Built
 from lmtune.training.context import RunContext
 from lmtune.training.demo import final_model, show_answers
@@ -85,6 +86,9 @@ def finish(
 
 @dataclass(frozen=True)
 class TrainResult:
+    """What ``lmtune.train`` returns: the run's folder, its last step (``steps``), that step's loss
+    and the last evaluation; run.json holds everything else the run recorded."""
+
     output_dir: Path
     steps: int
     last_loss: float
@@ -93,24 +97,51 @@ class TrainResult:
     # A finished run called again: its recorded result, and the settings of this call it did not
     # apply (a loop over learning rates into one output_dir returned the first run's result each time).
     not_applied: tuple[str, ...] = ()
+    # The best evaluation by --metric-for-best (None without one), as run.json's result.best: under
+    # --load-best-at-end final/ holds its model, not the last step's (``eval`` is the last step's).
+    best: Best | None = None
+    final_step: int | None = None  # the step whose model final/ holds (None: no final/, stopped)
 
 
 def finished_result(run: RunContext, step: int) -> TrainResult:
     """A finished run run again: said (:func:`say_finished`), and its result as run.json has it."""
     changed = say_finished(run, step)
-    return TrainResult(run.output_dir, step, *recorded_result(run.output_dir), not_applied=tuple(changed))
+    recorded: Any = earlier_record(run.output_dir).get("result")
+    loss, evaluated = recorded_result(recorded)
+    return TrainResult(
+        run.output_dir,
+        step,
+        loss,
+        evaluated,
+        not_applied=tuple(changed),
+        best=recorded_best(recorded),
+        final_step=_step_or_none(recorded, "final_step"),
+    )
 
 
-def recorded_result(output_dir: Path) -> tuple[float, EvalResult | None]:
-    """A finished run's last loss and last evaluation, as its run.json recorded them (nan and
-    None where it holds none, or not in lmtune's form)."""
-    result: Any = earlier_record(output_dir).get("result")
+def recorded_result(result: Any) -> tuple[float, EvalResult | None]:
+    """A finished run's last loss and last evaluation, as its run.json's ``result`` recorded them
+    (nan and None where it holds none, or not in lmtune's form)."""
     try:
         loss = float(result["last_loss"])
         evaluated = result.get("eval")
         return loss, EvalResult.from_record(evaluated) if isinstance(evaluated, dict) else None
     except (AttributeError, KeyError, TypeError, ValueError):
         return float("nan"), None
+
+
+def recorded_best(result: Any) -> Best | None:
+    """run.json's ``result.best`` (None where it holds none, or not in lmtune's form)."""
+    best: Any = result.get("best") if isinstance(result, dict) else None
+    try:
+        return Best(int(best["step"]), str(best["metric"]), float(best["value"]), str(best["checkpoint"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _step_or_none(result: Any, key: str) -> int | None:
+    value = result.get(key) if isinstance(result, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def say_finished(run: RunContext, step: int) -> list[str]:

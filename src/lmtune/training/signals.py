@@ -81,20 +81,26 @@ class StopRequest:
 
 
 @contextmanager
-def ctrl_c_raised(stop: StopRequest, python: bool) -> Iterator[None]:
+def ctrl_c_raised(stop: StopRequest, python: bool) -> Iterator[list[bool]]:
     """From Python (``python``), Ctrl+C ends the call as Python's own Ctrl+C does, with
     KeyboardInterrupt, once the run has stopped (its step finished and saved, or before training
     began): lmtune.train returned, and a loop of runs or a notebook cell went on to the next one;
-    before the first step it raised StoppedBySignal, an Exception that ``except Exception`` took."""
+    before the first step it raised StoppedBySignal, an Exception that ``except Exception`` took.
+    The caller appends True to the list it is given when the run finished all the same (Ctrl+C
+    during its last step or final save): its message then says so, not that a call resumes it."""
+    finished: list[bool] = []
     try:
-        yield
+        yield finished
     except StoppedBySignal as e:
         if python and e.signum == signal.SIGINT:
             raise KeyboardInterrupt(str(e)) from None
         raise
     if python and stop.pending() == signal.SIGINT:
         raise KeyboardInterrupt(
-            "stopped by Ctrl+C with its last step saved (the log says which); the same call resumes"
+            "stopped by Ctrl+C after the run's last step: it finished (final/ and run.json's result "
+            "are written), nothing is left to resume"
+            if finished
+            else "stopped by Ctrl+C with its last step saved (the log says which); the same call resumes"
         )
 
 

@@ -27,3 +27,26 @@ def test_quiet_calls_hide_only_inside_and_restore(monkeypatch: pytest.MonkeyPatc
             warnings.warn("verbose", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["outside", "verbose"]
     assert logger.level == before and logging.getLogger("some").level == logging.NOTSET
+
+
+def test_a_runs_quieting_is_put_back_when_the_call_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bitsandbytes' notices were quieted for the whole process (its levels and a warnings filter
+    left set after lmtune.train returned), and peft's adapter layers imported bitsandbytes outside
+    the quieted import, so its missing-kernel notice (naming a trust_remote_code that is not
+    lmtune's) came on every LoRA run."""
+    from lmtune.config.verbosity import RUN_QUIETED_LOGGERS, run_quiet_restored
+    from lmtune.model.lora import _quiet_peft
+    from lmtune.model.quantization import quiet_bitsandbytes
+
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    levels = {name: logging.getLogger(name).level for name in RUN_QUIETED_LOGGERS}
+    filters = list(warnings.filters)
+    with run_quiet_restored():
+        quiet_bitsandbytes()
+        assert all(logging.getLogger(name).level == logging.ERROR for name in RUN_QUIETED_LOGGERS)
+        assert warnings.filters != filters
+    assert {name: logging.getLogger(name).level for name in RUN_QUIETED_LOGGERS} == levels
+    assert warnings.filters == filters
+    with _quiet_peft():
+        assert not logging.getLogger("bitsandbytes.backends.cpu.ops").isEnabledFor(logging.WARNING)
+    assert logging.getLogger("bitsandbytes.backends.cpu.ops").isEnabledFor(logging.WARNING)

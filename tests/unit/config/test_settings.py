@@ -15,7 +15,7 @@ import pytest
 from lmtune.cli import main
 from lmtune.cli.commands import train_config
 from lmtune.cli.parser import build_parser
-from lmtune.config.io import build_config, to_argv
+from lmtune.config.io import build_config, load_yaml, to_argv
 from lmtune.config.settings import (
     PLAN_SETTINGS,
     TrainConfig,
@@ -27,6 +27,8 @@ from lmtune.config.settings import (
 )
 from lmtune.errors import UserError, WrongType, WrongValue
 from lmtune.training.preflight import validate
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _different(f: Any) -> Any:
@@ -449,3 +451,59 @@ def test_a_runs_setting_error_from_python_names_the_settings_as_python_gives_the
     ):
         lmtune.train(cfg)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_dump_of_a_config_is_taken_back_as_the_config_it_was() -> None:
+    """``TrainConfig(**asdict(cfg))`` and run.json's config compared equal and were refused: every
+    setting of the dump counted as given, so ``lora_rank`` at its default asked for LoRA."""
+    import dataclasses
+
+    from lmtune.config.settings import to_dict
+
+    cfg = TrainConfig(data="sample", max_steps=2, output_dir="runs/x")
+    for dump in (dataclasses.asdict(cfg), to_dict(cfg)):
+        again = TrainConfig(**dump)
+        assert again == cfg
+        validate(again, 1)
+        changed = dict(dump)  # a changed value of a feature that is off is still refused
+        if isinstance(changed["lora"], dict):  # asdict's groups; to_dict's flat names
+            changed["lora"] = {**changed["lora"], "rank": 8}
+        else:
+            changed["lora_rank"] = 8
+        with pytest.raises(UserError, match=r"^--lora-rank: applies with --lora only"):
+            validate(TrainConfig(**changed), 1)
+    with pytest.raises(UserError, match=r"^--lora-rank: applies with --lora only"):  # not a whole group
+        validate(TrainConfig(lora={"enabled": False, "rank": 16}), 1)
+
+
+def test_the_python_api_answers_every_unknown_name_at_once() -> None:
+    """A TrainingArguments dump was answered one key per exception (YAML lists them all)."""
+    with pytest.raises(TypeError) as caught:
+        TrainConfig(lr=1e-3, lr_scheduler_kwargs={}, train_dataset="a.jsonl", lrr=1, ddp_backend=None)
+    lines = str(caught.value).splitlines()
+    assert len(lines) == 3 and all(line.startswith("TrainConfig: ") for line in lines)  # None asks nothing
+    assert "'train_dataset': give the files as lmtune's 'data'" in lines[1]
+    assert "unknown setting 'lrr'; did you mean 'lr'?" in lines[2]
+    # A YAML file's spelling, and a group's name given a value, said "did you mean" the same name.
+    with pytest.raises(TypeError, match=r"'output-dir' is 'output_dir' in Python; TrainConfig.from_file "):
+        TrainConfig(**{"output-dir": "x"})
+    with pytest.raises(TypeError, match=r"'batch' is a group of settings \(global_batch_size, "):
+        TrainConfig(batch=5)
+    with pytest.raises(TypeError, match=r"'peft_config': LoRA is lmtune's 'lora' with 'lora_rank' \(peft"):
+        TrainConfig(peft_config=object())
+
+
+def test_from_file_reads_a_file_as_train_config_does(tmp_path: Path) -> None:
+    """yaml.safe_load of lmtune's own examples then TrainConfig(**...) refused their dashes and
+    read ``lr: 1e-3`` as text; from_file reads a file as --config does, settings over it."""
+    for example in ("tiny-demo.yaml", "chat-sft.yaml", "dpo.yaml"):
+        path = REPO / "examples" / example
+        assert TrainConfig.from_file(path) == build_config(load_yaml(str(path)))
+    demo = REPO / "examples" / "tiny-demo.yaml"
+    cfg = TrainConfig.from_file(demo, lr=2e-3, max_steps=3)
+    assert (cfg.optim.lr, cfg.schedule.max_steps, cfg.batch.global_batch_size) == (2e-3, 3, 32)
+    written = tmp_path / "r.yaml"
+    written.write_text("lr: 1e-3\nlearning_rate: 1e-3\nlora_rank: 8\n")  # YAML 1.1 reads 1e-3 as text
+    with pytest.raises(UserError, match=r"^--lora-rank: applies with --lora only"):  # given by the file
+        validate(TrainConfig.from_file(written), 1)
+    assert TrainConfig.from_file(written, lora=True).optim.lr == 1e-3
