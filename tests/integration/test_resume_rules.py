@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lmtune.cli import main
+from lmtune.errors import UserError
 from lmtune.training.optim import warmup_cosine
 from tests.conftest import train_rows, uneven_texts, write_jsonl
 from tests.unit.checkpoint.test_integrity import Payload
@@ -610,6 +611,13 @@ def test_ctrl_c_stops_a_python_loop_of_runs_after_saving(
         lmtune.train(lmtune.TrainConfig(model="tiny", max_steps=2, output_dir=str(done), progress=False))
     assert (done / "final" / "model.safetensors").is_file() and len(steps) == 2
     assert json.loads((done / "run.json").read_text())["result"]["finished"]["step"] == 2
+    # A refusal from Python names the settings as the call gives them (it said --global-batch-size,
+    # --overwrite); one naming a command to run keeps its flags.
+    monkeypatch.setattr(torch.optim.AdamW, "step", original)
+    more = lmtune.TrainConfig(model="tiny", max_steps=4, global_batch_size=16, output_dir=str(done))
+    said = r"global_batch_size 32 -> 16\. .* another output_dir \(or overwrite=True\)$"
+    with pytest.raises(UserError, match=said):
+        lmtune.train(more.replace(progress=False))
     capsys.readouterr()
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lmtune.errors import SettingError, brief
+from lmtune.errors import SettingError, TrainingStopped, UserError, brief
 
 SOURCES = ("data", "eval_data")  # lists of sources: a YAML mapping each, a path's commas escaped
 
@@ -78,18 +78,38 @@ def folder_named(path: str) -> tuple[str, str | None]:
 
 @contextmanager
 def in_python_names(python: bool) -> Iterator[None]:
-    """From Python (``python``), a setting's error at the run's start names the settings as a
-    TrainConfig takes them (``micro_batch_size``), not as flags (``--micro-batch-size``)."""
+    """From Python (``python``), an error of the run names the settings as a TrainConfig takes
+    them (``micro_batch_size``, ``overwrite=True``), not as flags (``--micro-batch-size``,
+    ``--overwrite``); one that names a command to run keeps its flags."""
     try:
         yield
     except SettingError as e:
         if not python:
             raise
-        from lmtune.config.settings import config_fields, option_name  # it reads this module
+        raise SettingError(e.setting, f"TrainConfig: {e.setting}", python_spelling(e.reason)) from None
+    except (UserError, TrainingStopped) as e:
+        if python and e.args and isinstance(e.args[0], str):
+            e.args = (python_spelling(e.args[0]), *e.args[1:])
+        raise
 
-        names = {option_name(s.name): s.name for s in config_fields()}
-        reason = re.sub(r"--[a-z][a-z0-9-]*", lambda m: names.get(m.group(0), m.group(0)), e.reason)
-        raise SettingError(e.setting, f"TrainConfig: {e.setting}", reason) from None
+
+def python_spelling(text: str) -> str:
+    """``text`` with the flags of settings written as a TrainConfig call writes them (a switch as
+    ``name=True``), unless it names an lmtune command, whose flags are for the shell."""
+    if re.search(r"\blmtune (?:train|export|eval|generate|data|plan|bench|doctor|report|push)\b", text):
+        return text
+    from lmtune.config.settings import config_fields  # it reads this module
+
+    switches = {s.name for s in config_fields() if s.type is bool}
+    names = {s.name for s in config_fields()}
+
+    def named(found: re.Match[str]) -> str:
+        name = found.group(2).replace("-", "_")
+        if name in switches:
+            return f"{name}={not found.group(1)}"
+        return name if name in names and not found.group(1) else found.group(0)
+
+    return re.sub(r"(?<![\w-])--(no-)?([a-z][a-z0-9-]*)", named, text)
 
 
 def typed_as(value: object, kind: type, optional: bool) -> bool:
