@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from lmtune.data.sources import Record
@@ -28,10 +29,20 @@ def unknown_format(record: Record, found: str, expected: str) -> UserError:
             f"with field={key!r}); lmtune reads a JSON list of records, or one record a line: give the "
             f"list itself (such as jq -c '.{key}[]' FILE > FILE.jsonl)"
         )
+    if _run_metrics(record):  # a glob over a run's folder (DIR/*.jsonl) read its metrics as data
+        return UserError(
+            f"{record.where}: the metrics an lmtune run wrote beside its run.json, not data; leave it out "
+            "of --data (a run's output folder is best kept apart from its data)"
+        )
     return UserError(
         f"{record.where}: cannot tell the format (fields found: {found}; expected: {expected}; name other "
         f"fields with --field-map OURS=THEIRS{suggested_map(record)})"
     )
+
+
+def _run_metrics(record: Record) -> bool:
+    path = Path(record.source)
+    return path.name == "metrics.jsonl" and (path.parent / "run.json").is_file() and "kind" in record.fields
 
 
 def _records(value: Any) -> bool:

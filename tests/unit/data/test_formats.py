@@ -206,6 +206,18 @@ def test_unknown_fields_get_a_field_map_suggestion(row: dict[str, Any], suggesti
     assert (suggestion in str(refused.value)) if suggestion else ("such as" not in str(refused.value))
 
 
+def test_a_runs_metrics_read_as_data_are_named_so(tmp_path: Path) -> None:
+    """A glob over a folder that held a run (``DIR/*.jsonl``) read its metrics.jsonl: "cannot tell
+    the format (fields found: 'kind', 'step', ...)"."""
+    row = {"kind": "train", "step": 1, "loss": 2.5}
+    metrics = tmp_path / "metrics.jsonl"
+    with pytest.raises(UserError, match="cannot tell the format"):  # no run.json beside it: data
+        render(Record(str(metrics), 1, row), "auto", FieldMap.of(ExampleSettings()), byte_tokenizer())
+    (tmp_path / "run.json").write_text("{}")
+    with pytest.raises(UserError, match=r"metrics.jsonl:1: the metrics an lmtune run wrote beside its run"):
+        render(Record(str(metrics), 1, row), "auto", FieldMap.of(ExampleSettings()), byte_tokenizer())
+
+
 @pytest.mark.parametrize(
     ("row", "fmt", "message"),
     [
