@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
-from lmtune.checkpoint.resume import recorded_paths
+from lmtune.checkpoint.resume import recorded_paths, restart_settings
 from lmtune.checkpoint.rundir import final_problem, job_lock, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.python_values import in_python_names
@@ -84,6 +84,11 @@ def _train(cfg: TrainConfig, given: frozenset[str] | None, stop: StopRequest) ->
     if env.device.type == "cpu":
         torch.set_num_threads(threads)
     output_dir = Path(cfg.checkpoint.output_dir)
+    settings, restarted = restart_settings(cfg.checkpoint, output_dir)
+    if restarted:
+        cfg = cfg.replace(checkpoint=settings)
+        if env.is_main:
+            warn("a restart goes on from the newest checkpoint (--overwrite and --resume: the first start's)")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     heartbeat = Heartbeat.from_env(env.rank)
     try:

@@ -187,8 +187,10 @@ def test_resume_mid_run_on_another_world_size_keeps_the_data_order(base: dict[st
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(base: dict[str, Path]) -> None:
+    """Also under --overwrite, which the restart applied again: it deleted the job's own
+    checkpoints and trained from step 1."""
     out = base["root"] / "killed"
-    proc = popen(args(base["data"], out, *TWO, "--max-restarts", "1"))
+    proc = popen(args(base["data"], out, *TWO, "--max-restarts", "1", "--overwrite"))
     deadline = time.monotonic() + 120
     while len(train_rows(out)) < 120:
         assert proc.poll() is None and time.monotonic() < deadline, "run ended before the kill"
@@ -202,6 +204,10 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(base:
     # The restart is said, with its cause (the log only began again).
     restart = "rank 1 was killed by SIGKILL; every process starts again from the newest checkpoint"
     assert f"{restart} (--max-restarts: restart 1 of 1)" in output
+    assert (
+        "a restart goes on from the newest checkpoint (--overwrite and --resume: the first start's)" in output
+    )
+    assert "removed the earlier run's" not in output
     assert max_diff(base["two-long"], out) == 0.0
     assert [r["step"] for r in train_rows(out)] == list(range(1, LONG + 1))
 

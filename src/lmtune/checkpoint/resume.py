@@ -3,6 +3,7 @@ loading it, and the record of what each resume changed."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -286,3 +287,16 @@ def resumable_when_full(output_dir: Path) -> Iterator[None]:
         if not e.path.is_relative_to(output_dir):
             raise
         raise NoSpace(f"{e}; {resume_note(output_dir)}", e.path) from None
+
+
+def restart_settings(settings: CheckpointSettings, output_dir: Path) -> tuple[CheckpointSettings, bool]:
+    """The settings of a worker that ``--max-restarts`` started again (torchrun's restart count
+    above 0), and whether they changed: it goes on from the newest checkpoint the job saved,
+    ``--overwrite`` and ``--resume`` having been applied at the job's first start (a restart applied
+    --overwrite again: it deleted the job's own checkpoints and trained from step 1). Before the
+    first checkpoint, nothing is saved to go on from: the settings are the first start's."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    if restart in ("", "0") or not list_checkpoints(output_dir):
+        return settings, False
+    changed = replace(settings, overwrite=False, resume="auto")
+    return changed, changed != settings
