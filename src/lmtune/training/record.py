@@ -262,6 +262,12 @@ def _warmup_note(cfg: TrainConfig, total: int, lr: float) -> str | None:
     warmup = warmup_steps(cfg.schedule, total)
     if warmup < total:
         return None
+    if total == 1 and cfg.schedule.name == "wsd" and cfg.schedule.min_lr_ratio > 0:
+        return (  # transformers' wsd warms up from lr x min_lr_ratio, its other schedules from 0
+            "warning: the warmup (1 step) is as long as the run: its one step runs at learning rate "
+            f"{lr * cfg.schedule.min_lr_ratio:.3g} (wsd's warmup starts at --lr x --min-lr-ratio); give "
+            "--warmup-steps 0 for a step at the learning rate"
+        )
     if total == 1:  # the warmup starts from 0, as transformers' does
         return (
             "warning: the warmup (1 step) is as long as the run: its one step runs at learning rate 0 "

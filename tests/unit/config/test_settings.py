@@ -15,6 +15,7 @@ import pytest
 from lmtune.cli import main
 from lmtune.cli.commands import train_config
 from lmtune.cli.parser import build_parser
+from lmtune.config.groups import SAMPLE_EPOCHS
 from lmtune.config.io import build_config, load_yaml, to_argv
 from lmtune.config.settings import (
     PLAN_SETTINGS,
@@ -500,6 +501,7 @@ def test_from_file_reads_a_file_as_train_config_does(tmp_path: Path) -> None:
         path = REPO / "examples" / example
         assert TrainConfig.from_file(path) == build_config(load_yaml(str(path)))
     demo = REPO / "examples" / "tiny-demo.yaml"
+    assert TrainConfig.from_file(demo).schedule.epochs == SAMPLE_EPOCHS  # the built-in demo's (it said 6)
     cfg = TrainConfig.from_file(demo, lr=2e-3, max_steps=3)
     assert (cfg.optim.lr, cfg.schedule.max_steps, cfg.batch.global_batch_size) == (2e-3, 3, 32)
     written = tmp_path / "r.yaml"

@@ -210,3 +210,12 @@ def test_a_warmup_as_long_as_the_run_is_said() -> None:
     assert _warmup_note(TrainConfig(), 10, 1e-3) is None  # the default ratio: a share of the run
     # One step with the default ratio's one step of warmup (from 0): it trains nothing.
     assert "runs at learning rate 0 and trains nothing" in str(_warmup_note(TrainConfig(), 1, 1e-3))
+    # wsd's warmup starts at lr x min_lr_ratio (transformers' get_wsd_schedule): it said 0.
+    wsd = TrainConfig(lr_schedule="wsd")
+    assert "runs at learning rate 0.0001 (wsd's warmup starts at" in str(_warmup_note(wsd, 1, 1e-3))
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    made = build_schedule(
+        opt, name="wsd", total_steps=1, warmup_steps=1, min_ratio=0.1, decay_ratio=0.1, lr=1e-3
+    )
+    assert made.get_last_lr() == [pytest.approx(1e-4)]  # what the warning says
+    assert "learning rate 0 and" in str(_warmup_note(wsd.replace(min_lr_ratio=0.0), 1, 1e-3))
