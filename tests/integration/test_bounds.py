@@ -75,6 +75,14 @@ def test_special_files_are_never_read(tmp_path: Path, capsys: pytest.CaptureFixt
         with deadline(60):
             assert "not a regular file" in _error(["train", "--config", str(config)], capsys, seconds=10)
     assert f"{tmp_path}: a folder, not a file" in _error(["train", "--config", str(tmp_path)], capsys)
+    # As data, they were "no such file or folder: fifo.jsonl (did you mean fifo.jsonl?)".
+    (tmp_path / "fifo.jsonl").symlink_to(fifo)
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
+    for data in ("fifo.jsonl", "zero.jsonl"):
+        said = f"{tmp_path / data}: not a regular file (a FIFO, device or socket is not read)"
+        with deadline(60):
+            assert said in _error(["train", "--data", str(tmp_path / data)], capsys, seconds=10)
+            assert said in _error(["data", "audit", str(tmp_path / data)], capsys, seconds=10)
 
 
 @pytest.mark.parametrize("kind", ["zero", "fifo", "huge", "garbage", "far future"])
