@@ -72,7 +72,8 @@ def shown_records(
         formats.update(stats.formats)
         yield _block(record, kept[0] if kept else None, stats, tokenizer, settings, marks, tokens)
     else:
-        yield from _passed_over(bad, said, label)
+        if number >= start:  # past the records shown: it said a bad line, then that none is there
+            yield from _passed_over(bad, said, label)
     if settings.chat_template is not None and formats and not formats & set(CHAT_FORMATS):
         # Shown templated by nothing: training refuses the option for data of no conversation.
         yield (
@@ -83,6 +84,8 @@ def shown_records(
         raise UserError(f"lmtune data show: {spec} holds no records (empty)")
     if number < start:
         held = f"{number} record{'s' * (number != 1)}"
+        if after := len(bad.messages):  # bad lines after the last record (those before were cleared)
+            held += f" and {after} bad line{'s' * (after != 1)} after them (lmtune data audit lists them)"
         raise UserError(f"lmtune data show: --start {start}: {spec} holds {held}")
 
 

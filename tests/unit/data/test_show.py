@@ -106,6 +106,12 @@ def test_show_refuses_what_it_cannot_show(tmp_path: Path, capsys: pytest.Capture
     assert f"== {broken}:4 (prompt_completion, " in out and "not valid JSON" not in out
     assert main(["data", "show", str(broken), "--start", "9"]) == 2
     assert f"--start 9: {broken} holds 3 records" in capsys.readouterr().err
+    # A bad line after the last record was shown before the refusal that nothing is there.
+    with broken.open("a") as f:
+        f.write("{broken\n")
+    assert main(["data", "show", str(broken), "--start", "9"]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and f"holds 3 records and 1 bad line after them (lmtune data audit" in said.err
     assert main(["data", "show"]) == 2
     assert "name the DATA to show, or a --config file" in capsys.readouterr().err
 
