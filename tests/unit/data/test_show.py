@@ -111,7 +111,7 @@ def test_show_refuses_what_it_cannot_show(tmp_path: Path, capsys: pytest.Capture
         f.write("{broken\n")
     assert main(["data", "show", str(broken), "--start", "9"]) == 2
     said = capsys.readouterr()
-    assert said.out == "" and f"holds 3 records and 1 bad line after them (lmtune data audit" in said.err
+    assert said.out == "" and "holds 3 records and 1 bad line after them (lmtune data audit" in said.err
     assert main(["data", "show"]) == 2
     assert "name the DATA to show, or a --config file" in capsys.readouterr().err
 
