@@ -242,9 +242,7 @@ def _item_sources(item: str, option: str) -> list[Source]:
         return [_file_source(p, option) for p in files]
     if path.is_file():
         return [_file_source(path, option)]
-    if (
-        path.exists()
-    ):  # a FIFO, a device (a link to /dev/zero), a socket: "no such file", and itself suggested
+    if path.exists():  # a FIFO, a device, a socket: it said "no such file" and suggested itself
         raise _refused(option, f"{item}: not a regular file (a FIFO, device or socket is not read)")
     near = _near_names(path)
     # A path by its form (a file-like name: the hub's data sets are ORG/NAME), or a near miss of a
