@@ -106,7 +106,7 @@ def test_a_finished_run_says_so_and_changes_nothing(
         train_config(build_parser().parse_args([*_args(base["data"], base["out"]), "--lr", "0.5"]))
     )
     assert changed.steps == STEPS and len(changed.not_applied) == 1
-    assert changed.not_applied[0].startswith("--lr 0.5, was ")
+    assert changed.not_applied[0].startswith("lr 0.5, was ")  # as a call names it (it said --lr)
 
 
 def _finished_copy(base: dict[str, Path], name: str, checkpoints: tuple[int, ...]) -> Path:

@@ -13,6 +13,7 @@ from lmtune.checkpoint.finished import changed_settings, earlier_record
 from lmtune.checkpoint.layout import lmtune_wrote, resume_instead, saved_checkpoints, step_folder, verify
 from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.owned import record_written
+from lmtune.config.python_values import python_spelling
 from lmtune.config.settings import SAMPLE_DATA, to_dict
 from lmtune.model.modeling import merged_into_base
 from lmtune.outputs.hub import push_final
@@ -95,7 +96,8 @@ class TrainResult:
     eval: EvalResult | None
     stopped_by: str | None = None  # signal | early_stopping: ended before its last step
     # A finished run called again: its recorded result, and the settings of this call it did not
-    # apply (a loop over learning rates into one output_dir returned the first run's result each time).
+    # apply (a loop over learning rates into one output_dir returned the first run's result each
+    # time), named as the call names them (``lr 0.5, was ...`` from Python, ``--lr 0.5`` from the CLI).
     not_applied: tuple[str, ...] = ()
     # The best evaluation by --metric-for-best (None without one), as run.json's result.best: under
     # --load-best-at-end final/ holds its model, not the last step's (``eval`` is the last step's).
@@ -113,7 +115,7 @@ def finished_result(run: RunContext, step: int) -> TrainResult:
         step,
         loss,
         evaluated,
-        not_applied=tuple(changed),
+        not_applied=tuple(changed if run.given is not None else map(python_spelling, changed)),
         best=recorded_best(recorded),
         final_step=_step_or_none(recorded, "final_step"),
     )
