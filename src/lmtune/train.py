@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
-from lmtune.checkpoint.resume import recorded_paths, restart_settings
+from lmtune.checkpoint.resume import recorded_paths, restart_config
 from lmtune.checkpoint.rundir import final_problem, job_lock, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.python_values import in_python_names
@@ -44,7 +44,7 @@ from lmtune.training.build import Built, build_parts, loaders, schedule
 from lmtune.training.context import CallableModule, RunContext
 from lmtune.training.evaluate import EvalResult, evaluate
 from lmtune.training.failures import said_plainly
-from lmtune.training.finish import TrainResult, finish, finished_result, recorded_best
+from lmtune.training.finish import TrainResult, finish, finished_result, recorded_outcome
 from lmtune.training.loop import FitSettings, LoopParts, fit
 from lmtune.training.optim import set_hyperparameters
 from lmtune.training.perf import PEAKS_FILE, MfuMeter, PhaseTimer, Probe, best_peak_flops, mfu_meter
@@ -70,8 +70,7 @@ def train(cfg: TrainConfig, given: frozenset[str] | None = None) -> TrainResult:
     with threads_kept(), run_quiet_restored(), ctrl_c_raised(stop, python) as finished:
         with in_python_names(python):
             result = _train(cfg, given, stop)
-        if result.stopped_by != "signal":
-            finished.append(True)
+        finished.append(result.stopped_by != "signal")
         return result
 
 
@@ -84,11 +83,7 @@ def _train(cfg: TrainConfig, given: frozenset[str] | None, stop: StopRequest) ->
     if env.device.type == "cpu":
         torch.set_num_threads(threads)
     output_dir = Path(cfg.checkpoint.output_dir)
-    settings, restarted = restart_settings(cfg.checkpoint, output_dir)
-    if restarted:
-        cfg = cfg.replace(checkpoint=settings)
-        if env.is_main:
-            warn("a restart goes on from the newest checkpoint (--overwrite and --resume: the first start's)")
+    cfg = restart_config(cfg, env)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     heartbeat = Heartbeat.from_env(env.rank)
     try:
@@ -189,9 +184,7 @@ def _run(run: RunContext) -> TrainResult:
     run_info["result"]["finished"] = checkpoints.finished_record(result.state.step, built.layout.total_steps)
     log.write_json("run.json", run_info)
     report_outcome(result.state.step, stopped=False, env=env)
-    recorded = run_info["result"]
-    chosen, final_step = recorded_best(recorded), recorded["final_step"]
-    return replace(done, stopped_by=recorded["stopped_by"], best=chosen, final_step=final_step)
+    return replace(done, **recorded_outcome(run_info["result"]))
 
 
 def _checkpoints(

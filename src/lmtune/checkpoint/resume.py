@@ -30,10 +30,12 @@ from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state, resume_note
 from lmtune.config.files import read_json_object
 from lmtune.config.run_groups import CheckpointSettings, names_checkpoint
+from lmtune.config.settings import TrainConfig
 from lmtune.errors import NoSpace, UserError, one_line
 from lmtune.model.paths import PATHS_FILE
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv, decided_by_main
+from lmtune.parallel.launch import warn
 
 
 def resume_point(resume: str, output_dir: Path, env: DistEnv) -> Path | None:
@@ -289,14 +291,19 @@ def resumable_when_full(output_dir: Path) -> Iterator[None]:
         raise NoSpace(f"{e}; {resume_note(output_dir)}", e.path) from None
 
 
-def restart_settings(settings: CheckpointSettings, output_dir: Path) -> tuple[CheckpointSettings, bool]:
-    """The settings of a worker that ``--max-restarts`` started again (torchrun's restart count
-    above 0), and whether they changed: it goes on from the newest checkpoint the job saved,
-    ``--overwrite`` and ``--resume`` having been applied at the job's first start (a restart applied
-    --overwrite again: it deleted the job's own checkpoints and trained from step 1). Before the
-    first checkpoint, nothing is saved to go on from: the settings are the first start's."""
+def restart_config(cfg: TrainConfig, env: DistEnv) -> TrainConfig:
+    """The config of a worker that ``--max-restarts`` started again (torchrun's restart count
+    above 0): it goes on from the newest checkpoint the job saved, ``--overwrite`` and ``--resume``
+    having been applied at the job's first start (a restart applied --overwrite again: it deleted
+    the job's own checkpoints and trained from step 1). Before the first checkpoint, nothing is
+    saved to go on from: the config is the first start's."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
-    if restart in ("", "0") or not list_checkpoints(output_dir):
-        return settings, False
+    settings = cfg.checkpoint
+    if restart in ("", "0") or not list_checkpoints(Path(settings.output_dir)):
+        return cfg
     changed = replace(settings, overwrite=False, resume="auto")
-    return changed, changed != settings
+    if changed == settings:
+        return cfg
+    if env.is_main:
+        warn("a restart goes on from the newest checkpoint (--overwrite and --resume: the first start's)")
+    return cfg.replace(checkpoint=changed)

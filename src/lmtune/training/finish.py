@@ -110,15 +110,8 @@ def finished_result(run: RunContext, step: int) -> TrainResult:
     changed = say_finished(run, step)
     recorded: Any = earlier_record(run.output_dir).get("result")
     loss, evaluated = recorded_result(recorded)
-    return TrainResult(
-        run.output_dir,
-        step,
-        loss,
-        evaluated,
-        not_applied=tuple(changed if run.given is not None else map(python_spelling, changed)),
-        best=recorded_best(recorded),
-        final_step=_step_or_none(recorded, "final_step"),
-    )
+    named = tuple(changed if run.given is not None else map(python_spelling, changed))
+    return TrainResult(run.output_dir, step, loss, evaluated, not_applied=named, **recorded_outcome(recorded))
 
 
 def recorded_result(result: Any) -> tuple[float, EvalResult | None]:
@@ -141,9 +134,16 @@ def recorded_best(result: Any) -> Best | None:
         return None
 
 
-def _step_or_none(result: Any, key: str) -> int | None:
-    value = result.get(key) if isinstance(result, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+def recorded_outcome(result: Any) -> dict[str, Any]:
+    """TrainResult's ``stopped_by``, ``best`` and ``final_step`` as run.json's ``result`` has them
+    (None where it holds none, or not in lmtune's form)."""
+    record = result if isinstance(result, dict) else {}
+    stopped, final = record.get("stopped_by"), record.get("final_step")
+    return {
+        "stopped_by": stopped if stopped in ("signal", "early_stopping") else None,
+        "best": recorded_best(record),
+        "final_step": final if isinstance(final, int) and not isinstance(final, bool) else None,
+    }
 
 
 def say_finished(run: RunContext, step: int) -> list[str]:

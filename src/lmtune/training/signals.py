@@ -86,7 +86,7 @@ def ctrl_c_raised(stop: StopRequest, python: bool) -> Iterator[list[bool]]:
     KeyboardInterrupt, once the run has stopped (its step finished and saved, or before training
     began): lmtune.train returned, and a loop of runs or a notebook cell went on to the next one;
     before the first step it raised StoppedBySignal, an Exception that ``except Exception`` took.
-    The caller appends True to the list it is given when the run finished all the same (Ctrl+C
+    The caller appends to the list it is given whether the run finished all the same (Ctrl+C
     during its last step or final save): its message then says so, not that a call resumes it."""
     finished: list[bool] = []
     try:
@@ -99,7 +99,7 @@ def ctrl_c_raised(stop: StopRequest, python: bool) -> Iterator[list[bool]]:
         raise KeyboardInterrupt(
             "stopped by Ctrl+C after the run's last step: it finished (final/ and run.json's result "
             "are written), nothing is left to resume"
-            if finished
+            if any(finished)
             else "stopped by Ctrl+C with its last step saved (the log says which); the same call resumes"
         )
 

@@ -39,14 +39,21 @@ def test_a_runs_quieting_is_put_back_when_the_call_returns(monkeypatch: pytest.M
     from lmtune.model.quantization import quiet_bitsandbytes
 
     monkeypatch.delenv(VERBOSE_ENV, raising=False)
-    levels = {name: logging.getLogger(name).level for name in RUN_QUIETED_LOGGERS}
-    filters = list(warnings.filters)
-    with run_quiet_restored():
-        quiet_bitsandbytes()
-        assert all(logging.getLogger(name).level == logging.ERROR for name in RUN_QUIETED_LOGGERS)
-        assert warnings.filters != filters
-    assert {name: logging.getLogger(name).level for name in RUN_QUIETED_LOGGERS} == levels
-    assert warnings.filters == filters
-    with _quiet_peft():
-        assert not logging.getLogger("bitsandbytes.backends.cpu.ops").isEnabledFor(logging.WARNING)
-    assert logging.getLogger("bitsandbytes.backends.cpu.ops").isEnabledFor(logging.WARNING)
+    ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    was = ops.level
+    ops.setLevel(logging.NOTSET)  # as a fresh process has it, whatever an earlier test's call left
+    try:
+        levels = {name: logging.getLogger(name).level for name in RUN_QUIETED_LOGGERS}
+        filters = list(warnings.filters)
+        with run_quiet_restored():
+            warnings.resetwarnings()  # inside: put back with the rest
+            quiet_bitsandbytes()
+            assert all(logging.getLogger(name).level == logging.ERROR for name in RUN_QUIETED_LOGGERS)
+            assert any(f[1] is not None and f[1].pattern.startswith("MatMul8bitLt") for f in warnings.filters)
+        assert {name: logging.getLogger(name).level for name in RUN_QUIETED_LOGGERS} == levels
+        assert warnings.filters == filters
+        with _quiet_peft():
+            assert not ops.isEnabledFor(logging.WARNING)
+        assert ops.isEnabledFor(logging.WARNING)
+    finally:
+        ops.setLevel(was)
