@@ -32,6 +32,7 @@ TEMPORARY_MARK = ".lmtune-temporary"
 SHARDED_DIR = "sharded"  # torch.distributed.checkpoint folder: one file per rank + .metadata
 SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "trainer.json"
+JOB_KEY = "job"  # trainer.json's run id of the launch that saved it (torchrun's TORCHELASTIC_RUN_ID)
 MANIFEST_BYTES = 16 << 20
 
 

@@ -15,6 +15,7 @@ import torch
 from lmtune.checkpoint.fingerprint import Fingerprint, compare, read_fingerprint
 from lmtune.checkpoint.layout import (
     CHECKPOINTS,
+    JOB_KEY,
     MANIFEST,
     NOT_LISTED,
     SHARDED_METADATA,
@@ -295,15 +296,25 @@ def restart_config(cfg: TrainConfig, env: DistEnv) -> TrainConfig:
     """The config of a worker that ``--max-restarts`` started again (torchrun's restart count
     above 0): it goes on from the newest checkpoint the job saved, ``--overwrite`` and ``--resume``
     having been applied at the job's first start (a restart applied --overwrite again: it deleted
-    the job's own checkpoints and trained from step 1). Before the first checkpoint, nothing is
-    saved to go on from: the config is the first start's."""
+    the job's own checkpoints and trained from step 1). Before the job's first checkpoint (the
+    newest one here another run's, the first start killed before it replaced that run), the config
+    is the first start's."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
-    settings = cfg.checkpoint
-    if restart in ("", "0") or not list_checkpoints(Path(settings.output_dir)):
-        return cfg
+    settings, job = cfg.checkpoint, os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if restart in ("", "0") or not job or not _saved_by_job(Path(settings.output_dir), job):
+        return cfg  # a restart before the first start replaced an earlier run: that run's are not its
     changed = replace(settings, overwrite=False, resume="auto")
     if changed == settings:
         return cfg
     if env.is_main:
         warn("a restart goes on from the newest checkpoint (--overwrite and --resume: the first start's)")
     return cfg.replace(checkpoint=changed)
+
+
+def _saved_by_job(output_dir: Path, job: str) -> bool:
+    """Whether the newest checkpoint in ``output_dir`` was saved by the launch ``job``."""
+    found = list_checkpoints(output_dir)
+    try:
+        return bool(found) and read_json_object(found[-1] / STATE_FILE).get(JOB_KEY) == job
+    except (UserError, OSError):
+        return False

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -30,6 +31,7 @@ from lmtune.checkpoint import sharded
 from lmtune.checkpoint.export import gathered_adapter, save_configs
 from lmtune.checkpoint.layout import (
     CHECKPOINTS,
+    JOB_KEY,
     MANIFEST,
     MANIFEST_BYTES,
     MODEL_FILE,
@@ -145,7 +147,9 @@ def _write_checkpoint(
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         for name, record in records.items():
             fsync_write(tmp / name, json.dumps(record, indent=2))
-        fsync_write(tmp / STATE_FILE, json.dumps(asdict(state), indent=2))
+        # The launch that saved it (torchrun's run id): a restart goes on only from its own job's.
+        job = {JOB_KEY: os.environ.get("TORCHELASTIC_RUN_ID", "")}
+        fsync_write(tmp / STATE_FILE, json.dumps(asdict(state) | job, indent=2))
     barrier(env)
     if env.is_main:
         end_temporary(tmp)

@@ -94,8 +94,11 @@ def in_python_names(python: bool) -> Iterator[None]:
 
 
 def python_spelling(text: str) -> str:
-    """``text`` with the flags of settings written as a TrainConfig call writes them (a switch as
-    ``name=True``), unless it names an lmtune command, whose flags are for the shell."""
+    """``text`` with the flags of settings written as a TrainConfig call writes them, unless it
+    names an lmtune command, whose flags are for the shell. A switch said as an act (``or
+    --overwrite)``, at a stop or the end) is ``overwrite=True``, a ``--no-`` one ``name=False``; one
+    followed by a value (``--load-best-at-end False, was True``) or more words (``the same --lora
+    and strategy``) is its name alone (``load_best_at_end=True False`` read as nonsense)."""
     if re.search(r"\blmtune (?:train|export|eval|generate|data|plan|bench|doctor|report|push)\b", text):
         return text
     from lmtune.config.settings import config_fields  # it reads this module
@@ -104,12 +107,12 @@ def python_spelling(text: str) -> str:
     names = {s.name for s in config_fields()}
 
     def named(found: re.Match[str]) -> str:
-        name = found.group(2).replace("-", "_")
-        if name in switches:
-            return f"{name}={not found.group(1)}"
-        return name if name in names and not found.group(1) else found.group(0)
+        negated, name, after = found.group(1), found.group(2).replace("-", "_"), found.group(3)
+        if name in switches:  # --no-progress is progress=False wherever it stands
+            return f"{name}=False" if negated else (name if after.strip(" ") else f"{name}=True")
+        return name if name in names and not negated else found.group(0).removesuffix(after)
 
-    return re.sub(r"(?<![\w-])--(no-)?([a-z][a-z0-9-]*)", named, text)
+    return re.sub(r"(?<![\w-])--(no-)?([a-z][a-z0-9-]*)(?=( *[\w'\"]?))", named, text)
 
 
 def typed_as(value: object, kind: type, optional: bool) -> bool:
@@ -120,3 +123,24 @@ def typed_as(value: object, kind: type, optional: bool) -> bool:
     if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def unknown_answer(key: str, value: Any) -> str:
+    """Why TrainConfig does not take ``key``, in one line."""
+    from lmtune.config.aliases import ALIASES, explain_unknown
+    from lmtune.config.settings import GROUPS, config_fields  # it reads this module
+
+    names = [s.name for s in config_fields()]
+    python = key.replace("-", "_") if isinstance(key, str) else key
+    if python != key and (python in names or python in GROUPS or ALIASES.get(python) in names):
+        # A YAML file's spelling (yaml.safe_load of lmtune's examples): "did you mean 'output_dir'?"
+        return (
+            f"TrainConfig: {key!r} is {python!r} in Python; TrainConfig.from_file reads a YAML file as "
+            "lmtune train --config does"
+        )
+    # Not the groups' names: "did you mean 'batch'?" for batch_eval_metrics, and batch=5 is refused.
+    why = explain_unknown(key, names, repr, "TrainConfig", value)
+    if key in GROUPS and "did you mean" in why:  # batch=5 (optim="adamw_8bit" is HF's name, answered)
+        fields = ", ".join(s.field for s in config_fields() if s.group == key)
+        why = f"{key!r} is a group of settings ({fields}): give them by name, or as a mapping"
+    return f"TrainConfig: {why}"

@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -36,7 +37,14 @@ from lmtune.config.groups import (
     ScheduleSettings,
     setting,
 )
-from lmtune.config.python_values import FOLDERS_MADE, SOURCES, folder_named, in_memory, typed_as
+from lmtune.config.python_values import (
+    FOLDERS_MADE,
+    SOURCES,
+    folder_named,
+    in_memory,
+    typed_as,
+    unknown_answer,
+)
 from lmtune.config.run_groups import (
     CheckpointSettings,
     EvalSettings,
@@ -182,7 +190,11 @@ class TrainConfig:
         """
         from lmtune.config.io import config_and_given, load_yaml
 
-        cfg = config_and_given(load_yaml(os.fspath(path)), os.fspath(path))[0]
+        try:
+            cfg = config_and_given(load_yaml(os.fspath(path)), os.fspath(path))[0]
+        except UserError as e:  # "--config: no such file" to a caller who gave no flag
+            e.args = (re.sub(r"(?m)^--config\b", "TrainConfig.from_file", str(e)),)
+            raise
         return cfg.replace(**settings) if settings else cfg
 
     def replace(self, **settings: Any) -> TrainConfig:
@@ -263,7 +275,7 @@ def _assembled(
 
     settings = peers_switched(settings, lambda _: "TrainConfig: ", str, "the call")
     # All at once: another tool's dump has several. One left None (unset) asks nothing, as in YAML.
-    if unknown := [_unknown(k, v) for k, v in settings.items() if _is_unknown(k) and v is not None]:
+    if unknown := [unknown_answer(k, v) for k, v in settings.items() if _is_unknown(k) and v is not None]:
         raise UnknownSetting("\n".join(unknown))
 
     for key, value in settings.items():
@@ -287,7 +299,7 @@ def _assembled(
             s = _BY_NAME[key]
             flat.set(s.group or "", s.field, _given(s, key, value), written)
         else:  # a group's name given a plain value (batch=5)
-            raise UnknownSetting(_unknown(key, value))
+            raise UnknownSetting(unknown_answer(key, value))
     if (schedule := flat.by_group.get("schedule")) is not None and schedule != steps_left_unset(schedule):
         del schedule["warmup_steps"], flat.given_as["schedule", "warmup_steps"]
     for group, changes in flat.by_group.items():
@@ -315,23 +327,6 @@ def _is_unknown(key: str) -> bool:
     from lmtune.config.aliases import ALIASES
 
     return key not in _BY_NAME and key not in GROUPS and ALIASES.get(key) not in _BY_NAME
-
-
-def _unknown(key: str, value: Any) -> str:
-    """Why TrainConfig does not take ``key``, in one line."""
-    from lmtune.config.aliases import explain_unknown
-
-    if isinstance(key, str) and "-" in key and not _is_unknown(python := key.replace("-", "_")):
-        # A YAML file's spelling (yaml.safe_load of lmtune's examples): "did you mean 'output_dir'?"
-        return (
-            f"TrainConfig: {key!r} is {python!r} in Python; TrainConfig.from_file reads a YAML file as "
-            "lmtune train --config does"
-        )
-    why = explain_unknown(key, [*_BY_NAME, *GROUPS], repr, "TrainConfig", value)
-    if key in GROUPS and why.endswith(f"did you mean {key!r}?"):  # batch=5 (optim="adamw_8bit" is HF's)
-        fields = ", ".join(s.field for s in SETTINGS if s.group == key)
-        why = f"{key!r} is a group of settings ({fields}): give them by name, or as a mapping"
-    return f"TrainConfig: {why}"
 
 
 @dataclasses.dataclass

@@ -490,6 +490,10 @@ def test_the_python_api_answers_every_unknown_name_at_once() -> None:
         TrainConfig(**{"output-dir": "x"})
     with pytest.raises(TypeError, match=r"'batch' is a group of settings \(global_batch_size, "):
         TrainConfig(batch=5)
+    with pytest.raises(
+        TypeError, match=r"unknown setting 'batch_eval_metrics'$"
+    ):  # not "did you mean 'batch'?"
+        TrainConfig(batch_eval_metrics=True)
     with pytest.raises(TypeError, match=r"'peft_config': LoRA is lmtune's 'lora' with 'lora_rank' \(peft"):
         TrainConfig(peft_config=object())
 
@@ -509,3 +513,25 @@ def test_from_file_reads_a_file_as_train_config_does(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"^--lora-rank: applies with --lora only"):  # given by the file
         validate(TrainConfig.from_file(written), 1)
     assert TrainConfig.from_file(written, lora=True).optim.lr == 1e-3
+    with pytest.raises(UserError, match=r"^TrainConfig.from_file: no such file: "):  # it said --config
+        TrainConfig.from_file(tmp_path / "nosuch.yaml")
+
+
+def test_a_python_callers_messages_name_settings_as_a_call_does() -> None:
+    """A switch followed by its value read ``load_best_at_end=True False, was True``, and ``use the
+    same lora=True and strategy`` told a caller to keep the setting that differed."""
+    from lmtune.config.python_values import python_spelling
+
+    assert (
+        python_spelling("--global-batch-size 8 -> 4 (or --overwrite)")
+        == "global_batch_size 8 -> 4 (or overwrite=True)"
+    )
+    assert python_spelling("--load-best-at-end False, was True") == "load_best_at_end False, was True"
+    assert python_spelling("use the same --lora and strategy") == "use the same lora and strategy"
+    assert (
+        python_spelling("--no-progress and --data x; or --no-lora.")
+        == "progress=False and data x; or lora=False."
+    )
+    assert python_spelling("--not-a-setting x") == "--not-a-setting x"
+    kept = "run lmtune export CKPT DIR --merge-lora"  # a command to run keeps its flags
+    assert python_spelling(kept) == kept
