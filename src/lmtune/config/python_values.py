@@ -1,5 +1,6 @@
-"""Values a TrainConfig is given from Python that no file or flag holds: a model or data already in
-memory, and folders written with ``~`` or a variable, as a script's strings keep them."""
+"""The Python API's own cases: values a TrainConfig is given that no file or flag holds (a model
+or data already in memory, folders written with ``~`` or a variable, as a script's strings keep
+them), names it does not take, and messages naming settings as a call gives them, not as flags."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def python_spelling(text: str) -> str:
         negated, name, after = found.group(1), found.group(2).replace("-", "_"), found.group(3)
         if name in switches:  # --no-progress is progress=False wherever it stands
             return f"{name}=False" if negated else (name if after.strip(" ") else f"{name}=True")
-        return name if name in names and not negated else found.group(0).removesuffix(after)
+        return name if name in names and not negated else found.group(0)
 
     return re.sub(r"(?<![\w-])--(no-)?([a-z][a-z0-9-]*)(?=( *[\w'\"]?))", named, text)
 
