@@ -128,12 +128,12 @@ def typed_as(value: object, kind: type, optional: bool) -> bool:
 
 def unknown_answer(key: str, value: Any) -> str:
     """Why TrainConfig does not take ``key``, in one line."""
-    from lmtune.config.aliases import ALIASES, explain_unknown
-    from lmtune.config.settings import GROUPS, config_fields  # it reads this module
+    from lmtune.config.aliases import explain_unknown
+    from lmtune.config.settings import GROUPS, config_fields, is_unknown  # it reads this module
 
     names = [s.name for s in config_fields()]
     python = key.replace("-", "_") if isinstance(key, str) else key
-    if python != key and (python in names or python in GROUPS or ALIASES.get(python) in names):
+    if python != key and not is_unknown(python):
         # A YAML file's spelling (yaml.safe_load of lmtune's examples): "did you mean 'output_dir'?"
         return (
             f"TrainConfig: {key!r} is {python!r} in Python; TrainConfig.from_file reads a YAML file as "

@@ -275,11 +275,11 @@ def _assembled(
 
     settings = peers_switched(settings, lambda _: "TrainConfig: ", str, "the call")
     # All at once: another tool's dump has several. One left None (unset) asks nothing, as in YAML.
-    if unknown := [unknown_answer(k, v) for k, v in settings.items() if _is_unknown(k) and v is not None]:
+    if unknown := [unknown_answer(k, v) for k, v in settings.items() if is_unknown(k) and v is not None]:
         raise UnknownSetting("\n".join(unknown))
 
     for key, value in settings.items():
-        if _is_unknown(key):
+        if is_unknown(key):
             continue
         kind, written = GROUPS.get(key), key
         if key not in _BY_NAME and ALIASES.get(key) in _BY_NAME:
@@ -308,7 +308,8 @@ def _assembled(
         else:
             values.update(changes)
     named = {(s.group or "", s.field): s.name for s in SETTINGS}
-    return values, frozenset(named[key] for key in flat.given_as if key not in _dumped(flat.given_as))
+    dumped = _dumped(flat.given_as)
+    return values, frozenset(named[key] for key in flat.given_as if key not in dumped)
 
 
 def _dumped(given_as: dict[tuple[str, str], str]) -> set[tuple[str, str]]:
@@ -323,7 +324,8 @@ def _dumped(given_as: dict[tuple[str, str], str]) -> set[tuple[str, str]]:
     return dumped
 
 
-def _is_unknown(key: str) -> bool:
+def is_unknown(key: str) -> bool:
+    """Whether TrainConfig takes no setting or group by the name ``key`` (nor a peer's alias)."""
     from lmtune.config.aliases import ALIASES
 
     return key not in _BY_NAME and key not in GROUPS and ALIASES.get(key) not in _BY_NAME

@@ -13,6 +13,7 @@ from lmtune.checkpoint.finished import changed_settings, earlier_record
 from lmtune.checkpoint.layout import lmtune_wrote, resume_instead, saved_checkpoints, step_folder, verify
 from lmtune.checkpoint.manager import CheckpointManager
 from lmtune.checkpoint.owned import record_written
+from lmtune.config.files import is_int
 from lmtune.config.python_values import python_spelling
 from lmtune.config.settings import SAMPLE_DATA, to_dict
 from lmtune.model.modeling import merged_into_base
@@ -142,7 +143,7 @@ def recorded_outcome(result: Any) -> dict[str, Any]:
     return {
         "stopped_by": stopped if stopped in ("signal", "early_stopping") else None,
         "best": recorded_best(record),
-        "final_step": final if isinstance(final, int) and not isinstance(final, bool) else None,
+        "final_step": final if is_int(final) else None,
     }
 
 
