@@ -110,10 +110,9 @@ def began_from(output_dir: Path, resume: str | Path) -> bool:
 
 
 # Settings that say where and how a command runs, not what it trains (a node's rendezvous address,
-# threads, restarts: a finished run run again from another port listed it as "not applied").
-# Where and how a run runs, not what it trains: N processes train as one, so a finished run's
-# strategy and process count changed apply to nothing (--strategy fsdp was said to apply to
-# further steps, which a full checkpoint of DDP's refuses).
+# threads, restarts: a finished run run again from another port listed it as "not applied"). N
+# processes train as one, so a finished run's strategy and process count changed apply to nothing
+# (--strategy fsdp was said to apply to further steps, which a full checkpoint of DDP's refuses).
 _NOT_THE_RUN = frozenset({"output_dir", "resume", "overwrite", "progress", "doctor", "cache_dir"}) | {
     "cache_per_node", "num_workers", "threads_per_process", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id",
     "max_restarts", "strategy", "nproc_per_node", "device",
