@@ -16,6 +16,12 @@ model). Each command runs --repeats times, alternating, and the median wall time
 --load N starts N busy processes for the measurements (a competing load, like other jobs on a
 shared machine). --first-step also times `lmtune train --max-steps 1` of the built-in preset (the
 README's demo, one step): time to first step, whole process.
+
+Last, a floor per precision: the arithmetic one epoch needs (the model's matrix products on the
+real tokens, forward and backward, and causal attention's two products) at the best rate this
+machine's products reach in that precision, measured here before any load starts. No program
+trains the epoch faster, imports and saving aside, so "3x the Trainer" is out of reach wherever
+that floor is above a third of the Trainer's time.
 """
 
 from __future__ import annotations
@@ -108,6 +114,49 @@ def build_workload(folder: Path, examples: int) -> tuple[Path, Path]:
     return model_dir, data
 
 
+def epoch_flops(model_dir: Path, data: Path) -> float:
+    """Floating-point operations one epoch cannot do without, on the real tokens (prompt +
+    completion + EOS): 6 per token for each weight of the decoder's matrix products (forward, and
+    two products backward) and causal attention's two products per layer, three times over."""
+    from torch import nn
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lmtune.config.verbosity import no_progress_bars
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    with no_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+    head = model.get_output_embeddings()  # left out: a loss on the answers alone needs it there only
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not head)
+    cfg = model.config
+    lengths = [
+        len(tok(r["prompt"] + r["completion"] + tok.eos_token)["input_ids"])
+        for r in map(json.loads, data.read_text().splitlines())
+    ]
+    heads_width = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    attention = sum(2 * cfg.num_hidden_layers * n * n * heads_width for n in lengths)
+    return 6 * weights * sum(lengths) + 3 * attention
+
+
+def products_rate(precision: str) -> float:
+    """The best FLOP/s of matrix products of this workload's widths (and a large square one)."""
+    import torch
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    best = 0.0
+    for m, k, n in ((2048, 512, 1376), (2048, 1376, 512), (2048, 512, 512), (2048, 2048, 2048)):
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        repeats = max(3, int(5e10 / (2 * m * k * n)))
+        for _ in range(3):  # the best of three rounds: a floor must not count a stolen time slice
+            started = time.perf_counter()
+            for _ in range(repeats):
+                a @ b
+            best = max(best, repeats * 2 * m * k * n / (time.perf_counter() - started))
+    return best
+
+
 def hf_trainer_child(model_dir: str, data: str, precision: str, batch: int, lr: float, out: str) -> None:
     """The Trainer side, run as its own process (``--hf-child``): imports included in its time."""
     from datasets import Dataset
@@ -177,6 +226,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model_dir, data = build_workload(tmp / "workload", args.examples)
+        flops = epoch_flops(model_dir, data)
+        rates = {precision: products_rate(precision) for precision in args.precisions.split(",")}
         load = [multiprocessing.Process(target=busy, daemon=True) for _ in range(args.load)]
         for proc in load:
             proc.start()
@@ -195,6 +246,21 @@ def main() -> None:
             print(f"{name:<28}{'':>12}{ours:>10.1f}")
         else:
             print(f"{name:<28}{hf:>12.1f}{ours:>10.1f}{hf / ours:>7.2f}x")
+    print_floor(flops, rates, rows)
+
+
+def print_floor(flops: float, rates: dict[str, float], rows: list[tuple[str, float | None, float]]) -> None:
+    times = {name.removeprefix("one epoch, "): (hf, ours) for name, hf, ours in rows if hf is not None}
+    print(f"floor: {flops / 1e12:.2f} TFLOP an epoch, at the best product rate measured here (quiet)")
+    for precision, rate in rates.items():
+        floor = flops / rate
+        hf, ours = times[precision]
+        left = hf / 3 - floor
+        room = f"{left:.1f} s left for all else" if left > 0 else f"out of reach by {-left:.1f} s"
+        print(
+            f"  {precision}: {rate / 1e9:,.0f} GFLOP/s -> {floor:.1f} s of arithmetic "
+            f"(lmtune {ours / floor:.1f}x it); 3x the Trainer = {hf / 3:.1f} s whole process: {room}"
+        )
 
 
 def measure(
