@@ -83,6 +83,20 @@ def test_special_files_are_never_read(tmp_path: Path, capsys: pytest.CaptureFixt
         with deadline(60):
             assert said in _error(["train", "--data", str(tmp_path / data)], capsys, seconds=10)
             assert said in _error(["data", "audit", str(tmp_path / data)], capsys, seconds=10)
+    # Inside a folder or a glob of data they were passed over without a word, their records left out.
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"text": "hello"}\n')
+    (folder / "b.jsonl").symlink_to(fifo)
+    for data in (str(folder), f"{folder}/*.jsonl"):
+        said = f"{folder / 'b.jsonl'}: not a regular file"
+        with deadline(60):
+            assert said in _error(["train", "--data", data], capsys, seconds=10)
+    (folder / "b.jsonl").unlink()
+    (folder / "b.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    assert f"{folder / 'b.jsonl'}: a link to {tmp_path / 'gone.jsonl'}, which is not there" in _error(
+        ["train", "--data", str(folder)], capsys
+    )
 
 
 @pytest.mark.parametrize("kind", ["zero", "fifo", "huge", "garbage", "far future"])

@@ -216,7 +216,9 @@ def _item_sources(item: str, option: str) -> list[Source]:
         return [Source("sample", SAMPLE, "eval" if item == SAMPLE_EVAL else "train")]
     path = Path(item).expanduser()
     if any(ch in item for ch in "*?["):
-        matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        found = [Path(p) for p in glob.glob(str(path), recursive=True)]
+        _refuse_unreadable(found, option)
+        matches = sorted(p for p in found if p.is_file())
         if not matches:
             raise _refused(option, f"{item}: no file matches")
         if len(matches) > 1:  # a glob over a data set's split files, as a folder of them
@@ -230,7 +232,7 @@ def _item_sources(item: str, option: str) -> list[Source]:
         if weights := _model_files(path):
             said = f"{item}: a model folder (it holds {weights}), not data; a model is given with --model"
             raise _refused(option, said)
-        files = _folder_files(path)
+        files = _folder_files(path, option)
         if not files:
             raise _refused(option, f"{item}: folder has no {', '.join(EXTENSIONS)} files")
         _refuse_splits(item, path, files, option)
@@ -274,18 +276,29 @@ _NOT_RECORDS = frozenset(
 )
 
 
-def _folder_files(folder: Path) -> list[Path]:
+def _folder_files(folder: Path, option: str) -> list[Path]:
     """The data files a folder given as data holds, in order of their names: not hidden ones nor
     those in hidden folders (a notebook's .ipynb_checkpoints copies, macOS's ._ files, .git), nor
     a README, LICENSE and the like."""
-    return sorted(
+    named = [
         p
         for p in folder.rglob("*")
-        if p.is_file()
-        and data_suffix(p) in EXTENSIONS
+        if data_suffix(p) in EXTENSIONS
         and not any(part.startswith(".") for part in p.relative_to(folder).parts)
         and p.name.split(".")[0].lower() not in _NOT_RECORDS
-    )
+    ]
+    _refuse_unreadable(named, option)
+    return sorted(p for p in named if p.is_file())
+
+
+def _refuse_unreadable(paths: list[Path], option: str) -> None:
+    """A data file of a folder or glob that is no file to read (a FIFO, a device, a socket, a
+    link to nothing): it was passed over without a word, its records left out."""
+    for path in paths:
+        if path.is_symlink() and not path.exists():
+            raise _refused(option, f"{path}: a link to {os.readlink(path)}, which is not there")
+        if path.exists() and not path.is_file() and not path.is_dir():
+            raise _refused(option, f"{path}: not a regular file (a FIFO, device or socket is not read)")
 
 
 # The words that name a split in a file's name, as the datasets library reads a folder's files.
