@@ -32,7 +32,7 @@ def unknown_format(record: Record, found: str, expected: str) -> UserError:
     if _run_metrics(record):  # a glob over a run's folder (DIR/*.jsonl) read its metrics as data
         return UserError(
             f"{record.where}: the metrics an lmtune run wrote beside its run.json, not data; leave it out "
-            "of --data (a run's output folder is best kept apart from its data)"
+            "of the data given (a run's output folder is best kept apart from its data)"
         )
     return UserError(
         f"{record.where}: cannot tell the format (fields found: {found}; expected: {expected}; name other "
