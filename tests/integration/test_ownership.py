@@ -302,6 +302,14 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path, monkeypatch:
         "--overwrite: removed the earlier run's final, lmtune's files in checkpoints/, "
     )
     assert "kept what lmtune did not write there: " in said[0] and "my-notes.txt" in said[0]
+    # A restart (--max-restarts) before the job's first checkpoint: the files may be its own first
+    # start's, which it said were "the earlier run's".
+    (tmp_path / "run.json").write_text("{}")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    replace_earlier_run(tmp_path, read_dist_env("cpu"), 0, said.append)
+    restart_said = f"--overwrite: removed what was written before this restart: run.json from {tmp_path}"
+    assert said[1].startswith(restart_said)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == [
         *("NOTES.txt", "checkpoints", "checkpoints/my-notes.txt"),

@@ -253,7 +253,11 @@ def replace_earlier_run(
         refuse_users_steps(output_dir, "--overwrite")
         removed, kept = remove_own_entries(output_dir)
         if removed or kept:  # deleted: said, as any deletion of a run's results is
-            done = [f"removed the earlier run's {', '.join(removed)} from {output_dir}"] if removed else []
+            # A restart before the job's first checkpoint removes the first start's own files (or
+            # an earlier run's, where the first start stopped before it replaced them).
+            restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() not in ("", "0")
+            whose = "what was written before this restart:" if restarted else "the earlier run's"
+            done = [f"removed {whose} {', '.join(removed)} from {output_dir}"] if removed else []
             done += (
                 [f"kept what lmtune did not write there: {names_listed([str(k) for k in kept])}"]
                 if kept
