@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lmtune.checkpoint.manager import CheckpointManager, Trainable
-from lmtune.checkpoint.resume import recorded_paths, restart_config
+from lmtune.checkpoint.resume import recorded_paths, restart_settings
 from lmtune.checkpoint.rundir import final_problem, job_lock, prepare_output
 from lmtune.checkpoint.state import TrainerState
 from lmtune.config.python_values import in_python_names
@@ -83,14 +83,13 @@ def _train(cfg: TrainConfig, given: frozenset[str] | None, stop: StopRequest) ->
     if env.device.type == "cpu":
         torch.set_num_threads(threads)
     output_dir = Path(cfg.checkpoint.output_dir)
-    cfg = restart_config(cfg, env)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    restart = restart_settings(cfg.checkpoint, env)
     heartbeat = Heartbeat.from_env(env.rank)
     try:
         with (
             process_group(env),
             # Before anything is written: one run per folder (lmtune's launcher may hold it for the job).
-            job_lock(output_dir, run_id, env, warn),
+            job_lock(output_dir, os.environ.get("TORCHELASTIC_RUN_ID", ""), env, warn),
             RunLog(env, output_dir, cfg.logging.progress) as log,
             stop,
             said_plainly(cfg, env.device),
@@ -104,6 +103,7 @@ def _train(cfg: TrainConfig, given: frozenset[str] | None, stop: StopRequest) ->
                 stop=stop,
                 heartbeat=heartbeat,
                 given=given,
+                restart=restart,
             )
             if cfg.health.doctor:
                 cache = None if cfg.data.cache_per_node else str(data_cache_dir(cfg.data))  # node-local
@@ -121,13 +121,13 @@ def _run(run: RunContext) -> TrainResult:
         check_shared_output(env, output_dir)
     replace_earlier_run = prepare_output(
         output_dir,
-        resume=cfg.checkpoint.resume,
-        overwrite=cfg.checkpoint.overwrite,
+        resume=run.checkpointing.resume,
+        overwrite=run.checkpointing.overwrite,
         config=to_dict(cfg),
         env=env,
         warn=warn,
     )
-    built = build_parts(run, recorded_paths=recorded_paths(cfg.checkpoint, env))
+    built = build_parts(run, recorded_paths=recorded_paths(run.checkpointing, env))
     replace_earlier_run(run.stop.pending())  # --overwrite: only now that the model and data are loaded
     best = best_tracker(cfg.eval)
     timeouts = CollectiveTimeouts(env, cfg.health.collective_timeout)
@@ -192,7 +192,7 @@ def _checkpoints(
 ) -> CheckpointManager:
     return CheckpointManager(
         output_dir=run.output_dir,
-        settings=run.cfg.checkpoint,
+        settings=run.checkpointing,
         env=run.env,
         trainable=Trainable(built.parts, built.optimizer, built.tokenizer, built.scaler),
         fingerprint=built.fingerprint,

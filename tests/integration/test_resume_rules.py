@@ -10,11 +10,13 @@ import hashlib
 import json
 import pickle
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from lmtune.checkpoint import resume
 from lmtune.cli import main
 from lmtune.errors import UserError
 from lmtune.training.optim import warmup_cosine
@@ -751,3 +753,41 @@ def test_merge_lora_asked_of_a_finished_lora_run_names_export(
     said = capsys.readouterr().out
     assert "not applied (--merge-lora True, was False)" in said
     assert f"lmtune export {out / 'checkpoints' / 'step-000006'} DIR --merge-lora" in said
+
+
+def test_a_restart_decides_as_a_resume_and_records_the_command_as_given(
+    base: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker --max-restarts started again goes on from its launch's checkpoint, but run.json
+    recorded what it decided with (--resume auto, no --overwrite, no resume_path): the same command
+    run again later went back to the checkpoint the run began from, and trained its steps again."""
+    began = base["root"] / "restart-from" / "step-000003"
+    shutil.copytree(base["out"] / "checkpoints" / "step-000003", began)
+    out = base["root"] / "restarted"
+    started = time.time() - 1
+    monkeypatch.setattr(resume, "launch_started", lambda: started)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-r")
+    given = ("--resume", str(began), "--save-every", "1", "--overwrite")
+    assert main(_args(base["data"], out, *given, "--max-steps", "5")) == 0  # the first start, "killed"
+    shutil.rmtree(out / "final")
+    record = json.loads((out / "run.json").read_text())
+    del record["result"]["finished"]
+    (out / "run.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(_args(base["data"], out, *given)) == 0  # its restart
+    said = capsys.readouterr()
+    assert "a restart goes on from the newest checkpoint" in said.err
+    assert "--overwrite: removed" not in said.err
+    assert f"resuming from {out}/checkpoints/step-000005" in said.out
+    assert [r["step"] for r in train_rows(out)] == [4, 5, 6]
+    record = json.loads((out / "run.json").read_text())
+    assert (record["config"]["overwrite"], record["config"]["resume"]) == (True, str(began))
+    assert record["resolved"]["resume_path"] == str(began.resolve())
+    # Stopped at its last step, the same command run again (another launch, without --overwrite, as
+    # a stop's advice says) continues from there, not from where the run began.
+    shutil.rmtree(out / "final")
+    del record["result"]["finished"]
+    (out / "run.json").write_text(json.dumps(record))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-s")
+    assert main(_args(base["data"], out, *given[:-1])) == 0
+    assert f"resuming from {out}/checkpoints/step-000006" in capsys.readouterr().out

@@ -33,6 +33,7 @@ SHARDED_DIR = "sharded"  # torch.distributed.checkpoint folder: one file per ran
 SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "trainer.json"
 JOB_KEY = "job"  # trainer.json's run id of the launch that saved it (torchrun's TORCHELASTIC_RUN_ID)
+SAVED_AT_KEY = "saved_at"  # trainer.json's wall-clock time of the save (time.time())
 MANIFEST_BYTES = 16 << 20
 
 

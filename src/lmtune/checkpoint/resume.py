@@ -18,6 +18,7 @@ from lmtune.checkpoint.layout import (
     JOB_KEY,
     MANIFEST,
     NOT_LISTED,
+    SAVED_AT_KEY,
     SHARDED_METADATA,
     STATE_FILE,
     link_in_the_way,
@@ -31,7 +32,6 @@ from lmtune.checkpoint.state import ModelParts, TrainerState
 from lmtune.checkpoint.store import check_layout, load_checkpoint, read_state, resume_note
 from lmtune.config.files import read_json_object
 from lmtune.config.run_groups import CheckpointSettings, names_checkpoint
-from lmtune.config.settings import TrainConfig
 from lmtune.errors import NoSpace, UserError, one_line
 from lmtune.model.paths import PATHS_FILE
 from lmtune.outputs.runlog import InfoLog
@@ -292,29 +292,48 @@ def resumable_when_full(output_dir: Path) -> Iterator[None]:
         raise NoSpace(f"{e}; {resume_note(output_dir)}", e.path) from None
 
 
-def restart_config(cfg: TrainConfig, env: DistEnv) -> TrainConfig:
-    """The config of a worker that ``--max-restarts`` started again (torchrun's restart count
-    above 0): it goes on from the newest checkpoint the job saved, ``--overwrite`` and ``--resume``
-    having been applied at the job's first start (a restart applied --overwrite again: it deleted
-    the job's own checkpoints and trained from step 1). Before the job's first checkpoint (the
-    newest one here another run's, the first start killed before it replaced that run), the config
-    is the first start's."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
-    settings, job = cfg.checkpoint, os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if restart in ("", "0") or not job or not _saved_by_job(Path(settings.output_dir), job):
-        return cfg  # a restart before the first start replaced an earlier run: that run's are not its
-    changed = replace(settings, overwrite=False, resume="auto")
-    if changed == settings:
-        return cfg
-    if env.is_main:
+def restart_settings(settings: CheckpointSettings, env: DistEnv) -> CheckpointSettings:
+    """The checkpoint settings a worker decides by: ``settings`` as given, but in a launch that has
+    saved a checkpoint here already (a worker ``--max-restarts`` started again), ``--overwrite`` off
+    and ``--resume`` auto: it goes on from that checkpoint (a restart applied --overwrite again and
+    deleted the job's own checkpoints). A ``--resume PATH`` stays: the run's record says it began
+    there, so it continues from its own newest checkpoint (CheckpointManager._same_command).
+
+    Decided from what every rank sees alike (the newest checkpoint's record, the launch's run id
+    and start), not from torchrun's restart count, which each node's agent counts for itself."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if not job or not _saved_by_launch(Path(settings.output_dir), job):
+        return settings  # a first start; or a restart before its first checkpoint, as the first start
+    resume = settings.resume if names_checkpoint(settings.resume) else "auto"
+    changed = replace(settings, overwrite=False, resume=resume)
+    if changed != settings and env.is_main:
         warn("a restart goes on from the newest checkpoint (--overwrite and --resume: the first start's)")
-    return cfg.replace(checkpoint=changed)
+    return changed
 
 
-def _saved_by_job(output_dir: Path, job: str) -> bool:
-    """Whether the newest checkpoint in ``output_dir`` was saved by the launch ``job``."""
+def _saved_by_launch(output_dir: Path, job: str) -> bool:
+    """Whether the newest checkpoint in ``output_dir`` was saved by this launch: its run id, and saved
+    after the launch began (run ids repeat: torchrun's `none`, lmtune's default --rdzv-id, a
+    tutorial's fixed id; a checkpoint of an earlier job of that id predates this launch)."""
     found = list_checkpoints(output_dir)
+    started = launch_started()
+    if not found or started is None:
+        return False
     try:
-        return bool(found) and read_json_object(found[-1] / STATE_FILE).get(JOB_KEY) == job
+        record = read_json_object(found[-1] / STATE_FILE)
     except (UserError, OSError):
         return False
+    saved = record.get(SAVED_AT_KEY)
+    fresh = isinstance(saved, (int, float)) and not isinstance(saved, bool) and saved > started
+    return record.get(JOB_KEY) == job and fresh
+
+
+def launch_started() -> float | None:
+    """When this worker's launcher began (its parent: torchrun's agent or lmtune's launcher), in
+    wall-clock seconds, from Linux's /proc; None where it does not say."""
+    try:
+        stat = Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+        return float(boot.split()[1]) + int(stat[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None

@@ -36,6 +36,7 @@ from lmtune.checkpoint.layout import (
     MANIFEST_BYTES,
     MODEL_FILE,
     OPTIMIZER_FILE,
+    SAVED_AT_KEY,
     SCALER_FILE,
     SHARDED_DIR,
     SHARDED_METADATA,
@@ -147,8 +148,9 @@ def _write_checkpoint(
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         for name, record in records.items():
             fsync_write(tmp / name, json.dumps(record, indent=2))
-        # The launch that saved it (torchrun's run id): a restart goes on only from its own job's.
-        job = {JOB_KEY: os.environ.get("TORCHELASTIC_RUN_ID", "")}
+        # The launch that saved it (torchrun's run id), and when: a restart goes on only from its own
+        # launch's (lmtune.checkpoint.resume.restart_settings).
+        job = {JOB_KEY: os.environ.get("TORCHELASTIC_RUN_ID", ""), SAVED_AT_KEY: time.time()}
         fsync_write(tmp / STATE_FILE, json.dumps(asdict(state) | job, indent=2))
     barrier(env)
     if env.is_main:

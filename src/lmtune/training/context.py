@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmtune.config.run_groups import CheckpointSettings
 from lmtune.config.settings import TrainConfig
 from lmtune.outputs.runlog import RunLog
 from lmtune.parallel.distributed import DistEnv
@@ -27,10 +28,19 @@ class RunContext:
     stop: StopRequest
     heartbeat: Heartbeat
     given: frozenset[str] | None = None  # the settings the user gave; None: not known (Python API)
+    # A restarted worker's (lmtune.checkpoint.resume.restart_settings); None: cfg's as given.
+    restart: CheckpointSettings | None = None
 
     @property
     def output_dir(self) -> Path:
         return Path(self.cfg.checkpoint.output_dir)
+
+    @property
+    def checkpointing(self) -> CheckpointSettings:
+        """The checkpoint settings the run decides by (where it resumes from, what --overwrite
+        deletes). Its records and advice keep ``cfg``'s, what the user gave: a restart's
+        would have the same command, run again later, continue from elsewhere."""
+        return self.restart or self.cfg.checkpoint
 
 
 class CallableModule(types.ModuleType):
