@@ -122,7 +122,7 @@ def recorded_result(result: Any) -> tuple[float, EvalResult | None]:
         loss = float(result["last_loss"])
         evaluated = result.get("eval")
         return loss, EvalResult.from_record(evaluated) if isinstance(evaluated, dict) else None
-    except (AttributeError, KeyError, TypeError, ValueError):
+    except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
         return float("nan"), None
 
 
@@ -131,7 +131,7 @@ def recorded_best(result: Any) -> Best | None:
     best: Any = result.get("best") if isinstance(result, dict) else None
     try:
         return Best(int(best["step"]), str(best["metric"]), float(best["value"]), str(best["checkpoint"]))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # an edited record: "step": Infinity
         return None
 
 

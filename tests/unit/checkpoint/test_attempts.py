@@ -69,3 +69,15 @@ def test_attempts_read_from_a_crafted_run_json_keep_only_their_shape(tmp_path: P
     (only,) = earlier_attempts(out, out / "checkpoints" / "step-4", 4)
     assert only["last_step"] is None and only["ended"].startswith("ended without a result")
     assert attempts_line([only]) == f"{only['ended']}, resumed from step 4"
+
+
+def test_an_edited_result_record_reads_as_none_not_a_traceback() -> None:
+    """run.json's result read back for a finished run called again (``TrainResult``): JSON's
+    ``Infinity`` and huge numbers raised OverflowError out of ``lmtune.train``."""
+    from lmtune.training.finish import recorded_outcome, recorded_result
+
+    best = {"step": 3, "metric": "eval_loss", "value": 0.5, "checkpoint": "checkpoints/step-3"}
+    assert recorded_outcome({"best": best})["best"].step == 3
+    for edited in ({"step": float("inf")}, {"value": 10**400}):
+        assert recorded_outcome(json.loads(json.dumps({"best": best | edited})))["best"] is None
+    assert recorded_result({"last_loss": 10**400})[0] != recorded_result({"last_loss": 10**400})[0]  # nan
