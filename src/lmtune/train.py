@@ -3,7 +3,6 @@ here they are put together, and the loop's components registered (one line each)
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import replace
@@ -35,6 +34,7 @@ from lmtune.parallel.distributed import (
 )
 from lmtune.parallel.health import Heartbeat
 from lmtune.parallel.launch import report_outcome, resume_advice, warn
+from lmtune.parallel.launched import run_id
 from lmtune.parallel.wrap import resolve_strategy, unwrap
 from lmtune.testing.faults import install as install_faults
 from lmtune.tools.doctor import DoctorSettings, check_or_fail, check_shared_output
@@ -89,7 +89,7 @@ def _train(cfg: TrainConfig, given: frozenset[str] | None, stop: StopRequest) ->
         with (
             process_group(env),
             # Before anything is written: one run per folder (lmtune's launcher may hold it for the job).
-            job_lock(output_dir, os.environ.get("TORCHELASTIC_RUN_ID", ""), env, warn),
+            job_lock(output_dir, run_id(), env, warn),
             RunLog(env, output_dir, cfg.logging.progress) as log,
             stop,
             said_plainly(cfg, env.device),

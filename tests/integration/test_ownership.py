@@ -9,10 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from lmtune.checkpoint import rundir
 from lmtune.checkpoint.export_folder import EXPORT_MARKER
 from lmtune.checkpoint.layout import LOCK_FILE, TEMPORARY_MARK, verify
 from lmtune.checkpoint.owned import WRITTEN_RECORD, file_stats, users_files
@@ -302,14 +304,18 @@ def test_overwrite_removes_only_lmtunes_own_entries(tmp_path: Path, monkeypatch:
         "--overwrite: removed the earlier run's final, lmtune's files in checkpoints/, "
     )
     assert "kept what lmtune did not write there: " in said[0] and "my-notes.txt" in said[0]
-    # A restart (--max-restarts) before the job's first checkpoint: the files may be its own first
-    # start's, which it said were "the earlier run's".
-    (tmp_path / "run.json").write_text("{}")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    replace_earlier_run(tmp_path, read_dist_env("cpu"), 0, said.append)
-    restart_said = f"--overwrite: removed what was written before this restart: run.json from {tmp_path}"
-    assert said[1].startswith(restart_said)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    # A restart (--max-restarts) before the job's first checkpoint: the files its first start wrote
+    # (since the launch began) are its own, which it called "the earlier run's".
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    for began, whose in (
+        (time.time() - 60, "this job's first start's"),
+        (time.time() + 60, "the earlier run's"),
+    ):
+        (tmp_path / "run.json").write_text("{}")
+        monkeypatch.setattr(rundir, "launch_started", lambda began=began: began)
+        replace_earlier_run(tmp_path, read_dist_env("cpu"), 0, said.append)
+        assert said[-1].startswith(f"--overwrite: removed {whose} run.json from {tmp_path}")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == [
         *("NOTES.txt", "checkpoints", "checkpoints/my-notes.txt"),

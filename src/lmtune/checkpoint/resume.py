@@ -3,7 +3,7 @@ loading it, and the record of what each resume changed."""
 
 from __future__ import annotations
 
-import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -37,6 +37,7 @@ from lmtune.model.paths import PATHS_FILE
 from lmtune.outputs.runlog import InfoLog
 from lmtune.parallel.distributed import DistEnv, decided_by_main
 from lmtune.parallel.launch import warn
+from lmtune.parallel.launched import launch_started, run_id
 
 
 def resume_point(resume: str, output_dir: Path, env: DistEnv) -> Path | None:
@@ -301,7 +302,7 @@ def restart_settings(settings: CheckpointSettings, env: DistEnv) -> CheckpointSe
 
     Decided from what every rank sees alike (the newest checkpoint's record, the launch's run id
     and start), not from torchrun's restart count, which each node's agent counts for itself."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    job = run_id()
     if not job or not _saved_by_launch(Path(settings.output_dir), job):
         return settings  # a first start; or a restart before its first checkpoint, as the first start
     resume = settings.resume if names_checkpoint(settings.resume) else "auto"
@@ -324,16 +325,6 @@ def _saved_by_launch(output_dir: Path, job: str) -> bool:
     except (UserError, OSError):
         return False
     saved = record.get(SAVED_AT_KEY)
-    fresh = isinstance(saved, (int, float)) and not isinstance(saved, bool) and saved > started
+    # Not from the future either: a checkpoint copied from a machine whose clock is ahead.
+    fresh = isinstance(saved, (int, float)) and not isinstance(saved, bool) and started < saved <= time.time()
     return record.get(JOB_KEY) == job and fresh
-
-
-def launch_started() -> float | None:
-    """When this worker's launcher began (its parent: torchrun's agent or lmtune's launcher), in
-    wall-clock seconds, from Linux's /proc; None where it does not say."""
-    try:
-        stat = Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()
-        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
-        return float(boot.split()[1]) + int(stat[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None

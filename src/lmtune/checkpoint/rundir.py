@@ -39,6 +39,7 @@ from lmtune.config.run_groups import names_checkpoint
 from lmtune.errors import UserError
 from lmtune.parallel.distributed import DistEnv, all_gather_object, decided_by_main, stop_if_signalled
 from lmtune.parallel.health import HANG_REPORT, HEALTH_DIR_ENV, users_hang_report
+from lmtune.parallel.launched import launch_started, run_id
 
 # What an earlier run leaves; none of it is written through a symbolic link.
 RUN_FOLDERS = ("final", "checkpoints", "samples", "tensorboard", "wandb", "mlruns", "comm-traces")
@@ -251,12 +252,9 @@ def replace_earlier_run(
 
     def replace() -> None:
         refuse_users_steps(output_dir, "--overwrite")
+        whose = _whose(output_dir)
         removed, kept = remove_own_entries(output_dir)
         if removed or kept:  # deleted: said, as any deletion of a run's results is
-            # A restart before the job's first checkpoint removes the first start's own files (or
-            # an earlier run's, where the first start stopped before it replaced them).
-            restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() not in ("", "0")
-            whose = "what was written before this restart:" if restarted else "the earlier run's"
             done = [f"removed {whose} {', '.join(removed)} from {output_dir}"] if removed else []
             done += (
                 [f"kept what lmtune did not write there: {names_listed([str(k) for k in kept])}"]
@@ -266,6 +264,17 @@ def replace_earlier_run(
             say(f"--overwrite: {'; '.join(done)}")
 
     decided_by_main(replace, None, env)
+
+
+def _whose(output_dir: Path) -> str:
+    """Whose entries --overwrite removes: a restart before the job's first checkpoint removes its
+    first start's (run.json written since the launch began), else an earlier run's."""
+    started = launch_started() if run_id() else None
+    try:
+        written = (output_dir / "run.json").stat().st_mtime
+    except OSError:
+        return "the earlier run's"
+    return "this job's first start's" if started is not None and written > started else "the earlier run's"
 
 
 def remove_own_entries(output_dir: Path) -> tuple[list[str], list[Path]]:

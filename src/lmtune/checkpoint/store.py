@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -65,6 +64,7 @@ from lmtune.errors import UserError, one_line, out_of_space, room, sizes, why_it
 from lmtune.model.lora import ADAPTER_FILE, load_adapter_state, save_adapter
 from lmtune.model.quantization import logical_sizes
 from lmtune.parallel.distributed import DistEnv, barrier, decided_by_main, refused_by_main
+from lmtune.parallel.launched import run_id
 
 
 def save_checkpoint(
@@ -150,7 +150,7 @@ def _write_checkpoint(
             fsync_write(tmp / name, json.dumps(record, indent=2))
         # The launch that saved it (torchrun's run id), and when: a restart goes on only from its own
         # launch's (lmtune.checkpoint.resume.restart_settings).
-        job = {JOB_KEY: os.environ.get("TORCHELASTIC_RUN_ID", ""), SAVED_AT_KEY: time.time()}
+        job = {JOB_KEY: run_id(), SAVED_AT_KEY: time.time()}
         fsync_write(tmp / STATE_FILE, json.dumps(asdict(state) | job, indent=2))
     barrier(env)
     if env.is_main:

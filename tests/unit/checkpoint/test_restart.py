@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from lmtune.checkpoint import resume
-from lmtune.checkpoint.resume import launch_started, restart_settings
+from lmtune.checkpoint.resume import restart_settings
 from lmtune.config.settings import TrainConfig
 from lmtune.parallel.distributed import read_dist_env
+from lmtune.parallel.launched import launch_started
 
 STARTED = 1_000_000.0  # when the launch began, as launch_started gives it
 
@@ -43,6 +46,8 @@ def test_a_restart_goes_on_from_its_own_launchs_checkpoint_only(
     assert restart_settings(settings, env) is settings
     _checkpoint(tmp_path, 71, "job-a", saved_at="yesterday")
     assert restart_settings(settings, env) is settings
+    _checkpoint(tmp_path, 72, "job-a", saved_at=time.time() + 600)  # copied from a clock ahead
+    assert restart_settings(settings, env) is settings
     _checkpoint(tmp_path, 80, "job-a")
     again = restart_settings(settings, env)
     assert (again.overwrite, again.resume) == (False, "auto")
@@ -62,12 +67,25 @@ def test_a_restart_goes_on_from_its_own_launchs_checkpoint_only(
     assert restart_settings(settings, env) is settings
 
 
-def test_the_launch_started_before_this_process() -> None:
-    started = launch_started()
-    if not Path(f"/proc/{os.getppid()}/stat").exists():
-        assert started is None
+def test_the_launch_is_the_nearest_ancestor_it_did_not_start(tmp_path: Path) -> None:
+    """A worker's parent was taken for the launch: a wrapper script between torchrun and lmtune,
+    which torchrun starts again with each restart, made every restart's checkpoints look older than
+    the launch (--overwrite then deleted them). And /proc/stat's boot time, in whole seconds, put
+    the launch up to a second early (an earlier job's checkpoint of that second counted as its own)."""
+    if not Path("/proc/self/stat").exists():
+        assert launch_started() is None
         return
-    assert started is not None
-    own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
-    boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
-    assert started <= float(boot.split()[1]) + int(own) / os.sysconf("SC_CLK_TCK") <= time.time() + 1
+    ours = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
+    booted = time.time() - float(Path("/proc/uptime").read_text().split()[0])
+    started_here = booted + int(ours) / os.sysconf("SC_CLK_TCK")
+    time.sleep(0.3)  # the wrapper and the worker start visibly later than this process
+    probe = "from lmtune.parallel.launched import launch_started; print(launch_started())"
+    worker = f"{sys.executable} -c '{probe}'"
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "none"}  # as torchrun gives its workers
+    for command in (
+        [sys.executable, "-c", probe],
+        ["sh", "-c", f"{worker}; true"],
+        ["sh", "-c", f'sh -c "{worker}; true"'],
+    ):
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+        assert float(out) == pytest.approx(started_here, abs=0.05), command
