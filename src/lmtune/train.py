@@ -33,7 +33,7 @@ from lmtune.parallel.distributed import (
     stop_if_signalled,
 )
 from lmtune.parallel.health import Heartbeat
-from lmtune.parallel.launch import report_outcome, resume_advice, warn
+from lmtune.parallel.launch import report_outcome, stop_advice, warn
 from lmtune.parallel.launched import run_id
 from lmtune.parallel.wrap import resolve_strategy, unwrap
 from lmtune.testing.faults import install as install_faults
@@ -176,9 +176,8 @@ def _run(run: RunContext) -> TrainResult:
     last_eval = result.evals[-1] if result.evals else None
     done = TrainResult(output_dir, result.state.step, result.last_loss, last_eval)
     if result.stop == "signal":
-        advice = resume_advice(cfg.checkpoint.overwrite, python=run.given is None)
-        log.info(f"stopped at step {result.state.step}; {advice}")
-        report_outcome(result.state.step, stopped=True, env=env, overwrite=cfg.checkpoint.overwrite)
+        log.info(f"stopped at step {result.state.step}; {stop_advice(cfg.checkpoint, run.given is None)}")
+        report_outcome(result.state.step, stopped=True, env=env, given=cfg.checkpoint)
         return replace(done, stopped_by="signal")
     finish(run, built, result, checkpoints, trained_from=state.step, record=run_info)
     run_info["result"]["finished"] = checkpoints.finished_record(result.state.step, built.layout.total_steps)

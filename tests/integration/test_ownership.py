@@ -706,6 +706,17 @@ def test_a_run_stopped_under_overwrite_says_to_resume_without_it(
     monkeypatch.setattr(torch.optim.AdamW, "step", original)
     assert main(argv[:-1]) == 0  # as it said: without --overwrite, it resumes
     assert f"resuming from {out / 'checkpoints' / saved[0]}" in capsys.readouterr().out
+    # --resume never: the same command again refused the checkpoint the stop had just saved.
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    steps.clear()
+    never = ["train", "--max-steps", "4", "--no-progress", "--output-dir", str(tmp_path / "never")]
+    main([*never, "--resume", "never"])
+    printed = capsys.readouterr()
+    assert "; run the same command without --resume never to resume (with it, the run refuses its " in (
+        printed.out + printed.err
+    )
+    monkeypatch.setattr(torch.optim.AdamW, "step", original)
+    assert main(never) == 0 and "resuming from" in capsys.readouterr().out
 
 
 def test_an_export_is_never_written_over_a_folder_the_checkpoints_run_reads_again(tmp_path: Path) -> None:

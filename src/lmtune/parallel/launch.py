@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from lmtune.config import environment
 from lmtune.config.advice import memory_advice
-from lmtune.config.run_groups import LaunchSettings
+from lmtune.config.run_groups import CheckpointSettings, LaunchSettings
 from lmtune.config.settings import TrainConfig, micro_batch_size, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
 from lmtune.parallel.failure_report import (
@@ -70,25 +70,36 @@ def report_stopped(message: str) -> None:
     print(f"lmtune: {message}", file=sys.stderr, flush=True)
 
 
-def resume_advice(overwrite: bool, where: str = "", python: bool = False) -> str:
+def resume_advice(overwrite: bool, where: str = "", python: bool = False, never: bool = False) -> str:
     """How to continue a run stopped by a signal: its command (``python``: its call of
     ``lmtune.train``) again, less --overwrite (which would start it over, deleting the checkpoint it
-    just saved)."""
+    just saved) and --resume never (``never``: which would refuse that checkpoint)."""
     if python:
-        less = " without overwrite=True" if overwrite else ""
+        names = [name for name, on in (("overwrite=True", overwrite), ("resume='never'", never)) if on]
+        less = f" without {' and '.join(names)}" if names else ""
         return f"call lmtune.train with the same settings again{less} to resume"
-    if overwrite:
-        return f"run the same command without --overwrite{where} to resume (with it, the run starts over)"
+    if overwrite or never:
+        flags = [flag for flag, on in (("--overwrite", overwrite), ("--resume never", never)) if on]
+        then = "the run starts over" if overwrite else "the run refuses its checkpoints"
+        return f"run the same command without {' and '.join(flags)}{where} to resume (with it, {then})"
     return f"run the same command again{where} to resume"
 
 
-def report_outcome(step: int, *, stopped: bool, env: DistEnv, overwrite: bool = False) -> None:
+def stop_advice(given: CheckpointSettings, python: bool = False) -> str:
+    """:func:`resume_advice` for a run of these checkpoint settings (as the user gave them)."""
+    return resume_advice(given.overwrite, python=python, never=given.resume == "never")
+
+
+def report_outcome(
+    step: int, *, stopped: bool, env: DistEnv, given: CheckpointSettings | None = None
+) -> None:
     """Tell this node's launcher how the job ended (``stopped``: by a signal, with a checkpoint of
-    ``step`` saved; ``overwrite``: the run was given --overwrite). The first rank of every node
-    does, so a node that does not run rank 0, or whose launcher was not the one signalled, says so
-    too."""
+    ``step`` saved; ``given``: the run's checkpoint settings as the user gave them, for the advice).
+    The first rank of every node does, so a node that does not run rank 0, or whose launcher was
+    not the one signalled, says so too."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
-    record = {"step": step, "stopped": stopped, "main": env.is_main, "overwrite": overwrite}
+    overwrite, never = (given.overwrite, given.resume == "never") if given else (False, False)
+    record = {"step": step, "stopped": stopped, "main": env.is_main, "overwrite": overwrite, "never": never}
     if env.local_rank == 0 and error_dir and Path(error_dir).is_dir():
         (Path(error_dir) / OUTCOME_FILE).write_text(json.dumps(record), encoding="utf-8")
     elif env.local_rank == 0 and (line := _from_elsewhere(record)):  # under torchrun: said here
@@ -107,7 +118,8 @@ def _from_elsewhere(outcome: dict[str, Any] | None) -> str | None:
     if outcome is None or outcome["main"]:
         return None
     if outcome["stopped"]:
-        advice = resume_advice(outcome.get("overwrite") is True, " on every node")
+        overwrite, never = outcome.get("overwrite") is True, outcome.get("never") is True
+        advice = resume_advice(overwrite, " on every node", never=never)
         return (
             f"lmtune: the job was stopped by a signal with a checkpoint of step {outcome['step']}; {advice}"
         )
