@@ -311,8 +311,13 @@ def test_report_tells_a_killed_run_from_a_running_one(tmp_path: Path) -> None:
     older = out / "checkpoints" / "step-000001"
     damaged = "its newest checkpoint, step-000002, is damaged"
     assert then() == f"{damaged}: --resume {older} continues from the one before it)"
-    # A run that continues a --resume checkpoint continues it again, whatever its folder holds.
+    # The command a run began with (--resume of another folder's checkpoint) goes on from the run's
+    # own newest checkpoint, as train does (it said "resumes from --resume ... again").
     (out / "run.json").write_text(json.dumps({"config": {"resume": str(other)}}))
+    assert then() == f"{damaged}: --resume {older} continues from the one before it)"
+    # A --resume of a checkpoint the run did not begin from continues that checkpoint again.
+    began = {"config": {"resume": str(other)}, "resolved": {"resume_path": str(older)}}
+    (out / "run.json").write_text(json.dumps(began))
     assert then() == f"the same command resumes from --resume {other} again)"
     # Stopped by a signal: it recorded a result, and saved.
     shutil.rmtree(out / "checkpoints" / "step-000002")
@@ -326,6 +331,12 @@ def test_report_tells_a_killed_run_from_a_running_one(tmp_path: Path) -> None:
     assert _summary(load_run(out))["status"] == (
         "stopped (by a signal; the same command starts over (--overwrite); without --overwrite, it resumes "
         "from step-000002)"
+    )
+    # Given --resume never, the same command refuses the checkpoints the run saved.
+    (out / "run.json").write_text(json.dumps({"result": stopped, "config": {"resume": "never"}}))
+    assert _summary(load_run(out))["status"] == (
+        "stopped (by a signal; the same command refuses its checkpoints (--resume never); without --resume "
+        "never, it resumes from step-000002)"
     )
 
 

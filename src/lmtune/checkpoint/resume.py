@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from lmtune.checkpoint.fingerprint import Fingerprint, compare, read_fingerprint
+from lmtune.checkpoint.finished import began_from
 from lmtune.checkpoint.layout import (
     CHECKPOINTS,
     JOB_KEY,
@@ -84,17 +85,23 @@ def rerun_outcome(output_dir: Path, resume: Any, overwrite: bool = False) -> str
     is too slow for a report). With --overwrite it starts over, and the rest is what it does
     without."""
     without = _rerun_without_overwrite(output_dir, resume)
-    if not overwrite or without.endswith("starts over"):
+    if without.endswith("starts over"):
         return without
     rest = without.removeprefix("the same command ")
     said = f"it {rest}" if rest != without else without
-    return f"the same command starts over (--overwrite); without --overwrite, {said}"
+    if overwrite:
+        return f"the same command starts over (--overwrite); without --overwrite, {said}"
+    if resume == "never":
+        return f"the same command refuses its checkpoints (--resume never); without --resume never, {said}"
+    return without
 
 
 def _rerun_without_overwrite(output_dir: Path, resume: Any) -> str:
-    if names_checkpoint(resume):
-        return f"the same command resumes from --resume {resume} again"
     saved = list_checkpoints(output_dir)
+    # The command the run began with goes on from the run's own newest checkpoint (the manager's
+    # _same_command); another --resume continues that checkpoint again.
+    if names_checkpoint(resume) and not (saved and began_from(output_dir, resume)):
+        return f"the same command resumes from --resume {resume} again"
     if not saved:
         return "no checkpoint was saved: the same command starts over"
     if verify(saved[-1], hashes=False) is None:
