@@ -38,8 +38,8 @@ class RunContext:
     @property
     def checkpointing(self) -> CheckpointSettings:
         """The checkpoint settings the run decides by (where it resumes from, what --overwrite
-        deletes). Its records and advice keep ``cfg``'s, what the user gave: a restart's
-        would have the same command, run again later, continue from elsewhere."""
+        deletes). Its records and advice keep ``cfg``'s, what the user gave: with a restart's
+        recorded, the same command run again later continued from elsewhere."""
         return self.restart or self.cfg.checkpoint
 
 
