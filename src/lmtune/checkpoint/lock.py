@@ -27,6 +27,7 @@ from lmtune.config.files import KIB, is_int, read_json_object
 from lmtune.config.run_groups import LaunchSettings
 from lmtune.errors import UserError
 from lmtune.parallel.failure_report import oom_kills, out_of_memory_kills
+from lmtune.parallel.launched import proc_stat
 
 # torchrun's run id when none is given, and lmtune's default --rdzv-id: shared by unrelated jobs
 # (a second job of the README's command took a running job's folder over), so they prove nothing.
@@ -51,7 +52,7 @@ class LockHolder:
 
 def _pid_started(pid: int) -> str | None:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        return proc_stat(pid)[19]
     except (OSError, IndexError):
         return None
 

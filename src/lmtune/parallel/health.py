@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from lmtune.config import environment
+from lmtune.parallel.launched import proc_stat
 
 HEALTH_DIR_ENV = environment.HEALTH_DIR
 HANG_EXIT_CODE = 3
@@ -137,7 +138,7 @@ def ended_ranks() -> list[int]:
 def _process_state(pid: int) -> str:
     """R, S, D, T (stopped), Z, ... from /proc; "?" where it cannot be read."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return proc_stat(pid)[0]
     except (OSError, IndexError):
         return "?"
 

@@ -35,6 +35,7 @@ from lmtune.parallel.failure_report import (
     reported_errors,
 )
 from lmtune.parallel.health import HEALTH_DIR_ENV, Watchdog, read_beats
+from lmtune.parallel.launched import proc_stat
 
 if TYPE_CHECKING:
     from lmtune.parallel.distributed import DistEnv
@@ -485,7 +486,7 @@ def _children() -> bool:
     me = os.getpid()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with suppress(OSError, ValueError, IndexError):
-            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            state, parent = proc_stat(int(stat.parent.name))[:2]
             if int(parent) == me and state != "Z":
                 return True
     return False

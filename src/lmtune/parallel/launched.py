@@ -25,15 +25,16 @@ def launch_started() -> float | None:
         for _ in range(32):
             if f"\0{RUN_ID_ENV}=".encode() not in _environ(pid):
                 break
-            pid = int(_stat(pid)[1])
+            pid = int(proc_stat(pid)[1])
         booted = time.time() - float(Path("/proc/uptime").read_text().split()[0])
-        return booted + int(_stat(pid)[19]) / os.sysconf("SC_CLK_TCK")
+        return booted + int(proc_stat(pid)[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
 
 
-def _stat(pid: int) -> list[str]:
-    """/proc/PID/stat's fields from the state on (the name before it may hold spaces)."""
+def proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields from the state on (the name before it may hold spaces): [0] the
+    state, [1] the parent's pid, [19] the start in clock ticks since boot."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
