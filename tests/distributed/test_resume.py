@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lmtune.config import environment
 from lmtune.tools.recorded import load_run
 from lmtune.tools.report import _summary
 from tests.conftest import (
@@ -367,6 +368,31 @@ def test_two_nodes_on_loopback_match_one_node(base: dict[str, Path]) -> None:
     # The node without rank 0 (either: ranks follow the order the nodes joined in) ends with a line.
     elsewhere = f"this node's ranks finished at step {SHORT}; rank 0's node printed the summary"
     assert [elsewhere in output for _, output in results].count(True) == 1, results
+    one_node = [r["loss"] for r in train_rows(base["two"])]
+    assert [r["loss"] for r in train_rows(out)] == pytest.approx(one_node, abs=1e-6)
+    assert max_diff(base["two"], out) <= 1e-6
+
+
+def test_a_worker_killed_before_two_nodes_meet_restarts_both_nodes_as_one_job(base: dict[str, Path]) -> None:
+    """--max-restarts on two nodes: node 1's worker is killed while it starts, before the process
+    group forms. Only node 1's restart count goes up (torch counts per node), yet both nodes' ranks
+    meet again at once, under the round they share, and train as the uninterrupted job did (they
+    waited under different names until the join timeout, then failed)."""
+    port = free_port()
+    out = base["root"] / "two-nodes-restart"
+    node = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "restart-test"]
+    node += ["--max-restarts", "1"]
+    joined = {environment.JOIN_TIMEOUT: "60"}  # the old failure: both nodes give up after it
+    nodes = [popen(short(base["data"], out, *node, "--node-rank", str(r)), **joined) for r in (0, 1)]
+    deadline = time.monotonic() + 60
+    while not (workers := child_pids(nodes[1].pid)):
+        assert time.monotonic() < deadline and nodes[1].poll() is None, finish(nodes[1])[1]
+        time.sleep(0.05)
+    os.kill(workers[0], signal.SIGKILL)  # seconds before its imports end and the group forms
+    (code1, said1), (code0, said0) = finish(nodes[1], timeout=240), finish(nodes[0], timeout=120)
+    assert code1 == 0 and code0 == 0, f"node 1:\n{said1}\nnode 0:\n{said0}"
+    assert "local rank 0 of this node was killed by SIGKILL; every process starts again" in said1
+    assert "another node's process ended (or a node joined the job)" in said0
     one_node = [r["loss"] for r in train_rows(base["two"])]
     assert [r["loss"] for r in train_rows(out)] == pytest.approx(one_node, abs=1e-6)
     assert max_diff(base["two"], out) <= 1e-6

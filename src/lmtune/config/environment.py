@@ -17,6 +17,8 @@ JOIN_TIMEOUT = "LMTUNE_JOIN_TIMEOUT"
 LOCK_TOKEN = "LMTUNE_LOCK_TOKEN"
 ERROR_DIR = "LMTUNE_ERROR_DIR"
 HEALTH_DIR = "LMTUNE_HEALTH_DIR"
+# Set by the launcher for its workers: the rendezvous round every node joined (parallel.rendezvous).
+RDZV_ROUND = "LMTUNE_RDZV_ROUND"
 VERBOSE = "LMTUNE_VERBOSE"  # show other packages' warnings (lmtune.config.verbosity)
 # The CPU bf16 paths (lmtune.model.paths), each auto | fp32 | bf16: overrides the decided path.
 CPU_PRODUCTS = "LMTUNE_CPU_PRODUCTS"

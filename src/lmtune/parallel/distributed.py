@@ -258,7 +258,9 @@ def _attempt_store(env: DistEnv, timeout: timedelta) -> Store:
 
     Workers restarted by the elastic agent may reach a store that still holds the previous attempt's
     keys (peer addresses, barrier counters); reading those, gloo hangs or is refused. A prefix per
-    ``TORCHELASTIC_RESTART_COUNT`` gives every attempt a clean namespace.
+    attempt gives every attempt a clean namespace: under lmtune's launcher the rendezvous round,
+    the same on every node; under torchrun its ``TORCHELASTIC_RESTART_COUNT``, which is each node's
+    own and differs between nodes once one node's worker has failed (lmtune.parallel.rendezvous).
     """
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = _env_int("MASTER_PORT", 29500)
@@ -271,8 +273,9 @@ def _attempt_store(env: DistEnv, timeout: timedelta) -> Store:
         timeout=timeout,
         multi_tenant=True,
     )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return PrefixStore(f"lmtune/attempt-{attempt}", store)
+    if round_ := os.environ.get(environment.RDZV_ROUND):
+        return PrefixStore(f"lmtune/round-{round_}", store)
+    return PrefixStore(f"lmtune/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def set_collective_timeout(env: DistEnv, seconds: float) -> None:

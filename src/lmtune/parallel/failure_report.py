@@ -148,8 +148,9 @@ def failed(e: Any, error_dir: Path, hung: bool, memory_advice: str = "") -> int:
 class RestartNotes(logging.Filter):
     """Under --max-restarts: the agent's logs stay quiet, but a restart is said, with the process
     whose end caused it (restarts were silent: the log only began again). Reads torch's records:
-    its multiprocessing's "failed (exitcode: %s) local_rank: %s ..." and its agent's "... %s/%s
-    attempts left; will restart worker group"."""
+    its multiprocessing's "failed (exitcode: %s) local_rank: %s ...", its agent's "... %s/%s
+    attempts left; will restart worker group" and, on a node whose own processes did not fail,
+    "Detected %s new nodes from group_rank=%s; will restart worker group"."""
 
     def __init__(self, single_node: bool, say: Callable[[str], None]):
         super().__init__()
@@ -169,6 +170,11 @@ class RestartNotes(logging.Filter):
                 f"restart {most - left + 1} of {most})"
             )
             self.cause = ""
+        elif "new nodes from group_rank" in str(record.msg):  # another node's agent meets again
+            self.say(
+                "another node's process ended (or a node joined the job); every process starts again "
+                "from the newest checkpoint"
+            )
         return False
 
 

@@ -327,6 +327,7 @@ def _launch(
             log.removeFilter(restarts)
         os.environ.pop(ERROR_DIR_ENV, None)
         os.environ.pop(HEALTH_DIR_ENV, None)
+        os.environ.pop(environment.RDZV_ROUND, None)
         shutil.rmtree(error_dir, ignore_errors=True)
 
 
@@ -368,6 +369,8 @@ def _unreachable(launch: LaunchSettings, e: BaseException) -> str:
 def _launch_config(launch: LaunchSettings, run_id: str, single_node: bool) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
+    from lmtune.parallel import rendezvous
+
     min_nodes, max_nodes = parse_nnodes(launch.nnodes)
     # The same bound as the process group's (LMTUNE_JOIN_TIMEOUT): the nodes' launchers meet first.
     # And for reaching node 0's store (torch's read_timeout, 60 s, bounds connecting too, and torch
@@ -383,7 +386,7 @@ def _launch_config(launch: LaunchSettings, run_id: str, single_node: bool) -> An
         max_nodes=max_nodes,
         nproc_per_node=launch.nproc_per_node,
         run_id=run_id,
-        rdzv_backend="c10d",
+        rdzv_backend=rendezvous.backend(),
         rdzv_endpoint="localhost:0" if single_node else str(launch.rdzv_endpoint),
         rdzv_configs=rdzv_configs,
         max_restarts=launch.max_restarts,

@@ -1,0 +1,86 @@
+"""The nodes' meeting under lmtune's launcher: torch's c10d rendezvous, which also tells the workers
+the round every node joined.
+
+A job's ranks meet in the store under a namespace per attempt, so that restarted workers never read
+an earlier attempt's keys. torch numbers attempts per node (``TORCHELASTIC_RESTART_COUNT`` counts
+the restarts that node's own workers caused), so after one node's worker fails the nodes would wait
+under different names until the join timeout. The rendezvous round is the same on every node."""
+
+from __future__ import annotations
+
+import os
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+
+from lmtune.config.environment import RDZV_ROUND
+
+BACKEND = "lmtune-c10d"
+
+
+def backend() -> str:
+    """The rendezvous backend name to give torch's launcher (registered once per process)."""
+    rendezvous_handler_registry.register(BACKEND, _create)
+    return BACKEND
+
+
+def _create(params: RendezvousParameters) -> RendezvousHandler:
+    c10d = RendezvousParameters(
+        "c10d",
+        params.endpoint,
+        params.run_id,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        **params.config,
+    )
+    return _TellsTheRound(rendezvous_handler_registry.create_handler(c10d))
+
+
+class _TellsTheRound(RendezvousHandler):
+    """torch's handler, with each round it joins written to this launcher's environment, which the
+    agent copies into the workers it starts next."""
+
+    def __init__(self, inner: RendezvousHandler) -> None:
+        self._inner = inner
+        self._joined = 0
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        info = self._inner.next_rendezvous()
+        self._joined += 1
+        os.environ[RDZV_ROUND] = str(_round(self._inner, self._joined))
+        return info
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()  # type: ignore[no-untyped-call]
+
+    def num_nodes_waiting(self) -> int:
+        return self._inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self._inner.shutdown()
+
+
+def _round(handler: RendezvousHandler, joined: int) -> int:
+    """The round torch's dynamic rendezvous shares between the nodes; where a torch keeps it
+    elsewhere, the rounds this node joined (the same on every node of a fixed-size job)."""
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    found = getattr(state, "round", None)
+    return found if isinstance(found, int) else joined - 1
