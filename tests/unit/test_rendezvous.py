@@ -3,8 +3,10 @@ meet in the store under the same namespace on every node, whichever node's proce
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -38,9 +40,12 @@ def _record(msg: str, *args: object) -> logging.LogRecord:
     return logging.LogRecord("torch", logging.INFO, __file__, 1, msg, args, None)
 
 
-def test_both_nodes_say_the_restart_the_one_whose_process_failed_and_the_other() -> None:
+def test_both_nodes_say_the_restart_the_one_whose_process_failed_and_the_other(tmp_path: Path) -> None:
     said: list[str] = []
-    failed_here, other = RestartNotes(False, said.append), RestartNotes(False, said.append)
+    failed_here, other = (
+        RestartNotes(False, said.append, tmp_path),
+        RestartNotes(False, said.append, tmp_path),
+    )
     failed_here.filter(_record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", -9, 0, 1, "x"))
     failed_here.filter(
         _record("[%s] Worker group %s. %s/%s attempts left; will restart worker group", "d", "FAILED", 1, 1)
@@ -54,3 +59,30 @@ def test_both_nodes_say_the_restart_the_one_whose_process_failed_and_the_other()
         "another node's process ended (or a node joined the job); every process starts again from the "
         "newest checkpoint",
     ]
+
+
+def test_a_rank_that_lost_its_peer_on_another_node_is_said_as_such_and_its_report_forgotten(
+    tmp_path: Path,
+) -> None:
+    """The rank failed (exit 1) because another node's had ended: its restart line says so, and its
+    report goes, so that a failure of the next attempt is not taken for another node's."""
+    said: list[str] = []
+    notes = RestartNotes(False, said.append, tmp_path)
+    report = {"message": "rank 0 lost its connection", "exit_code": 1, "lost": True}
+    (tmp_path / "rank-0.json").write_text(json.dumps(report))
+    notes.filter(_record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 1, 0, 1, "x"))
+    notes.filter(
+        _record("[%s] Worker group %s. %s/%s attempts left; will restart worker group", "d", "FAILED", 2, 2)
+    )
+    assert said == [
+        "local rank 0 of this node lost its connection to another rank (a rank or a node of the job "
+        "ended first); every process starts again from the newest checkpoint (--max-restarts: restart 1 of 2)"
+    ]
+    assert not (tmp_path / "rank-0.json").exists()
+    (tmp_path / "rank-0.json").write_text(json.dumps({**report, "lost": False, "message": "bad data"}))
+    notes.filter(_record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 1, 0, 1, "x"))
+    notes.filter(
+        _record("[%s] Worker group %s. %s/%s attempts left; will restart worker group", "d", "FAILED", 1, 2)
+    )
+    assert said[1].startswith("local rank 0 of this node failed with exit code 1; ")
+    assert (tmp_path / "rank-0.json").exists()  # its own message: the launcher says it if the job ends

@@ -152,30 +152,39 @@ class RestartNotes(logging.Filter):
     attempts left; will restart worker group" and, on a node whose own processes did not fail,
     "Detected %s new nodes from group_rank=%s; will restart worker group"."""
 
-    def __init__(self, single_node: bool, say: Callable[[str], None]):
+    def __init__(self, single_node: bool, say: Callable[[str], None], error_dir: Path):
         super().__init__()
-        self.single_node, self.say = single_node, say
-        self.cause = ""
+        self.single_node, self.say, self.error_dir = single_node, say, error_dir
+        self.who, self.exitcode = "", 0
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         if str(record.msg).startswith("failed (exitcode:") and len(args) >= 2:
-            rank = f"rank {args[1]}" if self.single_node else f"local rank {args[1]} of this node"
-            self.cause = f"{rank} {_ended(int(args[0]))}" if isinstance(args[0], int) else ""
+            self.who = f"rank {args[1]}" if self.single_node else f"local rank {args[1]} of this node"
+            self.exitcode = args[0] if isinstance(args[0], int) else 0
         elif "will restart worker group" in str(record.msg) and len(args) >= 4:
             left, most = (n if isinstance(n, int) else 0 for n in args[2:4])
-            cause = self.cause or "a process of the job ended"
             self.say(
-                f"{cause}; every process starts again from the newest checkpoint (--max-restarts: "
+                f"{self._cause()}; every process starts again from the newest checkpoint (--max-restarts: "
                 f"restart {most - left + 1} of {most})"
             )
-            self.cause = ""
+            self.who, self.exitcode = "", 0
         elif "new nodes from group_rank" in str(record.msg):  # another node's agent meets again
             self.say(
                 "another node's process ended (or a node joined the job); every process starts again "
                 "from the newest checkpoint"
             )
         return False
+
+    def _cause(self) -> str:
+        if not self.who or not self.exitcode:
+            return "a process of the job ended"
+        lost, own = lost_connections(self.error_dir), reported_errors(self.error_dir)
+        for rank in lost:  # said now: the next attempt's own failure must not read as another's
+            (self.error_dir / f"rank-{rank}.json").unlink(missing_ok=True)
+        if lost and not own and self.exitcode == 1:
+            return f"{self.who} lost its connection to another rank (a rank or a node of the job ended first)"
+        return f"{self.who} {_ended(self.exitcode)}"
 
 
 def _ended(exitcode: int) -> str:

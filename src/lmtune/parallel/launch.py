@@ -275,7 +275,7 @@ def _launch(
     previous_levels = [log.level for log in elastic_logs]
     for log in elastic_logs:
         log.setLevel(logging.CRITICAL)
-    restarts = RestartNotes(single_node, warn)
+    restarts = RestartNotes(single_node, warn, Path(error_dir))
     if cfg.launch.max_restarts > 0:  # the records of a restart reach RestartNotes, which prints none
         for log, level in zip(elastic_logs[1:], (logging.INFO, logging.ERROR), strict=True):
             log.setLevel(level)
