@@ -398,6 +398,26 @@ def test_a_worker_killed_before_two_nodes_meet_restarts_both_nodes_as_one_job(ba
     assert max_diff(base["two"], out) <= 1e-6
 
 
+def test_a_node_with_no_restarts_left_ends_the_job_and_the_other_node_says_so(base: dict[str, Path]) -> None:
+    """Each node's agent counts its own workers' failures: node 1 has none left (here it was given
+    none), so a kill there ends the job while node 0 meets again to restart it. Node 0 then ends with
+    a line naming the cause, not a RendezvousClosedError traceback."""
+    port = free_port()
+    out = base["root"] / "two-nodes-closed"
+    node = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "closed-test"]
+    restarts = {0: ["--max-restarts", "1"], 1: []}
+    nodes = [popen(args(base["data"], out, *node, "--node-rank", str(r), *restarts[r])) for r in (0, 1)]
+    while len(train_rows(out)) < 40:  # past the first checkpoint
+        for proc in nodes:
+            assert proc.poll() is None, finish(proc)[1]
+        time.sleep(0.05)
+    os.kill(child_pids(nodes[1].pid)[0], signal.SIGKILL)
+    (code1, said1), (code0, said0) = finish(nodes[1], timeout=120), finish(nodes[0], timeout=120)
+    assert code1 == 1 and "was killed by SIGKILL" in said1, said1
+    assert code0 == 1 and "Traceback" not in said0, said0
+    assert "another node ended the job while this node was starting it again" in said0, said0
+
+
 def test_a_signal_to_one_nodes_launcher_stops_every_node_with_a_checkpoint(base: dict[str, Path]) -> None:
     """One machine's launcher gets SIGTERM (preempted): every rank stops at the same step, saved, and
     the other node's launcher leaves at once with a line of its own, not after torch's exit

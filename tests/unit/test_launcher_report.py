@@ -30,6 +30,7 @@ def test_the_first_rank_to_end_is_named_with_its_signal(
         "lmtune: rank 1 was killed by SIGKILL",
         "lmtune: rank 2 failed with exit code 3",
         "lmtune: the launcher then stopped rank(s) 0",
+        f"lmtune: {failure_report.RESUMES}",
     ]
 
 
@@ -57,10 +58,11 @@ def test_a_rank_the_out_of_memory_killer_took_is_named_with_what_to_lower(
     )
     # SIGKILL with no such kill counted is said as before, and so is another way to end.
     assert failed(killed, tmp_path, hung=False) == 1
-    assert len(capsys.readouterr().err.splitlines()) == 2
+    assert capsys.readouterr().err.splitlines()[2] == f"lmtune: {failure_report.RESUMES}"
     crashed = SimpleNamespace(failures={0: _failure(-int(signal.SIGSEGV), 100)})
     assert failed(crashed, tmp_path, hung=False, memory_advice=advice) == 1
-    assert capsys.readouterr().err.splitlines() == ["lmtune: rank 0 was killed by SIGSEGV"]
+    resumes = f"lmtune: {failure_report.RESUMES}"
+    assert capsys.readouterr().err.splitlines() == ["lmtune: rank 0 was killed by SIGSEGV", resumes]
 
 
 def test_a_rank_that_lost_its_peer_names_the_peer_as_the_cause(
@@ -88,7 +90,8 @@ def test_a_rank_that_lost_its_peer_names_the_peer_as_the_cause(
     assert capsys.readouterr().err.splitlines() == [f"error: {said}"]
     here = SimpleNamespace(failures={0: _failure(1, 100), 1: _failure(-int(signal.SIGKILL), 100)})
     assert failed(here, tmp_path, hung=False) == 1
-    assert capsys.readouterr().err.splitlines() == ["lmtune: rank 1 was killed by SIGKILL"]
+    resumes = f"lmtune: {failure_report.RESUMES}"
+    assert capsys.readouterr().err.splitlines() == ["lmtune: rank 1 was killed by SIGKILL", resumes]
 
 
 def test_a_collective_that_timed_out_is_said_as_a_hang_not_a_traceback(

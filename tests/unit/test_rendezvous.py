@@ -86,3 +86,33 @@ def test_a_rank_that_lost_its_peer_on_another_node_is_said_as_such_and_its_repor
     )
     assert said[1].startswith("local rank 0 of this node failed with exit code 1; ")
     assert (tmp_path / "rank-0.json").exists()  # its own message: the launcher says it if the job ends
+
+
+def test_a_user_error_is_not_announced_as_a_restart(tmp_path: Path) -> None:
+    """The agent logs a restart before the launcher sees the worker's user error and ends the job:
+    no restart line (the job is not restarted; the error is said once, as the job ends)."""
+    said: list[str] = []
+    notes = RestartNotes(False, said.append, tmp_path)
+    report = {"message": "the nodes' settings differ", "exit_code": 2, "lost": False}
+    (tmp_path / "rank-0.json").write_text(json.dumps(report))
+    notes.filter(_record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 2, 0, 1, "x"))
+    notes.filter(
+        _record("[%s] Worker group %s. %s/%s attempts left; will restart worker group", "d", "FAILED", 1, 1)
+    )
+    assert said == []
+
+
+def test_under_torchrun_a_restart_that_did_not_meet_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmtune.parallel.distributed import _why_not_met
+
+    monkeypatch.delenv(RDZV_ROUND, raising=False)
+    plain = "check that every process was started and can reach it"
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    said = _why_not_met()
+    assert said.startswith(plain) and "torchrun counts restarts per node" in said
+    monkeypatch.setenv(RDZV_ROUND, "1")  # lmtune's launcher: the round is shared, no such cause
+    assert _why_not_met() == plain
+    monkeypatch.delenv(RDZV_ROUND)
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    assert _why_not_met() == plain

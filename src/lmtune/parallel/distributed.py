@@ -240,7 +240,7 @@ def process_group(env: DistEnv, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
             f"the job's {env.world_size} processes did not all meet at {address} within "
-            f"{join.total_seconds():.0f}s ({first}); check that every process was started and can reach it"
+            f"{join.total_seconds():.0f}s ({first}); {_why_not_met()}"
         ) from None
     store.set_timeout(timeout)
     dist.distributed_c10d._set_pg_timeout(timeout)
@@ -251,6 +251,18 @@ def process_group(env: DistEnv, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
         # it holds) while the process group still exists, not at interpreter exit.
         gc.collect()
         dist.destroy_process_group()
+
+
+def _why_not_met() -> str:
+    restarts, nodes = _env_int("TORCHELASTIC_MAX_RESTARTS", 0), _env_int("GROUP_WORLD_SIZE", 1)
+    if restarts > 0 and nodes > 1 and not os.environ.get(environment.RDZV_ROUND):  # torchrun's
+        return (
+            "check that every process was started and can reach it; or, where the job was restarting "
+            "(torchrun --max-restarts), one node's process failed alone: torchrun counts restarts per "
+            "node, so the nodes meet under different attempt numbers; launch with lmtune's own "
+            "--nnodes, --node-rank and --rdzv-endpoint, which restart the job on every node alike"
+        )
+    return "check that every process was started and can reach it"
 
 
 def _attempt_store(env: DistEnv, timeout: timedelta) -> Store:

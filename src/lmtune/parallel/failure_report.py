@@ -46,6 +46,12 @@ RESUMES = (
     "newest, or starts again where none was saved"
 )
 
+# A restart this node began, which another node's launcher ended by leaving the job.
+CLOSED_ELSEWHERE = (
+    "another node ended the job while this node was starting it again (that node's --max-restarts were "
+    f"used up, or it stopped), and its output says why; {RESUMES}"
+)
+
 # What gloo and NCCL say when the other end of a collective has gone (its process ended or was
 # killed, its node went down).
 _LOST = re.compile(
@@ -142,6 +148,7 @@ def failed(e: Any, error_dir: Path, hung: bool, memory_advice: str = "") -> int:
                 file=sys.stderr,
             )
             return USER_ERROR_EXIT_CODE  # as memory that runs out inside a rank
+        print(f"lmtune: {RESUMES}", file=sys.stderr)
     return 1
 
 
@@ -164,6 +171,8 @@ class RestartNotes(logging.Filter):
             self.exitcode = args[0] if isinstance(args[0], int) else 0
         elif "will restart worker group" in str(record.msg) and len(args) >= 4:
             left, most = (n if isinstance(n, int) else 0 for n in args[2:4])
+            if any(code == USER_ERROR_EXIT_CODE for _, code in reported_errors(self.error_dir)):
+                return False  # not restarted: the launcher ends the job (launch._stop_on_user_error)
             self.say(
                 f"{self._cause()}; every process starts again from the newest checkpoint (--max-restarts: "
                 f"restart {most - left + 1} of {most})"

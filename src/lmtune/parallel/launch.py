@@ -26,6 +26,7 @@ from lmtune.config.run_groups import CheckpointSettings, LaunchSettings
 from lmtune.config.settings import TrainConfig, micro_batch_size, parse_nnodes
 from lmtune.errors import USER_ERROR_EXIT_CODE, UserError
 from lmtune.parallel.failure_report import (
+    CLOSED_ELSEWHERE,
     RESUMES,
     RestartNotes,
     failed,
@@ -262,12 +263,14 @@ def _launch(
 ) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous import api as rdzv
     from torch.distributed.launcher.api import elastic_launch
+
+    from lmtune.parallel.rendezvous import launch_config
 
     error_dir = tempfile.mkdtemp(prefix="lmtune-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir
-    config = _launch_config(cfg.launch, run_id, single_node)
+    config = launch_config(cfg.launch, run_id, single_node)
     # The agent logs every stop of a worker; we report failures ourselves, once, below.
     # (The agent's own module logger has a level of its own, so it is quieted by name too.)
     names = (_ELASTIC_LOG, f"{_ELASTIC_LOG}.agent.server.api", f"{_ELASTIC_LOG}.multiprocessing.api")
@@ -295,14 +298,14 @@ def _launch(
         if line := _from_elsewhere(_outcome(Path(error_dir))):
             print(line, file=sys.stderr, flush=True)
         return 0
-    except RendezvousTimeoutError:
+    except rdzv.RendezvousTimeoutError:
         waited = f"{environment.join_timeout_s():.0f}s ({environment.JOIN_TIMEOUT})"
         raise UserError(
             f"the job's {cfg.launch.nnodes} nodes did not all meet at {cfg.launch.rdzv_endpoint} within "
             f"{waited}; check that every node was started with the same --rdzv-endpoint and --rdzv-id, "
             "and can reach it"
         ) from None
-    except RendezvousConnectionError as e:
+    except rdzv.RendezvousConnectionError as e:
         lost = lost_connections(Path(error_dir))
         if lost or read_beats(Path(error_dir)):
             # The job had started: node 0, which hosts the rendezvous, ended meanwhile.
@@ -310,6 +313,9 @@ def _launch(
             print(f"error: {said}", file=sys.stderr, flush=True)
             return 1
         raise UserError(_unreachable(cfg.launch, e)) from None
+    except rdzv.RendezvousClosedError:  # while this node met again for a restart
+        print(f"error: {CLOSED_ELSEWHERE}", file=sys.stderr, flush=True)
+        return 1
     except ChildFailedError as e:
         ended.set()
         hung = watchdog is not None and bool(watchdog[0].hangs)
@@ -363,34 +369,6 @@ def _unreachable(launch: LaunchSettings, e: BaseException) -> str:
         "start node 0 (--node-rank 0) with the same --rdzv-endpoint, and check that this machine can "
         "reach that address and port (a node 0 that was started stopped before the job began: its own "
         "output says why, as a refused --output-dir)"
-    )
-
-
-def _launch_config(launch: LaunchSettings, run_id: str, single_node: bool) -> Any:
-    from torch.distributed.launcher.api import LaunchConfig
-
-    from lmtune.parallel import rendezvous
-
-    min_nodes, max_nodes = parse_nnodes(launch.nnodes)
-    # The same bound as the process group's (LMTUNE_JOIN_TIMEOUT): the nodes' launchers meet first.
-    # And for reaching node 0's store (torch's read_timeout, 60 s, bounds connecting too, and torch
-    # tries twice): a node started before node 0 waits for it about as long as for the others.
-    wait = int(environment.join_timeout_s())
-    rdzv_configs: dict[str, object] = {"join_timeout": wait, "read_timeout": max(1, wait // 2)}
-    if launch.node_rank is not None:
-        # Every node may resolve the endpoint's host as its own (loopback tests, one-host setups):
-        # say which one hosts the store instead of leaving it to a race.
-        rdzv_configs["is_host"] = launch.node_rank == 0
-    return LaunchConfig(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        nproc_per_node=launch.nproc_per_node,
-        run_id=run_id,
-        rdzv_backend=rendezvous.backend(),
-        rdzv_endpoint="localhost:0" if single_node else str(launch.rdzv_endpoint),
-        rdzv_configs=rdzv_configs,
-        max_restarts=launch.max_restarts,
-        monitor_interval=0.1,
     )
 
 

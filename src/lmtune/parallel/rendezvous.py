@@ -16,10 +16,40 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     rendezvous_handler_registry,
 )
+from torch.distributed.launcher.api import LaunchConfig
 
+from lmtune.config import environment
 from lmtune.config.environment import RDZV_ROUND
+from lmtune.config.run_groups import LaunchSettings
+from lmtune.config.settings import parse_nnodes
 
 BACKEND = "lmtune-c10d"
+
+
+def launch_config(launch: LaunchSettings, run_id: str, single_node: bool) -> LaunchConfig:
+    """torch's launcher settings for this node: lmtune's rendezvous (:func:`backend`) at
+    ``--rdzv-endpoint``, or on a free local port for one node."""
+    min_nodes, max_nodes = parse_nnodes(launch.nnodes)
+    # The same bound as the process group's (LMTUNE_JOIN_TIMEOUT): the nodes' launchers meet first.
+    # And for reaching node 0's store (torch's read_timeout, 60 s, bounds connecting too, and torch
+    # tries twice): a node started before node 0 waits for it about as long as for the others.
+    wait = int(environment.join_timeout_s())
+    rdzv_configs: dict[str, object] = {"join_timeout": wait, "read_timeout": max(1, wait // 2)}
+    if launch.node_rank is not None:
+        # Every node may resolve the endpoint's host as its own (loopback tests, one-host setups):
+        # say which one hosts the store instead of leaving it to a race.
+        rdzv_configs["is_host"] = launch.node_rank == 0
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=launch.nproc_per_node,
+        run_id=run_id,
+        rdzv_backend=backend(),
+        rdzv_endpoint="localhost:0" if single_node else str(launch.rdzv_endpoint),
+        rdzv_configs=rdzv_configs,
+        max_restarts=launch.max_restarts,
+        monitor_interval=0.1,
+    )
 
 
 def backend() -> str:
