@@ -371,6 +371,14 @@ def test_two_nodes_on_loopback_match_one_node(base: dict[str, Path]) -> None:
     one_node = [r["loss"] for r in train_rows(base["two"])]
     assert [r["loss"] for r in train_rows(out)] == pytest.approx(one_node, abs=1e-6)
     assert max_diff(base["two"], out) <= 1e-6
+    # The same command again: nothing to do, said by rank 0's node; the other says it had nothing
+    # left either (it said nothing after "waiting for 2 nodes").
+    again = [popen(short(base["data"], out, *node, "--node-rank", str(r))) for r in (0, 1)]
+    node1 = finish(again[1], timeout=180)
+    results = [finish(again[0], timeout=420), node1]
+    assert [code for code, _ in results] == [0, 0], results
+    assert [elsewhere in output for _, output in results].count(True) == 1, results
+    assert [f"holds this run, finished at step {SHORT}" in output for _, output in results].count(True) == 1
 
 
 def test_a_worker_killed_before_two_nodes_meet_restarts_both_nodes_as_one_job(base: dict[str, Path]) -> None:

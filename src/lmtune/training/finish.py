@@ -19,6 +19,7 @@ from lmtune.config.settings import SAMPLE_DATA, to_dict
 from lmtune.model.modeling import merged_into_base
 from lmtune.outputs.hub import push_final
 from lmtune.parallel.distributed import barrier
+from lmtune.parallel.launch import report_outcome
 from lmtune.training.best import Best
 from lmtune.training.build import Built
 from lmtune.training.context import RunContext
@@ -109,6 +110,7 @@ class TrainResult:
 def finished_result(run: RunContext, step: int) -> TrainResult:
     """A finished run run again: said (:func:`say_finished`), and its result as run.json has it."""
     changed = say_finished(run, step)
+    report_outcome(step, stopped=False, env=run.env)  # a node without rank 0 says so too
     recorded: Any = earlier_record(run.output_dir).get("result")
     loss, evaluated = recorded_result(recorded)
     named = tuple(changed if run.given is not None else map(python_spelling, changed))
