@@ -19,7 +19,6 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.launcher.api import LaunchConfig
 
 from lmtune.config import environment
-from lmtune.config.environment import RDZV_ROUND
 from lmtune.config.run_groups import LaunchSettings
 from lmtune.config.settings import parse_nnodes
 
@@ -89,7 +88,7 @@ class _TellsTheRound(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         info = self._inner.next_rendezvous()
         self._joined += 1
-        os.environ[RDZV_ROUND] = str(_round(self._inner, self._joined))
+        os.environ[environment.RDZV_ROUND] = str(_round(self._inner, self._joined))
         return info
 
     def is_closed(self) -> bool:
