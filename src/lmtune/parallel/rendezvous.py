@@ -9,10 +9,10 @@ under different names until the join timeout. The rendezvous round is the same o
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
-    RendezvousInfo,
     RendezvousParameters,
     rendezvous_handler_registry,
 )
@@ -21,6 +21,9 @@ from torch.distributed.launcher.api import LaunchConfig
 from lmtune.config import environment
 from lmtune.config.run_groups import LaunchSettings
 from lmtune.config.settings import parse_nnodes
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousInfo
 
 BACKEND = "lmtune-c10d"
 
