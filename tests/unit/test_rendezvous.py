@@ -40,16 +40,25 @@ def _record(msg: str, *args: object) -> logging.LogRecord:
     return logging.LogRecord("torch", logging.INFO, __file__, 1, msg, args, None)
 
 
+def _failed(exitcode: int) -> logging.LogRecord:
+    """torch's record of local rank 0's end."""
+    return _record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", exitcode, 0, 1, "x")
+
+
+def _restarting(left: int, most: int) -> logging.LogRecord:
+    """torch's record of a restart its agent begins for this node's own failure."""
+    msg = "[%s] Worker group %s. %s/%s attempts left; will restart worker group"
+    return _record(msg, "d", "FAILED", left, most)
+
+
 def test_both_nodes_say_the_restart_the_one_whose_process_failed_and_the_other(tmp_path: Path) -> None:
     said: list[str] = []
     failed_here, other = (
         RestartNotes(False, said.append, tmp_path),
         RestartNotes(False, said.append, tmp_path),
     )
-    failed_here.filter(_record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", -9, 0, 1, "x"))
-    failed_here.filter(
-        _record("[%s] Worker group %s. %s/%s attempts left; will restart worker group", "d", "FAILED", 1, 1)
-    )
+    failed_here.filter(_failed(-9))
+    failed_here.filter(_restarting(1, 1))
     other.filter(
         _record("[%s] Detected %s new nodes from group_rank=%s; will restart worker group", "d", 1, 0)
     )
@@ -70,20 +79,16 @@ def test_a_rank_that_lost_its_peer_on_another_node_is_said_as_such_and_its_repor
     notes = RestartNotes(False, said.append, tmp_path)
     report = {"message": "rank 0 lost its connection", "exit_code": 1, "lost": True}
     (tmp_path / "rank-0.json").write_text(json.dumps(report))
-    notes.filter(_record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 1, 0, 1, "x"))
-    notes.filter(
-        _record("[%s] Worker group %s. %s/%s attempts left; will restart worker group", "d", "FAILED", 2, 2)
-    )
+    notes.filter(_failed(1))
+    notes.filter(_restarting(2, 2))
     assert said == [
         "local rank 0 of this node lost its connection to another rank (a rank or a node of the job "
         "ended first); every process starts again from the newest checkpoint (--max-restarts: restart 1 of 2)"
     ]
     assert not (tmp_path / "rank-0.json").exists()
     (tmp_path / "rank-0.json").write_text(json.dumps({**report, "lost": False, "message": "bad data"}))
-    notes.filter(_record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 1, 0, 1, "x"))
-    notes.filter(
-        _record("[%s] Worker group %s. %s/%s attempts left; will restart worker group", "d", "FAILED", 1, 2)
-    )
+    notes.filter(_failed(1))
+    notes.filter(_restarting(1, 2))
     assert said[1].startswith("local rank 0 of this node failed with exit code 1; ")
     assert (tmp_path / "rank-0.json").exists()  # its own message: the launcher says it if the job ends
 
@@ -95,10 +100,8 @@ def test_a_user_error_is_not_announced_as_a_restart(tmp_path: Path) -> None:
     notes = RestartNotes(False, said.append, tmp_path)
     report = {"message": "the nodes' settings differ", "exit_code": 2, "lost": False}
     (tmp_path / "rank-0.json").write_text(json.dumps(report))
-    notes.filter(_record("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 2, 0, 1, "x"))
-    notes.filter(
-        _record("[%s] Worker group %s. %s/%s attempts left; will restart worker group", "d", "FAILED", 1, 1)
-    )
+    notes.filter(_failed(2))
+    notes.filter(_restarting(1, 1))
     assert said == []
 
 

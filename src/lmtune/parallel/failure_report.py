@@ -171,10 +171,12 @@ class RestartNotes(logging.Filter):
             self.exitcode = args[0] if isinstance(args[0], int) else 0
         elif "will restart worker group" in str(record.msg) and len(args) >= 4:
             left, most = (n if isinstance(n, int) else 0 for n in args[2:4])
-            if any(code == USER_ERROR_EXIT_CODE for _, code in reported_errors(self.error_dir)):
+            own = reported_errors(self.error_dir)
+            if any(code == USER_ERROR_EXIT_CODE for _, code in own):
                 return False  # not restarted: the launcher ends the job (launch._stop_on_user_error)
+            cause = self._cause(own_reports=bool(own))
             self.say(
-                f"{self._cause()}; every process starts again from the newest checkpoint (--max-restarts: "
+                f"{cause}; every process starts again from the newest checkpoint (--max-restarts: "
                 f"restart {most - left + 1} of {most})"
             )
             self.who, self.exitcode = "", 0
@@ -185,13 +187,13 @@ class RestartNotes(logging.Filter):
             )
         return False
 
-    def _cause(self) -> str:
+    def _cause(self, own_reports: bool) -> str:
         if not self.who or not self.exitcode:
             return "a process of the job ended"
-        lost, own = lost_connections(self.error_dir), reported_errors(self.error_dir)
+        lost = lost_connections(self.error_dir)
         for rank in lost:  # said now: the next attempt's own failure must not read as another's
             (self.error_dir / f"rank-{rank}.json").unlink(missing_ok=True)
-        if lost and not own and self.exitcode == 1:
+        if lost and not own_reports and self.exitcode == 1:
             return f"{self.who} lost its connection to another rank (a rank or a node of the job ended first)"
         return f"{self.who} {_ended(self.exitcode)}"
 
