@@ -426,6 +426,30 @@ def test_a_node_with_no_restarts_left_ends_the_job_and_the_other_node_says_so(ba
     assert "another node ended the job while this node was starting it again" in said0, said0
 
 
+def test_a_launcher_stopped_before_the_ranks_met_ends_the_other_node_at_once(base: dict[str, Path]) -> None:
+    """Node 1's launcher gets SIGTERM while its rank starts, before the process group forms: node 0's
+    rank, waiting for it, ends in seconds with that node's line (it waited out the join timeout in
+    gloo's connect, then said the processes did not meet), and node 0 does not start the job again
+    under --max-restarts for a node that is gone."""
+    port = free_port()
+    out = base["root"] / "two-nodes-stopped-early"
+    node = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "early-stop-test"]
+    node += ["--max-restarts", "1"]
+    joined = {environment.JOIN_TIMEOUT: "300"}
+    nodes = [popen(short(base["data"], out, *node, "--node-rank", str(r)), **joined) for r in (0, 1)]
+    deadline = time.monotonic() + 60
+    while not any(b"lmtune" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in child_pids(nodes[1].pid)):
+        assert time.monotonic() < deadline and nodes[1].poll() is None, finish(nodes[1])[1]
+        time.sleep(0.05)
+    nodes[1].send_signal(signal.SIGTERM)  # seconds before its rank's imports end
+    (code1, said1), (code0, said0) = finish(nodes[1], timeout=60), finish(nodes[0], timeout=120)
+    assert code1 == 128 + signal.SIGTERM and "stopped by SIGTERM" in said1, said1
+    assert code0 == 2, said0
+    assert "node 1 was stopped by SIGTERM before the job's processes met; nothing was trained" in said0
+    assert "starts again from the newest checkpoint" not in said0 and "Traceback" not in said0, said0
+    assert not (out / "checkpoints").exists()
+
+
 def test_a_signal_to_one_nodes_launcher_stops_every_node_with_a_checkpoint(base: dict[str, Path]) -> None:
     """One machine's launcher gets SIGTERM (preempted): every rank stops at the same step, saved, and
     the other node's launcher leaves at once with a line of its own, not after torch's exit

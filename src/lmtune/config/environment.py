@@ -19,6 +19,8 @@ ERROR_DIR = "LMTUNE_ERROR_DIR"
 HEALTH_DIR = "LMTUNE_HEALTH_DIR"
 # Set by the launcher for its workers: the rendezvous round every node joined (parallel.rendezvous).
 RDZV_ROUND = "LMTUNE_RDZV_ROUND"
+# And the address of the store the workers of that round meet in (host:port).
+RDZV_STORE = "LMTUNE_RDZV_STORE"
 VERBOSE = "LMTUNE_VERBOSE"  # show other packages' warnings (lmtune.config.verbosity)
 # The CPU bf16 paths (lmtune.model.paths), each auto | fp32 | bf16: overrides the decided path.
 CPU_PRODUCTS = "LMTUNE_CPU_PRODUCTS"

@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
-from torch.distributed import DistError
+from torch.distributed import DistError, DistNetworkError
 
 from lmtune.config import environment
 from lmtune.errors import SettingError, StoppedBySignal, UserError
@@ -225,6 +225,7 @@ def process_group(env: DistEnv, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
     address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '29500')}"
     try:
         store = _attempt_store(env, join)
+        _all_arrived(store, env, join, address)
         # Bounded by the join too: a process that reached the store and stopped before the group
         # connected (SIGSTOP'd at start) held the others in gloo's connect for the collectives' 30
         # minutes, without a word.
@@ -265,6 +266,46 @@ def _why_not_met() -> str:
     return "check that every process was started and can reach it"
 
 
+# The ranks' meeting in their attempt's namespace: how many arrived, all did, a node's launcher ended.
+_ARRIVED, _MET, _ENDED = "arrived", "met", "ended"
+
+
+def _all_arrived(store: Store, env: DistEnv, join: timedelta, address: str) -> None:
+    """Wait in the store until every rank has reached it, before gloo connects them.
+
+    Inside gloo's connect a rank waits out the join timeout (300 s) for one that will never come;
+    here the wait ends as soon as a node's launcher that stopped before its ranks met says so
+    (:func:`say_round_ended`), or the store's host has gone."""
+    if store.add(_ARRIVED, 1) >= env.world_size:
+        store.set(_MET, "")
+    try:
+        store.wait([_MET], join)
+    except DistNetworkError:
+        raise UserError(
+            f"the job's store at {address} closed before its {env.world_size} processes met: the "
+            "launcher (or rank) that hosted it ended first, and its output says why"
+        ) from None
+    if store.check([_ENDED]):
+        raise UserError(store.get(_ENDED).decode())
+
+
+def say_round_ended(why: str) -> None:
+    """From a node's launcher ending before the job's ranks met (multi-node): tell the other nodes'
+    ranks, waiting in their store (:func:`_all_arrived`), ``why``, so they end now, not after the
+    join timeout. Nothing is said where this launcher's workers never had a store or it is gone."""
+    address, round_ = os.environ.get(environment.RDZV_STORE), os.environ.get(environment.RDZV_ROUND)
+    if not address or not round_:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        client = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=3))
+        store = _round_namespace(round_, client)
+        store.set(_ENDED, why)
+        store.set(_MET, "")
+    except (DistError, RuntimeError, ValueError):
+        pass  # its host ended: the ranks waiting there learn it from the closed connection
+
+
 def _attempt_store(env: DistEnv, timeout: timedelta) -> Store:
     """The rendezvous store, with its keys kept apart per restart of the job.
 
@@ -286,8 +327,12 @@ def _attempt_store(env: DistEnv, timeout: timedelta) -> Store:
         multi_tenant=True,
     )
     if round_ := os.environ.get(environment.RDZV_ROUND):
-        return PrefixStore(f"lmtune/round-{round_}", store)
+        return _round_namespace(round_, store)
     return PrefixStore(f"lmtune/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def _round_namespace(round_: str, store: Store) -> Store:
+    return PrefixStore(f"lmtune/round-{round_}", store)
 
 
 def set_collective_timeout(env: DistEnv, seconds: float) -> None:

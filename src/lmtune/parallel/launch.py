@@ -318,6 +318,7 @@ def _launch(
         return 1
     except ChildFailedError as e:
         ended.set()
+        _tell_other_nodes(cfg.launch, single_node, None)
         hung = watchdog is not None and bool(watchdog[0].hangs)
         if watchdog is not None and hung:  # its diagnosis, written as the workers failed: said first
             watchdog[1].join(timeout=30)
@@ -325,6 +326,7 @@ def _launch(
         return failed(e, Path(error_dir), hung, advice)
     except SignalException as e:
         ended.set()
+        _tell_other_nodes(cfg.launch, single_node, None if user_error.is_set() else e.sigval)
         return _signalled(e.sigval, Path(error_dir), user_error.is_set())
     finally:
         ended.set()
@@ -334,7 +336,26 @@ def _launch(
         os.environ.pop(ERROR_DIR_ENV, None)
         os.environ.pop(HEALTH_DIR_ENV, None)
         os.environ.pop(environment.RDZV_ROUND, None)
+        os.environ.pop(environment.RDZV_STORE, None)
         shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def _tell_other_nodes(launch: LaunchSettings, single_node: bool, sigval: signal.Signals | None) -> None:
+    """This node's launcher ends, stopped by ``sigval`` or its ranks having failed: where the job's
+    ranks have not met yet, the other nodes' ranks end now, with a line that says so, instead of
+    waiting out the join timeout for ranks that will not come."""
+    from lmtune.parallel.distributed import say_round_ended  # torch: not before the C++ logs are set
+
+    if single_node:
+        return
+    node = "a node of the job" if launch.node_rank is None else f"node {launch.node_rank}"
+    if sigval is None:
+        say_round_ended(f"{node}'s ranks failed before the job's processes met, and its output says why")
+    else:
+        say_round_ended(
+            f"{node} was stopped by {sigval.name} before the job's processes met; nothing was trained, "
+            "and the same command on every node starts the job again"
+        )
 
 
 def _memory_advice(cfg: TrainConfig) -> str:

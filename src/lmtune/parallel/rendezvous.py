@@ -74,8 +74,8 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
 
 
 class _TellsTheRound(RendezvousHandler):
-    """torch's handler, with each round it joins written to this launcher's environment, which the
-    agent copies into the workers it starts next."""
+    """torch's handler, with each round it joins (and its workers' store) written to this launcher's
+    environment, which the agent copies into the workers it starts next."""
 
     def __init__(self, inner: RendezvousHandler) -> None:
         self._inner = inner
@@ -92,6 +92,8 @@ class _TellsTheRound(RendezvousHandler):
         info = self._inner.next_rendezvous()
         self._joined += 1
         os.environ[environment.RDZV_ROUND] = str(_round(self._inner, self._joined))
+        if (where := info.bootstrap_store_info) is not None:
+            os.environ[environment.RDZV_STORE] = f"{where.master_addr}:{where.master_port}"
         return info
 
     def is_closed(self) -> bool:
