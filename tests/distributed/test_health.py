@@ -359,11 +359,12 @@ _JOINING = """
 import os, sys, time
 from datetime import timedelta
 from lmtune.errors import UserError
-from lmtune.parallel.distributed import _attempt_store, process_group, read_dist_env
+from lmtune.parallel.distributed import _all_arrived, _attempt_store, process_group, read_dist_env
 
 env = read_dist_env("cpu")
-if env.rank == 1:  # reaches the store, then stops before the group connects
+if env.rank == 1:  # meets the others in the store, then stops before the group connects
     store = _attempt_store(env, timedelta(seconds=30))
+    _all_arrived(store, env, timedelta(seconds=30), "here")
     time.sleep(120)
 try:
     with process_group(env):

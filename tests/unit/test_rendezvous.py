@@ -183,6 +183,13 @@ def test_a_launcher_ending_before_the_ranks_met_ends_the_others_wait_at_once(
     assert [str(e) for e in said] == ["node 1 was stopped by SIGTERM"]
 
 
+def test_the_ranks_that_never_came_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    server = _workers_store(monkeypatch)  # noqa: F841
+    join = timedelta(seconds=1)
+    with pytest.raises(RuntimeError, match=r"^rank 1 never joined$"):
+        _all_arrived(_attempt_store(_rank(0), join), _rank(0), join, "there")
+
+
 def test_the_store_closing_before_the_ranks_met_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
     server = _workers_store(monkeypatch)
     said: list[BaseException | None] = []

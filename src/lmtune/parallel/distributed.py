@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
-from torch.distributed import DistError, DistNetworkError
+from torch.distributed import DistError, DistNetworkError, DistStoreError
 
 from lmtune.config import environment
 from lmtune.errors import SettingError, StoppedBySignal, UserError
@@ -276,10 +276,17 @@ def _all_arrived(store: Store, env: DistEnv, join: timedelta, address: str) -> N
     Inside gloo's connect a rank waits out the join timeout (300 s) for one that will never come;
     here the wait ends as soon as a node's launcher that stopped before its ranks met says so
     (:func:`say_round_ended`), or the store's host has gone."""
+    store.set(f"{_ARRIVED}-{env.rank}", "")
     if store.add(_ARRIVED, 1) >= env.world_size:
         store.set(_MET, "")
     try:
         store.wait([_MET], join)
+    except DistStoreError:  # the join timeout: process_group says it, with the ranks that never came
+        if missing := [r for r in range(env.world_size) if not store.check([f"{_ARRIVED}-{r}"])]:
+            shown = ", ".join(map(str, missing[:8])) + (
+                f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            )
+            raise RuntimeError(f"rank{'s' * (len(missing) > 1)} {shown} never joined") from None
     except DistNetworkError:
         raise UserError(
             f"the job's store at {address} closed before its {env.world_size} processes met: the "
