@@ -433,9 +433,15 @@ _SYSTEM_PROBE = "lmtune0system0probe"
 
 
 def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:
-    """A conversation's last turn, and the conversation rendered up to the assistant's reply."""
+    """A conversation's last turn before the reply, and the conversation rendered up to the
+    assistant's reply. A conversation that ends in replies (a line of training data) is taken up to
+    them: the model writes its own, not a turn after the one it was given."""
     ensure_chat_template(tokenizer)
     messages = _turns(record, "messages", PLAIN_FIELDS)
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages:
+        raise UserError(f"{record.where}: the conversation has no turn before the assistant's reply")
     try:
         return messages[-1]["content"], chat_text(tokenizer, messages, generation_prompt=True)
     except UserError as e:

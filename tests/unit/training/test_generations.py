@@ -85,14 +85,23 @@ def test_prompt_files_are_read_strictly(tmp_path: Path) -> None:
     tok = load_model("tiny", 0).tokenizer
     good = tmp_path / "good.jsonl"
     conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
-    good.write_text(json.dumps("1+1=") + "\n\n" + json.dumps({"messages": conversation}) + "\n")
-    plain, chat = read_prompts(good, tok)
+    trained = [*conversation, {"role": "assistant", "content": "4"}]  # a line of training data
+    lines = [
+        json.dumps("1+1="),
+        "",
+        json.dumps({"messages": conversation}),
+        json.dumps({"messages": trained}),
+    ]
+    good.write_text("\n".join(lines) + "\n")
+    plain, chat, copied = read_prompts(good, tok)
     assert plain.shown == "1+1=" and plain.ids == tok("1+1=")["input_ids"]
     assert chat.shown == "2+2?" and tok.decode(chat.ids).endswith("<|assistant|>\n")
+    assert (copied.shown, copied.ids) == (chat.shown, chat.ids)  # up to the reply, which is left out
     cases = {
         "bad.jsonl": ('"a"\n{"prompt": 3}\n', "bad.jsonl:2: expected a string"),
         "json.jsonl": ("not json\n", "json.jsonl:1: not JSON"),
         "role.jsonl": ('{"messages": [{"role": "wizard", "content": "x"}]}\n', "role.jsonl:1: .*role"),
+        "reply.jsonl": ('{"messages": [{"role": "assistant", "content": "x"}]}\n', "no turn before"),
         "empty.jsonl": ("\n\n", "no prompts in it"),
         "many.jsonl": ('"a"\n' * 65, "at most 64"),
         "latin.jsonl": (b'"\xe9"\n', "not UTF-8"),
