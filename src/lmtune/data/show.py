@@ -80,6 +80,10 @@ def shown_records(
             f"note: --chat-template {settings.chat_template} applies to conversations (messages records), "
             f"and these records hold {', '.join(sorted(formats))}: training refuses it for such data"
         )
+    if not number and bad.count:  # every line is bad: the first is the one training would stop at
+        more = bad.count - 1
+        rest = f"; and {more} more bad line{'s' * (more != 1)} (lmtune data audit lists them)" if more else ""
+        raise UserError(f"lmtune data show: {spec} holds no record that can be read: {bad.messages[0]}{rest}")
     if not number:  # no --start reaches into an empty file: it was named when none was given
         raise UserError(f"lmtune data show: {spec} holds no records (empty)")
     if number < start:

@@ -112,6 +112,13 @@ def test_show_refuses_what_it_cannot_show(tmp_path: Path, capsys: pytest.Capture
     assert main(["data", "show", str(broken), "--start", "9"]) == 2
     said = capsys.readouterr()
     assert said.out == "" and "holds 3 records and 1 bad line after them (lmtune data audit" in said.err
+    # A file of nothing but bad lines (a pretty-printed JSON saved as .jsonl) is not called empty.
+    unreadable = tmp_path / "pretty.jsonl"
+    unreadable.write_text(json.dumps(ROWS[0], indent=2) + "\n")
+    assert main(["data", "show", str(unreadable)]) == 2
+    said = capsys.readouterr()
+    assert f"{unreadable} holds no record that can be read: {unreadable}:1: not valid JSON" in said.err
+    assert "more bad lines (lmtune data audit lists them)" in said.err and "(empty)" not in said.err
     assert main(["data", "show"]) == 2
     assert "name the DATA to show, or a --config file" in capsys.readouterr().err
 
