@@ -353,3 +353,7 @@ def test_a_template_that_ends_no_reply_with_a_stop_token_is_warned_of(
     # ... and the log says the tokenizer had none, which template is used, and how to choose another.
     assert "chat data: the tokenizer has no chat template, so lmtune's built-in one renders" in out
     assert "--chat-template chatml|llama3|gemma or a .jinja file chooses another" in out
+    # A model lmtune saved holds the built-in template as its own: trained again, it has one.
+    again = ["train", "--data", str(data), "--model", str(tmp_path / "o2" / "final"), "--max-steps", "1"]
+    assert main([*again, "--output-dir", str(tmp_path / "o3"), "--no-progress"]) == 0
+    assert "the tokenizer has no chat template" not in capsys.readouterr().out

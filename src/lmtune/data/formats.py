@@ -448,10 +448,11 @@ def chat_prompt(record: Record, tokenizer: Any) -> tuple[str, str]:
         raise UserError(f"{record.where}: {e}") from None
 
 
-def builtin_template_note(tokenizer: Any) -> str | None:
-    """What the log says where the tokenizer had no chat template and conversations are rendered
-    with the built-in one (:func:`ensure_chat_template`), or None."""
-    if getattr(tokenizer, "chat_template", None) != BUILTIN_CHAT_TEMPLATE:
+def builtin_template_note(tokenizer: Any, loaded_with: str | None) -> str | None:
+    """What the log says where the tokenizer had no chat template as loaded (``loaded_with``) and
+    conversations are rendered with the built-in one (:func:`ensure_chat_template`), or None. A
+    model lmtune saved has the built-in one as its own."""
+    if loaded_with or getattr(tokenizer, "chat_template", None) != BUILTIN_CHAT_TEMPLATE:
         return None
     from lmtune.data.chat import TEMPLATES
 

@@ -121,6 +121,7 @@ def build_parts(
     obstacle = mask_obstacle(loaded.model)
     check_model_layout(cfg, obstacle, objective.unit == "pairs", log.info)
     tokenizer = loaded.tokenizer
+    loaded_template = getattr(tokenizer, "chat_template", None)
     run.heartbeat.beat("data-prep")
     train_data, eval_data, data_info = prepare_data(cfg, tokenizer, env, log, run.stop.raise_if_requested)
     # The eval examples that are training's too: rank 0 says it, so the other ranks hash no tokens.
@@ -140,7 +141,7 @@ def build_parts(
         # The reply's end-of-turn token trains; saved models must also stop generating there.
         stops = set_stop_tokens(loaded.model, tokenizer, end_of_turn_ids(tokenizer))
         log.info(f"chat data: saved models stop at {tokenizer.convert_ids_to_tokens(stops)}")
-        if (note := builtin_template_note(tokenizer)) is not None:
+        if (note := builtin_template_note(tokenizer, loaded_template)) is not None:
             log.info(note)
     warn_of_lost_stops(data_info["train"], chat, objective.unit, cfg.examples, log.info)
     layout = batch_layout(cfg, env.world_size, len(train_data))
