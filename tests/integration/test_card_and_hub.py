@@ -137,6 +137,11 @@ def test_export_merge_lora_writes_what_train_merged(
     assert "rebuilds the base from the run that saved the checkpoint, and it is not in a run's folder" in said
     # The preset base is built by lmtune alone: peft's merge, which needs the base, is not offered.
     assert said.rstrip().endswith("; export it from its run's folder") and "peft" not in said
+    # The adapter alone, of a preset base that names no base model: the export says how to load it.
+    assert main(["export", str(last), str(tmp_path / "adapter")]) == 0
+    said = capsys.readouterr().out
+    assert "is a LoRA adapter of a built-in preset, which only lmtune builds" in said
+    assert f"`lmtune export {last} DIR --merge-lora` writes a model that loads anywhere" in said
 
 
 def test_an_adapter_of_a_preset_is_evaluated_on_the_base_its_run_built(

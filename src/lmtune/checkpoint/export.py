@@ -218,11 +218,11 @@ def export(
     trust_remote_code: bool = False,
     overwrite: bool = False,
     merge_lora: bool = False,
-) -> None:
+) -> str | None:
     """Write a Hugging Face model folder (config, safetensors, tokenizer) from a checkpoint; a LoRA
     checkpoint gives a PEFT adapter folder, or with ``merge_lora`` its base with the adapter
     merged in. ``out`` is written beside its name and renamed into place; it may be new, empty, or
-    (with ``overwrite``) an earlier export, nothing else."""
+    (with ``overwrite``) an earlier export, nothing else. Returns a note for the user, or None."""
     from transformers import AutoTokenizer
 
     if checkpoint.is_symlink():  # a link of the user's ("latest") is read where it points, as train reads it
@@ -254,7 +254,13 @@ def export(
             _write_card(checkpoint, tmp, out)
 
         write_export(out, write_adapter, checkpoint)
-        return
+        if read_json_object(checkpoint / ADAPTER_CONFIG).get("base_model_name_or_path"):
+            return None
+        return (
+            f"note: {out} is a LoRA adapter of a built-in preset, which only lmtune builds (from the "
+            "run's seed), so it names no base model and loads nowhere else; `lmtune export "
+            f"{checkpoint} DIR --merge-lora` writes a model that loads anywhere"
+        )
     model: Any = (
         loaded_or_named(
             checkpoint, f"its {ADAPTER_CONFIG}", lambda: _merged_checkpoint(checkpoint, trust_remote_code)
@@ -269,6 +275,7 @@ def export(
         _write_card(checkpoint, tmp, out)
 
     write_export(out, write_model, checkpoint)
+    return None
 
 
 def _checkpoint_model(checkpoint: Path, listed: dict[str, Any], trust_remote_code: bool) -> nn.Module:

@@ -16,8 +16,12 @@ def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for given, name in ((args.checkpoint, "CHECKPOINT"), (args.out, "DIR")):
         if not given.strip():  # Path("") is the working folder
             raise UserError(f"lmtune export: {name} is empty; give a folder")
-    export(Path(args.checkpoint), Path(args.out), args.trust_remote_code, args.overwrite, args.merge_lora)
+    note = export(
+        Path(args.checkpoint), Path(args.out), args.trust_remote_code, args.overwrite, args.merge_lora
+    )
     print(f"wrote {args.out}")
+    if note:
+        print(note)
     return 0
 
 
