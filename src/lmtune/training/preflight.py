@@ -158,7 +158,8 @@ def warn_unmatched_names(cfg: TrainConfig, info: Callable[[str], None]) -> None:
         return
     for ours, theirs in top.items():
         if theirs not in record.fields and ours in record.fields:
-            option = f"--text-field {theirs}" if ours == "text" else f"--field-map {ours}={theirs}"
+            by_text_field = ours == "text" and cfg.examples.text_field == theirs
+            option = f"--text-field {theirs}" if by_text_field else f"--field-map {ours}={theirs}"
             info(
                 f"warning: {option}: the first record of {first.name} has no {theirs!r} field, and its "
                 f"{ours!r} field is read as it is (a misspelled name?)"

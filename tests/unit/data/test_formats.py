@@ -322,6 +322,13 @@ def test_train_warns_when_a_mapped_name_is_absent_and_lmtunes_own_is_read(
     out = capsys.readouterr().out
     assert f"warning: --field-map prompt=question: the first record of {data} has no 'question' field" in out
     assert "completion=completion" not in out  # a name mapped to itself is no mistake
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(8)))
+    for given in (["--field-map", "text=body"], ["--text-field", "body"]):  # named as it was given
+        args = ["train", "--data", str(texts), "--max-steps", "1", "--global-batch-size", "8", *given]
+        assert main([*args, "--no-progress", "--output-dir", str(tmp_path / given[0])]) == 0
+        said = f"warning: {' '.join(given)}: the first record of {texts} has no 'body' field"
+        assert said in capsys.readouterr().out
 
 
 def test_tool_calls_are_refused_not_trained_as_an_empty_reply() -> None:
