@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 from typing import Any
 
 # torchtune's command-line overrides: batch_size=4, optimizer.lr=2e-5 (a dotted key names a field
@@ -64,11 +65,20 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str], parsed:
     if stray:
         # litgpt's `finetune checkpoints/x` takes the model as an argument; lmtune's train takes options.
         paths = "the model is --model PATH, the data --data FILE; " if parser.prog.endswith(" train") else ""
+        # Files after an option's value: most likely an unquoted glob that the shell expanded.
+        glob = "; quote a glob, as --data 'data/*.jsonl': lmtune expands it" if _all_files(stray) else ""
         problems.append(
             f"unexpected argument{'s' if len(stray) > 1 else ''} {' '.join(stray)} ({paths}an option takes "
-            "one value; give a list comma-separated, as --lora-target-modules q_proj,v_proj)"
+            f"one value; give a list comma-separated, as --lora-target-modules q_proj,v_proj{glob})"
         )
     return f"{parser.prog}: " + "; ".join(problems)
+
+
+def _all_files(arguments: list[str]) -> bool:
+    try:
+        return all(Path(a).is_file() for a in arguments)
+    except (OSError, ValueError):  # a name too long, or holding NUL
+        return False
 
 
 def _leaf(token: str) -> str:

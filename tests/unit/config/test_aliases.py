@@ -186,6 +186,20 @@ def test_unknown_options_are_explained_in_one_line(
     assert "usage:" not in err
 
 
+def test_a_glob_the_shell_expanded_is_answered_with_quoting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = [tmp_path / f"part-{i}.jsonl" for i in range(3)]
+    for f in files:
+        f.write_text('{"text": "a"}\n')
+    assert main(["train", "--data", *map(str, files)]) == 2
+    err = capsys.readouterr().err
+    assert f"unexpected arguments {files[1]} {files[2]} (" in err
+    assert "quote a glob, as --data 'data/*.jsonl': lmtune expands it)" in err
+    assert main(["train", "--data", str(files[0]), "foo"]) == 2  # not files: no word of a glob
+    assert "quote a glob" not in capsys.readouterr().err
+
+
 def test_peers_first_options_train_as_lmtunes() -> None:
     peer = ["--learning-rate", "1e-4", "--num-train-epochs", "2", "--per-device-train-batch-size", "4"]
     peer += ["--max_seq_length", "256", "--lora_r", "8", "--use-peft", "--output_dir", "out"]
