@@ -126,9 +126,10 @@ def typed_as(value: object, kind: type, optional: bool) -> bool:
     return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
 
 
-def unknown_answer(key: str, value: Any) -> str:
-    """Why TrainConfig does not take ``key``, in one line."""
-    from lmtune.config.aliases import explain_unknown
+def unknown_answer(key: str, value: Any, given: dict[str, Any] | None = None) -> str:
+    """Why TrainConfig does not take ``key``, in one line (``given``: the call's other settings,
+    which HF's gradient_accumulation_steps is answered with)."""
+    from lmtune.config.aliases import accumulation_here, explain_unknown
     from lmtune.config.settings import GROUPS, config_fields, is_unknown  # it reads this module
 
     names = [s.name for s in config_fields()]
@@ -144,4 +145,4 @@ def unknown_answer(key: str, value: Any) -> str:
     if key in GROUPS and "did you mean" in why:  # batch=5 (optim="adamw_8bit" is HF's name, answered)
         fields = ", ".join(s.field for s in config_fields() if s.group == key)
         why = f"{key!r} is a group of settings ({fields}): give them by name, or as a mapping"
-    return f"TrainConfig: {why}"
+    return f"TrainConfig: {why}{accumulation_here(key, value, given or {}, repr)}"

@@ -275,7 +275,8 @@ def _assembled(
 
     settings = peers_switched(settings, lambda _: "TrainConfig: ", str, "the call")
     # All at once: another tool's dump has several. One left None (unset) asks nothing, as in YAML.
-    if unknown := [unknown_answer(k, v) for k, v in settings.items() if is_unknown(k) and v is not None]:
+    unknown = [unknown_answer(k, v, settings) for k, v in settings.items() if is_unknown(k) and v is not None]
+    if unknown:
         raise UnknownSetting("\n".join(unknown))
 
     for key, value in settings.items():

@@ -231,6 +231,9 @@ def test_python_config_names_the_setting_it_meant() -> None:
         TrainConfig(lerning_rate=1e-4)
     with pytest.raises(TypeError, match="derives gradient accumulation"):
         TrainConfig(gradient_accumulation_steps=4)
+    # With the per-device batch beside it, the numbers to give (as the CLI and YAML answer them).
+    with pytest.raises(TypeError, match=r"on one device is 'global_batch_size': 8, 'micro_batch_size': 4,"):
+        TrainConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2)
     with pytest.raises(TypeError, match="'tokenizer': lmtune loads the tokenizer saved with the model"):
         TrainConfig(tokenizer="gpt2")  # was "did you mean 'tokenizer_type'?"
     # The value is answered as the CLI and YAML answer it (was the general list of optimizers).
