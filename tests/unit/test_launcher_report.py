@@ -138,3 +138,15 @@ def test_under_torchrun_a_node_without_rank_0_says_how_its_ranks_ended(
     assert "stopped by a signal with a checkpoint of step 8; run the same command again on every node" in (
         capsys.readouterr().err
     )
+
+
+def test_the_launcher_loads_torch_only_after_it_quiets_torchs_cpp_logs() -> None:
+    """The launcher sets TORCH_CPP_LOG_LEVEL before torch loads (torch reads it then): a module-level
+    import of torch in its modules printed c10d's C++ stack traces into a node's output."""
+    import subprocess
+    import sys
+
+    modules = "lmtune.cli, lmtune.parallel.launch, lmtune.parallel.failure_report"  # not rendezvous: torch's
+    probe = f"import sys, {modules}; print('torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "False", loaded.stdout + loaded.stderr
