@@ -426,27 +426,39 @@ def test_a_node_with_no_restarts_left_ends_the_job_and_the_other_node_says_so(ba
     assert "another node ended the job while this node was starting it again" in said0, said0
 
 
-def test_a_launcher_stopped_before_the_ranks_met_ends_the_other_node_at_once(base: dict[str, Path]) -> None:
-    """Node 1's launcher gets SIGTERM while its rank starts, before the process group forms: node 0's
-    rank, waiting for it, ends in seconds with that node's line (it waited out the join timeout in
-    gloo's connect, then said the processes did not meet), and node 0 does not start the job again
-    under --max-restarts for a node that is gone."""
+@pytest.mark.parametrize("signalled", [1, 0])
+def test_a_launcher_stopped_before_the_ranks_met_ends_the_other_node_at_once(
+    base: dict[str, Path], signalled: int
+) -> None:
+    """One node's launcher gets SIGTERM while its rank starts, before the process group forms. Node 1
+    signalled: node 0's rank, waiting for it, ends in seconds with that node's line (it waited out
+    the join timeout in gloo's connect, then said the processes did not meet), and node 0 does not
+    start the job again under --max-restarts for a node that is gone. Node 0 signalled (it hosts
+    the rendezvous): node 1 says it lost it (it said to start node 0, as if never started)."""
     port = free_port()
-    out = base["root"] / "two-nodes-stopped-early"
-    node = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "early-stop-test"]
+    out = base["root"] / f"two-nodes-stopped-early-{signalled}"
+    node = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"early-stop-{signalled}"]
     node += ["--max-restarts", "1"]
     joined = {environment.JOIN_TIMEOUT: "300"}
     nodes = [popen(short(base["data"], out, *node, "--node-rank", str(r)), **joined) for r in (0, 1)]
     deadline = time.monotonic() + 60
-    while not any(b"lmtune" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in child_pids(nodes[1].pid)):
-        assert time.monotonic() < deadline and nodes[1].poll() is None, finish(nodes[1])[1]
+    while not any(
+        b"lmtune" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in child_pids(nodes[signalled].pid)
+    ):
+        assert time.monotonic() < deadline and nodes[signalled].poll() is None, finish(nodes[signalled])[1]
         time.sleep(0.05)
-    nodes[1].send_signal(signal.SIGTERM)  # seconds before its rank's imports end
-    (code1, said1), (code0, said0) = finish(nodes[1], timeout=60), finish(nodes[0], timeout=120)
-    assert code1 == 128 + signal.SIGTERM and "stopped by SIGTERM" in said1, said1
-    assert code0 == 2, said0
-    assert "node 1 was stopped by SIGTERM before the job's processes met; nothing was trained" in said0
-    assert "starts again from the newest checkpoint" not in said0 and "Traceback" not in said0, said0
+    nodes[signalled].send_signal(signal.SIGTERM)  # seconds before its rank's imports end
+    code, said = finish(nodes[signalled], timeout=60)
+    assert code == 128 + signal.SIGTERM and "stopped by SIGTERM" in said, said
+    code, said = finish(nodes[1 - signalled], timeout=120)
+    if signalled == 1:
+        assert code == 2, said
+        assert "node 1 was stopped by SIGTERM before the job's processes met; nothing was trained" in said
+    else:
+        assert code == 1, said
+        lost = f"this node lost the job's rendezvous at 127.0.0.1:{port} after its ranks started: node 0"
+        assert lost in said
+    assert "starts again from the newest checkpoint" not in said and "Traceback" not in said, said
     assert not (out / "checkpoints").exists()
 
 

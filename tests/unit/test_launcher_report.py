@@ -140,6 +140,35 @@ def test_under_torchrun_a_node_without_rank_0_says_how_its_ranks_ended(
     )
 
 
+def test_workers_stopped_before_training_say_where_the_signal_may_have_come_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every rank stops on one rank's signal before training: a node of several that was not
+    signalled said the workers were stopped by SIGTERM, as if this node had been."""
+    stopped = SimpleNamespace(failures={0: _failure(128 + int(signal.SIGTERM), 100)})
+    assert failed(stopped, tmp_path, hung=False) == 143
+    assert (
+        capsys.readouterr().err.strip().endswith("stopped by SIGTERM before training began; nothing to save")
+    )
+    assert failed(stopped, tmp_path, hung=False, single_node=False) == 143
+    said = "stopped by SIGTERM (on this node or on another of the job) before training began"
+    assert said in capsys.readouterr().err
+
+
+def test_a_worker_whose_launcher_died_before_it_looked_ends_at_once() -> None:
+    """A worker took the process that adopted it (init, a subreaper) for its launcher where the
+    launcher died before the worker read its parent, and trained on alone (a SIGKILL at start)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "from lmtune.parallel.launch import die_with_launcher; die_with_launcher(); print('on')"
+    for launcher, code, said in ((os.getpid(), 0, "on"), (2**22 + 1, 1, "")):  # its parent, and a dead one
+        env = {**os.environ, "LMTUNE_LAUNCHER_PID": str(launcher)}
+        ran = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+        assert (ran.returncode, ran.stdout.strip()) == (code, said), ran.stderr
+
+
 def test_the_launcher_loads_torch_only_after_it_quiets_torchs_cpp_logs() -> None:
     """The launcher sets TORCH_CPP_LOG_LEVEL before torch loads (torch reads it then): a module-level
     import of torch in its modules printed c10d's C++ stack traces into a node's output."""

@@ -90,7 +90,7 @@ def collective_timed_out(e: BaseException, rank: int) -> str | None:
     )
 
 
-def failed(e: Any, error_dir: Path, hung: bool, memory_advice: str = "") -> int:
+def failed(e: Any, error_dir: Path, hung: bool, memory_advice: str = "", single_node: bool = True) -> int:
     """The exit code of a job whose worker failed, with what the workers reported, said once
     (``memory_advice``: the kernel's out-of-memory killer killed a process meanwhile, and this is
     what the run can lower)."""
@@ -117,8 +117,10 @@ def failed(e: Any, error_dir: Path, hung: bool, memory_advice: str = "") -> int:
     ended = {code for code in codes if code > 0}
     if ended and all(code - 128 in (signal.SIGTERM, signal.SIGINT) for code in ended):
         name = signal.Signals(max(ended) - 128).name
+        # Every rank stops on one rank's signal: on several nodes, this one may not have had it.
+        where = "" if single_node else " (on this node or on another of the job)"
         print(
-            f"lmtune: the workers were stopped by {name} before training began; nothing to save",
+            f"lmtune: the workers were stopped by {name}{where} before training began; nothing to save",
             file=sys.stderr,
         )
         return max(ended)

@@ -159,7 +159,10 @@ def _signalled(sigval: signal.Signals, error_dir: Path, user_error: bool) -> int
 def die_with_launcher() -> None:
     """A worker ends when the process that started it dies (a launcher killed by SIGKILL or the
     OOM killer), instead of training on under init and writing into a folder a rerun may use."""
-    parent = os.getppid()
+    # lmtune's launcher names itself: one that died before this process read its parent would be
+    # taken for the init (or subreaper) that adopted it, and this rank would train on alone.
+    given = os.environ.get(environment.LAUNCHER_PID, "")
+    parent = int(given) if given.isdigit() else os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         ok = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
@@ -293,6 +296,7 @@ def _launch(
     if not single_node:
         _meet_other_nodes(cfg.launch, Path(error_dir), ended, release)
     kills_before = oom_kills()
+    os.environ[environment.LAUNCHER_PID] = str(os.getpid())
     try:
         elastic_launch(config, sys.executable)("-m", "lmtune", *argv)
         if line := _from_elsewhere(_outcome(Path(error_dir))):
@@ -307,8 +311,8 @@ def _launch(
         ) from None
     except rdzv.RendezvousConnectionError as e:
         lost = lost_connections(Path(error_dir))
-        if lost or read_beats(Path(error_dir)):
-            # The job had started: node 0, which hosts the rendezvous, ended meanwhile.
+        if lost or read_beats(Path(error_dir)) or os.environ.get(environment.RDZV_ROUND):
+            # The nodes had met (the ranks started): node 0, which hosts the rendezvous, ended meanwhile.
             said = next(iter(lost.values()), None) or _rendezvous_lost(cfg.launch)
             print(f"error: {said}", file=sys.stderr, flush=True)
             return 1
@@ -323,7 +327,7 @@ def _launch(
         if watchdog is not None and hung:  # its diagnosis, written as the workers failed: said first
             watchdog[1].join(timeout=30)
         advice = _memory_advice(cfg) if out_of_memory_kills(kills_before) else ""
-        return failed(e, Path(error_dir), hung, advice)
+        return failed(e, Path(error_dir), hung, advice, single_node)
     except SignalException as e:
         ended.set()
         _tell_other_nodes(cfg.launch, single_node, None if user_error.is_set() else e.sigval)
@@ -337,6 +341,7 @@ def _launch(
         os.environ.pop(HEALTH_DIR_ENV, None)
         os.environ.pop(environment.RDZV_ROUND, None)
         os.environ.pop(environment.RDZV_STORE, None)
+        os.environ.pop(environment.LAUNCHER_PID, None)
         shutil.rmtree(error_dir, ignore_errors=True)
 
 
