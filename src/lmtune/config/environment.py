@@ -23,6 +23,7 @@ RDZV_ROUND = "LMTUNE_RDZV_ROUND"
 RDZV_STORE = "LMTUNE_RDZV_STORE"
 # And its own process id: a worker whose launcher died before it looked is not left training.
 LAUNCHER_PID = "LMTUNE_LAUNCHER_PID"
+SET_FOR_WORKERS = (RDZV_ROUND, RDZV_STORE, LAUNCHER_PID)
 VERBOSE = "LMTUNE_VERBOSE"  # show other packages' warnings (lmtune.config.verbosity)
 # The CPU bf16 paths (lmtune.model.paths), each auto | fp32 | bf16: overrides the decided path.
 CPU_PRODUCTS = "LMTUNE_CPU_PRODUCTS"

@@ -337,11 +337,9 @@ def _launch(
         for log, level in zip(elastic_logs, previous_levels, strict=True):
             log.setLevel(level)
             log.removeFilter(restarts)
-        os.environ.pop(ERROR_DIR_ENV, None)
-        os.environ.pop(HEALTH_DIR_ENV, None)
-        os.environ.pop(environment.RDZV_ROUND, None)
-        os.environ.pop(environment.RDZV_STORE, None)
-        os.environ.pop(environment.LAUNCHER_PID, None)
+        # What this launch set for its workers (the rendezvous handler the round and the store).
+        for name in (ERROR_DIR_ENV, HEALTH_DIR_ENV, *environment.SET_FOR_WORKERS):
+            os.environ.pop(name, None)
         shutil.rmtree(error_dir, ignore_errors=True)
 
 
