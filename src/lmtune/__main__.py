@@ -4,7 +4,7 @@ import os
 import sys
 
 from lmtune.cli import main, run
-from lmtune.parallel.launch import die_with_launcher
+from lmtune.parallel.launched import die_with_launcher
 
 if __name__ == "__main__":
     # A worker of a launched job (torchrun, lmtune's launcher, an elastic restart) never outlives it.

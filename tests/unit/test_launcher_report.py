@@ -162,8 +162,9 @@ def test_a_worker_whose_launcher_died_before_it_looked_ends_at_once() -> None:
     import subprocess
     import sys
 
-    probe = "from lmtune.parallel.launch import die_with_launcher; die_with_launcher(); print('on')"
-    for launcher, code, said in ((os.getpid(), 0, "on"), (2**22 + 1, 1, "")):  # its parent, and a dead one
+    probe = "from lmtune.parallel.launched import die_with_launcher; die_with_launcher(); print('on')"
+    # Its parent; a live process that is not (a name inherited from elsewhere); a dead one.
+    for launcher, code, said in ((os.getpid(), 0, "on"), (1, 0, "on"), (2**22 + 1, 1, "")):
         env = {**os.environ, "LMTUNE_LAUNCHER_PID": str(launcher)}
         ran = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
         assert (ran.returncode, ran.stdout.strip()) == (code, said), ran.stderr

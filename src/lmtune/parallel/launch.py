@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -133,7 +132,6 @@ OUTCOME_FILE = "outcome.json"
 # are gone, before leaving its exit barrier (below).
 _BARRIER_GRACE_S = 5.0
 _ELASTIC_LOG = "torch.distributed.elastic"
-_PR_SET_PDEATHSIG = 1
 
 
 def _signalled(sigval: signal.Signals, error_dir: Path, user_error: bool) -> int:
@@ -154,30 +152,6 @@ def _signalled(sigval: signal.Signals, error_dir: Path, user_error: bool) -> int
         return 0
     print(f"lmtune: stopped by {sigval.name}", file=sys.stderr)
     return 128 + int(sigval)
-
-
-def die_with_launcher() -> None:
-    """A worker ends when the process that started it dies (a launcher killed by SIGKILL or the
-    OOM killer), instead of training on under init and writing into a folder a rerun may use."""
-    # lmtune's launcher names itself: one that died before this process read its parent would be
-    # taken for the init (or subreaper) that adopted it, and this rank would train on alone.
-    given = os.environ.get(environment.LAUNCHER_PID, "")
-    parent = int(given) if given.isdigit() else os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        ok = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    except (OSError, AttributeError):  # not Linux: watch the parent instead
-        ok = False
-    if os.getppid() != parent:  # the launcher died before the request above took effect
-        os._exit(1)
-    if not ok:
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(1.0)
-            os._exit(1)
-
-        threading.Thread(target=watch, name="lmtune-parent-watch", daemon=True).start()
 
 
 def needs_launcher(launch: LaunchSettings) -> bool:

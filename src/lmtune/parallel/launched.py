@@ -1,13 +1,20 @@
 """Which launch a worker belongs to: torchrun's run id, and when the launch began (a restarted
-worker tells its launch's checkpoints from an earlier job's of the same id by it)."""
+worker tells its launch's checkpoints from an earlier job's of the same id by it); and a worker
+never outliving its launcher."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
+from lmtune.config import environment
+
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"  # torchrun's run id, in every worker's environment
+_PR_SET_PDEATHSIG = 1
 
 
 def run_id() -> str:
@@ -44,3 +51,37 @@ def _environ(pid: int) -> bytes:
         return b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
     except PermissionError:
         return b""
+
+
+def die_with_launcher() -> None:
+    """A worker ends when the process that started it dies (a launcher killed by SIGKILL or the
+    OOM killer), instead of training on under init and writing into a folder a rerun may use."""
+    parent = os.getppid()
+    # lmtune's launcher names itself: one that died before this process read its parent would be
+    # taken for the init (or subreaper) that adopted it, and this rank would train on alone. (A
+    # name inherited from elsewhere, of a live process, is not this worker's launcher: passed over.)
+    given = os.environ.get(environment.LAUNCHER_PID, "")
+    if given.isdigit() and int(given) != parent and _dead(int(given)):
+        os._exit(1)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ok = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux: watch the parent instead
+        ok = False
+    if os.getppid() != parent:  # the launcher died before the request above took effect
+        os._exit(1)
+    if not ok:
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="lmtune-parent-watch", daemon=True).start()
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return proc_stat(pid)[0] in ("Z", "X")  # a zombie: its parent has not read its end yet
+    except (OSError, IndexError):
+        return Path("/proc/self").is_dir()  # gone (where /proc tells)
