@@ -65,6 +65,15 @@ def _restarting(left: int, most: int) -> logging.LogRecord:
     return _record(msg, "d", "FAILED", left, most)
 
 
+def _restart_after_a_report(notes: RestartNotes, report: dict[str, object], left: int, most: int) -> None:
+    """Local rank 0 reported ``report`` and ended with its exit code; torch's agent restarts."""
+    (notes.error_dir / "rank-0.json").write_text(json.dumps(report))
+    exitcode = report["exit_code"]
+    assert isinstance(exitcode, int)
+    notes.filter(_failed(exitcode))
+    notes.filter(_restarting(left, most))
+
+
 def test_both_nodes_say_the_restart_the_one_whose_process_failed_and_the_other(tmp_path: Path) -> None:
     said: list[str] = []
     failed_here, other = (
@@ -92,17 +101,13 @@ def test_a_rank_that_lost_its_peer_on_another_node_is_said_as_such_and_its_repor
     said: list[str] = []
     notes = RestartNotes(False, said.append, tmp_path)
     report = {"message": "rank 0 lost its connection", "exit_code": 1, "lost": True}
-    (tmp_path / "rank-0.json").write_text(json.dumps(report))
-    notes.filter(_failed(1))
-    notes.filter(_restarting(2, 2))
+    _restart_after_a_report(notes, report, 2, 2)
     assert said == [
         "local rank 0 of this node lost its connection to another rank (a rank or a node of the job "
         "ended first); every process starts again from the newest checkpoint (--max-restarts: restart 1 of 2)"
     ]
     assert not (tmp_path / "rank-0.json").exists()
-    (tmp_path / "rank-0.json").write_text(json.dumps({**report, "lost": False, "message": "bad data"}))
-    notes.filter(_failed(1))
-    notes.filter(_restarting(1, 2))
+    _restart_after_a_report(notes, {**report, "lost": False, "message": "bad data"}, 1, 2)
     assert said[1].startswith("local rank 0 of this node failed with exit code 1; ")
     assert (tmp_path / "rank-0.json").exists()  # its own message: the launcher says it if the job ends
 
@@ -112,10 +117,9 @@ def test_a_user_error_is_not_announced_as_a_restart(tmp_path: Path) -> None:
     no restart line (the job is not restarted; the error is said once, as the job ends)."""
     said: list[str] = []
     notes = RestartNotes(False, said.append, tmp_path)
-    report = {"message": "the nodes' settings differ", "exit_code": 2, "lost": False}
-    (tmp_path / "rank-0.json").write_text(json.dumps(report))
-    notes.filter(_failed(2))
-    notes.filter(_restarting(1, 1))
+    _restart_after_a_report(
+        notes, {"message": "the nodes' settings differ", "exit_code": 2, "lost": False}, 1, 1
+    )
     assert said == []
 
 
